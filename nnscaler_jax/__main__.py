@@ -1,0 +1,3 @@
+from nnscaler_jax.cli import main
+
+raise SystemExit(main())

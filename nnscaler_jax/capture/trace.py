@@ -1,0 +1,107 @@
+"""``trace(module, *args, **kwargs) -> Graph``: capture a Flax module as an annotated graph."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import flax.linen as nn
+from flax import nnx
+
+from nnscaler_jax.capture.flax import Traceable, linen_traceable, nnx_traceable
+from nnscaler_jax.errors import PlanError
+from nnscaler_jax.ir.from_jaxpr import graph_from_jaxpr
+from nnscaler_jax.ir.graph import Graph
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Captured", "capture", "trace", "abstract_init"]
+
+
+@dataclass(frozen=True)
+class Captured:
+    """A traced program: the flat function, its jaxpr and its annotated graph."""
+
+    traceable: Traceable
+    jaxpr: jax.extend.core.ClosedJaxpr
+    graph: Graph
+    out_tree: Any
+
+
+def abstract_init(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """Variables of a linen module as ``ShapeDtypeStruct`` values (no allocation)."""
+    keys = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+    try:
+        return jax.eval_shape(lambda: module.init(keys, *args, **kwargs))
+    except Exception as e:  # noqa: BLE001 - re-raised with context a user can act on
+        raise PlanError(
+            f"{type(module).__name__}.init failed on the example args "
+            f"{jax.tree_util.tree_map(lambda x: (tuple(x.shape), str(x.dtype)), args)}: {e}"
+        ) from e
+
+
+def _warn_missing(missing: dict[str, set[str]]) -> None:
+    for prim, paths in sorted(missing.items()):
+        where = ", ".join(sorted(p or "<top>" for p in paths)[:5])
+        warnings.warn(
+            f"no annotation rule for primitive '{prim}' (at {where}); it is planned "
+            f"replicate-only. Register one with nnscaler_jax.register_rule('{prim}', "
+            "'a b, a b -> a b') or a function (params, in_avals, out_avals) -> str.",
+            stacklevel=3,
+        )
+
+
+def capture(module: Any, *args: Any, variables: Any = None, rngs: Any = None,
+            mutable: Any = None, method: Any = None, **kwargs: Any) -> Captured:
+    """Trace a linen or nnx module on example args (arrays or ``ShapeDtypeStruct``).
+
+    Args:
+        module: a ``flax.linen.Module`` or ``flax.nnx.Module`` instance.
+        *args, **kwargs: example arguments of the call.
+        variables: linen variables (default: ``module.init`` evaluated abstractly).
+        rngs: linen rng streams for ``apply`` (e.g. ``{'dropout': key}``).
+        mutable: linen mutable collections; default: every collection except ``params``.
+        method: linen method to call instead of ``__call__``.
+    """
+    if isinstance(module, nnx.Module):
+        tr = nnx_traceable(module, args, kwargs)
+    elif isinstance(module, nn.Module):
+        if variables is None:
+            variables = abstract_init(module, args, kwargs)
+        if mutable is None:
+            mutable = [c for c in variables if c != "params"] or False
+        tr = linen_traceable(module, args, kwargs, variables=variables, rngs=rngs,
+                             mutable=mutable, method=method)
+    else:
+        raise PlanError(
+            f"cannot trace a {type(module).__name__}: pass a flax.linen.Module or a "
+            "flax.nnx.Module instance (for a plain function, wrap it in a linen module)."
+        )
+    try:
+        jaxpr = jax.make_jaxpr(tr.fn)(*tr.flat_inputs)
+    except PlanError:
+        raise
+    except Exception as e:  # noqa: BLE001 - re-raised with context a user can act on
+        shapes = jax.tree_util.tree_map(lambda x: (tuple(x.shape), str(x.dtype)), args)
+        raise PlanError(f"tracing {type(module).__name__} on args {shapes} failed: "
+                        f"{type(e).__name__}: {e}") from e
+    graph, missing = graph_from_jaxpr(jaxpr, tr.infos, root=tr.root)
+    _warn_missing(missing)
+    return Captured(tr, jaxpr, graph, tr.out_tree())
+
+
+def trace(module: Any, *args: Any, **kwargs: Any) -> Graph:
+    """The annotated operator graph of ``module(*args, **kwargs)``.
+
+    Accepts the keyword options of :func:`capture` (``variables``, ``rngs``, ``mutable``,
+    ``method``); other keywords are passed to the module.
+
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> g = trace(nn.Dense(4), jax.ShapeDtypeStruct((2, 8), jnp.float32))
+    >>> [op.anno for op in g.ops if op.primitive == 'dot_general']
+    ['a b+, b+ c -> a c']
+    """
+    return capture(module, *args, **kwargs).graph

@@ -1,0 +1,324 @@
+"""The annotation language (nnScaler's dimops): one einsum-like string per operator.
+
+Grammar::
+
+    anno     := operands '->' operands
+    operands := operand (',' operand)*
+    operand  := '?' | '()' | axis+
+    axis     := dim | '(' dim dim+ ')'
+    dim      := (IDENT | NUMBER) ['+' | '^']
+
+- a plain identifier is a dimension that may be split (spatially: every operand holding it splits);
+- ``k+`` is a reduction dimension: splitting it leaves the outputs as partial sums (value split);
+- ``k^`` is frozen: never split;
+- ``(h d)`` groups identifiers into one tensor axis (reshapes); only the first may be split;
+- a number is a dimension of fixed size (never split);
+- ``?`` marks a non-tensor or replicate-only operand; ``()`` a rank-0 tensor.
+
+>>> a = parse_anno("b m k+, k+ n -> b m n")
+>>> str(a)
+'b m k+, k+ n -> b m n'
+>>> a.bind([(2, 3, 4), (4, 5)], [(2, 3, 5)])
+{'b': 2, 'm': 3, 'k': 4, 'n': 5}
+>>> sorted(a.splittable())
+['b', 'k', 'm', 'n']
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from nnscaler_jax.errors import PlanError
+
+__all__ = ["Anno", "AnnoSyntaxError", "Axis", "Dim", "DimKind", "Operand", "parse_anno"]
+
+
+class DimKind(enum.Enum):
+    """How a dimension may be split."""
+
+    SPATIAL = ""
+    REDUCE = "+"
+    FROZEN = "^"
+
+
+@dataclass(frozen=True, slots=True)
+class Dim:
+    """One named (or fixed-size) dimension."""
+
+    name: str
+    kind: DimKind = DimKind.SPATIAL
+
+    @property
+    def fixed(self) -> int | None:
+        return int(self.name) if self.name.isdigit() else None
+
+    def __str__(self) -> str:
+        return self.name + self.kind.value
+
+
+@dataclass(frozen=True, slots=True)
+class Axis:
+    """One tensor axis: a single dim or a group ``(h d)`` of dims (row-major)."""
+
+    dims: tuple[Dim, ...]
+
+    def __str__(self) -> str:
+        inner = " ".join(str(d) for d in self.dims)
+        return inner if len(self.dims) == 1 else f"({inner})"
+
+
+@dataclass(frozen=True, slots=True)
+class Operand:
+    """One operand: ``axes is None`` means ``?`` (replicate-only / non-tensor)."""
+
+    axes: tuple[Axis, ...] | None
+
+    @property
+    def replicate_only(self) -> bool:
+        return self.axes is None
+
+    def __str__(self) -> str:
+        if self.axes is None:
+            return "?"
+        if not self.axes:
+            return "()"
+        return " ".join(str(a) for a in self.axes)
+
+    def axis_of(self, name: str) -> int | None:
+        """Index of the tensor axis whose *first* dim is ``name`` (the splittable position)."""
+        for i, ax in enumerate(self.axes or ()):
+            if ax.dims[0].name == name:
+                return i
+        return None
+
+    def names(self) -> list[str]:
+        return [d.name for ax in self.axes or () for d in ax.dims]
+
+
+class AnnoSyntaxError(PlanError):
+    """An annotation string that does not parse; the message underlines the bad part."""
+
+
+def _syntax_error(text: str, pos: int, width: int, what: str) -> AnnoSyntaxError:
+    width = max(1, width)
+    return AnnoSyntaxError(
+        f"bad annotation: {what}\n  {text}\n  {' ' * pos}{'^' * width}\n"
+        "Write operands as space-separated dims, e.g. 'b m k+, k+ n -> b m n' "
+        "('+' reduction, '^' frozen, '(h d)' grouped, '?' replicate-only, '()' scalar)."
+    )
+
+
+_TOKEN = re.compile(r"\s*(?:(?P<name>[A-Za-z_][A-Za-z0-9_]*|\d+)(?P<suf>[+^]?)|(?P<p>->|[(),?]))")
+
+
+@dataclass(frozen=True, slots=True)
+class Anno:
+    """A parsed annotation: input and output operands."""
+
+    inputs: tuple[Operand, ...]
+    outputs: tuple[Operand, ...]
+
+    def __str__(self) -> str:
+        return f"{', '.join(map(str, self.inputs))} -> {', '.join(map(str, self.outputs))}"
+
+    @property
+    def operands(self) -> tuple[Operand, ...]:
+        return self.inputs + self.outputs
+
+    def kinds(self) -> dict[str, DimKind]:
+        """Every identifier (not fixed sizes) and its kind, in order of first appearance."""
+        out: dict[str, DimKind] = {}
+        for op in self.operands:
+            for ax in op.axes or ():
+                for d in ax.dims:
+                    if d.fixed is None:
+                        out.setdefault(d.name, d.kind)
+        return out
+
+    def splittable(self) -> list[str]:
+        """Identifiers that may be split: not frozen, and first in every group holding them."""
+        names = []
+        for name, kind in self.kinds().items():
+            if kind is DimKind.FROZEN:
+                continue
+            ok = all(
+                ax.dims[0].name == name
+                for op in self.operands
+                for ax in op.axes or ()
+                if name in [d.name for d in ax.dims]
+            )
+            if ok:
+                names.append(name)
+        return names
+
+    def bind(
+        self,
+        in_shapes: Sequence[Sequence[int] | None],
+        out_shapes: Sequence[Sequence[int] | None],
+    ) -> dict[str, int]:
+        """Check shapes against the annotation and return the size of every identifier.
+
+        Raises:
+            PlanError: operand count, rank or sizes inconsistent with the annotation.
+        """
+        if len(in_shapes) != len(self.inputs) or len(out_shapes) != len(self.outputs):
+            raise PlanError(
+                f"annotation '{self}' has {len(self.inputs)} inputs / {len(self.outputs)} outputs "
+                f"but the op has {len(in_shapes)} / {len(out_shapes)}"
+            )
+        sizes: dict[str, int] = {}
+        pending: list[tuple[Axis, int, str]] = []
+        pairs = [(op, s, f"input {i}") for i, (op, s) in enumerate(zip(self.inputs, in_shapes))]
+        pairs += [(op, s, f"output {i}") for i, (op, s) in enumerate(zip(self.outputs, out_shapes))]
+        for op, shape, where in pairs:
+            if op.axes is None or shape is None:
+                continue
+            if len(op.axes) != len(shape):
+                raise PlanError(
+                    f"annotation '{self}': {where} '{op}' has rank {len(op.axes)} "
+                    f"but the tensor has shape {tuple(shape)}"
+                )
+            for ax, size in zip(op.axes, shape):
+                pending.append((ax, int(size), where))
+        # Solve groups: repeat until no progress (single-unknown groups are determined).
+        progress = True
+        while progress:
+            progress = False
+            rest = []
+            for ax, size, where in pending:
+                unknown = [d for d in ax.dims if d.fixed is None and d.name not in sizes]
+                known = math.prod(d.fixed if d.fixed is not None else sizes[d.name]
+                                  for d in ax.dims if d not in unknown)
+                if len(unknown) == 0:
+                    if known != size:
+                        raise PlanError(
+                            f"annotation '{self}': {where} axis '{ax}' needs size {known} "
+                            f"but the tensor has {size}"
+                        )
+                elif len(unknown) == 1 and len({d.name for d in unknown}) == 1:
+                    if known == 0 or size % known:
+                        raise PlanError(
+                            f"annotation '{self}': {where} axis '{ax}' of size {size} is not a "
+                            f"multiple of {known}"
+                        )
+                    sizes[unknown[0].name] = size // known
+                    progress = True
+                else:
+                    rest.append((ax, size, where))
+            pending = rest
+        if pending:
+            ax, size, where = pending[0]
+            raise PlanError(f"annotation '{self}': cannot infer the dims of {where} axis '{ax}'")
+        return {name: sizes[name] for name in self.kinds() if name in sizes}
+
+
+def parse_anno(text: str) -> Anno:
+    """Parse an annotation string.
+
+    Raises:
+        AnnoSyntaxError: with the bad part of ``text`` underlined.
+    """
+    tokens: list[tuple[str, str, int, int]] = []  # (kind, value, pos, width)
+    pos = 0
+    while pos < len(text):
+        if text[pos:].strip() == "":
+            break
+        m = _TOKEN.match(text, pos)
+        if not m:
+            bad = len(text[pos:]) - len(text[pos:].lstrip())
+            raise _syntax_error(text, pos + bad, 1, f"unexpected character {text[pos + bad]!r}")
+        start = m.start("name") if m.group("name") else m.start("p")
+        if m.group("name"):
+            tokens.append(("dim", m.group("name") + m.group("suf"), start, m.end() - start))
+        else:
+            tokens.append((m.group("p"), m.group("p"), start, len(m.group("p"))))
+        pos = m.end()
+    arrows = [t for t in tokens if t[0] == "->"]
+    if len(arrows) != 1:
+        where = arrows[1] if arrows else ("", "", len(text), 1)
+        raise _syntax_error(text, where[2], where[3], "expected exactly one '->'")
+    split = tokens.index(arrows[0])
+    inputs = _parse_operands(text, tokens[:split], arrows[0][2])
+    outputs = _parse_operands(text, tokens[split + 1:], len(text))
+    anno = Anno(tuple(inputs), tuple(outputs))
+    _check_kinds(text, anno)
+    return anno
+
+
+def _parse_operands(text: str, toks: list[tuple[str, str, int, int]], end: int) -> list[Operand]:
+    operands: list[Operand] = []
+    groups: list[list[tuple[str, str, int, int]]] = [[]]
+    for t in toks:
+        if t[0] == ",":
+            groups.append([])
+        else:
+            groups[-1].append(t)
+    for g in groups:
+        if not g:
+            raise _syntax_error(text, min(end, len(text) - 1) if text else 0, 1,
+                                "empty operand (write '()' for a scalar)")
+        operands.append(_parse_operand(text, g))
+    return operands
+
+
+def _parse_operand(text: str, toks: list[tuple[str, str, int, int]]) -> Operand:
+    if toks[0][0] == "?":
+        if len(toks) != 1:
+            raise _syntax_error(text, toks[1][2], toks[1][3], "'?' stands alone in its operand")
+        return Operand(None)
+    if [t[0] for t in toks] == ["(", ")"]:
+        return Operand(())
+    axes: list[Axis] = []
+    i = 0
+    while i < len(toks):
+        kind, val, p, w = toks[i]
+        if kind == "dim":
+            axes.append(Axis((_dim(val),)))
+            i += 1
+        elif kind == "(":
+            j = i + 1
+            dims = []
+            while j < len(toks) and toks[j][0] == "dim":
+                dims.append(_dim(toks[j][1]))
+                j += 1
+            if j >= len(toks) or toks[j][0] != ")":
+                bad = toks[j] if j < len(toks) else toks[-1]
+                raise _syntax_error(text, bad[2], bad[3], "expected ')' closing the group")
+            if len(dims) < 2:
+                raise _syntax_error(text, p, toks[j][2] - p + 1,
+                                    "a group needs at least two dims, e.g. '(h d)'")
+            axes.append(Axis(tuple(dims)))
+            i = j + 1
+        else:
+            raise _syntax_error(text, p, w, f"unexpected {val!r}")
+    return Operand(tuple(axes))
+
+
+def _dim(token: str) -> Dim:
+    if token[-1] in "+^":
+        return Dim(token[:-1], DimKind(token[-1]))
+    return Dim(token)
+
+
+def _check_kinds(text: str, anno: Anno) -> None:
+    seen: dict[str, DimKind] = {}
+    for op in anno.operands:
+        for ax in op.axes or ():
+            for d in ax.dims:
+                if d.fixed is not None:
+                    if d.kind is not DimKind.SPATIAL:
+                        pos = text.find(str(d))
+                        raise _syntax_error(text, max(pos, 0), len(str(d)),
+                                            "a fixed-size dim takes no '+' or '^'")
+                    continue
+                if seen.setdefault(d.name, d.kind) is not d.kind:
+                    pos = text.find(str(d))
+                    raise _syntax_error(
+                        text, max(pos, 0), len(str(d)),
+                        f"dim '{d.name}' marked '{seen[d.name].value}' elsewhere: mark it the "
+                        "same in every operand",
+                    )

@@ -1,0 +1,221 @@
+"""The annotated operator graph: frozen values for tensors, operators and graphs.
+
+Tensors are edges, operators vertices. Every operator carries its dimension annotation
+(see :mod:`nnscaler_jax.ir.anno`); graphs nest for control-flow regions (``scan``, ``while``,
+``cond``), whose bodies are graphs of their own.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import networkx as nx
+import numpy as np
+
+from nnscaler_jax.ir.anno import Anno, parse_anno
+
+__all__ = ["Boundary", "Graph", "Op", "Role", "Tensor"]
+
+
+class Role(enum.Enum):
+    """Where a tensor comes from."""
+
+    VARIABLE = "variable"  # a model variable (params, batch_stats, ...)
+    INPUT = "input"  # an example argument
+    RNG = "rng"  # an rng key passed to apply
+    CONST = "const"  # a constant of the traced program (closed-over array or literal)
+    VALUE = "value"  # produced by an op
+
+
+@dataclass(frozen=True, slots=True)
+class Tensor:
+    """One edge of the graph.
+
+    Attributes:
+        id: unique within the graph and its regions.
+        shape: static shape.
+        dtype: numpy dtype name (``'float32'``, ``'key<fry>'``...).
+        role: where it comes from.
+        name: variable path (``'params/fc1/kernel'``), argument path (``'args[0]'``) or ``''``.
+        collection: the variable collection (``'params'``, ``'batch_stats'``) for variables.
+        value: the literal / constant value (not compared, not hashed).
+    """
+
+    id: int
+    shape: tuple[int, ...]
+    dtype: str
+    role: Role = Role.VALUE
+    name: str = ""
+    collection: str | None = None
+    value: Any = field(default=None, compare=False, hash=False, repr=False)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        try:
+            return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        except TypeError:  # extended dtypes (rng keys)
+            return int(np.prod(self.shape, dtype=np.int64)) * 8
+
+    def __str__(self) -> str:
+        dims = ",".join(map(str, self.shape))
+        return f"%{self.id}:{self.dtype}[{dims}]"
+
+
+@dataclass(frozen=True, slots=True)
+class Boundary:
+    """A call inlined for analysis whose boundary lowering must keep (remat, custom_jvp/vjp).
+
+    Attributes:
+        id: unique id; ops inside carry it in ``Op.boundary``.
+        kind: the call primitive (``'checkpoint'``, ``'custom_jvp_call'``, ``'custom_vjp_call'``).
+        inputs / outputs: the tensors the call consumes / produces in the enclosing graph.
+        eqn: the original jaxpr equation, bound as a whole when lowering custom derivatives.
+    """
+
+    id: int
+    kind: str
+    inputs: tuple[Tensor, ...]
+    outputs: tuple[Tensor, ...]
+    eqn: Any = field(compare=False, hash=False, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """One operator (vertex).
+
+    Attributes:
+        id: unique within the graph and its regions.
+        primitive: the jax primitive name (``'dot_general'``).
+        inputs / outputs: operand tensors.
+        anno: the annotation string (``'b m k+, k+ n -> b m n'``).
+        annotated: False when no rule applied and the op is planned replicate-only.
+        module_path: the Flax module path (``'blk0/attn/query'``), ``''`` at the top.
+        boundary: ids of enclosing inlined calls (``Graph.boundaries``), outermost first.
+        regions: bodies of control-flow ops (scan / while / cond branches) as graphs.
+        eqn: the jaxpr equation (primitive and params) used when lowering; not compared.
+    """
+
+    id: int
+    primitive: str
+    inputs: tuple[Tensor, ...]
+    outputs: tuple[Tensor, ...]
+    anno: str
+    annotated: bool = True
+    module_path: str = ""
+    boundary: tuple[int, ...] = ()
+    regions: tuple[Graph, ...] = ()
+    eqn: Any = field(default=None, compare=False, hash=False, repr=False)
+
+    @property
+    def annotation(self) -> Anno:
+        return parse_anno(self.anno)
+
+    @property
+    def params(self) -> Mapping[str, Any]:
+        return self.eqn.params if self.eqn is not None else {}
+
+    def __str__(self) -> str:
+        ins = ", ".join(map(str, self.inputs))
+        outs = ", ".join(map(str, self.outputs))
+        mark = "" if self.annotated else "  !unannotated"
+        where = f"  @{self.module_path}" if self.module_path else ""
+        return f"{outs} = {self.primitive}({ins})  [{self.anno}]{where}{mark}"
+
+
+@dataclass(frozen=True, slots=True)
+class Graph:
+    """An operator graph in topological order.
+
+    Attributes:
+        ops: operators in program order.
+        inputs: graph inputs (variables, example args, rng keys), flattened.
+        outputs: graph outputs, flattened.
+        boundaries: inlined calls by id.
+        meta: capture details used for lowering (trees, the ClosedJaxpr); not compared.
+    """
+
+    ops: tuple[Op, ...]
+    inputs: tuple[Tensor, ...]
+    outputs: tuple[Tensor, ...]
+    boundaries: tuple[Boundary, ...] = ()
+    consts: tuple[Tensor, ...] = ()
+    meta: Any = field(default=None, compare=False, hash=False, repr=False)
+
+    def walk(self) -> Iterator[Op]:
+        """All ops, including those inside regions (depth first, program order)."""
+        for op in self.ops:
+            yield op
+            for region in op.regions:
+                yield from region.walk()
+
+    @property
+    def variables(self) -> tuple[Tensor, ...]:
+        return tuple(t for t in self.inputs if t.role is Role.VARIABLE)
+
+    def op(self, key: int | str) -> Op:
+        """An op by id, or the first op whose ``module_path`` equals ``key``."""
+        for op in self.walk():
+            if op.id == key or op.module_path == key:
+                return op
+        from nnscaler_jax.errors import PlanError
+
+        raise PlanError(f"no op {key!r} in the graph; module paths: {sorted(self.module_paths)[:20]}")
+
+    @property
+    def module_paths(self) -> set[str]:
+        return {op.module_path for op in self.walk()}
+
+    def to_networkx(self) -> nx.MultiDiGraph:
+        """A view with op ids (and ``'in:<tensor id>'`` for inputs) as nodes, tensors on edges."""
+        g = nx.MultiDiGraph()
+        producer: dict[int, Any] = {}
+        for t in self.inputs + self.consts:
+            producer[t.id] = f"in:{t.id}"
+            g.add_node(f"in:{t.id}", tensor=t)
+        for op in self.ops:
+            g.add_node(op.id, op=op)
+            for t in op.inputs:
+                if t.id in producer:
+                    g.add_edge(producer[t.id], op.id, tensor=t)
+            for t in op.outputs:
+                producer[t.id] = op.id
+        return g
+
+    @cached_property
+    def consumers(self) -> Mapping[int, tuple[Op, ...]]:
+        """Tensor id -> the top-level ops that read it."""
+        out: dict[int, list[Op]] = {}
+        for op in self.ops:
+            for t in op.inputs:
+                out.setdefault(t.id, []).append(op)
+        return {k: tuple(v) for k, v in out.items()}
+
+    @cached_property
+    def producer(self) -> Mapping[int, Op]:
+        """Tensor id -> the top-level op that writes it."""
+        return {t.id: op for op in self.ops for t in op.outputs}
+
+    def __str__(self) -> str:
+        return _print_graph(self, "")
+
+
+def _print_graph(g: Graph, indent: str) -> str:
+    lines = []
+    for t in g.inputs:
+        label = f" {t.role.value}" + (f" {t.name}" if t.name else "")
+        lines.append(f"{indent}input {t}{label}")
+    for op in g.ops:
+        lines.append(f"{indent}{op}")
+        for i, region in enumerate(op.regions):
+            lines.append(f"{indent}  region {i}:")
+            lines.append(_print_graph(region, indent + "    "))
+    lines.append(f"{indent}output " + ", ".join(map(str, g.outputs)))
+    return "\n".join(lines)
