@@ -1,0 +1,262 @@
+"""The cheapest sequence of collectives turning one RVD layout into another.
+
+States are the :class:`~nnscaler_jax.layout.rvd.Layout` s of one tensor that are valid on the mesh;
+an edge changes the state of exactly one mesh axis ``a`` (``p`` devices) by one collective over
+``a`` (nnScaler's RVD transitions on one device set):
+
+==============  ===============  ==============================================================
+kind            transition       ``bytes`` (the ``n`` of :mod:`nnscaler_jax.cost.comm`)
+==============  ===============  ==============================================================
+all_gather      D(i) -> R        local bytes *after* the gather (p x before)
+all_to_all      D(i) -> D(j)     p x the local bytes (identical before and after)
+all_reduce      V -> R           local bytes (identical before and after)
+reduce_scatter  V -> D(i)        local bytes *before* the scatter (p x after)
+slice           R -> D(i)        0 — local, free
+value_chunk     R -> V           0 — local, free (one replica keeps the value, the others zeros)
+==============  ===============  ==============================================================
+
+"Local bytes" are the bytes of one device's block (``Layout.local_bytes``); partial sums keep the
+block's full shape. Ordering constraint: a dim split by several axes ``(a1, a2)`` holds blocks
+in ``a1``-major order, so only its minor-most axis can be gathered or moved by all-to-all, and a
+new split axis always becomes the minor-most one. To drop a major axis the search first removes
+the minor ones (it never re-orders axes inside a dim in place).
+
+The search is a Dijkstra shortest path (networkx) over the graph of all valid layouts; the graph is
+built once per (shape, itemsize, mesh) and every answer is memoised. Each edge weighs its time
+plus :data:`HOP_PENALTY_S`, so among equally fast paths the one with fewer steps wins (it also
+makes local steps cost "tiny" rather than 0); reported times exclude the penalty.
+
+>>> from nnscaler_jax.cost.comm import LinkCost, MeshSpec, all_reduce_time
+>>> link = LinkCost(1e-5, 1e-10)
+>>> mesh = MeshSpec(("model",), (4,), (link,))
+>>> path = comm_path(Layout.of(2, partial=("model",)), Layout.replicated(2), (1024, 1024), 4, mesh)
+>>> [s.kind for s in path.steps], path.time_s == all_reduce_time(link, 4, 4 * 1024 * 1024)
+(['all_reduce'], True)
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import networkx as nx
+
+from nnscaler_jax.cost.comm import CollectiveKind, MeshSpec, collective_time, wire_bytes
+from nnscaler_jax.errors import PlanError
+from nnscaler_jax.layout.rvd import Layout
+
+HOP_PENALTY_S = 1e-12
+"""Extra search weight per step (seconds): prefers fewer steps among equally fast paths."""
+
+
+@dataclass(frozen=True, slots=True)
+class Collective:
+    """One step of a :class:`CommPath`: a collective (or local op) over one mesh axis.
+
+    Attributes:
+        kind: the collective (``slice`` and ``value_chunk`` are local and free).
+        axis: the mesh axis it runs over.
+        bytes: the ``n`` of the cost formula (see the module docstring), per device.
+        time_s: its alpha-beta time.
+        src: the layout before the step.
+        dst: the layout after the step.
+        src_dim: tensor dim split by ``axis`` before the step (None unless it was ``D``).
+        dst_dim: tensor dim split by ``axis`` after the step (None unless it is ``D``).
+        wire_bytes: bytes each device sends (``(time_s - alpha) / beta``; 0 for local steps).
+    """
+
+    kind: CollectiveKind
+    axis: str
+    bytes: int
+    time_s: float
+    src: Layout
+    dst: Layout
+    src_dim: int | None = None
+    dst_dim: int | None = None
+    wire_bytes: float = 0.0
+
+    def __str__(self) -> str:
+        before = (
+            "V"
+            if self.kind in ("all_reduce", "reduce_scatter")
+            else ("R" if self.src_dim is None else f"D{self.src_dim}")
+        )
+        after = (
+            "V"
+            if self.kind == "value_chunk"
+            else ("R" if self.dst_dim is None else f"D{self.dst_dim}")
+        )
+        return (
+            f"{self.kind}[{self.axis}: {before}->{after}] {self.src} -> {self.dst} "
+            f"(n={self.bytes} B, {self.time_s * 1e6:.3f} us)"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CommPath:
+    """The cheapest collectives from one layout to another.
+
+    Attributes:
+        steps: the steps in order; ``steps[k].dst == steps[k + 1].src``. Empty if src == dst.
+        time_s: total time (sum of the steps' times).
+        bytes: sum of the steps' ``bytes`` (the cost-formula ``n``, per device).
+    """
+
+    steps: tuple[Collective, ...]
+    time_s: float
+    bytes: int
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes each device sends over the whole path."""
+        return sum(s.wire_bytes for s in self.steps)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The steps' kinds, in order."""
+        return tuple(s.kind for s in self.steps)
+
+    def __str__(self) -> str:
+        if not self.steps:
+            return "(no communication)"
+        return "\n".join(str(s) for s in self.steps) + f"\ntotal {self.time_s * 1e6:.3f} us"
+
+
+def _step(
+    kind: CollectiveKind,
+    axis: str,
+    src: Layout,
+    dst: Layout,
+    n: int,
+    mesh: MeshSpec,
+    src_dim: int | None,
+    dst_dim: int | None,
+) -> Collective:
+    p = mesh.size(axis)
+    return Collective(
+        kind=kind,
+        axis=axis,
+        bytes=n,
+        time_s=collective_time(kind, mesh.link(axis), p, n),
+        src=src,
+        dst=dst,
+        src_dim=src_dim,
+        dst_dim=dst_dim,
+        wire_bytes=wire_bytes(kind, p, n),
+    )
+
+
+def _divisible(layout: Layout, dim: int, shape: tuple[int, ...], mesh: MeshSpec) -> bool:
+    ways = 1
+    for a in layout.dims[dim]:
+        ways *= mesh.size(a)
+    return shape[dim] % ways == 0
+
+
+def _transitions(
+    src: Layout, shape: tuple[int, ...], itemsize: int, mesh: MeshSpec
+) -> Iterator[Collective]:
+    """Every single-axis step out of ``src`` that lands on a layout valid for ``shape``."""
+    local = src.local_bytes(shape, itemsize, mesh)
+    for axis in mesh.axis_names:
+        p = mesh.size(axis)
+        state = src.axis_state(axis)
+        if state[0] == "D":
+            i = state[1]
+            if src.dims[i][-1] != axis:
+                continue  # not minor-most: gathering it would interleave blocks (see docstring)
+            yield _step(
+                "all_gather", axis, src, src.replace_axis(axis, ("R",)), local * p, mesh, i, None
+            )
+            for j in range(src.ndim):
+                dst = src.replace_axis(axis, ("D", j))
+                if j != i and _divisible(dst, j, shape, mesh):
+                    yield _step("all_to_all", axis, src, dst, local * p, mesh, i, j)
+        elif state[0] == "V":
+            yield _step(
+                "all_reduce", axis, src, src.replace_axis(axis, ("R",)), local, mesh, None, None
+            )
+            for j in range(src.ndim):
+                dst = src.replace_axis(axis, ("D", j))
+                if _divisible(dst, j, shape, mesh):
+                    yield _step("reduce_scatter", axis, src, dst, local, mesh, None, j)
+        else:
+            for j in range(src.ndim):
+                dst = src.replace_axis(axis, ("D", j))
+                if _divisible(dst, j, shape, mesh):
+                    yield _step("slice", axis, src, dst, 0, mesh, None, j)
+            yield _step(
+                "value_chunk", axis, src, src.replace_axis(axis, ("V",)), 0, mesh, None, None
+            )
+
+
+@functools.lru_cache(maxsize=64)
+def _layout_graph(shape: tuple[int, ...], itemsize: int, mesh: MeshSpec) -> nx.DiGraph:
+    """All layouts valid for ``shape`` on ``mesh`` (all reachable from replicated), as a graph."""
+    graph = nx.DiGraph()
+    start = Layout.replicated(len(shape))
+    graph.add_node(start)
+    frontier = [start]
+    while frontier:
+        src = frontier.pop()
+        for step in _transitions(src, shape, itemsize, mesh):
+            if step.dst not in graph:
+                graph.add_node(step.dst)
+                frontier.append(step.dst)
+            graph.add_edge(src, step.dst, step=step, weight=step.time_s + HOP_PENALTY_S)
+    return graph
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_path(
+    src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int, mesh: MeshSpec
+) -> CommPath:
+    if src == dst:
+        return CommPath(steps=(), time_s=0.0, bytes=0)
+    graph = _layout_graph(shape, itemsize, mesh)
+    try:
+        nodes = nx.dijkstra_path(graph, src, dst, weight="weight")
+    except (nx.NetworkXNoPath, nx.NodeNotFound):
+        raise PlanError(
+            f"no sequence of collectives turns layout {src} into {dst} for tensor shape {shape} on "
+            f"mesh axes {mesh.axis_names} (sizes {mesh.axis_sizes}); this is a bug, please report"
+        ) from None
+    steps = tuple(graph.edges[u, v]["step"] for u, v in itertools.pairwise(nodes))
+    return CommPath(
+        steps=steps, time_s=sum(s.time_s for s in steps), bytes=sum(s.bytes for s in steps)
+    )
+
+
+def comm_path(
+    src: Layout, dst: Layout, shape: Sequence[int], itemsize: int, mesh: MeshSpec
+) -> CommPath:
+    """The cheapest collectives (alpha-beta time) turning layout ``src`` into ``dst``.
+
+    Args:
+        src: the producer's layout.
+        dst: the consumer's layout.
+        shape: the tensor's global shape.
+        itemsize: bytes per element.
+        mesh: the abstract mesh with one link cost per axis.
+
+    Returns:
+        The :class:`CommPath` (empty when ``src == dst``). Memoised.
+
+    Raises:
+        PlanError: a layout is invalid for ``shape`` / ``mesh``, or ``itemsize`` is not positive.
+    """
+    shape = tuple(int(s) for s in shape)
+    if int(itemsize) <= 0:
+        raise PlanError(f"comm_path: itemsize must be a positive number of bytes, got {itemsize}")
+    src.check(shape, mesh)
+    dst.check(shape, mesh)
+    return _cached_path(src, dst, shape, int(itemsize), mesh)
+
+
+def comm_time(
+    src: Layout, dst: Layout, shape: Sequence[int], itemsize: int, mesh: MeshSpec
+) -> float:
+    """Time in seconds of :func:`comm_path` ``(src, dst, shape, itemsize, mesh)``."""
+    return comm_path(src, dst, shape, itemsize, mesh).time_s

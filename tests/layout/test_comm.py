@@ -1,0 +1,272 @@
+"""Cheapest collective paths between RVD layouts: closed forms, properties, numpy simulation."""
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from nnscaler_jax.cost.comm import (
+    LinkCost,
+    MeshSpec,
+    all_gather_time,
+    all_reduce_time,
+    all_to_all_time,
+    reduce_scatter_time,
+)
+from nnscaler_jax.errors import PlanError
+from nnscaler_jax.layout import Layout, comm_path
+from nnscaler_jax.layout.comm import HOP_PENALTY_S, comm_time
+
+A, B = 1e-5, 1e-11
+LINK = LinkCost(A, B)
+MESH = MeshSpec(("data", "model"), (2, 4), (LINK, LINK))
+SHAPE = (1024, 1024)
+N = 4 * 1024 * 1024  # float32 (1024, 1024)
+R2 = Layout.replicated(2)
+
+
+def test_same_layout_is_empty():
+    lay = Layout.of(2, {0: "data"}, partial=("model",))
+    path = comm_path(lay, lay, SHAPE, 4, MESH)
+    assert path.steps == () and path.time_s == 0.0 and path.bytes == 0
+
+
+def test_all_reduce_one_axis_mesh():
+    mesh = MeshSpec(("model",), (4,), (LINK,))
+    path = comm_path(Layout.of(2, partial=("model",)), R2, SHAPE, 4, mesh)
+    assert path.kinds == ("all_reduce",)
+    assert path.steps[0].bytes == N
+    assert path.time_s == all_reduce_time(LINK, 4, N)
+    assert path.wire_bytes == pytest.approx(2 * 3 / 4 * N)
+
+
+def test_all_reduce_uses_idle_axis_when_cheaper():
+    # Hierarchical all-reduce: slice over the idle 'data' axis, all-reduce half the bytes, gather.
+    path = comm_path(Layout.of(2, partial=("model",)), R2, SHAPE, 4, MESH)
+    detour = all_reduce_time(LINK, 4, N // 2) + all_gather_time(LINK, 2, N)
+    assert detour < all_reduce_time(LINK, 4, N)
+    assert path.kinds == ("slice", "all_reduce", "all_gather")
+    assert path.time_s == pytest.approx(detour, rel=1e-12)
+    # With a latency-bound 'data' link the plain all-reduce wins.
+    slow = MeshSpec(("data", "model"), (2, 4), (LinkCost(1.0, B), LINK))
+    path = comm_path(Layout.of(2, partial=("model",)), R2, SHAPE, 4, slow)
+    assert path.kinds == ("all_reduce",) and path.time_s == all_reduce_time(LINK, 4, N)
+
+
+def test_all_gather_full_result_bytes():
+    path = comm_path(Layout.of(2, {0: "data"}), R2, SHAPE, 4, MESH)
+    assert path.kinds == ("all_gather",)
+    assert path.steps[0].bytes == N and path.steps[0].src_dim == 0
+    assert path.time_s == all_gather_time(LINK, 2, N)
+
+
+def test_two_partial_axes_bandwidth_bound():
+    # reduce-scatter on one axis, all-reduce the 1/p remainder on the other, gather back:
+    # 3a + b N (3/4 + 1/4 + 3/4) == 3a + b N (1/2 + 3/4 + 1/2) == 3a + 1.75 b N  <  2a + 2.5 b N.
+    path = comm_path(Layout.of(2, partial=("data", "model")), R2, SHAPE, 4, MESH)
+    expected = 3 * A + 1.75 * B * N
+    two_all_reduces = all_reduce_time(LINK, 2, N) + all_reduce_time(LINK, 4, N)
+    assert expected < two_all_reduces
+    assert path.time_s == pytest.approx(expected, rel=1e-12)
+    assert path.kinds == ("reduce_scatter", "all_reduce", "all_gather")
+    assert path.steps[0].axis == path.steps[2].axis != path.steps[1].axis
+
+
+def test_two_partial_axes_latency_bound():
+    slow = LinkCost(1e-3, 1e-15)
+    mesh = MeshSpec(("data", "model"), (2, 4), (slow, slow))
+    path = comm_path(Layout.of(2, partial=("data", "model")), R2, SHAPE, 4, mesh)
+    assert sorted(path.kinds) == ["all_reduce", "all_reduce"]
+    assert path.time_s == pytest.approx(
+        all_reduce_time(slow, 2, N) + all_reduce_time(slow, 4, N), rel=1e-12
+    )
+
+
+def test_dim_to_dim_is_one_all_to_all():
+    path = comm_path(Layout.of(2, {0: "data"}), Layout.of(2, {1: "data"}), SHAPE, 4, MESH)
+    assert path.kinds == ("all_to_all",)
+    step = path.steps[0]
+    assert (step.axis, step.src_dim, step.dst_dim, step.bytes) == ("data", 0, 1, N)
+    assert path.time_s == all_to_all_time(LINK, 2, N) == A + B * N / 4
+
+
+def test_reduce_scatter_and_free_local_steps():
+    mesh = MeshSpec(("model",), (4,), (LINK,))
+    path = comm_path(Layout.of(2, partial=("model",)), Layout.of(2, {1: "model"}), SHAPE, 4, mesh)
+    assert path.kinds == ("reduce_scatter",) and path.steps[0].bytes == N
+    assert path.time_s == reduce_scatter_time(LINK, 4, N)
+    # On the 2x4 mesh the idle 'data' axis halves the reduce-scatter: 2a + b N (3/8 + 1/8).
+    path = comm_path(Layout.of(2, partial=("model",)), Layout.of(2, {1: "model"}), SHAPE, 4, MESH)
+    assert path.kinds == ("slice", "reduce_scatter", "all_gather")
+    assert path.time_s == pytest.approx(2 * A + 0.5 * B * N, rel=1e-12)
+    assert comm_path(R2, Layout.of(2, {0: ("data", "model")}), SHAPE, 4, MESH).time_s == 0.0
+    assert comm_path(R2, Layout.of(2, partial=("data",)), SHAPE, 4, MESH).kinds == ("value_chunk",)
+
+
+def test_only_minor_axis_is_gathered():
+    src = Layout.of(2, {0: ("data", "model")})
+    path = comm_path(src, Layout.of(2, {0: "model"}), SHAPE, 4, MESH)
+    first = path.steps[0]
+    assert first.axis == "model"  # 'data' is major in dim 0: it cannot move first
+    _check_chain(path, src, Layout.of(2, {0: "model"}), SHAPE, 4, MESH)
+
+
+def test_errors_and_memo():
+    with pytest.raises(PlanError, match="not divisible"):
+        comm_path(Layout.of(2, {0: "model"}), R2, (6, 4), 4, MESH)
+    with pytest.raises(PlanError, match="not in the mesh"):
+        comm_path(Layout.of(2, {0: "pipe"}), R2, SHAPE, 4, MESH)
+    with pytest.raises(PlanError, match="itemsize"):
+        comm_path(R2, R2, SHAPE, 0, MESH)
+    a = comm_path(Layout.of(2, {0: "data"}), R2, [1024, 1024], 4, MESH)
+    assert a is comm_path(Layout.of(2, {0: "data"}), R2, SHAPE, 4, MESH)
+    assert comm_time(Layout.of(2, {0: "data"}), R2, SHAPE, 4, MESH) == a.time_s
+    assert "all_gather[data: D0->R]" in str(a)
+
+
+# ---- properties ------------------------------------------------------------------------------
+
+
+def _check_chain(path, src, dst, shape, itemsize, mesh):
+    """Steps chain src -> dst; each step is legal and its bytes follow the documented convention."""
+    cur = src
+    for s in path.steps:
+        assert s.src == cur and s.time_s >= 0
+        p = mesh.size(s.axis)
+        local = s.src.local_bytes(shape, itemsize, mesh)
+        if s.kind in ("all_gather", "all_to_all"):
+            assert s.src.dims[s.src_dim][-1] == s.axis
+        expected = {
+            "all_gather": local * p,
+            "all_to_all": local * p,
+            "all_reduce": local,
+            "reduce_scatter": local,
+            "slice": 0,
+            "value_chunk": 0,
+        }[s.kind]
+        assert s.bytes == expected
+        cur = s.dst
+    assert cur == dst
+    assert path.time_s == pytest.approx(sum(s.time_s for s in path.steps), rel=1e-12, abs=0)
+
+
+@st.composite
+def layouts(draw, ndim, axes=("data", "model")):
+    split: dict[int, list[str]] = {}
+    partial = []
+    for axis in axes:
+        state = draw(st.sampled_from(["R", "V"] + list(range(ndim))))
+        if state == "V":
+            partial.append(axis)
+        elif state != "R":
+            split.setdefault(state, []).append(axis)
+    split = {d: draw(st.permutations(v)) for d, v in split.items()}
+    return Layout.of(ndim, split, partial=partial)
+
+
+@st.composite
+def problems(draw):
+    ndim = draw(st.integers(1, 3))
+    shape = tuple(draw(st.sampled_from([2, 4, 8, 12])) for _ in range(ndim))
+    return shape, draw(layouts(ndim)), draw(layouts(ndim)), draw(layouts(ndim))
+
+
+PROP_MESH = MeshSpec(("data", "model"), (2, 4), (LinkCost(1e-5, 1e-9), LinkCost(3e-6, 2e-10)))
+
+
+def _valid(lay, shape):
+    try:
+        lay.check(shape, PROP_MESH)
+    except PlanError:
+        return False
+    return True
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@given(problems())
+def test_path_properties(problem):
+    shape, a, b, c = problem
+    assume(_valid(a, shape) and _valid(b, shape) and _valid(c, shape))
+    assert comm_path(a, a, shape, 4, PROP_MESH).steps == ()
+    ab = comm_path(a, b, shape, 4, PROP_MESH)
+    bc = comm_path(b, c, shape, 4, PROP_MESH)
+    ac = comm_path(a, c, shape, 4, PROP_MESH)
+    for path, (s, d) in [(ab, (a, b)), (bc, (b, c)), (ac, (a, c))]:
+        assert path.time_s >= 0 and path.bytes >= 0
+        _check_chain(path, s, d, shape, 4, PROP_MESH)
+    slack = HOP_PENALTY_S * (len(ab.steps) + len(bc.steps) + len(ac.steps))
+    assert ac.time_s <= ab.time_s + bc.time_s + slack
+    _simulate(ab, a, b, shape)
+
+
+# ---- numpy simulation of a path on the 2x4 mesh -------------------------------------------------
+
+COORDS = list(itertools.product(range(2), range(4)))
+
+
+def _block(x, lay, c):
+    """Device c's block of x under lay's D part."""
+    sizes = dict(zip(PROP_MESH.axis_names, PROP_MESH.axis_sizes, strict=True))
+    coord = dict(zip(PROP_MESH.axis_names, c, strict=True))
+    for i, axes in enumerate(lay.dims):
+        idx, ways = 0, 1
+        for ax in axes:
+            idx, ways = idx * sizes[ax] + coord[ax], ways * sizes[ax]
+        x = np.split(x, ways, axis=i)[idx]
+    return x
+
+
+def _peers(c, axis):
+    k = PROP_MESH.index(axis)
+    return [c[:k] + (j,) + c[k + 1 :] for j in range(PROP_MESH.axis_sizes[k])]
+
+
+def _materialise(x, lay, rng):
+    """Per-device arrays holding x under lay; partial sums split at random."""
+    blocks = {c: _block(x, lay, c).astype(np.float64) for c in COORDS}
+    for axis in lay.partial:
+        out = {}
+        for c in COORDS:
+            peers = _peers(c, axis)
+            if c == peers[0]:
+                parts = [rng.standard_normal(blocks[c].shape) for _ in peers[1:]]
+                parts = [blocks[c] - sum(parts)] + parts
+                out.update(zip(peers, parts, strict=True))
+        blocks = out
+    return blocks
+
+
+def _apply(step, blocks):
+    k, p = PROP_MESH.index(step.axis), PROP_MESH.size(step.axis)
+    out = {}
+    for c in COORDS:
+        group = [blocks[q] for q in _peers(c, step.axis)]
+        if step.kind == "all_gather":
+            out[c] = np.concatenate(group, axis=step.src_dim)
+        elif step.kind == "all_to_all":
+            whole = np.concatenate(group, axis=step.src_dim)
+            out[c] = np.split(whole, p, axis=step.dst_dim)[c[k]]
+        elif step.kind == "all_reduce":
+            out[c] = sum(group)
+        elif step.kind == "reduce_scatter":
+            out[c] = np.split(sum(group), p, axis=step.dst_dim)[c[k]]
+        elif step.kind == "slice":
+            out[c] = np.split(blocks[c], p, axis=step.dst_dim)[c[k]]
+        else:  # value_chunk
+            out[c] = blocks[c] if c[k] == 0 else np.zeros_like(blocks[c])
+    return out
+
+
+def _simulate(path, src, dst, shape):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(shape)
+    blocks = _materialise(x, src, rng)
+    for step in path.steps:
+        blocks = _apply(step, blocks)
+    for axis in dst.partial:  # sum the partial values to compare with the true blocks
+        blocks = {c: sum(blocks[q] for q in _peers(c, axis)) for c in COORDS}
+    reduced = Layout(dims=dst.dims)
+    for c in COORDS:
+        np.testing.assert_allclose(blocks[c], _block(x, reduced, c), rtol=1e-9, atol=1e-9)
