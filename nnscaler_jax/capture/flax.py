@@ -7,6 +7,7 @@ function of flat inputs, so the planned program and the single-device program ar
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,23 @@ from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.from_jaxpr import InputInfo
 from nnscaler_jax.ir.graph import Role
 
-__all__ = ["Traceable", "linen_traceable", "nnx_traceable", "path_str"]
+__all__ = ["Traceable", "linen_traceable", "nnx_traceable", "original_calls", "path_str"]
+
+_TRACING = threading.local()
+
+
+def original_calls() -> bool:
+    """True while a traceable runs the user's module (decorated classes call the original)."""
+    return getattr(_TRACING, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _original():
+    _TRACING.depth = getattr(_TRACING, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _TRACING.depth -= 1
 
 
 def path_str(path: Sequence[Any]) -> str:
@@ -90,7 +107,9 @@ def linen_traceable(module: nn.Module, args: Sequence[Any], kwargs: dict, *,
 
     def fn(*flat_in):
         v, r, a, kw = jax.tree_util.tree_unflatten(in_tree, flat_in)
-        out = module.apply(v, *a, rngs=r or None, mutable=mutable, method=method, **kw)
+        # nn.Module.apply itself, so a class decorated by auto_parallel runs its original code.
+        out = nn.Module.apply(module, v, *a, rngs=r or None, mutable=mutable, method=method,
+                              **kw)
         leaves, store["tree"] = jax.tree_util.tree_flatten(out)
         return leaves
 
@@ -158,7 +177,7 @@ def nnx_traceable(module: nnx.Module, args: Sequence[Any], kwargs: dict) -> Trac
     def fn(*flat_in):
         s, _, a, kw = jax.tree_util.tree_unflatten(in_tree, flat_in)
         m = nnx.merge(graphdef, s)
-        with _nnx_named_scopes(m):
+        with _nnx_named_scopes(m), _original():
             out = m(*a, **kw)
         _, new_state = nnx.split(m)
         leaves, store["tree"] = jax.tree_util.tree_flatten((out, new_state))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from nnscaler_jax.ir.anno import Anno, DimKind, parse_anno
 
-__all__ = ["DimClasses", "dim_classes", "compose_anno"]
+__all__ = ["DimClasses", "compose_anno", "dim_classes", "graph_dim_classes"]
 
 AxisKey = tuple[int, int]  # (tensor id, axis index)
 
@@ -69,7 +69,8 @@ def _op_positions(anno: Anno, tensors: Sequence) -> Iterable[tuple[str, DimKind,
                 yield d.name, d.kind, (t.id, i), j == 0 and len(ax.dims) == 1
 
 
-def dim_classes(ops: Iterable, extra_unions: Iterable[tuple[AxisKey, AxisKey]] = ()) -> DimClasses:
+def dim_classes(ops: Iterable, extra_unions: Iterable[tuple[AxisKey, AxisKey]] = (),
+                *, reduce_frozen: bool = True) -> DimClasses:
     """Union tensor axes that share an identifier in some op's annotation.
 
     Args:
@@ -93,7 +94,7 @@ def dim_classes(ops: Iterable, extra_unions: Iterable[tuple[AxisKey, AxisKey]] =
             if not single or kind is DimKind.FROZEN or name.isdigit():
                 frozen_keys.add(key)
                 continue
-            if kind is DimKind.REDUCE and name not in out_names:
+            if reduce_frozen and kind is DimKind.REDUCE and name not in out_names:
                 frozen_keys.add(key)  # splitting it inside a region would leave partial sums
             if name in by_name:
                 uf.union(by_name[name], key)
@@ -146,3 +147,18 @@ def compose_anno(
     ins = ", ".join(operand(a) for a in inputs)
     outs = ", ".join(operand(a) for a in outputs)
     return f"{ins} -> {outs}"
+
+
+def graph_dim_classes(graph, *, reduce_frozen: bool = False) -> DimClasses:
+    """Dim classes over a whole graph, region bodies tied to their ops' operands.
+
+    Args:
+        graph: the graph.
+        reduce_frozen: treat ``+`` dims absent from the outputs as frozen (True when composing
+            a region; False for policies, which may split reductions into partial sums).
+    """
+    from nnscaler_jax.ir.from_jaxpr import region_links
+
+    ops = list(graph.walk())
+    links = [pair for op in ops if op.regions for pair in region_links(op)]
+    return dim_classes(ops, links, reduce_frozen=reduce_frozen)

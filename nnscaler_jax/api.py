@@ -1,0 +1,307 @@
+"""``auto_parallel``: wrap a Flax module so it runs as one program over a device mesh.
+
+Orchestration only: capture (``capture/``), plan (``plan/``, ``primitives``), lower (``lower/``).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import flax.linen as nn
+import numpy as np
+from flax import nnx
+
+from nnscaler_jax.capture.flax import Traceable, linen_traceable, nnx_traceable, original_calls
+from nnscaler_jax.capture.trace import Captured, abstract_init
+from nnscaler_jax.constraints import Constraints
+from nnscaler_jax.errors import PlanError
+from nnscaler_jax.ir.from_jaxpr import graph_from_jaxpr
+from nnscaler_jax.lower.replay import Lowering
+from nnscaler_jax.lower.verify import compare_outputs
+from nnscaler_jax.plan.plan import Plan
+from nnscaler_jax.plan.policies import get_policy
+from nnscaler_jax.primitives import Draft
+
+__all__ = ["auto_parallel", "AutoParallel", "make_plan_for"]
+
+# Wrapper state that is not nnx state: keyed weakly by the wrapper / decorated instance.
+_CORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _abstract(x: Any) -> Any:
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x
+    return jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x))
+
+
+def _signature(flat: tuple[Any, ...], extra: Any) -> tuple:
+    return tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x)))) for x in flat) + (
+        extra,)
+
+
+def _mesh_axes(mesh: Any) -> dict[str, int]:
+    return dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
+
+
+def make_plan_for(graph: Any, mesh: Any, *, policy: Any = "auto", plan: Plan | None = None,
+                  constraints: Constraints | None = None) -> Plan:
+    """Run ``policy`` (or check ``plan``) for ``graph`` on ``mesh``."""
+    axes = _mesh_axes(mesh)
+    if plan is not None:
+        plan.check_graph(graph, axes)
+        return plan
+    constraints = constraints or Constraints()
+    constraints.check(graph, axes)
+    draft = Draft(graph, axes, zero=constraints.zero or 0)
+    fn = get_policy(policy if policy is not None else "auto")
+    draft.policy = policy if isinstance(policy, str) else getattr(fn, "__name__", "custom")
+    try:
+        result = fn(draft, mesh)
+    except PlanError:
+        raise
+    if isinstance(result, Draft):
+        result = result.finish()
+    if not isinstance(result, Plan):
+        raise PlanError(f"policy {draft.policy!r} returned {type(result).__name__}, not a Plan: "
+                        "end the policy with `return graph.finish()`")
+    result = constraints.apply_zero(result, graph, axes)
+    from nnscaler_jax.cost.estimate import estimate
+
+    return estimate(result, graph)
+
+
+@dataclass
+class _Program:
+    captured: Captured
+    plan: Plan
+    fn: Callable[..., Any]
+    in_shardings: tuple[Any, ...]
+
+
+@dataclass
+class AutoParallel:
+    """A module wrapped for a mesh. See ``auto_parallel``."""
+
+    module: Any
+    mesh: Any
+    constraints: Constraints | None = None
+    policy: Any = None
+    fixed_plan: Plan | None = None
+    verify: bool = False
+    _programs: dict[tuple, _Program] = field(default_factory=dict)
+    _last: _Program | None = None
+    _verified: bool = False
+
+    @property
+    def plan(self) -> Plan:
+        if self._last is None:
+            raise PlanError("no plan yet: call init/apply first, or make_plan(*args)")
+        return self._last.plan
+
+    # ---- planning -------------------------------------------------------------------------------
+
+    def _program(self, tr: Traceable, extra: Any) -> _Program:
+        key = _signature(tr.flat_inputs, extra)
+        prog = self._programs.get(key)
+        if prog is None:
+            abstract = [_abstract(x) for x in tr.flat_inputs]
+            try:
+                jaxpr = jax.make_jaxpr(tr.fn)(*abstract)
+            except PlanError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a user's bad input, with context
+                raise PlanError(f"{type(self.module).__name__}: tracing with inputs "
+                                f"{[(tuple(a.shape), str(a.dtype)) for a in abstract]} failed: "
+                                f"{type(e).__name__}: {e}") from e
+            graph, _ = graph_from_jaxpr(jaxpr, tr.infos, root=tr.root)
+            captured = Captured(tr, jaxpr, graph, tr.out_tree())
+            plan = make_plan_for(graph, self.mesh, policy=self.policy, plan=self.fixed_plan,
+                                 constraints=self.constraints)
+            lowering = Lowering(graph, plan, self.mesh)
+            shardings = lowering.input_shardings()
+            fn = jax.jit(lowering, in_shardings=shardings)
+            prog = _Program(captured, plan, fn, shardings)
+            self._programs[key] = prog
+        self._last = prog
+        return prog
+
+    def _run(self, tr: Traceable, extra: Any) -> Any:
+        prog = self._program(tr, extra)
+        flat = [self._place(x, s) for x, s in zip(tr.flat_inputs, prog.in_shardings,
+                                                   strict=True)]
+        out = prog.fn(*flat)
+        if self.verify and not self._verified:
+            ref = jax.jit(tr.fn)(*tr.flat_inputs)
+            compare_outputs(out, ref, where=f"{type(self.module).__name__} under "
+                            f"{prog.plan.policy}", mesh=_mesh_axes(self.mesh))
+            self._verified = True
+        return jax.tree_util.tree_unflatten(prog.captured.out_tree, out)
+
+    @staticmethod
+    def _place(x: Any, sharding: Any) -> Any:
+        if sharding is None or isinstance(x, jax.core.Tracer) or not hasattr(x, "shape"):
+            return x
+        if isinstance(x, jax.Array) and x.sharding == sharding:
+            return x
+        return jax.device_put(x, sharding)
+
+    # ---- linen --------------------------------------------------------------------------------
+
+    def _linen_traceable(self, variables, args, kwargs, rngs=None, mutable=False, method=None):
+        return linen_traceable(self.module, args, kwargs, variables=variables, rngs=rngs,
+                               mutable=mutable, method=method)
+
+    def make_plan(self, *args: Any, variables: Any = None, rngs: Any = None,
+                  mutable: Any = False, **kwargs: Any) -> Plan:
+        """Plan for ``apply(variables, *args)`` without running it (args may be abstract)."""
+        if isinstance(self.module, nnx.Module):
+            tr = nnx_traceable(self.module, args, kwargs)
+        else:
+            if variables is None:
+                variables = abstract_init(self.module, args, kwargs)
+            tr = self._linen_traceable(variables, args, kwargs, rngs, mutable)
+        return self._program(tr, ("apply", _hashable(mutable), _rng_names(rngs))).plan
+
+    def init(self, rngs: Any, *args: Any, **kwargs: Any) -> Any:
+        """``module.init`` with every leaf laid out over the mesh as the plan says."""
+        if not isinstance(rngs, dict):
+            rngs = {"params": rngs}
+        init_fn = functools.partial(nn.Module.init, self.module)
+        variables = jax.eval_shape(lambda r: init_fn(r, *args, **kwargs), rngs)
+        coll = [c for c in variables if c != "params"] or False
+        tr = self._linen_traceable(variables, args, kwargs, None, coll)
+        prog = self._program(tr, ("apply", _hashable(coll), ()))
+        var_shardings = prog.in_shardings[: len(jax.tree_util.tree_leaves(variables))]
+        out_shardings = jax.tree_util.tree_unflatten(
+            jax.tree_util.tree_structure(variables), list(var_shardings))
+        return jax.jit(lambda r: init_fn(r, *args, **kwargs), out_shardings=out_shardings)(rngs)
+
+    def apply(self, variables: Any, *args: Any, rngs: Any = None, mutable: Any = False,
+              method: Any = None, **kwargs: Any) -> Any:
+        """``module.apply`` computed as one program over the mesh."""
+        tr = self._linen_traceable(variables, args, kwargs, rngs, mutable, method)
+        return self._run(tr, ("apply", _hashable(mutable), _rng_names(rngs), method))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(self.module, nnx.Module):
+            raise PlanError("use the nnx wrapper (auto_parallel(mesh)(nnx_module)) to call it")
+        raise PlanError("a wrapped linen module is used through .init / .apply, like the module")
+
+
+def _hashable(x: Any) -> Any:
+    if isinstance(x, (list, tuple)):
+        return tuple(x)
+    return x
+
+
+def _rng_names(rngs: Any) -> tuple:
+    return tuple(sorted(rngs)) if isinstance(rngs, dict) else ()
+
+
+class NnxAutoParallel(nnx.Module):
+    """An nnx module whose calls run as one program over the mesh; its state is the wrapped
+    module's state (``pm.module``), laid out by the plan."""
+
+    def __init__(self, module: nnx.Module, mesh: Any, constraints=None, policy=None, plan=None,
+                 verify=False):
+        self.module = module
+        _CORES[self] = AutoParallel(module, mesh, constraints, policy, plan, verify)
+        self._laid_out = False
+
+    @property
+    def _core(self) -> AutoParallel:
+        return _CORES[self]
+
+    @property
+    def plan(self) -> Plan:
+        return self._core.plan
+
+    def make_plan(self, *args, **kwargs) -> Plan:
+        return self._core.make_plan(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        core = self._core
+        tr = nnx_traceable(self.module, args, kwargs)
+        prog = core._program(tr, ("call",))
+        if not self._laid_out:
+            _, state = nnx.split(self.module)
+            leaves = jax.tree_util.tree_leaves(state)
+            placed = [core._place(x, s) for x, s in zip(leaves, prog.in_shardings, strict=False)]
+            nnx.update(self.module, jax.tree_util.tree_unflatten(
+                jax.tree_util.tree_structure(state), placed))
+            self._laid_out = True
+            tr = nnx_traceable(self.module, args, kwargs)
+        out, new_state = core._run(tr, ("call",))
+        nnx.update(self.module, new_state)
+        return out
+
+
+def auto_parallel(mesh: Any, constraints: Constraints | None = None, *, policy: Any = None,
+                  plan: Plan | None = None, verify: bool = False) -> Callable[[Any], Any]:
+    """Wrap a Flax module (instance or class) to run as one program over ``mesh``.
+
+    Args:
+        mesh: a ``jax.sharding.Mesh`` (Explicit or Auto axis types).
+        constraints: ``Constraints`` narrowing the plan.
+        policy: a function ``policy(graph, mesh) -> Plan`` or ``"dp"``, ``"zero3"``,
+            ``"megatron"``, ``"auto"`` (default).
+        plan: a saved ``Plan`` to reuse.
+        verify: on the first call also run the single-device program and raise
+            ``PlanError`` if the results differ.
+
+    Returns:
+        ``wrap(module_or_class)``.
+    """
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise PlanError(f"auto_parallel needs a jax.sharding.Mesh, got {type(mesh).__name__}; "
+                        "make one with jax.make_mesh((2, 4), ('data', 'model'))")
+    if constraints is not None and not isinstance(constraints, Constraints):
+        raise PlanError(f"constraints must be a Constraints, got {type(constraints).__name__}")
+
+    def wrap(target: Any) -> Any:
+        if isinstance(target, type):
+            return _decorate_class(target, mesh, constraints, policy, plan, verify)
+        if isinstance(target, nnx.Module):
+            return NnxAutoParallel(target, mesh, constraints, policy, plan, verify)
+        if isinstance(target, nn.Module):
+            return AutoParallel(target, mesh, constraints, policy, plan, verify)
+        raise PlanError(f"auto_parallel wraps a flax.linen or flax.nnx Module (instance or "
+                        f"class), got {type(target).__name__}")
+
+    return wrap
+
+
+def _decorate_class(cls: type, mesh, constraints, policy, plan, verify) -> type:
+    if issubclass(cls, nnx.Module):
+        orig_call = cls.__call__
+
+        def __call__(self, *args, **kwargs):
+            if original_calls():
+                return orig_call(self, *args, **kwargs)
+            core = _CORES.get(self)
+            if core is None:
+                core = _CORES[self] = NnxAutoParallel(self, mesh, constraints, policy, plan,
+                                                      verify)
+            return core(*args, **kwargs)
+
+        return type(cls.__name__, (cls,), {"__call__": __call__,
+                                            "__module__": cls.__module__})
+    if issubclass(cls, nn.Module):
+        def _core(self):
+            return AutoParallel(self, mesh, constraints, policy, plan, verify)
+
+        def init(self, rngs, *args, **kwargs):
+            return _core(self).init(rngs, *args, **kwargs)
+
+        def apply(self, variables, *args, **kwargs):
+            return _core(self).apply(variables, *args, **kwargs)
+
+        return type(cls.__name__, (cls,), {"init": init, "apply": apply,
+                                            "__module__": cls.__module__})
+    raise PlanError(f"auto_parallel decorates flax.linen / flax.nnx Module classes, got {cls}")
+

@@ -1,0 +1,119 @@
+"""``Constraints``: what users fix or forbid; validated against the graph and mesh."""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from nnscaler_jax.errors import PlanError
+from nnscaler_jax.ir.graph import Graph
+
+__all__ = ["Constraints", "Rule"]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A per-op rule, selecting ops by module path glob and/or primitive.
+
+    Attributes:
+        module: glob over module paths (``'blk*/mlp/*'``), None for any.
+        primitive: primitive name, None for any.
+        dims: the op may be split only along these annotated dims.
+        axes: ... and only over these mesh axes.
+        replicate: the op is not split at all.
+        recompute: activations of these ops are recomputed in the backward pass.
+    """
+
+    module: str | None = None
+    primitive: str | None = None
+    dims: tuple[str, ...] | None = None
+    axes: tuple[str, ...] | None = None
+    replicate: bool = False
+    recompute: bool = False
+
+    def matches(self, op) -> bool:
+        if self.primitive is not None and op.primitive != self.primitive:
+            return False
+        return self.module is None or fnmatch.fnmatchcase(op.module_path, self.module)
+
+    def __str__(self) -> str:
+        parts = [f"{k}={v!r}" for k, v in vars(self).items() if v not in (None, False)]
+        return f"Rule({', '.join(parts)})"
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """What a plan must satisfy. All fields optional (see the contract)."""
+
+    max_memory_per_device: int | None = None
+    pipeline_stages: int | Literal["auto"] | None = None
+    microbatches: int | None = None
+    schedule: Literal["1f1b", "gpipe", "interleaved"] | None = None
+    zero: int | None = None
+    rules: tuple[Rule, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rules", tuple(self.rules))
+        if self.zero is not None and self.zero not in (0, 1, 2, 3):
+            raise PlanError(f"Constraints(zero={self.zero!r}): ZeRO stage is 0, 1, 2 or 3")
+        if self.schedule not in (None, "1f1b", "gpipe", "interleaved"):
+            raise PlanError(f"Constraints(schedule={self.schedule!r}): use '1f1b', 'gpipe' or "
+                            "'interleaved'")
+        if self.max_memory_per_device is not None and self.max_memory_per_device <= 0:
+            raise PlanError("Constraints(max_memory_per_device=...) must be a positive byte count")
+        for r in self.rules:
+            if not isinstance(r, Rule):
+                raise PlanError(f"Constraints(rules=...) takes Rule values, got {r!r}")
+
+    def check(self, graph: Graph, mesh_axes: dict[str, int]) -> None:
+        """Raise ``PlanError`` for a rule or field that cannot be met on this graph and mesh."""
+        if self.pipeline_stages not in (None, 1):
+            raise PlanError(
+                f"Constraints(pipeline_stages={self.pipeline_stages!r}): pipeline parallelism is "
+                "not implemented yet (see README limitations); use pipeline_stages=None")
+        for r in self.rules:
+            for a in r.axes or ():
+                if a not in mesh_axes:
+                    raise PlanError(f"{r}: mesh axis '{a}' is not in the mesh {mesh_axes}")
+            ops = [op for op in graph.walk() if r.matches(op)]
+            if not ops:
+                raise PlanError(f"{r} matches no op; module paths include "
+                                f"{sorted(graph.module_paths)[:12]}")
+            if r.dims:
+                for op in ops:
+                    missing = set(r.dims) - set(op.annotation.kinds())
+                    if missing == set(r.dims):
+                        raise PlanError(
+                            f"{r}: op '{op.primitive}' at '{op.module_path}' (annotation "
+                            f"'{op.anno}', shapes {[t.shape for t in op.inputs]}) has none of the "
+                            f"dims {list(r.dims)}")
+        for i, a in enumerate(self.rules):
+            for b in self.rules[i + 1:]:
+                both = [op for op in graph.walk() if a.matches(op) and b.matches(op)]
+                if both and ((a.replicate and (b.dims or b.axes)) or
+                             (b.replicate and (a.dims or a.axes))):
+                    raise PlanError(f"{a} and {b} contradict on op '{both[0].primitive}' at "
+                                    f"'{both[0].module_path}': one replicates, one splits")
+
+    def apply_zero(self, plan, graph: Graph, mesh_axes: dict[str, int]):
+        """Record the ZeRO stage on the plan (stage 3 also shards variable storage)."""
+        if self.zero is None or self.zero == plan.zero:
+            return plan
+        if self.zero == 3 and not any(any(e is not None for e in s) for _, s in plan.variables):
+            from nnscaler_jax.plan.policies import DATA_AXES
+
+            axes = [a for a in mesh_axes if a in DATA_AXES] or list(mesh_axes)
+            ways = 1
+            for a in axes:
+                ways *= mesh_axes[a]
+            variables = []
+            for t in graph.variables:
+                spec = [None] * t.ndim
+                for i, n in enumerate(t.shape):
+                    if ways > 1 and n % ways == 0:
+                        spec[i] = tuple(axes) if len(axes) > 1 else axes[0]
+                        break
+                variables.append((t.name, tuple(spec)))
+            return replace(plan, zero=3, variables=tuple(sorted(variables)))
+        return replace(plan, zero=self.zero)

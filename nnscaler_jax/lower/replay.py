@@ -1,0 +1,227 @@
+"""Plan -> program: replay the graph with the plan's layouts as sharding constraints.
+
+Every op's inputs and outputs are constrained to the layouts its partition implies
+(:func:`nnscaler_jax.plan.layouts.op_layouts`), so GSPMD / Shardy insert exactly the collectives
+between producer and consumer layouts. Partial-sum (V) outputs are constrained to what their first
+consumer needs (all-reduce for R, reduce-scatter for D). Remat boundaries are replayed under
+``jax.checkpoint``; custom-derivative calls are bound whole; ``scan`` / ``while`` / ``cond`` are
+rebuilt with ``jax.lax`` around a replay of their bodies. Co-sharded ops and value-split chains
+run inside ``jax.shard_map`` regions (:mod:`nnscaler_jax.lower.regions`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+
+from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
+from nnscaler_jax.layout import Layout
+from nnscaler_jax.plan.layouts import op_layouts
+from nnscaler_jax.plan.plan import Plan
+
+__all__ = ["Lowering", "auto_mesh", "bind_eqn"]
+
+
+def auto_mesh(mesh: Mesh) -> Mesh:
+    """The same devices and axis names with Auto axis types (GSPMD propagates shardings)."""
+    types = getattr(mesh, "axis_types", None)
+    if types is not None and all(t == AxisType.Auto for t in types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+@dataclass(eq=False)
+class Lowering:
+    """Replays ``graph`` under ``plan`` on ``mesh``."""
+
+    graph: Graph
+    plan: Plan
+    mesh: Mesh
+
+    def __post_init__(self) -> None:
+        self.mesh = auto_mesh(self.mesh)
+        self._plans = {p.op: p for p in self.plan.ops}
+        self._consumer_layout: dict[int, Layout] = {}
+        for op in self.graph.walk():
+            ins, _ = op_layouts(op, self._plans.get(op.id))
+            for t, lay in zip(op.inputs, ins, strict=True):
+                self._consumer_layout.setdefault(t.id, lay)
+
+    # ---- layouts ------------------------------------------------------------------------------
+
+    def sharding(self, layout: Layout) -> NamedSharding:
+        return NamedSharding(self.mesh, layout.to_pspec(allow_partial=True))
+
+    def input_layout(self, t: Tensor) -> Layout:
+        """Storage layout of a graph input: the plan's for variables, else its first consumer's."""
+        if t.role is Role.VARIABLE:
+            spec = self.plan.variable_spec(t.name)
+            if spec is not None:
+                return Layout.from_pspec(spec, t.ndim)
+            return Layout.replicated(t.ndim)
+        lay = self._consumer_layout.get(t.id)
+        return Layout(lay.dims) if lay is not None else Layout.replicated(t.ndim)
+
+    def input_shardings(self) -> tuple[NamedSharding | None, ...]:
+        out = []
+        for t in self.graph.inputs:
+            if t.role is Role.RNG or not _is_array_dtype(t.dtype):
+                out.append(None)
+            else:
+                out.append(self.sharding(self.input_layout(t)))
+        return tuple(out)
+
+    def _resolve(self, t: Tensor, lay: Layout) -> Layout:
+        """Replace partial axes by what the first consumer needs on them."""
+        if not lay.partial:
+            return lay
+        want = self._consumer_layout.get(t.id)
+        dims = [list(d) for d in lay.dims]
+        for axis in lay.partial:
+            st = want.axis_state(axis) if want is not None else ("R",)
+            if st[0] == "D" and not dims[st[1]]:
+                dims[st[1]].append(axis)
+        return Layout(tuple(tuple(d) for d in dims))
+
+    def _constrain(self, x: Any, t: Tensor, lay: Layout) -> Any:
+        if t.role is Role.CONST or t.ndim == 0 or not _is_array_dtype(t.dtype):
+            return x
+        return jax.lax.with_sharding_constraint(x, self.sharding(lay))
+
+    # ---- replay -------------------------------------------------------------------------------
+
+    def __call__(self, *flat_inputs: Any) -> list[Any]:
+        """The planned program (traceable; jit it over the mesh)."""
+        env: dict[int, Any] = {}
+        for t, x in zip(self.graph.inputs, flat_inputs, strict=True):
+            if t.role is not Role.RNG and _is_array_dtype(t.dtype) and t.ndim:
+                x = jax.lax.with_sharding_constraint(x, self.sharding(self.input_layout(t)))
+            env[t.id] = x
+        return self._replay(self.graph, env)
+
+    def _replay(self, graph: Graph, env: dict[int, Any]) -> list[Any]:
+        for c in graph.consts:
+            env[c.id] = c.value
+        boundaries = {b.id: b for b in graph.boundaries}
+        self._run(list(graph.ops), 0, env, boundaries)
+        return [self._read(env, t) for t in graph.outputs]
+
+    def _read(self, env: dict[int, Any], t: Tensor) -> Any:
+        if t.id in env:
+            return env[t.id]
+        if t.role is Role.CONST:
+            return t.value
+        raise KeyError(f"tensor {t} has no value")
+
+    def _run(self, ops: Sequence[Op], depth: int, env: dict, boundaries: dict) -> None:
+        i = 0
+        while i < len(ops):
+            op = ops[i]
+            if len(op.boundary) > depth:
+                bid = op.boundary[depth]
+                j = i
+                while j < len(ops) and len(ops[j].boundary) > depth and \
+                        ops[j].boundary[depth] == bid:
+                    j += 1
+                self._boundary(ops[i:j], depth, env, boundaries[bid], boundaries)
+                i = j
+                continue
+            self._op(op, env)
+            i += 1
+
+    def _boundary(self, ops, depth, env, b, boundaries) -> None:
+        ins = [self._read(env, t) for t in b.inputs]
+        if b.kind in ("checkpoint", "remat", "remat2"):
+            def body(*vals):
+                inner = dict(env)
+                for t, v in zip(b.inputs, vals, strict=True):
+                    inner[t.id] = v
+                self._run(ops, depth + 1, inner, boundaries)
+                return [inner[t.id] if t.id in inner else t.value for t in b.outputs]
+
+            p = b.eqn.params
+            outs = jax.checkpoint(body, prevent_cse=p.get("prevent_cse", True),
+                                  policy=p.get("policy"))(*ins)
+        else:
+            outs = bind_eqn(b.eqn, ins)
+            produced = {t.id: op for op in ops for t in op.outputs}
+            fixed = []
+            for t, x in zip(b.outputs, outs, strict=True):
+                op = produced.get(t.id)
+                if op is not None:
+                    _, lays = op_layouts(op, self._plans.get(op.id))
+                    lay = lays[[o.id for o in op.outputs].index(t.id)]
+                    x = self._constrain(x, t, self._resolve(t, lay))
+                fixed.append(x)
+            outs = fixed
+        for t, x in zip(b.outputs, outs, strict=True):
+            env[t.id] = x
+
+    def _op(self, op: Op, env: dict) -> None:
+        plan = self._plans.get(op.id)
+        in_lays, out_lays = op_layouts(op, plan)
+        ins = [self._constrain(self._read(env, t), t, lay)
+               for t, lay in zip(op.inputs, in_lays, strict=True)]
+        if plan is not None and plan.chunks:
+            from nnscaler_jax.lower.regions import run_cosharded
+
+            outs = run_cosharded(self, op, plan, ins, in_lays, out_lays)
+        elif op.regions:
+            outs = self._region(op, ins)
+        else:
+            outs = bind_eqn(op.eqn, ins)
+        for t, x, lay in zip(op.outputs, outs, out_lays, strict=True):
+            env[t.id] = self._constrain(x, t, self._resolve(t, lay))
+
+    def _body_fn(self, body: Graph):
+        def fn(*vals):
+            env = {t.id: v for t, v in zip(body.inputs, vals, strict=True)}
+            return self._replay(body, env)
+        return fn
+
+    def _region(self, op: Op, ins: list[Any]) -> list[Any]:
+        p = op.params
+        if op.primitive == "scan":
+            (body,) = op.regions
+            nc, ncarry = p["num_consts"], p["num_carry"]
+            consts, init, xs = ins[:nc], ins[nc:nc + ncarry], ins[nc + ncarry:]
+            fn = self._body_fn(body)
+
+            def step(carry, x):
+                outs = fn(*consts, *carry, *x)
+                return list(outs[:ncarry]), list(outs[ncarry:])
+
+            carry, ys = jax.lax.scan(step, list(init), list(xs), length=p["length"],
+                                     reverse=p["reverse"], unroll=p["unroll"])
+            return list(carry) + list(ys)
+        if op.primitive == "while":
+            cond, body = op.regions
+            cn, bn = p["cond_nconsts"], p["body_nconsts"]
+            cc, bc, init = ins[:cn], ins[cn:cn + bn], ins[cn + bn:]
+            cf, bf = self._body_fn(cond), self._body_fn(body)
+            return list(jax.lax.while_loop(lambda c: cf(*cc, *c)[0],
+                                           lambda c: list(bf(*bc, *c)), list(init)))
+        # cond
+        branches = [self._body_fn(g) for g in op.regions]
+        return list(jax.lax.switch(ins[0], [lambda *a, f=f: list(f(*a)) for f in branches],
+                                   *ins[1:]))
+
+
+def bind_eqn(eqn: Any, ins: Sequence[Any]) -> list[Any]:
+    """Bind a jaxpr equation's primitive on ``ins`` as ``jax.core.eval_jaxpr`` does."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    outs = eqn.primitive.bind(*ins, **params)
+    return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def _is_array_dtype(dtype: str) -> bool:
+    try:
+        np.dtype(dtype)
+        return True
+    except TypeError:
+        return False

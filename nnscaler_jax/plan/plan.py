@@ -1,0 +1,199 @@
+"""``Plan``: the frozen result of planning, printable and JSON round-trippable."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from nnscaler_jax.errors import PlanError
+from nnscaler_jax.ir.graph import Graph
+
+__all__ = ["OpPlan", "Plan", "PlanCost", "graph_fingerprint"]
+
+FORMAT = "nnscaler_jax.plan/1"
+
+
+@dataclass(frozen=True, slots=True)
+class OpPlan:
+    """How one op is partitioned.
+
+    Attributes:
+        op: the op id in the graph.
+        primitive / module_path: for people reading the plan (checked against the graph).
+        split: ``(mesh axis, identifier)`` pairs: the op's annotated dim split over that axis
+            (a ``+`` identifier makes the outputs partial sums on that axis).
+        chunks: co-sharding: ``(identifier, k)``: each device runs its part as k sequential
+            chunks along that dim, recomputed in the backward pass (op_trans to k x devices
+            sub-ops, op_assign k per device, op_order them).
+        keep_partial: outputs that are partial sums stay partial sums into the consumers
+            (a value-split chain, lowered in a ``shard_map`` region) instead of being reduced.
+    """
+
+    op: int
+    primitive: str
+    module_path: str
+    split: tuple[tuple[str, str], ...] = ()
+    chunks: tuple[str, int] | None = None
+    keep_partial: bool = False
+
+    def axis_dim(self, axis: str) -> str | None:
+        return dict(self.split).get(axis)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanCost:
+    """Estimates for one training step (see :mod:`nnscaler_jax.cost`)."""
+
+    step_time_s: float
+    memory_bytes_per_device: int
+    comm_bytes: int
+    compute_time_s: float = 0.0
+    comm_time_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A parallelization plan for one graph on one mesh shape.
+
+    Attributes:
+        mesh: ``(axis name, size)`` pairs.
+        fingerprint: identifies the graph the plan was made for.
+        ops: one ``OpPlan`` per op (top level and region bodies).
+        variables: ``(variable path, PartitionSpec entries)``: how each model variable is stored.
+        zero: ZeRO stage (0-3) the storage layouts implement.
+        order: ``(a, b)`` op ids: ``a`` before ``b`` on their shared devices.
+        policy: the policy that made the plan.
+        cost: estimates, if computed.
+    """
+
+    mesh: tuple[tuple[str, int], ...]
+    fingerprint: str
+    ops: tuple[OpPlan, ...]
+    variables: tuple[tuple[str, tuple[Any, ...]], ...] = ()
+    zero: int = 0
+    order: tuple[tuple[int, int], ...] = ()
+    policy: str = ""
+    cost: PlanCost | None = field(default=None, compare=False)
+
+    def op_plan(self, op_id: int) -> OpPlan | None:
+        return self._by_id().get(op_id)
+
+    def _by_id(self) -> dict[int, OpPlan]:
+        return {p.op: p for p in self.ops}
+
+    def variable_spec(self, name: str) -> tuple[Any, ...] | None:
+        return dict(self.variables).get(name)
+
+    def __str__(self) -> str:
+        axes = [a for a, _ in self.mesh]
+        head = f"Plan[{self.policy or 'custom'}] mesh {dict(self.mesh)} zero={self.zero}"
+        rows: dict[tuple, list[str]] = {}
+        for p in self.ops:
+            key = (p.module_path or "<top>",) + tuple(p.axis_dim(a) or "-" for a in axes) + (
+                f"x{p.chunks[1]} seq along {p.chunks[0]}" if p.chunks else "",)
+            rows.setdefault(key, []).append(p.primitive)
+        width = max([len(k[0]) for k in rows] + [12])
+        lines = [head, f"{'module path':<{width}}  " + "  ".join(f"{a:>8}" for a in axes)
+                 + "  ops"]
+        for key, prims in rows.items():
+            counts = {q: prims.count(q) for q in dict.fromkeys(prims)}
+            desc = ", ".join(f"{q}x{c}" if c > 1 else q for q, c in counts.items())
+            extra = f"  [{key[-1]}]" if key[-1] else ""
+            lines.append(f"{key[0]:<{width}}  " + "  ".join(f"{d:>8}" for d in key[1:-1])
+                         + f"  {desc}{extra}")
+        sharded = [(n, s) for n, s in self.variables if any(e is not None for e in s)]
+        if sharded:
+            lines.append("variables stored sharded:")
+            lines += [f"  {n}: P{tuple(s)}" for n, s in sharded]
+        if self.cost:
+            c = self.cost
+            lines.append(f"estimate: step {c.step_time_s * 1e3:.3f} ms, memory/device "
+                         f"{c.memory_bytes_per_device / 2**20:.2f} MiB, comm "
+                         f"{c.comm_bytes / 2**20:.2f} MiB")
+        return "\n".join(lines)
+
+    # ---- JSON ------------------------------------------------------------------------------
+
+    def to_json(self) -> str:
+        d = {
+            "format": FORMAT,
+            "mesh": [list(m) for m in self.mesh],
+            "fingerprint": self.fingerprint,
+            "policy": self.policy,
+            "zero": self.zero,
+            "order": [list(o) for o in self.order],
+            "variables": [[n, list(s)] for n, s in self.variables],
+            "ops": [
+                {"op": p.op, "primitive": p.primitive, "module_path": p.module_path,
+                 "split": [list(s) for s in p.split],
+                 "chunks": list(p.chunks) if p.chunks else None,
+                 "keep_partial": p.keep_partial}
+                for p in self.ops
+            ],
+            "cost": dataclasses.asdict(self.cost) if self.cost else None,
+        }
+        return json.dumps(d, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """Parse ``to_json`` output.
+
+        Raises:
+            PlanError: malformed JSON or not a plan.
+        """
+        try:
+            d = json.loads(text)
+            if d.get("format") != FORMAT:
+                raise ValueError(f"format is {d.get('format')!r}, expected {FORMAT!r}")
+            ops = tuple(
+                OpPlan(int(o["op"]), str(o["primitive"]), str(o["module_path"]),
+                       tuple((str(a), str(x)) for a, x in o["split"]),
+                       (str(o["chunks"][0]), int(o["chunks"][1])) if o["chunks"] else None,
+                       bool(o["keep_partial"]))
+                for o in d["ops"]
+            )
+            variables = tuple((str(n), tuple(_entry(e) for e in s)) for n, s in d["variables"])
+            cost = PlanCost(**d["cost"]) if d.get("cost") else None
+            return cls(
+                mesh=tuple((str(a), int(n)) for a, n in d["mesh"]),
+                fingerprint=str(d["fingerprint"]),
+                ops=ops,
+                variables=variables,
+                zero=int(d["zero"]),
+                order=tuple((int(a), int(b)) for a, b in d["order"]),
+                policy=str(d["policy"]),
+                cost=cost,
+            )
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            raise PlanError(f"not a valid plan JSON ({type(e).__name__}: {e}); write it with "
+                            "Plan.to_json()") from e
+
+    def check_graph(self, graph: Graph, mesh_axes: dict[str, int]) -> None:
+        """Raise ``PlanError`` if the plan was made for another graph or mesh shape."""
+        fp = graph_fingerprint(graph)
+        if fp != self.fingerprint:
+            raise PlanError(
+                f"this plan was made for another model or other input shapes (fingerprint "
+                f"{self.fingerprint}, this graph {fp}); re-plan with policy=... or make_plan()")
+        if dict(self.mesh) != mesh_axes:
+            raise PlanError(f"this plan is for mesh {dict(self.mesh)}, not {mesh_axes}; re-plan "
+                            "for this mesh")
+
+
+def _entry(e: Any) -> Any:
+    if e is None or isinstance(e, str):
+        return e
+    return tuple(e)
+
+
+def graph_fingerprint(graph: Graph) -> str:
+    """A short hash of the graph's ops, shapes and variable names."""
+    h = hashlib.sha1()
+    for t in graph.inputs:
+        h.update(f"{t.name}:{t.shape}:{t.dtype};".encode())
+    for op in graph.walk():
+        h.update(f"{op.id}:{op.primitive}:{[t.shape for t in op.inputs]};".encode())
+    return h.hexdigest()[:16]
