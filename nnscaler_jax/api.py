@@ -83,7 +83,7 @@ class _Program:
     in_shardings: tuple[Any, ...]
 
 
-@dataclass
+@dataclass(eq=False)
 class AutoParallel:
     """A module wrapped for a mesh. See ``auto_parallel``."""
 
@@ -187,6 +187,16 @@ class AutoParallel:
         tr = self._linen_traceable(variables, args, kwargs, rngs, mutable, method)
         return self._run(tr, ("apply", _hashable(mutable), _rng_names(rngs), method))
 
+    def compiled(self, variables: Any, *args: Any, rngs: Any = None, mutable: Any = False,
+                 **kwargs: Any) -> Any:
+        """The compiled forward program of ``apply(variables, *args)`` (``.as_text()``,
+        ``.memory_analysis()``), for checking what XLA made of the plan."""
+        tr = self._linen_traceable(variables, args, kwargs, rngs, mutable)
+        prog = self._program(tr, ("apply", _hashable(mutable), _rng_names(rngs), None))
+        flat = [self._place(x, s) for x, s in zip(tr.flat_inputs, prog.in_shardings,
+                                                   strict=True)]
+        return prog.fn.lower(*flat).compile()
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if isinstance(self.module, nnx.Module):
             raise PlanError("use the nnx wrapper (auto_parallel(mesh)(nnx_module)) to call it")
@@ -210,12 +220,9 @@ class NnxAutoParallel(nnx.Module):
     def __init__(self, module: nnx.Module, mesh: Any, constraints=None, policy=None, plan=None,
                  verify=False):
         self.module = module
-        _CORES[self] = AutoParallel(module, mesh, constraints, policy, plan, verify)
+        # Static (non-state) attribute: survives nnx.split / merge (nnx.grad, nnx.jit).
+        self._core = AutoParallel(module, mesh, constraints, policy, plan, verify)
         self._laid_out = False
-
-    @property
-    def _core(self) -> AutoParallel:
-        return _CORES[self]
 
     @property
     def plan(self) -> Plan:

@@ -129,12 +129,14 @@ class Draft:
         for op_id, assigned in self._assigned.items():
             decisions[op_id] = self._compile_assignment(op_id, assigned)
         decisions = propagate(self.graph, decisions, self.mesh_axes)
+        variables = dict(self.variables)
+        variables.update(_consumer_storage(self.graph, decisions, variables))
         order = tuple(self.order)
         return Plan(
             mesh=tuple(self.mesh_axes.items()),
             fingerprint=graph_fingerprint(self.graph),
             ops=tuple(decisions[op.id] for op in self.graph.walk() if op.id in decisions),
-            variables=tuple(sorted(self.variables.items())),
+            variables=tuple(sorted(variables.items())),
             zero=self.zero,
             order=order,
             policy=self.policy,
@@ -269,3 +271,23 @@ def _check_draft(graph: Any) -> None:
     if not isinstance(graph, Draft):
         raise PlanError("primitives take the draft a policy receives (policy(graph, mesh)); "
                         "make one with nnscaler_jax.primitives.Draft(graph, mesh_axes)")
+
+
+def _consumer_storage(graph: Graph, decisions: dict[int, OpPlan],
+                      fixed: dict[str, tuple[Any, ...]]) -> dict[str, tuple[Any, ...]]:
+    """Store each variable the way its first consumer reads it (Megatron keeps weight shards
+    where they are used; data-parallel weights stay replicated)."""
+    from nnscaler_jax.plan.layouts import op_layouts
+
+    want = {t.id: t for t in graph.variables if t.name not in fixed}
+    out: dict[str, tuple[Any, ...]] = {}
+    for op in graph.walk():
+        if not want:
+            break
+        ins, _ = op_layouts(op, decisions.get(op.id))
+        for t, lay in zip(op.inputs, ins, strict=True):
+            if t.id in want:
+                spec = tuple(lay.to_pspec())
+                out[t.name] = spec + (None,) * (t.ndim - len(spec))
+                del want[t.id]
+    return out

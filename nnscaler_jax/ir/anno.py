@@ -3,7 +3,7 @@
 Grammar::
 
     anno     := operands '->' operands
-    operands := operand (',' operand)*
+    operands := [operand (',' operand)*]     (empty: an op without inputs)
     operand  := '?' | '()' | axis+
     axis     := dim | '(' dim dim+ ')'
     dim      := (IDENT | NUMBER) ['+' | '^']
@@ -123,7 +123,8 @@ class Anno:
     outputs: tuple[Operand, ...]
 
     def __str__(self) -> str:
-        return f"{', '.join(map(str, self.inputs))} -> {', '.join(map(str, self.outputs))}"
+        text = f"{', '.join(map(str, self.inputs))} -> {', '.join(map(str, self.outputs))}"
+        return text.strip()
 
     @property
     def operands(self) -> tuple[Operand, ...]:
@@ -251,6 +252,8 @@ def parse_anno(text: str) -> Anno:
 
 def _parse_operands(text: str, toks: list[tuple[str, str, int, int]], end: int) -> list[Operand]:
     operands: list[Operand] = []
+    if not toks:
+        return operands  # an op without inputs (iota, rng seeds)
     groups: list[list[tuple[str, str, int, int]]] = [[]]
     for t in toks:
         if t[0] == ",":

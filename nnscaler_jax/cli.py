@@ -1,0 +1,578 @@
+"""``nnscaler-jax``: the command line (also ``python -m nnscaler_jax``). Thin: argparse + printing.
+
+Subcommands: ``graph``, ``plan``, ``verify``, ``compare``, ``demo``. Each prints tables for a
+person, or with ``--json`` one JSON object on the last line of its output. Errors a user can cause
+(unknown model / preset / policy, a bad mesh) print one line and exit 2.
+
+Before JAX starts its backends, :func:`main` sets ``XLA_FLAGS`` to ask for ``--devices`` virtual
+CPU devices (default 8 when the flags name no device count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["main"]
+
+DEFAULT_DEVICES = 8
+DEFAULT_AXES = {1: ("data",), 2: ("data", "model"), 3: ("data", "fsdp", "model")}
+DEFAULT_PLANNERS = "dp,zero3,megatron,auto"
+_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+class UsageError(Exception):
+    """A bad value on the command line: one line, exit 2."""
+
+
+# ---- environment ---------------------------------------------------------------------------------
+
+
+def _backends_started() -> bool:
+    if "jax" not in sys.modules:
+        return False
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):
+        return True
+
+
+def _request_devices(n: int | None) -> None:
+    """Ask XLA for ``n`` virtual CPU devices (default 8 if the flags name no count), unless JAX's
+    backends are already running (XLA_FLAGS is read when they start, not at ``import jax``)."""
+    if _backends_started():
+        return
+    flags = os.environ.get("XLA_FLAGS", "")
+    if n is None:
+        if _COUNT_FLAG in flags:
+            return
+        n = DEFAULT_DEVICES
+    flags = re.sub(rf"{_COUNT_FLAG}=\S*", "", flags)
+    os.environ["XLA_FLAGS"] = f"{flags} {_COUNT_FLAG}={n}".strip()
+
+
+# ---- small helpers ---------------------------------------------------------------------------------
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Plain aligned text: first column left, others right."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(r: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
+
+    sep = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _emit(args: argparse.Namespace, text: str, obj: dict[str, Any]) -> None:
+    if text:
+        print(text)
+    if args.json:
+        print(json.dumps(obj, sort_keys=False, default=str))
+
+
+def _available_models() -> list[str]:
+    import models
+
+    out = []
+    for name in models.names():
+        try:
+            models.presets(name)
+        except ImportError:
+            continue  # registered, not written yet
+        out.append(name)
+    return out
+
+
+def _spec(name: str, preset: str, **overrides: Any) -> Any:
+    """``models.get`` with the user's mistakes turned into one-line ``UsageError``s."""
+    import models
+
+    if name not in models.names():
+        raise UsageError(f"unknown model {name!r}; choose one of: "
+                         f"{', '.join(_available_models())}")
+    try:
+        presets = models.presets(name)
+    except ImportError as e:
+        raise UsageError(f"model {name!r} is not implemented yet ({e}); choose one of: "
+                         f"{', '.join(_available_models())}") from e
+    if preset not in presets:
+        raise UsageError(f"model {name!r} has no preset {preset!r}; choose one of: "
+                         f"{', '.join(presets)}")
+    return models.get(name, preset, **overrides)
+
+
+def _mesh(text: str, axes: str | None, devices: int | None = None) -> Any:
+    """``'2x4'`` (+ optional ``'data,model'``) -> a ``jax.sharding.Mesh`` on the first devices."""
+    import jax
+
+    if not re.fullmatch(r"\d+(x\d+)*", text or ""):
+        raise UsageError(f"bad mesh {text!r}: write axis sizes joined by 'x', e.g. 8, 2x4, 2x2x2")
+    shape = tuple(int(s) for s in text.split("x"))
+    if any(s < 1 for s in shape):
+        raise UsageError(f"bad mesh {text!r}: every axis size must be at least 1")
+    if axes:
+        names = tuple(a.strip() for a in axes.split(","))
+        if len(names) != len(shape) or len(set(names)) != len(names) or not all(names):
+            raise UsageError(f"--axes {axes!r} must name the {len(shape)} axes of mesh {text!r} "
+                             "once each, e.g. --axes data,model")
+    elif len(shape) in DEFAULT_AXES:
+        names = DEFAULT_AXES[len(shape)]
+    else:
+        raise UsageError(f"mesh {text!r} has {len(shape)} axes: name them with --axes "
+                         "(default names exist for 1 to 3 axes)")
+    have = len(jax.devices())
+    need = math.prod(shape)
+    if need > have:
+        raise UsageError(f"mesh {text!r} needs {need} devices, but {have} are available; use a "
+                         f"smaller mesh or --devices {need} (virtual CPU devices)")
+    return jax.make_mesh(shape, names, devices=jax.devices()[:need])
+
+
+def _mesh_str(mesh: Any) -> str:
+    return "x".join(str(n) for n in mesh.devices.shape)
+
+
+def _policy_names() -> list[str]:
+    from nnscaler_jax.plan.policies import BUILTIN
+
+    return sorted(BUILTIN) + ["auto"]
+
+
+def _check_policy(name: str) -> str:
+    if name not in _policy_names():
+        raise UsageError(f"unknown policy {name!r}; choose one of: {', '.join(_policy_names())}")
+    return name
+
+
+def _rngs(spec: Any) -> dict[str, Any] | None:
+    import jax
+
+    if not spec.rng_streams:
+        return None
+    keys = jax.random.split(jax.random.PRNGKey(1), len(spec.rng_streams))
+    return dict(zip(spec.rng_streams, keys, strict=True))
+
+
+def _mutable(spec: Any) -> Any:
+    return list(spec.mutable) if spec.mutable else False
+
+
+def _abstract_inputs(spec: Any) -> tuple[tuple[Any, ...], Any]:
+    """Abstract example args and (linen) abstract variables, nothing allocated."""
+    args = spec.make_args(abstract=True)
+    # Variables are built here (not left to capture) so abstract args never reach module.init
+    # outside a trace.
+    variables = spec.init_abstract() if spec.kind == "linen" else None
+    return args, variables
+
+
+def _make_plan(spec: Any, mesh: Any, policy: str) -> Any:
+    """``AutoParallel.make_plan`` on abstract args."""
+    from nnscaler_jax import auto_parallel
+
+    args, variables = _abstract_inputs(spec)
+    pm = auto_parallel(mesh, policy=policy)(spec.module)
+    if spec.kind == "nnx":
+        return pm.make_plan(*args)
+    return pm.make_plan(*args, variables=variables, rngs=_rngs(spec), mutable=_mutable(spec))
+
+
+def _cost_dict(plan: Any) -> dict[str, Any] | None:
+    import dataclasses
+
+    return dataclasses.asdict(plan.cost) if plan.cost is not None else None
+
+
+# ---- verification (shared by verify and demo) --------------------------------------------------
+
+
+def _tolerance(tree: Any) -> float:
+    import jax
+    import numpy as np
+
+    from nnscaler_jax.lower.verify import RTOL
+
+    tols = [RTOL.get(np.dtype(x.dtype).name, 1e-4) for x in jax.tree_util.tree_leaves(tree)
+            if hasattr(x, "dtype") and np.issubdtype(np.dtype(x.dtype), np.floating)]
+    return max(tols or [1e-4])
+
+
+def _verify(spec: Any, mesh: Any, policy: str) -> dict[str, Any]:
+    """Forward and gradients of the loss, parallel vs single device (both jitted)."""
+    import jax
+
+    from nnscaler_jax import auto_parallel
+
+    args = spec.make_args(abstract=False)
+    rngs = _rngs(spec)
+    mutable = _mutable(spec)
+    if spec.kind == "nnx":
+        from flax import nnx
+
+        module = spec.module
+        loss = lambda m: spec.loss_fn(m(*args), *args)
+        ref_out = module(*args)
+        ref_grad = jax.tree_util.tree_leaves(nnx.grad(loss)(module))
+        pm = auto_parallel(mesh, policy=policy)(module)
+        out = pm(*args)
+        grad = jax.tree_util.tree_leaves(nnx.grad(loss)(pm))
+    else:
+        variables = spec.init(jax.random.PRNGKey(0), *args)
+
+        def loss_with(apply):
+            def loss(params):
+                res = apply({**variables, "params": params}, *args, rngs=rngs, mutable=mutable)
+                return spec.loss_fn(res[0] if mutable else res, *args)
+            return loss
+
+        ref_out = spec.module.apply(variables, *args, rngs=rngs, mutable=mutable)
+        ref_grad = jax.jit(jax.grad(loss_with(spec.module.apply)))(variables["params"])
+        pm = auto_parallel(mesh, policy=policy)(spec.module)
+        out = pm.apply(variables, *args, rngs=rngs, mutable=mutable)
+        grad = jax.jit(jax.grad(loss_with(pm.apply)))(variables["params"])
+    return dict(_compare(out, ref_out, grad, ref_grad), plan=pm.plan)
+
+
+def _compare(out: Any, ref_out: Any, grad: Any, ref_grad: Any) -> dict[str, Any]:
+    """Relative differences of the forward outputs and the gradients, and the verdict."""
+    import numpy as np
+
+    from nnscaler_jax.lower.verify import max_rel_diff
+
+    fwd, fwd_at = max_rel_diff(out, ref_out)
+    grd, grd_at = max_rel_diff(grad, ref_grad)
+    tol = _tolerance((ref_out, ref_grad))
+    worst = max(fwd, grd)
+    return {"ok": bool(np.isfinite(worst) and worst <= tol), "max_rel_diff": worst,
+            "forward_rel_diff": fwd, "grad_rel_diff": grd, "tolerance": tol,
+            "forward_worst_at": fwd_at, "grad_worst_at": grd_at}
+
+
+def _verify_table(res: dict[str, Any]) -> str:
+    rows = [["forward", f"{res['forward_rel_diff']:.3e}", res["forward_worst_at"] or "-"],
+            ["grad of loss", f"{res['grad_rel_diff']:.3e}", res["grad_worst_at"] or "-"]]
+    verdict = "OK" if res["ok"] else "MISMATCH"
+    return (_table(["check", "max rel diff", "worst leaf"], rows)
+            + f"\n{verdict}: max relative difference {res['max_rel_diff']:.3e} "
+              f"(tolerance {res['tolerance']:g})")
+
+
+# ---- subcommands -----------------------------------------------------------------------------------
+
+
+def _cmd_graph(args: argparse.Namespace) -> int:
+    from nnscaler_jax.capture.trace import capture
+    from nnscaler_jax.ir.graph import Role
+
+    spec = _spec(args.model, args.preset)
+    xs, variables = _abstract_inputs(spec)
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # unannotated primitives are listed below
+        if spec.kind == "nnx":
+            captured = capture(spec.module, *xs)
+        else:
+            captured = capture(spec.module, *xs, variables=variables, rngs=_rngs(spec))
+    trace_s = time.perf_counter() - t0
+    graph = captured.graph
+    ops = list(graph.walk())
+    unannotated: dict[str, list[str]] = {}
+    for op in ops:
+        if not op.annotated:
+            unannotated.setdefault(op.primitive, [])
+            where = op.module_path or "<top>"
+            if where not in unannotated[op.primitive]:
+                unannotated[op.primitive].append(where)
+    params = [t for t in graph.inputs if t.role is Role.VARIABLE and t.collection == "params"]
+    if not params:  # nnx state paths need not start with the collection name
+        params = list(graph.variables)
+    n_params = sum(math.prod(t.shape) for t in params)
+    param_bytes = sum(t.nbytes for t in params)
+    modules: dict[str, list[int]] = {}
+    for op in ops:
+        key = "/".join(op.module_path.split("/")[: args.depth]) or "<top>"
+        m = modules.setdefault(key, [0, 0])
+        m[0] += 1
+        m[1] += int(op.annotated)
+    frac = sum(op.annotated for op in ops) / len(ops) if ops else 1.0
+    obj = {"model": args.model, "preset": args.preset, "ops": len(ops),
+           "top_level_ops": len(graph.ops), "annotated_fraction": frac,
+           "unannotated": {k: sorted(v) for k, v in sorted(unannotated.items())},
+           "params": int(n_params), "param_bytes": int(param_bytes), "trace_s": trace_s,
+           "modules": {k: v[0] for k, v in modules.items()}}
+    text = ""
+    if not args.json or args.print_ir:
+        lines = []
+        if args.print_ir:
+            lines.append(str(graph))
+        if not args.json:
+            lines += [
+                (f"model {args.model} [{args.preset}]: {len(ops)} ops ({len(graph.ops)} top "
+                 f"level), {frac:.1%} annotated, traced in {trace_s:.2f} s"),
+                f"parameters: {n_params:,} ({_mib(param_bytes)})",
+                "",
+                _table(["module", "ops", "annotated"],
+                       [[k, v[0], v[1]] for k, v in modules.items()]),
+            ]
+            if unannotated:
+                lines += ["", "unannotated primitives (planned replicated; see register_rule):"]
+                lines += [f"  {p}: {', '.join(sorted(w))}" for p, w in sorted(unannotated.items())]
+        text = "\n".join(lines)
+    _emit(args, text, obj)
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    spec = _spec(args.model, args.preset)
+    mesh = _mesh(args.mesh, args.axes)
+    policy = _check_policy(args.policy)
+    t0 = time.perf_counter()
+    plan = _make_plan(spec, mesh, policy)
+    plan_s = time.perf_counter() - t0
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(plan.to_json())
+    obj = {"model": args.model, "preset": args.preset, "mesh": args.mesh, "policy": policy,
+           "plan": json.loads(plan.to_json()), "cost": _cost_dict(plan), "plan_s": plan_s}
+    text = ""
+    if not args.json:
+        text = str(plan) + f"\nplanned in {plan_s:.2f} s (trace + policy)"
+        if args.out:
+            text += f"\nwrote {args.out}"
+    _emit(args, text, obj)
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    spec = _spec(args.model, args.preset)
+    mesh = _mesh(args.mesh, args.axes)
+    policy = _check_policy(args.policy)
+    res = _verify(spec, mesh, policy)
+    obj = {"ok": res["ok"], "max_rel_diff": res["max_rel_diff"],
+           "forward_rel_diff": res["forward_rel_diff"], "grad_rel_diff": res["grad_rel_diff"],
+           "tolerance": res["tolerance"], "mesh": args.mesh, "policy": policy,
+           "model": args.model, "preset": args.preset}
+    text = ""
+    if not args.json:
+        text = (f"{args.model} [{args.preset}] on mesh {args.mesh} "
+                f"{dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))}, policy "
+                f"{policy}\n" + _verify_table(res))
+    _emit(args, text, obj)
+    return 0 if res["ok"] else 1
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from nnscaler_jax.api import make_plan_for
+    from nnscaler_jax.capture.trace import capture
+    from nnscaler_jax.errors import PlanError
+
+    spec = _spec(args.model, args.preset)
+    mesh = _mesh(args.mesh, args.axes)
+    planners = [_check_policy(p.strip()) for p in args.planners.split(",") if p.strip()]
+    if not planners:
+        raise UsageError(f"--planners is empty; choose from: {', '.join(_policy_names())}")
+    xs, variables = _abstract_inputs(spec)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if spec.kind == "nnx":
+            graph = capture(spec.module, *xs).graph
+        else:
+            graph = capture(spec.module, *xs, variables=variables, rngs=_rngs(spec),
+                            mutable=_mutable(spec)).graph
+    results: dict[str, dict[str, Any]] = {}
+    rows = []
+    for name in planners:
+        t0 = time.perf_counter()
+        try:
+            plan = make_plan_for(graph, mesh, policy=name)
+        except PlanError as e:
+            results[name] = {"error": str(e).splitlines()[0]}
+            rows.append([name, "-", "-", "-", "-", f"error: {str(e).splitlines()[0][:60]}"])
+            continue
+        search_s = time.perf_counter() - t0
+        c = plan.cost
+        results[name] = {"search_s": search_s,
+                         "step_time_s": c.step_time_s if c else None,
+                         "memory_bytes_per_device": c.memory_bytes_per_device if c else None,
+                         "comm_bytes": c.comm_bytes if c else None}
+        rows.append([name, f"{search_s:.3f}",
+                     f"{c.step_time_s * 1e3:.3f}" if c else "-",
+                     _mib(c.memory_bytes_per_device) if c else "-",
+                     _mib(c.comm_bytes) if c else "-", ""])
+    obj = {"model": args.model, "preset": args.preset, "mesh": args.mesh, "planners": results}
+    text = ""
+    if not args.json:
+        headers = ["planner", "plan s", "step ms", "memory/device", "comm", "note"]
+        if not any(r[-1] for r in rows):
+            headers, rows = headers[:-1], [r[:-1] for r in rows]
+        text = (f"{args.model} [{args.preset}] on mesh {args.mesh}: estimated per training step\n"
+                + _table(headers, rows))
+    _emit(args, text, obj)
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    import jax
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from nnscaler_jax import auto_parallel
+
+    spec = _spec("gpt", "tiny")
+    mesh = _mesh(args.mesh, args.axes)
+    policy = _check_policy(args.policy)
+    say = (lambda *a: None) if args.json else print
+    say(f"GPT [tiny] on {mesh.devices.size} {jax.devices()[0].platform.upper()} devices, "
+        f"mesh {dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))}, policy {policy}")
+
+    tokens = spec.make_args(abstract=False)
+    pm = auto_parallel(mesh, policy=policy)(spec.module)
+    variables = pm.init({"params": jax.random.PRNGKey(0)}, *tokens)  # plans, lays out
+    say("\n" + str(pm.plan) + "\n")
+    opt = optax.adamw(args.lr)
+    params = variables["params"]
+    # Keep the plan's layouts across steps (one compilation); optimizer scalars replicated on
+    # the mesh the plan laid the parameters out on.
+    replicated = NamedSharding(jax.tree.leaves(params)[0].sharding.mesh, PartitionSpec())
+    opt_state = opt.init(params)
+    shardings = jax.tree.map(
+        lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else replicated,
+        (params, opt_state))
+    opt_state = jax.device_put(opt_state, shardings[1])
+
+    def loss_with(apply, variables):
+        return lambda p, *batch: spec.loss_fn(apply({**variables, "params": p}, *batch), *batch)
+
+    parallel_loss = loss_with(pm.apply, variables)
+
+    def step(params, opt_state, *batch):
+        value, grads = jax.value_and_grad(parallel_loss)(params, *batch)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value, grads
+
+    step = jax.jit(step, out_shardings=(*shardings, replicated, shardings[0]))
+
+    # The single-device program on the same values: forward, and the gradient that the first
+    # training step must reproduce.
+    host = jax.device_get(variables)
+    ref_out = spec.module.apply(host, *tokens)
+    ref_grad = jax.jit(jax.grad(loss_with(spec.module.apply, host)))(host["params"], *tokens)
+    out = pm.apply(variables, *tokens)
+
+    losses = []
+    res: dict[str, Any] = {}
+    for i in range(args.steps):
+        t0 = time.perf_counter()
+        new_params, opt_state, value, grads = step(params, opt_state, *tokens)
+        if i == 0:
+            res = _compare(out, ref_out, grads, ref_grad)
+            say(_verify_table(res) + "\n")
+        params = new_params
+        losses.append(float(value))
+        say(f"step {i + 1:3d}  loss {losses[-1]:.4f}  ({time.perf_counter() - t0:.2f} s)")
+    if not res:
+        res = _compare(out, ref_out, ref_grad, ref_grad)
+    fell = len(losses) >= 2 and losses[-1] < losses[0]
+    ok = bool(res["ok"] and fell)
+    if not res["ok"]:
+        say("FAIL: the parallel program differs from the single-device program")
+    elif not fell:
+        say(f"FAIL: the loss did not fall over {args.steps} steps")
+    else:
+        say(f"OK: verified (max rel diff {res['max_rel_diff']:.2e}) and trained, loss "
+            f"{losses[0]:.4f} -> {losses[-1]:.4f}")
+    _emit(args, "", {"ok": ok, "max_rel_diff": res["max_rel_diff"], "losses": losses,
+                     "mesh": args.mesh, "policy": policy})
+    return 0 if ok else 1
+
+
+# ---- parser ------------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true",
+                        help="print one JSON object on the last line")
+    common.add_argument("--devices", type=int, default=None,
+                        help=f"virtual CPU devices to request (default {DEFAULT_DEVICES}; "
+                             "only before JAX starts)")
+    model = argparse.ArgumentParser(add_help=False)
+    model.add_argument("--model", required=True, help="model zoo name (e.g. gpt, mlp)")
+    model.add_argument("--preset", default="tiny", help="model preset (default tiny)")
+    mesh = argparse.ArgumentParser(add_help=False)
+    mesh.add_argument("--mesh", default="2x4", help="mesh shape, e.g. 8, 2x4 (default 2x4)")
+    mesh.add_argument("--axes", default=None,
+                      help="mesh axis names, comma separated (default: data | data,model | "
+                           "data,fsdp,model)")
+
+    p = argparse.ArgumentParser(prog="nnscaler-jax",
+                                description="Automatic parallelization of JAX/Flax models.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    g = sub.add_parser("graph", parents=[common, model], help="trace a model and summarise its graph")
+    g.add_argument("--print-ir", action="store_true", help="print the annotated graph")
+    g.add_argument("--depth", type=int, default=2, help="module path components per summary row")
+    g.set_defaults(fn=_cmd_graph)
+
+    pl = sub.add_parser("plan", parents=[common, model, mesh], help="make and print a plan")
+    pl.add_argument("--policy", default="auto", help="dp, zero3, megatron or auto (default)")
+    pl.add_argument("--out", default=None, help="write the plan JSON to this file")
+    pl.set_defaults(fn=_cmd_plan)
+
+    v = sub.add_parser("verify", parents=[common, model, mesh],
+                       help="compare forward and gradients with the single-device program")
+    v.add_argument("--policy", default="auto", help="dp, zero3, megatron or auto (default)")
+    v.set_defaults(fn=_cmd_verify)
+
+    c = sub.add_parser("compare", parents=[common, model, mesh],
+                       help="plan with several planners and compare their cost estimates")
+    c.add_argument("--planners", default=DEFAULT_PLANNERS,
+                   help=f"comma separated (default {DEFAULT_PLANNERS})")
+    c.set_defaults(fn=_cmd_compare)
+
+    d = sub.add_parser("demo", parents=[common, mesh],
+                       help="plan, verify and train a tiny GPT (the quickstart)")
+    d.add_argument("--policy", default="megatron", help="default megatron")
+    d.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
+    d.add_argument("--lr", type=float, default=1e-2, help="adamw learning rate (default 1e-2)")
+    d.set_defaults(fn=_cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (0 ok, 1 check failed, 2 usage error)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "fn", None) is None:
+        parser.print_help()
+        return 2
+    _request_devices(args.devices)
+
+    from nnscaler_jax.errors import PlanError
+
+    try:
+        return args.fn(args)
+    except (UsageError, PlanError) as e:
+        kind = "error" if isinstance(e, UsageError) else "plan error"
+        print(f"nnscaler-jax {args.command}: {kind}: {e}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"ok": False, "error": str(e)}))
+        return 2

@@ -1,0 +1,152 @@
+"""Check the compiled program, not only the numbers: collectives in HLO vs the plan's.
+
+``hlo_collectives(text, mesh)`` lists the collectives XLA put in a compiled module (kind, bytes of
+the result, the mesh axes its replica groups span); ``expected_collectives(graph, plan)`` lists
+the ones the plan implies between producer and consumer layouts (forward pass).
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+from nnscaler_jax.ir.graph import Graph, Role
+from nnscaler_jax.layout import Layout
+from nnscaler_jax.plan.layouts import op_layouts
+from nnscaler_jax.plan.plan import Plan
+
+__all__ = ["HloCollective", "expected_collectives", "hlo_collectives", "summarize"]
+
+_KINDS = {"all-reduce": "all_reduce", "all-gather": "all_gather",
+          "reduce-scatter": "reduce_scatter", "all-to-all": "all_to_all",
+          "collective-permute": "ppermute"}
+_LINE = re.compile(
+    r"=\s*(?P<type>\(?[a-z0-9]+\[[0-9,]*\][^ ]*(?:, [a-z0-9]+\[[0-9,]*\][^ ]*)*\)?)\s+"
+    r"(?P<op>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
+    r"(?:-start)?\(")
+_SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
+_BYTES = {"f32": 4, "f64": 8, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8,
+          "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2}
+
+
+@dataclass(frozen=True)
+class HloCollective:
+    """One collective of a compiled module."""
+
+    kind: str
+    bytes: int
+    axes: tuple[str, ...]
+
+
+def _groups(line: str) -> list[list[int]] | None:
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if m:  # replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'} (device ids in iota order)
+        axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+        names = [a for a, _ in axes]
+        sizes = [int(n) for _, n in axes]
+        chosen = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(2))]
+        ids = np.arange(int(np.prod(sizes))).reshape(sizes)
+        rest = [i for i in range(len(sizes)) if i not in chosen]
+        moved = ids.transpose(rest + chosen)
+        width = int(np.prod([sizes[i] for i in chosen])) if chosen else 1
+        return moved.reshape(-1, width).tolist()
+    m = re.search(r"replica_groups=\{(\{[0-9,]*\}(?:,\{[0-9,]*\})*)\}", line)
+    if m:
+        return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([0-9,]*)\}",
+                                                                        m.group(1))]
+    m = re.search(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", line)
+    if m:
+        out_shape = [int(x) for x in m.group(1).split(",")]
+        dims = [int(x) for x in m.group(2).split(",")]
+        ids = np.arange(int(np.prod(dims))).reshape(dims)
+        if m.group(3):
+            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        return ids.reshape(out_shape).tolist()
+    m = re.search(r"source_target_pairs=\{([0-9,{}]*)\}", line)
+    if m:
+        return [[int(x) for x in p.split(",")] for p in re.findall(r"\{([0-9,]+)\}", m.group(1))]
+    return None
+
+
+def _axes_of(groups: list[list[int]] | None, mesh) -> tuple[str, ...]:
+    if groups is None:
+        return ()
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    pos = {int(d): i for i, d in enumerate(ids.reshape(-1))}  # device id -> flat mesh position
+    try:
+        want = {frozenset(pos[i] for i in g) for g in groups if len(g) > 1}
+    except KeyError:
+        return ("?",)
+    if not want:
+        return ()
+    names = list(mesh.axis_names)
+    flat = np.arange(ids.size).reshape(ids.shape)
+    for r in range(1, len(names) + 1):
+        for subset in itertools.combinations(range(len(names)), r):
+            moved = np.moveaxis(flat, subset, range(len(names) - r, len(names)))
+            parts = {frozenset(x.reshape(-1).tolist()) for x in
+                     moved.reshape(-1, int(np.prod([flat.shape[i] for i in subset])))}
+            if want <= parts:
+                return tuple(names[i] for i in subset)
+    return ("?",)
+
+
+def hlo_collectives(hlo_text: str, mesh) -> list[HloCollective]:
+    """Collectives in compiled HLO text (``compiled.as_text()``), with the mesh axes they span."""
+    out = []
+    for line in hlo_text.splitlines():
+        m = _LINE.search(line)
+        if not m or "-done" in line.split("=")[0]:
+            continue
+        nbytes = 0
+        for dt, dims in _SHAPE.findall(m.group("type")):
+            n = int(np.prod([int(x) for x in dims.split(",") if x])) if dims else 1
+            nbytes += n * _BYTES.get(dt, 4)
+        out.append(HloCollective(_KINDS[m.group("op")], nbytes, _axes_of(_groups(line), mesh)))
+    return out
+
+
+def expected_collectives(graph: Graph, plan: Plan) -> list[tuple[str, str, str]]:
+    """``(kind, mesh axis, tensor)`` per layout change the plan implies in the forward pass.
+
+    Per mesh axis, producer state -> consumer state: V->R all-reduce, V->D reduce-scatter,
+    D->R all-gather, D(i)->D(j) all-to-all; R->D and R->V are local.
+    """
+    plans = {p.op: p for p in plan.ops}
+    layout: dict[int, Layout] = {}
+    for t in graph.inputs:
+        spec = plan.variable_spec(t.name) if t.role is Role.VARIABLE else None
+        layout[t.id] = Layout.from_pspec(spec, t.ndim) if spec else None
+    out = []
+    for op in graph.walk():
+        ins, outs = op_layouts(op, plans.get(op.id))
+        for t, want in zip(op.inputs, ins, strict=True):
+            have = layout.get(t.id)
+            if have is None or t.ndim == 0:
+                continue
+            for axis, _ in plan.mesh:
+                a, b = have.axis_state(axis), want.axis_state(axis)
+                kind = {("V", "R"): "all_reduce", ("V", "D"): "reduce_scatter",
+                        ("D", "R"): "all_gather"}.get((a[0], b[0]))
+                if a[0] == "D" and b[0] == "D" and a != b:
+                    kind = "all_to_all"
+                if kind and dict(plan.mesh)[axis] > 1:
+                    out.append((kind, axis, str(t)))
+        for t, lay in zip(op.outputs, outs, strict=True):
+            layout[t.id] = lay
+    return out
+
+
+def summarize(items) -> Counter:
+    """Count ``(kind, axes)`` of HloCollective values or ``(kind, axis, _)`` tuples."""
+    c: Counter = Counter()
+    for x in items:
+        if isinstance(x, HloCollective):
+            c[(x.kind, x.axes)] += 1
+        else:
+            c[(x[0], (x[1],))] += 1
+    return c
