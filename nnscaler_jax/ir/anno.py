@@ -308,20 +308,22 @@ def _dim(token: str) -> Dim:
 
 
 def _check_kinds(text: str, anno: Anno) -> None:
+    """Every identifier keeps one kind; fixed sizes take none. Underlines the offending token."""
+    # The dim tokens of ``text`` in order are exactly the dims of the operands in order.
+    spots = [(m.start("name"), m.end() - m.start("name"))
+             for m in _TOKEN.finditer(text) if m.group("name")]
+    dims = [d for op in anno.operands for ax in op.axes or () for d in ax.dims]
     seen: dict[str, DimKind] = {}
-    for op in anno.operands:
-        for ax in op.axes or ():
-            for d in ax.dims:
-                if d.fixed is not None:
-                    if d.kind is not DimKind.SPATIAL:
-                        pos = text.find(str(d))
-                        raise _syntax_error(text, max(pos, 0), len(str(d)),
-                                            "a fixed-size dim takes no '+' or '^'")
-                    continue
-                if seen.setdefault(d.name, d.kind) is not d.kind:
-                    pos = text.find(str(d))
-                    raise _syntax_error(
-                        text, max(pos, 0), len(str(d)),
-                        f"dim '{d.name}' marked '{seen[d.name].value}' elsewhere: mark it the "
-                        "same in every operand",
-                    )
+    for d, (pos, width) in zip(dims, spots, strict=True):
+        if d.fixed is not None:
+            if d.kind is not DimKind.SPATIAL:
+                raise _syntax_error(text, pos, width, "a fixed-size dim takes no '+' or '^'")
+            continue
+        first = seen.setdefault(d.name, d.kind)
+        if first is not d.kind:
+            was = f"marked '{first.value}'" if first.value else "unmarked"
+            raise _syntax_error(
+                text, pos, width,
+                f"dim '{d.name}' is {was} where it first appears: mark it the same in every "
+                "operand",
+            )
