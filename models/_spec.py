@@ -42,7 +42,7 @@ class ModelSpec:
     """A model ready for a parallelizer: a module, example args and a scalar loss.
 
     The calling convention is ``loss_fn(module.apply(variables, *args), *args)`` for linen and
-    ``loss_fn(module(*args), *args)`` for nnx. ``apply``/``loss`` below do exactly that and also
+    ``loss_fn(module(*args), *args)`` for nnx (``variables`` is then an ``nnx.State`` of ``module``). ``apply``/``loss`` below do exactly that and also
     handle the mutable collections (``batch_stats``) and rng streams (``dropout``) some models need.
 
     Attributes:
@@ -78,7 +78,8 @@ class ModelSpec:
         if self.kind != "linen":
             raise TypeError(f"{self.name}:{self.preset} is an nnx module; it holds its own state")
         args = args or self.make_args(abstract=False)
-        return self.module.init(_rngs(rng, ("params", *self.rng_streams)), *args)
+        init = jax.jit(lambda r, *a: self.module.init(_rngs(r, ("params", *self.rng_streams)), *a))
+        return init(rng, *args)
 
     def init_abstract(self) -> Any:
         """Variables as ``jax.ShapeDtypeStruct`` via ``jax.eval_shape`` (no allocation)."""
@@ -94,8 +95,10 @@ class ModelSpec:
 
     def apply(self, variables: Any, *args, rng: jax.Array | None = None) -> tuple[Any, Any]:
         """Training-mode forward: returns ``(output, updated_mutable_collections)``."""
-        if self.kind == "nnx":
-            return self.module(*args), {}
+        if self.kind == "nnx":  # variables: an nnx.State of self.module (concrete or abstract)
+            from flax import nnx
+
+            return nnx.merge(nnx.graphdef(self.module), variables)(*args), {}
         rngs = _rngs(rng, self.rng_streams) if self.rng_streams else None
         if self.mutable:
             return self.module.apply(variables, *args, rngs=rngs, mutable=list(self.mutable))
