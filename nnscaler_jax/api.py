@@ -21,7 +21,7 @@ from nnscaler_jax.capture.trace import Captured, abstract_init
 from nnscaler_jax.constraints import Constraints
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.from_jaxpr import graph_from_jaxpr
-from nnscaler_jax.lower.replay import Lowering
+from nnscaler_jax.lower.replay import Lowering, explicitly_typed
 from nnscaler_jax.lower.verify import compare_outputs
 from nnscaler_jax.plan.plan import Plan
 from nnscaler_jax.plan.policies import get_policy
@@ -57,9 +57,10 @@ def make_plan_for(graph: Any, mesh: Any, *, policy: Any = "auto", plan: Plan | N
         return plan
     constraints = constraints or Constraints()
     constraints.check(graph, axes)
-    draft = Draft(graph, axes, zero=constraints.zero or 0)
+    draft = Draft(graph, axes)
     fn = get_policy(policy if policy is not None else "auto")
-    draft.policy = policy if isinstance(policy, str) else getattr(fn, "__name__", "custom")
+    name = policy if policy is not None else "auto"
+    draft.policy = name if isinstance(name, str) else getattr(fn, "__name__", "custom")
     try:
         result = fn(draft, mesh)
     except PlanError:
@@ -106,7 +107,8 @@ class AutoParallel:
     # ---- planning -------------------------------------------------------------------------------
 
     def _program(self, tr: Traceable, extra: Any) -> _Program:
-        key = _signature(tr.flat_inputs, extra)
+        explicit = any(explicitly_typed(x) for x in tr.flat_inputs)
+        key = _signature(tr.flat_inputs, (extra, explicit))
         prog = self._programs.get(key)
         if prog is None:
             abstract = [_abstract(x) for x in tr.flat_inputs]
@@ -122,7 +124,7 @@ class AutoParallel:
             captured = Captured(tr, jaxpr, graph, tr.out_tree())
             plan = make_plan_for(graph, self.mesh, policy=self.policy, plan=self.fixed_plan,
                                  constraints=self.constraints)
-            lowering = Lowering(graph, plan, self.mesh)
+            lowering = Lowering(graph, plan, self.mesh, explicit=explicit)
             shardings = lowering.input_shardings()
             fn = jax.jit(lowering, in_shardings=shardings)
             prog = _Program(captured, plan, fn, shardings)

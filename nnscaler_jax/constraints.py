@@ -98,22 +98,11 @@ class Constraints:
 
     def apply_zero(self, plan, graph: Graph, mesh_axes: dict[str, int]):
         """Record the ZeRO stage on the plan (stage 3 also shards variable storage)."""
-        if self.zero is None or self.zero == plan.zero:
+        if self.zero is None:
             return plan
-        if self.zero == 3 and not any(any(e is not None for e in s) for _, s in plan.variables):
-            from nnscaler_jax.plan.policies import DATA_AXES
+        if self.zero == 3 and plan.zero != 3:
+            from nnscaler_jax.plan.policies import DATA_AXES, zero3_storage
 
             axes = [a for a in mesh_axes if a in DATA_AXES] or list(mesh_axes)
-            ways = 1
-            for a in axes:
-                ways *= mesh_axes[a]
-            variables = []
-            for t in graph.variables:
-                spec = [None] * t.ndim
-                for i, n in enumerate(t.shape):
-                    if ways > 1 and n % ways == 0:
-                        spec[i] = tuple(axes) if len(axes) > 1 else axes[0]
-                        break
-                variables.append((t.name, tuple(spec)))
-            return replace(plan, zero=3, variables=tuple(sorted(variables)))
+            return zero3_storage(plan, graph, axes)
         return replace(plan, zero=self.zero)

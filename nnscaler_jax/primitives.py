@@ -12,7 +12,9 @@ graph plus the decisions made so far) and calls the primitives::
         return graph.finish()
 
 - ``op_trans(graph, op, algo, n)``: split ``op`` into ``n`` sub-ops along the annotated dim
-  ``algo`` (an identifier; a ``+`` identifier yields partial sums), or ``"replicate"``.
+  ``algo`` (an identifier; a ``+`` identifier yields partial sums), ``"value"`` (an op linear in
+  its inputs takes partial sums and yields partial sums: a value-split chain), or
+  ``"replicate"``.
   Sub-ops can be split again (2-D partitions).
 - ``op_assign(graph, sub_op, devices)``: place a sub-op on mesh coordinates (``{"data": 1}``), or
   a list of sub-ops along a mesh axis (``"data"``: sub-op i on coordinate i). More sub-ops than
@@ -33,7 +35,7 @@ from typing import Any
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.anno import DimKind, parse_anno
 from nnscaler_jax.ir.graph import Graph, Op
-from nnscaler_jax.plan.plan import OpPlan, Plan, graph_fingerprint
+from nnscaler_jax.plan.plan import VALUE, OpPlan, Plan, graph_fingerprint
 
 __all__ = ["Draft", "SubOp", "op_assign", "op_order", "op_trans"]
 
@@ -89,6 +91,13 @@ class Draft:
             if axis not in self.mesh_axes:
                 raise _op_error(op, f"mesh axis '{axis}' is not in the mesh "
                                 f"{self.mesh_axes}", "Use one of the mesh's axis names.")
+            if dim == VALUE:
+                from nnscaler_jax.lower.regions import LINEAR
+
+                if op.primitive not in LINEAR:
+                    raise _op_error(op, "cannot value-split it: it is not linear in its inputs",
+                                    f"Value-split only {sorted(LINEAR)}.")
+                continue
             if dim not in names:
                 kinds = anno.kinds()
                 why = ("it is frozen ('^')" if kinds.get(dim) is DimKind.FROZEN else
@@ -101,7 +110,7 @@ class Draft:
             # Same dim over several axes: allowed (major-to-minor), but check divisibility.
             pass
         sizes = anno.bind([t.shape for t in op.inputs], [t.shape for t in op.outputs])
-        for d in set(dims):
+        for d in set(dims) - {VALUE}:
             ways = math.prod(self.mesh_axes[a] for a, x in pairs if x == d)
             ways *= chunks[1] if chunks and chunks[0] == d else 1
             if sizes[d] % ways:
@@ -129,6 +138,7 @@ class Draft:
         for op_id, assigned in self._assigned.items():
             decisions[op_id] = self._compile_assignment(op_id, assigned)
         decisions = propagate(self.graph, decisions, self.mesh_axes)
+        decisions = _mark_partial_producers(self.graph, decisions)
         variables = dict(self.variables)
         variables.update(_consumer_storage(self.graph, decisions, variables))
         order = tuple(self.order)
@@ -185,8 +195,15 @@ def op_trans(graph: Draft, op: Op | SubOp, algo: str, n: int) -> tuple[SubOp, ..
     prefix = op.splits if isinstance(op, SubOp) else ()
     if algo == "replicate":
         return tuple(SubOp(base, prefix + (("replicate", n, i),)) for i in range(n))
+    if algo == "value":
+        from nnscaler_jax.lower.regions import LINEAR
+
+        if base.primitive not in LINEAR:
+            raise _op_error(base, "cannot value-split it: it is not linear in its inputs",
+                            f"Value-split only {sorted(LINEAR)}.")
+        algo = VALUE
     anno = parse_anno(base.anno)
-    if algo not in anno.splittable():
+    if algo != VALUE and algo not in anno.splittable():
         kinds = anno.kinds()
         why = ("it is frozen ('^')" if kinds.get(algo) is DimKind.FROZEN else
                "it is not the first dim of its group" if algo in kinds else
@@ -194,6 +211,7 @@ def op_trans(graph: Draft, op: Op | SubOp, algo: str, n: int) -> tuple[SubOp, ..
         raise _op_error(base, f"op_trans along '{algo}': {why}",
                         f"Splittable dims: {anno.splittable() or 'none'}; or 'replicate'.")
     sizes = anno.bind([t.shape for t in base.inputs], [t.shape for t in base.outputs])
+    sizes[VALUE] = n * math.prod(m for d, m, _ in prefix if d == VALUE)  # any n divides
     done = math.prod(m for d, m, _ in prefix if d == algo)
     if n < 1 or sizes[algo] % (n * done):
         raise _op_error(base, f"op_trans along '{algo}' into {n}: size {sizes[algo]} is not "
@@ -290,4 +308,25 @@ def _consumer_storage(graph: Graph, decisions: dict[int, OpPlan],
                 spec = tuple(lay.to_pspec())
                 out[t.name] = spec + (None,) * (t.ndim - len(spec))
                 del want[t.id]
+    return out
+
+
+def _mark_partial_producers(graph: Graph, decisions: dict[int, OpPlan]) -> dict[int, OpPlan]:
+    """Producers whose partial sums feed value-split ops keep them partial (one chain)."""
+    from dataclasses import replace
+
+    from nnscaler_jax.plan.layouts import op_layouts
+
+    out = dict(decisions)
+    for op in graph.ops:
+        p = decisions.get(op.id)
+        value_axes = {a for a, d in (p.split if p else ()) if d == VALUE}
+        for t in op.inputs if value_axes else ():
+            prod = graph.producer.get(t.id)
+            if prod is None or out[prod.id].keep_partial:
+                continue
+            _, outs = op_layouts(prod, out[prod.id])
+            lay = outs[[x.id for x in prod.outputs].index(t.id)]
+            if set(lay.partial) & value_axes:
+                out[prod.id] = replace(out[prod.id], keep_partial=True)
     return out

@@ -35,7 +35,8 @@ def abstract_init(module: nn.Module, args: tuple, kwargs: dict) -> Any:
     """Variables of a linen module as ``ShapeDtypeStruct`` values (no allocation)."""
     keys = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
     try:
-        return jax.eval_shape(lambda: module.init(keys, *args, **kwargs))
+        return jax.eval_shape(lambda a, kw: module.init(keys, *a, **kw), tuple(args),
+                              dict(kwargs))
     except Exception as e:  # noqa: BLE001 - re-raised with context a user can act on
         raise PlanError(
             f"{type(module).__name__}.init failed on the example args "
@@ -102,6 +103,6 @@ def trace(module: Any, *args: Any, **kwargs: Any) -> Graph:
     >>> import jax, jax.numpy as jnp, flax.linen as nn
     >>> g = trace(nn.Dense(4), jax.ShapeDtypeStruct((2, 8), jnp.float32))
     >>> [op.anno for op in g.ops if op.primitive == 'dot_general']
-    ['a b+, b+ c -> a c']
+    ['m0 k0+, k0+ n0 -> m0 n0']
     """
     return capture(module, *args, **kwargs).graph

@@ -71,11 +71,16 @@ class _Builder:
 
     def module_path(self, stack: str) -> str:
         parts = [p for p in stack.split("/") if p]
-        # Transform markers ("jvp(...)", "vmap(...)") are not module names.
-        parts = [p for p in parts if "(" not in p]
+        # Transform markers ("jvp(...)") and einsum specs ("bqhd,bkhd->bhqk") are not module
+        # names; a linen method scope "wte.attend" belongs to module "wte".
+        parts = [p.split(".")[0] for p in parts if not any(c in p for c in "(,>")]
         if parts and self.root and parts[0] == self.root:
             parts = parts[1:]
-        return "/".join(parts)
+        out: list[str] = []
+        for p in parts:
+            if not out or out[-1] != p:  # "attn/attn._split_heads" -> "attn"
+                out.append(p)
+        return "/".join(out)
 
     def build(self, jaxpr: jcore.Jaxpr, consts: Sequence[Any], in_tensors: Sequence[Tensor],
               stack: str = "") -> Graph:
@@ -138,8 +143,12 @@ class _Builder:
                 if anno is None:
                     anno = ", ".join("?" for _ in ins) + " -> " + ", ".join("?" for _ in outs)
                     self.missing.setdefault(name, set()).add(self.module_path(here))
+            path = self.module_path(here)
+            if regions and not path:  # a region belongs to the module all its body ops share
+                body_paths = [op.module_path for g in regions for op in g.walk()]
+                path = _common_prefix(body_paths)
             ops.append(Op(next(self.ids), name, tuple(ins), tuple(outs), str(anno), annotated,
-                          self.module_path(here), boundary, regions, eqn))
+                          path, boundary, regions, eqn))
 
     def _regions(self, eqn, stack: str) -> tuple[Graph, ...]:
         p = eqn.params
@@ -155,6 +164,18 @@ class _Builder:
             ins = [self.tensor(v.aval) for v in closed.jaxpr.invars]
             graphs.append(self.build(closed.jaxpr, closed.consts, ins, stack))
         return tuple(graphs)
+
+
+def _common_prefix(paths: list[str]) -> str:
+    split = [p.split("/") for p in paths if p]
+    if not split or len(split) != len(paths):
+        return ""
+    out = []
+    for parts in zip(*split):
+        if len(set(parts)) != 1:
+            break
+        out.append(parts[0])
+    return "/".join(out)
 
 
 def _region_anno(eqn, regions: tuple[Graph, ...], ins, outs) -> tuple[str, bool]:

@@ -123,14 +123,25 @@ class Op:
         return self.eqn.params if self.eqn is not None else {}
 
     def __str__(self) -> str:
-        ins = ", ".join(map(str, self.inputs))
+        ins = ", ".join(_operand_str(t) for t in self.inputs)
         outs = ", ".join(map(str, self.outputs))
         mark = "" if self.annotated else "  !unannotated"
         where = f"  @{self.module_path}" if self.module_path else ""
-        return f"{outs} = {self.primitive}({ins})  [{self.anno}]{where}{mark}"
+        inside = f"  in{list(self.boundary)}" if self.boundary else ""
+        return f"{outs} = {self.primitive}({ins})  [{self.anno}]{where}{inside}{mark}"
 
 
-@dataclass(frozen=True, slots=True)
+def _operand_str(t: Tensor) -> str:
+    """Scalar constants print as their value (``2.0:float32``), other tensors as ``%id:type``."""
+    if t.role is Role.CONST and t.ndim == 0 and t.value is not None:
+        try:
+            return f"{np.asarray(t.value).item()!r}:{t.dtype}"
+        except (TypeError, ValueError):
+            pass
+    return str(t)
+
+
+@dataclass(frozen=True)  # no slots: cached_property indexes (producer, consumers)
 class Graph:
     """An operator graph in topological order.
 
@@ -177,12 +188,13 @@ class Graph:
         """A view with op ids (and ``'in:<tensor id>'`` for inputs) as nodes, tensors on edges."""
         g = nx.MultiDiGraph()
         producer: dict[int, Any] = {}
-        for t in self.inputs + self.consts:
-            producer[t.id] = f"in:{t.id}"
-            g.add_node(f"in:{t.id}", tensor=t)
+        sources = {t.id: t for t in self.inputs + self.consts}
         for op in self.ops:
             g.add_node(op.id, op=op)
             for t in op.inputs:
+                if t.id not in producer and t.id in sources:  # inputs read by some op
+                    producer[t.id] = f"in:{t.id}"
+                    g.add_node(f"in:{t.id}", tensor=t)
                 if t.id in producer:
                     g.add_edge(producer[t.id], op.id, tensor=t)
             for t in op.outputs:
@@ -212,6 +224,9 @@ def _print_graph(g: Graph, indent: str) -> str:
     for t in g.inputs:
         label = f" {t.role.value}" + (f" {t.name}" if t.name else "")
         lines.append(f"{indent}input {t}{label}")
+    for b in g.boundaries:
+        lines.append(f"{indent}boundary {b.id} {b.kind}(" + ", ".join(map(str, b.inputs))
+                     + ") -> " + ", ".join(map(str, b.outputs)))
     for op in g.ops:
         lines.append(f"{indent}{op}")
         for i, region in enumerate(op.regions):

@@ -17,44 +17,89 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.plan.layouts import op_layouts
-from nnscaler_jax.plan.plan import Plan
+from nnscaler_jax.plan.plan import VALUE, OpPlan, Plan
 
-__all__ = ["Lowering", "auto_mesh", "bind_eqn"]
+__all__ = ["Lowering", "auto_view", "bind_eqn", "explicitly_typed", "is_explicit"]
 
 
-def auto_mesh(mesh: Mesh) -> Mesh:
+def is_explicit(mesh: Any) -> bool:
+    """Whether some mesh axis has Explicit type (sharding is part of array types)."""
+    return any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+
+def auto_view(mesh: Mesh) -> Mesh:
     """The same devices and axis names with Auto axis types (GSPMD propagates shardings)."""
-    types = getattr(mesh, "axis_types", None)
-    if types is not None and all(t == AxisType.Auto for t in types):
+    if not is_explicit(mesh):
         return mesh
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
+def explicitly_typed(x: Any) -> bool:
+    """Whether ``x`` carries an Explicit-axis sharding in its type (jax 0.10 sharding in types)."""
+    try:
+        sharding = jax.typeof(x).sharding
+    except (TypeError, AttributeError):
+        return False
+    mesh = getattr(sharding, "mesh", None)
+    return mesh is not None and not getattr(mesh, "empty", True) and is_explicit(mesh)
+
+
 @dataclass(eq=False)
 class Lowering:
-    """Replays ``graph`` under ``plan`` on ``mesh``."""
+    """Replays ``graph`` under ``plan`` on ``mesh`` (``explicit``: inputs carry Explicit
+    sharding types)."""
 
     graph: Graph
     plan: Plan
     mesh: Mesh
 
+    explicit: bool = False
+
     def __post_init__(self) -> None:
-        self.mesh = auto_mesh(self.mesh)
+        # Untyped inputs: run on an Auto view of the mesh. Explicitly typed inputs: run on the
+        # user's Explicit mesh under auto_axes, so results are typed like the plan's layouts.
+        self.mesh = self.mesh if self.explicit else auto_view(self.mesh)
         self._plans = {p.op: p for p in self.plan.ops}
         self._consumer_layout: dict[int, Layout] = {}
+        self._consumers: dict[int, list[int]] = {}
         for op in self.graph.walk():
             ins, _ = op_layouts(op, self._plans.get(op.id))
             for t, lay in zip(op.inputs, ins, strict=True):
                 self._consumer_layout.setdefault(t.id, lay)
+                self._consumers.setdefault(t.id, []).append(op.id)
+        self._outputs = {t.id for t in self.graph.outputs}
+
+    def plan_of(self, op: Op) -> OpPlan:
+        return self._plans.get(op.id) or OpPlan(op.id, op.primitive, op.module_path)
+
+    def consumers(self, tensor_id: int) -> list[int]:
+        return self._consumers.get(tensor_id, [])
+
+    def is_output(self, tensor_id: int) -> bool:
+        return tensor_id in self._outputs
+
+    def _in_chain(self, op: Op) -> bool:
+        p = self._plans.get(op.id)
+        return p is not None and (p.keep_partial or any(d == VALUE for _, d in p.split))
 
     # ---- layouts ------------------------------------------------------------------------------
 
-    def sharding(self, layout: Layout) -> NamedSharding:
+    def sharding(self, layout: Layout) -> NamedSharding | PartitionSpec:
+        """What ``with_sharding_constraint`` takes inside the program: on an Explicit mesh the
+        program runs under ``auto_axes`` and constraints are specs of the context mesh."""
+        spec = layout.to_pspec(allow_partial=True)
+        return spec if self.explicit else NamedSharding(self.mesh, spec)
+
+    def region_mesh(self) -> Any:
+        """The mesh ``shard_map`` regions use: the context (Auto) mesh under ``auto_axes``."""
+        return jax.sharding.get_abstract_mesh() if self.explicit else self.mesh
+
+    def named(self, layout: Layout) -> NamedSharding:
         return NamedSharding(self.mesh, layout.to_pspec(allow_partial=True))
 
     def input_layout(self, t: Tensor) -> Layout:
@@ -73,8 +118,18 @@ class Lowering:
             if t.role is Role.RNG or not _is_array_dtype(t.dtype):
                 out.append(None)
             else:
-                out.append(self.sharding(self.input_layout(t)))
+                out.append(self.named(self.input_layout(t)))
         return tuple(out)
+
+    def output_specs(self) -> list[PartitionSpec]:
+        """Layouts of the graph outputs (what their producers leave them in)."""
+        lays: dict[int, Layout] = {t.id: self.input_layout(t) for t in self.graph.inputs}
+        for op in self.graph.ops:
+            _, outs = op_layouts(op, self._plans.get(op.id))
+            for t, lay in zip(op.outputs, outs, strict=True):
+                lays[t.id] = self._resolve(t, lay)
+        return [Layout(lays[t.id].dims).to_pspec() if t.id in lays else PartitionSpec()
+                for t in self.graph.outputs]
 
     def _resolve(self, t: Tensor, lay: Layout) -> Layout:
         """Replace partial axes by what the first consumer needs on them."""
@@ -96,7 +151,19 @@ class Lowering:
     # ---- replay -------------------------------------------------------------------------------
 
     def __call__(self, *flat_inputs: Any) -> list[Any]:
-        """The planned program (traceable; jit it over the mesh)."""
+        """The planned program (traceable; jit it over the mesh).
+
+        On a mesh with Explicit axes, the replay runs under ``jax.sharding.auto_axes`` (GSPMD
+        places what the constraints leave open) and its results get the outputs' layouts.
+        """
+        if not self.explicit:
+            return self._program(*flat_inputs)
+        specs = self.output_specs()
+        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+            fn = jax.sharding.auto_axes(lambda *a: list(self._program(*a)), out_sharding=specs)
+            return fn(*flat_inputs)
+
+    def _program(self, *flat_inputs: Any) -> list[Any]:
         env: dict[int, Any] = {}
         for t, x in zip(self.graph.inputs, flat_inputs, strict=True):
             if t.role is not Role.RNG and _is_array_dtype(t.dtype) and t.ndim:
@@ -129,6 +196,16 @@ class Lowering:
                         ops[j].boundary[depth] == bid:
                     j += 1
                 self._boundary(ops[i:j], depth, env, boundaries[bid], boundaries)
+                i = j
+                continue
+            if self._in_chain(op):
+                from nnscaler_jax.lower.regions import run_value_chain
+
+                j = i
+                while j < len(ops) and self._in_chain(ops[j]) and \
+                        len(ops[j].boundary) == len(op.boundary):
+                    j += 1
+                run_value_chain(self, ops[i:j], env)
                 i = j
                 continue
             self._op(op, env)

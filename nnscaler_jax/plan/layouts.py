@@ -7,7 +7,7 @@ from functools import lru_cache
 from nnscaler_jax.ir.anno import DimKind, parse_anno
 from nnscaler_jax.ir.graph import Op
 from nnscaler_jax.layout import Layout
-from nnscaler_jax.plan.plan import OpPlan
+from nnscaler_jax.plan.plan import VALUE, OpPlan
 
 __all__ = ["op_layouts", "split_for_layout"]
 
@@ -23,6 +23,10 @@ def _layouts(anno_text: str, ranks: tuple[int, ...], n_in: int,
         partial: list[str] = []
         if operand.axes is not None:
             for axis, name in split:
+                if name == VALUE:
+                    if k >= n_in:
+                        partial.append(axis)
+                    continue
                 pos = operand.axis_of(name)
                 if pos is not None:
                     dims[pos].append(axis)

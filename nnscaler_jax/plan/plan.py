@@ -11,9 +11,10 @@ from typing import Any
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Graph
 
-__all__ = ["OpPlan", "Plan", "PlanCost", "graph_fingerprint"]
+__all__ = ["VALUE", "OpPlan", "Plan", "PlanCost", "graph_fingerprint"]
 
 FORMAT = "nnscaler_jax.plan/1"
+VALUE = "+"  # pseudo-identifier: value-split (inputs and outputs stay partial sums)
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +25,9 @@ class OpPlan:
         op: the op id in the graph.
         primitive / module_path: for people reading the plan (checked against the graph).
         split: ``(mesh axis, identifier)`` pairs: the op's annotated dim split over that axis
-            (a ``+`` identifier makes the outputs partial sums on that axis).
+            (a ``+`` identifier makes the outputs partial sums on that axis; the pseudo-identifier
+            ``VALUE`` = ``"+"`` value-splits an op linear in its inputs: partial sums in, partial
+            sums out).
         chunks: co-sharding: ``(identifier, k)``: each device runs its part as k sequential
             chunks along that dim, recomputed in the backward pass (op_trans to k x devices
             sub-ops, op_assign k per device, op_order them).

@@ -171,19 +171,31 @@ def zero3(graph: Draft, mesh: Any) -> Plan:
     axes = _axes(graph.mesh_axes, DATA_AXES) or list(graph.mesh_axes)
     graph.policy, graph.zero = graph.policy or "zero3", 3
     _plan_by_classes(graph, axes, [])
-    _shard_variables(graph, axes)
-    return graph.finish()
+    return zero3_storage(graph.finish(), graph.graph, axes)
 
 
-def _shard_variables(graph: Draft, axes: list[str]) -> None:
-    ways = math.prod(graph.mesh_axes[a] for a in axes)
-    for t in graph.graph.variables:
+def zero3_storage(plan: Plan, graph: Any, axes: list[str]) -> Plan:
+    """``plan`` with every variable's storage also sharded over the data ``axes`` (ZeRO-3):
+    on its first dim that the data axes (times any axes already splitting it) divide."""
+    from dataclasses import replace
+
+    mesh_axes = dict(plan.mesh)
+    ways = math.prod(mesh_axes[a] for a in axes)
+    specs = dict(plan.variables)
+    for t in graph.variables:
+        spec = list(specs.get(t.name, (None,) * t.ndim))
+        used = {a for e in spec if e for a in ((e,) if isinstance(e, str) else e)}
+        if ways == 1 or used & set(axes):
+            continue
         for i, n in enumerate(t.shape):
-            if ways > 1 and n % ways == 0:
-                spec: list[Any] = [None] * t.ndim
-                spec[i] = tuple(axes) if len(axes) > 1 else axes[0]
-                graph.store_variable(t.name, spec)
+            have = () if spec[i] is None else ((spec[i],) if isinstance(spec[i], str)
+                                               else tuple(spec[i]))
+            if n % (ways * math.prod(mesh_axes[a] for a in have)) == 0:
+                new = tuple(axes) + have
+                spec[i] = new[0] if len(new) == 1 else new
+                specs[t.name] = tuple(spec)
                 break
+    return replace(plan, zero=3, variables=tuple(sorted(specs.items())))
 
 
 def megatron(graph: Draft, mesh: Any) -> Plan:

@@ -105,9 +105,7 @@ def test_networkx_view_of_the_mlp() -> None:
 @pytest.mark.parametrize(("name", "preset"), [
     ("gpt", "tiny"),
     ("gpt", "tiny-scan"),
-    pytest.param("gpt_nnx", "tiny", marks=pytest.mark.xfail(
-        strict=True, reason="to_networkx adds a node for every input, also the nnx rng "
-                            "count/key variables no op reads")),
+    ("gpt_nnx", "tiny"),
 ])
 def test_networkx_view_of_the_zoo(name: str, preset: str) -> None:
     spec = models.get(name, preset)

@@ -1,0 +1,174 @@
+"""``shard_map`` regions for what sharding annotations cannot say.
+
+- Co-sharding (``OpPlan.chunks``): an op split into k x (devices) sub-ops, k per device, run one
+  after another (``lax.map`` over chunks, each under ``jax.checkpoint`` so the backward pass
+  recomputes a chunk instead of keeping all of them).
+- Value-split chains (``OpPlan.keep_partial`` / value-split ops): partial sums flow through ops
+  that are linear in them (``(x1 + x2) * c == x1 * c + x2 * c``) without being reduced; the
+  reduction (``psum``) happens once, where the chain's values leave the region.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from nnscaler_jax.errors import PlanError
+from nnscaler_jax.ir.anno import DimKind
+from nnscaler_jax.ir.graph import Op, Role
+from nnscaler_jax.layout import Layout
+from nnscaler_jax.lower.local import bind_local
+from nnscaler_jax.plan.layouts import op_layouts
+from nnscaler_jax.plan.plan import VALUE, OpPlan
+
+__all__ = ["LINEAR", "run_cosharded", "run_value_chain"]
+
+# Ops linear in their partial-sum inputs: (kind, which inputs may be partial).
+LINEAR = {
+    "add": "all", "sub": "all", "add_any": "all", "neg": "all", "convert_element_type": "all",
+    "reshape": "all", "transpose": "all", "broadcast_in_dim": "all", "reduce_sum": "all",
+    "copy": "all", "copy_p": "all", "squeeze": "all", "expand_dims": "all",
+    "mul": "one", "dot_general": "one", "div": "first",
+}
+
+
+def _ways(plan: OpPlan, mesh_axes: dict[str, int]) -> dict[str, int]:
+    ways: dict[str, int] = {}
+    for axis, name in plan.split:
+        if name != VALUE:
+            ways[name] = ways.get(name, 1) * mesh_axes[axis]
+    return ways
+
+
+def _spec(lay: Layout) -> PartitionSpec:
+    return Layout(lay.dims).to_pspec()
+
+
+def _as_array(x: Any) -> Any:
+    return x if hasattr(x, "shape") and hasattr(x, "dtype") else jnp.asarray(x)
+
+
+def run_cosharded(lw: Any, op: Op, plan: OpPlan, ins: Sequence[Any],
+                  in_lays: Sequence[Layout], out_lays: Sequence[Layout]) -> list[Any]:
+    """Run ``op`` as ``plan.chunks[1]`` sequential, recomputed chunks per device."""
+    dim, k = plan.chunks
+    anno = op.annotation
+    mesh_axes = dict(zip(lw.mesh.axis_names, lw.mesh.devices.shape, strict=True))
+    ways = _ways(plan, mesh_axes)
+    chunk_ways = {**ways, dim: ways.get(dim, 1) * k}
+    pos_in = [operand.axis_of(dim) for operand in anno.inputs]
+    pos_out = [operand.axis_of(dim) for operand in anno.outputs]
+    reduce = anno.kinds()[dim] is DimKind.REDUCE and all(p is None for p in pos_out)
+    partial = sorted({a for lay in out_lays for a in lay.partial})
+
+    def split(x, pos):
+        shape = x.shape
+        x = x.reshape(shape[:pos] + (k, shape[pos] // k) + shape[pos + 1:])
+        return jnp.moveaxis(x, pos, 0)
+
+    def merge(y, pos):
+        y = jnp.moveaxis(y, 0, pos)
+        return y.reshape(y.shape[:pos] + (y.shape[pos] * y.shape[pos + 1],) + y.shape[pos + 2:])
+
+    def body(*local):
+        chunked = [split(x, p) for x, p in zip(local, pos_in, strict=True) if p is not None]
+
+        @jax.checkpoint
+        def one(chunks):
+            it = iter(chunks)
+            args = [next(it) if p is not None else x
+                    for x, p in zip(local, pos_in, strict=True)]
+            return bind_local(op, args, chunk_ways)
+
+        if reduce:
+            first = one([c[0] for c in chunked])
+            rest = jax.lax.map(one, [c[1:] for c in chunked]) if k > 1 else None
+            outs = [f + (jnp.sum(r, axis=0) if rest is not None else 0)
+                    for f, r in zip(first, rest or [None] * len(first), strict=True)]
+        else:
+            ys = jax.lax.map(one, chunked)
+            outs = [merge(y, p) if p is not None else y[0] for y, p in
+                    zip(ys, pos_out, strict=True)]
+        return [jax.lax.psum(o, tuple(partial)) if partial else o for o in outs]
+
+    local_ins = [_as_array(x) for x in ins]
+    fn = jax.shard_map(body, mesh=lw.region_mesh(), in_specs=tuple(_spec(l) for l in in_lays),
+                       out_specs=[_spec(l) for l in out_lays], check_vma=False)
+    return list(fn(*local_ins))
+
+
+def run_value_chain(lw: Any, ops: Sequence[Op], env: dict[int, Any]) -> None:
+    """Run a chain of ops that keep partial sums, in one ``shard_map``; reduce at its exits."""
+    mesh_axes = dict(zip(lw.mesh.axis_names, lw.mesh.devices.shape, strict=True))
+    produced = {t.id for op in ops for t in op.outputs}
+    ids = {op.id for op in ops}
+    ext, ext_lays = [], []
+    for op in ops:
+        ins, _ = op_layouts(op, lw.plan_of(op))
+        for t, lay in zip(op.inputs, ins, strict=True):
+            if t.id in produced or any(t.id == e.id for e in ext):
+                continue
+            if t.role is Role.CONST and t.ndim == 0:
+                continue
+            ext.append(t)
+            ext_lays.append(lay)
+    exits = [t for op in ops for t in op.outputs
+             if any(c not in ids for c in lw.consumers(t.id)) or lw.is_output(t.id)]
+    exit_lays = []
+    for t in exits:
+        op = next(o for o in ops if any(x.id == t.id for x in o.outputs))
+        _, outs = op_layouts(op, lw.plan_of(op))
+        exit_lays.append(outs[[x.id for x in op.outputs].index(t.id)])
+
+    def body(*local):
+        vals = {t.id: x for t, x in zip(ext, local, strict=True)}
+        part: dict[int, frozenset[str]] = {}
+        for op in ops:
+            plan = lw.plan_of(op)
+            args = [vals[t.id] if t.id in vals else t.value for t in op.inputs]
+            in_part = [part.get(t.id, frozenset()) for t in op.inputs]
+            outs = bind_local(op, args, _ways(plan, mesh_axes))
+            out_part = set().union(*in_part) if in_part else set()
+            _check_linear(op, in_part)
+            anno = op.annotation
+            kinds = anno.kinds()
+            out_names = {n for o in anno.outputs for n in o.names()}
+            for axis, name in plan.split:
+                if name != VALUE and kinds.get(name) is DimKind.REDUCE and name not in out_names:
+                    out_part.add(axis)
+            for t, x in zip(op.outputs, outs, strict=True):
+                vals[t.id] = x
+                part[t.id] = frozenset(out_part)
+        res = []
+        for t in exits:
+            axes = tuple(sorted(part.get(t.id, ())))
+            res.append(jax.lax.psum(vals[t.id], axes) if axes else vals[t.id])
+        return res
+
+    args = [_as_array(env[t.id] if t.id in env else t.value) for t in ext]
+    fn = jax.shard_map(body, mesh=lw.region_mesh(), in_specs=tuple(_spec(l) for l in ext_lays),
+                       out_specs=[_spec(l) for l in exit_lays], check_vma=False)
+    for t, x in zip(exits, fn(*args), strict=True):
+        env[t.id] = x
+
+
+def _check_linear(op: Op, in_part: list[frozenset[str]]) -> None:
+    partial = [i for i, p in enumerate(in_part) if p]
+    if not partial:
+        return
+    kind = LINEAR.get(op.primitive)
+    ok = kind is not None and (
+        kind == "all" and len({in_part[i] for i in range(len(in_part))
+                               if op.inputs[i].role is not Role.CONST}) == 1
+        or kind == "one" and len(partial) == 1
+        or kind == "first" and partial == [0])
+    if not ok:
+        raise PlanError(
+            f"op '{op.primitive}' at '{op.module_path or '<top>'}' (annotation '{op.anno}') "
+            f"is not linear in its partial-sum inputs {partial}; it cannot be value-split. "
+            "End the value-split chain before it (do not value-split this op).")
+
