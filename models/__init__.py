@@ -21,8 +21,17 @@ import importlib
 
 from models._spec import ModelSpec, Preset, count
 
-__all__ = ["ModelSpec", "Preset", "get", "names", "presets", "preset_info", "param_count",
-           "flops_per_token", "flops_unit"]
+__all__ = [
+    "ModelSpec",
+    "Preset",
+    "flops_per_token",
+    "flops_unit",
+    "get",
+    "names",
+    "param_count",
+    "preset_info",
+    "presets",
+]
 
 # name -> (python module, its spec builder, unit of flops_per_token)
 _MODELS: dict[str, tuple[str, str, str]] = {

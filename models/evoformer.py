@@ -59,8 +59,8 @@ class Config:
     dtype: Any = jnp.float32
 
 
-_AF2 = dict(c_m=256, c_z=128, n_blocks=48, msa_heads=8, msa_head_dim=32, tri_heads=4,
-            tri_head_dim=32, c_opm=32, c_tri_mul=128)
+_AF2 = {"c_m": 256, "c_z": 128, "n_blocks": 48, "msa_heads": 8, "msa_head_dim": 32, "tri_heads": 4,
+            "tri_head_dim": 32, "c_opm": 32, "c_tri_mul": 128}
 
 PRESETS: dict[str, _spec.Preset] = {
     "tiny": _spec.Preset(Config(), 1, paper=False, note="tests"),

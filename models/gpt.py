@@ -106,7 +106,7 @@ class CausalSelfAttention(nn.Module):
     def __call__(self, x: jax.Array, deterministic: bool = True) -> jax.Array:
         cfg = self.cfg
         proj = lambda name: nn.DenseGeneral((cfg.n_heads, cfg.head_dim), dtype=cfg.dtype,
-                                            name=name)  # noqa: E731
+                                            name=name)
         q, k, v = proj("query")(x), proj("key")(x), proj("value")(x)  # [b, s, h, d]
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(cfg.head_dim).astype(cfg.dtype)
         s = x.shape[1]
@@ -139,7 +139,7 @@ class Block(nn.Module):
     def __call__(self, x: jax.Array, deterministic: bool = True):
         cfg = self.cfg
         drop = nn.Dropout(cfg.dropout_rate)
-        ln = lambda name: nn.LayerNorm(cfg.layer_norm_eps, dtype=cfg.dtype, name=name)  # noqa
+        ln = lambda name: nn.LayerNorm(cfg.layer_norm_eps, dtype=cfg.dtype, name=name)
         x = x + drop(CausalSelfAttention(cfg, name="attn")(ln("ln_1")(x), deterministic),
                      deterministic=deterministic)
         x = x + drop(MLP(cfg, name="mlp")(ln("ln_2")(x)), deterministic=deterministic)

@@ -50,8 +50,8 @@ class Config:
         return self.d_model // self.n_heads
 
 
-_L2 = dict(vocab_size=32000, seq_len=4096, rope_theta=10000.0)
-_L3 = dict(vocab_size=128256, seq_len=8192, rope_theta=500000.0, n_kv_heads=8)
+_L2 = {"vocab_size": 32000, "seq_len": 4096, "rope_theta": 10000.0}
+_L3 = {"vocab_size": 128256, "seq_len": 8192, "rope_theta": 500000.0, "n_kv_heads": 8}
 
 PRESETS: dict[str, _spec.Preset] = {
     "tiny": _spec.Preset(Config(), 2, paper=False, note="tests"),
@@ -106,7 +106,7 @@ class Attention(nn.Module):
         cfg = self.cfg
         n, g, d = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
         dense = lambda shape, name: nn.DenseGeneral(shape, use_bias=False, dtype=cfg.dtype,
-                                                    name=name)  # noqa: E731
+                                                    name=name)
         q = rotary(dense((n, g, d), "q_proj")(x), cfg.rope_theta)  # [b, q, n, g, d]
         k = rotary(dense((n, d), "k_proj")(x), cfg.rope_theta)  # [b, k, n, d]
         v = dense((n, d), "v_proj")(x)
@@ -127,7 +127,7 @@ class SwiGLU(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg
-        dense = lambda f, name: nn.Dense(f, use_bias=False, dtype=cfg.dtype, name=name)  # noqa
+        dense = lambda f, name: nn.Dense(f, use_bias=False, dtype=cfg.dtype, name=name)
         h = nn.silu(dense(cfg.d_ff, "gate_proj")(x)) * dense(cfg.d_ff, "up_proj")(x)
         return dense(cfg.d_model, "down_proj")(h)
 

@@ -92,7 +92,7 @@ def spec(cfg: Config, batch_size: int, abstract: bool) -> _spec.ModelSpec:
 
 def spec_nnx(cfg: Config, batch_size: int, abstract: bool) -> _spec.ModelSpec:
     """nnx ModelSpec (``module`` is an :class:`MLPNnx` instance)."""
-    make = lambda: MLPNnx(cfg, rngs=nnx.Rngs(0))  # noqa: E731
+    make = lambda: MLPNnx(cfg, rngs=nnx.Rngs(0))
     return _spec.ModelSpec(
         module=nnx.eval_shape(make) if abstract else make(),
         make_args=_spec.args_factory(_build(cfg), batch_size, abstract),

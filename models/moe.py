@@ -149,7 +149,7 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         cfg = self.cfg
-        ln = lambda name: nn.LayerNorm(cfg.layer_norm_eps, dtype=cfg.dtype, name=name)  # noqa
+        ln = lambda name: nn.LayerNorm(cfg.layer_norm_eps, dtype=cfg.dtype, name=name)
         x = x + CausalSelfAttention(cfg, name="attn")(ln("ln_1")(x))
         if self.moe:
             y, aux = MoELayer(cfg, name="moe")(ln("ln_2")(x))

@@ -88,7 +88,7 @@ def shift_regions(res: int, window: int, shift: int) -> jax.Array:
 
     Pixels of one window attend to each other only when their ids match (Swin's -100 mask).
     """
-    band = lambda i: (i >= res - window).astype(jnp.int32) + (i >= res - shift)  # noqa: E731
+    band = lambda i: (i >= res - window).astype(jnp.int32) + (i >= res - shift)
     idx = jnp.arange(res)
     region = 3 * band(idx)[:, None] + band(idx)[None, :]
     return partition(region[None, :, :, None], window)[0, :, :, 0]
@@ -120,7 +120,7 @@ class WindowAttention(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, regions: jax.Array | None) -> jax.Array:
         d = self.dim // self.heads
-        proj = lambda name: nn.DenseGeneral((self.heads, d), dtype=self.dtype, name=name)  # noqa
+        proj = lambda name: nn.DenseGeneral((self.heads, d), dtype=self.dtype, name=name)
         q, k, v = proj("q")(x), proj("k")(x), proj("v")(x)  # [b, w, n, h, d]
         scores = jnp.einsum("bwnhd,bwmhd->bwhnm", q, k) * (d**-0.5)
         table = self.param("relative_position_bias_table", nn.initializers.truncated_normal(0.02),

@@ -101,7 +101,7 @@ class Attention(nn.Module):
     def __call__(self, x: jax.Array, kv: jax.Array, bias: jax.Array | None) -> jax.Array:
         cfg = self.cfg
         proj = lambda name: nn.DenseGeneral((cfg.n_heads, cfg.d_kv), use_bias=False,
-                                            dtype=cfg.dtype, name=name)  # noqa: E731
+                                            dtype=cfg.dtype, name=name)
         q, k, v = proj("q")(x), proj("k")(kv), proj("v")(kv)
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k)
         if bias is not None:
@@ -119,7 +119,7 @@ class FeedForward(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        dense = lambda f, name: nn.Dense(f, use_bias=False, dtype=self.cfg.dtype, name=name)  # noqa
+        dense = lambda f, name: nn.Dense(f, use_bias=False, dtype=self.cfg.dtype, name=name)
         return dense(self.cfg.d_model, "wo")(nn.relu(dense(self.cfg.d_ff, "wi")(x)))
 
 
@@ -132,7 +132,7 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, bias: jax.Array, enc: jax.Array | None = None) -> jax.Array:
         cfg = self.cfg
-        norm = lambda name: RMSNorm(cfg.norm_eps, cfg.dtype, name=name)  # noqa: E731
+        norm = lambda name: RMSNorm(cfg.norm_eps, cfg.dtype, name=name)
         h = norm("ln_self")(x)
         x = x + Attention(cfg, name="self_attn")(h, h, bias)
         if self.decoder:

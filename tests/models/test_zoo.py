@@ -35,10 +35,10 @@ def _random_like(abstract, seed: int = 0):
 def _grads(spec: models.ModelSpec, args: tuple):
     if spec.kind == "nnx":
         graphdef, variables, rest = nnx.split(spec.module, nnx.Param, ...)
-        loss = lambda p, *a: spec.loss_fn(nnx.merge(graphdef, p, rest)(*a), *a)  # noqa: E731
+        loss = lambda p, *a: spec.loss_fn(nnx.merge(graphdef, p, rest)(*a), *a)
     else:
         variables = _random_like(spec.init_abstract())
-        loss = lambda v, *a: spec.loss(v, *a, rng=jax.random.PRNGKey(1))  # noqa: E731
+        loss = lambda v, *a: spec.loss(v, *a, rng=jax.random.PRNGKey(1))
     return jax.jit(jax.value_and_grad(loss))(variables, *args)
 
 
@@ -193,7 +193,7 @@ def test_registry_api():
     assert set(models.names()) >= {"gpt", "gpt_nnx", "llama", "swin", "evoformer", "t5", "moe",
                                    "wide_resnet", "mlp"}
     spec = models.get("gpt", "gpt3-175b", batch_size=4)
-    module, make_args, loss_fn = spec
+    _module, make_args, _loss_fn = spec
     assert make_args()[0].shape == (4, 2048)
     assert make_args(2, abstract=True)[0].shape == (2, 2048)
     with pytest.raises(KeyError, match="presets"):
