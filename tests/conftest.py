@@ -6,17 +6,6 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax  # noqa: E402,F401 - jax starts after XLA_FLAGS is set
 
-
-def make_mesh(shape, names, axis_types=None):
-    """A mesh over the first prod(shape) devices; skips the test when there are too few."""
-    import math
-
-    n = math.prod(shape)
-    if len(jax.devices()) < n:
-        pytest.skip(f"needs {n} devices, have {len(jax.devices())}")
-    if axis_types is None:
-        return jax.make_mesh(shape, names, devices=jax.devices()[:n])
-    return jax.make_mesh(shape, names, axis_types=axis_types, devices=jax.devices()[:n])
+from meshes import make_mesh  # noqa: E402,F401 - re-exported for old imports

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 import models
-from conftest import make_mesh
+from meshes import make_mesh
 from nnscaler_jax import PlanError, auto_parallel
 from nnscaler_jax.lower.verify import max_rel_diff
 

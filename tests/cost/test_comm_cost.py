@@ -1,7 +1,7 @@
 """Alpha-beta collective costs: closed forms, p == 1, MeshSpec."""
 
 import pytest
-from conftest import make_mesh
+from meshes import make_mesh
 
 from nnscaler_jax.cost.comm import (
     DEFAULT_LINK,

@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 import pytest
-from conftest import make_mesh
+from meshes import make_mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from conftest import make_mesh
+from meshes import make_mesh
 from nnscaler_jax import PlanError, auto_parallel, op_assign, op_order, op_trans
 from nnscaler_jax.ir.anno import DimKind
 from nnscaler_jax.lower.hlo import hlo_collectives, summarize
