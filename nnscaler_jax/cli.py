@@ -504,6 +504,38 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _cmd_profile(args: argparse.Namespace) -> int:
+    """Time every distinct op of a model on the local backend into a profile database."""
+    from pathlib import Path
+
+    import jax
+
+    from nnscaler_jax.capture.trace import capture
+    from nnscaler_jax.cost.profile import DEFAULT_PATH, ProfileDB, profile_ops
+
+    spec = _spec(args.model, args.preset)
+    xs, variables = _abstract_inputs(spec)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if spec.kind == "nnx":
+            graph = capture(spec.module, *xs).graph
+        else:
+            graph = capture(spec.module, *xs, variables=variables, rngs=_rngs(spec)).graph
+    t0 = time.perf_counter()
+    db = profile_ops(graph, ProfileDB.load(args.out, missing_ok=True), path=args.out,
+                     runs=args.runs)
+    path = str(Path(args.out or DEFAULT_PATH).expanduser())
+    mine = db.keys_of(graph, jax.devices()[0].device_kind)
+    rows = sorted(((k, db.entries[k]) for k in mine), key=lambda kv: -kv[1])
+    text = "" if args.json else (
+        _table(["primitive", "inputs", "outputs", "dtype", "device", "us"],
+               [k.split("|") + [f"{v * 1e6:.1f}"] for k, v in rows[:40]])
+        + f"\n{len(db)} entries in {path} ({time.perf_counter() - t0:.1f} s)")
+    _emit(args, text, {"ok": True, "path": path, "entries": len(db),
+                       "profiled": {k: v for k, v in rows}})
+    return 0
+
+
 # ---- parser ------------------------------------------------------------------------------------
 
 
@@ -554,6 +586,13 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
     d.add_argument("--lr", type=float, default=1e-2, help="adamw learning rate (default 1e-2)")
     d.set_defaults(fn=_cmd_demo)
+
+    pr = sub.add_parser("profile", parents=[common, model],
+                        help="time a model's ops on the local backend into a profile database")
+    pr.add_argument("--out", default=None,
+                    help="profile database JSON (default ~/.cache/nnscaler_jax/profile.json)")
+    pr.add_argument("--runs", type=int, default=5, help="timed runs per op (median kept)")
+    pr.set_defaults(fn=_cmd_profile)
     return p
 
 

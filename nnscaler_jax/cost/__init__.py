@@ -1,4 +1,6 @@
-"""Cost models: communication (alpha-beta per mesh axis), compute, memory."""
+"""Cost models: devices and clusters, compute, communication (alpha-beta per mesh axis), memory,
+profiling. ``CostModel`` lives in :mod:`nnscaler_jax.cost.model` (import it from there).
+"""
 
 from nnscaler_jax.cost.comm import DEFAULT_LINK as DEFAULT_LINK
 from nnscaler_jax.cost.comm import LinkCost as LinkCost
@@ -10,3 +12,12 @@ from nnscaler_jax.cost.comm import collective_time as collective_time
 from nnscaler_jax.cost.comm import ppermute_time as ppermute_time
 from nnscaler_jax.cost.comm import reduce_scatter_time as reduce_scatter_time
 from nnscaler_jax.cost.comm import wire_bytes as wire_bytes
+from nnscaler_jax.cost.devices import CLUSTERS as CLUSTERS
+from nnscaler_jax.cost.devices import DEVICES as DEVICES
+from nnscaler_jax.cost.devices import ClusterSpec as ClusterSpec
+from nnscaler_jax.cost.devices import DeviceSpec as DeviceSpec
+from nnscaler_jax.cost.devices import cluster_preset as cluster_preset
+from nnscaler_jax.cost.devices import device_preset as device_preset
+from nnscaler_jax.cost.devices import local_cpu as local_cpu
+from nnscaler_jax.cost.profile import ProfileDB as ProfileDB
+from nnscaler_jax.cost.profile import profile_ops as profile_ops

@@ -1,0 +1,108 @@
+"""Compute cost of one op: FLOPs and bytes from shapes, a roofline against a device.
+
+- ``dot_general`` / ``conv_general_dilated``: ``2 x prod(annotated dim sizes)`` FLOPs (x the
+  window for convolutions), on the matrix units at the operand dtype's peak; backward is one
+  forward-sized matmul per operand that needs a gradient (2x forward when both do).
+- Everything else: one FLOP per output element on the vector units; in practice bound by memory
+  traffic (inputs + outputs); backward about 1x forward.
+- Pure layout ops (``reshape``, ``squeeze``, ``expand_dims``, ``broadcast_in_dim``) are free:
+  XLA turns them into bitcasts or fuses them into their consumers.
+- Region ops (``scan``, ``while``, ``cond``) are priced by their bodies; a ``scan`` body runs
+  ``params['length']`` times (a ``while`` once: its trip count is unknown).
+
+>>> from nnscaler_jax.ir.graph import Op, Tensor
+>>> a, b = Tensor(0, (8, 16), "float32"), Tensor(1, (16, 4), "float32")
+>>> op = Op(2, "dot_general", (a, b), (Tensor(3, (8, 4), "float32"),), "m k+, k+ n -> m n")
+>>> op_flops(op)
+1024.0
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import numpy as np
+
+from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
+
+__all__ = ["FREE", "MATMUL", "is_float", "itemsize", "op_bytes", "op_flops", "region_length",
+           "walk_weighted"]
+
+MATMUL = frozenset({"dot_general", "conv_general_dilated"})
+FREE = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim"})
+
+
+def itemsize(t: Tensor) -> int:
+    """Bytes per element of ``t`` (8 for extended dtypes such as rng keys)."""
+    try:
+        return np.dtype(t.dtype).itemsize
+    except TypeError:
+        return 8
+
+
+def is_float(t: Tensor) -> bool:
+    """Whether ``t`` can carry a gradient (a floating-point dtype)."""
+    try:
+        return np.issubdtype(np.dtype(t.dtype), np.inexact)
+    except TypeError:
+        return False
+
+
+def numel(t: Tensor) -> int:
+    return math.prod(t.shape)
+
+
+def region_length(op: Op) -> int:
+    """How many times a region op runs its body (``scan``: its length; others 1)."""
+    if op.primitive == "scan":
+        return int(op.params.get("length", 1))
+    return 1
+
+
+def op_flops(op: Op) -> float:
+    """Forward FLOPs of one op, unsplit (region ops: their bodies x the scan length)."""
+    if op.regions:
+        body = sum(op_flops(o) for g in op.regions for o in g.ops)
+        return body * region_length(op)
+    if op.primitive in MATMUL and op.annotated:
+        sizes = op.annotation.bind([t.shape for t in op.inputs], [t.shape for t in op.outputs])
+        flops = 2.0 * math.prod(sizes.values())
+        if op.primitive == "conv_general_dilated":  # window dims are not in the annotation
+            spec = op.params.get("dimension_numbers")
+            if spec is not None:
+                flops *= math.prod(op.inputs[1].shape[i] for i in spec.rhs_spec[2:])
+        return flops
+    if op.primitive in FREE:
+        return 0.0
+    return float(sum(numel(t) for t in op.outputs))
+
+
+def op_bytes(op: Op) -> float:
+    """Bytes read and written by one op, unsplit (0 for free layout ops)."""
+    if op.regions:
+        return sum(op_bytes(o) for g in op.regions for o in g.ops) * region_length(op)
+    if op.primitive in FREE:
+        return 0.0
+    return float(sum(numel(t) * itemsize(t) for t in op.inputs + op.outputs))
+
+
+def compute_dtype(op: Op) -> str:
+    """The dtype whose peak applies: a matmul's operand dtype, else the first output's."""
+    ts = op.inputs if op.primitive in MATMUL else op.outputs
+    return ts[0].dtype if ts else "float32"
+
+
+def needs_grad_locally(t: Tensor, input_grads: bool) -> bool:
+    """A local guess: floating point, not a constant, and not an example input (unless asked)."""
+    if not is_float(t) or t.role is Role.CONST or t.role is Role.RNG:
+        return False
+    return input_grads or t.role is not Role.INPUT
+
+
+def walk_weighted(graph: Graph, mult: int = 1) -> Iterator[tuple[Op, int]]:
+    """``(op, times it runs per step)`` for every op, region bodies included (depth first)."""
+    for op in graph.ops:
+        yield op, mult
+        for region in op.regions:
+            yield from walk_weighted(region, mult * region_length(op))

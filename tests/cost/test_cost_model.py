@@ -1,0 +1,250 @@
+"""Closed-form checks of the cost model: DP / Megatron communication, ZeRO memory, scan, clusters."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from meshes import make_mesh
+
+import models
+from models.mlp import MLP, Config
+from nnscaler_jax import trace
+from nnscaler_jax.api import make_plan_for
+from nnscaler_jax.cost import (
+    LinkCost,
+    all_gather_time,
+    all_reduce_time,
+    cluster_preset,
+    device_preset,
+    reduce_scatter_time,
+)
+from nnscaler_jax.cost.devices import H100_80G, IB_NDR, NVLINK_H100
+from nnscaler_jax.cost.estimate import estimate
+from nnscaler_jax.cost.model import CostModel
+from nnscaler_jax.errors import PlanError
+
+LINK = LinkCost(alpha_s=3e-6, beta_s_per_byte=1e-10)
+
+
+@pytest.fixture(scope="module")
+def mlp_graph():
+    module, make_args, _ = models.get("mlp", "tiny")
+    (x,) = make_args()
+    return trace(module, x), x
+
+
+def _plan(graph, shape, policy):
+    return make_plan_for(graph, make_mesh(shape, ("data", "model")), policy=policy)
+
+
+def _model(plan, **kw):
+    return CostModel.for_axes(dict(plan.mesh), links=LINK, **kw)
+
+
+def test_dp_mlp_costs_exactly_the_gradient_all_reduces(mlp_graph):
+    graph, _ = mlp_graph
+    plan = _plan(graph, (4, 1), "dp")
+    cost = _model(plan).plan_cost(plan, graph)
+    weights = graph.variables
+    assert cost.comm_time_s == pytest.approx(
+        sum(all_reduce_time(LINK, 4, v.nbytes) for v in weights), rel=1e-12)
+    assert cost.comm_bytes == sum(v.nbytes for v in weights)
+    assert cost.step_time_s == pytest.approx(cost.compute_time_s + cost.comm_time_s)
+
+
+def test_megatron_mlp_costs_two_activation_all_reduces(mlp_graph):
+    graph, x = mlp_graph
+    plan = _plan(graph, (1, 4), "megatron")
+    act = x.size * x.dtype.itemsize  # fc2's output [b, d] == the block input [b, d]
+    # a block inside a model: forward all-reduce after fc2, backward all-reduce of the input grad
+    cost = _model(plan, input_grads=True).plan_cost(plan, graph)
+    assert cost.comm_time_s == pytest.approx(2 * all_reduce_time(LINK, 4, act), rel=1e-12)
+    assert cost.comm_bytes == 2 * act
+    # the whole model: nobody needs the gradient of the example input
+    cost = _model(plan).plan_cost(plan, graph)
+    assert cost.comm_time_s == pytest.approx(all_reduce_time(LINK, 4, act), rel=1e-12)
+
+
+def test_zero3_communication_is_two_gathers_and_a_reduce_scatter(mlp_graph):
+    graph, _ = mlp_graph
+    plan = _plan(graph, (4, 1), "zero3")
+    assert plan.zero == 3
+    cost = _model(plan).plan_cost(plan, graph)
+    # kernels: gathered for the forward, again for the backward, gradients reduce-scattered;
+    # biases are reshaped before use, so their gradient leaves the reshape replicated: all-reduce
+    expect = sum(2 * all_gather_time(LINK, 4, v.nbytes) + (
+        reduce_scatter_time if v.ndim == 2 else all_reduce_time)(LINK, 4, v.nbytes)
+        for v in graph.variables)
+    assert cost.comm_time_s == pytest.approx(expect, rel=1e-12)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_zero_memory_matches_mixed_precision_adam(mlp_graph, zero):
+    graph, _ = mlp_graph
+    n = 4
+    plan = _plan(graph, (n, 1), "dp")
+    psi = sum(v.nbytes // 4 for v in graph.variables)
+    model = _model(plan, zero=zero, param_bytes=2, grad_bytes=2, optimizer_bytes=12)
+    mem = model.memory_breakdown(plan, graph)
+    expect = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n,
+              3: 16 * psi / n}[zero]
+    assert mem["params"] + mem["grads"] + mem["optimizer"] == expect
+    assert mem["peak"] == sum(mem[k] for k in ("params", "grads", "optimizer", "activations",
+                                               "transient"))
+    assert model.plan_cost(plan, graph).memory_bytes_per_device == mem["peak"]
+
+
+def test_zero3_policy_storage_gives_the_same_memory(mlp_graph):
+    graph, _ = mlp_graph
+    plan = _plan(graph, (4, 1), "zero3")
+    psi = sum(v.nbytes // 4 for v in graph.variables)
+    mem = _model(plan, param_bytes=2, grad_bytes=2, optimizer_bytes=12).memory_breakdown(
+        plan, graph)
+    assert mem["params"] + mem["grads"] + mem["optimizer"] == 16 * psi / 4
+    # default: fp32 params, grads and two fp32 Adam moments; + fp32 master copy
+    full = _model(plan).memory_breakdown(plan, graph)
+    assert full["params"] + full["grads"] + full["optimizer"] == 16 * psi / 4
+    master = _model(plan, master_weights=True).memory_breakdown(plan, graph)
+    assert master["optimizer"] - full["optimizer"] == 4 * psi / 4
+
+
+class _Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return MLP(Config())(x), None
+
+
+class _Scanned(nn.Module):
+    length: int
+
+    @nn.compact
+    def __call__(self, x):
+        scan = nn.scan(_Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                       length=self.length)
+        return scan()(x, None)[0]
+
+
+class _Remat(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.remat(MLP)(Config())(x)
+
+
+def test_scan_length_multiplies_compute():
+    x = jnp.ones((8, 16))
+    costs = {}
+    for length in (1, 3):
+        graph = trace(_Scanned(length), x)
+        (scan,) = [op for op in graph.ops if op.primitive == "scan"]
+        assert scan.params["length"] == length
+        plan = _plan(graph, (4, 1), "dp")
+        model = _model(plan)
+        costs[length] = (model.plan_cost(plan, graph), model.op_time(scan, ()))
+        mem = model.memory_breakdown(plan, graph)
+        costs[length] += (mem["activations"],)
+    one, three = costs[1], costs[3]
+    assert three[0].compute_time_s == pytest.approx(3 * one[0].compute_time_s, rel=1e-9)
+    assert three[1] == pytest.approx(3 * one[1], rel=1e-9)
+    assert three[2] == 3 * one[2]
+    assert three[0].comm_bytes == 3 * one[0].comm_bytes  # three layers of weights to all-reduce
+
+
+def test_remat_keeps_only_boundary_inputs_and_recomputes():
+    x = jnp.ones((8, 16))
+    plain, remat = trace(MLP(Config()), x), trace(_Remat(), x)
+    assert any(b.kind in ("checkpoint", "remat", "remat2") for b in remat.boundaries)
+    out = {}
+    for name, graph in (("plain", plain), ("remat", remat)):
+        plan = _plan(graph, (4, 1), "dp")
+        model = _model(plan)
+        out[name] = (model.memory_breakdown(plan, graph), model.plan_cost(plan, graph))
+    assert out["remat"][0]["activations"] == x.nbytes // 4  # the block input, batch-split
+    assert out["remat"][0]["activations"] < out["plain"][0]["activations"]
+    assert out["remat"][1].compute_time_s > out["plain"][1].compute_time_s
+
+
+def test_backward_counts_matmul_operands_that_need_gradients(mlp_graph):
+    graph, _ = mlp_graph
+    dot = next(op for op in graph.ops if op.primitive == "dot_general")  # x @ W1
+    model = CostModel.for_axes({"data": 4})
+    fwd = model.forward_time(dot, (("data", "m0"),))
+    assert model.op_time(dot, (("data", "m0"),)) == pytest.approx(2 * fwd)  # dW only
+    grads = CostModel.for_axes({"data": 4}, input_grads=True)
+    assert grads.op_time(dot, (("data", "m0"),)) == pytest.approx(3 * fwd)  # dW and dx
+    assert fwd == pytest.approx(model.forward_time(dot, ()) / 4)
+
+
+def test_dtype_aware_peak():
+    h100 = device_preset("H100-80G")
+    assert h100.peak("bfloat16", matmul=True) == 989e12
+    assert h100.peak("float32", matmul=True) == 494.7e12  # TF32
+    assert h100.peak("float32", matmul=False) == 67e12
+    a100 = device_preset("a100-40g")
+    assert (a100.flops, a100.flops_fp32, a100.bandwidth) == (312e12, 19.5e12, 1.555e12)
+    assert device_preset("a100-80g").memory_bytes == 80e9
+    h200 = device_preset("h200")
+    assert (h200.flops, h200.memory_bytes, h200.bandwidth) == (989e12, 141e9, 4.8e12)
+    with pytest.raises(PlanError, match="presets"):
+        device_preset("tpu-v9")
+
+
+def test_mesh_spec_links_follow_the_node_convention():
+    c = cluster_preset("h100-80g-8x")
+    assert c.device == H100_80G and c.intra == NVLINK_H100 and c.inter == IB_NDR
+    m = c.mesh_spec(("data", "model"), (4, 8))
+    assert (m.link("data"), m.link("model")) == (IB_NDR, NVLINK_H100)
+    m = c.mesh_spec(("data", "fsdp", "model"), (2, 2, 2))
+    assert m.links == (NVLINK_H100,) * 3
+    m = c.mesh_spec(("data", "fsdp", "model"), (4, 4, 2))  # 2 fits, 4 x 2 fits, 4 x 4 x 2 not
+    assert m.links == (IB_NDR, NVLINK_H100, NVLINK_H100)
+    m = c.mesh_spec(("data", "model"), (2, 16))  # the model axis alone spans two nodes
+    assert m.links == (IB_NDR, IB_NDR)
+    m = c.mesh_spec(("data", "model"), (4, 8), placement={"data": "intra", "model": "inter"})
+    assert m.links == (NVLINK_H100, IB_NDR)
+    with pytest.raises(PlanError, match="unknown mesh axis"):
+        c.mesh_spec(("data",), (8,), placement={"model": "intra"})
+    model = CostModel.for_cluster(c, {"data": 4, "model": 8})
+    assert model.device == H100_80G and model.mesh.link("data") == IB_NDR
+    assert NVLINK_H100.beta_s_per_byte == pytest.approx(1 / 450e9)
+    assert cluster_preset("a100-80g-8x").inter.beta_s_per_byte == pytest.approx(1 / 25e9)
+
+
+def test_cluster_prices_the_data_axis_over_infiniband(mlp_graph):
+    graph, _ = mlp_graph
+    plan = _plan(graph, (4, 1), "dp")
+    c = cluster_preset("a100-80g-8x")
+    inside = CostModel.for_cluster(c, dict(plan.mesh)).plan_cost(plan, graph)
+    across = CostModel.for_cluster(c, dict(plan.mesh), placement={"data": "inter"}).plan_cost(
+        plan, graph)
+    assert inside.comm_time_s == pytest.approx(
+        sum(all_reduce_time(c.intra, 4, v.nbytes) for v in graph.variables))
+    assert across.comm_time_s > inside.comm_time_s
+
+
+def test_estimate_fills_the_plan_cost(mlp_graph):
+    graph, _ = mlp_graph
+    plan = _plan(graph, (2, 4), "megatron")
+    assert estimate(plan, graph).cost == CostModel.for_axes(dict(plan.mesh)).plan_cost(plan, graph)
+    assert plan.cost.memory_bytes_per_device > 0 and plan.cost.step_time_s > 0
+
+
+def test_local_cpu_is_measured_when_called():
+    dev = device_preset("cpu")
+    assert dev.kind == jax.devices()[0].device_kind
+    from nnscaler_jax.cost import local_cpu
+
+    local = local_cpu(n=128, repeats=1)
+    assert local.flops > 0 and local.bandwidth > 0 and local.kind == dev.kind
+
+
+def test_per_op_terms_add_up_to_the_plan(mlp_graph):
+    graph, _ = mlp_graph
+    plan = _plan(graph, (2, 4), "megatron")
+    model = _model(plan)
+    splits = {p.op: p.split for p in plan.ops}
+    ops = list(graph.walk())
+    mem = model.memory_breakdown(plan, graph)
+    assert mem["activations"] == sum(model.activation_bytes(op, splits.get(op.id, ()))
+                                     for op in ops)
+    assert model.plan_cost(plan, graph).compute_time_s == pytest.approx(
+        sum(model.op_time(op, splits.get(op.id, ())) for op in ops))
