@@ -1,0 +1,547 @@
+"""Pipelined training step: stages over a mesh axis, a schedule's step table in ``shard_map``.
+
+The training program ``loss_fn(module.apply({'params': p}, *batch), *batch)`` is traced once on
+one micro-batch and cut by module path into a *prefix* (e.g. the embeddings), a stack of
+identical *layers* (``h_0 .. h_{L-1}``, or one ``nn.scan`` ``h`` over a leading layer axis) and a
+*suffix* (e.g. final norm, head and loss). The layers are split into ``stages x virtual``
+contiguous chunks; chunk ``c = v * stages + s`` lives on stage ``s`` (its parameters stacked along
+a leading axis sharded over the stage mesh axis). The prefix runs in chunk 0, the suffix in the
+last chunk; their parameters are replicated and their gradients summed over stages (so tied
+embeddings get both contributions).
+
+Inside one ``jax.shard_map`` over the whole mesh (stage axis + data-parallel axes), a
+``lax.fori_loop`` walks the schedule's step table (:func:`nnscaler_jax.plan.schedule.timeline`):
+each device reads what it does at step ``t`` from the table at its ``lax.axis_index`` — forward of
+micro-batch ``m``, backward of ``m`` (``jax.vjp`` of the chunk recomputed from its saved input:
+activations are kept only as chunk inputs, in a buffer of the schedule's in-flight size), or
+nothing; activations and cotangents move to the neighbours with ``lax.ppermute`` after every step.
+Gradients are accumulated over micro-batches (loss = mean over micro-batches), averaged over the
+data-parallel axes, and the optax update runs in the same jitted step.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jcore
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from nnscaler_jax.capture.flax import path_str
+from nnscaler_jax.errors import PlanError
+from nnscaler_jax.plan import schedule as sch
+
+__all__ = ["STAGE_AXES", "Split", "split_program", "PipelineProgram", "stage_axis"]
+
+STAGE_AXES = ("stage", "pipe")
+_LAYER = re.compile(r"^(.*)_(\d+)$")
+
+
+def stage_axis(mesh_axes: dict[str, int]) -> str:
+    """The mesh axis the stages run along (``'stage'`` or ``'pipe'``)."""
+    for a in STAGE_AXES:
+        if a in mesh_axes:
+            return a
+    raise PlanError(f"pipeline parallelism needs a mesh axis named 'stage' or 'pipe', mesh axes "
+                    f"are {mesh_axes}; e.g. jax.make_mesh((4, 2), ('stage', 'data'))")
+
+
+def _unsupported(what: str) -> PlanError:
+    return PlanError(
+        f"pipeline stages: {what}. Stage splitting supports GPT-like models: a prefix, then a "
+        "stack of identical layers named '<prefix>_0', '<prefix>_1', ... (or one nn.scan over "
+        "them), then a suffix, each layer taking exactly one activation from the previous one. "
+        "Fix: use pipeline_stages=None, or structure the model that way")
+
+
+# ---- cutting the traced program ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Split:
+    """The traced micro-batch program cut into prefix / layer template / suffix.
+
+    Attributes:
+        jaxpr: the closed jaxpr of ``(params_leaves..., batch_leaves...) -> loss``.
+        n_params: number of parameter leaves (the first invars).
+        pre / post: prefix and suffix equations.
+        layer_eqns: the equations of one layer (the template).
+        layer_params: the template's parameter variables (per layer leaf).
+        layer_x / layer_y: the template's input and output activation variables.
+        layer_consts: ``(template var, outer var)`` bindings of scan consts.
+        layer_leaves: ``layer_leaves[i][j]`` = flat param index of layer ``i``'s ``j``-th leaf,
+            or for a scanned stack one row of the stacked leaves' indices (``stacked=True``).
+        stacked: the layer params are stacked leaves (``nn.scan``) of leading size ``n_layers``.
+        n_layers: L.
+        x0: the prefix's output var feeding layer 0; ``xl``: the var the suffix reads.
+    """
+
+    jaxpr: Any
+    n_params: int
+    pre: tuple
+    post: tuple
+    layer_eqns: tuple
+    layer_params: tuple
+    layer_x: Any
+    layer_y: Any
+    layer_consts: tuple
+    layer_leaves: tuple
+    stacked: bool
+    n_layers: int
+    x0: Any
+    xl: Any
+    shared: tuple[int, ...]
+
+
+def _root_part(stack: str, root: str) -> str | None:
+    parts = [p for p in str(stack).split("/") if p and not any(c in p for c in "(,>")]
+    parts = [p.split(".")[0] for p in parts]
+    if parts and parts[0] == root:
+        parts = parts[1:]
+    return parts[0] if parts else None
+
+
+def _ext_inputs(eqns, defined_outside: bool = True) -> list:
+    inner, ext = set(), []
+    for e in eqns:
+        for v in e.invars:
+            if isinstance(v, jcore.Literal) or v in inner or v in ext:
+                continue
+            ext.append(v)
+        inner.update(e.outvars)
+    return ext
+
+
+def split_program(closed: Any, param_paths: list[str], root: str) -> Split:
+    """Cut the traced loss program at the layer stack (see the module docstring).
+
+    Raises:
+        PlanError: the program has no repeated layer stack or the layers are not a chain.
+    """
+    jaxpr = closed.jaxpr
+    n_params = len(param_paths)
+    tops = [_root_part(e.source_info.name_stack, root) for e in jaxpr.eqns]
+    layer_ids = {}
+    for i, top in enumerate(tops):
+        m = _LAYER.match(top or "")
+        if m:
+            layer_ids.setdefault(m.group(1), set()).add(int(m.group(2)))
+    prefix = max(layer_ids, key=lambda k: len(layer_ids[k]), default=None)
+    top_of_param = [p.split("/")[1] if p.startswith("params/") else p.split("/")[0]
+                    for p in param_paths]
+    consts = set(jaxpr.constvars)
+    if prefix is not None and len(layer_ids[prefix]) >= 2:
+        n = len(layer_ids[prefix])
+        if layer_ids[prefix] != set(range(n)):
+            raise _unsupported(f"layers '{prefix}_i' are not numbered 0..{n - 1}")
+        which = [int(_LAYER.match(t).group(2)) if t and _LAYER.match(t) and
+                 _LAYER.match(t).group(1) == prefix else None for t in tops]
+        idx = [i for i, w in enumerate(which) if w is not None]
+        first, last = idx[0], idx[-1]
+        seq = [w for w in which[first:last + 1]]
+        if any(w is None for w in seq) or seq != sorted(seq):
+            raise _unsupported(f"ops of the layers '{prefix}_i' are interleaved with other ops")
+        segs = [[e for e, w in zip(jaxpr.eqns, which) if w == i] for i in range(n)]
+        leaves = []
+        for i in range(n):
+            names = [(j, p) for j, p in enumerate(param_paths) if top_of_param[j] == f"{prefix}_{i}"]
+            leaves.append(names)
+        shapes0 = [(p.replace(f"{prefix}_0/", "/", 1), jaxpr.invars[j].aval.shape)
+                   for j, p in leaves[0]]
+        for i in range(1, n):
+            si = [(p.replace(f"{prefix}_{i}/", "/", 1), jaxpr.invars[j].aval.shape)
+                  for j, p in leaves[i]]
+            if si != shapes0 or [e.primitive for e in segs[i]] != [e.primitive for e in segs[0]]:
+                raise _unsupported(f"layer '{prefix}_{i}' differs from '{prefix}_0' (parameters or "
+                                   "ops)")
+        tmpl = segs[0]
+        ext = [v for v in _ext_inputs(tmpl) if v not in consts]
+        pvars = [jaxpr.invars[j] for j, _ in leaves[0]]
+        acts = [v for v in ext if v not in pvars]
+        if len(acts) != 1:
+            raise _unsupported(f"layer '{prefix}_0' reads {len(acts)} activations from outside "
+                               f"({[str(v.aval) for v in acts]}), expected 1")
+        x0 = acts[0]
+        later = set()
+        for e in jaxpr.eqns[idx[0] + len(tmpl):]:
+            later.update(v for v in e.invars if not isinstance(v, jcore.Literal))
+        later.update(v for v in jaxpr.outvars if not isinstance(v, jcore.Literal))
+        outs = [v for e in tmpl for v in e.outvars if v in later]
+        if len(outs) != 1:
+            raise _unsupported(f"layer '{prefix}_0' passes {len(outs)} values on, expected 1")
+        layer_y = outs[0]
+        last_seg = segs[-1]
+        later_post = set()
+        for e in jaxpr.eqns[last + 1:]:
+            later_post.update(v for v in e.invars if not isinstance(v, jcore.Literal))
+        later_post.update(v for v in jaxpr.outvars if not isinstance(v, jcore.Literal))
+        xl = [v for e in last_seg for v in e.outvars if v in later_post]
+        if len(xl) != 1:
+            raise _unsupported(f"the last layer passes {len(xl)} values on, expected 1")
+        layer_leaves = tuple(tuple(j for j, _ in lv) for lv in leaves)
+        split = Split(closed, n_params, tuple(jaxpr.eqns[:first]), tuple(jaxpr.eqns[last + 1:]),
+                      tuple(tmpl), tuple(pvars), x0, layer_y, (), layer_leaves, False, n, x0,
+                      xl[0], ())
+    else:
+        params_in = set(jaxpr.invars[:n_params])
+        scans = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "scan"
+                 and any(v in params_in for v in e.invars)]
+        if len(scans) != 1:
+            raise _unsupported("no repeated layer stack found (module paths "
+                               f"{sorted({t for t in tops if t})})")
+        k = scans[0]
+        e = jaxpr.eqns[k]
+        tops[k] = tops[k] or next(top_of_param[j] for j, v in enumerate(jaxpr.invars[:n_params])
+                                  if v in e.invars)
+        nc, ncarry = e.params["num_consts"], e.params["num_carry"]
+        body = e.params["jaxpr"]
+        if ncarry != 1:
+            raise _unsupported(f"the scanned stack '{tops[k]}' carries {ncarry} values, expected 1")
+        xs = e.invars[nc + 1:]
+        pos = {v: j for j, v in enumerate(jaxpr.invars[:n_params])}
+        if not all(v in pos for v in xs):
+            raise _unsupported(f"the scanned stack '{tops[k]}' scans over values that are not "
+                               "parameters")
+        if any(not isinstance(v, jcore.Literal) and v not in consts and v not in pos
+               for v in e.invars[:nc]):
+            raise _unsupported(f"the scanned stack '{tops[k]}' closes over computed values")
+        if body.consts:
+            raise _unsupported("the scan body has constants")
+        bj = body.jaxpr
+        if len(bj.outvars) != 1:
+            raise _unsupported(f"the scanned stack '{tops[k]}' stacks outputs")
+        n = int(e.params["length"])
+        split = Split(closed, n_params, tuple(jaxpr.eqns[:k]), tuple(jaxpr.eqns[k + 1:]),
+                      tuple(bj.eqns), tuple(bj.invars[nc + 1:]), bj.invars[nc], bj.outvars[0],
+                      tuple(zip(bj.invars[:nc], e.invars[:nc], strict=True)),
+                      (tuple(pos[v] for v in xs),), True, n, e.invars[nc], e.outvars[0], ())
+    layer_set = {j for lv in split.layer_leaves for j in lv}
+    shared = tuple(j for j in range(n_params) if j not in layer_set)
+    # The suffix may only read the stack's output, parameters, batch and constants.
+    allowed = set(jaxpr.invars) | consts | {split.xl}
+    bad = [v for v in _ext_inputs(split.post) if v not in allowed]
+    if bad:
+        raise _unsupported(f"the suffix after the layers reads {len(bad)} values computed before "
+                           f"them ({[str(v.aval) for v in bad]})")
+    return Split(**{**split.__dict__, "shared": shared})
+
+
+def _eval(eqns, env: dict) -> None:
+    def read(v):
+        return v.val if isinstance(v, jcore.Literal) else env[v]
+
+    for e in eqns:
+        with e.ctx.manager:
+            out = e.primitive.bind(*[read(v) for v in e.invars],
+                                   **e.primitive.get_bind_params(e.params))
+        if not e.primitive.multiple_results:
+            out = [out]
+        for v, o in zip(e.outvars, out, strict=True):
+            env[v] = o
+
+
+def _place(x: Any, sharding: NamedSharding) -> Any:
+    """Lay ``x`` out as ``sharding`` inside jit (Explicit mesh axes: reshard; Auto: constraint)."""
+    explicit = any(t == jax.sharding.AxisType.Explicit
+                   for t in getattr(sharding.mesh, "axis_types", ()))
+    if explicit:
+        return jax.sharding.reshard(x, sharding)
+    return lax.with_sharding_constraint(x, sharding)
+
+
+# ---- the pipelined program -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Tables:
+    """Per (time step, stage) int32 tables driving the interpreter loop."""
+
+    kind: np.ndarray      # 0 idle, 1 forward, 2 backward
+    mb: np.ndarray        # micro-batch
+    virt: np.ndarray      # virtual chunk on the stage
+    in_slot: np.ndarray   # input-buffer slot the step reads
+    g_slot: np.ndarray    # cotangent-buffer slot a backward reads
+    rf_slot: np.ndarray   # slot to store the activation received after the step (-1: none)
+    rb_slot: np.ndarray   # slot to store the cotangent received after the step (-1: none)
+    n_in: int
+    n_g: int
+
+
+def _tables(sched: sch.Schedule) -> _Tables:
+    table = sch.timeline(sched)
+    T, S, C = len(table), sched.stages, sched.chunks
+    z = lambda fill=0: np.full((T, S), fill, np.int32)  # noqa: E731
+    kind, mb, virt, in_slot, g_slot, rf, rb = z(), z(), z(), z(), z(), z(-1), z(-1)
+    free_in: list[list[int]] = [[] for _ in range(S)]
+    free_g: list[list[int]] = [[] for _ in range(S)]
+    used_in, used_g = [0] * S, [0] * S
+    slot_in: list[dict] = [{} for _ in range(S)]
+    slot_g: list[dict] = [{} for _ in range(S)]
+
+    def alloc(free, used, s):
+        if free[s]:
+            return free[s].pop()
+        used[s] += 1
+        return used[s] - 1
+
+    for t, row in enumerate(table):
+        for s, st in enumerate(row):
+            if st is None:
+                continue
+            kind[t, s] = 1 if st.kind == "F" else 2
+            mb[t, s], virt[t, s] = st.microbatch, st.virtual
+            key = (st.microbatch, st.virtual)
+            in_slot[t, s] = slot_in[s].get(key, 0)
+            if st.kind == "B":
+                if key in slot_in[s]:
+                    free_in[s].append(slot_in[s].pop(key))
+                if key in slot_g[s]:
+                    g_slot[t, s] = slot_g[s][key]
+                    free_g[s].append(slot_g[s].pop(key))
+        # after the step: what arrives from the neighbours
+        for s, st in enumerate(row):
+            if st is None:
+                continue
+            c = st.virtual * S + s
+            if st.kind == "F" and c + 1 < C:
+                d, key = (c + 1) % S, (st.microbatch, (c + 1) // S)
+                slot_in[d][key] = rf[t, d] = alloc(free_in, used_in, d)
+            if st.kind == "B" and c > 0:
+                d, key = (c - 1) % S, (st.microbatch, (c - 1) // S)
+                slot_g[d][key] = rb[t, d] = alloc(free_g, used_g, d)
+    return _Tables(kind, mb, virt, in_slot, g_slot, rf, rb, max(max(used_in), 1),
+                   max(max(used_g), 1))
+
+
+class PipelineProgram:
+    """A pipelined training program for one module, mesh, schedule and batch shape.
+
+    Use :meth:`to_pipeline` / :meth:`from_pipeline` to move parameters between the module's tree
+    and the pipeline layout (``{'shared': leaves, 'layers': leaves stacked [stages, virtual,
+    layers per chunk, ...]}``), :meth:`grads` for the accumulated loss and gradients, and
+    :meth:`train_step` for the jitted optax step.
+    """
+
+    def __init__(self, module: Any, loss_fn: Callable, mesh: Any, sched: sch.Schedule,
+                 params: Any, batch: tuple):
+        self.module, self.loss_fn, self.mesh, self.schedule = module, loss_fn, mesh, sched
+        axes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
+        self.axis = stage_axis(axes)
+        if axes[self.axis] != sched.stages:
+            raise PlanError(f"schedule has {sched.stages} stages but mesh axis '{self.axis}' has "
+                            f"{axes[self.axis]} devices; use pipeline_stages={axes[self.axis]}")
+        self.data_axes = tuple(a for a in mesh.axis_names if a != self.axis)
+        self.dp = int(np.prod([axes[a] for a in self.data_axes], dtype=np.int64))
+        M = sched.microbatches
+        B = jax.tree.leaves(batch)[0].shape[0]
+        if B % (M * self.dp):
+            raise PlanError(f"batch size {B} does not split into {M} micro-batches x {self.dp} "
+                            f"data-parallel shards ({self.data_axes}); use a batch size that is a "
+                            f"multiple of {M * self.dp}")
+        self.mb_size = B // (M * self.dp)
+        flat, self.params_tree = jax.tree_util.tree_flatten_with_path(params)
+        paths = [path_str(p) for p, _ in flat]
+        mb_batch = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((self.mb_size,) + tuple(x.shape[1:]), x.dtype), batch)
+        self.batch_tree = jax.tree.structure(mb_batch)
+        n_params = len(flat)
+
+        def program(*leaves):
+            p = jax.tree.unflatten(self.params_tree, leaves[:n_params])
+            b = jax.tree.unflatten(self.batch_tree, leaves[n_params:])
+            return loss_fn(module.apply({"params": p}, *b), *b)
+
+        abstract = [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for _, x in flat]
+        closed = jax.make_jaxpr(program)(*abstract, *jax.tree.leaves(mb_batch))
+        self.split = split_program(closed, paths, type(module).__name__)
+        C, L = sched.chunks, self.split.n_layers
+        if L % C:
+            raise PlanError(f"{L} layers do not split into {sched.stages} stages x "
+                            f"{sched.virtual} chunks; use a stage count dividing {L}")
+        self.per_chunk = L // C
+        self.tables = _tables(sched)
+        self.param_shapes = [tuple(a.shape) for a in abstract]
+
+    # ---- parameter layout --------------------------------------------------------------------
+
+    def to_pipeline(self, params: Any) -> dict:
+        """Module params -> ``{'shared': [...], 'layers': [...]}`` placed on the mesh."""
+        rep, st = self.shardings()
+        leaves = [jax.device_put(x, rep) for x in jax.tree.leaves(params)]
+        S, V, K = self.schedule.stages, self.schedule.virtual, self.per_chunk
+        split = self.split
+        shared = [leaves[j] for j in split.shared]
+        layers = []
+        for k in range(len(split.layer_leaves[0])):
+            if split.stacked:
+                x = jnp.asarray(leaves[split.layer_leaves[0][k]])
+            else:
+                x = jnp.stack([leaves[lv[k]] for lv in split.layer_leaves])
+            x = x.reshape((V, S, K) + x.shape[1:]).swapaxes(0, 1)  # chunk c = v * S + s
+            layers.append(x)
+        return {"shared": [jax.device_put(x, rep) for x in shared],
+                "layers": [jax.device_put(x, st) for x in layers]}
+
+    def from_pipeline(self, pp: dict) -> Any:
+        """The inverse of :meth:`to_pipeline` (a module params tree)."""
+        split, L = self.split, self.split.n_layers
+        leaves: list[Any] = [None] * split.n_params
+        for j, x in zip(split.shared, pp["shared"], strict=True):
+            leaves[j] = x
+        rep, _ = self.shardings()
+        for k, x in enumerate(pp["layers"]):
+            x = jax.device_put(x, rep)
+            full = jnp.swapaxes(x, 0, 1).reshape((L,) + x.shape[3:])
+            if split.stacked:
+                leaves[split.layer_leaves[0][k]] = full
+            else:
+                for i, lv in enumerate(split.layer_leaves):
+                    leaves[lv[k]] = full[i]
+        return jax.tree.unflatten(self.params_tree, leaves)
+
+    def shardings(self) -> tuple[NamedSharding, NamedSharding]:
+        return NamedSharding(self.mesh, P()), NamedSharding(self.mesh, P(self.axis))
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def _chunk(self, c, layer_p, shared, x_in, batch):
+        """Chunk ``c``'s forward: prefix if first, its layers, suffix + loss if last."""
+        sp, C = self.split, self.schedule.chunks
+        cj = sp.jaxpr
+        base = dict(zip(cj.jaxpr.constvars, cj.consts, strict=True))
+        for j, x in zip(sp.shared, shared, strict=True):
+            base[cj.jaxpr.invars[j]] = x
+        for v, x in zip(cj.jaxpr.invars[sp.n_params:], batch, strict=True):
+            base[v] = x
+
+        def pre():
+            env = dict(base)
+            _eval(sp.pre, env)
+            return env[sp.x0]
+
+        x = lax.cond(c == 0, pre, lambda: x_in)
+
+        def layer(x, p):
+            env = dict(base)
+            for tv, ov in sp.layer_consts:
+                env[tv] = ov.val if isinstance(ov, jcore.Literal) else base[ov]
+            env[sp.layer_x] = x
+            env.update(zip(sp.layer_params, p, strict=True))
+            _eval(sp.layer_eqns, env)
+            return env[sp.layer_y], None
+
+        x, _ = lax.scan(layer, x, layer_p)
+
+        def post():
+            env = dict(base)
+            env[sp.xl] = x
+            _eval(sp.post, env)
+            (out,) = cj.jaxpr.outvars
+            return jnp.asarray(out.val if isinstance(out, jcore.Literal) else env[out],
+                               jnp.float32)
+
+        loss = lax.cond(c == C - 1, post, lambda: jnp.zeros((), jnp.float32))
+        return x, loss
+
+    def _local(self, shared, layers, batch):
+        """Per-device body of the shard_map: run the step table, return (loss, grads)."""
+        S, C, M = self.schedule.stages, self.schedule.chunks, self.schedule.microbatches
+        tb = self.tables
+        s = lax.axis_index(self.axis)
+        layers = [x[0] for x in layers]                      # [V, K, ...]
+        batch = [x[:, 0] for x in batch]                     # [M, b, ...]
+        xs = jax.ShapeDtypeStruct(self.split.x0.aval.shape, self.split.x0.aval.dtype)
+        zx = jnp.zeros(xs.shape, xs.dtype)
+        T = tb.kind.shape[0]
+        tabs = [jnp.asarray(a) for a in (tb.kind, tb.mb, tb.virt, tb.in_slot, tb.g_slot,
+                                         tb.rf_slot, tb.rb_slot)]
+        zeros_like = lambda t: [jnp.zeros_like(x) for x in t]  # noqa: E731
+
+        def body(t, carry):
+            inbuf, gbuf, g_layers, g_shared, loss_acc = carry
+            kind, m, v, isl, gsl, rf, rb = [a[t, s] for a in tabs]
+            c = v * S + s
+            bm = [lax.dynamic_index_in_dim(x, m, keepdims=False) for x in batch]
+            p_c = [lax.dynamic_index_in_dim(x, v, keepdims=False) for x in layers]
+            x_in = inbuf[isl]
+
+            def idle():
+                return zx, zx, zeros_like(p_c), zeros_like(shared), jnp.zeros((), jnp.float32)
+
+            def fwd():
+                y, loss = self._chunk(c, p_c, shared, x_in, bm)
+                return y, zx, zeros_like(p_c), zeros_like(shared), loss / M
+
+            def bwd():
+                f = lambda p, sh, x: self._chunk(c, p, sh, x, bm)  # noqa: E731
+                _, vjp = jax.vjp(f, p_c, shared, x_in)
+                last = c == C - 1
+                gy = jnp.where(last, jnp.zeros_like(zx), gbuf[gsl])
+                gl = jnp.where(last, 1.0 / M, 0.0).astype(jnp.float32)
+                dp, dsh, dx = vjp((gy, gl))
+                return zx, dx, dp, dsh, jnp.zeros((), jnp.float32)
+
+            send_f, send_b, dp, dsh, loss = lax.switch(kind, [idle, fwd, bwd])
+            g_layers = [g.at[v].add(d) for g, d in zip(g_layers, dp, strict=True)]
+            g_shared = [g + d for g, d in zip(g_shared, dsh, strict=True)]
+            recv_f = lax.ppermute(send_f, self.axis, [(i, (i + 1) % S) for i in range(S)])
+            recv_b = lax.ppermute(send_b, self.axis, [(i, (i - 1) % S) for i in range(S)])
+            inbuf = lax.cond(rf >= 0, lambda b: b.at[rf].set(recv_f), lambda b: b, inbuf)
+            gbuf = lax.cond(rb >= 0, lambda b: b.at[rb].set(recv_b), lambda b: b, gbuf)
+            return inbuf, gbuf, g_layers, g_shared, loss_acc + loss
+
+        carry = (jnp.zeros((tb.n_in,) + xs.shape, xs.dtype),
+                 jnp.zeros((tb.n_g,) + xs.shape, xs.dtype),
+                 zeros_like(layers), zeros_like(shared), jnp.zeros((), jnp.float32))
+        _, _, g_layers, g_shared, loss = lax.fori_loop(0, T, body, carry)
+        g_shared = [lax.psum(g, self.axis) for g in g_shared]
+        loss = lax.psum(loss, self.axis)
+        if self.data_axes:
+            g_shared = [lax.pmean(g, self.data_axes) for g in g_shared]
+            g_layers = [lax.pmean(g, self.data_axes) for g in g_layers]
+            loss = lax.pmean(loss, self.data_axes)
+        return loss, g_shared, [g[None] for g in g_layers]
+
+    def grads(self, pp: dict, batch: tuple) -> tuple[jax.Array, dict]:
+        """Mean loss over the batch and its gradients in the pipeline layout (traceable)."""
+        M, D = self.schedule.microbatches, self.dp
+        leaves = jax.tree.leaves(batch)
+        shaped = [x.reshape((M, D, self.mb_size) + x.shape[1:]) for x in leaves]
+        data = self.data_axes if self.data_axes else None
+        shared_spec = [P()] * len(pp["shared"])
+        layer_spec = [P(self.axis)] * len(pp["layers"])
+        batch_spec = [P(None, data)] * len(shaped)
+        fn = jax.shard_map(self._local, mesh=self.mesh,
+                           in_specs=(shared_spec, layer_spec, batch_spec),
+                           out_specs=(P(), shared_spec, layer_spec), check_vma=False)
+        place = lambda xs, specs: [_place(x, NamedSharding(self.mesh, sp))  # noqa: E731
+                                   for x, sp in zip(xs, specs, strict=True)]
+        loss, gs, gl = fn(place(pp["shared"], shared_spec), place(pp["layers"], layer_spec),
+                          place(shaped, batch_spec))
+        return loss, {"shared": gs, "layers": gl}
+
+    def train_step(self, optimizer: Any) -> Callable:
+        """A jitted ``step(state, batch) -> (state, metrics)`` with
+        ``state = {'params': pipeline params, 'opt_state': ...}`` (see :meth:`init_state`) and
+        ``metrics = {'loss': mean loss, 'grad_norm': global gradient norm}``."""
+        import optax
+
+        def step(state, batch):
+            loss, g = self.grads(state["params"], tuple(batch))
+            updates, opt_state = optimizer.update(g, state["opt_state"], state["params"])
+            params = optax.apply_updates(state["params"], updates)
+            return ({"params": params, "opt_state": opt_state},
+                    {"loss": loss, "grad_norm": optax.global_norm(g)})
+
+        return jax.jit(step, donate_argnums=(0,))
+
+    def init_state(self, params: Any, optimizer: Any) -> dict:
+        """``{'params': to_pipeline(params), 'opt_state': optimizer.init(...)}``."""
+        pp = self.to_pipeline(params)
+        return {"params": pp, "opt_state": jax.jit(optimizer.init)(pp)}
