@@ -220,9 +220,10 @@ def get_policy(policy: str | Callable) -> Callable[[Draft, Any], Plan]:
         return policy
     if policy in BUILTIN:
         return BUILTIN[policy]
-    if policy == "auto":
-        # The cost-model search lands with the search issue; until then "auto" is dp x megatron
-        # where the mesh has a model axis, else dp.
-        return lambda g, m: (megatron if _axes(g.mesh_axes, MODEL_AXES) else dp)(g, m)
+    if policy in ("auto", "alpa"):
+        # The cost-model search (ours), or the Alpa-style planner to compare against.
+        from nnscaler_jax.search import search_policy
+
+        return search_policy(policy)
     raise PlanError(f"unknown policy {policy!r}; built-ins: {sorted(BUILTIN)} or 'auto', or pass "
                     "a function policy(graph, mesh) -> Plan")

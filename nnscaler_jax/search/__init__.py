@@ -1,0 +1,12 @@
+"""Search: the strategy space, the SPMD ILP (ours), the Alpa-style planner, Flax metadata."""
+
+from nnscaler_jax.search.alpa import alpa_policy as alpa_policy
+from nnscaler_jax.search.alpa import alpa_search as alpa_search
+from nnscaler_jax.search.ilp import SearchReport as SearchReport
+from nnscaler_jax.search.ilp import search as search
+from nnscaler_jax.search.ilp import search_policy as search_policy
+from nnscaler_jax.search.space import SearchSpace as SearchSpace
+from nnscaler_jax.search.space import build_space as build_space
+
+__all__ = ["SearchReport", "SearchSpace", "alpa_policy", "alpa_search", "build_space", "search",
+           "search_policy"]

@@ -1,0 +1,336 @@
+"""The SPMD search: Alpa's intra-operator ILP over a (shrunk) strategy space, solved by HiGHS.
+
+Formulation (Alpa, OSDI'22, section 4.2), over the groups of a :class:`SearchSpace`:
+
+- one binary vector ``s_g`` per group, ``sum(s_g) == 1`` (one strategy per group);
+- per edge between groups ``u`` and ``v`` a continuous matrix ``e_uv`` over (layout class of
+  ``u``) x (layout class of ``v``) with the transportation constraints ``sum_y e_xy ==
+  sum_{a in x} s_u[a]`` and ``sum_x e_xy == sum_{b in y} s_v[b]``: for binary ``s`` it is the
+  one-hot of the chosen pair (Alpa's ``e_uv = s_u s_v^T`` linearised with row / column sums;
+  strategies with equal layouts on the edge share a row, which changes nothing but the size);
+- minimise ``sum_g s_g . (compute_g + comm_g) + sum_uv e_uv . R_uv`` (seconds per step);
+- memory: ``sum_g s_g . m_g <= max_memory_per_device`` when given.
+
+:func:`search` returns the plan (through ``Draft.decide`` + ``finish``) and a
+:class:`SearchReport`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import sparse
+from scipy.optimize import Bounds, LinearConstraint, milp
+
+from nnscaler_jax.constraints import Constraints
+from nnscaler_jax.cost.model import CostModel
+from nnscaler_jax.errors import PlanError
+from nnscaler_jax.ir.graph import Graph
+from nnscaler_jax.plan.plan import Plan
+from nnscaler_jax.search.space import SearchSpace, build_space
+from nnscaler_jax.search.tables import CostTables, build_tables
+
+log = logging.getLogger(__name__)
+
+__all__ = ["GroupCost", "SearchReport", "search", "search_policy", "solve"]
+
+_SCALE = 1e6  # seconds -> microseconds inside the solver (HiGHS tolerances are absolute-ish)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupCost:
+    """The chosen strategy of one group and what it costs per step."""
+
+    label: str
+    ops: int
+    strategies: int
+    split: tuple[tuple[str, str], ...]
+    compute_s: float
+    comm_s: float
+    memory_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class SearchReport:
+    """What a search did.
+
+    Attributes:
+        planner: ``"auto"`` (ours) or ``"alpa"``.
+        ops / groups: ops in the graph, ILP groups.
+        strategies: strategies per group.
+        log10_space / log10_full: log10 of the searched and of the unshrunk space size.
+        removed: (rule, strategies it removed).
+        variables / constraints: ILP size.
+        build_s / solve_s: seconds building the tables + ILP, and in HiGHS.
+        objective_s: predicted seconds per step of the solution (the ILP objective).
+        memory_bytes: predicted bytes per device of the solution.
+        status: HiGHS' message; ``optimal`` is False when the time limit stopped it.
+        breakdown: per group, its choice and costs (edges counted at their later group).
+    """
+
+    planner: str
+    ops: int
+    groups: int
+    strategies: tuple[int, ...]
+    log10_space: float
+    log10_full: float
+    removed: tuple[tuple[str, int], ...]
+    variables: int
+    constraints: int
+    build_s: float
+    solve_s: float
+    objective_s: float
+    memory_bytes: int
+    status: str
+    optimal: bool
+    breakdown: tuple[GroupCost, ...]
+
+    def __str__(self) -> str:
+        lines = [
+            (f"{self.planner} search: {self.ops} ops -> {self.groups} groups, space "
+            f"10^{self.log10_space:.1f} (unshrunk 10^{self.log10_full:.1f}); ILP "
+            f"{self.variables} variables x {self.constraints} constraints; build "
+            f"{self.build_s:.2f} s, solve {self.solve_s:.2f} s ({self.status})"),
+            (f"objective {self.objective_s * 1e3:.3f} ms/step, memory "
+            f"{self.memory_bytes / 2**20:.1f} MiB/device"),
+        ]
+        lines += [f"  {r} removed {n} strategies" for r, n in self.removed if n]
+        top = sorted(self.breakdown, key=lambda g: -(g.compute_s + g.comm_s))[:12]
+        if top:
+            w = max(len(g.label) for g in top)
+            lines.append(f"  {'group':<{w}}  {'split':<28} {'compute ms':>10} {'comm ms':>9}")
+            for g in top:
+                split = ",".join(f"{a}:{d}" for a, d in g.split) or "replicated"
+                lines.append(f"  {g.label:<{w}}  {split:<28} {g.compute_s * 1e3:>10.3f} "
+                             f"{g.comm_s * 1e3:>9.3f}")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class _Solution:
+    choice: tuple[int, ...]
+    objective_s: float
+    memory_bytes: float
+    status: str
+    optimal: bool
+    variables: int
+    constraints: int
+
+
+def _progress(iterable, total: int, desc: str):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover - tqdm ships with the dev environment
+        return iterable
+    return tqdm(iterable, total=total, desc=desc, disable=None, leave=False)
+
+
+def solve(tables: CostTables, *, max_memory: float | None = None, time_limit: float = 60.0,
+          desc: str = "ILP") -> _Solution:
+    """Solve the ILP of ``tables``.
+
+    Raises:
+        PlanError: no choice fits ``max_memory`` (says the smallest estimate).
+    """
+    n = [len(c) for c in tables.compute]
+    if any(k == 0 for k in n):
+        raise PlanError("a group has no strategy left (rules removed them all)")
+    off = np.concatenate([[0], np.cumsum(n)]).astype(np.int64)
+    nv = int(off[-1])
+    c_parts = [(tables.unary(g) * _SCALE) for g in range(len(n))]
+    rows, cols, vals, lb, ub = [], [], [], [], []
+    r = 0
+    for g, k in enumerate(n):  # one strategy per group
+        rows += [r] * k
+        cols += list(range(off[g], off[g] + k))
+        vals += [1.0] * k
+        lb.append(1.0)
+        ub.append(1.0)
+        r += 1
+    for e in _progress(tables.edges, len(tables.edges), desc):
+        nr, nc = e.cost.shape
+        base = nv
+        nv += nr * nc
+        c_parts.append(e.cost.ravel() * _SCALE)
+        idx = base + np.arange(nr * nc).reshape(nr, nc)
+        for x in range(nr):  # sum_y e_xy - sum_{a in x} s_src[a] == 0
+            rows += [r] * nc
+            cols += list(idx[x])
+            vals += [1.0] * nc
+            members = np.nonzero(e.rows == x)[0] + off[e.src]
+            rows += [r] * len(members)
+            cols += members.tolist()
+            vals += [-1.0] * len(members)
+            lb.append(0.0)
+            ub.append(0.0)
+            r += 1
+        for y in range(nc - 1):  # the last column's row is implied by the others
+            rows += [r] * nr
+            cols += list(idx[:, y])
+            vals += [1.0] * nr
+            members = np.nonzero(e.cols == y)[0] + off[e.dst]
+            rows += [r] * len(members)
+            cols += members.tolist()
+            vals += [-1.0] * len(members)
+            lb.append(0.0)
+            ub.append(0.0)
+            r += 1
+    for ss in tables.syncs:  # z_c >= sum of a reader's strategies handing back class c
+        base = nv
+        nv += len(ss.cost)
+        c_parts.append(ss.cost * _SCALE)
+        for g, cls in ss.readers:
+            for c in np.unique(cls[cls >= 0]):
+                members = np.nonzero(cls == c)[0] + off[g]
+                rows += [r] * (len(members) + 1)
+                cols += [base + int(c)] + members.tolist()
+                vals += [1.0] + [-1.0] * len(members)
+                lb.append(0.0)
+                ub.append(np.inf)
+                r += 1
+    mem = np.concatenate(tables.memory) if n else np.zeros(0)
+    if max_memory is not None:  # kept bytes + T <= M, T >= the chosen transient of each group
+        scale = max(float(mem.max(initial=0.0)), 1.0)
+        tvar = nv
+        nv += 1
+        c_parts.append(np.zeros(1))
+        rows += [r] * (int(off[-1]) + 1)
+        cols += list(range(int(off[-1]))) + [tvar]
+        vals += (mem / scale).tolist() + [1.0]
+        lb.append(-np.inf)
+        ub.append(max_memory / scale)
+        r += 1
+        for g, k in enumerate(n):
+            tr = tables.transient[g] if tables.transient else np.zeros(k)
+            if not np.any(tr):
+                continue
+            rows += [r] * (k + 1)
+            cols += [tvar] + list(range(off[g], off[g] + k))
+            vals += [1.0] + (-tr / scale).tolist()
+            lb.append(0.0)
+            ub.append(np.inf)
+            r += 1
+    a = sparse.csr_array((vals, (rows, cols)), shape=(r, nv))
+    c = np.concatenate(c_parts)
+    bounds = Bounds(0.0, np.where(np.arange(nv) == nv - 1, np.inf, 1.0)
+                    if max_memory is not None else 1.0)
+    integrality = np.zeros(nv)
+    integrality[: int(off[-1])] = 1
+    log.info("%s: %d variables (%d binary), %d constraints", desc, nv, int(off[-1]), r)
+    res = milp(c, constraints=LinearConstraint(a, lb, ub), integrality=integrality,
+               bounds=bounds,
+               options={"time_limit": float(time_limit), "disp": False, "mip_rel_gap": 1e-6})
+    if res.x is None:
+        if max_memory is not None:
+            smallest = _smallest_memory(tables)
+            raise _memory_error(max_memory, smallest)
+        raise PlanError(f"the search found no plan: {res.message}")
+    choice = tuple(int(np.argmax(res.x[off[g]:off[g + 1]])) for g in range(len(n)))
+    return _Solution(choice, tables.objective(choice), tables.memory_of(choice),
+                     str(res.message), res.status == 0, nv, r)
+
+
+def _smallest_memory(tables: CostTables) -> float:
+    """The least kept + transient bytes over all choices (memory has no edge terms, so the
+    group-wise minimum of kept bytes is exact; the transient is added for that choice)."""
+    choice = [int(np.argmin(m)) for m in tables.memory]
+    return tables.memory_of(choice)
+
+
+def _memory_error(budget: float, smallest: float) -> PlanError:
+    return PlanError(
+        f"no plan fits max_memory_per_device={int(budget):,} bytes ({budget / 2**30:.2f} GiB): "
+        f"the smallest estimate found is {int(smallest):,} bytes ({smallest / 2**30:.2f} GiB) "
+        "per device (parameters, gradients, optimizer state, activations). Raise the budget, "
+        "use Constraints(zero=3), or a larger mesh.")
+
+
+def _report(planner: str, space: SearchSpace, tables: CostTables, sol: _Solution,
+            build_s: float, solve_s: float) -> SearchReport:
+    comm = [float(tables.comm[g][c]) for g, c in enumerate(sol.choice)]
+    for e in tables.edges:
+        comm[e.dst] += float(e.cost[e.rows[sol.choice[e.src]], e.cols[sol.choice[e.dst]]])
+    breakdown = tuple(
+        GroupCost(grp.label, grp.n_ops, grp.n, grp.fgroups[0].splits[0][c],
+                  float(tables.compute[g][c]), comm[g], int(tables.memory[g][c]))
+        for g, (grp, c) in enumerate(zip(space.groups, sol.choice, strict=True)))
+    return SearchReport(planner, space.ops, len(space.groups), tuple(g.n for g in space.groups),
+                        space.log10_size, space.log10_full, space.removed, sol.variables,
+                        sol.constraints, build_s, solve_s, sol.objective_s,
+                        int(sol.memory_bytes), sol.status, sol.optimal, breakdown)
+
+
+def _plan(graph: Graph, mesh_axes: Mapping[str, int], space: SearchSpace,
+          choice: Sequence[int], policy: str, zero: int, draft=None) -> Plan:
+    from nnscaler_jax.primitives import Draft
+
+    draft = draft if draft is not None else Draft(graph, dict(mesh_axes))
+    draft.policy = draft.policy or policy
+    draft.zero = zero
+    for op in graph.walk():
+        draft.decide(op, space.split_of(op.id, choice))
+    return draft.finish()
+
+
+def search(graph: Graph, mesh_axes: Mapping[str, int], constraints: Constraints | None = None,
+           cost_model: CostModel | None = None, *, planner: str = "auto",
+           time_limit: float | None = None, draft=None) -> tuple[Plan, SearchReport]:
+    """Search the plan of least predicted step time.
+
+    Args:
+        graph: the annotated graph.
+        mesh_axes: mesh axis name -> size (``dict(mesh.shape)``; no devices needed).
+        constraints: rules prune the space, ``zero`` sets the ZeRO stage, and
+            ``max_memory_per_device`` bounds the plan's estimated memory.
+        cost_model: default ``CostModel.for_axes(mesh_axes, zero=...)``.
+        planner: ``"auto"`` (ours: followers + repeated layers share decisions) or ``"alpa"``
+            (every op its own variable but for Alpa's followers).
+        time_limit: HiGHS time budget in seconds (default 60 ours, 600 Alpa's).
+        draft: a policy's draft to record the decisions in (keeps its policy name).
+
+    Returns:
+        ``(plan, report)``.
+
+    Raises:
+        PlanError: contradictory rules (naming both), or no plan fits the memory budget (with
+            the smallest estimate found).
+    """
+    t0 = time.perf_counter()
+    constraints = constraints or Constraints()
+    zero = constraints.zero or 0
+    mesh_axes = dict(mesh_axes)
+    cm = cost_model or CostModel.for_axes(mesh_axes, zero=zero)
+    space = build_space(graph, mesh_axes, constraints.rules, followers=True,
+                        share_layers=planner != "alpa")
+    log.info("%s: %s", planner, space.summary())
+    tables = build_tables(space, cm, zero)
+    t1 = time.perf_counter()
+    limit = time_limit if time_limit is not None else (600.0 if planner == "alpa" else 60.0)
+    sol = solve(tables, max_memory=constraints.max_memory_per_device, time_limit=limit,
+                desc=f"{planner} ILP")
+    t2 = time.perf_counter()
+    plan = _plan(graph, mesh_axes, space, sol.choice, planner, zero, draft)
+    report = _report(planner, space, tables, sol, t1 - t0 + (time.perf_counter() - t2), t2 - t1)
+    log.info("%s", report)
+    return plan, report
+
+
+def search_policy(planner: str = "auto", constraints: Constraints | None = None,
+                  cost_model: CostModel | None = None, time_limit: float | None = None):
+    """A policy ``policy(graph, mesh) -> Plan`` running :func:`search`; the report is left on
+    the draft as ``draft.search_report``. Constraints default to ``draft.constraints`` when the
+    caller set them."""
+
+    def policy(draft, mesh) -> Plan:
+        cons = constraints if constraints is not None else getattr(draft, "constraints", None)
+        plan, report = search(draft.graph, draft.mesh_axes, cons, cost_model, planner=planner,
+                              time_limit=time_limit, draft=draft)
+        draft.search_report = report
+        return plan
+
+    policy.__name__ = planner
+    return policy

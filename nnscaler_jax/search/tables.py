@@ -1,0 +1,396 @@
+"""Cost tables of a search space: per group and strategy, per edge and strategy pair.
+
+Everything is priced through :class:`~nnscaler_jax.cost.model.CostModel` exactly as
+``CostModel.plan_cost`` prices a finished plan, so the ILP objective of a choice equals the plan's
+predicted step time (plus, inside ``scan`` bodies, the per-iteration cost times the trip count,
+and the relayouts between a ``scan`` op and its body):
+
+- unary (one group's choice): compute ``op_time`` of every member; activation bytes; for the
+  first reader of a model variable: gradient synchronisation, the variable's bytes in the layout
+  it is stored in (how that reader reads it; ZeRO-3 also shards it over the data axes) and the
+  relayout from storage; example inputs relayout from replicated; relayouts between members of
+  one group (a follower dropping its producer's partial sums pays the all-reduce here);
+- edges (two groups' choices): ``reshard_time`` of each tensor from the producer's output layout
+  to the consumer's input layout (and later readers of a variable from its storage layout);
+- gradient syncs: ``grad_sync_time`` of every operand a consumer splits over mesh axes it reads
+  it replicated on (the data-parallel all-reduce of a weight, Megatron's backward all-reduce of
+  an activation). ``plan_cost`` reduces a tensor's gradient once per gradient layout, however
+  many readers hand it back, so a tensor read by several ops gets one continuous variable per
+  gradient layout, ``z >= s`` of every reader strategy producing it (exact, linear).
+
+Ops inside a remat (``checkpoint``) boundary keep no activations and run their forward twice.
+
+Copies of a layer have equal costs; they are computed once (memoized by isomorphism key), for
+the Alpa-style planner too, so the two planners differ only in their ILPs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from nnscaler_jax.cost.model import CostModel
+from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
+from nnscaler_jax.layout import Layout
+from nnscaler_jax.plan.layouts import op_layouts
+from nnscaler_jax.plan.plan import OpPlan
+from nnscaler_jax.search.space import SearchSpace, Split, _walk_graphs, first_uses
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CostTables", "Edge", "build_tables", "stored_layout"]
+
+
+@dataclass(frozen=True)
+class Edge:
+    """Resharding between two groups: ``cost[rows[a], cols[b]]`` seconds when group ``src``
+    takes strategy ``a`` and group ``dst`` strategy ``b`` (rows / cols: layout classes)."""
+
+    src: int
+    dst: int
+    rows: np.ndarray
+    cols: np.ndarray
+    cost: np.ndarray
+
+
+@dataclass(frozen=True)
+class SyncSet:
+    """One tensor's gradient reductions: ``cost[c]`` seconds once any reader hands its gradient
+    back in layout class ``c``; ``readers``: (group, class per strategy, -1 for none)."""
+
+    cost: np.ndarray
+    readers: tuple[tuple[int, np.ndarray], ...]
+
+    def value(self, choice) -> float:
+        used = {int(cls[choice[g]]) for g, cls in self.readers} - {-1}
+        return float(sum(self.cost[c] for c in used))
+
+
+@dataclass
+class CostTables:
+    """Per group: ``compute`` / ``comm`` seconds and ``memory`` bytes per strategy; edges;
+    deduplicated gradient syncs."""
+
+    compute: list[np.ndarray]
+    comm: list[np.ndarray]
+    memory: list[np.ndarray]
+    edges: list[Edge]
+    syncs: list[SyncSet]
+    transient: list[np.ndarray] | None = None  # per group: largest output of a member
+
+    def memory_of(self, choice) -> float:
+        """Kept bytes plus the largest transient (as ``plan_cost``'s peak)."""
+        kept = sum(float(self.memory[g][c]) for g, c in enumerate(choice))
+        if not self.transient:
+            return kept
+        return kept + max((float(self.transient[g][c]) for g, c in enumerate(choice)),
+                          default=0.0)
+
+    def unary(self, g: int) -> np.ndarray:
+        return self.compute[g] + self.comm[g]
+
+    def objective(self, choice) -> float:
+        total = sum(float(self.unary(g)[c]) for g, c in enumerate(choice))
+        total += sum(float(e.cost[e.rows[choice[e.src]], e.cols[choice[e.dst]]])
+                     for e in self.edges)
+        return total + sum(s.value(choice) for s in self.syncs)
+
+
+def stored_layout(v: Tensor, want: Layout, sync_axes: tuple[str, ...],
+                  mesh_axes: Mapping[str, int], zero: int) -> Layout:
+    """How variable ``v`` is stored when its first reader reads it as ``want`` and splits it
+    over ``sync_axes`` (its data-parallel axes): ZeRO-3 also shards it over those, on the first
+    dim each divides (as ``CostModel.plan_cost``)."""
+    if zero < 3:
+        return want
+    lay = want
+    for a in sync_axes:
+        if a in lay.split_axes or a in lay.partial:
+            continue
+        for i, n in enumerate(v.shape):
+            if n % (math.prod(mesh_axes[b] for b in lay.dims[i]) * mesh_axes[a]) == 0:
+                lay = lay.replace_axis(a, ("D", i))
+                break
+    return lay
+
+
+def _sync_axes(want: Layout, split: Split) -> tuple[str, ...]:
+    used = set(want.split_axes) | set(want.partial)
+    return tuple(dict.fromkeys(a for a, d in split if d != "+" and a not in used))
+
+
+def _lay(op: Op, split: Split, side: int, k: int) -> Layout:
+    return op_layouts(op, OpPlan(op.id, op.primitive, op.module_path, split))[side][k]
+
+
+def _slice(lay: Layout, stacked: bool) -> Layout:
+    return Layout(lay.dims[1:], lay.partial) if stacked else lay
+
+
+class _Builder:
+    def __init__(self, space: SearchSpace, cm: CostModel, zero: int) -> None:
+        self.space, self.cm, self.zero = space, cm, zero
+        self.graph: Graph = space.graph
+        self.by_id = {op.id: op for op in self.graph.walk()}
+        self.uses = first_uses(self.graph)
+        n = [g.n for g in space.groups]
+        self.compute = [np.zeros(k) for k in n]
+        self.comm = [np.zeros(k) for k in n]
+        self.memory = [np.zeros(k) for k in n]
+        self.transient = [np.zeros(k) for k in n]
+        self.pairs: dict[tuple[int, int], np.ndarray] = {}
+        self.memo: dict[tuple, np.ndarray] = {}
+        self.remat = _remat_ops(self.graph)
+
+    def fgroup(self, op_id: int):
+        g, f, m = self.space.where[op_id]
+        return g, f, m, self.space.groups[g].fgroups[f]
+
+    # ---- unary ---------------------------------------------------------------------------------
+
+    def unary(self) -> None:
+        memo: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        for gi, group in enumerate(self.space.groups):
+            for fg in group.fgroups:
+                if fg.key is not None and fg.key in memo:
+                    c, x, m = memo[fg.key]
+                else:
+                    c, x, m = self._fgroup_unary(fg)
+                    if fg.key is not None:
+                        memo[fg.key] = (c, x, m)
+                self.compute[gi] += c
+                self.comm[gi] += x
+                self.memory[gi] += m
+                for mi, op_id in enumerate(fg.ops):
+                    op = self.by_id[op_id]
+                    if op.regions:
+                        continue
+                    local = np.array([sum(t.nbytes for t in op.outputs) / self.cm._ways(sp)
+                                      for sp in fg.splits[mi]])
+                    np.maximum(self.transient[gi], local, out=self.transient[gi])
+
+    def _fgroup_unary(self, fg) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        cm, mesh_axes = self.cm, self.space.mesh_axes
+        c, x, m = np.zeros(fg.n), np.zeros(fg.n), np.zeros(fg.n)
+        top_inputs = {t.id for t in self.graph.inputs}
+        forward = getattr(cm, "forward_time", None)
+        for mi, op_id in enumerate(fg.ops):
+            op = self.by_id[op_id]
+            w = self.space.weights[op_id]
+            remat = op.id in self.remat
+            for i, split in enumerate(fg.splits[mi]):
+                if not op.regions:
+                    c[i] += w * cm.op_time(op, split)
+                    if remat and forward is not None:
+                        c[i] += w * forward(op, split)
+                if not remat:
+                    m[i] += w * cm.activation_bytes(op, split)
+            for k, t in enumerate(op.inputs):
+                if t.id not in top_inputs:
+                    continue
+                first = t.role is Role.VARIABLE and self.uses.get(t.id) == (op.id, k)
+                if t.role is Role.VARIABLE and not first:
+                    continue  # an edge from the first reader
+                for i, split in enumerate(fg.splits[mi]):
+                    want = _lay(op, split, 0, k)
+                    if first:
+                        dp = _sync_axes(want, split)
+                        have = stored_layout(t, want, dp, mesh_axes, self.zero)
+                        m[i] += cm.variable_bytes(t, want, dp)
+                    else:
+                        have = Layout.replicated(t.ndim)
+                    x[i] += cm.reshard_time(t, have, want)
+        return c, x, m
+
+    # ---- gradient syncs ------------------------------------------------------------------------
+
+    def syncs(self) -> list[SyncSet]:
+        readers: dict[int, list[tuple[Op, int]]] = {}
+        for op in self.graph.walk():
+            for j, t in enumerate(op.inputs):
+                if t.role is not Role.CONST and t.ndim:
+                    readers.setdefault(t.id, []).append((op, j))
+        merged: dict[tuple, list] = {}
+        out: list[SyncSet] = []
+        for reads in readers.values():
+            t = reads[0][0].inputs[reads[0][1]]
+            sig_parts = []
+            for op, j in reads:
+                g, _f, mm, fg = self.fgroup(op.id)
+                sig_parts.append(None if fg.key is None else
+                                 (fg.key, mm, j, self.space.weights[op.id]))
+            sig = tuple(sig_parts) if all(p is not None for p in sig_parts) else None
+            if sig is not None and sig in merged:
+                merged[sig][1] += 1
+                continue
+            made = self._sync_set(t, reads)
+            if made is None:
+                continue
+            if sig is not None:
+                merged[sig] = [made, 1]
+            else:
+                out.append(made)
+        for made, count in merged.values():
+            out.append(SyncSet(made.cost * count, made.readers))
+        singles = []
+        for ss in out:  # one reader: a unary cost
+            if len(ss.readers) == 1:
+                g, cls = ss.readers[0]
+                self.comm[g] += np.where(cls >= 0, ss.cost[np.maximum(cls, 0)], 0.0)
+            else:
+                singles.append(ss)
+        return singles
+
+    def _sync_set(self, t: Tensor, reads: list[tuple[Op, int]]) -> SyncSet | None:
+        classes: dict[tuple, int] = {}
+        costs: list[float] = []
+        out = []
+        for op, j in reads:
+            g, _f, mm, fg = self.fgroup(op.id)
+            w = self.space.weights[op.id]
+            cls = np.full(fg.n, -1, dtype=np.int64)
+            for i, split in enumerate(fg.splits[mm]):
+                want = _lay(op, split, 0, j)
+                axes = _sync_axes(want, split)
+                if not axes:
+                    continue
+                key = (want, axes)
+                if key not in classes:
+                    cost = w * self.cm.grad_sync_time(t, want, split)
+                    if cost <= 0:
+                        continue
+                    classes[key] = len(costs)
+                    costs.append(cost)
+                cls[i] = classes[key]
+            out.append((g, cls))
+        if not costs:
+            return None
+        return SyncSet(np.array(costs), tuple(out))
+
+    # ---- edges ---------------------------------------------------------------------------------
+
+    def edges(self) -> None:
+        for g, w, owner in _walk_graphs(self.graph):
+            producer = g.producer
+            body_in: dict[int, tuple[int, bool]] = {}
+            if owner is not None and owner.primitive == "scan":
+                p = owner.params
+                lead = p["num_consts"] + p["num_carry"]
+                body_in = {t.id: (k, k >= lead) for k, t in enumerate(g.inputs)}
+                for k, t in enumerate(g.outputs):
+                    if t.id in producer:
+                        prod = producer[t.id]
+                        kp = [o.id for o in prod.outputs].index(t.id)
+                        self.edge(t, w, ("out", prod.id, kp, False),
+                                  ("out", owner.id, k, k >= p["num_carry"]))
+            for op in g.ops:
+                for j, t in enumerate(op.inputs):
+                    dst = ("in", op.id, j, False)
+                    if t.id in producer:
+                        prod = producer[t.id]
+                        src = ("out", prod.id, [o.id for o in prod.outputs].index(t.id), False)
+                    elif t.role is Role.VARIABLE and t.id in self.uses and \
+                            self.uses[t.id] != (op.id, j):
+                        src = ("var",) + self.uses[t.id] + (False,)
+                    elif t.id in body_in:
+                        k, stacked = body_in[t.id]
+                        src = ("in", owner.id, k, stacked)
+                    else:
+                        continue
+                    self.edge(t, w, src, dst)
+
+    def _layouts(self, end: tuple, fg, m: int) -> list[Layout]:
+        kind, op_id, k, stacked = end
+        op = self.by_id[op_id]
+        out = []
+        for split in fg.splits[m]:
+            if kind == "out":
+                lay = _lay(op, split, 1, k)
+            else:
+                lay = _lay(op, split, 0, k)
+                if kind == "var":
+                    lay = stored_layout(op.inputs[k], lay, _sync_axes(lay, split),
+                                        self.space.mesh_axes, self.zero)
+            out.append(_slice(lay, stacked))
+        return out
+
+    def edge(self, t: Tensor, w: float, src: tuple, dst: tuple) -> None:
+        gs, _fs, ms, fgs = self.fgroup(src[1])
+        gd, _fd, md, fgd = self.fgroup(dst[1])
+        sig = None
+        if fgs.key is not None and fgd.key is not None:
+            sig = (fgs.key, ms, src[0], src[2], src[3], fgd.key, md, dst[0], dst[2], dst[3], w)
+        mat = self.memo.get(sig) if sig is not None else None
+        if mat is None:
+            a = self._layouts(src, fgs, ms)
+            b = self._layouts(dst, fgd, md)
+            ua, ia = _unique(a)
+            ub, ib = _unique(b)
+            small = np.array([[self.cm.reshard_time(t, x, y) for y in ub] for x in ua])
+            mat = w * small[np.ix_(ia, ib)]
+            if sig is not None:
+                self.memo[sig] = mat
+        if gs == gd:
+            self.comm[gs] += np.diagonal(mat)  # one decision: equal strategy indices
+            return
+        key = (gs, gd) if gs < gd else (gd, gs)
+        mat = mat if gs < gd else mat.T
+        if key in self.pairs:
+            self.pairs[key] = self.pairs[key] + mat
+        else:
+            self.pairs[key] = mat
+
+    def finish(self) -> list[Edge]:
+        out = []
+        for (gs, gd), mat in self.pairs.items():
+            if not np.any(mat):
+                continue
+            if not np.all(np.isfinite(mat)):
+                mat = np.where(np.isfinite(mat), mat, 1e6)  # unreachable relayouts: forbidden
+            rows_u, rows = np.unique(mat, axis=0, return_inverse=True)
+            cols_u, cols = np.unique(rows_u, axis=1, return_inverse=True)
+            c = cols_u
+            sep = c[:, :1] + c[:1, :] - c[0, 0]
+            if np.allclose(c, sep, rtol=1e-12, atol=1e-15):
+                self.comm[gs] += c[rows.ravel(), 0]
+                self.comm[gd] += c[0, cols.ravel()] - c[0, 0]
+                continue
+            out.append(Edge(gs, gd, rows.ravel(), cols.ravel(), c))
+        return out
+
+
+def _remat_ops(graph: Graph) -> set[int]:
+    """Ids of ops inside a remat (``checkpoint``) boundary, region bodies included."""
+    kinds: dict[int, str] = {}
+
+    def collect(g: Graph) -> None:
+        kinds.update({b.id: b.kind for b in g.boundaries})
+        for op in g.ops:
+            for region in op.regions:
+                collect(region)
+
+    collect(graph)
+    return {op.id for op in graph.walk()
+            if any(kinds.get(b) in ("checkpoint", "remat", "remat2") for b in op.boundary)}
+
+
+def _unique(layouts: list[Layout]) -> tuple[list[Layout], list[int]]:
+    index: dict[Layout, int] = {}
+    inv = [index.setdefault(lay, len(index)) for lay in layouts]
+    return list(index), inv
+
+
+def build_tables(space: SearchSpace, cm: CostModel, zero: int = 0) -> CostTables:
+    """Price every group's strategies and every edge's strategy pairs."""
+    b = _Builder(space, cm, zero)
+    b.unary()
+    b.edges()
+    syncs = b.syncs()
+    edges = b.finish()
+    log.info("cost tables: %d groups, %d edges (%d strategy-pair classes), %d shared gradient "
+             "syncs", len(space.groups), len(edges), sum(e.cost.size for e in edges), len(syncs))
+    return CostTables(b.compute, b.comm, b.memory, edges, syncs, b.transient)

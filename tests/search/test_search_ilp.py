@@ -1,0 +1,135 @@
+"""The SPMD search: beats the built-in policies, verifies numerically, respects constraints."""
+
+import itertools
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from meshes import make_mesh
+
+import models
+from nnscaler_jax import Constraints, PlanError, Rule, auto_parallel
+from nnscaler_jax.api import make_plan_for
+from nnscaler_jax.capture.trace import capture
+from nnscaler_jax.cost.model import CostModel
+from nnscaler_jax.lower.verify import max_rel_diff
+from nnscaler_jax.search import alpa_search, build_space, search
+from nnscaler_jax.search.space import build_space as _space
+from nnscaler_jax.search.tables import build_tables
+
+AXES = {"data": 2, "model": 4}
+
+
+def _graph(name, preset="tiny"):
+    spec = models.get(name, preset)
+    xs = spec.make_args(abstract=True)
+    variables = spec.init_abstract() if spec.kind == "linen" else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return capture(spec.module, *xs, variables=variables).graph
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return _graph("gpt")
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_search_is_no_worse_than_every_builtin(name):
+    graph = _graph(name)
+    mesh = make_mesh((2, 4), ("data", "model"))
+    cost = {p: make_plan_for(graph, mesh, policy=p).cost.step_time_s
+            for p in ["auto", "dp", "zero3", "megatron"]}
+    for p in ["dp", "zero3", "megatron"]:
+        assert cost["auto"] <= cost[p] * (1 + 1e-9), cost
+
+
+def test_search_plan_verifies_numerically():
+    module, make_args, loss = models.get("gpt", "tiny")
+    args = make_args()
+    mesh = make_mesh((2, 4), ("data", "model"))
+    pm = auto_parallel(mesh, policy="auto")(module)
+    key = jax.random.key(0)
+    variables = pm.init(key, *args)
+    ref_vars = module.init(key, *args)
+    assert pm.plan.policy == "auto"
+    out, ref = pm.apply(variables, *args), module.apply(ref_vars, *args)
+    assert max_rel_diff(out, ref)[0] <= 1e-4
+    grad = jax.jit(jax.grad(lambda v: loss(pm.apply(v, *args), *args)))(variables)
+    ref_grad = jax.jit(jax.grad(lambda v: loss(module.apply(v, *args), *args)))(ref_vars)
+    assert max_rel_diff(grad, ref_grad)[0] <= 1e-4, max_rel_diff(grad, ref_grad)
+
+
+def test_repeated_layers_shrink_the_space(gpt):
+    ours = build_space(gpt, AXES)
+    alpa = build_space(gpt, AXES, share_layers=False)
+    assert len(ours.groups) < len(alpa.groups) < alpa.ops
+    assert ours.log10_size < alpa.log10_size < alpa.log10_full
+    # the two blocks' query projections share one decision
+    g0 = ours.where[gpt.op("h_0/attn/query").id][0]
+    g1 = ours.where[gpt.op("h_1/attn/query").id][0]
+    assert g0 == g1
+    assert "groups" in ours.summary()
+
+
+def test_objective_matches_the_plan_cost(gpt):
+    plan, report = search(gpt, AXES)
+    cost = CostModel.for_axes(AXES).plan_cost(plan, gpt)
+    assert report.objective_s == pytest.approx(cost.step_time_s, rel=0.02)
+    assert report.groups == len(report.strategies) and report.solve_s >= 0
+    assert "objective" in str(report)
+
+
+class TwoLayer(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(8, use_bias=False, name="fc1")(x))
+        return nn.Dense(4, use_bias=False, name="fc2")(h)
+
+
+def test_alpa_ilp_matches_brute_force():
+    x = jax.ShapeDtypeStruct((8, 4), jnp.float32)
+    graph = capture(TwoLayer(), x).graph
+    axes = {"data": 2, "model": 2}
+    cm = CostModel.for_axes(axes)
+    space = _space(graph, axes, share_layers=False)
+    tables = build_tables(space, cm)
+    sizes = [g.n for g in space.groups]
+    assert np.prod(sizes) <= 50_000, sizes
+    best = min(tables.objective(c) for c in itertools.product(*map(range, sizes)))
+    _, alpa = alpa_search(graph, axes, cost_model=cm)
+    _, ours = search(graph, axes, cost_model=cm)
+    assert alpa.objective_s == pytest.approx(best, rel=1e-6)
+    assert ours.objective_s >= alpa.objective_s * (1 - 1e-9)
+
+
+def test_rules_prune_the_space(gpt):
+    rule = Rule(module="*mlp*", dims=("m0", "d0"))
+    plan, report = search(gpt, AXES, Constraints(rules=(rule,)))
+    removed = dict(report.removed)[str(rule)]
+    assert removed > 0
+    for p in plan.ops:
+        op = gpt.op(p.op)
+        if rule.matches(op):
+            assert {d for _, d in p.split} <= {"m0", "d0"}, (op, p.split)
+
+
+def test_infeasible_memory_names_the_smallest_estimate(gpt):
+    with pytest.raises(PlanError, match="smallest estimate found is"):
+        search(gpt, AXES, Constraints(max_memory_per_device=1000))
+    # a budget between the smallest and the fastest plan's memory is met
+    _, fast = search(gpt, AXES)
+    _plan, tight = search(gpt, AXES, Constraints(max_memory_per_device=fast.memory_bytes - 1))
+    assert tight.memory_bytes <= fast.memory_bytes - 1
+    assert tight.objective_s >= fast.objective_s
+
+
+def test_contradictory_rules_name_both(gpt):
+    a = Rule(module="*mlp*", dims=("m0",))
+    b = Rule(module="*mlp/c_fc*", dims=("n0",))
+    with pytest.raises(PlanError) as e:
+        search(gpt, AXES, Constraints(rules=(a, b)))
+    assert str(a) in str(e.value) and str(b) in str(e.value)
