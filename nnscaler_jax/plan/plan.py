@@ -70,6 +70,9 @@ class Plan:
         order: ``(a, b)`` op ids: ``a`` before ``b`` on their shared devices.
         policy: the policy that made the plan.
         cost: estimates, if computed.
+        stages: pipeline stages along the mesh's ``stage``/``pipe`` axis (1: no pipeline).
+        microbatches / schedule / virtual: the pipeline schedule (see ``plan/schedule.py``).
+        stage_of: ``(layer module path, stage)`` pairs (op_assign of layers to stages).
     """
 
     mesh: tuple[tuple[str, int], ...]
@@ -80,6 +83,11 @@ class Plan:
     order: tuple[tuple[int, int], ...] = ()
     policy: str = ""
     cost: PlanCost | None = field(default=None, compare=False)
+    stages: int = 1
+    microbatches: int = 1
+    schedule: str = ""
+    virtual: int = 1
+    stage_of: tuple[tuple[str, int], ...] = ()
 
     def op_plan(self, op_id: int) -> OpPlan | None:
         return self._by_id().get(op_id)
@@ -111,6 +119,14 @@ class Plan:
         if sharded:
             lines.append("variables stored sharded:")
             lines += [f"  {n}: P{tuple(s)}" for n, s in sharded]
+        if self.stages > 1:
+            by: dict[int, list[str]] = {}
+            for name, st in self.stage_of:
+                by.setdefault(st, []).append(name)
+            lines.append(f"pipeline: {self.stages} stages, {self.microbatches} micro-batches, "
+                         f"schedule {self.schedule}" + (f" x {self.virtual} virtual"
+                                                        if self.virtual > 1 else ""))
+            lines += [f"  stage {st}: {', '.join(ns)}" for st, ns in sorted(by.items())]
         if self.cost:
             c = self.cost
             lines.append(f"estimate: step {c.step_time_s * 1e3:.3f} ms, memory/device "
@@ -138,6 +154,10 @@ class Plan:
             ],
             "cost": dataclasses.asdict(self.cost) if self.cost else None,
         }
+        if self.stages > 1:
+            d["pipeline"] = {"stages": self.stages, "microbatches": self.microbatches,
+                             "schedule": self.schedule, "virtual": self.virtual,
+                             "stage_of": [list(x) for x in self.stage_of]}
         return json.dumps(d, indent=1, sort_keys=True)
 
     @classmethod
@@ -149,8 +169,9 @@ class Plan:
         """
         try:
             d = json.loads(text)
-            if d.get("format") != FORMAT:
-                raise ValueError(f"format is {d.get('format')!r}, expected {FORMAT!r}")
+            if not isinstance(d, dict) or d.get("format") != FORMAT:
+                got = d.get("format") if isinstance(d, dict) else type(d).__name__
+                raise ValueError(f"format is {got!r}, expected {FORMAT!r}")
             ops = tuple(
                 OpPlan(int(o["op"]), str(o["primitive"]), str(o["module_path"]),
                        tuple((str(a), str(x)) for a, x in o["split"]),
@@ -160,6 +181,7 @@ class Plan:
             )
             variables = tuple((str(n), tuple(_entry(e) for e in s)) for n, s in d["variables"])
             cost = PlanCost(**d["cost"]) if d.get("cost") else None
+            pipe = d.get("pipeline") or {}
             return cls(
                 mesh=tuple((str(a), int(n)) for a, n in d["mesh"]),
                 fingerprint=str(d["fingerprint"]),
@@ -169,6 +191,11 @@ class Plan:
                 order=tuple((int(a), int(b)) for a, b in d["order"]),
                 policy=str(d["policy"]),
                 cost=cost,
+                stages=int(pipe.get("stages", 1)),
+                microbatches=int(pipe.get("microbatches", 1)),
+                schedule=str(pipe.get("schedule", "")),
+                virtual=int(pipe.get("virtual", 1)),
+                stage_of=tuple((str(n), int(st)) for n, st in pipe.get("stage_of", ())),
             )
         except (ValueError, KeyError, TypeError, IndexError) as e:
             raise PlanError(f"not a valid plan JSON ({type(e).__name__}: {e}); write it with "

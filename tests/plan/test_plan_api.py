@@ -131,7 +131,7 @@ def test_unknown_mesh_axis_in_a_policy(mlp):
         return graph.finish()
 
     pm = auto_parallel(make_mesh((2, 4), ("data", "model")), policy=policy)(module)
-    with pytest.raises(PlanError, match=r"mesh axis 'pipe'.*fc1"):
+    with pytest.raises(PlanError, match=r"fc1.*mesh axis 'pipe'"):
         pm.make_plan(x)
 
 
