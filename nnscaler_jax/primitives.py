@@ -59,6 +59,14 @@ def _op_error(op: Op, what: str, fix: str) -> PlanError:
     )
 
 
+def _unsplittable(anno: Any, dim: str) -> str:
+    """Why ``dim`` of ``anno`` cannot be split."""
+    kinds = anno.kinds()
+    if kinds.get(dim) is DimKind.FROZEN:
+        return "it is frozen ('^')"
+    return "it is not the first dim of its group" if dim in kinds else "it is not in the annotation"
+
+
 @dataclass
 class Draft:
     """A graph and the decisions of a policy in progress (what policies receive as ``graph``).
@@ -99,11 +107,7 @@ class Draft:
                                     f"Value-split only {sorted(LINEAR)}.")
                 continue
             if dim not in names:
-                kinds = anno.kinds()
-                why = ("it is frozen ('^')" if kinds.get(dim) is DimKind.FROZEN else
-                       "it is not the first dim of its group" if dim in kinds else
-                       "it is not in the annotation")
-                raise _op_error(op, f"cannot split dim '{dim}': {why}",
+                raise _op_error(op, f"cannot split dim '{dim}': {_unsplittable(anno, dim)}",
                                 f"Splittable dims: {names or 'none (replicate it)'}.")
         dims = [d for _, d in pairs]
         if len(set(dims)) != len(dims):
@@ -204,11 +208,7 @@ def op_trans(graph: Draft, op: Op | SubOp, algo: str, n: int) -> tuple[SubOp, ..
         algo = VALUE
     anno = parse_anno(base.anno)
     if algo != VALUE and algo not in anno.splittable():
-        kinds = anno.kinds()
-        why = ("it is frozen ('^')" if kinds.get(algo) is DimKind.FROZEN else
-               "it is not the first dim of its group" if algo in kinds else
-               "it is not in the annotation")
-        raise _op_error(base, f"op_trans along '{algo}': {why}",
+        raise _op_error(base, f"op_trans along '{algo}': {_unsplittable(anno, algo)}",
                         f"Splittable dims: {anno.splittable() or 'none'}; or 'replicate'.")
     sizes = anno.bind([t.shape for t in base.inputs], [t.shape for t in base.outputs])
     sizes[VALUE] = n * math.prod(m for d, m, _ in prefix if d == VALUE)  # any n divides
