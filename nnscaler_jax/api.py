@@ -71,6 +71,7 @@ def make_plan_for(graph: Any, mesh: Any, *, policy: Any = "auto", plan: Plan | N
         raise PlanError(f"policy {draft.policy!r} returned {type(result).__name__}, not a Plan: "
                         "end the policy with `return graph.finish()`")
     result = constraints.apply_zero(result, graph, axes)
+    result = constraints.apply_pipeline(result, graph, axes)
     from nnscaler_jax.cost.estimate import estimate
 
     return estimate(result, graph)
@@ -198,6 +199,25 @@ class AutoParallel:
         flat = [self._place(x, s) for x, s in zip(tr.flat_inputs, prog.in_shardings,
                                                    strict=True)]
         return prog.fn.lower(*flat).compile()
+
+    def train_step(self, loss_fn: Callable[..., Any], optimizer: Any, *,
+                   return_grads: bool = False) -> Any:
+        """A pipelined training step (needs ``Constraints(pipeline_stages=...)``).
+
+        Args:
+            loss_fn: ``loss_fn(module_output, *batch) -> scalar`` (mean over the batch).
+            optimizer: an ``optax.GradientTransformation``.
+            return_grads: also return the gradients (pipeline layout) in the metrics.
+
+        Returns:
+            A :class:`~nnscaler_jax.lower.pipeline.PipelineStep` ``step``:
+            ``state = step.init(variables, *batch)``, then ``state, metrics = step(state,
+            *batch)`` (one jitted program: micro-batches, schedule, gradient accumulation and
+            the optax update); ``step.params(state)`` gives the module's params tree.
+        """
+        from nnscaler_jax.lower.pipeline import PipelineStep
+
+        return PipelineStep(self, loss_fn, optimizer, return_grads=return_grads)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if isinstance(self.module, nnx.Module):

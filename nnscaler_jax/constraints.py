@@ -69,9 +69,7 @@ class Constraints:
     def check(self, graph: Graph, mesh_axes: dict[str, int]) -> None:
         """Raise ``PlanError`` for a rule or field that cannot be met on this graph and mesh."""
         if self.pipeline_stages not in (None, 1):
-            raise PlanError(
-                f"Constraints(pipeline_stages={self.pipeline_stages!r}): pipeline parallelism is "
-                "not implemented yet (see README limitations); use pipeline_stages=None")
+            self._stage_of(graph, mesh_axes)
         for r in self.rules:
             for a in r.axes or ():
                 if a not in mesh_axes:
@@ -95,6 +93,38 @@ class Constraints:
                              (b.replicate and (a.dims or a.axes))):
                     raise PlanError(f"{a} and {b} contradict on op '{both[0].primitive}' at "
                                     f"'{both[0].module_path}': one replicates, one splits")
+
+    def _stage_of(self, graph: Graph, mesh_axes: dict[str, int]) -> tuple[tuple[str, int], ...]:
+        """Check the pipeline fields; the layer -> stage assignment."""
+        from nnscaler_jax.plan.schedule import stage_layers
+
+        stages = self.pipeline_stages
+        if stages == "auto":
+            raise PlanError("Constraints(pipeline_stages='auto'): the stage search runs offline "
+                            "(nnscaler_jax.search.pipeline_dp.search_stages); pass the stage "
+                            "count it chose, e.g. pipeline_stages=4")
+        if not isinstance(stages, int) or stages < 1:
+            raise PlanError(f"Constraints(pipeline_stages={stages!r}): use a positive int")
+        axis = next((a for a in ("stage", "pipe") if a in mesh_axes), None)
+        if axis is None or mesh_axes[axis] != stages:
+            raise PlanError(
+                f"Constraints(pipeline_stages={stages}) needs a mesh axis 'stage' (or 'pipe') of "
+                f"size {stages}; the mesh has {mesh_axes}. E.g. jax.make_mesh(({stages}, 2), "
+                "('stage', 'data'))")
+        if self.microbatches is not None and self.microbatches < 1:
+            raise PlanError(f"Constraints(microbatches={self.microbatches}): use a positive int")
+        virtual = 2 if self.schedule == "interleaved" else 1
+        return stage_layers([(v.name, v.shape) for v in graph.variables], stages, virtual)
+
+    def apply_pipeline(self, plan, graph: Graph, mesh_axes: dict[str, int]):
+        """Record stages, schedule and the layer -> stage assignment on the plan."""
+        if self.pipeline_stages in (None, 1):
+            return plan
+        stage_of = self._stage_of(graph, mesh_axes)
+        return replace(plan, stages=int(self.pipeline_stages),
+                       microbatches=int(self.microbatches or self.pipeline_stages),
+                       schedule=self.schedule or "1f1b",
+                       virtual=2 if self.schedule == "interleaved" else 1, stage_of=stage_of)
 
     def apply_zero(self, plan, graph: Graph, mesh_axes: dict[str, int]):
         """Record the ZeRO stage on the plan (stage 3 also shards variable storage)."""

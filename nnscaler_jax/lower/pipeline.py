@@ -37,7 +37,8 @@ from nnscaler_jax.capture.flax import path_str
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.plan import schedule as sch
 
-__all__ = ["STAGE_AXES", "Split", "split_program", "PipelineProgram", "stage_axis"]
+__all__ = ["STAGE_AXES", "Split", "split_program", "PipelineProgram", "PipelineStep",
+           "stage_axis"]
 
 STAGE_AXES = ("stage", "pipe")
 _LAYER = re.compile(r"^(.*)_(\d+)$")
@@ -385,7 +386,7 @@ class PipelineProgram:
                 x = jnp.stack([leaves[lv[k]] for lv in split.layer_leaves])
             x = x.reshape((V, S, K) + x.shape[1:]).swapaxes(0, 1)  # chunk c = v * S + s
             layers.append(x)
-        return {"shared": [jax.device_put(x, rep) for x in shared],
+        return {"shared": [jax.device_put(x, rep, may_alias=False) for x in shared],
                 "layers": [jax.device_put(x, st) for x in layers]}
 
     def from_pipeline(self, pp: dict) -> Any:
@@ -526,22 +527,99 @@ class PipelineProgram:
                           place(shaped, batch_spec))
         return loss, {"shared": gs, "layers": gl}
 
-    def train_step(self, optimizer: Any) -> Callable:
+    def train_step(self, optimizer: Any, *, return_grads: bool = False) -> Callable:
         """A jitted ``step(state, batch) -> (state, metrics)`` with
         ``state = {'params': pipeline params, 'opt_state': ...}`` (see :meth:`init_state`) and
-        ``metrics = {'loss': mean loss, 'grad_norm': global gradient norm}``."""
+        ``metrics = {'loss': mean loss, 'grad_norm': global gradient norm}`` (and ``'grads'``,
+        pipeline layout, with ``return_grads``)."""
         import optax
 
         def step(state, batch):
             loss, g = self.grads(state["params"], tuple(batch))
             updates, opt_state = optimizer.update(g, state["opt_state"], state["params"])
             params = optax.apply_updates(state["params"], updates)
-            return ({"params": params, "opt_state": opt_state},
-                    {"loss": loss, "grad_norm": optax.global_norm(g)})
+            metrics = {"loss": loss, "grad_norm": optax.global_norm(g)}
+            if return_grads:
+                metrics["grads"] = g
+            return {"params": params, "opt_state": opt_state}, metrics
 
-        return jax.jit(step, donate_argnums=(0,))
+        jitted = jax.jit(step, donate_argnums=(0,))
+        mesh = self.mesh
+
+        def run(state, batch):
+            with jax.set_mesh(mesh):
+                return jitted(state, batch)
+
+        def lower(state, batch):
+            with jax.set_mesh(mesh):
+                return jitted.lower(state, batch)
+
+        run.lower = lower
+        return run
 
     def init_state(self, params: Any, optimizer: Any) -> dict:
         """``{'params': to_pipeline(params), 'opt_state': optimizer.init(...)}``."""
         pp = self.to_pipeline(params)
-        return {"params": pp, "opt_state": jax.jit(optimizer.init)(pp)}
+        with jax.set_mesh(self.mesh):
+            return {"params": pp, "opt_state": jax.jit(optimizer.init)(pp)}
+
+
+class PipelineStep:
+    """``pm.train_step(loss_fn, optimizer)``: a pipelined training step for a wrapped module.
+
+    The wrapper's ``Constraints(pipeline_stages=S, microbatches=M, schedule=...)`` pick the
+    stages (along the mesh's ``stage``/``pipe`` axis) and the schedule; the other mesh axes are
+    data-parallel inside each stage.
+
+    >>> # step = pm.train_step(models_loss_fn, optax.adam(1e-3))
+    >>> # state = step.init(variables, tokens)        # params in the pipeline layout
+    >>> # state, metrics = step(state, tokens)        # one jitted step: M micro-batches + update
+    >>> # params = step.params(state)                 # back to the module's params tree
+
+    Attributes:
+        program: the :class:`PipelineProgram` (after :meth:`init`).
+        jitted: the jitted ``step(state, batch)`` (after :meth:`init`), e.g. for
+            ``step.jitted.lower(state, batch).compile().memory_analysis()``.
+    """
+
+    def __init__(self, pm: Any, loss_fn: Callable, optimizer: Any, *, return_grads: bool = False):
+        c = pm.constraints
+        if c is None or c.pipeline_stages in (None, 1):
+            raise PlanError("train_step builds a pipelined step: wrap the module with "
+                            "auto_parallel(mesh, Constraints(pipeline_stages=4, microbatches=8, "
+                            "schedule='1f1b')); without stages use pm.apply inside your own "
+                            "jax.jit(jax.grad(...))")
+        if pm.policy not in (None, "dp"):
+            raise PlanError(f"train_step: policy {pm.policy!r} inside pipeline stages is not "
+                            "supported yet (stages are data-parallel inside); use policy=None or "
+                            "'dp'")
+        self.pm, self.loss_fn, self.optimizer = pm, loss_fn, optimizer
+        self.return_grads = return_grads
+        self.program: PipelineProgram | None = None
+        self.jitted: Callable | None = None
+
+    def init(self, variables: Any, *batch: Any) -> dict:
+        """Plan, build the program for ``batch``'s shapes and lay out the training state."""
+        params = variables["params"] if "params" in variables else variables
+        if self.pm.policy is None:
+            self.pm.policy = "dp"
+        self.pm.make_plan(*batch, variables={"params": params})   # checks + records stages
+        plan = self.pm.plan
+        sched = sch.build(plan.schedule, plan.stages, plan.microbatches, plan.virtual)
+        self.program = PipelineProgram(self.pm.module, self.loss_fn, self.pm.mesh, sched, params,
+                                       tuple(batch))
+        self.jitted = self.program.train_step(self.optimizer, return_grads=self.return_grads)
+        return self.program.init_state(params, self.optimizer)
+
+    def __call__(self, state: dict, *batch: Any) -> tuple[dict, dict]:
+        if self.jitted is None:
+            raise PlanError("call step.init(variables, *batch) before the first step")
+        return self.jitted(state, tuple(batch))
+
+    def lower(self, state: dict, *batch: Any) -> Any:
+        """``jax.jit(step).lower(state, batch)`` (``.compile().memory_analysis()``)."""
+        return self.jitted.lower(state, tuple(batch))
+
+    def params(self, state: dict) -> Any:
+        """The module's params tree of ``state``."""
+        return self.program.from_pipeline(state["params"])

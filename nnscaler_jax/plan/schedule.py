@@ -300,3 +300,55 @@ def plot_gantt(sched: Schedule, path: str) -> str:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def stage_layers(variables: list[tuple[str, tuple[int, ...]]], stages: int,
+                 virtual: int = 1) -> tuple[tuple[str, int], ...]:
+    """Which stage holds which layer: ``((layer, stage), ...)``, contiguous chunks of layers.
+
+    Layers are found from variable paths (``params/h_3/attn/...``): the most repeated
+    ``<prefix>_<i>`` top module, or a stacked (``nn.scan``) module whose variables share one
+    leading layer axis (reported as ``h[i]``). Chunk ``c`` holds layers ``[c L/C, (c+1) L/C)`` and
+    runs on stage ``c mod stages``.
+
+    Raises:
+        PlanError: no layer stack, or its length does not divide into ``stages x virtual``.
+    """
+    import re
+
+    tops: dict[str, list[tuple[int, ...]]] = {}
+    for name, shape in variables:
+        parts = [p for p in name.split("/") if p]
+        if parts and parts[0] in ("params", "batch_stats", "cache"):
+            parts = parts[1:]
+        if parts:
+            tops.setdefault(parts[0], []).append(tuple(shape))
+    groups: dict[str, list[int]] = {}
+    for t in tops:
+        m = re.match(r"^(.*)_(\d+)$", t)
+        if m:
+            groups.setdefault(m.group(1), []).append(int(m.group(2)))
+    names: list[str] = []
+    best = max(groups, key=lambda k: len(groups[k]), default=None)
+    if best is not None and len(groups[best]) >= 2:
+        names = [f"{best}_{i}" for i in sorted(groups[best])]
+    else:
+        for t, shapes in tops.items():
+            lead = {s[0] for s in shapes if s}
+            if len(lead) == 1 and all(s for s in shapes) and t not in ("wte", "wpe"):
+                (n,) = lead
+                if n >= 2 and len(shapes) >= 4:
+                    names = [f"{t}[{i}]" for i in range(n)]
+                    break
+    chunks = stages * virtual
+    if not names:
+        raise PlanError(f"pipeline_stages={stages}: no stack of repeated layers in the model "
+                        f"(top modules {sorted(tops)[:12]}); stage splitting needs layers named "
+                        "'<prefix>_0', '<prefix>_1', ... or one nn.scan over them. Fix: "
+                        "pipeline_stages=None")
+    if len(names) % chunks:
+        raise PlanError(f"pipeline_stages={stages}" + (f" x virtual {virtual}" if virtual > 1
+                        else "") + f": {len(names)} layers ({names[0]}..{names[-1]}) do not "
+                        f"split evenly; use a stage count dividing {len(names)}")
+    per = len(names) // chunks
+    return tuple((n, (i // per) % stages) for i, n in enumerate(names))

@@ -1,0 +1,85 @@
+"""Schedules as step tables: builders valid, hand-written errors named, in-flight counts."""
+
+import pytest
+
+from nnscaler_jax.errors import PlanError
+from nnscaler_jax.plan import schedule as sch
+from nnscaler_jax.plan.schedule import Schedule, Step
+
+
+@pytest.mark.parametrize("stages,mbs", [(1, 1), (2, 4), (4, 4), (4, 8), (3, 5)])
+def test_builders_valid(stages, mbs):
+    for s in (sch.gpipe(stages, mbs), sch.one_f_one_b(stages, mbs)):
+        sch.validate(s)
+        table = sch.timeline(s)
+        assert sum(st is not None for row in table for st in row) == 2 * stages * mbs
+
+
+@pytest.mark.parametrize("stages,mbs,v", [(2, 4, 2), (4, 8, 2), (2, 4, 3)])
+def test_interleaved_valid(stages, mbs, v):
+    s = sch.interleaved(stages, mbs, v)
+    sch.validate(s)
+    assert len(s.steps[0]) == 2 * mbs * v
+
+
+def test_peak_in_flight():
+    assert sch.peak_in_flight(sch.one_f_one_b(4, 8)) == (4, 3, 2, 1)
+    assert sch.peak_in_flight(sch.gpipe(4, 8)) == (8,) * 4
+    assert sch.peak_in_flight(sch.one_f_one_b(4, 2)) == (2, 2, 2, 1)
+
+
+def test_1f1b_timeline_closed_form():
+    # 1F1B with unit steps: 2 (M + S - 1) time steps, same as GPipe; stage s starts at step s.
+    for S, M in ((2, 4), (4, 8)):
+        t = sch.timeline(sch.one_f_one_b(S, M))
+        assert len(t) == 2 * (M + S - 1) == len(sch.timeline(sch.gpipe(S, M)))
+        for s in range(S):
+            assert next(i for i, row in enumerate(t) if row[s] is not None) == s
+
+
+def _custom(rows, stages=2, mbs=2):
+    return Schedule("custom", stages, mbs, 1, tuple(tuple(Step(k, m) for k, m in r)
+                                                   for r in rows))
+
+
+def test_invalid_backward_before_forward():
+    bad = _custom([[("B", 0), ("F", 0), ("F", 1), ("B", 1)],
+                   [("F", 0), ("B", 0), ("F", 1), ("B", 1)]])
+    with pytest.raises(PlanError, match=r"stage 0 step 0 'B0' comes before its forward"):
+        sch.validate(bad)
+
+
+def test_invalid_deadlock_names_step():
+    # stage 0 wants B0 before sending F1; stage 1 wants F1 before F0 -> a cycle
+    bad = _custom([[("F", 0), ("B", 0), ("F", 1), ("B", 1)],
+                   [("F", 1), ("F", 0), ("B", 0), ("B", 1)]])
+    with pytest.raises(PlanError, match=r"deadlocks.*stage 1 step 0 'F1' waits for F1 on stage 0"):
+        sch.validate(bad)
+
+
+def test_invalid_missing_and_duplicate():
+    with pytest.raises(PlanError, match="never runs 'B1'"):
+        sch.validate(_custom([[("F", 0), ("F", 1), ("B", 0)],
+                              [("F", 0), ("F", 1), ("B", 0), ("B", 1)]]))
+    with pytest.raises(PlanError, match="runs 'F0' twice"):
+        sch.validate(_custom([[("F", 0), ("F", 0), ("F", 1), ("B", 0), ("B", 1)],
+                              [("F", 0), ("F", 1), ("B", 0), ("B", 1)]]))
+
+
+def test_printer_and_gantt(tmp_path):
+    text = sch.format_schedule(sch.one_f_one_b(2, 4))
+    assert text.splitlines()[1] == "stage 0 | F0 F1 .  B0 F2 B1 F3 B2 .  B3"
+    out = sch.plot_gantt(sch.interleaved(2, 4, 2), str(tmp_path / "g.png"))
+    with open(out, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_stage_layers():
+    vs = [(f"params/h_{i}/mlp/kernel", (4, 4)) for i in range(4)] + [("params/wte/embedding",
+                                                                       (8, 4))]
+    assert sch.stage_layers(vs, 2) == (("h_0", 0), ("h_1", 0), ("h_2", 1), ("h_3", 1))
+    assert [s for _, s in sch.stage_layers(vs, 2, 2)] == [0, 1, 0, 1]
+    with pytest.raises(PlanError, match="do not split evenly"):
+        sch.stage_layers(vs, 3)
+    with pytest.raises(PlanError, match="no stack of repeated layers"):
+        sch.stage_layers([("params/fc1/kernel", (4, 4))], 2)

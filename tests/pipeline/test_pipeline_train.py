@@ -1,0 +1,74 @@
+"""Pipelined train step == single-device step: gradients and params after one optax update.
+
+GPT tiny (4 layers) on a (stage, data) mesh of 8 devices; loss = mean over the full batch, which
+the pipeline computes as the mean over micro-batches and data shards.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import models
+from meshes import make_mesh
+from nnscaler_jax import Constraints, PlanError, auto_parallel
+
+RTOL, ATOL = 1e-4, 1e-6  # float32; ATOL for gradients that are exactly 0 in theory (key bias)
+
+
+def _reference(spec, params, tokens, opt):
+    loss_fn = lambda p: spec.loss_fn(spec.module.apply({"params": p}, tokens), tokens)  # noqa
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, _ = opt.update(grads, opt.init(params), params)
+    return loss, grads, optax.apply_updates(params, updates)
+
+
+def _close(a, b):
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b),
+                            strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=RTOL, atol=ATOL,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("preset,stages,schedule", [
+    ("tiny", 2, "1f1b"), ("tiny", 4, "gpipe"), ("tiny", 4, "1f1b"), ("tiny-scan", 2, "interleaved"),
+])
+def test_pipeline_matches_single_device(preset, stages, schedule):
+    spec = models.get("gpt", preset, n_layers=4, batch_size=16)
+    (tokens,) = spec.make_args()
+    params = spec.init(jax.random.PRNGKey(0))["params"]
+    mesh = make_mesh((stages, 8 // stages), ("stage", "data"))
+    # eps well above float32 noise: the key bias's true gradient is 0 (softmax is shift
+    # invariant), ~1e-10 in float32, which adam's default eps=1e-8 would blow up to +-lr.
+    opt = optax.adam(1e-2, eps=1e-3)
+    pm = auto_parallel(mesh, Constraints(pipeline_stages=stages, microbatches=4,
+                                         schedule=schedule))(spec.module)
+    step = pm.train_step(spec.loss_fn, opt, return_grads=True)
+    state = step.init({"params": params}, tokens)
+    state, metrics = step(state, tokens)
+    ref_loss, ref_grads, ref_params = _reference(spec, params, tokens, opt)
+    np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=RTOL)
+    _close(step.program.from_pipeline(metrics["grads"]), ref_grads)
+    _close(step.params(state), ref_params)
+    assert pm.plan.stages == stages and pm.plan.schedule == schedule
+    assert "pipeline: " in str(pm.plan)
+    assert type(pm.plan).from_json(pm.plan.to_json()) == pm.plan
+
+
+def test_unsupported_model_and_mesh_errors():
+    spec = models.get("mlp", "tiny")
+    (x,) = spec.make_args()
+    mesh = make_mesh((2, 4), ("stage", "data"))
+    pm = auto_parallel(mesh, Constraints(pipeline_stages=2), policy="dp")(spec.module)
+    with pytest.raises(PlanError, match="no stack of repeated layers"):
+        pm.make_plan(x)
+    gpt = models.get("gpt", "tiny")
+    (tokens,) = gpt.make_args()
+    bad = auto_parallel(make_mesh((2, 4), ("data", "model")), Constraints(pipeline_stages=2),
+                        policy="dp")(gpt.module)
+    with pytest.raises(PlanError, match="needs a mesh axis 'stage'"):
+        bad.make_plan(tokens)
+    no_pipe = auto_parallel(mesh, policy="dp")(gpt.module)
+    with pytest.raises(PlanError, match="Constraints\\(pipeline_stages"):
+        no_pipe.train_step(gpt.loss_fn, optax.sgd(0.1))
