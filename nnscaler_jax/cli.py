@@ -25,7 +25,7 @@ __all__ = ["main"]
 
 DEFAULT_DEVICES = 8
 DEFAULT_AXES = {1: ("data",), 2: ("data", "model"), 3: ("data", "fsdp", "model")}
-DEFAULT_PLANNERS = "dp,zero3,megatron,auto"
+DEFAULT_PLANNERS = "dp,zero3,megatron,auto,alpa"
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
@@ -380,15 +380,37 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from nnscaler_jax.api import make_plan_for
+    import jax
+
     from nnscaler_jax.capture.trace import capture
+    from nnscaler_jax.cost.model import CostModel
     from nnscaler_jax.errors import PlanError
+    from nnscaler_jax.search.abstract import plan_on_axes
 
     spec = _spec(args.model, args.preset)
-    mesh = _mesh(args.mesh, args.axes)
-    planners = [_check_policy(p.strip()) for p in args.planners.split(",") if p.strip()]
+    try:  # a real mesh when there are devices enough (compiled figures); else axis sizes only
+        mesh = _mesh(args.mesh, args.axes)
+    except UsageError:
+        if not re.fullmatch(r"\d+(x\d+)*", args.mesh or ""):
+            raise
+        shape = tuple(int(n) for n in args.mesh.split("x"))
+        names = (tuple(a.strip() for a in args.axes.split(",")) if args.axes
+                 else DEFAULT_AXES.get(len(shape)))
+        if not names or len(names) != len(shape):
+            raise
+        mesh = jax.sharding.AbstractMesh(shape, names)
+    axes = dict(mesh.shape)
+    planners = [p.strip() if p.strip() == "alpa" else _check_policy(p.strip())
+                for p in args.planners.split(",") if p.strip()]
     if not planners:
-        raise UsageError(f"--planners is empty; choose from: {', '.join(_policy_names())}")
+        raise UsageError(f"--planners is empty; choose from: {', '.join(_policy_names())}, alpa")
+    cluster = None
+    if args.cluster:
+        from nnscaler_jax.cost.devices import CLUSTERS, cluster_preset
+
+        if args.cluster not in CLUSTERS:
+            raise UsageError(f"unknown --cluster {args.cluster!r}; presets: {', '.join(CLUSTERS)}")
+        cluster = cluster_preset(args.cluster)
     xs, variables = _abstract_inputs(spec)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -397,36 +419,66 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         else:
             graph = capture(spec.module, *xs, variables=variables, rngs=_rngs(spec),
                             mutable=_mutable(spec)).graph
+    compile_here = isinstance(mesh, jax.sharding.Mesh) and spec.kind == "linen" and \
+        args.preset.startswith("tiny")
     results: dict[str, dict[str, Any]] = {}
     rows = []
     for name in planners:
-        t0 = time.perf_counter()
         try:
-            plan = make_plan_for(graph, mesh, policy=name)
+            cm = None
+            if cluster is not None:
+                cm = CostModel.for_cluster(cluster, axes, zero=3 if name == "zero3" else 0)
+            plan, search_s, _ = plan_on_axes(graph, mesh, name, cost_model=cm)
         except PlanError as e:
             results[name] = {"error": str(e).splitlines()[0]}
-            rows.append([name, "-", "-", "-", "-", f"error: {str(e).splitlines()[0][:60]}"])
+            rows.append([name, "-", "-", "-", "-", "-", "-",
+                         f"error: {str(e).splitlines()[0][:60]}"])
             continue
-        search_s = time.perf_counter() - t0
         c = plan.cost
-        results[name] = {"search_s": search_s,
-                         "step_time_s": c.step_time_s if c else None,
-                         "memory_bytes_per_device": c.memory_bytes_per_device if c else None,
-                         "comm_bytes": c.comm_bytes if c else None}
-        rows.append([name, f"{search_s:.3f}",
-                     f"{c.step_time_s * 1e3:.3f}" if c else "-",
-                     _mib(c.memory_bytes_per_device) if c else "-",
-                     _mib(c.comm_bytes) if c else "-", ""])
-    obj = {"model": args.model, "preset": args.preset, "mesh": args.mesh, "planners": results}
+        res = {"search_s": search_s, "step_time_s": c.step_time_s,
+               "memory_bytes_per_device": c.memory_bytes_per_device, "comm_bytes": c.comm_bytes}
+        if compile_here:
+            res.update(_compiled_figures(spec, mesh, plan))
+        results[name] = res
+        rows.append([name, f"{search_s:.3f}", f"{c.step_time_s * 1e3:.3f}",
+                     _mib(c.memory_bytes_per_device), _mib(c.comm_bytes),
+                     _mib(res["compiled_memory_bytes"]) if "compiled_memory_bytes" in res
+                     else "-",
+                     _mib(res["hlo_comm_bytes"]) if "hlo_comm_bytes" in res else "-", ""])
+    obj = {"model": args.model, "preset": args.preset, "mesh": args.mesh,
+           "cluster": args.cluster, "planners": results}
     text = ""
     if not args.json:
-        headers = ["planner", "plan s", "step ms", "memory/device", "comm", "note"]
+        headers = ["planner", "plan s", "step ms", "memory/device", "comm", "XLA memory",
+                   "HLO comm", "note"]
         if not any(r[-1] for r in rows):
             headers, rows = headers[:-1], [r[:-1] for r in rows]
-        text = (f"{args.model} [{args.preset}] on mesh {args.mesh}: estimated per training step\n"
-                + _table(headers, rows))
+        text = (f"{args.model} [{args.preset}] on mesh {args.mesh}"
+                f"{f' ({args.cluster})' if args.cluster else ''}: estimated per training step "
+                "(XLA memory / HLO comm: the compiled forward)\n" + _table(headers, rows))
     _emit(args, text, obj)
     return 0
+
+
+def _compiled_figures(spec: Any, mesh: Any, plan: Any) -> dict[str, int]:
+    """XLA's per-device memory and collective bytes of the compiled forward under ``plan``."""
+    import jax
+
+    from nnscaler_jax import auto_parallel
+    from nnscaler_jax.lower.hlo import hlo_collectives
+
+    try:
+        args = spec.make_args(abstract=False)
+        pm = auto_parallel(mesh, plan=plan)(spec.module)
+        variables = pm.init(jax.random.key(0), *args)
+        compiled = pm.compiled(variables, *args, rngs=_rngs(spec), mutable=_mutable(spec))
+        m = compiled.memory_analysis()
+        memory = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                  - m.alias_size_in_bytes)
+        comm = sum(c.bytes for c in hlo_collectives(compiled.as_text(), mesh))
+        return {"compiled_memory_bytes": int(memory), "hlo_comm_bytes": int(comm)}
+    except Exception as e:  # noqa: BLE001 - the figures are extras; say why they are missing
+        return {"compiled_error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -578,6 +630,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="plan with several planners and compare their cost estimates")
     c.add_argument("--planners", default=DEFAULT_PLANNERS,
                    help=f"comma separated (default {DEFAULT_PLANNERS})")
+    c.add_argument("--cluster", default=None,
+                   help="price on a cluster preset (e.g. h100-80g-8x) instead of the local CPU")
     c.set_defaults(fn=_cmd_compare)
 
     d = sub.add_parser("demo", parents=[common, mesh],

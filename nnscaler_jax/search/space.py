@@ -48,7 +48,13 @@ Split = tuple[tuple[str, str], ...]
 
 @lru_cache(maxsize=65536)
 def _bind(anno_text: str, in_shapes: tuple, out_shapes: tuple) -> tuple[tuple[str, int], ...]:
-    return tuple(parse_anno(anno_text).bind(list(in_shapes), list(out_shapes)).items())
+    return tuple(anno_of(anno_text).bind(list(in_shapes), list(out_shapes)).items())
+
+
+@lru_cache(maxsize=65536)
+def anno_of(text: str):
+    """The parsed annotation (cached: the search asks for the same strings many times)."""
+    return parse_anno(text)
 
 
 def op_sizes(op: Op) -> dict[str, int]:
@@ -83,7 +89,7 @@ def op_splits(op: Op, mesh_axes: Mapping[str, int]) -> tuple[Split, ...]:
     """The full strategy set of ``op`` (replicate-only when unannotated)."""
     if not op.annotated:
         return ((),)
-    return enumerate_splits(op_sizes(op), parse_anno(op.anno).splittable(), mesh_axes)
+    return enumerate_splits(op_sizes(op), anno_of(op.anno).splittable(), mesh_axes)
 
 
 # ---- rules -----------------------------------------------------------------------------------------
@@ -272,7 +278,7 @@ def first_uses(graph: Graph) -> dict[int, tuple[int, int]]:
 def _follow_split(src: Layout, op: Op, j: int, sizes: Mapping[str, int],
                   mesh_axes: Mapping[str, int]) -> Split:
     """The split of ``op`` whose input ``j`` keeps the dim-splits of ``src`` that ``op`` can."""
-    anno = parse_anno(op.anno)
+    anno = anno_of(op.anno)
     operand = anno.inputs[j]
     names = set(anno.splittable())
     pairs: list[tuple[str, str]] = []
@@ -294,7 +300,7 @@ def _leader_input(op: Op, producer: Mapping[int, Op], sizes: Mapping[str, int],
     """The input whose layout decides ``op`` (all its splittable dims live there), if any."""
     if not op.annotated or op.regions or not op.inputs:
         return None
-    anno = parse_anno(op.anno)
+    anno = anno_of(op.anno)
     smallest = min((n for n in mesh_axes.values() if n > 1), default=0)
     live = [d for d in anno.splittable() if smallest and sizes.get(d, 0) >= smallest
             and any(sizes[d] % n == 0 for n in mesh_axes.values() if n > 1)]

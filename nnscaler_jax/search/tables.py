@@ -145,6 +145,7 @@ class _Builder:
         self.pairs: dict[tuple[int, int], np.ndarray] = {}
         self.memo: dict[tuple, np.ndarray] = {}
         self.remat = _remat_ops(self.graph)
+        self.reshard_memo: dict[tuple, float] = {}
 
     def fgroup(self, op_id: int):
         g, f, m = self.space.where[op_id]
@@ -200,7 +201,8 @@ class _Builder:
                     if first:
                         dp = _sync_axes(want, split)
                         have = stored_layout(t, want, dp, mesh_axes, self.zero)
-                        m[i] += cm.variable_bytes(t, want, dp)
+                        m[i] += (cm.variable_bytes(t, want, dp) if self.zero
+                                 else cm.variable_bytes(t, want))
                     else:
                         have = Layout.replicated(t.ndim)
                     x[i] += cm.reshard_time(t, have, want)
@@ -318,6 +320,15 @@ class _Builder:
             out.append(_slice(lay, stacked))
         return out
 
+    def _reshard(self, t: Tensor, src: Layout, dst: Layout) -> float:
+        if src == dst:
+            return 0.0
+        key = (t.shape, t.dtype, t.role, t.collection, src, dst)
+        out = self.reshard_memo.get(key)
+        if out is None:
+            out = self.reshard_memo[key] = self.cm.reshard_time(t, src, dst)
+        return out
+
     def edge(self, t: Tensor, w: float, src: tuple, dst: tuple) -> None:
         gs, _fs, ms, fgs = self.fgroup(src[1])
         gd, _fd, md, fgd = self.fgroup(dst[1])
@@ -330,7 +341,7 @@ class _Builder:
             b = self._layouts(dst, fgd, md)
             ua, ia = _unique(a)
             ub, ib = _unique(b)
-            small = np.array([[self.cm.reshard_time(t, x, y) for y in ub] for x in ua])
+            small = np.array([[self._reshard(t, x, y) for y in ub] for x in ua])
             mat = w * small[np.ix_(ia, ib)]
             if sig is not None:
                 self.memo[sig] = mat

@@ -1,0 +1,152 @@
+"""Benchmark: our search against the Alpa-style planner and the built-in policies, on the model
+zoo at paper presets over abstract meshes (nothing allocated; planning needs no devices).
+
+Per model: search seconds of ours and of the Alpa-style planner (median of ``--runs``), and
+the predicted step time / memory / communication of auto, alpa, dp, zero3 and megatron under the
+same cost model (``CostModel.plan_cost``). Writes ``results/bench_search.json`` and
+``results/bench_search.md``. Run from the repository root:
+
+    .venv/bin/python scripts/bench_search.py [--only gpt-1.3b,gpt-175b-scan] [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import time
+import warnings
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import models
+from nnscaler_jax.capture.trace import capture
+from nnscaler_jax.search.abstract import plan_on_axes
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+OUT = ROOT / "results" / "bench_search.json"
+
+# (key, model, preset, mesh {axis: size}, config overrides)
+CASES = [
+    ("gpt-1.3b", "gpt", "gpt3-1.3b", {"data": 2, "model": 4}, {}),
+    ("gpt-39b-scan", "gpt", "gpt3-39b", {"data": 8, "model": 8}, {"scan_layers": True}),
+    ("swin-8gpu", "swin", "swin-nnscaler-8gpu", {"data": 2, "model": 4}, {}),
+    ("t5-8gpu", "t5", "t5-nnscaler-8gpu", {"data": 2, "model": 4}, {}),
+    ("moe-2.4b", "moe", "moe-2.4b", {"data": 2, "model": 4}, {}),
+    ("wrn-2b", "wide_resnet", "wrn-2b", {"data": 2, "model": 4}, {}),
+    ("evoformer", "evoformer", "af2-initial", {"data": 2, "model": 2}, {}),
+    ("gpt-175b-scan", "gpt", "gpt3-175b", {"data": 8, "model": 8}, {"scan_layers": True}),
+    ("gpt-175b", "gpt", "gpt3-175b", {"data": 8, "model": 8}, {"scan_layers": False}),
+]
+BASELINES = ["dp", "zero3", "megatron"]
+
+
+def _graph(name: str, preset: str, overrides: dict):
+    spec = models.get(name, preset, **overrides)
+    args = spec.make_args(abstract=True)
+    variables = spec.init_abstract() if spec.kind == "linen" else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return capture(spec.module, *args, variables=variables,
+                       mutable=list(spec.mutable) or None).graph
+
+
+def _row(plan, seconds, report) -> dict:
+    c = plan.cost
+    out = {"search_s": seconds, "step_time_s": c.step_time_s,
+           "memory_bytes_per_device": c.memory_bytes_per_device, "comm_bytes": c.comm_bytes}
+    if report is not None:
+        out.update(groups=report.groups, log10_space=round(report.log10_space, 2),
+                   log10_full=round(report.log10_full, 2), ilp_variables=report.variables,
+                   objective_s=report.objective_s, build_s=report.build_s,
+                   solve_s=report.solve_s, optimal=report.optimal)
+    return out
+
+
+def bench(key, name, preset, axes, overrides, runs: int, alpa_limit: float) -> dict:
+    t0 = time.perf_counter()
+    graph = _graph(name, preset, overrides)
+    res = {"model": name, "preset": preset, "mesh": "x".join(map(str, axes.values())),
+           "overrides": overrides, "ops": sum(1 for _ in graph.walk()),
+           "trace_s": time.perf_counter() - t0, "planners": {}}
+    for planner in ["auto", "alpa"]:
+        times, last = [], None
+        for _ in range(runs):
+            plan, s, report = plan_on_axes(graph, axes, planner,
+                                           time_limit=alpa_limit if planner == "alpa" else 60)
+            times.append(s)
+            last = (plan, report)
+            if s > 120:  # one run of a slow planner is enough to make the point
+                break
+        row = _row(last[0], statistics.median(times), last[1])
+        row["runs"] = len(times)
+        res["planners"][planner] = row
+    for p in BASELINES:
+        try:
+            plan, s, _ = plan_on_axes(graph, axes, p)
+            res["planners"][p] = _row(plan, s, None)
+        except Exception as e:  # noqa: BLE001 - a baseline that cannot plan this model
+            res["planners"][p] = {"error": str(e).splitlines()[0][:200]}
+    a, b = res["planners"]["auto"], res["planners"]["alpa"]
+    res["search_speedup_vs_alpa"] = b["search_s"] / a["search_s"]
+    res["step_ratio"] = {p: a["step_time_s"] / r["step_time_s"]
+                         for p, r in res["planners"].items() if "step_time_s" in r}
+    return res
+
+
+def _markdown(results: list[dict]) -> str:
+    lines = ["# Search benchmark (predicted, abstract meshes; CPU cost model defaults)", "",
+             ("| case | mesh | ops | groups ours / alpa | search s ours | search s alpa | "
+             "speedup | auto / alpa | auto / dp | auto / zero3 | auto / megatron |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['case']} | | | | | | | error: {r['error'][:80]} | | | |")
+            continue
+        p, q = r["planners"], r["step_ratio"]
+
+        def ratio(name, q=q):
+            return f"{q[name]:.3f}" if name in q else "n/a"
+
+        lines.append(
+            f"| {r['case']} | {r['mesh']} | {r['ops']} | {p['auto'].get('groups')} / "
+            f"{p['alpa'].get('groups')} | {p['auto']['search_s']:.2f} | "
+            f"{p['alpa']['search_s']:.2f}{'' if p['alpa'].get('optimal', True) else ' (limit)'} | "
+            f"{r['search_speedup_vs_alpa']:.1f}x | {ratio('alpa')} | {ratio('dp')} | "
+            f"{ratio('zero3')} | {ratio('megatron')} |")
+    lines += ["", ("Ratios are predicted step time of ours divided by the other planner's "
+              "(<= 1: ours is as fast or faster). Search seconds are medians of the runs.")]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="", help="comma separated case keys")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--alpa-limit", type=float, default=600.0, help="HiGHS seconds for alpa")
+    args = ap.parse_args()
+    only = {k for k in args.only.split(",") if k}
+    results = json.loads(OUT.read_text()) if OUT.exists() and only else []
+    results = [r for r in results if r.get("case") not in only]
+    for key, name, preset, axes, overrides in CASES:
+        if only and key not in only:
+            continue
+        print(f"== {key}", flush=True)
+        try:
+            r = bench(key, name, preset, axes, overrides, args.runs, args.alpa_limit)
+        except Exception as e:  # noqa: BLE001 - record and go on with the zoo
+            r = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+        r = {"case": key, **r}
+        results.append(r)
+        print(json.dumps(r, indent=1), flush=True)
+        order = [c[0] for c in CASES]
+        results.sort(key=lambda x: order.index(x["case"]) if x["case"] in order else 99)
+        OUT.parent.mkdir(exist_ok=True)
+        OUT.write_text(json.dumps(results, indent=1) + "\n")
+        OUT.with_suffix(".md").write_text(_markdown(results))
+
+
+if __name__ == "__main__":
+    main()
