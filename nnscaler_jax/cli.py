@@ -357,8 +357,42 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         text = str(plan) + f"\nplanned in {plan_s:.2f} s (trace + policy)"
         if args.out:
             text += f"\nwrote {args.out}"
+    if args.pipeline:
+        ptext, obj["pipeline"] = _pipeline_schedule(args, spec)
+        text += "\n" + ptext if not args.json else ""
     _emit(args, text, obj)
     return 0
+
+
+def _pipeline_schedule(args: argparse.Namespace, spec: Any) -> tuple[str, dict[str, Any]]:
+    """``plan --pipeline N``: the layer -> stage assignment and the per-device schedule."""
+    import jax
+
+    from nnscaler_jax.plan import schedule as sch
+
+    micro = args.microbatches or 2 * args.pipeline
+    sched = sch.build(args.schedule, args.pipeline, micro, args.virtual)
+    _, variables = _abstract_inputs(spec)
+    flat = jax.tree_util.tree_flatten_with_path(variables)[0] if variables is not None else []
+    names = [("/".join(str(getattr(k, "key", k)) for k in path), tuple(x.shape))
+             for path, x in flat]
+    stage_of = sch.stage_layers(names, args.pipeline, sched.virtual)
+    by: dict[int, list[str]] = {}
+    for name, st in stage_of:
+        by.setdefault(st, []).append(name)
+    lines = [f"pipeline: {args.pipeline} stages (first also runs the prefix, last the suffix)"]
+    lines += [f"  stage {st}: {', '.join(ns)}" for st, ns in sorted(by.items())]
+    lines.append(sch.format_schedule(sched))
+    lines.append("peak micro-batches in flight per stage: "
+                 + ", ".join(map(str, sch.peak_in_flight(sched))))
+    obj = {"stages": args.pipeline, "microbatches": micro, "schedule": args.schedule,
+           "virtual": sched.virtual, "stage_of": [list(x) for x in stage_of],
+           "steps": sched.to_lists(), "peak_in_flight": list(sch.peak_in_flight(sched))}
+    if args.gantt:
+        sch.plot_gantt(sched, args.gantt)
+        lines.append(f"wrote {args.gantt}")
+        obj["gantt"] = args.gantt
+    return "\n".join(lines), obj
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
@@ -619,6 +653,13 @@ def _parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", parents=[common, model, mesh], help="make and print a plan")
     pl.add_argument("--policy", default="auto", help="dp, zero3, megatron or auto (default)")
     pl.add_argument("--out", default=None, help="write the plan JSON to this file")
+    pl.add_argument("--pipeline", type=int, default=0, metavar="N",
+                    help="also print the layer -> stage split and per-device schedule of N stages")
+    pl.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "interleaved"),
+                    help="pipeline schedule (default 1f1b)")
+    pl.add_argument("--microbatches", type=int, default=0, help="default 2 x stages")
+    pl.add_argument("--virtual", type=int, default=2, help="chunks per stage (interleaved)")
+    pl.add_argument("--gantt", default=None, metavar="PNG", help="write a Gantt chart PNG")
     pl.set_defaults(fn=_cmd_plan)
 
     v = sub.add_parser("verify", parents=[common, model, mesh],

@@ -1,0 +1,302 @@
+"""Stage search: Alpa's inter-operator DP over layer boundaries x sub-mesh shapes x micro-batches.
+
+The traced graph is cut into units (prefix ops, each layer of the repeated stack — unrolled
+``h_i`` or one ``nn.scan`` body — and suffix ops); each unit is priced per sample by the
+:class:`~nnscaler_jax.cost.model.CostModel` (``op_time`` forward + backward, ``activation_bytes``)
+plus its parameter bytes. For every (stages ``S``, tensor-parallel degree ``tp`` inside a stage,
+data-parallel degree ``dp = N / (S tp)``, micro-batch count ``M``), a DP places the stage
+boundaries minimising Alpa's objective ``sum_s t_s + (M - 1) max_s t_s`` (enumerating the
+slowest-stage bound ``t_max``) under the per-device memory budget with 1F1B's in-flight
+activations (stage ``k`` keeps ``S - k`` micro-batches). Stages get equal sub-meshes
+(``tp x dp`` devices), as the runtime's stage mesh axis requires.
+
+>>> import jax, models
+>>> from nnscaler_jax.capture.trace import trace
+>>> spec = models.get("gpt", "tiny", n_layers=4)
+>>> units = layer_units(trace(spec.module, *spec.make_args()), batch=2)
+>>> [u.name for u in units]
+['<prefix>', 'h_0', 'h_1', 'h_2', 'h_3', '<suffix>']
+>>> best = search_stages(units, devices=8, global_batch=16, memory_per_device=2**30)
+>>> best.stages * best.tp * best.dp
+8
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from nnscaler_jax.cost.comm import LinkCost, all_reduce_time
+from nnscaler_jax.cost.model import CostModel, DeviceSpec, itemsize
+from nnscaler_jax.errors import PlanError
+from nnscaler_jax.ir.graph import Graph
+
+__all__ = ["Unit", "StagePlan", "layer_units", "search_stages", "evaluate", "H100", "NVLINK",
+           "INFINIBAND"]
+
+H100 = DeviceSpec("H100-80G", flops=990e12, flops_fp32=67e12, memory_bytes=80 * 2**30,
+                  bandwidth=3.35e12, efficiency=0.8)
+NVLINK = LinkCost.from_bandwidth(2e-6, 450e9)
+INFINIBAND = LinkCost.from_bandwidth(5e-6, 50e9)
+_LAYER = re.compile(r"^(.*)_(\d+)$")
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """One indivisible piece of the model, priced for one sample on one device.
+
+    Attributes:
+        name: ``'<prefix>'``, a layer module path, or ``'<suffix>'``.
+        time_s: forward + backward seconds.
+        act_bytes: activations kept for the backward pass.
+        param_bytes: parameter bytes (without gradient / optimizer state).
+        out_bytes: bytes of the activation sent to the next unit.
+        tp_collectives: all-reduces of ``out_bytes`` per pass under tensor parallelism
+            (Megatron: 2 per layer forward, 2 backward).
+    """
+
+    name: str
+    time_s: float
+    act_bytes: float
+    param_bytes: float
+    out_bytes: float
+    tp_collectives: int = 0
+
+
+def layer_units(graph: Graph, batch: int = 1, model: CostModel | None = None) -> list[Unit]:
+    """Cut ``graph`` (traced at batch ``batch``) into prefix / layers / suffix units per sample.
+
+    Raises:
+        PlanError: the graph has no repeated layer stack.
+    """
+    model = model or CostModel.for_axes({"x": 1}, device=H100)
+    var_bytes = {t.id: math.prod(t.shape) * itemsize(t) for t in graph.variables}
+    tops = [op.module_path.split("/")[0] for op in graph.ops]
+    scan = [i for i, op in enumerate(graph.ops) if op.regions and op.primitive == "scan"
+            and any(t.id in var_bytes for t in op.inputs)]
+    groups: list[tuple[str, list, float]] = []   # (name, ops, param bytes)
+    layer_ids = [i for i, t in enumerate(tops) if _LAYER.match(t)]
+    if len(layer_ids) > 1 and not scan:
+        first, last = layer_ids[0], layer_ids[-1]
+        by: dict[str, list] = {}
+        for op, t in zip(graph.ops[first:last + 1], tops[first:last + 1], strict=True):
+            by.setdefault(t, []).append(op)
+        pre, post = list(graph.ops[:first]), list(graph.ops[last + 1:])
+        layers = [(name, ops, 1) for name, ops in by.items()]
+    elif len(scan) == 1:
+        k = scan[0]
+        op = graph.ops[k]
+        length = int(op.params.get("length", 1))
+        body = [o for region in op.regions for o in region.walk()]
+        pre, post = list(graph.ops[:k]), list(graph.ops[k + 1:])
+        layers = [(f"h[{i}]", body, length) for i in range(length)]
+        scanned = {t.id for t in op.inputs if t.id in var_bytes}
+    else:
+        raise PlanError("stage search: no repeated layer stack in the graph (module paths "
+                        f"{sorted(set(tops))[:12]}); it needs layers '<prefix>_<i>' or one nn.scan")
+
+    def params_of(ops, share=1) -> float:
+        ids = {t.id for o in ops for t in o.inputs if t.id in var_bytes}
+        return sum(var_bytes[i] for i in ids) / share
+
+    def unit(name, ops, share=1, tp_coll=0) -> Unit:
+        flat = [o for o in ops if not o.regions]
+        t = sum(model.op_time(o, ()) for o in flat) / batch
+        act = sum(model.activation_bytes(o, ()) for o in flat) / batch
+        out = flat[-1].outputs[0] if flat and flat[-1].outputs else None
+        ob = (math.prod(out.shape) * itemsize(out) / batch) if out is not None else 0.0
+        return Unit(name, t, act, params_of(ops, share), ob, tp_coll)
+
+    units = [unit("<prefix>", pre)]
+    if len(scan) == 1:
+        body_unit = unit("h", layers[0][1], tp_coll=4)
+        p = sum(var_bytes[i] for i in scanned) / layers[0][2]
+        units += [Unit(n, body_unit.time_s, body_unit.act_bytes, p, body_unit.out_bytes, 4)
+                  for n, _, _ in layers]
+    else:
+        units += [unit(n, ops, tp_coll=4) for n, ops, _ in layers]
+    units.append(unit("<suffix>", post))
+    # the prefix hands the first layer the same activation a layer hands the next
+    p0 = units[0]
+    units[0] = Unit(p0.name, p0.time_s, p0.act_bytes, p0.param_bytes, units[1].out_bytes, 0)
+    return units
+
+
+@dataclass(frozen=True, slots=True)
+class StagePlan:
+    """The stage search's choice (or an evaluated hand-written plan).
+
+    Attributes:
+        stages / tp / dp / microbatches / microbatch_size: the configuration.
+        bounds: ``(first unit, end unit)`` per stage.
+        names: unit names per stage (first and last).
+        stage_time_s: per micro-batch forward + backward seconds per stage.
+        memory_bytes: per-device bytes per stage (params + grads + Adam + in-flight activations).
+        step_time_s: ``sum t_s + (M - 1) max t_s`` + data-parallel gradient all-reduce.
+    """
+
+    stages: int
+    tp: int
+    dp: int
+    microbatches: int
+    microbatch_size: int
+    bounds: tuple[tuple[int, int], ...]
+    names: tuple[tuple[str, str], ...]
+    stage_time_s: tuple[float, ...]
+    memory_bytes: tuple[float, ...]
+    step_time_s: float
+
+    def __str__(self) -> str:
+        lines = [f"{self.stages} stages x tp {self.tp} x dp {self.dp}, {self.microbatches} "
+                 f"micro-batches of {self.microbatch_size}: step {self.step_time_s:.3f} s"]
+        for k, ((a, b), (n0, n1)) in enumerate(zip(self.bounds, self.names, strict=True)):
+            lines.append(f"  stage {k}: units {a}..{b - 1} ({n0} .. {n1}), "
+                         f"{self.stage_time_s[k] * 1e3:.1f} ms/micro-batch, "
+                         f"{self.memory_bytes[k] / 2**30:.1f} GiB")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class _Prices:
+    time: np.ndarray     # [n+1, n+1] stage time of units [i, j) per micro-batch
+    act: np.ndarray      # bytes per device kept per in-flight micro-batch of units [i, j)
+    work: np.ndarray     # bytes of one micro-batch's backward working set
+    state: np.ndarray    # parameter + grad + optimizer bytes per device
+    grad: np.ndarray     # gradient bytes per device (for the dp all-reduce)
+
+
+def _prices(units: list[Unit], tp: int, mb: int, optimizer_bytes: float, intra: LinkCost,
+            inter: LinkCost, recompute: bool = True) -> _Prices:
+    n = len(units)
+
+    def cum(xs):
+        return np.concatenate([[0.0], np.cumsum(xs)])
+
+    # recompute: the backward re-runs the stage forward (1/3 of forward + backward)
+    t = cum([u.time_s * mb / tp * (4 / 3 if recompute else 1.0) for u in units])
+    tpc = cum([(all_reduce_time(intra, tp, u.out_bytes * mb / tp * tp) * u.tp_collectives
+                if tp > 1 else 0.0) for u in units])
+    a = cum([u.act_bytes * mb / tp for u in units])
+    p = cum([u.param_bytes / tp for u in units])
+    i, j = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")
+    out = np.array([0.0] + [u.out_bytes * mb for u in units])
+    p2p = np.where(j < n, 2 * (inter.alpha_s + out[j] * inter.beta_s_per_byte), 0.0)
+    valid = j > i
+    big = np.inf
+    time = np.where(valid, t[j] - t[i] + tpc[j] - tpc[i] + p2p, big)
+    full = np.where(valid, a[j] - a[i], big)
+    inp = np.concatenate([[units[0].out_bytes * mb / tp], out[1:-1] / tp, [0.0]])
+    if recompute:   # keep only the stage input per micro-batch; one stage forward live in B
+        act, work = np.where(valid, inp[i], big), full
+    else:
+        act, work = full, np.where(valid, 0.0, big)
+    state = np.where(valid, (p[j] - p[i]) * (1 + optimizer_bytes), big)
+    grad = np.where(valid, p[j] - p[i], big)
+    return _Prices(time, act, work, state, grad)
+
+
+def _dp(pr: _Prices, S: int, M: int, budget: float, t_max: float, inflight) -> tuple | None:
+    """Min sum of stage times with every stage <= t_max and within memory; boundaries."""
+    n = pr.time.shape[0] - 1
+    f = np.full(n + 1, np.inf)
+    f[0] = 0.0
+    back = []
+    for k in range(S):
+        mem = pr.state + inflight(k) * pr.act + pr.work
+        c = np.where((pr.time <= t_max) & (mem <= budget), pr.time, np.inf)
+        tot = f[:, None] + c
+        arg = np.argmin(tot, axis=0)
+        f = tot[arg, np.arange(n + 1)]
+        back.append(arg)
+    if not np.isfinite(f[n]):
+        return None
+    bounds, j = [], n
+    for k in reversed(range(S)):
+        i = int(back[k][j])
+        bounds.append((i, j))
+        j = i
+    return float(f[n]), tuple(reversed(bounds))
+
+
+def evaluate(units: list[Unit], bounds, tp: int, dp: int, microbatches: int,
+             microbatch_size: int, *, optimizer_bytes: float = 3.0, schedule: str = "1f1b",
+             intra: LinkCost = NVLINK, inter: LinkCost = INFINIBAND,
+             recompute: bool = True) -> StagePlan:
+    """Price a given stage split (e.g. a hand-written Megatron plan) with the search's model."""
+    S = len(bounds)
+    pr = _prices(units, tp, microbatch_size, optimizer_bytes, intra, inter, recompute)
+    times = tuple(float(pr.time[a, b]) for a, b in bounds)
+    fl = (lambda k: S - k) if schedule == "1f1b" else (lambda k: microbatches)
+    mem = tuple(float(pr.state[a, b] + min(fl(k), microbatches) * pr.act[a, b] + pr.work[a, b])
+                for k, (a, b) in enumerate(bounds))
+    sync = max(all_reduce_time(inter, dp, float(pr.grad[a, b])) if dp > 1 else 0.0
+               for a, b in bounds)
+    step = sum(times) + (microbatches - 1) * max(times) + sync
+    names = tuple((units[a].name, units[b - 1].name) for a, b in bounds)
+    return StagePlan(S, tp, dp, microbatches, microbatch_size, tuple(bounds), names, times, mem,
+                     step)
+
+
+def search_stages(units: list[Unit], devices: int, global_batch: int, memory_per_device: float,
+                  *, max_tp: int = 8, optimizer_bytes: float = 3.0, t_max_levels: int = 48,
+                  intra: LinkCost = NVLINK, inter: LinkCost = INFINIBAND,
+                  recompute: bool = True) -> StagePlan:
+    """The best (stages, tp, dp, micro-batches, boundaries) under the memory budget.
+
+    Args:
+        units: from :func:`layer_units`.
+        devices: N devices; stages x tp x dp = N, tp a power of two <= ``max_tp`` (in a node).
+        global_batch: samples per training step.
+        memory_per_device: bytes.
+        optimizer_bytes: gradient + optimizer state per parameter byte (Adam, fp32: 3).
+        t_max_levels: slowest-stage bounds tried per configuration (Alpa's enumeration,
+            quantised).
+        recompute: stages keep only their inputs per in-flight micro-batch and recompute the
+            forward in the backward (what :mod:`nnscaler_jax.lower.pipeline` runs); otherwise
+            all activations of every in-flight micro-batch are kept.
+
+    Raises:
+        PlanError: no configuration fits the budget (says the smallest memory found).
+    """
+    n = len(units)
+    best: StagePlan | None = None
+    smallest = math.inf
+    for S in [s for s in range(1, min(devices, n) + 1) if devices % s == 0]:
+        for tp in [t for t in (1, 2, 4, 8, 16) if t <= max_tp and (devices // S) % t == 0]:
+            dp = devices // (S * tp)
+            if global_batch % dp:
+                continue
+            per_replica = global_batch // dp
+            for M in [m for m in range(S, per_replica + 1) if per_replica % m == 0
+                      and (m & (m - 1) == 0 or m == per_replica)]:
+                mb = per_replica // M
+                pr = _prices(units, tp, mb, optimizer_bytes, intra, inter, recompute)
+                finite = pr.time[np.isfinite(pr.time)]
+                lo = float(np.max([pr.time[i, i + 1] for i in range(n)]))
+                # quantiles of all stage times + the times of near-balanced stages
+                w = max(1, n // S)
+                near = [pr.time[i, i + d] for d in (w - 1, w, w + 1, w + 2) if d > 0
+                        for i in range(n + 1 - d)]
+                levels = np.unique(np.concatenate([
+                    np.quantile(finite[finite >= lo], np.linspace(0, 1, t_max_levels)), [lo],
+                    np.asarray(near)[np.asarray(near) >= lo]]))
+                smallest = min(smallest, float(pr.state[0, n] / S + pr.work[0, n] / S))
+                for t_max in levels:
+                    if best is not None and (M - 1) * t_max >= best.step_time_s:
+                        break
+                    r = _dp(pr, S, M, memory_per_device, t_max, lambda k: min(S - k, M))
+                    if r is None:
+                        continue
+                    plan = evaluate(units, r[1], tp, dp, M, mb, optimizer_bytes=optimizer_bytes,
+                                    intra=intra, inter=inter, recompute=recompute)
+                    if best is None or plan.step_time_s < best.step_time_s:
+                        best = plan
+    if best is None:
+        raise PlanError(f"stage search: no (stages, tp, micro-batches) fits "
+                        f"{memory_per_device / 2**30:.1f} GiB per device on {devices} devices; "
+                        f"the smallest estimate is ~{smallest / 2**30:.1f} GiB. Use more devices, "
+                        "a smaller global batch, or more memory")
+    return best
