@@ -57,7 +57,7 @@ def make_plan_for(graph: Any, mesh: Any, *, policy: Any = "auto", plan: Plan | N
         return plan
     constraints = constraints or Constraints()
     constraints.check(graph, axes)
-    draft = Draft(graph, axes)
+    draft = Draft(graph, axes, constraints=constraints)
     fn = get_policy(policy if policy is not None else "auto")
     name = policy if policy is not None else "auto"
     draft.policy = name if isinstance(name, str) else getattr(fn, "__name__", "custom")

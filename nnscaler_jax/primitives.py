@@ -78,6 +78,7 @@ class Draft:
     mesh_axes: dict[str, int]
     policy: str = ""
     zero: int = 0
+    constraints: Any = None  # the user's Constraints, for policies that search
     decisions: dict[int, OpPlan] = field(default_factory=dict)
     variables: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     order: list[tuple[int, int]] = field(default_factory=list)
