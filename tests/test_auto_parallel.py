@@ -182,3 +182,12 @@ def test_verify_raises_on_a_wrong_program(monkeypatch):
     pm = auto_parallel(mesh, policy="megatron", verify=True)(module)
     with pytest.raises(PlanError, match="max relative difference"):
         pm.apply(v, x)
+
+
+def test_gpt_scan_layers_megatron():
+    """nn.scan + nn.remat stack: the body is planned once (heads / MLP hidden over 'model')."""
+    mesh = make_mesh((2, 4), ("data", "model"))
+    module, make_args, loss = models.get("gpt", "tiny-scan", batch_size=8)
+    pm, _ = _linen_case(module, make_args(), loss, mesh, "megatron", rtol=1e-4)
+    body = [p for p in pm.plan.ops if p.module_path == "h/mlp/c_fc" and p.primitive == "dot_general"]
+    assert body and body[0].axis_dim("model") is not None

@@ -161,4 +161,7 @@ def graph_dim_classes(graph, *, reduce_frozen: bool = False) -> DimClasses:
 
     ops = list(graph.walk())
     links = [pair for op in ops if op.regions for pair in region_links(op)]
-    return dim_classes(ops, links, reduce_frozen=reduce_frozen)
+    # A region op's own (composed, coarse) annotation is not used: its body ops, tied to its
+    # operands by the links, say precisely how each axis may split.
+    plain = [op for op in ops if not op.regions]
+    return dim_classes(plain, links, reduce_frozen=reduce_frozen)
