@@ -36,7 +36,8 @@ from nnscaler_jax.search.tables import CostTables, build_tables
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GroupCost", "SearchReport", "search", "search_policy", "solve"]
+__all__ = ["GroupCost", "SearchReport", "fixed_decisions", "search", "search_policy",
+           "solve"]
 
 _SCALE = 1e6  # seconds -> microseconds inside the solver (HiGHS tolerances are absolute-ish)
 
@@ -268,12 +269,28 @@ def _plan(graph: Graph, mesh_axes: Mapping[str, int], space: SearchSpace,
           choice: Sequence[int], policy: str, zero: int, draft=None) -> Plan:
     from nnscaler_jax.primitives import Draft
 
+    from nnscaler_jax.plan.plan import OpPlan
+
     draft = draft if draft is not None else Draft(graph, dict(mesh_axes))
     draft.policy = draft.policy or policy
     draft.zero = zero
     for op in graph.walk():
-        draft.decide(op, space.split_of(op.id, choice))
+        if op.id in space.fixed:
+            continue  # decided by hand before the search: the policy's own OpPlan stays
+        # strategies come from the enumerated (valid) space: record them as Draft.decide would
+        draft.decisions[op.id] = OpPlan(op.id, op.primitive, op.module_path,
+                                        tuple(space.split_of(op.id, choice)))
     return draft.finish()
+
+
+def fixed_decisions(draft) -> dict[int, tuple[tuple[str, str], ...]]:
+    """op id -> split of the ops a policy decided by hand on ``draft`` before searching."""
+    if draft is None:
+        return {}
+    out = {op_id: tuple(p.split) for op_id, p in getattr(draft, "decisions", {}).items()}
+    for op_id, assigned in getattr(draft, "_assigned", {}).items():
+        out[op_id] = tuple(draft._compile_assignment(op_id, assigned).split)
+    return out
 
 
 def search(graph: Graph, mesh_axes: Mapping[str, int], constraints: Constraints | None = None,
@@ -290,7 +307,9 @@ def search(graph: Graph, mesh_axes: Mapping[str, int], constraints: Constraints 
         planner: ``"auto"`` (ours: followers + repeated layers share decisions) or ``"alpa"``
             (every op its own variable but for Alpa's followers).
         time_limit: HiGHS time budget in seconds (default 60 ours, 600 Alpa's).
-        draft: a policy's draft to record the decisions in (keeps its policy name).
+        draft: a policy's draft to record the decisions in (keeps its policy name). Ops the
+            policy already decided (``draft.decide``, ``op_trans`` + ``op_assign``) keep their
+            decision: the search fills in the rest (a partial plan by hand).
 
     Returns:
         ``(plan, report)``.
@@ -305,7 +324,7 @@ def search(graph: Graph, mesh_axes: Mapping[str, int], constraints: Constraints 
     mesh_axes = dict(mesh_axes)
     cm = cost_model or CostModel.for_axes(mesh_axes, zero=zero)
     space = build_space(graph, mesh_axes, constraints.rules, followers=True,
-                        share_layers=planner != "alpa")
+                        share_layers=planner != "alpa", fixed=fixed_decisions(draft))
     log.info("%s: %s", planner, space.summary())
     tables = build_tables(space, cm, zero)
     t1 = time.perf_counter()
@@ -323,7 +342,15 @@ def search_policy(planner: str = "auto", constraints: Constraints | None = None,
                   cost_model: CostModel | None = None, time_limit: float | None = None):
     """A policy ``policy(graph, mesh) -> Plan`` running :func:`search`; the report is left on
     the draft as ``draft.search_report``. Constraints default to ``draft.constraints`` when the
-    caller set them."""
+    caller set them.
+
+    Partial plans: a policy may decide some ops by hand and hand the rest to the search, which
+    keeps those decisions fixed::
+
+        def my_policy(graph, mesh):
+            graph.decide(graph.op("fc1"), {"model": "n"})
+            return search_policy("auto")(graph, mesh)
+    """
 
     def policy(draft, mesh) -> Plan:
         cons = constraints if constraints is not None else getattr(draft, "constraints", None)

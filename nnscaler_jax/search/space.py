@@ -57,6 +57,12 @@ def anno_of(text: str):
     return parse_anno(text)
 
 
+@lru_cache(maxsize=65536)
+def splittable_of(text: str) -> tuple[str, ...]:
+    """The splittable identifiers of an annotation (cached)."""
+    return tuple(anno_of(text).splittable())
+
+
 def op_sizes(op: Op) -> dict[str, int]:
     """Size of every identifier of ``op``'s annotation."""
     if not op.annotated:
@@ -89,7 +95,7 @@ def op_splits(op: Op, mesh_axes: Mapping[str, int]) -> tuple[Split, ...]:
     """The full strategy set of ``op`` (replicate-only when unannotated)."""
     if not op.annotated:
         return ((),)
-    return enumerate_splits(op_sizes(op), anno_of(op.anno).splittable(), mesh_axes)
+    return enumerate_splits(op_sizes(op), splittable_of(op.anno), mesh_axes)
 
 
 # ---- rules -----------------------------------------------------------------------------------------
@@ -223,6 +229,11 @@ class SearchSpace:
         log10_full: log10 of the size of the unshrunk space (every op its full strategy set).
         removed: (rule, strategies it removed over all ops).
         weights: op id -> how many times it runs per step (scan trip counts).
+        op_class: op id -> class id; ops of one class have equal primitives, annotations,
+            shapes, dtypes, roles and matching rules (so equal costs under equal splits).
+        shared: copies of a layer share a decision (ours); the cost tables then price one
+            representative per class of identical work instead of every op.
+        fixed: op id -> the split a policy fixed by hand before the search (kept).
     """
 
     graph: Graph = field(repr=False)
@@ -233,6 +244,9 @@ class SearchSpace:
     log10_full: float = 0.0
     removed: tuple[tuple[str, int], ...] = ()
     weights: dict[int, float] = field(default_factory=dict, repr=False)
+    op_class: dict[int, int] = field(default_factory=dict, repr=False)
+    shared: bool = False
+    fixed: dict[int, Split] = field(default_factory=dict, repr=False)
 
     @property
     def log10_size(self) -> float:
@@ -280,7 +294,7 @@ def _follow_split(src: Layout, op: Op, j: int, sizes: Mapping[str, int],
     """The split of ``op`` whose input ``j`` keeps the dim-splits of ``src`` that ``op`` can."""
     anno = anno_of(op.anno)
     operand = anno.inputs[j]
-    names = set(anno.splittable())
+    names = set(splittable_of(op.anno))
     pairs: list[tuple[str, str]] = []
     for pos, axes in enumerate(src.dims):
         if not axes or operand.axes is None:
@@ -302,7 +316,7 @@ def _leader_input(op: Op, producer: Mapping[int, Op], sizes: Mapping[str, int],
         return None
     anno = anno_of(op.anno)
     smallest = min((n for n in mesh_axes.values() if n > 1), default=0)
-    live = [d for d in anno.splittable() if smallest and sizes.get(d, 0) >= smallest
+    live = [d for d in splittable_of(op.anno) if smallest and sizes.get(d, 0) >= smallest
             and any(sizes[d] % n == 0 for n in mesh_axes.values() if n > 1)]
     best = None
     for j, (operand, t) in enumerate(zip(anno.inputs, op.inputs, strict=True)):
@@ -316,7 +330,8 @@ def _leader_input(op: Op, producer: Mapping[int, Op], sizes: Mapping[str, int],
 
 
 def build_space(graph: Graph, mesh_axes: Mapping[str, int], rules: Sequence[Rule] = (), *,
-                followers: bool = True, share_layers: bool = True) -> SearchSpace:
+                followers: bool = True, share_layers: bool = True,
+                fixed: Mapping[int, Split] | None = None) -> SearchSpace:
     """The strategy space of ``graph`` on a mesh with ``mesh_axes`` sizes.
 
     Args:
@@ -325,14 +340,20 @@ def build_space(graph: Graph, mesh_axes: Mapping[str, int], rules: Sequence[Rule
         rules: ``Constraints.rules``; contradictory rules raise ``PlanError`` naming both.
         followers: merge followers into their producer's group (Alpa does).
         share_layers: copies of a layer share one decision (ours; Alpa does not).
+        fixed: op id -> split decided by hand (a policy's partial plan): the op keeps exactly
+            that strategy, leads its own follower group, and shares no decision with copies
+            that are not fixed the same way.
     """
     mesh_axes = dict(mesh_axes)
+    fixed = {k: tuple(v) for k, v in (fixed or {}).items()}
     rules = tuple(rules)
     check_rules(graph, mesh_axes, rules)
     ops = list(graph.walk())
     uses = first_uses(graph)
     first = set(uses.values())
-    sigs = {op.id: _op_signature(op, first, rules) for op in ops}
+    sigs = {op.id: _op_signature(op, first, rules) + (fixed.get(op.id),) for op in ops}
+    interned: dict[tuple, int] = {}
+    op_class = {i: interned.setdefault(sig, len(interned)) for i, sig in sigs.items()}
     keys = layer_keys(ops, sigs)  # also memoizes costs of copies when not shared
     weights: dict[int, float] = {}
     for g, w, _ in _walk_graphs(graph):
@@ -343,30 +364,51 @@ def build_space(graph: Graph, mesh_axes: Mapping[str, int], rules: Sequence[Rule
     full: dict[int, tuple[Split, ...]] = {}
     allowed: dict[int, tuple[Split, ...]] = {}
     log10_full = 0.0
+    # Ours computes each class of identical ops once (same primitive, annotation, shapes, rules).
+    per_class: dict[int, tuple] = {}
     for op in ops:
-        splits = op_splits(op, mesh_axes)
+        cls = op_class[op.id]
+        done = per_class.get(cls) if share_layers else None
+        if done is None:
+            splits = op_splits(op, mesh_axes)
+            keep = splits
+            cut = []
+            for r in rules:
+                if r.matches(op):
+                    kept = tuple(s for s in keep if _rule_allows(r, s))
+                    cut.append((str(r), len(keep) - len(kept)))
+                    keep = kept
+            keep = keep or ((),)
+            if op.id in fixed:
+                keep = (fixed[op.id],)
+            done = per_class[cls] = (splits, keep, tuple(cut))
+        splits, keep, cut = done
         full[op.id] = splits
         log10_full += math.log10(len(splits))
-        keep = splits
-        for r in rules:
-            if r.matches(op):
-                kept = tuple(s for s in keep if _rule_allows(r, s))
-                removed[str(r)] += len(keep) - len(kept)
-                keep = kept
-        allowed[op.id] = keep or ((),)
+        for r, n in cut:
+            removed[r] += n
+        allowed[op.id] = keep
 
     # Followers: op -> (follower group index, member index); built in program order per graph.
     fg_ops: list[list[int]] = []
     fg_splits: list[list[tuple[Split, ...]]] = []
     member: dict[int, tuple[int, int]] = {}
-    ruled = {op.id for op in ops for r in rules if r.matches(op)}
+    ruled = {op.id for op in ops for r in rules if r.matches(op)} | set(fixed)
     by_id = {op.id: op for op in ops}
+    lead_memo: dict[tuple, int | None] = {}
+    follow_memo: dict[tuple, tuple[Split, ...]] = {}
     for g, _, _ in _walk_graphs(graph):
         producer = g.producer
         for op in g.ops:
             j = None
             if followers and op.id not in ruled:
-                j = _leader_input(op, producer, op_sizes(op), mesh_axes)
+                if share_layers:
+                    lk = (op_class[op.id], tuple(t.id in producer for t in op.inputs))
+                    if lk not in lead_memo:
+                        lead_memo[lk] = _leader_input(op, producer, op_sizes(op), mesh_axes)
+                    j = lead_memo[lk]
+                else:
+                    j = _leader_input(op, producer, op_sizes(op), mesh_axes)
             if j is None:
                 member[op.id] = (len(fg_ops), 0)
                 fg_ops.append([op.id])
@@ -376,14 +418,21 @@ def build_space(graph: Graph, mesh_axes: Mapping[str, int], rules: Sequence[Rule
             prod = producer[t.id]
             f, m = member[prod.id]
             k = [o.id for o in prod.outputs].index(t.id)
-            sizes = op_sizes(op)
-            mine = []
-            for s in fg_splits[f][m]:
-                _, outs = op_layouts(prod, OpPlan(prod.id, prod.primitive, prod.module_path, s))
-                mine.append(_follow_split(outs[k], op, j, sizes, mesh_axes))
+            fk = (op_class[prod.id], k, op_class[op.id], j, fg_splits[f][m])
+            mine = follow_memo.get(fk) if share_layers else None
+            if mine is None:
+                sizes = op_sizes(op)
+                out = []
+                for s in fg_splits[f][m]:
+                    _, outs = op_layouts(prod, OpPlan(prod.id, prod.primitive, prod.module_path,
+                                                      s))
+                    out.append(_follow_split(outs[k], op, j, sizes, mesh_axes))
+                mine = tuple(out)
+                if share_layers:
+                    follow_memo[fk] = mine
             member[op.id] = (f, len(fg_ops[f]))
             fg_ops[f].append(op.id)
-            fg_splits[f].append(tuple(mine))
+            fg_splits[f].append(mine)
 
     fgroups = []
     for ids, splits in zip(fg_ops, fg_splits, strict=True):
@@ -410,4 +459,5 @@ def build_space(graph: Graph, mesh_axes: Mapping[str, int], rules: Sequence[Rule
             for mi, op_id in enumerate(fg.ops):
                 where[op_id] = (gi, fi, mi)
     return SearchSpace(graph, mesh_axes, tuple(groups), where, len(ops), log10_full,
-                       tuple((r, n) for r, n in removed.items()), weights)
+                       tuple((r, n) for r, n in removed.items()), weights, op_class,
+                       share_layers, fixed)

@@ -146,6 +146,8 @@ class _Builder:
         self.memo: dict[tuple, np.ndarray] = {}
         self.remat = _remat_ops(self.graph)
         self.reshard_memo: dict[tuple, float] = {}
+        self.member_memo: dict[tuple, object] = {}  # ours only: per class of identical work
+        self.top_inputs = {t.id for t in self.graph.inputs}
 
     def fgroup(self, op_id: int):
         g, f, m = self.space.where[op_id]
@@ -154,58 +156,93 @@ class _Builder:
     # ---- unary ---------------------------------------------------------------------------------
 
     def unary(self) -> None:
-        memo: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        memo: dict[tuple, tuple[np.ndarray, ...]] = {}
+        shared = self.space.shared
         for gi, group in enumerate(self.space.groups):
-            for fg in group.fgroups:
+            fgs = group.fgroups
+            if shared and len(fgs) > 1 and fgs[0].key is not None and \
+                    all(fg.key == fgs[0].key for fg in fgs):
+                items = [(fgs[0], len(fgs))]  # copies of one layer: price one, times copies
+            else:
+                items = [(fg, 1) for fg in fgs]
+            for fg, copies in items:
                 if fg.key is not None and fg.key in memo:
-                    c, x, m = memo[fg.key]
+                    c, x, m, tr = memo[fg.key]
                 else:
                     c, x, m = self._fgroup_unary(fg)
+                    tr = self._transient(fg) if shared else None
                     if fg.key is not None:
-                        memo[fg.key] = (c, x, m)
-                self.compute[gi] += c
-                self.comm[gi] += x
-                self.memory[gi] += m
-                for mi, op_id in enumerate(fg.ops):
-                    op = self.by_id[op_id]
-                    if op.regions:
-                        continue
-                    local = np.array([sum(t.nbytes for t in op.outputs) / self.cm._ways(sp)
-                                      for sp in fg.splits[mi]])
-                    np.maximum(self.transient[gi], local, out=self.transient[gi])
+                        memo[fg.key] = (c, x, m, tr)
+                if tr is None:
+                    tr = self._transient(fg)
+                self.compute[gi] += copies * c if copies > 1 else c
+                self.comm[gi] += copies * x if copies > 1 else x
+                self.memory[gi] += copies * m if copies > 1 else m
+                np.maximum(self.transient[gi], tr, out=self.transient[gi])
 
-    def _fgroup_unary(self, fg) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        cm, mesh_axes = self.cm, self.space.mesh_axes
-        c, x, m = np.zeros(fg.n), np.zeros(fg.n), np.zeros(fg.n)
-        top_inputs = {t.id for t in self.graph.inputs}
-        forward = getattr(cm, "forward_time", None)
+    def _transient(self, fg) -> np.ndarray:
+        out = np.zeros(fg.n)
         for mi, op_id in enumerate(fg.ops):
             op = self.by_id[op_id]
-            w = self.space.weights[op_id]
-            remat = op.id in self.remat
-            for i, split in enumerate(fg.splits[mi]):
-                if not op.regions:
-                    c[i] += w * cm.op_time(op, split)
-                    if remat and forward is not None:
-                        c[i] += w * forward(op, split)
-                if not remat:
-                    m[i] += w * cm.activation_bytes(op, split)
-            for k, t in enumerate(op.inputs):
-                if t.id not in top_inputs:
-                    continue
-                first = t.role is Role.VARIABLE and self.uses.get(t.id) == (op.id, k)
-                if t.role is Role.VARIABLE and not first:
-                    continue  # an edge from the first reader
-                for i, split in enumerate(fg.splits[mi]):
-                    want = _lay(op, split, 0, k)
-                    if first:
-                        dp = _sync_axes(want, split)
-                        have = stored_layout(t, want, dp, mesh_axes, self.zero)
-                        m[i] += (cm.variable_bytes(t, want, dp) if self.zero
-                                 else cm.variable_bytes(t, want))
-                    else:
-                        have = Layout.replicated(t.ndim)
-                    x[i] += cm.reshard_time(t, have, want)
+            if op.regions:
+                continue
+            key = (self.space.op_class.get(op_id), fg.splits[mi])
+            local = self.member_memo.get(("tr",) + key) if self.space.shared else None
+            if local is None:
+                local = np.array([sum(t.nbytes for t in op.outputs) / self.cm._ways(sp)
+                                  for sp in fg.splits[mi]])
+                if self.space.shared:
+                    self.member_memo[("tr",) + key] = local
+            np.maximum(out, local, out=out)
+        return out
+
+    def _fgroup_unary(self, fg) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        c, x, m = np.zeros(fg.n), np.zeros(fg.n), np.zeros(fg.n)
+        for mi, op_id in enumerate(fg.ops):
+            op = self.by_id[op_id]
+            if self.space.shared:  # ours: identical members (same class, splits) priced once
+                key = ("u", self.space.op_class[op_id], fg.splits[mi], self.space.weights[op_id],
+                       op_id in self.remat, tuple(t.id in self.top_inputs for t in op.inputs))
+                parts = self.member_memo.get(key)
+                if parts is None:
+                    parts = self.member_memo[key] = self._member_unary(op, fg.splits[mi])
+            else:
+                parts = self._member_unary(op, fg.splits[mi])
+            c += parts[0]
+            x += parts[1]
+            m += parts[2]
+        return c, x, m
+
+    def _member_unary(self, op: Op, splits) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        cm, mesh_axes = self.cm, self.space.mesh_axes
+        n = len(splits)
+        c, x, m = np.zeros(n), np.zeros(n), np.zeros(n)
+        forward = getattr(cm, "forward_time", None)
+        w = self.space.weights[op.id]
+        remat = op.id in self.remat
+        for i, split in enumerate(splits):
+            if not op.regions:
+                c[i] += w * cm.op_time(op, split)
+                if remat and forward is not None:
+                    c[i] += w * forward(op, split)
+            if not remat:
+                m[i] += w * cm.activation_bytes(op, split)
+        for k, t in enumerate(op.inputs):
+            if t.id not in self.top_inputs:
+                continue
+            first = t.role is Role.VARIABLE and self.uses.get(t.id) == (op.id, k)
+            if t.role is Role.VARIABLE and not first:
+                continue  # an edge from the first reader
+            for i, split in enumerate(splits):
+                want = _lay(op, split, 0, k)
+                if first:
+                    dp = _sync_axes(want, split)
+                    have = stored_layout(t, want, dp, mesh_axes, self.zero)
+                    m[i] += (cm.variable_bytes(t, want, dp) if self.zero
+                             else cm.variable_bytes(t, want))
+                else:
+                    have = Layout.replicated(t.ndim)
+                x[i] += cm.reshard_time(t, have, want)
         return c, x, m
 
     # ---- gradient syncs ------------------------------------------------------------------------
@@ -229,7 +266,8 @@ class _Builder:
             if sig is not None and sig in merged:
                 merged[sig][1] += 1
                 continue
-            made = self._sync_set(t, reads)
+            made = self._shared_sync_set(t, reads) if self.space.shared else \
+                self._sync_set(t, reads)
             if made is None:
                 continue
             if sig is not None:
@@ -246,6 +284,24 @@ class _Builder:
             else:
                 singles.append(ss)
         return singles
+
+    def _shared_sync_set(self, t: Tensor, reads: list[tuple[Op, int]]) -> SyncSet | None:
+        """Ours: one pricing per pattern of (tensor, reader classes and splits)."""
+        parts = []
+        for op, j in reads:
+            _g, _f, mm, fg = self.fgroup(op.id)
+            parts.append((self.space.op_class[op.id], j, fg.splits[mm],
+                          self.space.weights[op.id]))
+        key = ("s", t.shape, t.dtype, t.role, t.collection, tuple(parts))
+        if key not in self.member_memo:
+            made = self._sync_set(t, reads)
+            self.member_memo[key] = None if made is None else \
+                (made.cost, tuple(cls for _, cls in made.readers))
+        hit = self.member_memo[key]
+        if hit is None:
+            return None
+        return SyncSet(hit[0], tuple((self.fgroup(op.id)[0], cls)
+                                     for (op, _j), cls in zip(reads, hit[1], strict=True)))
 
     def _sync_set(self, t: Tensor, reads: list[tuple[Op, int]]) -> SyncSet | None:
         classes: dict[tuple, int] = {}
@@ -333,7 +389,11 @@ class _Builder:
         gs, _fs, ms, fgs = self.fgroup(src[1])
         gd, _fd, md, fgd = self.fgroup(dst[1])
         sig = None
-        if fgs.key is not None and fgd.key is not None:
+        if self.space.shared:  # ours: one pricing per (producer, consumer, shapes) pattern
+            cls = self.space.op_class
+            sig = ("e", cls[src[1]], src[0], src[2], src[3], fgs.splits[ms], cls[dst[1]], dst[0],
+                   dst[2], dst[3], fgd.splits[md], w, t.role, t.collection)
+        elif fgs.key is not None and fgd.key is not None:
             sig = (fgs.key, ms, src[0], src[2], src[3], fgd.key, md, dst[0], dst[2], dst[3], w)
         mat = self.memo.get(sig) if sig is not None else None
         if mat is None:
