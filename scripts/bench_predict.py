@@ -41,7 +41,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import argparse
 import json
 import math
-import re
 import sys
 import time
 import warnings
@@ -65,14 +64,9 @@ COMM_TOL = 0.10
 SCALED = {"reduce_scatter", "all_to_all"}  # n = p x the result bytes
 
 
-_INDEX_COMMENT = re.compile(r"/\*index=\d+\*/")
-
-
 def collectives(hlo_text: str, mesh):
-    """``hlo_collectives`` of ``hlo_text`` with XLA's ``/*index=N*/`` tuple comments removed:
-    ``hlo_collectives`` does not parse a combined collective whose result tuple has more than
-    5 elements (XLA prints ``/*index=5*/`` inside the type), so those were silently missed."""
-    return hlo_collectives(_INDEX_COMMENT.sub("", hlo_text), mesh)
+    """The collectives of a compiled module (see ``nnscaler_jax.lower.hlo``)."""
+    return hlo_collectives(hlo_text, mesh)
 
 
 def group_size(c, mesh) -> int:

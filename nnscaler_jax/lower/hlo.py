@@ -99,6 +99,7 @@ def hlo_collectives(hlo_text: str, mesh) -> list[HloCollective]:
     """Collectives in compiled HLO text (``compiled.as_text()``), with the mesh axes they span."""
     out = []
     for line in hlo_text.splitlines():
+        line = re.sub(r"/\*.*?\*/", "", line)  # XLA writes /*index=5*/ inside long tuple types
         m = _LINE.search(line)
         if not m or "-done" in line.split("=")[0]:
             continue

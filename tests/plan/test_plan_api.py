@@ -2,14 +2,13 @@
 
 import json
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from meshes import make_mesh
 
 import models
-from meshes import make_mesh
 from nnscaler_jax import Constraints, Plan, PlanError, auto_parallel, op_assign, op_order, op_trans
 from nnscaler_jax.lower.hlo import expected_collectives, hlo_collectives, summarize
 
@@ -224,3 +223,13 @@ def test_bad_policy_and_mesh_and_constraints(mlp):
         from nnscaler_jax import Rule
 
         auto_parallel(mesh, Constraints(rules=(Rule(module="nope/*"),)))(module).make_plan(x)
+
+
+def test_hlo_parser_reads_combined_collectives_with_index_comments():
+    """XLA prints /*index=5*/ inside long tuple types of combined collectives."""
+    mesh = make_mesh((2, 4), ("data", "model"))
+    types = ", ".join(["f32[4]"] * 5 + ["/*index=5*/f32[4]", "f32[2,2]"])
+    line = (f"  %all-reduce.3 = ({types}) all-reduce(%a, %b), channel_id=3, "
+            "replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, to_apply=%add")
+    (c,) = hlo_collectives(line, mesh)
+    assert c.kind == "all_reduce" and c.axes == ("data",) and c.bytes == 6 * 16 + 16
