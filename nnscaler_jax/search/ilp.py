@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from scipy import sparse
@@ -30,7 +31,7 @@ from nnscaler_jax.constraints import Constraints
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Graph
-from nnscaler_jax.plan.plan import Plan
+from nnscaler_jax.plan.plan import OpPlan, Plan
 from nnscaler_jax.search.space import SearchSpace, build_space
 from nnscaler_jax.search.tables import CostTables, build_tables
 
@@ -269,8 +270,6 @@ def _plan(graph: Graph, mesh_axes: Mapping[str, int], space: SearchSpace,
           choice: Sequence[int], policy: str, zero: int, draft=None) -> Plan:
     from nnscaler_jax.primitives import Draft
 
-    from nnscaler_jax.plan.plan import OpPlan
-
     draft = draft if draft is not None else Draft(graph, dict(mesh_axes))
     draft.policy = draft.policy or policy
     draft.zero = zero
@@ -293,9 +292,25 @@ def fixed_decisions(draft) -> dict[int, tuple[tuple[str, str], ...]]:
     return out
 
 
+def _pins(graph: Graph, draft, partitioning: Any) -> dict[int, tuple]:
+    from nnscaler_jax.search.metadata import partitioning_specs, pins_of
+
+    specs: dict[str, tuple] = {}
+    if partitioning is not None:
+        if isinstance(partitioning, Mapping) and partitioning and all(
+                isinstance(v, tuple | list) for v in partitioning.values()):
+            specs.update({k: tuple(v) for k, v in partitioning.items()})
+        else:
+            specs.update(partitioning_specs(partitioning))
+    if draft is not None:
+        specs.update({k: tuple(v) for k, v in getattr(draft, "variables", {}).items()})
+    return pins_of(graph, specs) if specs else {}
+
+
 def search(graph: Graph, mesh_axes: Mapping[str, int], constraints: Constraints | None = None,
            cost_model: CostModel | None = None, *, planner: str = "auto",
-           time_limit: float | None = None, draft=None) -> tuple[Plan, SearchReport]:
+           time_limit: float | None = None, draft=None,
+           partitioning: Any = None) -> tuple[Plan, SearchReport]:
     """Search the plan of least predicted step time.
 
     Args:
@@ -310,6 +325,11 @@ def search(graph: Graph, mesh_axes: Mapping[str, int], constraints: Constraints 
         draft: a policy's draft to record the decisions in (keeps its policy name). Ops the
             policy already decided (``draft.decide``, ``op_trans`` + ``op_assign``) keep their
             decision: the search fills in the rest (a partial plan by hand).
+        partitioning: Flax partitioning metadata honoured as constraints: boxed linen variables
+            (``nn.with_partitioning`` / ``nn.with_logical_partitioning``), an nnx module with
+            ``nnx.with_partitioning`` params, or ``{variable path: spec}``; a variable whose
+            metadata names mesh axes is stored (read by its first reader) split over them.
+            Variables a policy stored by hand (``draft.store_variable``) are pinned the same way.
 
     Returns:
         ``(plan, report)``.
@@ -324,7 +344,8 @@ def search(graph: Graph, mesh_axes: Mapping[str, int], constraints: Constraints 
     mesh_axes = dict(mesh_axes)
     cm = cost_model or CostModel.for_axes(mesh_axes, zero=zero)
     space = build_space(graph, mesh_axes, constraints.rules, followers=True,
-                        share_layers=planner != "alpa", fixed=fixed_decisions(draft))
+                        share_layers=planner != "alpa", fixed=fixed_decisions(draft),
+                        pinned=_pins(graph, draft, partitioning))
     log.info("%s: %s", planner, space.summary())
     tables = build_tables(space, cm, zero)
     t1 = time.perf_counter()
@@ -339,10 +360,11 @@ def search(graph: Graph, mesh_axes: Mapping[str, int], constraints: Constraints 
 
 
 def search_policy(planner: str = "auto", constraints: Constraints | None = None,
-                  cost_model: CostModel | None = None, time_limit: float | None = None):
+                  cost_model: CostModel | None = None, time_limit: float | None = None,
+                  partitioning: Any = None):
     """A policy ``policy(graph, mesh) -> Plan`` running :func:`search`; the report is left on
     the draft as ``draft.search_report``. Constraints default to ``draft.constraints`` when the
-    caller set them.
+    caller set them. ``partitioning``: Flax metadata honoured as constraints (see :func:`search`).
 
     Partial plans: a policy may decide some ops by hand and hand the rest to the search, which
     keeps those decisions fixed::
@@ -355,7 +377,7 @@ def search_policy(planner: str = "auto", constraints: Constraints | None = None,
     def policy(draft, mesh) -> Plan:
         cons = constraints if constraints is not None else getattr(draft, "constraints", None)
         plan, report = search(draft.graph, draft.mesh_axes, cons, cost_model, planner=planner,
-                              time_limit=time_limit, draft=draft)
+                              time_limit=time_limit, draft=draft, partitioning=partitioning)
         draft.search_report = report
         return plan
 

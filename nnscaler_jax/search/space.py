@@ -329,9 +329,41 @@ def _leader_input(op: Op, producer: Mapping[int, Op], sizes: Mapping[str, int],
     return best
 
 
+def _pin_axes(spec: tuple, mesh_axes: Mapping[str, int]) -> tuple[tuple[str, ...], ...]:
+    out = []
+    for entry in spec:
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        for a in axes:
+            if a not in mesh_axes:
+                raise PlanError(f"partitioning names mesh axis '{a}' (spec {spec}), which is not "
+                                f"in the mesh {dict(mesh_axes)}")
+        out.append(tuple(a for a in axes if mesh_axes[a] > 1))
+    return tuple(out)
+
+
+def _pin_filter(op: Op, keep: tuple[Split, ...], pins, mesh_axes) -> tuple[Split, ...]:
+    """The strategies of ``op`` reading each pinned operand split exactly as pinned."""
+    def ok(split: Split) -> bool:
+        ins, _ = op_layouts(op, OpPlan(op.id, op.primitive, op.module_path, split))
+        return all(tuple(a for a in ins[k].dims[i] if mesh_axes[a] > 1) == axes
+                   for k, spec in pins for i, axes in enumerate(spec))
+
+    kept = tuple(s for s in keep if ok(s))
+    if not kept:
+        names = [op.inputs[k].name for k, _ in pins]
+        raise PlanError(
+            f"partitioning of {names} ({[spec for _, spec in pins]}) cannot be met by op "
+            f"'{op.primitive}' at '{op.module_path or '<top>'}' (annotation '{op.anno}', input "
+            f"shapes {[t.shape for t in op.inputs]}) under the other constraints: no strategy "
+            "splits those dims over those mesh axes (sizes must divide). Change the metadata "
+            "or the rules.")
+    return kept
+
+
 def build_space(graph: Graph, mesh_axes: Mapping[str, int], rules: Sequence[Rule] = (), *,
                 followers: bool = True, share_layers: bool = True,
-                fixed: Mapping[int, Split] | None = None) -> SearchSpace:
+                fixed: Mapping[int, Split] | None = None,
+                pinned: Mapping[int, tuple] | None = None) -> SearchSpace:
     """The strategy space of ``graph`` on a mesh with ``mesh_axes`` sizes.
 
     Args:
@@ -343,6 +375,9 @@ def build_space(graph: Graph, mesh_axes: Mapping[str, int], rules: Sequence[Rule
         fixed: op id -> split decided by hand (a policy's partial plan): the op keeps exactly
             that strategy, leads its own follower group, and shares no decision with copies
             that are not fixed the same way.
+        pinned: variable tensor id -> mesh axes per dim (Flax partitioning metadata, a
+            policy's ``store_variable``): the variable's first reader (its storage) must split
+            each dim over exactly those axes (size-1 axes ignored).
     """
     mesh_axes = dict(mesh_axes)
     fixed = {k: tuple(v) for k, v in (fixed or {}).items()}
@@ -351,7 +386,14 @@ def build_space(graph: Graph, mesh_axes: Mapping[str, int], rules: Sequence[Rule
     ops = list(graph.walk())
     uses = first_uses(graph)
     first = set(uses.values())
-    sigs = {op.id: _op_signature(op, first, rules) + (fixed.get(op.id),) for op in ops}
+    pin_ops: dict[int, list[tuple[int, tuple]]] = {}
+    for tid, spec in (pinned or {}).items():
+        if tid in uses:
+            op_id, k = uses[tid]
+            pin_ops.setdefault(op_id, []).append((k, _pin_axes(spec, mesh_axes)))
+    sigs = {op.id: _op_signature(op, first, rules) + (fixed.get(op.id),
+                                                      tuple(pin_ops.get(op.id, ())))
+            for op in ops}
     interned: dict[tuple, int] = {}
     op_class = {i: interned.setdefault(sig, len(interned)) for i, sig in sigs.items()}
     keys = layer_keys(ops, sigs)  # also memoizes costs of copies when not shared
@@ -379,6 +421,8 @@ def build_space(graph: Graph, mesh_axes: Mapping[str, int], rules: Sequence[Rule
                     cut.append((str(r), len(keep) - len(kept)))
                     keep = kept
             keep = keep or ((),)
+            if op.id in pin_ops:
+                keep = _pin_filter(op, keep, pin_ops[op.id], mesh_axes)
             if op.id in fixed:
                 keep = (fixed[op.id],)
             done = per_class[cls] = (splits, keep, tuple(cut))
@@ -393,7 +437,7 @@ def build_space(graph: Graph, mesh_axes: Mapping[str, int], rules: Sequence[Rule
     fg_ops: list[list[int]] = []
     fg_splits: list[list[tuple[Split, ...]]] = []
     member: dict[int, tuple[int, int]] = {}
-    ruled = {op.id for op in ops for r in rules if r.matches(op)} | set(fixed)
+    ruled = {op.id for op in ops for r in rules if r.matches(op)} | set(fixed) | set(pin_ops)
     by_id = {op.id: op for op in ops}
     lead_memo: dict[tuple, int | None] = {}
     follow_memo: dict[tuple, tuple[Split, ...]] = {}

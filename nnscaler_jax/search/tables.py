@@ -376,6 +376,15 @@ class _Builder:
             out.append(_slice(lay, stacked))
         return out
 
+    def _unique_layouts(self, end: tuple, fg, m: int) -> tuple[list[Layout], list[int]]:
+        if not self.space.shared:
+            return _unique(self._layouts(end, fg, m))
+        key = ("l", self.space.op_class[end[1]], end[0], end[2], end[3], fg.splits[m])
+        out = self.member_memo.get(key)
+        if out is None:
+            out = self.member_memo[key] = _unique(self._layouts(end, fg, m))
+        return out
+
     def _reshard(self, t: Tensor, src: Layout, dst: Layout) -> float:
         if src == dst:
             return 0.0
@@ -397,10 +406,8 @@ class _Builder:
             sig = (fgs.key, ms, src[0], src[2], src[3], fgd.key, md, dst[0], dst[2], dst[3], w)
         mat = self.memo.get(sig) if sig is not None else None
         if mat is None:
-            a = self._layouts(src, fgs, ms)
-            b = self._layouts(dst, fgd, md)
-            ua, ia = _unique(a)
-            ub, ib = _unique(b)
+            ua, ia = self._unique_layouts(src, fgs, ms)
+            ub, ib = self._unique_layouts(dst, fgd, md)
             small = np.array([[self._reshard(t, x, y) for y in ub] for x in ua])
             mat = w * small[np.ix_(ia, ib)]
             if sig is not None:
