@@ -270,10 +270,6 @@ def main() -> int:
              "`comm_bytes` (alpha-beta n) vs HLO collectives converted to n (x p for "
              "reduce-scatter / all-to-all); wire: bytes each device sends, both sides. "
              f"Tolerance: memory {MEM_TOL:.0%}, comm {COMM_TOL:.0%}."), "",
-             ("Note: `nnscaler_jax.lower.hlo.hlo_collectives` misses combined collectives whose "
-             "result tuple has more than 5 elements (XLA prints `/*index=5*/` inside the type); "
-             "this benchmark strips those comments first (`hlo_collectives_missed_by_parser` in "
-             "the JSON: gpt and wide_resnet lost their whole gradient all-reduce without it)."), "",
              ("| model | policy | mem pred (grad step) | mem XLA | ratio | | mem pred (adam) | "
              "mem XLA (adam) | ratio | | comm pred n | comm HLO n | ratio | | wire ratio |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
