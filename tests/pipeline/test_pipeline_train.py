@@ -31,10 +31,11 @@ def _close(a, b):
                                    err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("preset,stages,schedule", [
-    ("tiny", 2, "1f1b"), ("tiny", 4, "gpipe"), ("tiny", 4, "1f1b"), ("tiny-scan", 2, "interleaved"),
+@pytest.mark.parametrize("preset,stages,schedule,microbatches", [
+    ("tiny", 2, "1f1b", 4), ("tiny", 4, "gpipe", 4), ("tiny", 4, "1f1b", 4),
+    ("tiny-scan", 2, "interleaved", 4), ("tiny", 4, "1f1b", 8),
 ])
-def test_pipeline_matches_single_device(preset, stages, schedule):
+def test_pipeline_matches_single_device(preset, stages, schedule, microbatches):
     spec = models.get("gpt", preset, n_layers=4, batch_size=16)
     (tokens,) = spec.make_args()
     params = spec.init(jax.random.PRNGKey(0))["params"]
@@ -42,7 +43,7 @@ def test_pipeline_matches_single_device(preset, stages, schedule):
     # eps well above float32 noise: the key bias's true gradient is 0 (softmax is shift
     # invariant), ~1e-10 in float32, which adam's default eps=1e-8 would blow up to +-lr.
     opt = optax.adam(1e-2, eps=1e-3)
-    pm = auto_parallel(mesh, Constraints(pipeline_stages=stages, microbatches=4,
+    pm = auto_parallel(mesh, Constraints(pipeline_stages=stages, microbatches=microbatches,
                                          schedule=schedule))(spec.module)
     step = pm.train_step(spec.loss_fn, opt, return_grads=True)
     state = step.init({"params": params}, tokens)
