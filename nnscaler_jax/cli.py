@@ -184,6 +184,19 @@ def _abstract_inputs(spec: Any) -> tuple[tuple[Any, ...], Any]:
     return args, variables
 
 
+def _capture_spec(spec: Any, **kw: Any) -> Any:
+    """Capture a zoo model on abstract args with missing-rule warnings silenced (callers list
+    unannotated ops themselves); ``kw`` goes to ``capture`` for linen models."""
+    from nnscaler_jax.capture.trace import capture
+
+    xs, variables = _abstract_inputs(spec)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if spec.kind == "nnx":
+            return capture(spec.module, *xs)
+        return capture(spec.module, *xs, variables=variables, rngs=_rngs(spec), **kw)
+
+
 def _make_plan(spec: Any, mesh: Any, policy: str) -> Any:
     """``AutoParallel.make_plan`` on abstract args."""
     from nnscaler_jax import auto_parallel
@@ -279,18 +292,11 @@ def _verify_table(res: dict[str, Any]) -> str:
 
 
 def _cmd_graph(args: argparse.Namespace) -> int:
-    from nnscaler_jax.capture.trace import capture
     from nnscaler_jax.ir.graph import Role
 
     spec = _spec(args.model, args.preset)
-    xs, variables = _abstract_inputs(spec)
     t0 = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # unannotated primitives are listed below
-        if spec.kind == "nnx":
-            captured = capture(spec.module, *xs)
-        else:
-            captured = capture(spec.module, *xs, variables=variables, rngs=_rngs(spec))
+    captured = _capture_spec(spec)  # unannotated primitives are listed below
     trace_s = time.perf_counter() - t0
     graph = captured.graph
     ops = list(graph.walk())
@@ -416,7 +422,6 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _cmd_compare(args: argparse.Namespace) -> int:
     import jax
 
-    from nnscaler_jax.capture.trace import capture
     from nnscaler_jax.cost.model import CostModel
     from nnscaler_jax.errors import PlanError
     from nnscaler_jax.search.abstract import plan_on_axes
@@ -445,14 +450,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         if args.cluster not in CLUSTERS:
             raise UsageError(f"unknown --cluster {args.cluster!r}; presets: {', '.join(CLUSTERS)}")
         cluster = cluster_preset(args.cluster)
-    xs, variables = _abstract_inputs(spec)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if spec.kind == "nnx":
-            graph = capture(spec.module, *xs).graph
-        else:
-            graph = capture(spec.module, *xs, variables=variables, rngs=_rngs(spec),
-                            mutable=_mutable(spec)).graph
+    graph = _capture_spec(spec, mutable=_mutable(spec)).graph
     compile_here = isinstance(mesh, jax.sharding.Mesh) and spec.kind == "linen" and \
         args.preset.startswith("tiny")
     results: dict[str, dict[str, Any]] = {}
@@ -596,17 +594,10 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
     import jax
 
-    from nnscaler_jax.capture.trace import capture
     from nnscaler_jax.cost.profile import DEFAULT_PATH, ProfileDB, profile_ops
 
     spec = _spec(args.model, args.preset)
-    xs, variables = _abstract_inputs(spec)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if spec.kind == "nnx":
-            graph = capture(spec.module, *xs).graph
-        else:
-            graph = capture(spec.module, *xs, variables=variables, rngs=_rngs(spec)).graph
+    graph = _capture_spec(spec).graph
     t0 = time.perf_counter()
     db = profile_ops(graph, ProfileDB.load(args.out, missing_ok=True), path=args.out,
                      runs=args.runs)
