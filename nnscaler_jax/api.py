@@ -26,6 +26,7 @@ from nnscaler_jax.lower.verify import compare_outputs
 from nnscaler_jax.plan.plan import Plan
 from nnscaler_jax.plan.policies import get_policy
 from nnscaler_jax.primitives import Draft
+from nnscaler_jax.search.metadata import is_boxed, partitioning_specs, unbox
 
 __all__ = ["auto_parallel", "AutoParallel", "make_plan_for"]
 
@@ -49,17 +50,27 @@ def _mesh_axes(mesh: Any) -> dict[str, int]:
 
 
 def make_plan_for(graph: Any, mesh: Any, *, policy: Any = "auto", plan: Plan | None = None,
-                  constraints: Constraints | None = None) -> Plan:
-    """Run ``policy`` (or check ``plan``) for ``graph`` on ``mesh``."""
+                  constraints: Constraints | None = None, partitioning: Any = None) -> Plan:
+    """Run ``policy`` (or check ``plan``) for ``graph`` on ``mesh``.
+
+    ``partitioning``: ``{variable path: mesh axes per dim}`` from Flax metadata; the ``"auto"``
+    / ``"alpa"`` searches pin those variables' storage, other policies find it on
+    ``graph.partitioning`` (pass it on with ``search_policy(partitioning=...)``).
+    """
     axes = _mesh_axes(mesh)
     if plan is not None:
         plan.check_graph(graph, axes)
         return plan
     constraints = constraints or Constraints()
     constraints.check(graph, axes)
-    draft = Draft(graph, axes, constraints=constraints)
-    fn = get_policy(policy if policy is not None else "auto")
+    draft = Draft(graph, axes, constraints=constraints, partitioning=partitioning or None)
     name = policy if policy is not None else "auto"
+    if partitioning and name in ("auto", "alpa"):
+        from nnscaler_jax.search import search_policy
+
+        fn = search_policy(name, partitioning=dict(partitioning))
+    else:
+        fn = get_policy(name)
     draft.policy = name if isinstance(name, str) else getattr(fn, "__name__", "custom")
     try:
         result = fn(draft, mesh)
@@ -107,9 +118,10 @@ class AutoParallel:
 
     # ---- planning -------------------------------------------------------------------------------
 
-    def _program(self, tr: Traceable, extra: Any) -> _Program:
+    def _program(self, tr: Traceable, extra: Any, partitioning: Any = None) -> _Program:
         explicit = any(explicitly_typed(x) for x in tr.flat_inputs)
-        key = _signature(tr.flat_inputs, (extra, explicit))
+        specs = tuple(sorted((partitioning or {}).items()))
+        key = _signature(tr.flat_inputs, (extra, explicit, specs))
         prog = self._programs.get(key)
         if prog is None:
             abstract = [_abstract(x) for x in tr.flat_inputs]
@@ -124,7 +136,7 @@ class AutoParallel:
             graph, _ = graph_from_jaxpr(jaxpr, tr.infos, root=tr.root)
             captured = Captured(tr, jaxpr, graph, tr.out_tree())
             plan = make_plan_for(graph, self.mesh, policy=self.policy, plan=self.fixed_plan,
-                                 constraints=self.constraints)
+                                 constraints=self.constraints, partitioning=dict(specs))
             lowering = Lowering(graph, plan, self.mesh, explicit=explicit)
             shardings = lowering.input_shardings()
             fn = jax.jit(lowering, in_shardings=shardings)
@@ -133,8 +145,8 @@ class AutoParallel:
         self._last = prog
         return prog
 
-    def _run(self, tr: Traceable, extra: Any) -> Any:
-        prog = self._program(tr, extra)
+    def _run(self, tr: Traceable, extra: Any, partitioning: Any = None) -> Any:
+        prog = self._program(tr, extra, partitioning)
         flat = [self._place(x, s) for x, s in zip(tr.flat_inputs, prog.in_shardings,
                                                    strict=True)]
         out = prog.fn(*flat)
@@ -156,8 +168,15 @@ class AutoParallel:
     # ---- linen --------------------------------------------------------------------------------
 
     def _linen_traceable(self, variables, args, kwargs, rngs=None, mutable=False, method=None):
-        return linen_traceable(self.module, args, kwargs, variables=variables, rngs=rngs,
+        return linen_traceable(self.module, args, kwargs, variables=unbox(variables), rngs=rngs,
                                mutable=mutable, method=method)
+
+    def _specs(self, variables: Any) -> dict:
+        """Storage specs named by boxed (``nn.with_partitioning``...) linen variables."""
+        if not is_boxed(variables):
+            return {}
+        rules = (self.constraints.logical_rules if self.constraints is not None else ()) or None
+        return partitioning_specs(variables, rules)
 
     def make_plan(self, *args: Any, variables: Any = None, rngs: Any = None,
                   mutable: Any = False, **kwargs: Any) -> Plan:
@@ -168,17 +187,25 @@ class AutoParallel:
             if variables is None:
                 variables = abstract_init(self.module, args, kwargs)
             tr = self._linen_traceable(variables, args, kwargs, rngs, mutable)
+            return self._program(tr, ("apply", _hashable(mutable), _rng_names(rngs)),
+                                 self._specs(variables)).plan
         return self._program(tr, ("apply", _hashable(mutable), _rng_names(rngs))).plan
 
     def init(self, rngs: Any, *args: Any, **kwargs: Any) -> Any:
-        """``module.init`` with every leaf laid out over the mesh as the plan says."""
+        """``module.init`` with every leaf laid out over the mesh as the plan says.
+
+        Returns the same structure ``module.init`` does: params boxed by
+        ``nn.with_partitioning`` / ``nn.with_logical_partitioning`` stay boxed (``nn.Partitioned``
+        around the laid-out array), so both ``pm.apply`` and ``module.apply`` take the result.
+        Their specs pin the variables' storage in the search (``policy="auto"``).
+        """
         if not isinstance(rngs, dict):
             rngs = {"params": rngs}
         init_fn = functools.partial(nn.Module.init, self.module)
         variables = jax.eval_shape(lambda r: init_fn(r, *args, **kwargs), rngs)
         coll = [c for c in variables if c != "params"] or False
         tr = self._linen_traceable(variables, args, kwargs, None, coll)
-        prog = self._program(tr, ("apply", _hashable(coll), ()))
+        prog = self._program(tr, ("apply", _hashable(coll), ()), self._specs(variables))
         var_shardings = prog.in_shardings[: len(jax.tree_util.tree_leaves(variables))]
         out_shardings = jax.tree_util.tree_unflatten(
             jax.tree_util.tree_structure(variables), list(var_shardings))
@@ -186,16 +213,18 @@ class AutoParallel:
 
     def apply(self, variables: Any, *args: Any, rngs: Any = None, mutable: Any = False,
               method: Any = None, **kwargs: Any) -> Any:
-        """``module.apply`` computed as one program over the mesh."""
+        """``module.apply`` computed as one program over the mesh (``variables`` boxed or not)."""
         tr = self._linen_traceable(variables, args, kwargs, rngs, mutable, method)
-        return self._run(tr, ("apply", _hashable(mutable), _rng_names(rngs), method))
+        return self._run(tr, ("apply", _hashable(mutable), _rng_names(rngs), method),
+                         self._specs(variables))
 
     def compiled(self, variables: Any, *args: Any, rngs: Any = None, mutable: Any = False,
                  **kwargs: Any) -> Any:
         """The compiled forward program of ``apply(variables, *args)`` (``.as_text()``,
         ``.memory_analysis()``), for checking what XLA made of the plan."""
         tr = self._linen_traceable(variables, args, kwargs, rngs, mutable)
-        prog = self._program(tr, ("apply", _hashable(mutable), _rng_names(rngs), None))
+        prog = self._program(tr, ("apply", _hashable(mutable), _rng_names(rngs), None),
+                             self._specs(variables))
         flat = [self._place(x, s) for x, s in zip(tr.flat_inputs, prog.in_shardings,
                                                    strict=True)]
         return prog.fn.lower(*flat).compile()

@@ -44,7 +44,11 @@ class Rule:
 
 @dataclass(frozen=True)
 class Constraints:
-    """What a plan must satisfy. All fields optional (see the contract)."""
+    """What a plan must satisfy. All fields optional (see the contract).
+
+    ``logical_rules``: ``(logical name, mesh axis or None)`` pairs mapping the names of
+    ``nn.with_logical_partitioning`` params to mesh axes (default: the rules in the box).
+    """
 
     max_memory_per_device: int | None = None
     pipeline_stages: int | Literal["auto"] | None = None
@@ -52,9 +56,11 @@ class Constraints:
     schedule: Literal["1f1b", "gpipe", "interleaved"] | None = None
     zero: int | None = None
     rules: tuple[Rule, ...] = field(default_factory=tuple)
+    logical_rules: tuple[tuple[str, str | None], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rules", tuple(self.rules))
+        object.__setattr__(self, "logical_rules", tuple(tuple(r) for r in self.logical_rules))
         if self.zero is not None and self.zero not in (0, 1, 2, 3):
             raise PlanError(f"Constraints(zero={self.zero!r}): ZeRO stage is 0, 1, 2 or 3")
         if self.schedule not in (None, "1f1b", "gpipe", "interleaved"):

@@ -23,7 +23,7 @@ import jax
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Graph
 
-__all__ = ["partitioning_specs", "pins_of"]
+__all__ = ["partitioning_specs", "pins_of", "unbox", "is_boxed"]
 
 Spec = tuple[Any, ...]
 
@@ -66,6 +66,28 @@ def _is_box(x: Any) -> bool:
         return isinstance(x, nnx.Variable | nnx.VariableState)
     except (ImportError, AttributeError):  # pragma: no cover - older flax
         return False
+
+
+def is_boxed(variables: Any) -> bool:
+    """True if any leaf of linen ``variables`` is a Flax metadata box (``nn.Partitioned``...)."""
+    import flax.linen as nn
+
+    return any(isinstance(x, nn.meta.AxisMetadata) for x in jax.tree_util.tree_leaves(
+        variables, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata)))
+
+
+def unbox(variables: Any) -> Any:
+    """Linen ``variables`` with every metadata box replaced by its value (no sharding
+    constraint applied: the plan lays the values out)."""
+    import flax.linen as nn
+
+    def one(x):
+        if isinstance(x, nn.Partitioned):
+            return x.value
+        return x.unbox() if isinstance(x, nn.meta.AxisMetadata) else x
+
+    return jax.tree_util.tree_map(one, variables,
+                                  is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
 
 
 def partitioning_specs(variables: Any, logical_rules=None) -> dict[str, Spec]:
