@@ -23,7 +23,7 @@ import jax
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Graph
 
-__all__ = ["partitioning_specs", "pins_of", "unbox", "is_boxed"]
+__all__ = ["is_boxed", "partitioning_specs", "pins_of", "unbox"]
 
 Spec = tuple[Any, ...]
 

@@ -3,8 +3,8 @@
 import flax.linen as nn
 import jax
 import numpy as np
-
 from meshes import make_mesh
+
 from nnscaler_jax import Constraints, auto_parallel
 
 
