@@ -296,6 +296,8 @@ def _pins(graph: Graph, draft, partitioning: Any) -> dict[int, tuple]:
     from nnscaler_jax.search.metadata import partitioning_specs, pins_of
 
     specs: dict[str, tuple] = {}
+    if partitioning is None and draft is not None:  # auto_parallel put the model's metadata there
+        partitioning = getattr(draft, "partitioning", None) or None
     if partitioning is not None:
         if isinstance(partitioning, Mapping) and partitioning and all(
                 isinstance(v, tuple | list) for v in partitioning.values()):
