@@ -217,80 +217,6 @@ def _cost_dict(plan: Any) -> dict[str, Any] | None:
 # ---- verification (shared by verify and demo) --------------------------------------------------
 
 
-def _tolerance(tree: Any) -> float:
-    import jax
-    import numpy as np
-
-    from nnscaler_jax.lower.verify import RTOL
-
-    tols = [RTOL.get(np.dtype(x.dtype).name, 1e-4) for x in jax.tree_util.tree_leaves(tree)
-            if hasattr(x, "dtype") and np.issubdtype(np.dtype(x.dtype), np.floating)]
-    return max(tols or [1e-4])
-
-
-def _verify(spec: Any, mesh: Any, policy: str) -> dict[str, Any]:
-    """Forward and gradients of the loss, parallel vs single device (both jitted)."""
-    import jax
-
-    from nnscaler_jax import auto_parallel
-
-    args = spec.make_args(abstract=False)
-    rngs = _rngs(spec)
-    mutable = _mutable(spec)
-    if spec.kind == "nnx":
-        from flax import nnx
-
-        module = spec.module
-        loss = lambda m: spec.loss_fn(m(*args), *args)
-        ref_out = module(*args)
-        ref_grad = jax.tree_util.tree_leaves(nnx.grad(loss)(module))
-        pm = auto_parallel(mesh, policy=policy)(module)
-        out = pm(*args)
-        grad = jax.tree_util.tree_leaves(nnx.grad(loss)(pm))
-    else:
-        variables = spec.init(jax.random.PRNGKey(0), *args)
-
-        def loss_with(apply):
-            def loss(params):
-                res = apply({**variables, "params": params}, *args, rngs=rngs, mutable=mutable)
-                return spec.loss_fn(res[0] if mutable else res, *args)
-            return loss
-
-        ref_out = spec.module.apply(variables, *args, rngs=rngs, mutable=mutable)
-        ref_grad = jax.jit(jax.grad(loss_with(spec.module.apply)))(variables["params"])
-        pm = auto_parallel(mesh, policy=policy)(spec.module)
-        out = pm.apply(variables, *args, rngs=rngs, mutable=mutable)
-        grad = jax.jit(jax.grad(loss_with(pm.apply)))(variables["params"])
-    return dict(_compare(out, ref_out, grad, ref_grad), plan=pm.plan)
-
-
-def _compare(out: Any, ref_out: Any, grad: Any, ref_grad: Any) -> dict[str, Any]:
-    """Relative differences of the forward outputs and the gradients, and the verdict."""
-    import numpy as np
-
-    from nnscaler_jax.lower.verify import max_rel_diff
-
-    fwd, fwd_at = max_rel_diff(out, ref_out)
-    grd, grd_at = max_rel_diff(grad, ref_grad)
-    tol = _tolerance((ref_out, ref_grad))
-    worst = max(fwd, grd)
-    return {"ok": bool(np.isfinite(worst) and worst <= tol), "max_rel_diff": worst,
-            "forward_rel_diff": fwd, "grad_rel_diff": grd, "tolerance": tol,
-            "forward_worst_at": fwd_at, "grad_worst_at": grd_at}
-
-
-def _verify_table(res: dict[str, Any]) -> str:
-    rows = [["forward", f"{res['forward_rel_diff']:.3e}", res["forward_worst_at"] or "-"],
-            ["grad of loss", f"{res['grad_rel_diff']:.3e}", res["grad_worst_at"] or "-"]]
-    verdict = "OK" if res["ok"] else "MISMATCH"
-    return (_table(["check", "max rel diff", "worst leaf"], rows)
-            + f"\n{verdict}: max relative difference {res['max_rel_diff']:.3e} "
-              f"(tolerance {res['tolerance']:g})")
-
-
-# ---- subcommands -----------------------------------------------------------------------------------
-
-
 def _cmd_graph(args: argparse.Namespace) -> int:
     from nnscaler_jax.ir.graph import Role
 
@@ -401,24 +327,6 @@ def _pipeline_schedule(args: argparse.Namespace, spec: Any) -> tuple[str, dict[s
     return "\n".join(lines), obj
 
 
-def _cmd_verify(args: argparse.Namespace) -> int:
-    spec = _spec(args.model, args.preset)
-    mesh = _mesh(args.mesh, args.axes)
-    policy = _check_policy(args.policy)
-    res = _verify(spec, mesh, policy)
-    obj = {"ok": res["ok"], "max_rel_diff": res["max_rel_diff"],
-           "forward_rel_diff": res["forward_rel_diff"], "grad_rel_diff": res["grad_rel_diff"],
-           "tolerance": res["tolerance"], "mesh": args.mesh, "policy": policy,
-           "model": args.model, "preset": args.preset}
-    text = ""
-    if not args.json:
-        text = (f"{args.model} [{args.preset}] on mesh {args.mesh} "
-                f"{dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))}, policy "
-                f"{policy}\n" + _verify_table(res))
-    _emit(args, text, obj)
-    return 0 if res["ok"] else 1
-
-
 def _cmd_compare(args: argparse.Namespace) -> int:
     import jax
 
@@ -513,81 +421,6 @@ def _compiled_figures(spec: Any, mesh: Any, plan: Any) -> dict[str, int]:
         return {"compiled_error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    import jax
-    import optax
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from nnscaler_jax import auto_parallel
-
-    spec = _spec("gpt", "tiny")
-    mesh = _mesh(args.mesh, args.axes)
-    policy = _check_policy(args.policy)
-    say = (lambda *a: None) if args.json else print
-    say(f"GPT [tiny] on {mesh.devices.size} {jax.devices()[0].platform.upper()} devices, "
-        f"mesh {dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))}, policy {policy}")
-
-    tokens = spec.make_args(abstract=False)
-    pm = auto_parallel(mesh, policy=policy)(spec.module)
-    variables = pm.init({"params": jax.random.PRNGKey(0)}, *tokens)  # plans, lays out
-    say("\n" + str(pm.plan) + "\n")
-    opt = optax.adamw(args.lr)
-    params = variables["params"]
-    # Keep the plan's layouts across steps (one compilation); optimizer scalars replicated on
-    # the mesh the plan laid the parameters out on.
-    replicated = NamedSharding(jax.tree.leaves(params)[0].sharding.mesh, PartitionSpec())
-    opt_state = opt.init(params)
-    shardings = jax.tree.map(
-        lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else replicated,
-        (params, opt_state))
-    opt_state = jax.device_put(opt_state, shardings[1])
-
-    def loss_with(apply, variables):
-        return lambda p, *batch: spec.loss_fn(apply({**variables, "params": p}, *batch), *batch)
-
-    parallel_loss = loss_with(pm.apply, variables)
-
-    def step(params, opt_state, *batch):
-        value, grads = jax.value_and_grad(parallel_loss)(params, *batch)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value, grads
-
-    step = jax.jit(step, out_shardings=(*shardings, replicated, shardings[0]))
-
-    # The single-device program on the same values: forward, and the gradient that the first
-    # training step must reproduce.
-    host = jax.device_get(variables)
-    ref_out = spec.module.apply(host, *tokens)
-    ref_grad = jax.jit(jax.grad(loss_with(spec.module.apply, host)))(host["params"], *tokens)
-    out = pm.apply(variables, *tokens)
-
-    losses = []
-    res: dict[str, Any] = {}
-    for i in range(args.steps):
-        t0 = time.perf_counter()
-        new_params, opt_state, value, grads = step(params, opt_state, *tokens)
-        if i == 0:
-            res = _compare(out, ref_out, grads, ref_grad)
-            say(_verify_table(res) + "\n")
-        params = new_params
-        losses.append(float(value))
-        say(f"step {i + 1:3d}  loss {losses[-1]:.4f}  ({time.perf_counter() - t0:.2f} s)")
-    if not res:
-        res = _compare(out, ref_out, ref_grad, ref_grad)
-    fell = len(losses) >= 2 and losses[-1] < losses[0]
-    ok = bool(res["ok"] and fell)
-    if not res["ok"]:
-        say("FAIL: the parallel program differs from the single-device program")
-    elif not fell:
-        say(f"FAIL: the loss did not fall over {args.steps} steps")
-    else:
-        say(f"OK: verified (max rel diff {res['max_rel_diff']:.2e}) and trained, loss "
-            f"{losses[0]:.4f} -> {losses[-1]:.4f}")
-    _emit(args, "", {"ok": ok, "max_rel_diff": res["max_rel_diff"], "losses": losses,
-                     "mesh": args.mesh, "policy": policy})
-    return 0 if ok else 1
-
-
 def _cmd_profile(args: argparse.Namespace) -> int:
     """Time every distinct op of a model on the local backend into a profile database."""
     from pathlib import Path
@@ -614,6 +447,15 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 
 # ---- parser ------------------------------------------------------------------------------------
+
+
+def _lazy(name: str) -> Any:
+    """A handler defined in :mod:`nnscaler_jax.cli_verify` (imported when it runs)."""
+    def run(args: argparse.Namespace) -> int:
+        from nnscaler_jax import cli_verify
+
+        return getattr(cli_verify, name)(args)
+    return run
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -656,7 +498,7 @@ def _parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", parents=[common, model, mesh],
                        help="compare forward and gradients with the single-device program")
     v.add_argument("--policy", default="auto", help="dp, zero3, megatron or auto (default)")
-    v.set_defaults(fn=_cmd_verify)
+    v.set_defaults(fn=_lazy('cmd_verify'))
 
     c = sub.add_parser("compare", parents=[common, model, mesh],
                        help="plan with several planners and compare their cost estimates")
@@ -671,7 +513,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--policy", default="megatron", help="default megatron")
     d.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
     d.add_argument("--lr", type=float, default=1e-2, help="adamw learning rate (default 1e-2)")
-    d.set_defaults(fn=_cmd_demo)
+    d.set_defaults(fn=_lazy('cmd_demo'))
 
     pr = sub.add_parser("profile", parents=[common, model],
                         help="time a model's ops on the local backend into a profile database")

@@ -7,6 +7,7 @@ function of flat inputs, so the planned program and the single-device program ar
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -59,7 +60,8 @@ class Traceable:
     Attributes:
         fn: the flat function.
         flat_inputs: arrays or ``ShapeDtypeStruct`` values, one per input.
-        infos: role / path / collection per input.
+        infos: role / path / collection per input (computed on first use: ``apply`` rebuilds a
+            Traceable on every call, but only a new input signature needs the paths).
         in_tree: treedef of the structured inputs (``(variables_or_state, rngs, args, kwargs)``).
         out_tree: a thunk giving the output treedef once ``fn`` has been traced.
         root: the root module name in name stacks.
@@ -67,10 +69,14 @@ class Traceable:
 
     fn: Callable[..., Any]
     flat_inputs: tuple[Any, ...]
-    infos: tuple[InputInfo, ...]
+    make_infos: Callable[[], list[InputInfo]]
     in_tree: Any
     out_tree: Callable[[], Any]
     root: str
+
+    @functools.cached_property
+    def infos(self) -> tuple[InputInfo, ...]:
+        return tuple(self.make_infos())
 
 
 def _infos(tree: Any, role: Role, prefix: str, collection_from_path: bool) -> list[InputInfo]:
@@ -100,9 +106,11 @@ def linen_traceable(module: nn.Module, args: Sequence[Any], kwargs: dict, *,
     rngs = dict(rngs) if rngs else {}
     structured = (variables, rngs, tuple(args), dict(kwargs))
     flat, in_tree = jax.tree_util.tree_flatten(structured)
-    infos = (_infos(variables, Role.VARIABLE, "", True) + _infos(rngs, Role.RNG, "rngs/", False)
-             + _infos(tuple(args), Role.INPUT, "args/", False)
-             + _infos(dict(kwargs), Role.INPUT, "kwargs/", False))
+    def infos() -> list[InputInfo]:
+        return (_infos(variables, Role.VARIABLE, "", True) + _infos(rngs, Role.RNG, "rngs/", False)
+                + _infos(tuple(args), Role.INPUT, "args/", False)
+                + _infos(dict(kwargs), Role.INPUT, "kwargs/", False))
+
     store: dict[str, Any] = {}
 
     def fn(*flat_in):
@@ -113,7 +121,7 @@ def linen_traceable(module: nn.Module, args: Sequence[Any], kwargs: dict, *,
         leaves, store["tree"] = jax.tree_util.tree_flatten(out)
         return leaves
 
-    return Traceable(fn, tuple(flat), tuple(infos), in_tree, lambda: store["tree"],
+    return Traceable(fn, tuple(flat), infos, in_tree, lambda: store["tree"],
                      type(module).__name__)
 
 
@@ -165,13 +173,15 @@ def nnx_traceable(module: nnx.Module, args: Sequence[Any], kwargs: dict) -> Trac
     graphdef, state = nnx.split(module)
     structured = (state, {}, tuple(args), dict(kwargs))
     flat, in_tree = jax.tree_util.tree_flatten(structured)
-    var_infos = []
-    for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]:
-        p = path_str(path)
-        p = p[: -len("/value")] if p.endswith("/value") else p
-        var_infos.append(InputInfo(Role.VARIABLE, p, _nnx_collection(state, path)))
-    infos = (var_infos + _infos(tuple(args), Role.INPUT, "args/", False)
-             + _infos(dict(kwargs), Role.INPUT, "kwargs/", False))
+
+    def infos() -> list[InputInfo]:
+        var_infos = []
+        for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]:
+            p = path_str(path)
+            p = p[: -len("/value")] if p.endswith("/value") else p
+            var_infos.append(InputInfo(Role.VARIABLE, p, _nnx_collection(state, path)))
+        return (var_infos + _infos(tuple(args), Role.INPUT, "args/", False)
+                + _infos(dict(kwargs), Role.INPUT, "kwargs/", False))
     store: dict[str, Any] = {}
 
     def fn(*flat_in):
@@ -183,7 +193,7 @@ def nnx_traceable(module: nnx.Module, args: Sequence[Any], kwargs: dict) -> Trac
         leaves, store["tree"] = jax.tree_util.tree_flatten((out, new_state))
         return leaves
 
-    return Traceable(fn, tuple(flat), tuple(infos), in_tree, lambda: store["tree"], "")
+    return Traceable(fn, tuple(flat), infos, in_tree, lambda: store["tree"], "")
 
 
 def _nnx_collection(state: Any, path: Sequence[Any]) -> str:

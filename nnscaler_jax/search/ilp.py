@@ -159,25 +159,14 @@ def solve(tables: CostTables, *, max_memory: float | None = None, time_limit: fl
         nv += nr * nc
         c_parts.append(e.cost.ravel() * _SCALE)
         idx = base + np.arange(nr * nc).reshape(nr, nc)
-        for x in range(nr):  # sum_y e_xy - sum_{a in x} s_src[a] == 0
-            rows += [r] * nc
-            cols += list(idx[x])
-            vals += [1.0] * nc
-            members = np.nonzero(e.rows == x)[0] + off[e.src]
-            rows += [r] * len(members)
-            cols += members.tolist()
-            vals += [-1.0] * len(members)
-            lb.append(0.0)
-            ub.append(0.0)
-            r += 1
-        for y in range(nc - 1):  # the last column's row is implied by the others
-            rows += [r] * nr
-            cols += list(idx[:, y])
-            vals += [1.0] * nr
-            members = np.nonzero(e.cols == y)[0] + off[e.dst]
-            rows += [r] * len(members)
-            cols += members.tolist()
-            vals += [-1.0] * len(members)
+        # Pair variables tie to both ends: each row x sums to the source strategies in class x,
+        # each column y to the destination strategies in class y (the last column is implied).
+        ties = [(idx[x], np.nonzero(e.rows == x)[0] + off[e.src]) for x in range(nr)]
+        ties += [(idx[:, y], np.nonzero(e.cols == y)[0] + off[e.dst]) for y in range(nc - 1)]
+        for pair_vars, members in ties:
+            rows += [r] * (len(pair_vars) + len(members))
+            cols += list(pair_vars) + members.tolist()
+            vals += [1.0] * len(pair_vars) + [-1.0] * len(members)
             lb.append(0.0)
             ub.append(0.0)
             r += 1
