@@ -21,7 +21,6 @@ data-parallel axes, and the optax update runs in the same jitted step.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,13 +34,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from nnscaler_jax.capture.flax import path_str
 from nnscaler_jax.errors import PlanError
+from nnscaler_jax.lower.pipeline_split import Split, _eval, split_program
 from nnscaler_jax.plan import schedule as sch
 
 __all__ = ["STAGE_AXES", "Split", "split_program", "PipelineProgram", "PipelineStep",
            "stage_axis"]
 
 STAGE_AXES = ("stage", "pipe")
-_LAYER = re.compile(r"^(.*)_(\d+)$")
 
 
 def stage_axis(mesh_axes: dict[str, int]) -> str:
@@ -51,200 +50,6 @@ def stage_axis(mesh_axes: dict[str, int]) -> str:
             return a
     raise PlanError(f"pipeline parallelism needs a mesh axis named 'stage' or 'pipe', mesh axes "
                     f"are {mesh_axes}; e.g. jax.make_mesh((4, 2), ('stage', 'data'))")
-
-
-def _unsupported(what: str) -> PlanError:
-    return PlanError(
-        f"pipeline stages: {what}. Stage splitting supports GPT-like models: a prefix, then a "
-        "stack of identical layers named '<prefix>_0', '<prefix>_1', ... (or one nn.scan over "
-        "them), then a suffix, each layer taking exactly one activation from the previous one. "
-        "Fix: use pipeline_stages=None, or structure the model that way")
-
-
-# ---- cutting the traced program ------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Split:
-    """The traced micro-batch program cut into prefix / layer template / suffix.
-
-    Attributes:
-        jaxpr: the closed jaxpr of ``(params_leaves..., batch_leaves...) -> loss``.
-        n_params: number of parameter leaves (the first invars).
-        pre / post: prefix and suffix equations.
-        layer_eqns: the equations of one layer (the template).
-        layer_params: the template's parameter variables (per layer leaf).
-        layer_x / layer_y: the template's input and output activation variables.
-        layer_consts: ``(template var, outer var)`` bindings of scan consts.
-        layer_leaves: ``layer_leaves[i][j]`` = flat param index of layer ``i``'s ``j``-th leaf,
-            or for a scanned stack one row of the stacked leaves' indices (``stacked=True``).
-        stacked: the layer params are stacked leaves (``nn.scan``) of leading size ``n_layers``.
-        n_layers: L.
-        x0: the prefix's output var feeding layer 0; ``xl``: the var the suffix reads.
-    """
-
-    jaxpr: Any
-    n_params: int
-    pre: tuple
-    post: tuple
-    layer_eqns: tuple
-    layer_params: tuple
-    layer_x: Any
-    layer_y: Any
-    layer_consts: tuple
-    layer_leaves: tuple
-    stacked: bool
-    n_layers: int
-    x0: Any
-    xl: Any
-    shared: tuple[int, ...]
-
-
-def _root_part(stack: str, root: str) -> str | None:
-    parts = [p for p in str(stack).split("/") if p and not any(c in p for c in "(,>")]
-    parts = [p.split(".")[0] for p in parts]
-    if parts and parts[0] == root:
-        parts = parts[1:]
-    return parts[0] if parts else None
-
-
-def _ext_inputs(eqns, defined_outside: bool = True) -> list:
-    inner, ext = set(), []
-    for e in eqns:
-        for v in e.invars:
-            if isinstance(v, jcore.Literal) or v in inner or v in ext:
-                continue
-            ext.append(v)
-        inner.update(e.outvars)
-    return ext
-
-
-def split_program(closed: Any, param_paths: list[str], root: str) -> Split:
-    """Cut the traced loss program at the layer stack (see the module docstring).
-
-    Raises:
-        PlanError: the program has no repeated layer stack or the layers are not a chain.
-    """
-    jaxpr = closed.jaxpr
-    n_params = len(param_paths)
-    tops = [_root_part(e.source_info.name_stack, root) for e in jaxpr.eqns]
-    layer_ids = {}
-    for i, top in enumerate(tops):
-        m = _LAYER.match(top or "")
-        if m:
-            layer_ids.setdefault(m.group(1), set()).add(int(m.group(2)))
-    prefix = max(layer_ids, key=lambda k: len(layer_ids[k]), default=None)
-    top_of_param = [p.split("/")[1] if p.startswith("params/") else p.split("/")[0]
-                    for p in param_paths]
-    consts = set(jaxpr.constvars)
-    if prefix is not None and len(layer_ids[prefix]) >= 2:
-        n = len(layer_ids[prefix])
-        if layer_ids[prefix] != set(range(n)):
-            raise _unsupported(f"layers '{prefix}_i' are not numbered 0..{n - 1}")
-        which = [int(_LAYER.match(t).group(2)) if t and _LAYER.match(t) and
-                 _LAYER.match(t).group(1) == prefix else None for t in tops]
-        idx = [i for i, w in enumerate(which) if w is not None]
-        first, last = idx[0], idx[-1]
-        seq = [w for w in which[first:last + 1]]
-        if any(w is None for w in seq) or seq != sorted(seq):
-            raise _unsupported(f"ops of the layers '{prefix}_i' are interleaved with other ops")
-        segs = [[e for e, w in zip(jaxpr.eqns, which) if w == i] for i in range(n)]
-        leaves = []
-        for i in range(n):
-            names = [(j, p) for j, p in enumerate(param_paths) if top_of_param[j] == f"{prefix}_{i}"]
-            leaves.append(names)
-        shapes0 = [(p.replace(f"{prefix}_0/", "/", 1), jaxpr.invars[j].aval.shape)
-                   for j, p in leaves[0]]
-        for i in range(1, n):
-            si = [(p.replace(f"{prefix}_{i}/", "/", 1), jaxpr.invars[j].aval.shape)
-                  for j, p in leaves[i]]
-            if si != shapes0 or [e.primitive for e in segs[i]] != [e.primitive for e in segs[0]]:
-                raise _unsupported(f"layer '{prefix}_{i}' differs from '{prefix}_0' (parameters or "
-                                   "ops)")
-        tmpl = segs[0]
-        ext = [v for v in _ext_inputs(tmpl) if v not in consts]
-        pvars = [jaxpr.invars[j] for j, _ in leaves[0]]
-        acts = [v for v in ext if v not in pvars]
-        if len(acts) != 1:
-            raise _unsupported(f"layer '{prefix}_0' reads {len(acts)} activations from outside "
-                               f"({[str(v.aval) for v in acts]}), expected 1")
-        x0 = acts[0]
-        later = set()
-        for e in jaxpr.eqns[idx[0] + len(tmpl):]:
-            later.update(v for v in e.invars if not isinstance(v, jcore.Literal))
-        later.update(v for v in jaxpr.outvars if not isinstance(v, jcore.Literal))
-        outs = [v for e in tmpl for v in e.outvars if v in later]
-        if len(outs) != 1:
-            raise _unsupported(f"layer '{prefix}_0' passes {len(outs)} values on, expected 1")
-        layer_y = outs[0]
-        last_seg = segs[-1]
-        later_post = set()
-        for e in jaxpr.eqns[last + 1:]:
-            later_post.update(v for v in e.invars if not isinstance(v, jcore.Literal))
-        later_post.update(v for v in jaxpr.outvars if not isinstance(v, jcore.Literal))
-        xl = [v for e in last_seg for v in e.outvars if v in later_post]
-        if len(xl) != 1:
-            raise _unsupported(f"the last layer passes {len(xl)} values on, expected 1")
-        layer_leaves = tuple(tuple(j for j, _ in lv) for lv in leaves)
-        split = Split(closed, n_params, tuple(jaxpr.eqns[:first]), tuple(jaxpr.eqns[last + 1:]),
-                      tuple(tmpl), tuple(pvars), x0, layer_y, (), layer_leaves, False, n, x0,
-                      xl[0], ())
-    else:
-        params_in = set(jaxpr.invars[:n_params])
-        scans = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "scan"
-                 and any(v in params_in for v in e.invars)]
-        if len(scans) != 1:
-            raise _unsupported("no repeated layer stack found (module paths "
-                               f"{sorted({t for t in tops if t})})")
-        k = scans[0]
-        e = jaxpr.eqns[k]
-        tops[k] = tops[k] or next(top_of_param[j] for j, v in enumerate(jaxpr.invars[:n_params])
-                                  if v in e.invars)
-        nc, ncarry = e.params["num_consts"], e.params["num_carry"]
-        body = e.params["jaxpr"]
-        if ncarry != 1:
-            raise _unsupported(f"the scanned stack '{tops[k]}' carries {ncarry} values, expected 1")
-        xs = e.invars[nc + 1:]
-        pos = {v: j for j, v in enumerate(jaxpr.invars[:n_params])}
-        if not all(v in pos for v in xs):
-            raise _unsupported(f"the scanned stack '{tops[k]}' scans over values that are not "
-                               "parameters")
-        if any(not isinstance(v, jcore.Literal) and v not in consts and v not in pos
-               for v in e.invars[:nc]):
-            raise _unsupported(f"the scanned stack '{tops[k]}' closes over computed values")
-        if body.consts:
-            raise _unsupported("the scan body has constants")
-        bj = body.jaxpr
-        if len(bj.outvars) != 1:
-            raise _unsupported(f"the scanned stack '{tops[k]}' stacks outputs")
-        n = int(e.params["length"])
-        split = Split(closed, n_params, tuple(jaxpr.eqns[:k]), tuple(jaxpr.eqns[k + 1:]),
-                      tuple(bj.eqns), tuple(bj.invars[nc + 1:]), bj.invars[nc], bj.outvars[0],
-                      tuple(zip(bj.invars[:nc], e.invars[:nc], strict=True)),
-                      (tuple(pos[v] for v in xs),), True, n, e.invars[nc], e.outvars[0], ())
-    layer_set = {j for lv in split.layer_leaves for j in lv}
-    shared = tuple(j for j in range(n_params) if j not in layer_set)
-    # The suffix may only read the stack's output, parameters, batch and constants.
-    allowed = set(jaxpr.invars) | consts | {split.xl}
-    bad = [v for v in _ext_inputs(split.post) if v not in allowed]
-    if bad:
-        raise _unsupported(f"the suffix after the layers reads {len(bad)} values computed before "
-                           f"them ({[str(v.aval) for v in bad]})")
-    return Split(**{**split.__dict__, "shared": shared})
-
-
-def _eval(eqns, env: dict) -> None:
-    def read(v):
-        return v.val if isinstance(v, jcore.Literal) else env[v]
-
-    for e in eqns:
-        with e.ctx.manager:
-            out = e.primitive.bind(*[read(v) for v in e.invars],
-                                   **e.primitive.get_bind_params(e.params))
-        if not e.primitive.multiple_results:
-            out = [out]
-        for v, o in zip(e.outvars, out, strict=True):
-            env[v] = o
 
 
 def _place(x: Any, sharding: NamedSharding) -> Any:
