@@ -102,35 +102,93 @@ class Constraints:
 
     def _stage_of(self, graph: Graph, mesh_axes: dict[str, int]) -> tuple[tuple[str, int], ...]:
         """Check the pipeline fields; the layer -> stage assignment."""
+        return self._pipeline(graph, mesh_axes)[-1]
+
+    def _pipeline(self, graph: Graph, mesh_axes: dict[str, int]) -> tuple:
+        """``(stages, microbatches, schedule, virtual, report, stage_of)`` (checks the fields).
+
+        ``pipeline_stages="auto"``: the stages are the mesh's ``stage``/``pipe`` axis; the stage
+        DP restricted to what the runtime executes picks micro-batches and schedule.
+        """
         from nnscaler_jax.plan.schedule import stage_layers
 
         stages = self.pipeline_stages
-        if stages == "auto":
-            raise PlanError("Constraints(pipeline_stages='auto'): the stage search runs offline "
-                            "(nnscaler_jax.search.pipeline_dp.search_stages); pass the stage "
-                            "count it chose, e.g. pipeline_stages=4")
-        if not isinstance(stages, int) or stages < 1:
-            raise PlanError(f"Constraints(pipeline_stages={stages!r}): use a positive int")
         axis = next((a for a in ("stage", "pipe") if a in mesh_axes), None)
-        if axis is None or mesh_axes[axis] != stages:
-            raise PlanError(
-                f"Constraints(pipeline_stages={stages}) needs a mesh axis 'stage' (or 'pipe') of "
-                f"size {stages}; the mesh has {mesh_axes}. E.g. jax.make_mesh(({stages}, 2), "
-                "('stage', 'data'))")
         if self.microbatches is not None and self.microbatches < 1:
             raise PlanError(f"Constraints(microbatches={self.microbatches}): use a positive int")
-        virtual = 2 if self.schedule == "interleaved" else 1
-        return stage_layers([(v.name, v.shape) for v in graph.variables], stages, virtual)
+        if stages == "auto":
+            if axis is None:
+                raise PlanError(
+                    "Constraints(pipeline_stages='auto') chooses micro-batches and schedule for "
+                    "the stages of the mesh's 'stage' (or 'pipe') axis; the mesh has "
+                    f"{mesh_axes}. Add one, e.g. jax.make_mesh((4, 2), ('stage', 'data')), or "
+                    "run nnscaler_jax.search.pipeline_dp.search_stages to choose a stage count")
+            choice, report = self._auto_pipeline(graph, mesh_axes, axis)
+            virtual = choice.virtual
+            stages, micro, sched = mesh_axes[axis], choice.microbatches, choice.schedule
+        else:
+            if not isinstance(stages, int) or stages < 1:
+                raise PlanError(f"Constraints(pipeline_stages={stages!r}): use a positive int or "
+                                "'auto'")
+            if axis is None or mesh_axes[axis] != stages:
+                raise PlanError(
+                    f"Constraints(pipeline_stages={stages}) needs a mesh axis 'stage' (or 'pipe') "
+                    f"of size {stages}; the mesh has {mesh_axes}. E.g. "
+                    f"jax.make_mesh(({stages}, 2), ('stage', 'data'))")
+            virtual = 2 if self.schedule == "interleaved" else 1
+            micro, sched, report = self.microbatches or stages, self.schedule or "1f1b", ""
+        stage_of = stage_layers([(v.name, v.shape) for v in graph.variables], stages, virtual)
+        return stages, micro, sched, virtual, report, stage_of
+
+    def _auto_pipeline(self, graph: Graph, mesh_axes: dict[str, int], axis: str):
+        """The runtime-restricted stage DP's choice and its report."""
+        import math
+
+        from nnscaler_jax.cost.model import CostModel
+        from nnscaler_jax.ir.graph import Role
+        from nnscaler_jax.search.pipeline_dp import layer_units, runtime_choices
+
+        S = mesh_axes[axis]
+        data = [a for a in mesh_axes if a != axis]
+        dp = math.prod(mesh_axes[a] for a in data)
+        batch = next((t.shape[0] for t in graph.inputs if t.role is Role.INPUT and t.shape), 1)
+        model = CostModel.for_axes(mesh_axes)
+        units = layer_units(graph, batch=batch, model=model)
+        budget = self.max_memory_per_device
+        link = model.mesh.link
+        rows = runtime_choices(units, S, dp, batch, budget, microbatches=self.microbatches,
+                               schedule=self.schedule, stage_link=link(axis),
+                               data_link=link(data[0]) if data else link(axis))
+        best = rows[0]
+        if not best.fits:
+            low = min(max(r.memory_bytes) for r in rows)
+            raise PlanError(
+                f"Constraints(pipeline_stages='auto', max_memory_per_device={budget}): no "
+                f"schedule x micro-batch count fits {budget / 2**20:.2f} MiB per device on "
+                f"{S} stages x {dp} data-parallel; the smallest estimate is "
+                f"{low / 2**20:.2f} MiB. Use more stages or devices, a smaller batch, or more "
+                "memory")
+        head = (f"stage DP (runtime: {len(units) - 2} layers in equal chunks over {S} stages x "
+                f"{dp} data-parallel, batch {batch}"
+                + (f", budget {budget / 2**20:.2f} MiB" if budget else "") + "): chose "
+                f"{best.schedule} x {best.microbatches} micro-batches of {best.microbatch_size}, "
+                f"predicted {best.step_time_s * 1e3:.3f} ms/step (bubble "
+                f"{best.bubble_s * 1e3:.3f} ms), peak {max(best.memory_bytes) / 2**20:.2f} MiB")
+        table = [(f"  {'schedule':<14} {'M':>4} x mb   {'step ms':>10} {'bubble ms':>9} "
+                  f"{'MiB/device':>10}")] + [f"  {r.row()}" for r in rows[:8]]
+        if len(rows) > 8:
+            table.append(f"  ... {len(rows) - 8} more")
+        return best, "\n".join([head] + table)
 
     def apply_pipeline(self, plan, graph: Graph, mesh_axes: dict[str, int]):
         """Record stages, schedule and the layer -> stage assignment on the plan."""
         if self.pipeline_stages in (None, 1):
             return plan
-        stage_of = self._stage_of(graph, mesh_axes)
-        return replace(plan, stages=int(self.pipeline_stages),
-                       microbatches=int(self.microbatches or self.pipeline_stages),
-                       schedule=self.schedule or "1f1b",
-                       virtual=2 if self.schedule == "interleaved" else 1, stage_of=stage_of)
+        stages, micro, sched, virtual, report, stage_of = self._pipeline(graph, mesh_axes)
+        if stages == 1:
+            return plan
+        return replace(plan, stages=stages, microbatches=micro, schedule=sched,
+                       virtual=virtual, stage_of=stage_of, pipeline_report=report)
 
     def apply_zero(self, plan, graph: Graph, mesh_axes: dict[str, int]):
         """Record the ZeRO stage on the plan (stage 3 also shards variable storage)."""

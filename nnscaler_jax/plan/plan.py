@@ -73,6 +73,8 @@ class Plan:
         stages: pipeline stages along the mesh's ``stage``/``pipe`` axis (1: no pipeline).
         microbatches / schedule / virtual: the pipeline schedule (see ``plan/schedule.py``).
         stage_of: ``(layer module path, stage)`` pairs (op_assign of layers to stages).
+        pipeline_report: why these pipeline settings (``pipeline_stages="auto"``: the stage
+            DP's predicted step time and memory per candidate schedule / micro-batch count).
     """
 
     mesh: tuple[tuple[str, int], ...]
@@ -88,6 +90,7 @@ class Plan:
     schedule: str = ""
     virtual: int = 1
     stage_of: tuple[tuple[str, int], ...] = ()
+    pipeline_report: str = ""
 
     def op_plan(self, op_id: int) -> OpPlan | None:
         return self._by_id().get(op_id)
@@ -127,6 +130,8 @@ class Plan:
                          f"schedule {self.schedule}" + (f" x {self.virtual} virtual"
                                                         if self.virtual > 1 else ""))
             lines += [f"  stage {st}: {', '.join(ns)}" for st, ns in sorted(by.items())]
+            if self.pipeline_report:
+                lines += self.pipeline_report.splitlines()
         if self.cost:
             c = self.cost
             lines.append(f"estimate: step {c.step_time_s * 1e3:.3f} ms, memory/device "
@@ -158,6 +163,8 @@ class Plan:
             d["pipeline"] = {"stages": self.stages, "microbatches": self.microbatches,
                              "schedule": self.schedule, "virtual": self.virtual,
                              "stage_of": [list(x) for x in self.stage_of]}
+            if self.pipeline_report:
+                d["pipeline"]["report"] = self.pipeline_report
         return json.dumps(d, indent=1, sort_keys=True)
 
     @classmethod
@@ -196,6 +203,7 @@ class Plan:
                 schedule=str(pipe.get("schedule", "")),
                 virtual=int(pipe.get("virtual", 1)),
                 stage_of=tuple((str(n), int(st)) for n, st in pipe.get("stage_of", ())),
+                pipeline_report=str(pipe.get("report", "")),
             )
         except (ValueError, KeyError, TypeError, IndexError) as e:
             raise PlanError(f"not a valid plan JSON ({type(e).__name__}: {e}); write it with "

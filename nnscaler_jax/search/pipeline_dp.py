@@ -29,13 +29,24 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nnscaler_jax.cost.comm import LinkCost, all_reduce_time
+from nnscaler_jax.cost.comm import LinkCost, all_reduce_time, ppermute_time
 from nnscaler_jax.cost.model import CostModel, DeviceSpec, itemsize
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Graph
 
-__all__ = ["Unit", "StagePlan", "layer_units", "search_stages", "evaluate", "H100", "NVLINK",
-           "INFINIBAND"]
+__all__ = [
+    "H100",
+    "INFINIBAND",
+    "NVLINK",
+    "RuntimeChoice",
+    "StagePlan",
+    "Unit",
+    "evaluate",
+    "layer_units",
+    "runtime_choices",
+    "runtime_time",
+    "search_stages",
+]
 
 H100 = DeviceSpec("H100-80G", flops=990e12, flops_fp32=67e12, memory_bytes=80 * 2**30,
                   bandwidth=3.35e12, efficiency=0.8)
@@ -77,7 +88,6 @@ def layer_units(graph: Graph, batch: int = 1, model: CostModel | None = None) ->
     tops = [op.module_path.split("/")[0] for op in graph.ops]
     scan = [i for i, op in enumerate(graph.ops) if op.regions and op.primitive == "scan"
             and any(t.id in var_bytes for t in op.inputs)]
-    groups: list[tuple[str, list, float]] = []   # (name, ops, param bytes)
     layer_ids = [i for i, t in enumerate(tops) if _LAYER.match(t)]
     if len(layer_ids) > 1 and not scan:
         first, last = layer_ids[0], layer_ids[-1]
@@ -150,8 +160,8 @@ class StagePlan:
     step_time_s: float
 
     def __str__(self) -> str:
-        lines = [f"{self.stages} stages x tp {self.tp} x dp {self.dp}, {self.microbatches} "
-                 f"micro-batches of {self.microbatch_size}: step {self.step_time_s:.3f} s"]
+        lines = [(f"{self.stages} stages x tp {self.tp} x dp {self.dp}, {self.microbatches} "
+                  f"micro-batches of {self.microbatch_size}: step {self.step_time_s:.3f} s")]
         for k, ((a, b), (n0, n1)) in enumerate(zip(self.bounds, self.names, strict=True)):
             lines.append(f"  stage {k}: units {a}..{b - 1} ({n0} .. {n1}), "
                          f"{self.stage_time_s[k] * 1e3:.1f} ms/micro-batch, "
@@ -287,7 +297,7 @@ def search_stages(units: list[Unit], devices: int, global_batch: int, memory_per
                 for t_max in levels:
                     if best is not None and (M - 1) * t_max >= best.step_time_s:
                         break
-                    r = _dp(pr, S, M, memory_per_device, t_max, lambda k: min(S - k, M))
+                    r = _dp(pr, S, M, memory_per_device, t_max, lambda k, S=S, M=M: min(S - k, M))
                     if r is None:
                         continue
                     plan = evaluate(units, r[1], tp, dp, M, mb, optimizer_bytes=optimizer_bytes,
@@ -300,3 +310,129 @@ def search_stages(units: list[Unit], devices: int, global_batch: int, memory_per
                         f"the smallest estimate is ~{smallest / 2**30:.1f} GiB. Use more devices, "
                         "a smaller global batch, or more memory")
     return best
+
+
+# ---- what the runtime executes: equal chunks, a schedule's step table ------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeChoice:
+    """One (schedule, micro-batches) the runtime can execute, priced by the cost model.
+
+    Attributes:
+        schedule / virtual / microbatches / microbatch_size: the configuration.
+        step_time_s: sum over the schedule's time steps of the slowest stage's work (forward,
+            or recomputed forward + backward) plus both ``ppermute``\\ s, + gradient sync.
+        bubble_s: ``step_time_s`` minus the busiest stage's work.
+        memory_bytes: per stage (params + grads + optimizer + in-flight stage inputs + one
+            chunk's activations).
+        fits: within the memory budget.
+    """
+
+    schedule: str
+    virtual: int
+    microbatches: int
+    microbatch_size: int
+    step_time_s: float
+    bubble_s: float
+    memory_bytes: tuple[float, ...]
+    fits: bool
+
+    def row(self) -> str:
+        name = self.schedule + (f" x{self.virtual}" if self.virtual > 1 else "")
+        return (f"{name:<14} {self.microbatches:>4} x {self.microbatch_size:<4} "
+                f"{self.step_time_s * 1e3:>10.3f} {self.bubble_s * 1e3:>9.3f} "
+                f"{max(self.memory_bytes) / 2**20:>10.2f}{'' if self.fits else '  over budget'}")
+
+
+def runtime_time(sched, fwd: list[float], bwd: list[float], p2p: float) -> tuple[float, float]:
+    """``(step seconds, bubble seconds)`` of a schedule's step table (``plan.schedule``).
+
+    The runtime walks the table in lock step: time step ``t`` lasts as long as the slowest
+    stage's work at ``t`` (``fwd[c]`` / ``bwd[c]`` of chunk ``c``) and then both ``ppermute``\\ s
+    (``p2p`` seconds together).
+    """
+    from nnscaler_jax.plan.schedule import timeline
+
+    S = sched.stages
+    total, busy = 0.0, [0.0] * S
+    for row in timeline(sched):
+        dur = 0.0
+        for s, st in enumerate(row):
+            if st is None:
+                continue
+            c = st.virtual * S + s
+            w = fwd[c] if st.kind == "F" else bwd[c]
+            busy[s] += w
+            dur = max(dur, w)
+        total += dur + p2p
+    return total, total - max(busy)
+
+
+def runtime_choices(units: list[Unit], stages: int, dp: int, batch: int,
+                    memory_per_device: float | None = None, *, microbatches: int | None = None,
+                    schedule: str | None = None, optimizer_bytes: float = 3.0,
+                    stage_link: LinkCost = NVLINK, data_link: LinkCost = NVLINK
+                    ) -> list[RuntimeChoice]:
+    """Every (schedule, micro-batch count) :mod:`nnscaler_jax.lower.pipeline` can run, priced.
+
+    The runtime's restrictions: ``stages x virtual`` equal contiguous chunks of the layer stack
+    (the prefix runs with chunk 0, the suffix with the last chunk; their parameters replicated
+    on every stage), stages data-parallel inside (``dp`` ways), ``batch`` split into
+    ``microbatches x dp``, interleaved only with 2 chunks per stage and micro-batches a multiple
+    of the stages. Sorted: fitting first, then by step time, then memory.
+
+    Raises:
+        PlanError: no configuration the runtime can execute (layers or batch do not divide).
+    """
+    from nnscaler_jax.plan import schedule as sch
+
+    L, n, S = len(units) - 2, len(units), stages
+    shared = (units[0].param_bytes + units[-1].param_bytes) * (1 + optimizer_bytes)
+    kinds = [(s, 2 if s == "interleaved" else 1) for s in ("1f1b", "gpipe", "interleaved")
+             if schedule in (None, s)]
+    kinds = [(s, v) for s, v in kinds if L % (S * v) == 0]
+    ms = [m for m in range(1, batch // dp + 1) if batch % (m * dp) == 0
+          and microbatches in (None, m)]
+    out: list[RuntimeChoice] = []
+    for name, V in kinds:
+        C, k = S * V, L // (S * V)
+        bounds = [(0 if c == 0 else 1 + c * k, n if c == C - 1 else 1 + (c + 1) * k)
+                  for c in range(C)]
+        for M in ms:
+            if name == "interleaved" and M % S:
+                continue
+            mb = batch // (M * dp)
+            sched = sch.build(name, S, M, V)
+            fb = [sum(u.time_s for u in units[a:b]) * mb for a, b in bounds]
+            fwd = [t / 3 for t in fb]
+            bwd = [t * 2 / 3 + f for t, f in zip(fb, fwd, strict=True)]  # + recomputed forward
+            msg = max(units[b - 1].out_bytes * mb for a, b in bounds)
+            p2p = 2 * ppermute_time(stage_link, S, msg) if S > 1 else 0.0
+            step, bubble = runtime_time(sched, fwd, bwd, p2p)
+            params = [sum(sum(u.param_bytes for u in units[max(a, 1):min(b, n - 1)])
+                          for c, (a, b) in enumerate(bounds) if c % S == s) for s in range(S)]
+            if dp > 1:
+                step += max(all_reduce_time(data_link, dp, p + shared / (1 + optimizer_bytes))
+                            for p in params)
+            step += all_reduce_time(stage_link, S, shared / (1 + optimizer_bytes)) if S > 1 \
+                else 0.0
+            peaks = sch.peak_in_flight(sched)
+            mem = []
+            for s in range(S):
+                mine = [bounds[c] for c in range(C) if c % S == s]
+                inp = max(units[max(a - 1, 0)].out_bytes * mb for a, _ in mine)
+                work = max(sum(u.act_bytes for u in units[a:b]) * mb for a, b in mine)
+                mem.append(params[s] * (1 + optimizer_bytes) + shared + peaks[s] * inp + work)
+            fits = memory_per_device is None or max(mem) <= memory_per_device
+            out.append(RuntimeChoice(name, V, M, mb, step, bubble, tuple(mem), fits))
+    if not out:
+        raise PlanError(
+            f"pipeline: no schedule the runtime can execute for {L} layers on {S} stages x {dp} "
+            f"data-parallel ways with batch {batch}"
+            + (f", microbatches={microbatches}" if microbatches else "")
+            + (f", schedule={schedule!r}" if schedule else "")
+            + f"; the layers must divide into {S} (x2 for interleaved) equal chunks and the "
+            f"batch into micro-batches x {dp}")
+    out.sort(key=lambda r: (not r.fits, r.step_time_s, max(r.memory_bytes)))
+    return out
