@@ -17,6 +17,12 @@ activations are kept only as chunk inputs, in a buffer of the schedule's in-flig
 nothing; activations and cotangents move to the neighbours with ``lax.ppermute`` after every step.
 Gradients are accumulated over micro-batches (loss = mean over micro-batches), averaged over the
 data-parallel axes, and the optax update runs in the same jitted step.
+
+Tensor parallelism inside stages (a policy other than ``'dp'``, e.g. ``'megatron'``): the mesh
+axes not named like data axes (e.g. ``'model'``) are left out of the manual axes of the
+``shard_map`` (partial-manual, GSPMD inside) and the chunks run the in-stage plan as sharding
+constraints, with layer parameters stored split as that plan says
+(:mod:`nnscaler_jax.lower.pipeline_tp`, which also says why this and not a fully manual body).
 """
 
 from __future__ import annotations
@@ -30,15 +36,24 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jcore
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from nnscaler_jax.capture.flax import path_str
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.lower.pipeline_split import Split, _eval, split_program
+from nnscaler_jax.lower.pipeline_tp import StagePlan, plan_in_stage, tensor_axes
+from nnscaler_jax.lower.replay import auto_view
 from nnscaler_jax.plan import schedule as sch
 
-__all__ = ["STAGE_AXES", "Split", "split_program", "PipelineProgram", "PipelineStep",
-           "stage_axis"]
+__all__ = [
+    "STAGE_AXES",
+    "PipelineProgram",
+    "PipelineStep",
+    "Split",
+    "split_program",
+    "stage_axis",
+]
 
 STAGE_AXES = ("stage", "pipe")
 
@@ -82,7 +97,7 @@ class _Tables:
 def _tables(sched: sch.Schedule) -> _Tables:
     table = sch.timeline(sched)
     T, S, C = len(table), sched.stages, sched.chunks
-    z = lambda fill=0: np.full((T, S), fill, np.int32)  # noqa: E731
+    z = lambda fill=0: np.full((T, S), fill, np.int32)
     kind, mb, virt, in_slot, g_slot, rf, rb = z(), z(), z(), z(), z(), z(-1), z(-1)
     free_in: list[list[int]] = [[] for _ in range(S)]
     free_g: list[list[int]] = [[] for _ in range(S)]
@@ -135,14 +150,18 @@ class PipelineProgram:
     """
 
     def __init__(self, module: Any, loss_fn: Callable, mesh: Any, sched: sch.Schedule,
-                 params: Any, batch: tuple):
+                 params: Any, batch: tuple, *, policy: Any = None, rules: tuple = ()):
         self.module, self.loss_fn, self.mesh, self.schedule = module, loss_fn, mesh, sched
         axes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
         self.axis = stage_axis(axes)
         if axes[self.axis] != sched.stages:
             raise PlanError(f"schedule has {sched.stages} stages but mesh axis '{self.axis}' has "
                             f"{axes[self.axis]} devices; use pipeline_stages={axes[self.axis]}")
-        self.data_axes = tuple(a for a in mesh.axis_names if a != self.axis)
+        self.tp_axes = tensor_axes(axes, self.axis, policy)
+        if self.tp_axes:  # sharding constraints over the auto (tensor-parallel) axes
+            self.mesh = auto_view(mesh)
+        self.data_axes = tuple(a for a in mesh.axis_names
+                               if a != self.axis and a not in self.tp_axes)
         self.dp = int(np.prod([axes[a] for a in self.data_axes], dtype=np.int64))
         M = sched.microbatches
         B = jax.tree.leaves(batch)[0].shape[0]
@@ -166,6 +185,12 @@ class PipelineProgram:
         abstract = [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for _, x in flat]
         closed = jax.make_jaxpr(program)(*abstract, *jax.tree.leaves(mb_batch))
         self.split = split_program(closed, paths, type(module).__name__)
+        self.stage_plan: StagePlan | None = None
+        self._eval = _eval
+        if self.tp_axes:
+            self.stage_plan = plan_in_stage(closed, paths, n_params, mesh, self.axis, policy,
+                                            root=type(module).__name__, rules=rules)
+            self._eval = self.stage_plan.evaluate
         C, L = sched.chunks, self.split.n_layers
         if L % C:
             raise PlanError(f"{L} layers do not split into {sched.stages} stages x "
@@ -178,7 +203,8 @@ class PipelineProgram:
 
     def to_pipeline(self, params: Any) -> dict:
         """Module params -> ``{'shared': [...], 'layers': [...]}`` placed on the mesh."""
-        rep, st = self.shardings()
+        rep, _ = self.shardings()
+        shared_sh, layer_sh = self.leaf_shardings()
         leaves = [jax.device_put(x, rep) for x in jax.tree.leaves(params)]
         S, V, K = self.schedule.stages, self.schedule.virtual, self.per_chunk
         split = self.split
@@ -191,8 +217,10 @@ class PipelineProgram:
                 x = jnp.stack([leaves[lv[k]] for lv in split.layer_leaves])
             x = x.reshape((V, S, K) + x.shape[1:]).swapaxes(0, 1)  # chunk c = v * S + s
             layers.append(x)
-        return {"shared": [jax.device_put(x, rep, may_alias=False) for x in shared],
-                "layers": [jax.device_put(x, st) for x in layers]}
+        return {"shared": [jax.device_put(x, sh, may_alias=False)
+                           for x, sh in zip(shared, shared_sh, strict=True)],
+                "layers": [jax.device_put(x, sh) for x, sh in zip(layers, layer_sh,
+                                                                   strict=True)]}
 
     def from_pipeline(self, pp: dict) -> Any:
         """The inverse of :meth:`to_pipeline` (a module params tree)."""
@@ -212,7 +240,22 @@ class PipelineProgram:
         return jax.tree.unflatten(self.params_tree, leaves)
 
     def shardings(self) -> tuple[NamedSharding, NamedSharding]:
+        """Replicated, and split over the stage axis (leading dim)."""
         return NamedSharding(self.mesh, P()), NamedSharding(self.mesh, P(self.axis))
+
+    def leaf_shardings(self) -> tuple[list[NamedSharding], list[NamedSharding]]:
+        """Storage of the ``shared`` and ``layers`` leaves: replicated / over the stage axis,
+        and over the tensor-parallel axes as the in-stage plan stores the variables."""
+        sp, split = self.stage_plan, self.split
+        if sp is None:
+            rep, st = self.shardings()
+            return [rep] * len(split.shared), [st] * len(split.layer_leaves[0])
+        shared = [NamedSharding(self.mesh, P(*sp.var_specs[j])) for j in split.shared]
+        layers = []
+        for j, v in zip(split.layer_leaves[0], split.layer_params, strict=True):
+            spec = sp.layer_spec(j, v, split.stacked)
+            layers.append(NamedSharding(self.mesh, P(self.axis, None, None, *spec)))
+        return shared, layers
 
     # ---- the step ----------------------------------------------------------------------------
 
@@ -228,7 +271,7 @@ class PipelineProgram:
 
         def pre():
             env = dict(base)
-            _eval(sp.pre, env)
+            self._eval(sp.pre, env)
             return env[sp.x0]
 
         x = lax.cond(c == 0, pre, lambda: x_in)
@@ -239,7 +282,7 @@ class PipelineProgram:
                 env[tv] = ov.val if isinstance(ov, jcore.Literal) else base[ov]
             env[sp.layer_x] = x
             env.update(zip(sp.layer_params, p, strict=True))
-            _eval(sp.layer_eqns, env)
+            self._eval(sp.layer_eqns, env)
             return env[sp.layer_y], None
 
         x, _ = lax.scan(layer, x, layer_p)
@@ -247,7 +290,7 @@ class PipelineProgram:
         def post():
             env = dict(base)
             env[sp.xl] = x
-            _eval(sp.post, env)
+            self._eval(sp.post, env)
             (out,) = cj.jaxpr.outvars
             return jnp.asarray(out.val if isinstance(out, jcore.Literal) else env[out],
                                jnp.float32)
@@ -267,7 +310,7 @@ class PipelineProgram:
         T = tb.kind.shape[0]
         tabs = [jnp.asarray(a) for a in (tb.kind, tb.mb, tb.virt, tb.in_slot, tb.g_slot,
                                          tb.rf_slot, tb.rb_slot)]
-        zeros_like = lambda t: [jnp.zeros_like(x) for x in t]  # noqa: E731
+        zeros_like = lambda t: [jnp.zeros_like(x) for x in t]
 
         def body(t, carry):
             inbuf, gbuf, g_layers, g_shared, loss_acc = carry
@@ -285,7 +328,7 @@ class PipelineProgram:
                 return y, zx, zeros_like(p_c), zeros_like(shared), loss / M
 
             def bwd():
-                f = lambda p, sh, x: self._chunk(c, p, sh, x, bm)  # noqa: E731
+                f = lambda p, sh, x: self._chunk(c, p, sh, x, bm)
                 _, vjp = jax.vjp(f, p_c, shared, x_in)
                 last = c == C - 1
                 gy = jnp.where(last, jnp.zeros_like(zx), gbuf[gsl])
@@ -323,14 +366,28 @@ class PipelineProgram:
         shared_spec = [P()] * len(pp["shared"])
         layer_spec = [P(self.axis)] * len(pp["layers"])
         batch_spec = [P(None, data)] * len(shaped)
+        # Tensor parallelism: manual over the stage and data axes only, the TP axes stay auto.
+        manual = {"axis_names": {self.axis, *self.data_axes}} if self.tp_axes else {}
         fn = jax.shard_map(self._local, mesh=self.mesh,
                            in_specs=(shared_spec, layer_spec, batch_spec),
-                           out_specs=(P(), shared_spec, layer_spec), check_vma=False)
-        place = lambda xs, specs: [_place(x, NamedSharding(self.mesh, sp))  # noqa: E731
-                                   for x, sp in zip(xs, specs, strict=True)]
-        loss, gs, gl = fn(place(pp["shared"], shared_spec), place(pp["layers"], layer_spec),
-                          place(shaped, batch_spec))
+                           out_specs=(P(), shared_spec, layer_spec), check_vma=False, **manual)
+        shared_sh, layer_sh = self.leaf_shardings()
+        place = lambda xs, shs: [_place(x, sh)
+                                 for x, sh in zip(xs, shs, strict=True)]
+        batch_sh = [NamedSharding(self.mesh, sp) for sp in batch_spec]
+        loss, gs, gl = fn(place(pp["shared"], shared_sh), place(pp["layers"], layer_sh),
+                          place(shaped, batch_sh))
+        if self.tp_axes:
+            gs, gl = place(gs, shared_sh), place(gl, layer_sh)
         return loss, {"shared": gs, "layers": gl}
+
+    def _store(self, pp: dict) -> dict:
+        """``pp`` laid out as stored (TP: keeps the updated params' layout across steps)."""
+        if not self.tp_axes:
+            return pp
+        shared_sh, layer_sh = self.leaf_shardings()
+        return {"shared": [_place(x, sh) for x, sh in zip(pp["shared"], shared_sh, strict=True)],
+                "layers": [_place(x, sh) for x, sh in zip(pp["layers"], layer_sh, strict=True)]}
 
     def train_step(self, optimizer: Any, *, return_grads: bool = False) -> Callable:
         """A jitted ``step(state, batch) -> (state, metrics)`` with
@@ -342,7 +399,7 @@ class PipelineProgram:
         def step(state, batch):
             loss, g = self.grads(state["params"], tuple(batch))
             updates, opt_state = optimizer.update(g, state["opt_state"], state["params"])
-            params = optax.apply_updates(state["params"], updates)
+            params = self._store(optax.apply_updates(state["params"], updates))
             metrics = {"loss": loss, "grad_norm": optax.global_norm(g)}
             if return_grads:
                 metrics["grads"] = g
@@ -373,8 +430,11 @@ class PipelineStep:
     """``pm.train_step(loss_fn, optimizer)``: a pipelined training step for a wrapped module.
 
     The wrapper's ``Constraints(pipeline_stages=S, microbatches=M, schedule=...)`` pick the
-    stages (along the mesh's ``stage``/``pipe`` axis) and the schedule; the other mesh axes are
-    data-parallel inside each stage.
+    stages (along the mesh's ``stage``/``pipe`` axis) and the schedule. With ``policy=None`` /
+    ``'dp'`` the other mesh axes are data-parallel inside each stage; with another policy
+    (``'megatron'``, ``'auto'``, a function) the axes named like data axes stay data-parallel and
+    the rest (e.g. ``'model'``) are tensor-parallel as the policy plans one micro-batch
+    (:attr:`stage_plan`).
 
     >>> # step = pm.train_step(models_loss_fn, optax.adam(1e-3))
     >>> # state = step.init(variables, tokens)        # params in the pipeline layout
@@ -387,6 +447,13 @@ class PipelineStep:
             ``step.jitted.lower(state, batch).compile().memory_analysis()``.
     """
 
+    @property
+    def stage_plan(self) -> Any:
+        """The in-stage :class:`~nnscaler_jax.plan.plan.Plan` (tensor-parallel axes only) of one
+        micro-batch, or None when stages are data-parallel inside (after :meth:`init`)."""
+        sp = self.program.stage_plan if self.program is not None else None
+        return sp.plan if sp is not None else None
+
     def __init__(self, pm: Any, loss_fn: Callable, optimizer: Any, *, return_grads: bool = False):
         c = pm.constraints
         if c is None or c.pipeline_stages in (None, 1):
@@ -394,10 +461,6 @@ class PipelineStep:
                             "auto_parallel(mesh, Constraints(pipeline_stages=4, microbatches=8, "
                             "schedule='1f1b')); without stages use pm.apply inside your own "
                             "jax.jit(jax.grad(...))")
-        if pm.policy not in (None, "dp"):
-            raise PlanError(f"train_step: policy {pm.policy!r} inside pipeline stages is not "
-                            "supported yet (stages are data-parallel inside); use policy=None or "
-                            "'dp'")
         self.pm, self.loss_fn, self.optimizer = pm, loss_fn, optimizer
         self.return_grads = return_grads
         self.program: PipelineProgram | None = None
@@ -405,14 +468,15 @@ class PipelineStep:
 
     def init(self, variables: Any, *batch: Any) -> dict:
         """Plan, build the program for ``batch``'s shapes and lay out the training state."""
-        params = variables["params"] if "params" in variables else variables
+        params = variables.get("params", variables)
         if self.pm.policy is None:
             self.pm.policy = "dp"
         self.pm.make_plan(*batch, variables={"params": params})   # checks + records stages
         plan = self.pm.plan
         sched = sch.build(plan.schedule, plan.stages, plan.microbatches, plan.virtual)
         self.program = PipelineProgram(self.pm.module, self.loss_fn, self.pm.mesh, sched, params,
-                                       tuple(batch))
+                                       tuple(batch), policy=self.pm.policy,
+                                       rules=self.pm.constraints.rules)
         self.jitted = self.program.train_step(self.optimizer, return_grads=self.return_grads)
         return self.program.init_state(params, self.optimizer)
 
