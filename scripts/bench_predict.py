@@ -92,7 +92,7 @@ def hlo_n_bytes(cols, mesh) -> tuple[int, float, Counter]:
 
 def plan_wire_bytes(cm: CostModel, plan, graph) -> float:
     """Wire bytes (sent per device) of the plan's collectives: ``plan_cost``'s own walk with each
-    path's time replaced by its wire bytes (so multiplicities and ZeRO-3 re-gathers count)."""
+    path's time replaced by its wire bytes (so multiplicities count)."""
     from nnscaler_jax.cost import model as cmod
     from nnscaler_jax.layout import comm_path
 
@@ -209,21 +209,23 @@ def reasons(r: dict) -> list[str]:
         out.append(
             f"memory: activations+transient predicted {act} B vs XLA temp {xm['temp']} B "
             f"(params {bd['params']} vs argument {xm['argument']}, grads {bd['grads']} vs output "
-            f"{xm['output']}); the plan keeps every non-free op output for the backward while "
-            "XLA fuses elementwise chains (GELU / LayerNorm / softmax pieces, BatchNorm + ReLU) "
-            "and keeps only their inputs; no accounting bug, a conservative activation model")
+            f"{xm['output']}); " + (
+                "the model keeps autodiff's residuals after XLA-style fusion "
+                "(nnscaler_jax/cost/residuals.py) plus the largest op output and the gradient "
+                "reduction buffer; XLA's buffer assignment also holds several activation "
+                "gradients and fusion outputs live at once in the backward (BatchNorm's "
+                "normalised values, ReLU masks), which the model does not simulate"
+                if act < xm["temp"] else
+                "the model adds the largest op output and the whole gradient-reduction buffer "
+                "on top of the residuals; XLA's buffer assignment overlaps them (reuses "
+                "residual buffers once their backward consumer ran)"))
     if flag(r["comm_ratio"], COMM_TOL) == "OFF":
         wr = r.get("comm_wire_ratio")
         msg = (f"comm: plan n {r['comm_pred_n']} vs HLO n {r['comm_hlo_n']}; wire bytes "
                f"{r['comm_pred_wire']:.0f} vs {r['comm_hlo_wire']:.0f} "
                f"(ratio {wr:.3f})" if wr else f"comm: plan n {r['comm_pred_n']} vs HLO n "
                f"{r['comm_hlo_n']}")
-        if r["zero"] >= 3:
-            msg += ("; ZeRO-3 is priced as DeepSpeed's all-gather (fwd) + re-gather (bwd) + "
-                    "reduce-scatter = 3 Psi in n, XLA keeps the gathered weights for the "
-                    "backward and reduces gradients by all-reduce + slice (2 Psi in n); in wire "
-                    "bytes the two agree")
-        elif wr and abs(wr - 1) <= COMM_TOL:
+        if wr and abs(wr - 1) <= COMM_TOL:
             msg += ("; the plan and XLA pick different collectives (n conventions differ per "
                     "kind) but send the same bytes")
         note = NOTES.get((r["model"], r["policy"]))

@@ -1,8 +1,9 @@
 """Compute cost of one op: FLOPs and bytes from shapes, a roofline against a device.
 
-- ``dot_general`` / ``conv_general_dilated``: ``2 x prod(annotated dim sizes)`` FLOPs (x the
-  window for convolutions), on the matrix units at the operand dtype's peak; backward is one
-  forward-sized matmul per operand that needs a gradient (2x forward when both do).
+- ``dot_general``: ``2 x prod(annotated dim sizes)`` FLOPs; ``conv_general_dilated``: ``2 x
+  output elements x window x input features per group``; both on the matrix units at the
+  operand dtype's peak; backward is one forward-sized matmul per operand that needs a gradient
+  (2x forward when both do).
 - Everything else: one FLOP per output element on the vector units; in practice bound by memory
   traffic (inputs + outputs); backward about 1x forward.
 - Pure layout ops (``reshape``, ``squeeze``, ``expand_dims``, ``broadcast_in_dim``) are free:
@@ -65,17 +66,24 @@ def op_flops(op: Op) -> float:
     if op.regions:
         body = sum(op_flops(o) for g in op.regions for o in g.ops)
         return body * region_length(op)
+    if op.primitive == "conv_general_dilated":
+        return _conv_flops(op)
     if op.primitive in MATMUL and op.annotated:
         sizes = op.annotation.bind([t.shape for t in op.inputs], [t.shape for t in op.outputs])
-        flops = 2.0 * math.prod(sizes.values())
-        if op.primitive == "conv_general_dilated":  # window dims are not in the annotation
-            spec = op.params.get("dimension_numbers")
-            if spec is not None:
-                flops *= math.prod(op.inputs[1].shape[i] for i in spec.rhs_spec[2:])
-        return flops
+        return 2.0 * math.prod(sizes.values())
     if op.primitive in FREE:
         return 0.0
     return float(sum(numel(t) for t in op.outputs))
+
+
+def _conv_flops(op: Op) -> float:
+    """``2 x output elements x (kernel elements / output features)``: every output element is
+    one dot product over a window of its group's input features (grouped and batch-grouped
+    convolutions included: their kernel holds only one group's input features)."""
+    out, kernel = op.outputs[0], op.inputs[1]
+    spec = op.params.get("dimension_numbers")
+    o_dim = spec.rhs_spec[0] if spec is not None else 0
+    return 2.0 * numel(out) * numel(kernel) / kernel.shape[o_dim]
 
 
 def op_bytes(op: Op) -> float:

@@ -24,18 +24,25 @@ the tensor's layout to the layout its consumer needs plus, for tensors that need
 (computed from trainable variables; example inputs only with ``input_grads``), the backward path of
 the gradient (reduced once per tensor and gradient layout). Weights start from their storage
 layout, so data parallelism costs one all-reduce per weight and ZeRO-3 an all-gather in the
-forward, another in the backward and a reduce-scatter (3 Psi against DP's 2 Psi).
+forward and a reduce-scatter of the gradient (2 Psi, like DP's all-reduce): XLA keeps the
+gathered weight for the backward rather than gathering it again (DeepSpeed's 3 Psi), so the
+gathered weights count as kept activations.
 
 Memory per device for a training step (ZeRO as in DeepSpeed, over each weight's data-parallel
 axes: the mesh axes its consumers split while it is replicated on them)::
 
-    params + grads + optimizer state + activations kept for backward + largest transient
+    params + grads + optimizer state + activations kept for backward + transient
+
+(transient: the largest op output, plus the local gradients of the weights that are reduced
+across devices, which XLA reduces in one combined collective from a buffer of their own).
 
 With ``param_bytes=2, grad_bytes=2, optimizer_bytes=12`` (bf16 weights, fp32 master + Adam moments)
 and ``Psi`` parameters on ``N`` data-parallel devices this is DeepSpeed's table: DP ``16 Psi``,
 ZeRO-1 ``4 Psi + 12 Psi / N``, ZeRO-2 ``2 Psi + 14 Psi / N``, ZeRO-3 ``16 Psi / N``.
-Activations: every op output of the forward is kept, except inside remat (``checkpoint``)
-boundaries, which keep only their inputs and recompute the rest (one more forward of those ops in
+Activations: the forward values the backward reads, after XLA's fusion
+(:mod:`nnscaler_jax.cost.residuals`: what each primitive's transpose needs, traced back through
+cheap elementwise and layout ops to the values XLA materialises), except inside remat
+(``checkpoint``) boundaries, which keep only their inputs and recompute the rest (one more forward of those ops in
 the compute time; the largest such block is transient during the backward). Ops inside a ``scan``
 body count ``length`` times (compute, communication and kept activations).
 """
@@ -51,7 +58,6 @@ from nnscaler_jax.cost.comm import (
     DEFAULT_LINK,
     LinkCost,
     MeshSpec,
-    all_gather_time,
     all_reduce_time,
     reduce_scatter_time,
 )
@@ -69,6 +75,7 @@ from nnscaler_jax.cost.compute import (
 )
 from nnscaler_jax.cost.devices import CPU, ClusterSpec, DeviceSpec
 from nnscaler_jax.cost.profile import ProfileDB
+from nnscaler_jax.cost.residuals import residual_outputs
 from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout, comm_path
 from nnscaler_jax.plan.layouts import op_layouts
@@ -240,8 +247,9 @@ class CostModel:
         """Seconds to reduce ``v``'s gradient over the axes its consumer splits but ``v`` not.
 
         ``layout`` is the layout the consumer reads ``v`` in. Weights under ZeRO-3 pay a
-        reduce-scatter and the re-gather of the weight for the backward; everything else an
-        all-reduce (ZeRO-1/2's reduce-scatter + all-gather of the updated shard costs the same).
+        reduce-scatter (their forward all-gather is the edge's; XLA keeps the gathered weight
+        for the backward instead of gathering it again); everything else an all-reduce
+        (ZeRO-1/2's reduce-scatter + all-gather of the updated shard costs the same).
         """
         if not self._needs_grad(v):
             return 0.0
@@ -250,7 +258,7 @@ class CostModel:
         for a in self._sync_axes(layout, split):
             link, p = self.mesh.link(a), self.mesh.size(a)
             if v.role is Role.VARIABLE and self.zero >= 3:
-                out += reduce_scatter_time(link, p, n) + all_gather_time(link, p, n)
+                out += reduce_scatter_time(link, p, n)
             else:
                 out += all_reduce_time(link, p, n)
         return out
@@ -259,18 +267,23 @@ class CostModel:
         """Bytes (the ``n`` of the collectives) of :meth:`grad_sync_time`."""
         if not self._needs_grad(v):
             return 0
-        per = 2 if v.role is Role.VARIABLE and self.zero >= 3 else 1
-        return self._local_bytes(v, layout) * per * len(self._sync_axes(layout, split))
+        return self._local_bytes(v, layout) * len(self._sync_axes(layout, split))
 
     # ---- memory --------------------------------------------------------------------------------
 
-    def activation_bytes(self, op: Op, split: Split) -> int:
-        """Bytes of ``op``'s outputs on one device (kept for the backward pass; partial sums
-        keep their full shape; free layout ops and region ops hold none of their own)."""
-        if op.primitive in FREE or op.regions:
+    def activation_bytes(self, op: Op, split: Split, outputs: tuple[int, ...] | None = None) -> int:
+        """Bytes of ``op``'s outputs on one device kept for the backward pass (partial sums keep
+        their full shape; free layout ops and region ops hold none of their own).
+
+        Args:
+            outputs: the indices of the outputs that are kept, from
+                :func:`nnscaler_jax.cost.residuals.residual_outputs` (default: all of them).
+        """
+        if op.primitive in FREE or op.regions or outputs == ():
             return 0
         _, outs = op_layouts(op, OpPlan(op.id, op.primitive, op.module_path, split))
-        return int(sum(self._local_bytes(t, lay) for t, lay in zip(op.outputs, outs, strict=True)))
+        keep = range(len(op.outputs)) if outputs is None else outputs
+        return int(sum(self._local_bytes(op.outputs[k], outs[k]) for k in keep))
 
     def state_bytes(self, v: Tensor, layout: Layout, dp_axes: tuple[str, ...] = (),
                     zero: int | None = None) -> tuple[float, float, float]:
@@ -429,6 +442,7 @@ def _analyze(model: CostModel, plan: Plan, graph: Graph) -> _Analysis:
     mesh = model.mesh
     plans = plan._by_id()
     grads = _grad_tensors(model, graph)
+    saved = residual_outputs(graph, grads if model.input_grads else None)
     kinds = _boundary_kinds(graph)
     layout: dict[int, Layout] = {}
     for t in graph.inputs:
@@ -468,8 +482,8 @@ def _analyze(model: CostModel, plan: Plan, graph: Graph) -> _Analysis:
             remat_inputs.setdefault(remat[0], mult)
             remat_sum[remat[0]] = remat_sum.get(remat[0], 0.0) + local * mult
         elif op.primitive not in FREE:
-            for t, lay in zip(op.outputs, outs, strict=True):
-                kept[t.id] = model._local_bytes(t, lay) * mult
+            for k in saved.get(op.id, ()):
+                kept[op.outputs[k].id] = model._local_bytes(op.outputs[k], outs[k]) * mult
     for b, mult in remat_inputs.items():
         for t in kinds[b][1]:
             if t.role in (Role.VALUE, Role.INPUT) and t.id in layout:
@@ -501,24 +515,29 @@ def _analyze(model: CostModel, plan: Plan, graph: Graph) -> _Analysis:
 
     # communication: forward paths, then each gradient reduced once per (tensor, layout)
     backward: dict[tuple[int, Layout], tuple[Tensor, Layout, int]] = {}
+    gathered: dict[int, int] = {}
     for e in edges:
         t, size = e.tensor, itemsize(e.tensor)
         src = store.get(t.id, e.have)
         if src != e.want:
             ft, fb = _path(src, e.want, t.shape, size, mesh)
-            again = 2 if t.id in var_ids and zero >= 3 and t.id in grads else 1  # re-gather
-            out.comm_time += ft * e.mult * again
-            out.comm_bytes += fb * e.mult * again
-            if t.id in var_ids and zero >= 3:
-                out.transient = max(out.transient, model._local_bytes(t, e.want))
+            out.comm_time += ft * e.mult
+            out.comm_bytes += fb * e.mult
+            if t.id in var_ids and zero >= 3:  # the gathered weight stays for the backward
+                gathered[t.id] = max(gathered.get(t.id, 0), model._local_bytes(t, e.want))
         if t.id in grads and not e.region:
             g = _grad_source(e.want, e.split)
             backward.setdefault((t.id, g), (t, _drop_partial(src), e.mult))
+    synced: dict[int, int] = {}
     for (_, g), (t, dst, mult) in backward.items():
         if g != dst:
             bt, bb = _path(g, dst, t.shape, itemsize(t), mesh)
             out.comm_time += bt * mult
             out.comm_bytes += bb * mult
+            if t.id in var_ids:  # the local gradient before its reduction (one fused buffer)
+                synced[t.id] = max(synced.get(t.id, 0), model._local_bytes(t, g) * mult)
+    out.activations += sum(gathered.values())
+    out.transient += sum(synced.values())
     return out
 
 

@@ -42,14 +42,29 @@ class HloCollective:
     axes: tuple[str, ...]
 
 
+def _device_ids(spec: str | None, n: int) -> np.ndarray:
+    """Flat device ids of a ``device_ids=(...)`` clause (``[2,4]T(1,0)`` or ``0,4,1,5,...``)."""
+    if not spec:
+        return np.arange(n)
+    m = re.fullmatch(r"\s*\[([0-9,]+)\](?:T\(([0-9,]+)\))?\s*", spec)
+    if m:
+        ids = np.arange(n).reshape([int(x) for x in m.group(1).split(",")])
+        if m.group(2):
+            ids = ids.transpose([int(x) for x in m.group(2).split(",")])
+        return ids.reshape(-1)
+    return np.array([int(x) for x in re.findall(r"\d+", spec)])
+
+
 def _groups(line: str) -> list[list[int]] | None:
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
-    if m:  # replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'} (device ids in iota order)
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\((.*?)\))?\s*"
+                  r"\{([^}]*)\}", line)
+    if m:  # replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'} (device ids in iota order,
+        # or as given by device_ids=([2,4]T(1,0)): an iota reshaped and transposed, or a list)
         axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
         names = [a for a, _ in axes]
         sizes = [int(n) for _, n in axes]
-        chosen = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(2))]
-        ids = np.arange(int(np.prod(sizes))).reshape(sizes)
+        chosen = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(3))]
+        ids = _device_ids(m.group(2), int(np.prod(sizes))).reshape(sizes)
         rest = [i for i in range(len(sizes)) if i not in chosen]
         moved = ids.transpose(rest + chosen)
         width = int(np.prod([sizes[i] for i in chosen])) if chosen else 1

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nnscaler_jax.cost.model import CostModel
+from nnscaler_jax.cost.residuals import residual_outputs
 from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.plan.layouts import op_layouts
@@ -145,6 +146,7 @@ class _Builder:
         self.pairs: dict[tuple[int, int], np.ndarray] = {}
         self.memo: dict[tuple, np.ndarray] = {}
         self.remat = _remat_ops(self.graph)
+        self.saved = residual_outputs(self.graph)
         self.reshard_memo: dict[tuple, float] = {}
         self.member_memo: dict[tuple, object] = {}  # ours only: per class of identical work
         self.top_inputs = {t.id for t in self.graph.inputs}
@@ -202,7 +204,8 @@ class _Builder:
             op = self.by_id[op_id]
             if self.space.shared:  # ours: identical members (same class, splits) priced once
                 key = ("u", self.space.op_class[op_id], fg.splits[mi], self.space.weights[op_id],
-                       op_id in self.remat, tuple(t.id in self.top_inputs for t in op.inputs))
+                       op_id in self.remat, tuple(t.id in self.top_inputs for t in op.inputs),
+                       self.saved.get(op_id, ()))
                 parts = self.member_memo.get(key)
                 if parts is None:
                     parts = self.member_memo[key] = self._member_unary(op, fg.splits[mi])
@@ -226,7 +229,7 @@ class _Builder:
                 if remat and forward is not None:
                     c[i] += w * forward(op, split)
             if not remat:
-                m[i] += w * cm.activation_bytes(op, split)
+                m[i] += w * cm.activation_bytes(op, split, self.saved.get(op.id, ()))
         for k, t in enumerate(op.inputs):
             if t.id not in self.top_inputs:
                 continue

@@ -21,6 +21,7 @@ from nnscaler_jax.cost import (
 from nnscaler_jax.cost.devices import H100_80G, IB_NDR, NVLINK_H100
 from nnscaler_jax.cost.estimate import estimate
 from nnscaler_jax.cost.model import CostModel
+from nnscaler_jax.cost.residuals import residual_outputs
 from nnscaler_jax.errors import PlanError
 
 LINK = LinkCost(alpha_s=3e-6, beta_s_per_byte=1e-10)
@@ -65,17 +66,23 @@ def test_megatron_mlp_costs_two_activation_all_reduces(mlp_graph):
     assert cost.comm_time_s == pytest.approx(all_reduce_time(LINK, 4, act), rel=1e-12)
 
 
-def test_zero3_communication_is_two_gathers_and_a_reduce_scatter(mlp_graph):
+def test_zero3_communication_is_a_gather_and_a_reduce_scatter(mlp_graph):
     graph, _ = mlp_graph
     plan = _plan(graph, (4, 1), "zero3")
     assert plan.zero == 3
-    cost = _model(plan).plan_cost(plan, graph)
-    # kernels: gathered for the forward, again for the backward, gradients reduce-scattered;
-    # biases are reshaped before use, so their gradient leaves the reshape replicated: all-reduce
-    expect = sum(2 * all_gather_time(LINK, 4, v.nbytes) + (
+    model = _model(plan)
+    cost = model.plan_cost(plan, graph)
+    # kernels: gathered for the forward (and kept for the backward, as XLA does), gradients
+    # reduce-scattered; biases are reshaped before use, so their gradient leaves the reshape
+    # replicated: all-reduce
+    expect = sum(all_gather_time(LINK, 4, v.nbytes) + (
         reduce_scatter_time if v.ndim == 2 else all_reduce_time)(LINK, 4, v.nbytes)
         for v in graph.variables)
     assert cost.comm_time_s == pytest.approx(expect, rel=1e-12)
+    # the gathered weights are kept for the backward: activations grow by their full bytes
+    dp = _model(_plan(graph, (4, 1), "dp")).memory_breakdown(_plan(graph, (4, 1), "dp"), graph)
+    mem = model.memory_breakdown(plan, graph)
+    assert mem["activations"] - dp["activations"] == sum(v.nbytes for v in graph.variables)
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
@@ -244,7 +251,22 @@ def test_per_op_terms_add_up_to_the_plan(mlp_graph):
     splits = {p.op: p.split for p in plan.ops}
     ops = list(graph.walk())
     mem = model.memory_breakdown(plan, graph)
-    assert mem["activations"] == sum(model.activation_bytes(op, splits.get(op.id, ()))
-                                     for op in ops)
+    saved = residual_outputs(graph)
+    assert mem["activations"] == sum(
+        model.activation_bytes(op, splits.get(op.id, ()), saved.get(op.id, ())) for op in ops)
     assert model.plan_cost(plan, graph).compute_time_s == pytest.approx(
         sum(model.op_time(op, splits.get(op.id, ())) for op in ops))
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+def test_conv_flops_are_output_elements_times_window_times_group_features(groups):
+    """A 7x7 stride-2 conv, 32 -> 64 features (in ``groups`` groups) on 2 x 56 x 56 images:
+    2 x (2 x 28 x 28 x 64) x (7 x 7 x 32 / groups) FLOPs; the input's spatial size must not
+    enter (it did once: WRN's stem was priced 2.4 million times too high)."""
+    from nnscaler_jax.cost.compute import op_flops
+
+    conv = nn.Conv(64, (7, 7), strides=2, feature_group_count=groups, use_bias=False)
+    x = jnp.ones((2, 56, 56, 32))
+    graph = trace(conv, x)
+    (op,) = [o for o in graph.walk() if o.primitive == "conv_general_dilated"]
+    assert op_flops(op) == 2 * (2 * 28 * 28 * 64) * (7 * 7 * 32 // groups)

@@ -233,3 +233,17 @@ def test_hlo_parser_reads_combined_collectives_with_index_comments():
             "replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, to_apply=%add")
     (c,) = hlo_collectives(line, mesh)
     assert c.kind == "all_reduce" and c.axes == ("data",) and c.bytes == 6 * 16 + 16
+
+
+def test_hlo_parser_reads_mesh_groups_with_device_ids():
+    """jax 0.10 prints ``device_ids=([2,4]T(1,0))`` when the HLO mesh orders devices
+    differently from an iota (here a 5-axis mesh with the 'model' group as 'axis_3'); the
+    groups must come out over the user's 'model' axis, not as size-1 groups."""
+    mesh = make_mesh((2, 4), ("data", "model"))
+    line = ("  %all-gather.1 = f32[2,8,8,16]{3,2,1,0} all-gather(%p), channel_id=1, "
+            "replica_groups=mesh['axis_0'=1,'axis_1'=1,'axis_2'=1,'axis_3'=4,'axis_4'=2], "
+            "device_ids=([2,4]T(1,0)) {'axis_3'}, dimensions={3}, use_global_device_ids=true")
+    (c,) = hlo_collectives(line, mesh)
+    assert c.kind == "all_gather" and c.axes == ("model",) and c.bytes == 2 * 8 * 8 * 16 * 4
+    line = line.replace("{'axis_3'}", "{'axis_4'}")
+    assert hlo_collectives(line, mesh)[0].axes == ("data",)

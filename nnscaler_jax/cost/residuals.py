@@ -1,0 +1,159 @@
+"""Which forward values a training step keeps for the backward pass (the *residuals*).
+
+Two facts decide what stays in memory between the forward and the backward of one jitted step:
+
+1. **Autodiff saves only what each primitive's transpose needs** (JAX's linearize + partial
+   eval): linear ops (``add``, ``reduce_sum``, reshapes, ``concatenate``, ``gather`` of values)
+   save nothing; ``mul`` / ``dot_general`` / ``conv`` save the *other* operand of each operand
+   that needs a gradient; ``exp`` / ``tanh`` / ``logistic`` / ``sqrt`` save their output;
+   ``log`` / ``integer_pow`` / ``erf`` / ``max``... save their inputs; ``select_n`` its
+   predicate, ``gather`` / ``scatter-add`` their indices.
+2. **XLA fuses cheap elementwise producers into their backward consumers** (it duplicates cheap
+   ops across fusions but not expensive ones: ``exp``, ``log``, ``tanh``, ``div``, ``sqrt``,
+   ``erf``, ``pow``...). A residual an *elementwise* transpose reads, computed by free layout
+   ops (reshape, broadcast, transpose, convert) or cheap elementwise ops, is recomputed inside
+   the backward fusion from *its* inputs; what is materialised are the *roots*: outputs of
+   matmuls, convolutions, reductions, gathers, expensive elementwise ops — or graph inputs and
+   weights, which are held anyway. A residual a *matmul / convolution* transpose reads is an
+   operand of that matmul and is materialised itself (only bitcast reshapes fold in).
+
+:func:`residual_outputs` gives, per op, the output indices that are roots of some residual; the
+cost model keeps exactly those (``CostModel.activation_bytes``). Ops inside remat boundaries are
+handled by the cost model (their boundary's inputs are kept instead).
+
+>>> import jax.numpy as jnp, flax.linen as nn
+>>> from nnscaler_jax import trace
+>>> g = trace(nn.Dense(4), jnp.ones((2, 3)))
+>>> sorted(residual_outputs(g).values())  # the input x is saved for dW, but it is an input
+[]
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+
+from nnscaler_jax.cost.compute import MATMUL, is_float
+from nnscaler_jax.ir.graph import Graph, Op, Role
+
+__all__ = ["CHEAP", "residual_outputs", "saved_operands"]
+
+
+def _names(text: str) -> frozenset[str]:
+    return frozenset(text.split())
+
+
+#: Transposes need nothing from the forward (linear in the operands that carry gradients).
+LINEAR = _names("""
+add sub neg add_any reduce_sum broadcast_in_dim reshape transpose squeeze expand_dims
+convert_element_type concatenate pad slice rev copy copy_p reduce_precision real imag conj
+cumsum stop_gradient zeros_like name psum all_gather reduce_scatter ppermute all_to_all
+dynamic_slice dynamic_update_slice gather scatter-add scatter_add select_n iota
+""")
+
+#: Save their output (their derivative is a function of it).
+SAVE_OUTPUT = _names("exp exp2 tanh logistic sqrt cbrt")
+
+#: Save their output and their inputs.
+SAVE_BOTH = _names("rsqrt reduce_max reduce_min cummax cummin cumprod cumlogsumexp")
+
+#: Bilinear: an operand's gradient needs the other operands.
+BILINEAR = _names("mul dot_general conv_general_dilated")
+
+#: Ops XLA fuses into their consumers (duplicating them when several consumers read them), so a
+#: residual they compute is rebuilt inside the backward fusion from their inputs.
+CHEAP = _names("""
+reshape broadcast_in_dim squeeze expand_dims transpose convert_element_type copy copy_p
+reduce_precision add sub neg mul max min abs sign select_n clamp add_any eq ne lt le gt ge
+and or not xor square integer_pow floor ceil round iota stop_gradient
+""")
+
+
+#: Layout ops that are bitcasts in XLA (fold into any consumer, even a matmul operand).
+BITCAST = _names("reshape squeeze expand_dims")
+
+
+def saved_operands(op: Op, needs_grad: tuple[bool, ...]) -> tuple[list[int], list[int]]:
+    """``(input indices, output indices)`` of ``op`` its transpose reads, given which inputs
+    need a gradient (nothing when none does)."""
+    if not any(needs_grad) or op.regions:
+        return [], []
+    p = op.primitive
+    n = len(op.inputs)
+    ints = [j for j, t in enumerate(op.inputs) if not is_float(t)]  # indices, predicates
+    if p in LINEAR:
+        return ints if p in ("gather", "scatter-add", "scatter_add", "select_n",
+                             "dynamic_slice", "dynamic_update_slice") else [], []
+    if p in SAVE_OUTPUT:
+        return [], [0]
+    if p in SAVE_BOTH:
+        return [j for j in range(n) if j not in ints] + ints, [0]
+    if p in BILINEAR:
+        return sorted({j for i in range(n) if needs_grad[i] for j in range(n) if j != i}), []
+    if p == "div":  # d/dx needs y; d/dy needs x and y
+        return ([0, 1] if needs_grad[1] else [1]), []
+    return list(range(n)), []  # log, pow, erf, sin, max, sort...: their inputs
+
+
+_CACHE: dict[int, tuple[weakref.ref, dict[int, tuple[int, ...]]]] = {}
+
+
+def residual_outputs(graph: Graph, grads: set[int] | None = None) -> Mapping[int, tuple[int, ...]]:
+    """op id -> indices of its outputs materialised for the backward pass (roots of residuals,
+    see the module docstring), region bodies included. ``grads``: ids of tensors that need a
+    gradient (default: trainable-variable descendants, as ``CostModel`` computes them)."""
+    cache = grads is None
+    hit = _CACHE.get(id(graph)) if cache else None
+    if hit is not None and hit[0]() is graph:
+        return hit[1]
+    if grads is None:
+        grads = _default_grads(graph)
+    producer: dict[int, tuple[Op, int]] = {}
+    ops = list(graph.walk())
+    for op in ops:
+        for k, t in enumerate(op.outputs):
+            producer[t.id] = (op, k)
+    out: dict[int, set[int]] = {}
+    seen: set[tuple[int, frozenset[str]]] = set()
+
+    def keep(tid: int, through: frozenset[str]) -> None:
+        stack = [tid]
+        while stack:
+            t = stack.pop()
+            if (t, through) in seen:
+                continue
+            seen.add((t, through))
+            if t not in producer:
+                continue  # a graph input, weight or region body input: held anyway
+            op, k = producer[t]
+            if op.primitive in through and not op.regions:
+                stack.extend(x.id for x in op.inputs if x.ndim or not is_float(x))
+                continue
+            out.setdefault(op.id, set()).add(k)
+
+    for op in ops:
+        ins, outs = saved_operands(op, tuple(t.id in grads for t in op.inputs))
+        # a matmul / convolution transpose reads the saved operand as a matmul operand: XLA
+        # materialises it (only bitcasts fold in); elementwise transposes fuse its producers
+        through = BITCAST if op.primitive in MATMUL else CHEAP
+        for j in ins:
+            keep(op.inputs[j].id, through)
+        for k in outs:
+            keep(op.outputs[k].id, through)
+    result = {i: tuple(sorted(ks)) for i, ks in out.items()}
+    if cache:
+        _CACHE[id(graph)] = (weakref.ref(graph), result)
+    return result
+
+
+def _default_grads(graph: Graph) -> set[int]:
+    from nnscaler_jax.cost.model import TRAINABLE
+
+    grads = {t.id for t in graph.inputs if is_float(t) and t.role is Role.VARIABLE
+             and t.collection in TRAINABLE}
+    for op in graph.walk():
+        if any(t.id in grads for t in op.inputs):
+            grads.update(t.id for t in op.outputs if is_float(t))
+            for region in op.regions:
+                grads.update(t.id for t in region.inputs if is_float(t))
+    return grads
