@@ -178,6 +178,12 @@ class AutoParallel:
         rules = (self.constraints.logical_rules if self.constraints is not None else ()) or None
         return partitioning_specs(variables, rules)
 
+    def _nnx_specs(self, module: nnx.Module) -> dict:
+        """Storage specs named by ``nnx.with_partitioning`` metadata (``sharding_names``)."""
+        _, state = nnx.split(module)
+        rules = (self.constraints.logical_rules if self.constraints is not None else ()) or None
+        return partitioning_specs(state, rules)
+
     def make_plan(self, *args: Any, variables: Any = None, rngs: Any = None,
                   mutable: Any = False, **kwargs: Any) -> Plan:
         """Plan for ``apply(variables, *args)`` without running it (args may be abstract)."""
@@ -189,7 +195,8 @@ class AutoParallel:
             tr = self._linen_traceable(variables, args, kwargs, rngs, mutable)
             return self._program(tr, ("apply", _hashable(mutable), _rng_names(rngs)),
                                  self._specs(variables)).plan
-        return self._program(tr, ("apply", _hashable(mutable), _rng_names(rngs))).plan
+        return self._program(tr, ("apply", _hashable(mutable), _rng_names(rngs)),
+                             self._nnx_specs(self.module)).plan
 
     def init(self, rngs: Any, *args: Any, **kwargs: Any) -> Any:
         """``module.init`` with every leaf laid out over the mesh as the plan says.
@@ -285,7 +292,8 @@ class NnxAutoParallel(nnx.Module):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         core = self._core
         tr = nnx_traceable(self.module, args, kwargs)
-        prog = core._program(tr, ("call",))
+        specs = core._nnx_specs(self.module)
+        prog = core._program(tr, ("call",), specs)
         if not self._laid_out:
             _, state = nnx.split(self.module)
             leaves = jax.tree_util.tree_leaves(state)
@@ -294,7 +302,7 @@ class NnxAutoParallel(nnx.Module):
                 jax.tree_util.tree_structure(state), placed))
             self._laid_out = True
             tr = nnx_traceable(self.module, args, kwargs)
-        out, new_state = core._run(tr, ("call",))
+        out, new_state = core._run(tr, ("call",), specs)
         nnx.update(self.module, new_state)
         return out
 
