@@ -381,13 +381,30 @@ class PipelineProgram:
             gs, gl = place(gs, shared_sh), place(gl, layer_sh)
         return loss, {"shared": gs, "layers": gl}
 
-    def _store(self, pp: dict) -> dict:
-        """``pp`` laid out as stored (TP: keeps the updated params' layout across steps)."""
+    def _store(self, tree: Any) -> Any:
+        """``tree`` (params, or optimizer state mirroring them) laid out as stored.
+
+        TP only (an Auto mesh does not carry shardings through ``zeros_like``): every leaf whose
+        path ends like a pipeline parameter's (``['layers'][k]``) and has its shape is placed like
+        it; other leaves (step counts) replicated. Keeps the layout stable across steps.
+        """
         if not self.tp_axes:
-            return pp
+            return tree
         shared_sh, layer_sh = self.leaf_shardings()
-        return {"shared": [_place(x, sh) for x, sh in zip(pp["shared"], shared_sh, strict=True)],
-                "layers": [_place(x, sh) for x, sh in zip(pp["layers"], layer_sh, strict=True)]}
+        sp, (S, V, K) = self.split, (self.schedule.stages, self.schedule.virtual, self.per_chunk)
+        shape = lambda j: self.param_shapes[j][1:] if sp.stacked else self.param_shapes[j]
+        by_key = {("shared", i): (sh, self.param_shapes[j])
+                  for i, (j, sh) in enumerate(zip(sp.shared, shared_sh, strict=True))}
+        by_key.update({("layers", k): (sh, (S, V, K) + shape(j)) for k, (j, sh) in
+                       enumerate(zip(sp.layer_leaves[0], layer_sh, strict=True))})
+        rep, _ = self.shardings()
+
+        def place(path, x):
+            keys = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path[-2:])
+            sh, want = by_key.get(keys, (rep, None))
+            return _place(x, sh if tuple(np.shape(x)) == want else rep)
+
+        return jax.tree_util.tree_map_with_path(place, tree)
 
     def train_step(self, optimizer: Any, *, return_grads: bool = False) -> Callable:
         """A jitted ``step(state, batch) -> (state, metrics)`` with
@@ -399,6 +416,7 @@ class PipelineProgram:
         def step(state, batch):
             loss, g = self.grads(state["params"], tuple(batch))
             updates, opt_state = optimizer.update(g, state["opt_state"], state["params"])
+            opt_state = self._store(opt_state)
             params = self._store(optax.apply_updates(state["params"], updates))
             metrics = {"loss": loss, "grad_norm": optax.global_norm(g)}
             if return_grads:
@@ -423,7 +441,8 @@ class PipelineProgram:
         """``{'params': to_pipeline(params), 'opt_state': optimizer.init(...)}``."""
         pp = self.to_pipeline(params)
         with jax.set_mesh(self.mesh):
-            return {"params": pp, "opt_state": jax.jit(optimizer.init)(pp)}
+            return {"params": pp,
+                    "opt_state": jax.jit(lambda p: self._store(optimizer.init(p)))(pp)}
 
 
 class PipelineStep:

@@ -95,7 +95,9 @@ def test_tensor_parallel_stages_match_single_device(preset, shape, names, schedu
     q = next(k for k, j in enumerate(prog.split.layer_leaves[0])
              if "query" in jax.tree_util.keystr(paths[j]) and
              "kernel" in jax.tree_util.keystr(paths[j]))
-    for x in (state["params"]["layers"][q], metrics["grads"]["layers"][q]):
+    adam = state["opt_state"][0]
+    for x in (state["params"]["layers"][q], metrics["grads"]["layers"][q], adam.mu["layers"][q],
+              adam.nu["layers"][q]):
         assert x.shape[-2] == 4 and x.addressable_shards[0].data.shape[-2] == 2
     assert tuple(state["params"]["layers"][q].sharding.spec)[:5] == (
         "stage", None, None, None, "model")
