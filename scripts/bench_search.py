@@ -23,6 +23,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import models
 from nnscaler_jax.capture.trace import capture
+from nnscaler_jax.cost import cluster_preset
+from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.search.abstract import plan_on_axes
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -65,16 +67,23 @@ def _row(plan, seconds, report) -> dict:
     return out
 
 
-def bench(key, name, preset, axes, overrides, runs: int, alpa_limit: float) -> dict:
+def _model(cluster: str, axes: dict) -> CostModel | None:
+    """The cost model every planner of a case is searched and priced with."""
+    return CostModel.for_cluster(cluster_preset(cluster), axes) if cluster else None
+
+
+def bench(key, name, preset, axes, overrides, runs: int, alpa_limit: float,
+          cluster: str = "") -> dict:
     t0 = time.perf_counter()
     graph = _graph(name, preset, overrides)
     res = {"model": name, "preset": preset, "mesh": "x".join(map(str, axes.values())),
+           "cluster": cluster or "cpu-defaults",
            "overrides": overrides, "ops": sum(1 for _ in graph.walk()),
            "trace_s": time.perf_counter() - t0, "planners": {}}
     for planner in ["auto", "alpa"]:
         times, last = [], None
         for _ in range(runs):
-            plan, s, report = plan_on_axes(graph, axes, planner,
+            plan, s, report = plan_on_axes(graph, axes, planner, cost_model=_model(cluster, axes),
                                            time_limit=alpa_limit if planner == "alpa" else 60)
             times.append(s)
             last = (plan, report)
@@ -85,7 +94,7 @@ def bench(key, name, preset, axes, overrides, runs: int, alpa_limit: float) -> d
         res["planners"][planner] = row
     for p in BASELINES:
         try:
-            plan, s, _ = plan_on_axes(graph, axes, p)
+            plan, s, _ = plan_on_axes(graph, axes, p, cost_model=_model(cluster, axes))
             res["planners"][p] = _row(plan, s, None)
         except Exception as e:  # noqa: BLE001 - a baseline that cannot plan this model
             res["planners"][p] = {"error": str(e).splitlines()[0][:200]}
@@ -97,7 +106,9 @@ def bench(key, name, preset, axes, overrides, runs: int, alpa_limit: float) -> d
 
 
 def _markdown(results: list[dict]) -> str:
-    lines = ["# Search benchmark (predicted, abstract meshes; CPU cost model defaults)", "",
+    clusters = sorted({r.get("cluster", "cpu-defaults") for r in results})
+    lines = [f"# Search benchmark (predicted, abstract meshes; cost model: {', '.join(clusters)})",
+             "",
              ("| case | mesh | ops | groups ours / alpa | search s ours | search s alpa | "
              "speedup | auto / alpa | auto / dp | auto / zero3 | auto / megatron |"),
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -134,6 +145,8 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma separated case keys")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--alpa-limit", type=float, default=600.0, help="HiGHS seconds for alpa")
+    ap.add_argument("--cluster", default="a100-80g-8x",
+                    help="cluster preset the cost model prices on ('' = CPU defaults)")
     args = ap.parse_args()
     only = {k for k in args.only.split(",") if k}
     results = json.loads(OUT.read_text()) if OUT.exists() and only else []
@@ -143,7 +156,7 @@ def main() -> None:
             continue
         print(f"== {key}", flush=True)
         try:
-            r = bench(key, name, preset, axes, overrides, args.runs, args.alpa_limit)
+            r = bench(key, name, preset, axes, overrides, args.runs, args.alpa_limit, args.cluster)
         except Exception as e:  # noqa: BLE001 - record and go on with the zoo
             r = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
         r = {"case": key, **r}

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from functools import lru_cache
 
 import numpy as np
 
@@ -36,16 +37,26 @@ FREE = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim"})
 
 def itemsize(t: Tensor) -> int:
     """Bytes per element of ``t`` (8 for extended dtypes such as rng keys)."""
-    try:
-        return np.dtype(t.dtype).itemsize
-    except TypeError:
-        return 8
+    return _itemsize(t.dtype)
 
 
 def is_float(t: Tensor) -> bool:
     """Whether ``t`` can carry a gradient (a floating-point dtype)."""
+    return _is_float(t.dtype)
+
+
+@lru_cache(maxsize=256)
+def _itemsize(dtype: str) -> int:
     try:
-        return np.issubdtype(np.dtype(t.dtype), np.inexact)
+        return np.dtype(dtype).itemsize
+    except TypeError:
+        return 8
+
+
+@lru_cache(maxsize=256)
+def _is_float(dtype: str) -> bool:
+    try:
+        return bool(np.issubdtype(np.dtype(dtype), np.inexact))
     except TypeError:
         return False
 

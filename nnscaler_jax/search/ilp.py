@@ -32,6 +32,7 @@ from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.plan.plan import OpPlan, Plan
+from nnscaler_jax.search.reduce import reduce_tables
 from nnscaler_jax.search.space import SearchSpace, build_space
 from nnscaler_jax.search.tables import CostTables, build_tables
 
@@ -72,6 +73,7 @@ class SearchReport:
         memory_bytes: predicted bytes per device of the solution.
         status: HiGHS' message; ``optimal`` is False when the time limit stopped it.
         breakdown: per group, its choice and costs (edges counted at their later group).
+        eliminated: groups minimised out exactly before the ILP (``search/reduce.py``, ours).
     """
 
     planner: str
@@ -90,11 +92,13 @@ class SearchReport:
     status: str
     optimal: bool
     breakdown: tuple[GroupCost, ...]
+    eliminated: int = 0
 
     def __str__(self) -> str:
         lines = [
             (f"{self.planner} search: {self.ops} ops -> {self.groups} groups, space "
-            f"10^{self.log10_space:.1f} (unshrunk 10^{self.log10_full:.1f}); ILP "
+            f"10^{self.log10_space:.1f} (unshrunk 10^{self.log10_full:.1f}); "
+            f"{self.eliminated} groups eliminated exactly, ILP "
             f"{self.variables} variables x {self.constraints} constraints; build "
             f"{self.build_s:.2f} s, solve {self.solve_s:.2f} s ({self.status})"),
             (f"objective {self.objective_s * 1e3:.3f} ms/step, memory "
@@ -132,7 +136,8 @@ def _progress(iterable, total: int, desc: str):
 
 
 def solve(tables: CostTables, *, max_memory: float | None = None, time_limit: float = 60.0,
-          desc: str = "ILP") -> _Solution:
+          desc: str = "ILP", memory_offset: float = 0.0,
+          transient_floor: float = 0.0) -> _Solution:
     """Solve the ILP of ``tables``.
 
     Raises:
@@ -193,7 +198,7 @@ def solve(tables: CostTables, *, max_memory: float | None = None, time_limit: fl
         cols += list(range(int(off[-1]))) + [tvar]
         vals += (mem / scale).tolist() + [1.0]
         lb.append(-np.inf)
-        ub.append(max_memory / scale)
+        ub.append((max_memory - memory_offset) / scale)
         r += 1
         for g, k in enumerate(n):
             tr = tables.transient[g] if tables.transient else np.zeros(k)
@@ -207,8 +212,9 @@ def solve(tables: CostTables, *, max_memory: float | None = None, time_limit: fl
             r += 1
     a = sparse.csr_array((vals, (rows, cols)), shape=(r, nv))
     c = np.concatenate(c_parts)
-    bounds = Bounds(0.0, np.where(np.arange(nv) == nv - 1, np.inf, 1.0)
-                    if max_memory is not None else 1.0)
+    last = np.arange(nv) == nv - 1
+    bounds = Bounds(np.where(last, transient_floor / scale, 0.0), np.where(last, np.inf, 1.0)) \
+        if max_memory is not None else Bounds(0.0, 1.0)
     integrality = np.zeros(nv)
     integrality[: int(off[-1])] = 1
     log.info("%s: %d variables (%d binary), %d constraints", desc, nv, int(off[-1]), r)
@@ -223,6 +229,25 @@ def solve(tables: CostTables, *, max_memory: float | None = None, time_limit: fl
     choice = tuple(int(np.argmax(res.x[off[g]:off[g + 1]])) for g in range(len(n)))
     return _Solution(choice, tables.objective(choice), tables.memory_of(choice),
                      str(res.message), res.status == 0, nv, r)
+
+
+def _solve_reduced(tables: CostTables, budget: float | None, limit: float,
+                   planner: str) -> tuple[_Solution, int]:
+    """Eliminate chain groups exactly, solve what is left, read the eliminated ones back."""
+    red = reduce_tables(tables, memory_budget=budget is not None)
+    n = len(tables.compute)
+    if red.kept:
+        part = solve(red.tables, max_memory=budget, time_limit=limit, desc=f"{planner} ILP",
+                     memory_offset=red.memory_offset, transient_floor=red.transient_floor)
+        choice = red.expand(part.choice, n)
+    else:
+        part, choice = None, red.expand((), n)
+    if budget is not None and tables.memory_of(choice) > budget:
+        raise _memory_error(budget, _smallest_memory(tables))
+    return _Solution(choice, tables.objective(choice), tables.memory_of(choice),
+                     part.status if part else "solved by elimination",
+                     part.optimal if part else True, part.variables if part else 0,
+                     part.constraints if part else 0), red.eliminated
 
 
 def _smallest_memory(tables: CostTables) -> float:
@@ -241,7 +266,7 @@ def _memory_error(budget: float, smallest: float) -> PlanError:
 
 
 def _report(planner: str, space: SearchSpace, tables: CostTables, sol: _Solution,
-            build_s: float, solve_s: float) -> SearchReport:
+            build_s: float, solve_s: float, eliminated: int = 0) -> SearchReport:
     comm = [float(tables.comm[g][c]) for g, c in enumerate(sol.choice)]
     for e in tables.edges:
         comm[e.dst] += float(e.cost[e.rows[sol.choice[e.src]], e.cols[sol.choice[e.dst]]])
@@ -252,7 +277,7 @@ def _report(planner: str, space: SearchSpace, tables: CostTables, sol: _Solution
     return SearchReport(planner, space.ops, len(space.groups), tuple(g.n for g in space.groups),
                         space.log10_size, space.log10_full, space.removed, sol.variables,
                         sol.constraints, build_s, solve_s, sol.objective_s,
-                        int(sol.memory_bytes), sol.status, sol.optimal, breakdown)
+                        int(sol.memory_bytes), sol.status, sol.optimal, breakdown, eliminated)
 
 
 def _plan(graph: Graph, mesh_axes: Mapping[str, int], space: SearchSpace,
@@ -341,11 +366,16 @@ def search(graph: Graph, mesh_axes: Mapping[str, int], constraints: Constraints 
     tables = build_tables(space, cm, zero)
     t1 = time.perf_counter()
     limit = time_limit if time_limit is not None else (600.0 if planner == "alpa" else 60.0)
-    sol = solve(tables, max_memory=constraints.max_memory_per_device, time_limit=limit,
-                desc=f"{planner} ILP")
+    budget = constraints.max_memory_per_device
+    if planner == "alpa":  # Alpa solves the whole ILP
+        sol = solve(tables, max_memory=budget, time_limit=limit, desc=f"{planner} ILP")
+        eliminated = 0
+    else:  # ours: exact elimination of chain groups first (search/reduce.py)
+        sol, eliminated = _solve_reduced(tables, budget, limit, planner)
     t2 = time.perf_counter()
     plan = _plan(graph, mesh_axes, space, sol.choice, planner, zero, draft)
-    report = _report(planner, space, tables, sol, t1 - t0 + (time.perf_counter() - t2), t2 - t1)
+    report = _report(planner, space, tables, sol, t1 - t0 + (time.perf_counter() - t2), t2 - t1,
+                     eliminated)
     log.info("%s", report)
     return plan, report
 

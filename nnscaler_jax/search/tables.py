@@ -267,7 +267,13 @@ class _Builder:
                                  (fg.key, mm, j, self.space.weights[op.id]))
             sig = tuple(sig_parts) if all(p is not None for p in sig_parts) else None
             if sig is not None and sig in merged:
-                merged[sig][1] += 1
+                if self.space.shared:  # the copies share one decision: one set, paid per copy
+                    merged[sig][1] += 1
+                else:  # Alpa: every copy decides alone; same prices, this copy's own readers
+                    made = merged[sig][0]
+                    out.append(SyncSet(made.cost, tuple(
+                        (self.fgroup(op.id)[0], cls)
+                        for (op, _j), (_g, cls) in zip(reads, made.readers, strict=True))))
                 continue
             made = self._shared_sync_set(t, reads) if self.space.shared else \
                 self._sync_set(t, reads)

@@ -1,0 +1,153 @@
+"""Exact reduction of the strategy ILP: eliminate groups of degree <= 2 before solving.
+
+The ILP's objective is a sum of per-group (unary) costs and per-edge (pairwise) costs, so a
+group ``v`` that touches at most two other groups can be minimised out exactly — variable
+elimination, as a dynamic program over a chain does:
+
+- **leaf** (one neighbour ``h``): ``unary_h[b] += min_a (unary_v[a] + E_vh[a, b])``; ``v``'s best
+  answer to each choice of ``h`` is remembered;
+- **series** (two neighbours ``h1``, ``h2``): a new edge ``E_h1h2[b, c] += min_a (unary_v[a] +
+  E_vh1[a, b] + E_vh2[a, c])``, remembering ``v``'s best answer to each pair;
+- **free** (no neighbour left): ``v`` takes its cheapest strategy.
+
+Repeated to a fixed point this shrinks a transformer's group graph (residual-stream chains,
+norms, projections) to the few groups that meet three or more others; the ILP solves only those,
+and the eliminated groups are read back in reverse order. The optimum is unchanged. Groups that
+terms other than edges couple are never eliminated: readers of a shared gradient-sync set, and,
+under a memory budget, groups whose memory or transient differs between strategies.
+
+Nothing here is in Alpa's formulation (it solves the full ILP), so only our planner uses it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from nnscaler_jax.search.tables import CostTables, Edge, SyncSet
+
+__all__ = ["Reduced", "reduce_tables"]
+
+
+@dataclass(frozen=True)
+class Reduced:
+    """The ILP left after elimination and how to read the eliminated groups back.
+
+    Attributes:
+        tables: cost tables over the kept groups only (their unary costs include what the
+            eliminated neighbours contributed).
+        kept: original group index of each group of ``tables``.
+        steps: elimination records, in order.
+        memory_offset / transient_floor: constant memory of the eliminated groups (kept bytes,
+            the largest transient) under a memory budget.
+    """
+
+    tables: CostTables
+    kept: tuple[int, ...]
+    steps: tuple[tuple, ...]
+    memory_offset: float = 0.0
+    transient_floor: float = 0.0
+
+    @property
+    def eliminated(self) -> int:
+        return len(self.steps)
+
+    def expand(self, choice: tuple[int, ...] | list[int], n: int) -> tuple[int, ...]:
+        """The full choice (every original group) from a choice over the kept groups."""
+        full = [-1] * n
+        for g, c in zip(self.kept, choice, strict=True):
+            full[g] = int(c)
+        for step in reversed(self.steps):
+            kind, v = step[0], step[1]
+            if kind == "free":
+                full[v] = step[2]
+            elif kind == "leaf":
+                full[v] = int(step[3][full[step[2]]])
+            else:
+                full[v] = int(step[4][full[step[2]], full[step[3]]])
+        return tuple(full)
+
+
+def _constant(x: np.ndarray | None) -> bool:
+    return x is None or len(x) == 0 or bool(np.all(x == x[0]))
+
+
+def reduce_tables(tables: CostTables, *, memory_budget: bool = False) -> Reduced:
+    """Eliminate every group of degree <= 2 that only edges couple (see the module docs)."""
+    n = len(tables.compute)
+    unary = [tables.unary(g).astype(float) for g in range(n)]
+    pair: dict[tuple[int, int], np.ndarray] = {}  # (u, v) with u < v -> (n_u, n_v) costs
+    for e in tables.edges:
+        full = e.cost[np.ix_(e.rows, e.cols)]
+        u, v, mat = (e.src, e.dst, full) if e.src < e.dst else (e.dst, e.src, full.T)
+        pair[(u, v)] = pair[(u, v)] + mat if (u, v) in pair else mat
+    adj: list[set[int]] = [set() for _ in range(n)]
+    for u, v in pair:
+        adj[u].add(v)
+        adj[v].add(u)
+    protected = {g for s in tables.syncs for g, _ in s.readers}
+    if memory_budget:
+        tr = tables.transient
+        protected |= {g for g in range(n) if not _constant(tables.memory[g])
+                      or (tr is not None and not _constant(tr[g]))}
+
+    def edge(u: int, v: int) -> np.ndarray:
+        """Costs indexed [strategy of u, strategy of v]."""
+        return pair[(u, v)] if u < v else pair[(v, u)].T
+
+    def drop(u: int, v: int) -> None:
+        pair.pop((u, v) if u < v else (v, u))
+        adj[u].discard(v)
+        adj[v].discard(u)
+
+    steps: list[tuple] = []
+    alive = [True] * n
+    todo = [g for g in range(n) if g not in protected and len(adj[g]) <= 2]
+    while todo:
+        v = todo.pop()
+        if not alive[v] or len(adj[v]) > 2:
+            continue
+        nbrs = sorted(adj[v])
+        if not nbrs:
+            steps.append(("free", v, int(np.argmin(unary[v]))))
+        elif len(nbrs) == 1:
+            (h,) = nbrs
+            tot = unary[v][:, None] + edge(v, h)
+            unary[h] = unary[h] + tot.min(axis=0)
+            steps.append(("leaf", v, h, tot.argmin(axis=0)))
+            drop(v, h)
+        else:
+            h1, h2 = nbrs
+            tot = unary[v][:, None, None] + edge(v, h1)[:, :, None] + edge(v, h2)[:, None, :]
+            steps.append(("series", v, h1, h2, tot.argmin(axis=0)))
+            drop(v, h1)
+            drop(v, h2)
+            new = tot.min(axis=0)
+            key = (h1, h2)  # h1 < h2 (sorted)
+            pair[key] = pair[key] + new if key in pair else new
+            adj[h1].add(h2)
+            adj[h2].add(h1)
+        alive[v] = False
+        todo += [h for h in nbrs if alive[h] and h not in protected and len(adj[h]) <= 2]
+
+    kept = tuple(g for g in range(n) if alive[g])
+    index = {g: i for i, g in enumerate(kept)}
+    edges = []
+    for (u, v), mat in pair.items():
+        rows_u, rows = np.unique(mat, axis=0, return_inverse=True)
+        cols_u, cols = np.unique(rows_u, axis=1, return_inverse=True)
+        edges.append(Edge(index[u], index[v], rows.ravel(), cols.ravel(), cols_u))
+    syncs = [SyncSet(s.cost, tuple((index[g], cls) for g, cls in s.readers))
+             for s in tables.syncs]
+    gone = [g for g in range(n) if not alive[g]]
+    offset = floor = 0.0
+    if memory_budget and gone:
+        offset = float(sum(tables.memory[g][0] for g in gone))
+        if tables.transient is not None:
+            floor = float(max(tables.transient[g][0] for g in gone))
+    reduced = CostTables(
+        [unary[g] for g in kept], [np.zeros_like(unary[g]) for g in kept],
+        [tables.memory[g] for g in kept], edges, syncs,
+        None if tables.transient is None else [tables.transient[g] for g in kept])
+    return Reduced(reduced, kept, tuple(steps), offset, floor)

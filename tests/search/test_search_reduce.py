@@ -1,0 +1,84 @@
+"""Exact elimination of chain groups before the ILP (search/reduce.py): same optimum, smaller ILP."""
+
+import itertools
+import warnings
+
+import numpy as np
+import pytest
+
+import models
+from nnscaler_jax.capture.trace import capture
+from nnscaler_jax.cost.model import CostModel
+from nnscaler_jax.search import search
+from nnscaler_jax.search.ilp import _solve_reduced, solve
+from nnscaler_jax.search.reduce import reduce_tables
+from nnscaler_jax.search.space import build_space
+from nnscaler_jax.search.tables import CostTables, Edge, SyncSet
+
+
+def _edge(rng, u, v, sizes):
+    cost = rng.uniform(0, 5, (sizes[u], sizes[v]))
+    return Edge(u, v, np.arange(sizes[u]), np.arange(sizes[v]), cost)
+
+
+def _random_tables(seed, n=9, memory=False, sync=False):
+    """A random group graph: a spanning tree (chains, leaves) plus two extra edges (cycles)."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, 5, n)
+    pairs = [(int(rng.integers(0, v)), v) for v in range(1, n)]
+    pairs += [(0, n - 1), (1, n - 2)]
+    edges = [_edge(rng, u, v, sizes) for u, v in pairs]
+    syncs = []
+    if sync:
+        cls = [rng.integers(-1, 2, sizes[g]) for g in (2, 5)]
+        syncs = [SyncSet(np.array([3.0, 4.0]), ((2, cls[0]), (5, cls[1])))]
+    mem = [rng.uniform(0, 10, k) if memory else np.zeros(k) for k in sizes]
+    return CostTables([rng.uniform(0, 10, k) for k in sizes], [np.zeros(k) for k in sizes],
+                      mem, edges, syncs, [np.zeros(k) for k in sizes])
+
+
+def _brute(tables):
+    best = min(itertools.product(*[range(len(c)) for c in tables.compute]),
+               key=tables.objective)
+    return tables.objective(best)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_elimination_keeps_the_optimum(seed):
+    tables = _random_tables(seed, sync=seed % 2 == 1)
+    red = reduce_tables(tables)
+    assert red.eliminated > 0
+    sol, eliminated = _solve_reduced(tables, None, 60, "auto")
+    assert eliminated == red.eliminated
+    assert sol.objective_s == pytest.approx(_brute(tables), rel=1e-9)
+    assert sol.objective_s == pytest.approx(solve(tables).objective_s, rel=1e-9)
+
+
+def test_sync_readers_and_memory_coupled_groups_are_kept():
+    tables = _random_tables(3, memory=True, sync=True)
+    assert {2, 5} <= set(reduce_tables(tables).kept)  # readers of the shared sync
+    kept = reduce_tables(tables, memory_budget=True).kept
+    varying = {g for g, m in enumerate(tables.memory) if len(set(m.tolist())) > 1}
+    assert varying and varying <= set(kept)  # their memory differs by strategy: coupled
+    budget = float(np.median([tables.memory_of(c) for c in itertools.product(
+        *[range(len(c)) for c in tables.compute])]))
+    sol, _ = _solve_reduced(tables, budget, 60, "auto")
+    full = solve(tables, max_memory=budget)
+    assert sol.memory_bytes <= budget
+    assert sol.objective_s == pytest.approx(full.objective_s, rel=1e-9)
+
+
+def test_search_eliminates_chains_of_gpt_and_keeps_the_ilp_optimum():
+    spec = models.get("gpt", "tiny")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = capture(spec.module, *spec.make_args(abstract=True),
+                        variables=spec.init_abstract()).graph
+    axes = {"data": 2, "model": 4}
+    _, report = search(graph, axes)
+    assert report.eliminated > report.groups // 2, report
+    from nnscaler_jax.search.tables import build_tables
+
+    tables = build_tables(build_space(graph, axes), CostModel.for_axes(axes))
+    assert report.objective_s == pytest.approx(solve(tables).objective_s, rel=1e-9)
+    assert f"{report.eliminated} groups eliminated exactly" in str(report)
