@@ -33,8 +33,10 @@ axes: the mesh axes its consumers split while it is replicated on them)::
 
     params + grads + optimizer state + activations kept for backward + transient
 
-(transient: the largest op output, plus the local gradients of the weights that are reduced
-across devices, which XLA reduces in one combined collective from a buffer of their own).
+(transient: the largest op output, or — when that makes the larger peak — the buffer of local
+weight gradients XLA reduces across devices in one combined collective at the end of the
+backward, when the kept activations are already freed: activations + transient =
+max(activations + largest output, reduction buffer)).
 
 With ``param_bytes=2, grad_bytes=2, optimizer_bytes=12`` (bf16 weights, fp32 master + Adam moments)
 and ``Psi`` parameters on ``N`` data-parallel devices this is DeepSpeed's table: DP ``16 Psi``,
@@ -537,7 +539,8 @@ def _analyze(model: CostModel, plan: Plan, graph: Graph) -> _Analysis:
             if t.id in var_ids:  # the local gradient before its reduction (one fused buffer)
                 synced[t.id] = max(synced.get(t.id, 0), model._local_bytes(t, g) * mult)
     out.activations += sum(gathered.values())
-    out.transient += sum(synced.values())
+    # the reduction buffer lives at the end of the backward, when the residuals are freed
+    out.transient = max(out.transient, sum(synced.values()) - out.activations)
     return out
 
 

@@ -69,6 +69,9 @@ and or not xor square integer_pow floor ceil round iota stop_gradient
 """)
 
 
+#: Transposes that read their saved operands as materialised buffers (see residual_outputs).
+MASKED = MATMUL | {"max", "min"}
+
 #: Layout ops that are bitcasts in XLA (fold into any consumer, even a matmul operand).
 BITCAST = _names("reshape squeeze expand_dims")
 
@@ -134,8 +137,10 @@ def residual_outputs(graph: Graph, grads: set[int] | None = None) -> Mapping[int
     for op in ops:
         ins, outs = saved_operands(op, tuple(t.id in grads for t in op.inputs))
         # a matmul / convolution transpose reads the saved operand as a matmul operand: XLA
-        # materialises it (only bitcasts fold in); elementwise transposes fuse its producers
-        through = BITCAST if op.primitive in MATMUL else CHEAP
+        # materialises it (only bitcasts fold in); so it does the operands of max / min (ReLU's
+        # mask: measured on WRN, XLA keeps BatchNorm's output rather than recomputing it);
+        # other elementwise transposes fuse the saved value's producers
+        through = BITCAST if op.primitive in MASKED else CHEAP
         for j in ins:
             keep(op.inputs[j].id, through)
         for k in outs:
