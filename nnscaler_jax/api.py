@@ -62,9 +62,9 @@ def make_plan_for(graph: Any, mesh: Any, *, policy: Any = "auto", plan: Plan | N
         plan.check_graph(graph, axes)
         return plan
     constraints = constraints or Constraints()
-    constraints.check(graph, axes)
-    draft = Draft(graph, axes, constraints=constraints, partitioning=partitioning or None)
     name = policy if policy is not None else "auto"
+    constraints.check(graph, axes, policy=name)
+    draft = Draft(graph, axes, constraints=constraints, partitioning=partitioning or None)
     if partitioning and name in ("auto", "alpa"):
         from nnscaler_jax.search import search_policy
 
@@ -72,10 +72,7 @@ def make_plan_for(graph: Any, mesh: Any, *, policy: Any = "auto", plan: Plan | N
     else:
         fn = get_policy(name)
     draft.policy = name if isinstance(name, str) else getattr(fn, "__name__", "custom")
-    try:
-        result = fn(draft, mesh)
-    except PlanError:
-        raise
+    result = fn(draft, mesh)
     if isinstance(result, Draft):
         result = result.finish()
     if not isinstance(result, Plan):
@@ -85,7 +82,7 @@ def make_plan_for(graph: Any, mesh: Any, *, policy: Any = "auto", plan: Plan | N
     result = constraints.apply_pipeline(result, graph, axes)
     from nnscaler_jax.cost.estimate import estimate
 
-    return estimate(result, graph)
+    return estimate(result, graph)  # pipelined (stages > 1): the pipeline runtime's pricing
 
 
 @dataclass

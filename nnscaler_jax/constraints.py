@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Graph
@@ -72,10 +72,14 @@ class Constraints:
             if not isinstance(r, Rule):
                 raise PlanError(f"Constraints(rules=...) takes Rule values, got {r!r}")
 
-    def check(self, graph: Graph, mesh_axes: dict[str, int]) -> None:
-        """Raise ``PlanError`` for a rule or field that cannot be met on this graph and mesh."""
+    def check(self, graph: Graph, mesh_axes: dict[str, int], policy: Any = None) -> None:
+        """Raise ``PlanError`` for a rule or field that cannot be met on this graph and mesh.
+
+        ``policy``: the planning policy (it decides which axes are tensor-parallel inside
+        pipeline stages, see :func:`nnscaler_jax.lower.pipeline_tp.tensor_axes`).
+        """
         if self.pipeline_stages not in (None, 1):
-            self._stage_of(graph, mesh_axes)
+            self._stage_of(graph, mesh_axes, policy)
         for r in self.rules:
             for a in r.axes or ():
                 if a not in mesh_axes:
@@ -100,15 +104,17 @@ class Constraints:
                     raise PlanError(f"{a} and {b} contradict on op '{both[0].primitive}' at "
                                     f"'{both[0].module_path}': one replicates, one splits")
 
-    def _stage_of(self, graph: Graph, mesh_axes: dict[str, int]) -> tuple[tuple[str, int], ...]:
+    def _stage_of(self, graph: Graph, mesh_axes: dict[str, int],
+                  policy: Any = None) -> tuple[tuple[str, int], ...]:
         """Check the pipeline fields; the layer -> stage assignment."""
-        return self._pipeline(graph, mesh_axes)[-1]
+        return self._pipeline(graph, mesh_axes, policy)[-1]
 
-    def _pipeline(self, graph: Graph, mesh_axes: dict[str, int]) -> tuple:
+    def _pipeline(self, graph: Graph, mesh_axes: dict[str, int], policy: Any = None) -> tuple:
         """``(stages, microbatches, schedule, virtual, report, stage_of)`` (checks the fields).
 
         ``pipeline_stages="auto"``: the stages are the mesh's ``stage``/``pipe`` axis; the stage
-        DP restricted to what the runtime executes picks micro-batches and schedule.
+        DP restricted to what the runtime executes picks micro-batches and schedule, pricing
+        the non-stage axes as the runtime runs them under ``policy`` (data- or tensor-parallel).
         """
         from nnscaler_jax.plan.schedule import stage_layers
 
@@ -123,7 +129,7 @@ class Constraints:
                     "the stages of the mesh's 'stage' (or 'pipe') axis; the mesh has "
                     f"{mesh_axes}. Add one, e.g. jax.make_mesh((4, 2), ('stage', 'data')), or "
                     "run nnscaler_jax.search.pipeline_dp.search_stages to choose a stage count")
-            choice, report = self._auto_pipeline(graph, mesh_axes, axis)
+            choice, report = self._auto_pipeline(graph, mesh_axes, policy)
             virtual = choice.virtual
             stages, micro, sched = mesh_axes[axis], choice.microbatches, choice.schedule
         else:
@@ -140,36 +146,27 @@ class Constraints:
         stage_of = stage_layers([(v.name, v.shape) for v in graph.variables], stages, virtual)
         return stages, micro, sched, virtual, report, stage_of
 
-    def _auto_pipeline(self, graph: Graph, mesh_axes: dict[str, int], axis: str):
+    def _auto_pipeline(self, graph: Graph, mesh_axes: dict[str, int], policy: Any = None):
         """The runtime-restricted stage DP's choice and its report."""
-        import math
+        from nnscaler_jax.search.pipeline_dp import runtime_setup
 
-        from nnscaler_jax.cost.model import CostModel
-        from nnscaler_jax.ir.graph import Role
-        from nnscaler_jax.search.pipeline_dp import layer_units, runtime_choices
-
-        S = mesh_axes[axis]
-        data = [a for a in mesh_axes if a != axis]
-        dp = math.prod(mesh_axes[a] for a in data)
-        batch = next((t.shape[0] for t in graph.inputs if t.role is Role.INPUT and t.shape), 1)
-        model = CostModel.for_axes(mesh_axes)
-        units = layer_units(graph, batch=batch, model=model)
+        setup = runtime_setup(graph, mesh_axes, policy)
+        S, dp, tp, batch = setup.stages, setup.dp, setup.tp, setup.batch
         budget = self.max_memory_per_device
-        link = model.mesh.link
-        rows = runtime_choices(units, S, dp, batch, budget, microbatches=self.microbatches,
-                               schedule=self.schedule, stage_link=link(axis),
-                               data_link=link(data[0]) if data else link(axis))
+        rows = setup.choices(budget, microbatches=self.microbatches, schedule=self.schedule)
+        par = f"{dp} data-parallel" + (f" x {tp} tensor-parallel ({', '.join(setup.tensor)})" if tp > 1
+                                       else "")
         best = rows[0]
         if not best.fits:
             low = min(max(r.memory_bytes) for r in rows)
             raise PlanError(
                 f"Constraints(pipeline_stages='auto', max_memory_per_device={budget}): no "
                 f"schedule x micro-batch count fits {budget / 2**20:.2f} MiB per device on "
-                f"{S} stages x {dp} data-parallel; the smallest estimate is "
+                f"{S} stages x {par}; the smallest estimate is "
                 f"{low / 2**20:.2f} MiB. Use more stages or devices, a smaller batch, or more "
                 "memory")
-        head = (f"stage DP (runtime: {len(units) - 2} layers in equal chunks over {S} stages x "
-                f"{dp} data-parallel, batch {batch}"
+        head = (f"stage DP (runtime: {len(setup.units) - 2} layers in equal chunks over {S} "
+                f"stages x {par}, batch {batch}"
                 + (f", budget {budget / 2**20:.2f} MiB" if budget else "") + "): chose "
                 f"{best.schedule} x {best.microbatches} micro-batches of {best.microbatch_size}, "
                 f"predicted {best.step_time_s * 1e3:.3f} ms/step (bubble "
@@ -184,7 +181,8 @@ class Constraints:
         """Record stages, schedule and the layer -> stage assignment on the plan."""
         if self.pipeline_stages in (None, 1):
             return plan
-        stages, micro, sched, virtual, report, stage_of = self._pipeline(graph, mesh_axes)
+        stages, micro, sched, virtual, report, stage_of = self._pipeline(
+            graph, mesh_axes, plan.policy or None)
         if stages == 1:
             return plan
         return replace(plan, stages=stages, microbatches=micro, schedule=sched,

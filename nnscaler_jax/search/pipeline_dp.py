@@ -39,11 +39,14 @@ __all__ = [
     "INFINIBAND",
     "NVLINK",
     "RuntimeChoice",
+    "RuntimeSetup",
     "StagePlan",
     "Unit",
     "evaluate",
     "layer_units",
+    "price_pipeline",
     "runtime_choices",
+    "runtime_setup",
     "runtime_time",
     "search_stages",
 ]
@@ -322,11 +325,20 @@ class RuntimeChoice:
     Attributes:
         schedule / virtual / microbatches / microbatch_size: the configuration.
         step_time_s: sum over the schedule's time steps of the slowest stage's work (forward,
-            or recomputed forward + backward) plus both ``ppermute``\\ s, + gradient sync.
-        bubble_s: ``step_time_s`` minus the busiest stage's work.
+            or recomputed forward + backward, each with its tensor-parallel all-reduces) plus
+            both ``ppermute``\\ s, + gradient sync.
+        bubble_s: the schedule table's time (without gradient sync) minus the busiest stage's
+            work.
         memory_bytes: per stage (params + grads + optimizer + in-flight stage inputs + one
             chunk's activations).
         fits: within the memory budget.
+        compute_s: the busiest stage's compute seconds over the step (forward, recomputed
+            forward, backward of all its micro-batches).
+        comm_s: communication seconds on the step: the ``ppermute``\\ s of every time step, the
+            busiest stage's tensor-parallel all-reduces and the gradient syncs;
+            ``step_time_s - compute_s - comm_s`` is the busiest stage's idle time (bubble).
+        comm_bytes: bytes a device of the busiest stage sends per step (all-reduces counted
+            as ``2 (p - 1) / p`` x buffer, as ring all-reduces send).
     """
 
     schedule: str
@@ -337,6 +349,9 @@ class RuntimeChoice:
     bubble_s: float
     memory_bytes: tuple[float, ...]
     fits: bool
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    comm_bytes: float = 0.0
 
     def row(self) -> str:
         name = self.schedule + (f" x{self.virtual}" if self.virtual > 1 else "")
@@ -369,11 +384,16 @@ def runtime_time(sched, fwd: list[float], bwd: list[float], p2p: float) -> tuple
     return total, total - max(busy)
 
 
+def _wire(p: int, n: float) -> float:
+    """Bytes one device sends in a ring all-reduce of ``n`` bytes over ``p`` devices."""
+    return 2 * (p - 1) / p * n if p > 1 else 0.0
+
+
 def runtime_choices(units: list[Unit], stages: int, dp: int, batch: int,
                     memory_per_device: float | None = None, *, microbatches: int | None = None,
                     schedule: str | None = None, optimizer_bytes: float = 3.0,
-                    stage_link: LinkCost = NVLINK, data_link: LinkCost = NVLINK
-                    ) -> list[RuntimeChoice]:
+                    stage_link: LinkCost = NVLINK, data_link: LinkCost = NVLINK, tp: int = 1,
+                    tp_link: LinkCost = NVLINK) -> list[RuntimeChoice]:
     """Every (schedule, micro-batch count) :mod:`nnscaler_jax.lower.pipeline` can run, priced.
 
     The runtime's restrictions: ``stages x virtual`` equal contiguous chunks of the layer stack
@@ -382,13 +402,20 @@ def runtime_choices(units: list[Unit], stages: int, dp: int, batch: int,
     ``microbatches x dp``, interleaved only with 2 chunks per stage and micro-batches a multiple
     of the stages. Sorted: fitting first, then by step time, then memory.
 
+    ``tp`` > 1: stages are also tensor-parallel inside (:mod:`nnscaler_jax.lower.pipeline_tp`),
+    priced as Megatron, like :func:`search_stages`: unit compute and parameters / ``tp``, each
+    unit's ``tp_collectives`` all-reduces of its output activation over ``tp_link`` (half in the
+    forward, half in the backward; the recomputed forward repeats its half), one chunk's
+    activations / ``tp``; the in-flight stage inputs and the ``ppermute``\\ d activations stay
+    whole (replicated over the tensor-parallel axes).
+
     Raises:
         PlanError: no configuration the runtime can execute (layers or batch do not divide).
     """
     from nnscaler_jax.plan import schedule as sch
 
     L, n, S = len(units) - 2, len(units), stages
-    shared = (units[0].param_bytes + units[-1].param_bytes) * (1 + optimizer_bytes)
+    shared = (units[0].param_bytes + units[-1].param_bytes) / tp * (1 + optimizer_bytes)
     kinds = [(s, 2 if s == "interleaved" else 1) for s in ("1f1b", "gpipe", "interleaved")
              if schedule in (None, s)]
     kinds = [(s, v) for s, v in kinds if L % (S * v) == 0]
@@ -404,35 +431,125 @@ def runtime_choices(units: list[Unit], stages: int, dp: int, batch: int,
                 continue
             mb = batch // (M * dp)
             sched = sch.build(name, S, M, V)
-            fb = [sum(u.time_s for u in units[a:b]) * mb for a, b in bounds]
-            fwd = [t / 3 for t in fb]
-            bwd = [t * 2 / 3 + f for t, f in zip(fb, fwd, strict=True)]  # + recomputed forward
+            fb = [sum(u.time_s for u in units[a:b]) * mb / tp for a, b in bounds]
+            # one pass's (forward or backward) tensor-parallel all-reduces: seconds and bytes
+            ar = [sum(u.tp_collectives / 2 * all_reduce_time(tp_link, tp, u.out_bytes * mb)
+                      for u in units[a:b]) if tp > 1 else 0.0 for a, b in bounds]
+            ar_b = [sum(u.tp_collectives / 2 * _wire(tp, u.out_bytes * mb) for u in units[a:b])
+                    for a, b in bounds]
+            fwd = [t / 3 + c for t, c in zip(fb, ar, strict=True)]
+            bwd = [t * 2 / 3 + c + f  # + recomputed forward
+                   for t, c, f in zip(fb, ar, fwd, strict=True)]
             msg = max(units[b - 1].out_bytes * mb for a, b in bounds)
             p2p = 2 * ppermute_time(stage_link, S, msg) if S > 1 else 0.0
             step, bubble = runtime_time(sched, fwd, bwd, p2p)
             params = [sum(sum(u.param_bytes for u in units[max(a, 1):min(b, n - 1)])
-                          for c, (a, b) in enumerate(bounds) if c % S == s) for s in range(S)]
-            if dp > 1:
-                step += max(all_reduce_time(data_link, dp, p + shared / (1 + optimizer_bytes))
-                            for p in params)
-            step += all_reduce_time(stage_link, S, shared / (1 + optimizer_bytes)) if S > 1 \
+                          for c, (a, b) in enumerate(bounds) if c % S == s) / tp
+                      for s in range(S)]
+            mine = [[c for c in range(C) if c % S == s] for s in range(S)]
+            top = max(range(S), key=lambda s: sum(fwd[c] + bwd[c] for c in mine[s]))
+            grad = params[top] + shared / (1 + optimizer_bytes)
+            dsync = max(all_reduce_time(data_link, dp, p + shared / (1 + optimizer_bytes))
+                        for p in params) if dp > 1 else 0.0
+            ssync = all_reduce_time(stage_link, S, shared / (1 + optimizer_bytes)) if S > 1 \
                 else 0.0
+            step = step + dsync + ssync
+            steps = len(sch.timeline(sched))
+            compute = M * sum(fb[c] * 4 / 3 for c in mine[top])
+            comm = steps * p2p + M * sum(3 * ar[c] for c in mine[top]) + dsync + ssync
+            sent = (steps * 2 * msg if S > 1 else 0.0) + M * sum(3 * ar_b[c] for c in mine[top]) \
+                + _wire(dp, grad) + _wire(S, shared / (1 + optimizer_bytes))
             peaks = sch.peak_in_flight(sched)
             mem = []
             for s in range(S):
-                mine = [bounds[c] for c in range(C) if c % S == s]
-                inp = max(units[max(a - 1, 0)].out_bytes * mb for a, _ in mine)
-                work = max(sum(u.act_bytes for u in units[a:b]) * mb for a, b in mine)
+                inp = max(units[max(bounds[c][0] - 1, 0)].out_bytes * mb for c in mine[s])
+                work = max(sum(u.act_bytes for u in units[bounds[c][0]:bounds[c][1]]) * mb / tp
+                           for c in mine[s])
                 mem.append(params[s] * (1 + optimizer_bytes) + shared + peaks[s] * inp + work)
             fits = memory_per_device is None or max(mem) <= memory_per_device
-            out.append(RuntimeChoice(name, V, M, mb, step, bubble, tuple(mem), fits))
+            out.append(RuntimeChoice(name, V, M, mb, step, bubble, tuple(mem), fits, compute,
+                                     comm, sent))
     if not out:
+        par = f"{dp} data-parallel" + (f" x {tp} tensor-parallel" if tp > 1 else "")
         raise PlanError(
-            f"pipeline: no schedule the runtime can execute for {L} layers on {S} stages x {dp} "
-            f"data-parallel ways with batch {batch}"
+            f"pipeline: no schedule the runtime can execute for {L} layers on {S} stages x {par} "
+            f"ways with batch {batch}"
             + (f", microbatches={microbatches}" if microbatches else "")
             + (f", schedule={schedule!r}" if schedule else "")
             + f"; the layers must divide into {S} (x2 for interleaved) equal chunks and the "
             f"batch into micro-batches x {dp}")
     out.sort(key=lambda r: (not r.fits, r.step_time_s, max(r.memory_bytes)))
     return out
+
+
+@dataclass(frozen=True)
+class RuntimeSetup:
+    """A graph and mesh as the pipeline runtime runs them: units, axes split, links.
+
+    Attributes:
+        units: :func:`layer_units` of the graph at its batch.
+        axis: the stage axis; ``data`` / ``tensor``: the non-stage axes the runtime runs
+            data-parallel / tensor-parallel (:func:`nnscaler_jax.lower.pipeline_tp.tensor_axes`).
+        stages / dp / tp / batch: sizes; ``*_link``: the cost model's link of the first axis of
+            each kind.
+    """
+
+    units: list[Unit]
+    axis: str
+    data: tuple[str, ...]
+    tensor: tuple[str, ...]
+    stages: int
+    dp: int
+    tp: int
+    batch: int
+    stage_link: LinkCost
+    data_link: LinkCost
+    tp_link: LinkCost
+
+    def choices(self, memory_per_device: float | None = None, **kw) -> list[RuntimeChoice]:
+        """:func:`runtime_choices` for this setup (``kw``: microbatches, schedule, ...)."""
+        return runtime_choices(self.units, self.stages, self.dp, self.batch, memory_per_device,
+                               stage_link=self.stage_link, data_link=self.data_link, tp=self.tp,
+                               tp_link=self.tp_link, **kw)
+
+
+def runtime_setup(graph: Graph, mesh_axes: dict[str, int], policy,
+                  model: CostModel | None = None) -> RuntimeSetup:
+    """Split ``mesh_axes`` as the runtime does for ``policy`` and price ``graph``'s units.
+
+    Raises:
+        PlanError: no ``stage``/``pipe`` axis, or no repeated layer stack.
+    """
+    from nnscaler_jax.ir.graph import Role
+    from nnscaler_jax.lower.pipeline_tp import tensor_axes
+
+    axis = next((a for a in ("stage", "pipe") if a in mesh_axes), None)
+    if axis is None:
+        raise PlanError(f"pipeline pricing needs a 'stage' (or 'pipe') mesh axis; the mesh has "
+                        f"{mesh_axes}")
+    tensor = tensor_axes(mesh_axes, axis, policy)
+    data = tuple(a for a in mesh_axes if a != axis and a not in tensor)
+    batch = next((t.shape[0] for t in graph.inputs if t.role is Role.INPUT and t.shape), 1)
+    model = model or CostModel.for_axes(mesh_axes)
+    link = model.mesh.link
+    return RuntimeSetup(
+        layer_units(graph, batch=batch, model=model), axis, data, tensor, mesh_axes[axis],
+        math.prod(mesh_axes[a] for a in data), math.prod(mesh_axes[a] for a in tensor), batch,
+        link(axis), link(data[0]) if data else link(axis),
+        link(tensor[0]) if tensor else link(axis))
+
+
+def price_pipeline(plan, graph: Graph, model: CostModel | None = None) -> RuntimeChoice:
+    """The runtime pricing of a pipelined ``plan``'s own settings (stages from its mesh,
+    micro-batches, schedule, virtual, data / tensor-parallel split by its policy).
+
+    Raises:
+        PlanError: the runtime cannot execute those settings (see :func:`runtime_choices`).
+    """
+    setup = runtime_setup(graph, dict(plan.mesh), plan.policy or None, model)
+    rows = [r for r in setup.choices(microbatches=plan.microbatches, schedule=plan.schedule)
+            if r.virtual == plan.virtual]
+    if not rows:
+        raise PlanError(f"pipeline: schedule {plan.schedule!r} with {plan.virtual} chunks per "
+                        "stage is not one the runtime executes (interleaved: 2, else 1)")
+    return rows[0]

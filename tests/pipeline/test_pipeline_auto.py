@@ -9,8 +9,10 @@ from meshes import make_mesh
 
 import models
 from nnscaler_jax import Constraints, Plan, PlanError, auto_parallel
+from nnscaler_jax.cost.comm import LinkCost
+from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.plan import schedule as sch
-from nnscaler_jax.search.pipeline_dp import runtime_time
+from nnscaler_jax.search.pipeline_dp import Unit, layer_units, runtime_choices, runtime_time
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +98,78 @@ def test_auto_needs_stage_axis(gpt):
     mesh = make_mesh((2, 4), ("data", "model"))
     with pytest.raises(PlanError, match="Add one"):
         _plan(gpt, mesh)
+
+
+def test_runtime_tensor_parallel_closed_form():
+    # 2 stages x 1 layer, GPipe M=2 (mb 1): every time step one chunk's F or B, each stage
+    # equal, so step = (M + S - 1) (f + b); free stage link, an all-reduce costs alpha = 1
+    units = [Unit("<prefix>", 0.0, 0.0, 8.0, 4.0), Unit("h_0", 6.0, 10.0, 16.0, 4.0, 4),
+             Unit("h_1", 6.0, 10.0, 16.0, 4.0, 4), Unit("<suffix>", 0.0, 0.0, 8.0, 0.0)]
+    free, tp_link = LinkCost(0.0, 0.0), LinkCost(1.0, 0.0)
+    row, = runtime_choices(units, 2, 1, 2, microbatches=2, schedule="gpipe", optimizer_bytes=3.0,
+                           stage_link=free, tp=2, tp_link=tp_link)
+    f = 6.0 / 2 / 3 + 2 * 1.0           # forward / tp + 2 all-reduces
+    b = 6.0 / 2 * 2 / 3 + 2 * 1.0 + f   # backward + 2 all-reduces + recomputed forward
+    assert row.step_time_s == pytest.approx(3 * (f + b))
+    assert row.compute_s == pytest.approx(2 * 6.0 / 2 * 4 / 3) and row.comm_s == 2 * 6 * 1.0
+    # params / tp (layer + replicated prefix / suffix) x (1 + Adam's 3), 2 GPipe inputs in
+    # flight (whole: replicated over the tensor axis), one chunk's activations / tp
+    assert row.memory_bytes == (pytest.approx((16 + 16) / 2 * 4 + 2 * 4.0 + 10 / 2),) * 2
+    one, = runtime_choices(units, 2, 1, 2, microbatches=2, schedule="gpipe", stage_link=free)
+    assert one.step_time_s == pytest.approx(3 * (2.0 + 4.0 + 2.0))  # tp = 1: no all-reduces
+
+
+def _price(units, mesh_axes, choice, tp):
+    link = CostModel.for_axes(mesh_axes).mesh.link
+    row, = [r for r in runtime_choices(
+        units, mesh_axes["stage"], 1 if tp > 1 else mesh_axes["model"], 16,
+        microbatches=choice[1], schedule=choice[0], stage_link=link("stage"),
+        data_link=link("model"), tp=tp, tp_link=link("model")) if r.virtual == choice[2]]
+    return row.step_time_s * 1e3
+
+
+def test_auto_prices_tensor_parallel_stages(gpt):
+    spec, tokens, params = gpt
+    mesh = make_mesh((2, 4), ("stage", "model"))
+    axes = {"stage": 2, "model": 4}
+    pm = auto_parallel(mesh, Constraints(pipeline_stages="auto"), policy="megatron")(spec.module)
+    plan = pm.make_plan(tokens, variables={"params": params})
+    (sched, m), ms, _ = _chosen(plan)
+    units = layer_units(pm._last.captured.graph, batch=16, model=CostModel.for_axes(axes))
+    choice = (sched, m, plan.virtual)
+    assert ms == pytest.approx(_price(units, axes, choice, 4), abs=5e-4)  # printed to 1e-3 ms
+    assert abs(_price(units, axes, choice, 1) - ms) > 0.1   # not stages data-parallel inside
+    assert "x 4 tensor-parallel (model)" in plan.pipeline_report
+    dp = _plan(gpt, mesh)   # policy 'dp': 'model' is data-parallel inside stages
+    assert "1 data-parallel" not in dp.pipeline_report and "tensor" not in dp.pipeline_report
+    assert _chosen(dp)[1] == pytest.approx(
+        _price(units, axes, (dp.schedule, dp.microbatches, dp.virtual), 1), abs=5e-4)
+
+
+def test_pipelined_plan_cost_is_the_pipeline_pricing(gpt):
+    spec, tokens, params = gpt
+    mesh = make_mesh((4, 2), ("stage", "model"))
+    pm = auto_parallel(mesh, Constraints(pipeline_stages="auto"), policy="megatron")(spec.module)
+    plan = pm.make_plan(tokens, variables={"params": params})
+    _, ms, mib = _chosen(plan)
+    c = plan.cost
+    assert c.step_time_s * 1e3 == pytest.approx(ms, abs=5e-4)   # the report prints 1e-3 ms
+    assert c.memory_bytes_per_device / 2**20 == pytest.approx(mib, abs=5e-3)
+    assert 0 < c.compute_time_s and 0 < c.comm_time_s and 0 < c.comm_bytes
+    assert c.compute_time_s + c.comm_time_s <= c.step_time_s   # the rest is the bubble
+    flat = CostModel.for_axes(dict(plan.mesh)).plan_cost(plan, pm._last.captured.graph)
+    assert abs(flat.step_time_s * 1e3 - ms) > 0.1
+    assert Plan.from_json(plan.to_json()).cost == c
+    # fixed settings are priced as given: 2 stages x 2 data x 2 model, 1F1B, 8 micro-batches
+    mesh = make_mesh((2, 2, 2), ("stage", "data", "model"))
+    fixed = auto_parallel(mesh, Constraints(pipeline_stages=2, microbatches=8, schedule="1f1b"),
+                          policy="megatron")(spec.module)
+    p = fixed.make_plan(tokens, variables={"params": params})
+    axes = dict(p.mesh)
+    units = layer_units(fixed._last.captured.graph, batch=16, model=CostModel.for_axes(axes))
+    link = CostModel.for_axes(axes).mesh.link
+    row, = runtime_choices(units, 2, 2, 16, microbatches=8, schedule="1f1b",
+                           stage_link=link("stage"), data_link=link("data"), tp=2,
+                           tp_link=link("model"))
+    assert p.cost.step_time_s == row.step_time_s
+    assert p.cost.memory_bytes_per_device == int(max(row.memory_bytes))
