@@ -12,9 +12,10 @@ elimination, as a dynamic program over a chain does:
 
 Repeated to a fixed point this shrinks a transformer's group graph (residual-stream chains,
 norms, projections) to the few groups that meet three or more others; the ILP solves only those,
-and the eliminated groups are read back in reverse order. The optimum is unchanged. Groups that
-terms other than edges couple are never eliminated: readers of a shared gradient-sync set, and,
-under a memory budget, groups whose memory or transient differs between strategies.
+and the eliminated groups are read back in reverse order. The optimum is unchanged. A gradient
+sync shared by readers in two groups is a pairwise term (an edge) too; groups that other terms
+couple are never eliminated: readers of a sync shared by three or more groups, and, under a
+memory budget, groups whose memory or transient differs between strategies.
 
 Nothing here is in Alpa's formulation (it solves the full ILP), so only our planner uses it.
 """
@@ -82,11 +83,28 @@ def reduce_tables(tables: CostTables, *, memory_budget: bool = False) -> Reduced
         full = e.cost[np.ix_(e.rows, e.cols)]
         u, v, mat = (e.src, e.dst, full) if e.src < e.dst else (e.dst, e.src, full.T)
         pair[(u, v)] = pair[(u, v)] + mat if (u, v) in pair else mat
+    syncs = []
+    for ss in tables.syncs:  # a sync shared by readers in at most two groups is a pairwise term
+        groups = sorted({g for g, _ in ss.readers})
+        if len(groups) > 2:
+            syncs.append(ss)
+            continue
+        u, v = groups[0], groups[-1]
+        terms = np.zeros((len(unary[u]), len(unary[v])))
+        for a in range(terms.shape[0]):
+            for b in range(terms.shape[1]):
+                pick = {u: a, v: b}
+                used = {int(cls[pick[g]]) for g, cls in ss.readers} - {-1}
+                terms[a, b] = sum(float(ss.cost[c]) for c in used)
+        if u == v:
+            unary[u] = unary[u] + np.diagonal(terms)
+        else:
+            pair[(u, v)] = pair[(u, v)] + terms if (u, v) in pair else terms
     adj: list[set[int]] = [set() for _ in range(n)]
     for u, v in pair:
         adj[u].add(v)
         adj[v].add(u)
-    protected = {g for s in tables.syncs for g, _ in s.readers}
+    protected = {g for s in syncs for g, _ in s.readers}
     if memory_budget:
         tr = tables.transient
         protected |= {g for g in range(n) if not _constant(tables.memory[g])
@@ -138,8 +156,7 @@ def reduce_tables(tables: CostTables, *, memory_budget: bool = False) -> Reduced
         rows_u, rows = np.unique(mat, axis=0, return_inverse=True)
         cols_u, cols = np.unique(rows_u, axis=1, return_inverse=True)
         edges.append(Edge(index[u], index[v], rows.ravel(), cols.ravel(), cols_u))
-    syncs = [SyncSet(s.cost, tuple((index[g], cls) for g, cls in s.readers))
-             for s in tables.syncs]
+    syncs = [SyncSet(s.cost, tuple((index[g], cls) for g, cls in s.readers)) for s in syncs]
     gone = [g for g in range(n) if not alive[g]]
     offset = floor = 0.0
     if memory_budget and gone:

@@ -29,9 +29,10 @@ def _random_tables(seed, n=9, memory=False, sync=False):
     pairs += [(0, n - 1), (1, n - 2)]
     edges = [_edge(rng, u, v, sizes) for u, v in pairs]
     syncs = []
-    if sync:
-        cls = [rng.integers(-1, 2, sizes[g]) for g in (2, 5)]
-        syncs = [SyncSet(np.array([3.0, 4.0]), ((2, cls[0]), (5, cls[1])))]
+    if sync:  # one sync shared by two groups (a pairwise term), one by three (kept whole)
+        for readers in ((2, 5), (1, 3, 6)):
+            syncs.append(SyncSet(np.array([3.0, 4.0]), tuple(
+                (g, rng.integers(-1, 2, sizes[g])) for g in readers)))
     mem = [rng.uniform(0, 10, k) if memory else np.zeros(k) for k in sizes]
     return CostTables([rng.uniform(0, 10, k) for k in sizes], [np.zeros(k) for k in sizes],
                       mem, edges, syncs, [np.zeros(k) for k in sizes])
@@ -56,7 +57,9 @@ def test_elimination_keeps_the_optimum(seed):
 
 def test_sync_readers_and_memory_coupled_groups_are_kept():
     tables = _random_tables(3, memory=True, sync=True)
-    assert {2, 5} <= set(reduce_tables(tables).kept)  # readers of the shared sync
+    kept = set(reduce_tables(tables).kept)
+    assert {1, 3, 6} <= kept  # readers of the sync shared by three groups
+    assert not {2, 5} <= kept  # a two-group sync is an edge: one end at least eliminated
     kept = reduce_tables(tables, memory_budget=True).kept
     varying = {g for g, m in enumerate(tables.memory) if len(set(m.tolist())) > 1}
     assert varying and varying <= set(kept)  # their memory differs by strategy: coupled
