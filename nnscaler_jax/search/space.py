@@ -12,7 +12,8 @@ The space shrinks in three honest ways:
   producer gives that input; it shares the producer's decision (one *follower group*);
 - **repeated layers**: subtrees of the module tree that are copies (``h_0`` ~ ``h_1``: the same
   ops, primitives, annotations and shapes in the same order) share one decision per position;
-  an ``nn.scan`` body is already one copy;
+  an ``nn.scan`` body is already one copy; likewise **siblings**, ops of one class reading the
+  same value (the query / key / value projections of one input), share one decision;
 - **rules** (``Constraints.rules``): strategies a rule forbids are removed.
 
 >>> from nnscaler_jax.search.space import enumerate_splits
@@ -32,7 +33,7 @@ from functools import lru_cache
 from nnscaler_jax.constraints import Rule
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.anno import parse_anno
-from nnscaler_jax.ir.graph import Graph, Op
+from nnscaler_jax.ir.graph import Graph, Op, Role
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.plan.layouts import op_layouts
 from nnscaler_jax.plan.plan import OpPlan
@@ -485,11 +486,28 @@ def build_space(graph: Graph, mesh_axes: Mapping[str, int], rules: Sequence[Rule
             key = tuple(keys[i] for i in ids)
         fgroups.append(FGroup(tuple(ids), tuple(splits), key))
 
-    # Groups: copies of one layer share a decision.
-    buckets: dict[object, list[int]] = {}
-    for i, fg in enumerate(fgroups):
-        bucket = fg.key if (share_layers and fg.key is not None) else ("unique", i)
-        buckets.setdefault(bucket, []).append(i)
+    # Groups: copies of one layer share a decision; so do sibling ops (ours): leaders of one
+    # class reading the same value at the same operand (the q / k / v projections of one input).
+    parent = list(range(len(fgroups)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    if share_layers:
+        first: dict[object, int] = {}
+        for i, fg in enumerate(fgroups):
+            lead = by_id[fg.ops[0]]
+            keys = [fg.key] if fg.key is not None else []
+            keys += [(op_class[lead.id], j, t.id) for j, t in enumerate(lead.inputs)
+                     if t.role is Role.VALUE and t.ndim and lead.id not in ruled]
+            for k in keys:
+                parent[root(i)] = root(first.setdefault(k, i))
+    buckets: dict[int, list[int]] = {}
+    for i in range(len(fgroups)):
+        buckets.setdefault(root(i), []).append(i)
     groups = []
     where: dict[int, tuple[int, int, int]] = {}
     for gi, members in enumerate(buckets.values()):

@@ -73,6 +73,11 @@ def test_repeated_layers_shrink_the_space(gpt):
     g1 = ours.where[gpt.op("h_1/attn/query").id][0]
     assert g0 == g1
     assert "groups" in ours.summary()
+    # siblings: the key / value projections of the same input share the query's decision
+    for name in ("h_0/attn/key", "h_1/attn/value"):
+        assert ours.where[gpt.op(name).id][0] == g0
+    assert alpa.where[gpt.op("h_0/attn/key").id][0] != alpa.where[
+        gpt.op("h_0/attn/query").id][0]
 
 
 def test_objective_matches_the_plan_cost(gpt):
