@@ -34,6 +34,7 @@ OUT = ROOT / "results" / "bench_search.json"
 CASES = [
     ("gpt-1.3b", "gpt", "gpt3-1.3b", {"data": 2, "model": 4}, {}),
     ("gpt-39b-scan", "gpt", "gpt3-39b", {"data": 8, "model": 8}, {"scan_layers": True}),
+    ("llama-7b", "llama", "llama-7b", {"data": 2, "model": 4}, {}),
     ("swin-8gpu", "swin", "swin-nnscaler-8gpu", {"data": 2, "model": 4}, {}),
     ("t5-8gpu", "t5", "t5-nnscaler-8gpu", {"data": 2, "model": 4}, {}),
     ("moe-2.4b", "moe", "moe-2.4b", {"data": 2, "model": 4}, {}),

@@ -413,6 +413,18 @@ class _Builder:
                    dst[2], dst[3], fgd.splits[md], w, t.role, t.collection)
         elif fgs.key is not None and fgd.key is not None:
             sig = (fgs.key, ms, src[0], src[2], src[3], fgd.key, md, dst[0], dst[2], dst[3], w)
+        if gs == gd:  # one decision: only equal strategy indices meet (the diagonal)
+            dsig = None if sig is None else ("diag",) + sig
+            vec = self.memo.get(dsig) if dsig is not None else None
+            if vec is None:
+                ua, ia = self._unique_layouts(src, fgs, ms)
+                ub, ib = self._unique_layouts(dst, fgd, md)
+                vec = w * np.array([self._reshard(t, ua[a], ub[b]) for a, b in zip(ia, ib,
+                                                                                   strict=True)])
+                if dsig is not None:
+                    self.memo[dsig] = vec
+            self.comm[gs] += vec
+            return
         mat = self.memo.get(sig) if sig is not None else None
         if mat is None:
             ua, ia = self._unique_layouts(src, fgs, ms)
@@ -421,9 +433,6 @@ class _Builder:
             mat = w * small[np.ix_(ia, ib)]
             if sig is not None:
                 self.memo[sig] = mat
-        if gs == gd:
-            self.comm[gs] += np.diagonal(mat)  # one decision: equal strategy indices
-            return
         key = (gs, gd) if gs < gd else (gd, gs)
         mat = mat if gs < gd else mat.T
         if key in self.pairs:
