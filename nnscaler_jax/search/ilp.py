@@ -17,6 +17,7 @@ Formulation (Alpa, OSDI'22, section 4.2), over the groups of a :class:`SearchSpa
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -354,6 +355,20 @@ def search(graph: Graph, mesh_axes: Mapping[str, int], constraints: Constraints 
         PlanError: contradictory rules (naming both), or no plan fits the memory budget (with
             the smallest estimate found).
     """
+    # The search allocates many small, acyclic objects (layouts, splits, cost rows); the cyclic
+    # collector would re-scan the caller's whole heap (traced graphs, jax caches) many times.
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        return _search(graph, mesh_axes, constraints, cost_model, planner, time_limit, draft,
+                       partitioning)
+    finally:
+        if paused:
+            gc.enable()
+
+
+def _search(graph, mesh_axes, constraints, cost_model, planner, time_limit, draft,
+            partitioning) -> tuple[Plan, SearchReport]:
     t0 = time.perf_counter()
     constraints = constraints or Constraints()
     zero = constraints.zero or 0
