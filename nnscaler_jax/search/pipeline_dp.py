@@ -31,6 +31,7 @@ import numpy as np
 
 from nnscaler_jax.cost.comm import LinkCost, all_reduce_time, ppermute_time
 from nnscaler_jax.cost.model import CostModel, DeviceSpec, itemsize
+from nnscaler_jax.cost.residuals import residual_outputs
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Graph
 
@@ -87,6 +88,7 @@ def layer_units(graph: Graph, batch: int = 1, model: CostModel | None = None) ->
         PlanError: the graph has no repeated layer stack.
     """
     model = model or CostModel.for_axes({"x": 1}, device=H100)
+    saved = residual_outputs(graph)  # the activations autodiff keeps, after fusion
     var_bytes = {t.id: math.prod(t.shape) * itemsize(t) for t in graph.variables}
     tops = [op.module_path.split("/")[0] for op in graph.ops]
     scan = [i for i, op in enumerate(graph.ops) if op.regions and op.primitive == "scan"
@@ -118,7 +120,7 @@ def layer_units(graph: Graph, batch: int = 1, model: CostModel | None = None) ->
     def unit(name, ops, share=1, tp_coll=0) -> Unit:
         flat = [o for o in ops if not o.regions]
         t = sum(model.op_time(o, ()) for o in flat) / batch
-        act = sum(model.activation_bytes(o, ()) for o in flat) / batch
+        act = sum(model.activation_bytes(o, (), saved.get(o.id, ())) for o in flat) / batch
         out = flat[-1].outputs[0] if flat and flat[-1].outputs else None
         ob = (math.prod(out.shape) * itemsize(out) / batch) if out is not None else 0.0
         return Unit(name, t, act, params_of(ops, share), ob, tp_coll)
