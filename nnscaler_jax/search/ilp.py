@@ -33,7 +33,7 @@ from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.plan.plan import OpPlan, Plan
-from nnscaler_jax.search.reduce import reduce_tables
+from nnscaler_jax.search.reduce import reduce_tables, solve_by_elimination
 from nnscaler_jax.search.space import SearchSpace, build_space
 from nnscaler_jax.search.tables import CostTables, build_tables
 
@@ -237,12 +237,13 @@ def _solve_reduced(tables: CostTables, budget: float | None, limit: float,
     """Eliminate chain groups exactly, solve what is left, read the eliminated ones back."""
     red = reduce_tables(tables, memory_budget=budget is not None)
     n = len(tables.compute)
-    if red.kept:
+    rest = solve_by_elimination(red.tables) if budget is None else None
+    if rest is not None:  # what is left is small enough to minimise out as well
+        part, choice = None, red.expand(rest, n)
+    else:
         part = solve(red.tables, max_memory=budget, time_limit=limit, desc=f"{planner} ILP",
                      memory_offset=red.memory_offset, transient_floor=red.transient_floor)
         choice = red.expand(part.choice, n)
-    else:
-        part, choice = None, red.expand((), n)
     if budget is not None and tables.memory_of(choice) > budget:
         raise _memory_error(budget, _smallest_memory(tables))
     return _Solution(choice, tables.objective(choice), tables.memory_of(choice),

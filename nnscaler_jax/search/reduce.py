@@ -28,7 +28,7 @@ import numpy as np
 
 from nnscaler_jax.search.tables import CostTables, Edge, SyncSet
 
-__all__ = ["Reduced", "reduce_tables"]
+__all__ = ["Reduced", "reduce_tables", "solve_by_elimination"]
 
 
 @dataclass(frozen=True)
@@ -168,3 +168,51 @@ def reduce_tables(tables: CostTables, *, memory_budget: bool = False) -> Reduced
         [tables.memory[g] for g in kept], edges, syncs,
         None if tables.transient is None else [tables.transient[g] for g in kept])
     return Reduced(reduced, kept, tuple(steps), offset, floor)
+
+
+def solve_by_elimination(tables: CostTables, max_entries: int = 2_000_000
+                         ) -> tuple[int, ...] | None:
+    """The optimal choice of a problem with only unary and pairwise terms, by min-sum bucket
+    elimination (each step minimises one group out of every term that holds it, creating a term
+    over its neighbours), or None when a term would exceed ``max_entries`` or gradient syncs
+    couple groups (the ILP then solves it). Exact, like the ILP."""
+    if tables.syncs:
+        return None
+    n = len(tables.compute)
+    size = [len(tables.compute[g]) for g in range(n)]
+    terms: list[tuple[tuple[int, ...], np.ndarray]] = [((g,), tables.unary(g).astype(float))
+                                                        for g in range(n)]
+    for e in tables.edges:
+        terms.append(((e.src, e.dst), e.cost[np.ix_(e.rows, e.cols)]))
+    nbr: list[set[int]] = [set() for _ in range(n)]
+    for vs, _ in terms:
+        for u in vs:
+            nbr[u].update(w for w in vs if w != u)
+    alive = set(range(n))
+    steps: list[tuple[int, tuple[int, ...], np.ndarray]] = []
+    while alive:
+        v = min(alive, key=lambda g: (int(np.prod([size[u] for u in nbr[g]])), g))
+        rest = tuple(sorted(nbr[v]))
+        if np.prod([size[u] for u in rest], dtype=float) * size[v] > max_entries:
+            return None
+        axes = (v, *rest)
+        total = np.zeros([size[u] for u in axes])
+        keep = []
+        for vs, arr in terms:
+            if v not in vs:
+                keep.append((vs, arr))
+                continue
+            order = sorted(range(len(vs)), key=lambda i: axes.index(vs[i]))
+            moved = np.transpose(arr, order)
+            shape = [size[u] if u in vs else 1 for u in axes]
+            total = total + moved.reshape(shape)
+        steps.append((v, rest, total.argmin(axis=0)))
+        terms = keep + [(rest, total.min(axis=0))]
+        alive.discard(v)
+        for u in rest:  # the new term joins v's neighbours
+            nbr[u].discard(v)
+            nbr[u].update(w for w in rest if w != u)
+    choice = [0] * n
+    for v, rest, arg in reversed(steps):
+        choice[v] = int(arg[tuple(choice[u] for u in rest)]) if rest else int(arg)
+    return tuple(choice)

@@ -85,3 +85,20 @@ def test_search_eliminates_chains_of_gpt_and_keeps_the_ilp_optimum():
     tables = build_tables(build_space(graph, axes), CostModel.for_axes(axes))
     assert report.objective_s == pytest.approx(solve(tables).objective_s, rel=1e-9)
     assert f"{report.eliminated} groups eliminated exactly" in str(report)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bucket_elimination_finds_the_optimum(seed):
+    """What elimination of degree <= 2 leaves (cycles) is minimised out by bucket elimination
+    when no gradient sync couples three groups: the brute-force optimum, read back exactly."""
+    from nnscaler_jax.search.reduce import solve_by_elimination
+
+    tables = _random_tables(100 + seed, n=8)
+    tables.edges.append(_edge(np.random.default_rng(seed), 2, 6, [len(c) for c in
+                                                                tables.compute]))
+    choice = solve_by_elimination(tables)
+    assert choice is not None
+    assert tables.objective(choice) == pytest.approx(_brute(tables), rel=1e-12)
+    # gradient syncs over three groups, or a term cap, hand the problem to the ILP
+    assert solve_by_elimination(_random_tables(seed, sync=True)) is None
+    assert solve_by_elimination(tables, max_entries=1) is None
