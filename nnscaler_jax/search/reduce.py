@@ -17,6 +17,11 @@ sync shared by readers in two groups is a pairwise term (an edge) too; groups th
 couple are never eliminated: readers of a sync shared by three or more groups, and, under a
 memory budget, groups whose memory or transient differs between strategies.
 
+What is left (cycles: attention's q / k / v meeting again, MoE's gates) has only unary and
+pairwise terms unless a gradient sync couples three groups; :func:`solve_by_elimination` then
+minimises it out too (min-sum bucket elimination, smallest new term first), falling back to the
+ILP when a term would grow past ``max_entries``.
+
 Nothing here is in Alpa's formulation (it solves the full ILP), so only our planner uses it.
 """
 
