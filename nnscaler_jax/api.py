@@ -105,6 +105,7 @@ class AutoParallel:
     verify: bool = False
     _programs: dict[tuple, _Program] = field(default_factory=dict)
     _last: _Program | None = None
+    _nnx_metadata: dict | None = None  # sharding_names of the nnx module's variables (static)
     _verified: bool = False
 
     @property
@@ -175,11 +176,15 @@ class AutoParallel:
         rules = (self.constraints.logical_rules if self.constraints is not None else ()) or None
         return partitioning_specs(variables, rules)
 
-    def _nnx_specs(self, module: nnx.Module) -> dict:
-        """Storage specs named by ``nnx.with_partitioning`` metadata (``sharding_names``)."""
-        _, state = nnx.split(module)
-        rules = (self.constraints.logical_rules if self.constraints is not None else ()) or None
-        return partitioning_specs(state, rules)
+    def _nnx_specs(self) -> dict:
+        """Storage specs named by ``nnx.with_partitioning`` metadata (``sharding_names``); read
+        once: the metadata is fixed when the variables are created, and calls are a hot path."""
+        if self._nnx_metadata is None:
+            _, state = nnx.split(self.module)
+            rules = (self.constraints.logical_rules if self.constraints is not None else ()) \
+                or None
+            self._nnx_metadata = partitioning_specs(state, rules)
+        return self._nnx_metadata
 
     def make_plan(self, *args: Any, variables: Any = None, rngs: Any = None,
                   mutable: Any = False, **kwargs: Any) -> Plan:
@@ -193,7 +198,7 @@ class AutoParallel:
             return self._program(tr, ("apply", _hashable(mutable), _rng_names(rngs)),
                                  self._specs(variables)).plan
         return self._program(tr, ("apply", _hashable(mutable), _rng_names(rngs)),
-                             self._nnx_specs(self.module)).plan
+                             self._nnx_specs()).plan
 
     def init(self, rngs: Any, *args: Any, **kwargs: Any) -> Any:
         """``module.init`` with every leaf laid out over the mesh as the plan says.
@@ -289,7 +294,7 @@ class NnxAutoParallel(nnx.Module):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         core = self._core
         tr = nnx_traceable(self.module, args, kwargs)
-        specs = core._nnx_specs(self.module)
+        specs = core._nnx_specs()
         prog = core._program(tr, ("call",), specs)
         if not self._laid_out:
             _, state = nnx.split(self.module)

@@ -17,7 +17,6 @@ import os
 import re
 import sys
 import time
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -163,12 +162,9 @@ def _check_policy(name: str) -> str:
 
 
 def _rngs(spec: Any) -> dict[str, Any] | None:
-    import jax
+    from nnscaler_jax.capture.trace import spec_rngs
 
-    if not spec.rng_streams:
-        return None
-    keys = jax.random.split(jax.random.PRNGKey(1), len(spec.rng_streams))
-    return dict(zip(spec.rng_streams, keys, strict=True))
+    return spec_rngs(spec)
 
 
 def _mutable(spec: Any) -> Any:
@@ -176,25 +172,15 @@ def _mutable(spec: Any) -> Any:
 
 
 def _abstract_inputs(spec: Any) -> tuple[tuple[Any, ...], Any]:
-    """Abstract example args and (linen) abstract variables, nothing allocated."""
-    args = spec.make_args(abstract=True)
-    # Variables are built here (not left to capture) so abstract args never reach module.init
-    # outside a trace.
-    variables = spec.init_abstract() if spec.kind == "linen" else None
-    return args, variables
+    from nnscaler_jax.capture.trace import spec_inputs
+
+    return spec_inputs(spec)
 
 
 def _capture_spec(spec: Any, **kw: Any) -> Any:
-    """Capture a zoo model on abstract args with missing-rule warnings silenced (callers list
-    unannotated ops themselves); ``kw`` goes to ``capture`` for linen models."""
-    from nnscaler_jax.capture.trace import capture
+    from nnscaler_jax.capture.trace import capture_spec
 
-    xs, variables = _abstract_inputs(spec)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if spec.kind == "nnx":
-            return capture(spec.module, *xs)
-        return capture(spec.module, *xs, variables=variables, rngs=_rngs(spec), **kw)
+    return capture_spec(spec, **kw)
 
 
 def _make_plan(spec: Any, mesh: Any, policy: str) -> Any:

@@ -17,12 +17,11 @@ import os
 import pathlib
 import statistics
 import time
-import warnings
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import models
-from nnscaler_jax.capture.trace import capture
+from nnscaler_jax.capture.trace import capture_spec
 from nnscaler_jax.cost import cluster_preset
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.search.abstract import plan_on_axes
@@ -48,12 +47,7 @@ BASELINES = ["dp", "zero3", "megatron"]
 
 def _graph(name: str, preset: str, overrides: dict):
     spec = models.get(name, preset, **overrides)
-    args = spec.make_args(abstract=True)
-    variables = spec.init_abstract() if spec.kind == "linen" else None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return capture(spec.module, *args, variables=variables,
-                       mutable=list(spec.mutable) or None).graph
+    return capture_spec(spec, mutable=list(spec.mutable) or None).graph
 
 
 def _row(plan, seconds, report) -> dict:

@@ -18,7 +18,7 @@ from nnscaler_jax.ir.graph import Graph
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Captured", "capture", "trace", "abstract_init"]
+__all__ = ["Captured", "abstract_init", "capture", "capture_spec", "spec_inputs", "spec_rngs", "trace"]
 
 
 @dataclass(frozen=True)
@@ -106,3 +106,32 @@ def trace(module: Any, *args: Any, **kwargs: Any) -> Graph:
     ['m0 k0+, k0+ n0 -> m0 n0']
     """
     return capture(module, *args, **kwargs).graph
+
+
+def spec_inputs(spec: Any) -> tuple[tuple[Any, ...], Any]:
+    """A ``ModelSpec``'s abstract example args and (linen) abstract variables, nothing
+    allocated. Variables are built here (not left to capture) so abstract args never reach
+    ``module.init`` outside a trace."""
+    args = spec.make_args(abstract=True)
+    return args, (spec.init_abstract() if spec.kind == "linen" else None)
+
+
+def spec_rngs(spec: Any) -> dict[str, Any] | None:
+    """Fixed keys for the rng streams a ``ModelSpec``'s ``apply`` needs (None when none)."""
+    if not spec.rng_streams:
+        return None
+    keys = jax.random.split(jax.random.PRNGKey(1), len(spec.rng_streams))
+    return dict(zip(spec.rng_streams, keys, strict=True))
+
+
+def capture_spec(spec: Any, **kw: Any) -> Captured:
+    """Capture a model-zoo ``ModelSpec`` (``models.get(...)``) on abstract args, nothing
+    allocated, with missing-rule warnings silenced (callers list unannotated ops themselves);
+    rng streams the model needs get fixed keys; ``kw`` goes to :func:`capture` for linen."""
+    args, variables = spec_inputs(spec)
+    rngs = spec_rngs(spec)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if spec.kind == "nnx":
+            return capture(spec.module, *args)
+        return capture(spec.module, *args, variables=variables, rngs=rngs, **kw)

@@ -28,10 +28,11 @@ import numpy as np
 
 from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
 
-__all__ = ["FREE", "MATMUL", "is_float", "itemsize", "op_bytes", "op_flops", "region_length",
-           "walk_weighted"]
+__all__ = ["FREE", "MATMUL", "TRAINABLE", "grad_tensors", "is_float", "itemsize", "op_bytes",
+           "op_flops", "region_length", "walk_weighted"]
 
 MATMUL = frozenset({"dot_general", "conv_general_dilated"})
+TRAINABLE = (None, "params", "param")  # variable collections that get gradients
 FREE = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim"})
 
 
@@ -117,6 +118,21 @@ def needs_grad_locally(t: Tensor, input_grads: bool) -> bool:
     if not is_float(t) or t.role is Role.CONST or t.role is Role.RNG:
         return False
     return input_grads or t.role is not Role.INPUT
+
+
+def grad_tensors(graph: Graph, input_grads: bool = False) -> set[int]:
+    """Ids of tensors that need a gradient: trainable variables (+ example inputs with
+    ``input_grads``) and every floating-point value computed from them, region bodies included."""
+    grads = {t.id for t in graph.inputs
+             if is_float(t) and ((t.role is Role.VARIABLE and t.collection in TRAINABLE)
+                                 or (t.role is Role.INPUT and input_grads))}
+    for op in graph.walk():
+        if not any(t.id in grads for t in op.inputs):
+            continue
+        grads.update(t.id for t in op.outputs if is_float(t))
+        for region in op.regions:
+            grads.update(t.id for t in region.inputs if is_float(t))
+    return grads
 
 
 def walk_weighted(graph: Graph, mult: int = 1) -> Iterator[tuple[Op, int]]:

@@ -66,7 +66,9 @@ from nnscaler_jax.cost.comm import (
 from nnscaler_jax.cost.compute import (
     FREE,
     MATMUL,
+    TRAINABLE,
     compute_dtype,
+    grad_tensors,
     is_float,
     itemsize,
     needs_grad_locally,
@@ -87,7 +89,6 @@ __all__ = ["CPU", "CostModel", "DeviceSpec", "itemsize", "op_flops"]
 
 Split = tuple[tuple[str, str], ...]
 REMAT = frozenset({"checkpoint", "remat", "remat2"})
-TRAINABLE = (None, "params", "param")
 
 
 @dataclass(frozen=True)
@@ -388,19 +389,6 @@ def _boundary_kinds(graph: Graph) -> dict[int, tuple[str, tuple[Tensor, ...]]]:
     return out
 
 
-def _grad_tensors(model: CostModel, graph: Graph) -> set[int]:
-    """Ids of tensors that need a gradient: trainable variables (+ inputs with input_grads) and
-    every floating-point value computed from them, region bodies included."""
-    grads = {t.id for t in graph.inputs
-             if is_float(t) and ((t.role is Role.VARIABLE and t.collection in TRAINABLE)
-                                 or (t.role is Role.INPUT and model.input_grads))}
-    for op in graph.walk():
-        if not any(t.id in grads for t in op.inputs):
-            continue
-        grads.update(t.id for t in op.outputs if is_float(t))
-        for region in op.regions:
-            grads.update(t.id for t in region.inputs if is_float(t))
-    return grads
 
 
 def _region_layouts(op: Op, ins: tuple[Layout, ...], layout: dict[int, Layout],
@@ -443,7 +431,7 @@ def _analyze(model: CostModel, plan: Plan, graph: Graph) -> _Analysis:
     zero = max(model.zero, plan.zero)
     mesh = model.mesh
     plans = plan._by_id()
-    grads = _grad_tensors(model, graph)
+    grads = grad_tensors(graph, model.input_grads)
     saved = residual_outputs(graph, grads if model.input_grads else None)
     kinds = _boundary_kinds(graph)
     layout: dict[int, Layout] = {}

@@ -33,8 +33,8 @@ from __future__ import annotations
 import weakref
 from collections.abc import Mapping
 
-from nnscaler_jax.cost.compute import MATMUL, is_float
-from nnscaler_jax.ir.graph import Graph, Op, Role
+from nnscaler_jax.cost.compute import MATMUL, grad_tensors, is_float
+from nnscaler_jax.ir.graph import Graph, Op
 
 __all__ = ["CHEAP", "residual_outputs", "saved_operands"]
 
@@ -110,7 +110,7 @@ def residual_outputs(graph: Graph, grads: set[int] | None = None) -> Mapping[int
     if hit is not None and hit[0]() is graph:
         return hit[1]
     if grads is None:
-        grads = _default_grads(graph)
+        grads = grad_tensors(graph)
     producer: dict[int, tuple[Op, int]] = {}
     ops = list(graph.walk())
     for op in ops:
@@ -149,16 +149,3 @@ def residual_outputs(graph: Graph, grads: set[int] | None = None) -> Mapping[int
     if cache:
         _CACHE[id(graph)] = (weakref.ref(graph), result)
     return result
-
-
-def _default_grads(graph: Graph) -> set[int]:
-    from nnscaler_jax.cost.model import TRAINABLE
-
-    grads = {t.id for t in graph.inputs if is_float(t) and t.role is Role.VARIABLE
-             and t.collection in TRAINABLE}
-    for op in graph.walk():
-        if any(t.id in grads for t in op.inputs):
-            grads.update(t.id for t in op.outputs if is_float(t))
-            for region in op.regions:
-                grads.update(t.id for t in region.inputs if is_float(t))
-    return grads

@@ -85,7 +85,7 @@ def reduce_tables(tables: CostTables, *, memory_budget: bool = False) -> Reduced
     unary = [tables.unary(g).astype(float) for g in range(n)]
     pair: dict[tuple[int, int], np.ndarray] = {}  # (u, v) with u < v -> (n_u, n_v) costs
     for e in tables.edges:
-        full = e.cost[np.ix_(e.rows, e.cols)]
+        full = e.full
         u, v, mat = (e.src, e.dst, full) if e.src < e.dst else (e.dst, e.src, full.T)
         pair[(u, v)] = pair[(u, v)] + mat if (u, v) in pair else mat
     syncs = []
@@ -156,11 +156,7 @@ def reduce_tables(tables: CostTables, *, memory_budget: bool = False) -> Reduced
 
     kept = tuple(g for g in range(n) if alive[g])
     index = {g: i for i, g in enumerate(kept)}
-    edges = []
-    for (u, v), mat in pair.items():
-        rows_u, rows = np.unique(mat, axis=0, return_inverse=True)
-        cols_u, cols = np.unique(rows_u, axis=1, return_inverse=True)
-        edges.append(Edge(index[u], index[v], rows.ravel(), cols.ravel(), cols_u))
+    edges = [Edge.compressed(index[u], index[v], mat) for (u, v), mat in pair.items()]
     syncs = [SyncSet(s.cost, tuple((index[g], cls) for g, cls in s.readers)) for s in syncs]
     gone = [g for g in range(n) if not alive[g]]
     offset = floor = 0.0
@@ -188,7 +184,7 @@ def solve_by_elimination(tables: CostTables, max_entries: int = 2_000_000
     terms: list[tuple[tuple[int, ...], np.ndarray]] = [((g,), tables.unary(g).astype(float))
                                                         for g in range(n)]
     for e in tables.edges:
-        terms.append(((e.src, e.dst), e.cost[np.ix_(e.rows, e.cols)]))
+        terms.append(((e.src, e.dst), e.full))
     nbr: list[set[int]] = [set() for _ in range(n)]
     for vs, _ in terms:
         for u in vs:

@@ -57,6 +57,19 @@ class Edge:
     cols: np.ndarray
     cost: np.ndarray
 
+    @property
+    def full(self) -> np.ndarray:
+        """Costs indexed [strategy of src, strategy of dst]."""
+        return self.cost[np.ix_(self.rows, self.cols)]
+
+    @classmethod
+    def compressed(cls, src: int, dst: int, mat: np.ndarray) -> Edge:
+        """The edge of a full (strategies of ``src``) x (strategies of ``dst``) cost matrix,
+        strategies with equal rows / columns sharing one layout class."""
+        rows_u, rows = np.unique(mat, axis=0, return_inverse=True)
+        cols_u, cols = np.unique(rows_u, axis=1, return_inverse=True)
+        return cls(src, dst, rows.ravel(), cols.ravel(), cols_u)
+
 
 @dataclass(frozen=True)
 class SyncSet:
@@ -447,15 +460,14 @@ class _Builder:
                 continue
             if not np.all(np.isfinite(mat)):
                 mat = np.where(np.isfinite(mat), mat, 1e6)  # unreachable relayouts: forbidden
-            rows_u, rows = np.unique(mat, axis=0, return_inverse=True)
-            cols_u, cols = np.unique(rows_u, axis=1, return_inverse=True)
-            c = cols_u
+            e = Edge.compressed(gs, gd, mat)
+            c = e.cost
             sep = c[:, :1] + c[:1, :] - c[0, 0]
             if np.allclose(c, sep, rtol=1e-12, atol=1e-15):
-                self.comm[gs] += c[rows.ravel(), 0]
-                self.comm[gd] += c[0, cols.ravel()] - c[0, 0]
+                self.comm[gs] += c[e.rows, 0]
+                self.comm[gd] += c[0, e.cols] - c[0, 0]
                 continue
-            out.append(Edge(gs, gd, rows.ravel(), cols.ravel(), c))
+            out.append(e)
         return out
 
 

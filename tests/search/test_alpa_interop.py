@@ -1,13 +1,12 @@
 """Alpa's inter-operator pass: layer clustering, Alpa's stage DP (closed form on synthetic
 costs), and the whole search with intra-op ILP stage profiles on a small GPT."""
 
-import warnings
 
 import numpy as np
 import pytest
 
 import models
-from nnscaler_jax.capture.trace import capture
+from nnscaler_jax.capture.trace import capture_spec
 from nnscaler_jax.cost.compute import op_flops
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.search.alpa_interop import (
@@ -21,10 +20,7 @@ from nnscaler_jax.search.alpa_interop import (
 
 def _graph(n_layers=4, batch=2):
     spec = models.get("gpt", "tiny", n_layers=n_layers, batch_size=batch)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return capture(spec.module, *spec.make_args(abstract=True),
-                       variables=spec.init_abstract()).graph, spec
+    return capture_spec(spec).graph, spec
 
 
 @pytest.fixture(scope="module")

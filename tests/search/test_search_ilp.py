@@ -1,7 +1,6 @@
 """The SPMD search: beats the built-in policies, verifies numerically, respects constraints."""
 
 import itertools
-import warnings
 
 import flax.linen as nn
 import jax
@@ -13,7 +12,7 @@ from meshes import make_mesh
 import models
 from nnscaler_jax import Constraints, PlanError, Rule, auto_parallel
 from nnscaler_jax.api import make_plan_for
-from nnscaler_jax.capture.trace import capture
+from nnscaler_jax.capture.trace import capture, capture_spec
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.lower.verify import max_rel_diff
 from nnscaler_jax.search import alpa_search, build_space, search
@@ -24,12 +23,7 @@ AXES = {"data": 2, "model": 4}
 
 
 def _graph(name, preset="tiny"):
-    spec = models.get(name, preset)
-    xs = spec.make_args(abstract=True)
-    variables = spec.init_abstract() if spec.kind == "linen" else None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return capture(spec.module, *xs, variables=variables).graph
+    return capture_spec(models.get(name, preset)).graph
 
 
 @pytest.fixture(scope="module")

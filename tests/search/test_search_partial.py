@@ -1,7 +1,6 @@
 """Partial plans (a policy fixes some ops, the search fills in the rest) and the search's
 representative pricing (ours prices one copy of each repeated layer: same objective)."""
 
-import warnings
 
 import jax
 import pytest
@@ -9,7 +8,7 @@ from meshes import make_mesh
 
 import models
 from nnscaler_jax import auto_parallel
-from nnscaler_jax.capture.trace import capture
+from nnscaler_jax.capture.trace import capture_spec
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.lower.verify import max_rel_diff
 from nnscaler_jax.search import search, search_policy
@@ -24,12 +23,7 @@ BEFORE = {"mlp": 5.896000000000001e-06, "gpt": 0.0001774096, "t5": 0.00021694076
 
 
 def _graph(name, preset="tiny"):
-    spec = models.get(name, preset)
-    xs = spec.make_args(abstract=True)
-    variables = spec.init_abstract() if spec.kind == "linen" else None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return capture(spec.module, *xs, variables=variables).graph
+    return capture_spec(models.get(name, preset)).graph
 
 
 @pytest.mark.parametrize("name", ["mlp", "gpt", "t5", "moe"])

@@ -1,13 +1,12 @@
 """Exact elimination of chain groups before the ILP (search/reduce.py): same optimum, smaller ILP."""
 
 import itertools
-import warnings
 
 import numpy as np
 import pytest
 
 import models
-from nnscaler_jax.capture.trace import capture
+from nnscaler_jax.capture.trace import capture_spec
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.search import search
 from nnscaler_jax.search.ilp import _solve_reduced, solve
@@ -72,11 +71,7 @@ def test_sync_readers_and_memory_coupled_groups_are_kept():
 
 
 def test_search_eliminates_chains_of_gpt_and_keeps_the_ilp_optimum():
-    spec = models.get("gpt", "tiny")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        graph = capture(spec.module, *spec.make_args(abstract=True),
-                        variables=spec.init_abstract()).graph
+    graph = capture_spec(models.get("gpt", "tiny")).graph
     axes = {"data": 2, "model": 4}
     _, report = search(graph, axes)
     assert report.eliminated > report.groups // 2, report
