@@ -27,6 +27,7 @@ Grammar::
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import re
 from collections.abc import Sequence
@@ -217,8 +218,9 @@ class Anno:
         return {name: sizes[name] for name in self.kinds() if name in sizes}
 
 
+@functools.lru_cache(maxsize=65536)
 def parse_anno(text: str) -> Anno:
-    """Parse an annotation string.
+    """Parse an annotation string (cached: an ``Anno`` is immutable).
 
     Raises:
         AnnoSyntaxError: with the bad part of ``text`` underlined.

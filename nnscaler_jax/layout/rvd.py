@@ -19,7 +19,7 @@ A :class:`Layout` stores the ``D`` axes per tensor dim (major to minor, exactly 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from jax.sharding import PartitionSpec
@@ -72,12 +72,17 @@ class Layout:
 
     dims: tuple[tuple[str, ...], ...]
     partial: tuple[str, ...] = ()
+    # derived once (layouts are dict keys and queried in the search's inner loops)
+    _split: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         dims = tuple(_axes_tuple(d, f"Layout dim {i}") for i, d in enumerate(self.dims))
         partial = tuple(sorted(_axes_tuple(tuple(self.partial), "Layout partial")))
         object.__setattr__(self, "dims", dims)
         object.__setattr__(self, "partial", partial)
+        object.__setattr__(self, "_split", tuple(a for d in dims for a in d))
+        object.__setattr__(self, "_hash", hash((dims, partial)))
         used = [a for d in dims for a in d] + list(partial)
         twice = sorted({a for a in used if used.count(a) > 1})
         if twice:
@@ -149,10 +154,16 @@ class Layout:
         """Number of tensor dims."""
         return len(self.dims)
 
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):  # rebuilt on unpickling: string hashes differ between processes
+        return (Layout, (self.dims, self.partial))
+
     @property
     def split_axes(self) -> tuple[str, ...]:
         """All mesh axes that split some dim, dim by dim, major to minor."""
-        return tuple(a for d in self.dims for a in d)
+        return self._split
 
     def axis_state(self, axis: str) -> AxisState:
         """``('R',)``, ``('V',)`` or ``('D', dim)`` for mesh ``axis`` (unknown axes are ``R``)."""

@@ -137,8 +137,17 @@ def _sync_axes(want: Layout, split: Split) -> tuple[str, ...]:
     return tuple(dict.fromkeys(a for a, d in split if d != "+" and a not in used))
 
 
-def _lay(op: Op, split: Split, side: int, k: int) -> Layout:
-    return op_layouts(op, OpPlan(op.id, op.primitive, op.module_path, split))[side][k]
+class _Layouts(dict):
+    """``(op id, split) -> (input layouts, output layouts)``, computed once per search."""
+
+    def __init__(self, by_id: Mapping[int, Op]) -> None:
+        super().__init__()
+        self.by_id = by_id
+
+    def __missing__(self, key: tuple[int, Split]):
+        op = self.by_id[key[0]]
+        out = self[key] = op_layouts(op, OpPlan(op.id, op.primitive, op.module_path, key[1]))
+        return out
 
 
 def _slice(lay: Layout, stacked: bool) -> Layout:
@@ -163,6 +172,7 @@ class _Builder:
         self.reshard_memo: dict[tuple, float] = {}
         self.member_memo: dict[tuple, object] = {}  # ours only: per class of identical work
         self.top_inputs = {t.id for t in self.graph.inputs}
+        self.lays = _Layouts(self.by_id)
 
     def fgroup(self, op_id: int):
         g, f, m = self.space.where[op_id]
@@ -250,7 +260,7 @@ class _Builder:
             if t.role is Role.VARIABLE and not first:
                 continue  # an edge from the first reader
             for i, split in enumerate(splits):
-                want = _lay(op, split, 0, k)
+                want = self.lays[op.id, split][0][k]
                 if first:
                     dp = _sync_axes(want, split)
                     have = stored_layout(t, want, dp, mesh_axes, self.zero)
@@ -334,7 +344,7 @@ class _Builder:
             w = self.space.weights[op.id]
             cls = np.full(fg.n, -1, dtype=np.int64)
             for i, split in enumerate(fg.splits[mm]):
-                want = _lay(op, split, 0, j)
+                want = self.lays[op.id, split][0][j]
                 axes = _sync_axes(want, split)
                 if not axes:
                     continue
@@ -389,9 +399,9 @@ class _Builder:
         out = []
         for split in fg.splits[m]:
             if kind == "out":
-                lay = _lay(op, split, 1, k)
+                lay = self.lays[op_id, split][1][k]
             else:
-                lay = _lay(op, split, 0, k)
+                lay = self.lays[op_id, split][0][k]
                 if kind == "var":
                     lay = stored_layout(op.inputs[k], lay, _sync_axes(lay, split),
                                         self.space.mesh_axes, self.zero)
