@@ -304,6 +304,8 @@ def _consumer_storage(graph: Graph, decisions: dict[int, OpPlan],
     for op in graph.walk():
         if not want:
             break
+        if not any(t.id in want for t in op.inputs):
+            continue
         ins, _ = op_layouts(op, decisions.get(op.id))
         for t, lay in zip(op.inputs, ins, strict=True):
             if t.id in want:

@@ -29,7 +29,7 @@ each device puts on the wire (:func:`wire_bytes`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
 from nnscaler_jax.errors import PlanError
@@ -167,11 +167,13 @@ class MeshSpec:
     axis_names: tuple[str, ...]
     axis_sizes: tuple[int, ...]
     links: tuple[LinkCost, ...]
+    _hash: int = field(default=0, init=False, repr=False, compare=False)  # a cache key
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "axis_names", tuple(self.axis_names))
         object.__setattr__(self, "axis_sizes", tuple(int(s) for s in self.axis_sizes))
         object.__setattr__(self, "links", tuple(self.links))
+        object.__setattr__(self, "_hash", hash((self.axis_names, self.axis_sizes, self.links)))
         n = len(self.axis_names)
         if len(self.axis_sizes) != n or len(self.links) != n:
             raise PlanError(
@@ -184,6 +186,12 @@ class MeshSpec:
             raise PlanError(f"MeshSpec{self.axis_names}: sizes must be >= 1, got {self.axis_sizes}")
         if not all(isinstance(link, LinkCost) for link in self.links):
             raise PlanError(f"MeshSpec{self.axis_names}: links must be LinkCost, got {self.links}")
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):  # rebuilt on unpickling: string hashes differ between processes
+        return (MeshSpec, (self.axis_names, self.axis_sizes, self.links))
 
     @classmethod
     def from_mesh(

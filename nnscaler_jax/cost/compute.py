@@ -26,6 +26,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from nnscaler_jax.ir.anno import parse_anno
 from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
 
 __all__ = ["FREE", "MATMUL", "TRAINABLE", "grad_tensors", "is_float", "itemsize", "op_bytes",
@@ -81,11 +82,17 @@ def op_flops(op: Op) -> float:
     if op.primitive == "conv_general_dilated":
         return _conv_flops(op)
     if op.primitive in MATMUL and op.annotated:
-        sizes = op.annotation.bind([t.shape for t in op.inputs], [t.shape for t in op.outputs])
-        return 2.0 * math.prod(sizes.values())
+        return _matmul_flops(op.anno, tuple(t.shape for t in op.inputs),
+                             tuple(t.shape for t in op.outputs))
     if op.primitive in FREE:
         return 0.0
     return float(sum(numel(t) for t in op.outputs))
+
+
+@lru_cache(maxsize=65536)
+def _matmul_flops(anno: str, in_shapes: tuple, out_shapes: tuple) -> float:
+    """``2 x`` the product of every identifier's size (each multiply-add once)."""
+    return 2.0 * math.prod(parse_anno(anno).bind(list(in_shapes), list(out_shapes)).values())
 
 
 def _conv_flops(op: Op) -> float:

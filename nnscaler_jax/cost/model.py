@@ -148,8 +148,12 @@ class CostModel:
     # ---- compute -------------------------------------------------------------------------------
 
     def _ways(self, split: Split) -> int:
-        sizes = dict(zip(self.mesh.axis_names, self.mesh.axis_sizes, strict=True))
-        return math.prod(sizes[a] for a, d in split if d != VALUE)
+        out = self._cache.get(("ways", split))
+        if out is None:
+            sizes = dict(zip(self.mesh.axis_names, self.mesh.axis_sizes, strict=True))
+            out = self._cache["ways", split] = math.prod(sizes[a] for a, d in split
+                                                         if d != VALUE)
+        return out
 
     def _profiled(self, op: Op, split: Split, ways: int) -> float | None:
         kind = self.device.kind

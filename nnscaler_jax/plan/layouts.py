@@ -43,7 +43,7 @@ def op_layouts(op: Op, plan: OpPlan | None) -> tuple[tuple[Layout, ...], tuple[L
     lacking a split ``+`` identifier are partial sums (V); everything else is replicated (R).
     """
     split = plan.split if plan is not None else ()
-    ranks = tuple(t.ndim for t in op.inputs + op.outputs)
+    ranks = tuple([len(t.shape) for t in op.inputs] + [len(t.shape) for t in op.outputs])
     lays = _layouts(op.anno, ranks, len(op.inputs), split)
     return lays[: len(op.inputs)], lays[len(op.inputs):]
 

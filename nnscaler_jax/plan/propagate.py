@@ -32,8 +32,11 @@ def propagate(graph: Graph, decisions: dict[int, OpPlan],
     replicated. Ops are visited in program order, region bodies after their op.
     """
     out = dict(decisions)
+    ops = list(graph.walk())
+    if all(op.id in out for op in ops):
+        return out  # nothing to follow (a searched plan decides every op)
     known: dict[int, Layout] = {}
-    for op in graph.walk():
+    for op in ops:
         if op.id not in out:
             split: tuple = ()
             for k, t in enumerate(op.inputs):

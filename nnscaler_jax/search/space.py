@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -149,7 +149,15 @@ def _op_signature(op: Op, first_use: set[tuple[int, int]], rules: Sequence[Rule]
             tuple(i for i, r in enumerate(rules) if r.matches(op)))
 
 
-def layer_keys(ops: Sequence[Op], signatures: Mapping[int, tuple]) -> dict[int, tuple]:
+@lru_cache(maxsize=65536)
+def _numbered_prefixes(module_path: str) -> tuple[str, ...]:
+    """The prefixes of ``module_path`` ending in a numbered component (``a/h_3``, ...)."""
+    parts = module_path.split("/") if module_path else []
+    return tuple("/".join(parts[: i + 1]) for i, comp in enumerate(parts)
+                 if _NUMBERED.match(comp))
+
+
+def layer_keys(ops: Sequence[Op], signatures: Mapping[int, Hashable]) -> dict[int, tuple]:
     """op id -> ``(class, position)`` for ops inside a repeated module subtree.
 
     A numbered module component (``h_3``, ``blocks_12``, ``layer4``) roots a subtree; subtrees
@@ -159,10 +167,8 @@ def layer_keys(ops: Sequence[Op], signatures: Mapping[int, tuple]) -> dict[int, 
     """
     subtree: dict[str, list[Op]] = {}
     for op in ops:
-        parts = op.module_path.split("/") if op.module_path else []
-        for i, comp in enumerate(parts):
-            if _NUMBERED.match(comp):
-                subtree.setdefault("/".join(parts[: i + 1]), []).append(op)
+        for prefix in _numbered_prefixes(op.module_path):
+            subtree.setdefault(prefix, []).append(op)
     klass: dict[str, tuple] = {}
     count: dict[tuple, int] = {}
     for prefix, members in subtree.items():
@@ -397,7 +403,7 @@ def build_space(graph: Graph, mesh_axes: Mapping[str, int], rules: Sequence[Rule
             for op in ops}
     interned: dict[tuple, int] = {}
     op_class = {i: interned.setdefault(sig, len(interned)) for i, sig in sigs.items()}
-    keys = layer_keys(ops, sigs)  # also memoizes costs of copies when not shared
+    keys = layer_keys(ops, op_class)  # also memoizes costs of copies when not shared
     weights: dict[int, float] = {}
     for g, w, _ in _walk_graphs(graph):
         for op in g.ops:
