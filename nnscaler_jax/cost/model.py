@@ -79,7 +79,7 @@ from nnscaler_jax.cost.compute import (
 )
 from nnscaler_jax.cost.devices import CPU, ClusterSpec, DeviceSpec
 from nnscaler_jax.cost.profile import ProfileDB
-from nnscaler_jax.cost.residuals import residual_outputs
+from nnscaler_jax.cost.residuals import MASKED, residual_outputs, saved_operands
 from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout, comm_path
 from nnscaler_jax.plan.layouts import op_layouts
@@ -431,6 +431,23 @@ def _add_axis(model: CostModel, v: Tensor, lay: Layout, axis: str) -> Layout:
     return lay
 
 
+def _gathered_operands(model: CostModel, op: Op, mask: tuple[bool, ...],
+                       ins: tuple[Layout, ...], layout: Mapping[int, Layout], zero: int,
+                       mult: int, kept: dict) -> None:
+    """A matmul / convolution (or ReLU max) operand its transpose reads, which reaches the op
+    through a relayout that grows it (an all-gather), is saved as the op reads it: the gathered
+    copy stays for the backward next to the original (as ZeRO-3's gathered weights)."""
+    for j in saved_operands(op, mask)[0]:
+        t, want = op.inputs[j], ins[j]
+        have = layout.get(t.id)
+        if have is None or not t.ndim or have == want or (
+                t.role is Role.VARIABLE and zero >= 3) or not is_float(t):
+            continue
+        grown = model._local_bytes(t, want)
+        if grown > model._local_bytes(t, have):
+            kept[(t.id, want)] = grown * mult
+
+
 def _analyze(model: CostModel, plan: Plan, graph: Graph) -> _Analysis:
     zero = max(model.zero, plan.zero)
     mesh = model.mesh
@@ -468,6 +485,8 @@ def _analyze(model: CostModel, plan: Plan, graph: Graph) -> _Analysis:
             origin.update({t.id: next(iter(srcs)) for t in op.outputs})  # a weight, reshaped
         mask = tuple(t.id in grads for t in op.inputs)
         out.compute += model._op_time(op, p.split, mask) * mult
+        if op.primitive in MASKED and not op.boundary:
+            _gathered_operands(model, op, mask, ins, layout, zero, mult, kept)
         local = sum(model._local_bytes(t, lay) for t, lay in zip(op.outputs, outs, strict=True))
         out.transient = max(out.transient, local)
         remat = [b for b in op.boundary if kinds.get(b, ("",))[0] in REMAT]

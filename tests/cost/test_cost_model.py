@@ -270,3 +270,26 @@ def test_conv_flops_are_output_elements_times_window_times_group_features(groups
     graph = trace(conv, x)
     (op,) = [o for o in graph.walk() if o.primitive == "conv_general_dilated"]
     assert op_flops(op) == 2 * (2 * 28 * 28 * 64) * (7 * 7 * 32 // groups)
+
+
+def test_a_saved_matmul_operand_reaching_it_by_an_all_gather_is_kept_gathered(mlp_graph):
+    """fc1 splits its output features over 'model', fc2 splits its own output features: fc2
+    reads the hidden activation h all-gathered (replicated) and its weight gradient needs h, so
+    XLA keeps the gathered copy for the backward next to h's own shard (measured on WRN's
+    searched plan: 0.47 -> 0.85 of XLA's memory once counted)."""
+    graph, _ = mlp_graph
+    mesh = make_mesh((1, 4), ("data", "model"))
+
+    def policy(draft, mesh):
+        draft.decide(draft.op("fc1"), {"model": "n0"})
+        draft.decide(draft.op("fc2"), {"model": "n0"})
+        return draft.finish()
+
+    plan = make_plan_for(graph, mesh, policy=policy)
+    model = _model(plan)
+    splits = {p.op: p.split for p in plan.ops}
+    saved = residual_outputs(graph)
+    own = sum(model.activation_bytes(op, splits.get(op.id, ()), saved.get(op.id, ()))
+              for op in graph.walk())
+    h = graph.op("fc2").inputs[0]
+    assert model.memory_breakdown(plan, graph)["activations"] == own + h.nbytes
