@@ -343,6 +343,7 @@ class CostModel:
 # ---- the plan walk -------------------------------------------------------------------------------
 
 
+@lru_cache(maxsize=65536)
 def _drop_partial(lay: Layout) -> Layout:
     return Layout(lay.dims) if lay.partial else lay
 

@@ -157,6 +157,14 @@ class Layout:
     def __hash__(self) -> int:
         return self._hash
 
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, Layout):
+            return NotImplemented
+        return (self._hash == other._hash and self.dims == other.dims
+                and self.partial == other.partial)
+
     def __reduce__(self):  # rebuilt on unpickling: string hashes differ between processes
         return (Layout, (self.dims, self.partial))
 

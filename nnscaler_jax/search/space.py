@@ -197,11 +197,13 @@ class FGroup:
         ops: op ids, leader first.
         splits: per member, its split under each strategy of the group (index = strategy).
         key: isomorphism key (equal keys: copies of one layer), or None when unique.
+        split_ids: per member, an id of its strategy list (equal ids: equal lists).
     """
 
     ops: tuple[int, ...]
     splits: tuple[tuple[Split, ...], ...]
-    key: tuple | None = None
+    key: int | None = None
+    split_ids: tuple[int, ...] = ()
 
     @property
     def n(self) -> int:
@@ -486,11 +488,16 @@ def build_space(graph: Graph, mesh_axes: Mapping[str, int], rules: Sequence[Rule
             fg_splits[f].append(mine)
 
     fgroups = []
+    # isomorphism keys and members' strategy lists interned to small ints (cheap to hash: the
+    # cost tables key their memos on them)
+    iso: dict[tuple, int] = {}
+    lists: dict[tuple, int] = {}
     for ids, splits in zip(fg_ops, fg_splits, strict=True):
         key = None
         if all(i in keys for i in ids):
-            key = tuple(keys[i] for i in ids)
-        fgroups.append(FGroup(tuple(ids), tuple(splits), key))
+            key = iso.setdefault(tuple(keys[i] for i in ids), len(iso))
+        fgroups.append(FGroup(tuple(ids), tuple(splits), key,
+                              tuple(lists.setdefault(sp, len(lists)) for sp in splits)))
 
     # Groups: copies of one layer share a decision; so do sibling ops (ours): leaders of one
     # class reading the same value at the same operand (the q / k / v projections of one input).

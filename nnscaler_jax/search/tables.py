@@ -211,7 +211,7 @@ class _Builder:
             op = self.by_id[op_id]
             if op.regions:
                 continue
-            key = (self.space.op_class.get(op_id), fg.splits[mi])
+            key = (self.space.op_class.get(op_id), fg.split_ids[mi])
             local = self.member_memo.get(("tr",) + key) if self.space.shared else None
             if local is None:
                 local = np.array([sum(t.nbytes for t in op.outputs) / self.cm._ways(sp)
@@ -226,7 +226,7 @@ class _Builder:
         for mi, op_id in enumerate(fg.ops):
             op = self.by_id[op_id]
             if self.space.shared:  # ours: identical members (same class, splits) priced once
-                key = ("u", self.space.op_class[op_id], fg.splits[mi], self.space.weights[op_id],
+                key = ("u", self.space.op_class[op_id], fg.split_ids[mi], self.space.weights[op_id],
                        op_id in self.remat, tuple(t.id in self.top_inputs for t in op.inputs),
                        self.saved.get(op_id, ()))
                 parts = self.member_memo.get(key)
@@ -322,7 +322,7 @@ class _Builder:
         parts = []
         for op, j in reads:
             _g, _f, mm, fg = self.fgroup(op.id)
-            parts.append((self.space.op_class[op.id], j, fg.splits[mm],
+            parts.append((self.space.op_class[op.id], j, fg.split_ids[mm],
                           self.space.weights[op.id]))
         key = ("s", t.shape, t.dtype, t.role, t.collection, tuple(parts))
         if key not in self.member_memo:
@@ -411,7 +411,7 @@ class _Builder:
     def _unique_layouts(self, end: tuple, fg, m: int) -> tuple[list[Layout], list[int]]:
         if not self.space.shared:
             return _unique(self._layouts(end, fg, m))
-        key = ("l", self.space.op_class[end[1]], end[0], end[2], end[3], fg.splits[m])
+        key = ("l", self.space.op_class[end[1]], end[0], end[2], end[3], fg.split_ids[m])
         out = self.member_memo.get(key)
         if out is None:
             out = self.member_memo[key] = _unique(self._layouts(end, fg, m))
@@ -432,8 +432,8 @@ class _Builder:
         sig = None
         if self.space.shared:  # ours: one pricing per (producer, consumer, shapes) pattern
             cls = self.space.op_class
-            sig = ("e", cls[src[1]], src[0], src[2], src[3], fgs.splits[ms], cls[dst[1]], dst[0],
-                   dst[2], dst[3], fgd.splits[md], w, t.role, t.collection)
+            sig = ("e", cls[src[1]], src[0], src[2], src[3], fgs.split_ids[ms], cls[dst[1]],
+                   dst[0], dst[2], dst[3], fgd.split_ids[md], w, t.role, t.collection)
         elif fgs.key is not None and fgd.key is not None:
             sig = (fgs.key, ms, src[0], src[2], src[3], fgd.key, md, dst[0], dst[2], dst[3], w)
         if gs == gd:  # one decision: only equal strategy indices meet (the diagonal)
