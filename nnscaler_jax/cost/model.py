@@ -82,7 +82,7 @@ from nnscaler_jax.cost.profile import ProfileDB
 from nnscaler_jax.cost.residuals import MASKED, residual_outputs, saved_operands
 from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout, comm_path
-from nnscaler_jax.plan.layouts import op_layouts
+from nnscaler_jax.plan.layouts import op_layouts, plan_layouts
 from nnscaler_jax.plan.plan import VALUE, OpPlan, Plan, PlanCost
 
 __all__ = ["CPU", "CostModel", "DeviceSpec", "itemsize", "op_flops"]
@@ -470,7 +470,7 @@ def _analyze(model: CostModel, plan: Plan, graph: Graph) -> _Analysis:
     first_want: dict[int, Layout] = {}
     for op, mult in walk_weighted(graph):
         p = plans.get(op.id) or OpPlan(op.id, op.primitive, op.module_path)
-        ins, outs = op_layouts(op, p)
+        ins, outs = plan_layouts(op, plans)
         for t, want in zip(op.inputs, ins, strict=True):
             have = layout.get(t.id)
             if have is not None and t.ndim:

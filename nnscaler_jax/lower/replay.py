@@ -21,7 +21,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout
-from nnscaler_jax.plan.layouts import op_layouts
+from nnscaler_jax.plan.layouts import op_layouts, plan_layouts
 from nnscaler_jax.plan.plan import VALUE, OpPlan, Plan
 
 __all__ = ["Lowering", "auto_view", "bind_eqn", "explicitly_typed", "is_explicit"]
@@ -68,7 +68,7 @@ class Lowering:
         self._consumer_layout: dict[int, Layout] = {}
         self._consumers: dict[int, list[int]] = {}
         for op in self.graph.walk():
-            ins, _ = op_layouts(op, self._plans.get(op.id))
+            ins, _ = plan_layouts(op, self._plans)
             for t, lay in zip(op.inputs, ins, strict=True):
                 self._consumer_layout.setdefault(t.id, lay)
                 self._consumers.setdefault(t.id, []).append(op.id)
@@ -241,7 +241,7 @@ class Lowering:
 
     def _op(self, op: Op, env: dict) -> None:
         plan = self._plans.get(op.id)
-        in_lays, out_lays = op_layouts(op, plan)
+        in_lays, out_lays = plan_layouts(op, self._plans)
         ins = [self._constrain(self._read(env, t), t, lay)
                for t, lay in zip(op.inputs, in_lays, strict=True)]
         if plan is not None and plan.chunks:

@@ -5,11 +5,12 @@ from __future__ import annotations
 from functools import lru_cache
 
 from nnscaler_jax.ir.anno import DimKind, parse_anno
-from nnscaler_jax.ir.graph import Op
+from nnscaler_jax.ir.graph import Op, Role
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.plan.plan import VALUE, OpPlan
 
-__all__ = ["op_layouts", "split_for_layout"]
+__all__ = ["op_layouts", "plan_layouts", "scan_read_layouts", "scan_stored_inputs",
+           "split_for_layout"]
 
 
 @lru_cache(maxsize=65536)
@@ -68,3 +69,53 @@ def split_for_layout(op: Op, operand: int, layout: Layout) -> tuple[tuple[str, s
             return None
         pairs += [(a, name) for a in axes]
     return tuple(pairs)
+
+
+def scan_stored_inputs(op: Op) -> dict[int, tuple[Op, int, bool]]:
+    """The weights a ``scan`` reads for its body: input index -> (the body op that first reads
+    the weight's per-iteration block, its operand index, stacked).
+
+    Each such input is a top-level variable passed as a const or a stacked (``nn.scan``-style)
+    input. It is stored, and read by the scan, the way that body op reads its block (the
+    stacked leading length dim unsplit), not replicated: the scan itself does not relayout it.
+    """
+    if op.primitive != "scan":
+        return {}
+    (body,) = op.regions
+    nc, ncarry = op.params["num_consts"], op.params["num_carry"]
+    first: dict[int, tuple[Op, int]] = {}
+    for bop in body.ops:
+        for j, t in enumerate(bop.inputs):
+            first.setdefault(t.id, (bop, j))
+    out = {}
+    for k, (outer, inner) in enumerate(zip(op.inputs, body.inputs, strict=True)):
+        if nc <= k < nc + ncarry or outer.role is not Role.VARIABLE or not inner.ndim:
+            continue
+        reader = first.get(inner.id)
+        if reader is not None and not reader[0].regions:
+            out[k] = (reader[0], reader[1], k >= nc + ncarry)
+    return out
+
+
+def lift(lay: Layout, stacked: bool) -> Layout:
+    """A body block's layout as the layout of its outer tensor (stacked: an unsplit length dim
+    in front; partial sums dropped: a read is never partial)."""
+    return Layout((((),) if stacked else ()) + lay.dims)
+
+
+def scan_read_layouts(op: Op, plans) -> dict[int, Layout]:
+    """Input index -> the layout a ``scan`` reads that weight in (see
+    :func:`scan_stored_inputs`), under ``plans`` (op id -> ``OpPlan``) of its body ops."""
+    return {k: lift(op_layouts(bop, plans.get(bop.id))[0][j], stacked)
+            for k, (bop, j, stacked) in scan_stored_inputs(op).items()}
+
+
+def plan_layouts(op: Op, plans) -> tuple[tuple[Layout, ...], tuple[Layout, ...]]:
+    """:func:`op_layouts` of ``op`` under ``plans`` (op id -> ``OpPlan``), where a ``scan``
+    reads the weights of its body as its body ops do (:func:`scan_read_layouts`)."""
+    ins, outs = op_layouts(op, plans.get(op.id))
+    if op.primitive == "scan":
+        reads = scan_read_layouts(op, plans)
+        if reads:
+            ins = tuple(reads.get(k, lay) for k, lay in enumerate(ins))
+    return ins, outs

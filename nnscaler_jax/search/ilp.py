@@ -252,6 +252,31 @@ def _solve_reduced(tables: CostTables, budget: float | None, limit: float,
                      part.constraints if part else 0), red.eliminated
 
 
+def _meet_budget(plan: Plan, sol: _Solution, budget: float, solved, cm: CostModel,
+                 graph: Graph, make_plan) -> tuple[Plan, _Solution]:
+    """The cost tables hold memory per group only; the plan's full pricing also keeps operands
+    gathered by an edge's relayout (``cost.model._gathered_operands``). When that pushes the
+    plan over ``budget``, solve again under a budget lowered by the excess (a few rounds)."""
+    real = cm.plan_cost(plan, graph).memory_bytes_per_device
+    for _ in range(3):
+        if real <= budget:
+            return plan, sol
+        try:
+            sol = solved(budget - (real - sol.memory_bytes))[0]
+        except PlanError:
+            break
+        plan = make_plan(sol)
+        real = cm.plan_cost(plan, graph).memory_bytes_per_device
+    if real <= budget:
+        return plan, sol
+    raise PlanError(
+        f"no plan fits max_memory_per_device={int(budget):,} bytes ({budget / 2**30:.2f} GiB): "
+        f"the best plan found within the search's per-op estimate needs {int(real):,} bytes "
+        f"({real / 2**30:.2f} GiB) per device once relayout buffers kept for the backward (all-"
+        "gathered matmul operands) are counted. Raise the budget, use Constraints(zero=3), or "
+        "a larger mesh.")
+
+
 def _smallest_memory(tables: CostTables) -> float:
     """The least kept + transient bytes over all choices (memory has no edge terms, so the
     group-wise minimum of kept bytes is exact; the transient is added for that choice)."""
@@ -383,13 +408,20 @@ def _search(graph, mesh_axes, constraints, cost_model, planner, time_limit, draf
     t1 = time.perf_counter()
     limit = time_limit if time_limit is not None else (600.0 if planner == "alpa" else 60.0)
     budget = constraints.max_memory_per_device
-    if planner == "alpa":  # Alpa solves the whole ILP
-        sol = solve(tables, max_memory=budget, time_limit=limit, desc=f"{planner} ILP")
-        eliminated = 0
-    else:  # ours: exact elimination of chain groups first (search/reduce.py)
-        sol, eliminated = _solve_reduced(tables, budget, limit, planner)
+
+    def solved(cap: float | None) -> tuple[_Solution, int]:
+        if planner == "alpa":  # Alpa solves the whole ILP
+            return solve(tables, max_memory=cap, time_limit=limit, desc=f"{planner} ILP"), 0
+        # ours: exact elimination of chain groups first (search/reduce.py)
+        return _solve_reduced(tables, cap, limit, planner)
+
+    sol, eliminated = solved(budget)
     t2 = time.perf_counter()
     plan = _plan(graph, mesh_axes, space, sol.choice, planner, zero, draft)
+    if budget is not None:
+        plan, sol = _meet_budget(plan, sol, budget, solved, cm, graph,
+                                 lambda s: _plan(graph, mesh_axes, space, s.choice, planner,
+                                                 zero, draft))
     report = _report(planner, space, tables, sol, t1 - t0 + (time.perf_counter() - t2), t2 - t1,
                      eliminated)
     log.info("%s", report)

@@ -37,7 +37,7 @@ from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.cost.residuals import residual_outputs
 from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout
-from nnscaler_jax.plan.layouts import op_layouts
+from nnscaler_jax.plan.layouts import lift, op_layouts, scan_stored_inputs
 from nnscaler_jax.plan.plan import OpPlan
 from nnscaler_jax.search.space import SearchSpace, Split, _walk_graphs, first_uses
 
@@ -173,6 +173,25 @@ class _Builder:
         self.member_memo: dict[tuple, object] = {}  # ours only: per class of identical work
         self.top_inputs = {t.id for t in self.graph.inputs}
         self.lays = _Layouts(self.by_id)
+        # weights a scan reads for its body are stored as the body op first reading their block
+        # reads it (plan.layouts.scan_stored_inputs): that op prices the storage, later body
+        # readers relayout from it, and the scan itself neither stores nor syncs them
+        self.lifted: dict[tuple[int, int], tuple[Tensor, bool]] = {}  # (body op, k) -> weight
+        self.skipped: set[tuple[int, int]] = set()  # (scan op, k)
+        self.body_first: dict[int, tuple[int, int]] = {}  # body input -> (first reader, k)
+        for op in self.graph.walk():
+            for k, (bop, j, stacked) in scan_stored_inputs(op).items():
+                if self.uses.get(op.inputs[k].id) == (op.id, k):
+                    self.lifted[bop.id, j] = (op.inputs[k], stacked)
+                    self.skipped.add((op.id, k))
+                    self.body_first[op.regions[0].inputs[k].id] = (bop.id, j)
+
+    def _stores(self, op_id: int) -> tuple:
+        """What an op stores or skips of the scan-read weights (part of its pricing key)."""
+        n = len(self.by_id[op_id].inputs)
+        return tuple((self.lifted[op_id, k][0].shape, self.lifted[op_id, k][1])
+                     if (op_id, k) in self.lifted else (op_id, k) in self.skipped
+                     for k in range(n)) if self.lifted else ()
 
     def fgroup(self, op_id: int):
         g, f, m = self.space.where[op_id]
@@ -228,7 +247,7 @@ class _Builder:
             if self.space.shared:  # ours: identical members (same class, splits) priced once
                 key = ("u", self.space.op_class[op_id], fg.split_ids[mi], self.space.weights[op_id],
                        op_id in self.remat, tuple(t.id in self.top_inputs for t in op.inputs),
-                       self.saved.get(op_id, ()))
+                       self.saved.get(op_id, ()), self._stores(op_id))
                 parts = self.member_memo.get(key)
                 if parts is None:
                     parts = self.member_memo[key] = self._member_unary(op, fg.splits[mi])
@@ -254,7 +273,10 @@ class _Builder:
             if not remat:
                 m[i] += w * cm.activation_bytes(op, split, self.saved.get(op.id, ()))
         for k, t in enumerate(op.inputs):
-            if t.id not in self.top_inputs:
+            if (op.id, k) in self.lifted:
+                self._lifted_unary(op, k, splits, x, m)
+                continue
+            if t.id not in self.top_inputs or (op.id, k) in self.skipped:
                 continue
             first = t.role is Role.VARIABLE and self.uses.get(t.id) == (op.id, k)
             if t.role is Role.VARIABLE and not first:
@@ -271,13 +293,24 @@ class _Builder:
                 x[i] += cm.reshard_time(t, have, want)
         return c, x, m
 
+    def _lifted_unary(self, op: Op, k: int, splits, x: np.ndarray, m: np.ndarray) -> None:
+        """Storage of a scan-read weight, priced at the body op first reading its block."""
+        v, stacked = self.lifted[op.id, k]
+        for i, split in enumerate(splits):
+            want = lift(self.lays[op.id, split][0][k], stacked)
+            dp = _sync_axes(want, split)
+            have = stored_layout(v, want, dp, self.space.mesh_axes, self.zero)
+            m[i] += (self.cm.variable_bytes(v, want, dp) if self.zero
+                     else self.cm.variable_bytes(v, want))
+            x[i] += self.cm.reshard_time(v, have, want)
+
     # ---- gradient syncs ------------------------------------------------------------------------
 
     def syncs(self) -> list[SyncSet]:
         readers: dict[int, list[tuple[Op, int]]] = {}
         for op in self.graph.walk():
             for j, t in enumerate(op.inputs):
-                if t.role is not Role.CONST and t.ndim:
+                if t.role is not Role.CONST and t.ndim and (op.id, j) not in self.skipped:
                     readers.setdefault(t.id, []).append((op, j))
         merged: dict[tuple, list] = {}
         out: list[SyncSet] = []
@@ -380,7 +413,12 @@ class _Builder:
             for op in g.ops:
                 for j, t in enumerate(op.inputs):
                     dst = ("in", op.id, j, False)
-                    if t.id in producer:
+                    if t.id in self.body_first:
+                        # a scan-read weight's block, stored as its first reader reads it
+                        if self.body_first[t.id] == (op.id, j):
+                            continue
+                        src = ("in",) + self.body_first[t.id] + (False,)
+                    elif t.id in producer:
                         prod = producer[t.id]
                         src = ("out", prod.id, [o.id for o in prod.outputs].index(t.id), False)
                     elif t.role is Role.VARIABLE and t.id in self.uses and \
