@@ -193,8 +193,9 @@ def _markdown(results: list[dict]) -> str:
                    "267 groups, 0.4 s). The Alpa-style planner builds its per-op tables (memoised "
                    "by layer-copy key) and solves its full ILP, one variable per op group, as "
                    "Alpa does. `nn.scan` models hold one copy of the layer, so both planners see "
-                   "the same small graph there (speedup ~1-2x by construction). Evoformer: the "
-                   "Alpa-style ILP stops at its 600 s limit with a worse plan.")]
+                   "the same small graph there (speedup ~1-2x by construction; see the unrolled "
+                   "comparison below). Evoformer: the Alpa-style ILP stops at its 600 s limit "
+                   "with a worse plan.")]
     return "\n".join(lines + extra) + "\n"
 
 
