@@ -213,3 +213,27 @@ def test_scan_stacked_weights_are_stored_as_the_body_reads_them():
     spec = tuple(kernel.sharding.spec) + (None,) * 3
     assert spec[2] == "model" and spec[0] is None, spec
     assert mem["tiny-scan"] == mem["tiny"]
+
+
+def test_scan_carry_may_cross_layer_boundaries_split():
+    """A scan's split sets the layout its carry crosses layer boundaries in: the residual stream
+    split over 'model' on its hidden dim (the unrolled model's searched plan does this at GPT-3
+    scale), the body ops following it; numerics equal the single-device model."""
+    from nnscaler_jax.ir.anno import parse_anno
+    from nnscaler_jax.plan.layouts import op_layouts
+
+    def policy(draft, mesh):
+        scan = next(op for op in draft.graph.walk() if op.primitive == "scan")
+        carry = parse_anno(scan.anno).inputs[scan.params["num_consts"]]
+        draft.decide(scan, {"data": carry.axes[0].dims[0].name,
+                            "model": carry.axes[-1].dims[0].name})
+        return draft.finish()
+
+    mesh = make_mesh((2, 4), ("data", "model"))
+    module, make_args, loss = models.get("gpt", "tiny-scan", batch_size=8)
+    pm, _ = _linen_case(module, make_args(), loss, mesh, policy, rtol=1e-4)
+    graph = pm._last.captured.graph
+    scan = next(op for op in graph.walk() if op.primitive == "scan")
+    plan = {p.op: p for p in pm.plan.ops}[scan.id]
+    carry_out = op_layouts(scan, plan)[1][0]
+    assert carry_out.dims[0] == ("data",) and carry_out.dims[-1] == ("model",)

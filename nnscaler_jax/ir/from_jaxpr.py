@@ -216,7 +216,11 @@ def _region_anno(eqn, regions: tuple[Graph, ...], ins, outs) -> tuple[str, bool]
         in_keys = [None] + [tuple((t.id, i) for i in range(t.ndim)) for t in first.inputs]
         out_keys = [tuple((t.id, i) for i in range(t.ndim)) for t in first.outputs]
     # Body outputs that are body inputs directly, or constants: tie nothing more.
-    classes = dim_classes(ops, unions)
+    # A scan's split sets only the layouts at its boundary (its body ops are planned, or
+    # propagated, op by op; GSPMD reduces what a body op leaves partial), so a carried dim that
+    # some body op contracts stays splittable there: the carried activation may cross layer
+    # boundaries split (as the unrolled model's layer outputs may).
+    classes = dim_classes(ops, unions, reduce_frozen=name != "scan")
     if len(in_keys) != len(ins) or len(out_keys) != len(outs):
         return (", ".join("?" for _ in ins) + " -> " + ", ".join("?" for _ in outs)), False
     # Extended dtypes (rng keys) and scalars stay as they are; an axis key absent from the body
