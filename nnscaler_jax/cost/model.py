@@ -82,6 +82,7 @@ from nnscaler_jax.cost.profile import ProfileDB
 from nnscaler_jax.cost.residuals import MASKED, residual_outputs, saved_operands
 from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout, comm_path
+from nnscaler_jax.layout.rvd import interned
 from nnscaler_jax.plan.layouts import op_layouts, plan_layouts
 from nnscaler_jax.plan.plan import VALUE, OpPlan, Plan, PlanCost
 
@@ -345,7 +346,7 @@ class CostModel:
 
 @lru_cache(maxsize=65536)
 def _drop_partial(lay: Layout) -> Layout:
-    return Layout(lay.dims) if lay.partial else lay
+    return interned(Layout(lay.dims)) if lay.partial else lay
 
 
 def _partial_grad_axes(want: Layout, split: Split) -> list[str]:

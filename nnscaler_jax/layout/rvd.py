@@ -294,3 +294,12 @@ class Layout:
         """
         d = str(Layout(dims=self.dims)) if self.split_axes else "D()"
         return f"R({','.join(self.replicated_axes(mesh))})V({','.join(self.partial)}){d}"
+
+
+_INTERNED: dict[Layout, Layout] = {}
+
+
+def interned(layout: Layout) -> Layout:
+    """One shared object per layout value: dict lookups keyed on layouts (the search's memos,
+    cached collective paths) then hit by identity instead of comparing dims."""
+    return _INTERNED.setdefault(layout, layout)

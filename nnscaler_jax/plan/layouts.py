@@ -7,6 +7,7 @@ from functools import lru_cache
 from nnscaler_jax.ir.anno import DimKind, parse_anno
 from nnscaler_jax.ir.graph import Op, Role
 from nnscaler_jax.layout import Layout
+from nnscaler_jax.layout.rvd import interned
 from nnscaler_jax.plan.plan import VALUE, OpPlan
 
 __all__ = ["op_layouts", "plan_layouts", "scan_read_layouts", "scan_stored_inputs",
@@ -33,7 +34,7 @@ def _layouts(anno_text: str, ranks: tuple[int, ...], n_in: int,
                     dims[pos].append(axis)
                 elif k >= n_in and kinds.get(name) is DimKind.REDUCE:
                     partial.append(axis)
-        out.append(Layout(tuple(tuple(d) for d in dims), tuple(partial)))
+        out.append(interned(Layout(tuple(tuple(d) for d in dims), tuple(partial))))
     return tuple(out)
 
 
