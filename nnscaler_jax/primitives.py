@@ -297,8 +297,9 @@ def _consumer_storage(graph: Graph, decisions: dict[int, OpPlan],
                       fixed: dict[str, tuple[Any, ...]]) -> dict[str, tuple[Any, ...]]:
     """Store each variable the way its first consumer reads it (Megatron keeps weight shards
     where they are used; data-parallel weights stay replicated)."""
-    from nnscaler_jax.plan.layouts import plan_layouts
+    from nnscaler_jax.plan.layouts import plan_layouts, sole_read_variables
 
+    sole = sole_read_variables(graph)
     want = {t.id: t for t in graph.variables if t.name not in fixed}
     out: dict[str, tuple[Any, ...]] = {}
     for op in graph.walk():
@@ -306,7 +307,7 @@ def _consumer_storage(graph: Graph, decisions: dict[int, OpPlan],
             break
         if not any(t.id in want for t in op.inputs):
             continue
-        ins, _ = plan_layouts(op, decisions)
+        ins, _ = plan_layouts(op, decisions, sole)
         for t, lay in zip(op.inputs, ins, strict=True):
             if t.id in want:
                 spec = tuple(lay.to_pspec())

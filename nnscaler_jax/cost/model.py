@@ -83,7 +83,7 @@ from nnscaler_jax.cost.residuals import MASKED, residual_outputs, saved_operands
 from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout, comm_path
 from nnscaler_jax.layout.rvd import interned
-from nnscaler_jax.plan.layouts import op_layouts, plan_layouts
+from nnscaler_jax.plan.layouts import op_layouts, plan_layouts, sole_read_variables
 from nnscaler_jax.plan.plan import VALUE, OpPlan, Plan, PlanCost
 
 __all__ = ["CPU", "CostModel", "DeviceSpec", "itemsize", "op_flops"]
@@ -457,6 +457,7 @@ def _analyze(model: CostModel, plan: Plan, graph: Graph) -> _Analysis:
     grads = grad_tensors(graph, model.input_grads)
     saved = residual_outputs(graph, grads if model.input_grads else None)
     kinds = _boundary_kinds(graph)
+    sole = sole_read_variables(graph)
     layout: dict[int, Layout] = {}
     for t in graph.inputs:
         spec = plan.variable_spec(t.name) if t.role is Role.VARIABLE else None
@@ -471,7 +472,7 @@ def _analyze(model: CostModel, plan: Plan, graph: Graph) -> _Analysis:
     first_want: dict[int, Layout] = {}
     for op, mult in walk_weighted(graph):
         p = plans.get(op.id) or OpPlan(op.id, op.primitive, op.module_path)
-        ins, outs = plan_layouts(op, plans)
+        ins, outs = plan_layouts(op, plans, sole)
         for t, want in zip(op.inputs, ins, strict=True):
             have = layout.get(t.id)
             if have is not None and t.ndim:
@@ -512,7 +513,7 @@ def _analyze(model: CostModel, plan: Plan, graph: Graph) -> _Analysis:
     dp: dict[int, tuple[str, ...]] = {v.id: () for v in graph.variables}
     for e in edges:
         v = origin.get(e.tensor.id, e.tensor.id)
-        if v in var_ids:
+        if v in var_ids and not e.region:  # a region's body edges carry its gradients' axes
             dp[v] = tuple(dict.fromkeys(dp[v] + tuple(_partial_grad_axes(e.want, e.split))))
     store: dict[int, Layout] = {}
     for v in graph.variables:

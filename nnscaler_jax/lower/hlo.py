@@ -16,7 +16,7 @@ import numpy as np
 
 from nnscaler_jax.ir.graph import Graph, Role
 from nnscaler_jax.layout import Layout
-from nnscaler_jax.plan.layouts import op_layouts
+from nnscaler_jax.plan.layouts import plan_layouts, sole_read_variables
 from nnscaler_jax.plan.plan import Plan
 
 __all__ = ["HloCollective", "expected_collectives", "hlo_collectives", "summarize"]
@@ -138,8 +138,9 @@ def expected_collectives(graph: Graph, plan: Plan) -> list[tuple[str, str, str]]
         spec = plan.variable_spec(t.name) if t.role is Role.VARIABLE else None
         layout[t.id] = Layout.from_pspec(spec, t.ndim) if spec else None
     out = []
+    sole = sole_read_variables(graph)
     for op in graph.walk():
-        ins, outs = op_layouts(op, plans.get(op.id))
+        ins, outs = plan_layouts(op, plans, sole)
         for t, want in zip(op.inputs, ins, strict=True):
             have = layout.get(t.id)
             if have is None or t.ndim == 0:

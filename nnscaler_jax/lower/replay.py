@@ -21,7 +21,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout
-from nnscaler_jax.plan.layouts import op_layouts, plan_layouts
+from nnscaler_jax.plan.layouts import op_layouts, plan_layouts, sole_read_variables
 from nnscaler_jax.plan.plan import VALUE, OpPlan, Plan
 
 __all__ = ["Lowering", "auto_view", "bind_eqn", "explicitly_typed", "is_explicit"]
@@ -65,10 +65,11 @@ class Lowering:
         # user's Explicit mesh under auto_axes, so results are typed like the plan's layouts.
         self.mesh = self.mesh if self.explicit else auto_view(self.mesh)
         self._plans = {p.op: p for p in self.plan.ops}
+        self._sole = sole_read_variables(self.graph)
         self._consumer_layout: dict[int, Layout] = {}
         self._consumers: dict[int, list[int]] = {}
         for op in self.graph.walk():
-            ins, _ = plan_layouts(op, self._plans)
+            ins, _ = plan_layouts(op, self._plans, self._sole)
             for t, lay in zip(op.inputs, ins, strict=True):
                 self._consumer_layout.setdefault(t.id, lay)
                 self._consumers.setdefault(t.id, []).append(op.id)
@@ -241,7 +242,7 @@ class Lowering:
 
     def _op(self, op: Op, env: dict) -> None:
         plan = self._plans.get(op.id)
-        in_lays, out_lays = plan_layouts(op, self._plans)
+        in_lays, out_lays = plan_layouts(op, self._plans, self._sole)
         ins = [self._constrain(self._read(env, t), t, lay)
                for t, lay in zip(op.inputs, in_lays, strict=True)]
         if plan is not None and plan.chunks:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from functools import lru_cache
 
 from nnscaler_jax.ir.anno import DimKind, parse_anno
@@ -11,7 +12,7 @@ from nnscaler_jax.layout.rvd import interned
 from nnscaler_jax.plan.plan import VALUE, OpPlan
 
 __all__ = ["op_layouts", "plan_layouts", "scan_read_layouts", "scan_stored_inputs",
-           "split_for_layout"]
+           "sole_read_variables", "split_for_layout"]
 
 
 @lru_cache(maxsize=65536)
@@ -72,13 +73,32 @@ def split_for_layout(op: Op, operand: int, layout: Layout) -> tuple[tuple[str, s
     return tuple(pairs)
 
 
-def scan_stored_inputs(op: Op) -> dict[int, tuple[Op, int, bool]]:
+_SOLE: dict[int, tuple[weakref.ref, frozenset[int]]] = {}
+
+
+def sole_read_variables(graph) -> frozenset[int]:
+    """Ids of the variables exactly one op of ``graph`` reads (cached per graph)."""
+    hit = _SOLE.get(id(graph))
+    if hit is not None and hit[0]() is graph:
+        return hit[1]
+    count: dict[int, int] = {}
+    for op in graph.walk():
+        for t in op.inputs:
+            if t.role is Role.VARIABLE:
+                count[t.id] = count.get(t.id, 0) + 1
+    out = frozenset(i for i, n in count.items() if n == 1)
+    _SOLE[id(graph)] = (weakref.ref(graph), out)
+    return out
+
+
+def scan_stored_inputs(op: Op, sole: frozenset[int]) -> dict[int, tuple[Op, int, bool]]:
     """The weights a ``scan`` reads for its body: input index -> (the body op that first reads
     the weight's per-iteration block, its operand index, stacked).
 
-    Each such input is a top-level variable passed as a const or a stacked (``nn.scan``-style)
-    input. It is stored, and read by the scan, the way that body op reads its block (the
-    stacked leading length dim unsplit), not replicated: the scan itself does not relayout it.
+    Each such input is a top-level variable the scan alone reads (``sole``: see
+    :func:`sole_read_variables`; an ``nn.scan`` stack's weights), passed as a const or a
+    stacked input. It is stored, and read by the scan, the way that body op reads its block
+    (the stacked leading length dim unsplit), not replicated: the scan does not relayout it.
     """
     if op.primitive != "scan":
         return {}
@@ -90,7 +110,7 @@ def scan_stored_inputs(op: Op) -> dict[int, tuple[Op, int, bool]]:
             first.setdefault(t.id, (bop, j))
     out = {}
     for k, (outer, inner) in enumerate(zip(op.inputs, body.inputs, strict=True)):
-        if nc <= k < nc + ncarry or outer.role is not Role.VARIABLE or not inner.ndim:
+        if nc <= k < nc + ncarry or outer.id not in sole or not inner.ndim:
             continue
         reader = first.get(inner.id)
         if reader is not None and not reader[0].regions:
@@ -104,19 +124,21 @@ def lift(lay: Layout, stacked: bool) -> Layout:
     return Layout((((),) if stacked else ()) + lay.dims)
 
 
-def scan_read_layouts(op: Op, plans) -> dict[int, Layout]:
+def scan_read_layouts(op: Op, plans, sole: frozenset[int]) -> dict[int, Layout]:
     """Input index -> the layout a ``scan`` reads that weight in (see
     :func:`scan_stored_inputs`), under ``plans`` (op id -> ``OpPlan``) of its body ops."""
     return {k: lift(op_layouts(bop, plans.get(bop.id))[0][j], stacked)
-            for k, (bop, j, stacked) in scan_stored_inputs(op).items()}
+            for k, (bop, j, stacked) in scan_stored_inputs(op, sole).items()}
 
 
-def plan_layouts(op: Op, plans) -> tuple[tuple[Layout, ...], tuple[Layout, ...]]:
+def plan_layouts(op: Op, plans, sole: frozenset[int] = frozenset()
+                 ) -> tuple[tuple[Layout, ...], tuple[Layout, ...]]:
     """:func:`op_layouts` of ``op`` under ``plans`` (op id -> ``OpPlan``), where a ``scan``
-    reads the weights of its body as its body ops do (:func:`scan_read_layouts`)."""
+    reads the weights of its body as its body ops do (:func:`scan_read_layouts`; ``sole``:
+    :func:`sole_read_variables` of the graph)."""
     ins, outs = op_layouts(op, plans.get(op.id))
-    if op.primitive == "scan":
-        reads = scan_read_layouts(op, plans)
+    if op.primitive == "scan" and sole:
+        reads = scan_read_layouts(op, plans, sole)
         if reads:
             ins = tuple(reads.get(k, lay) for k, lay in enumerate(ins))
     return ins, outs

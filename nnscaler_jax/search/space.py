@@ -35,7 +35,7 @@ from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.anno import parse_anno
 from nnscaler_jax.ir.graph import Graph, Op, Role
 from nnscaler_jax.layout import Layout
-from nnscaler_jax.plan.layouts import op_layouts
+from nnscaler_jax.plan.layouts import op_layouts, scan_stored_inputs, sole_read_variables
 from nnscaler_jax.plan.plan import OpPlan
 
 __all__ = ["FGroup", "Group", "SearchSpace", "Split", "build_space", "check_rules",
@@ -350,6 +350,17 @@ def _pin_axes(spec: tuple, mesh_axes: Mapping[str, int]) -> tuple[tuple[str, ...
     return tuple(out)
 
 
+def _unstack_pin(axes: tuple, stacked: bool, spec: tuple) -> tuple:
+    """A stacked weight's pinned axes as its per-layer block's (the layer dim stays whole)."""
+    if not stacked:
+        return axes
+    if axes and axes[0]:
+        raise PlanError(f"partitioning {spec} splits the layer dim of an nn.scan stack over "
+                        f"{axes[0]}; a scan runs its layers one after another, so that dim "
+                        "cannot be split (use None for it, or pipeline_stages for layers)")
+    return axes[1:]
+
+
 def _pin_filter(op: Op, keep: tuple[Split, ...], pins, mesh_axes) -> tuple[Split, ...]:
     """The strategies of ``op`` reading each pinned operand split exactly as pinned."""
     def ok(split: Split) -> bool:
@@ -396,10 +407,16 @@ def build_space(graph: Graph, mesh_axes: Mapping[str, int], rules: Sequence[Rule
     uses = first_uses(graph)
     first = set(uses.values())
     pin_ops: dict[int, list[tuple[int, tuple]]] = {}
+    by_id = {op.id: op for op in ops}
+    sole = sole_read_variables(graph) if pinned else frozenset()
     for tid, spec in (pinned or {}).items():
         if tid in uses:
             op_id, k = uses[tid]
-            pin_ops.setdefault(op_id, []).append((k, _pin_axes(spec, mesh_axes)))
+            axes = _pin_axes(spec, mesh_axes)
+            lifted = scan_stored_inputs(by_id[op_id], sole).get(k)
+            if lifted is not None:  # a scan stack's weight: its body reader stores it
+                op_id, k, axes = lifted[0].id, lifted[1], _unstack_pin(axes, lifted[2], spec)
+            pin_ops.setdefault(op_id, []).append((k, axes))
     sigs = {op.id: _op_signature(op, first, rules) + (fixed.get(op.id),
                                                       tuple(pin_ops.get(op.id, ())))
             for op in ops}
@@ -447,7 +464,6 @@ def build_space(graph: Graph, mesh_axes: Mapping[str, int], rules: Sequence[Rule
     fg_splits: list[list[tuple[Split, ...]]] = []
     member: dict[int, tuple[int, int]] = {}
     ruled = {op.id for op in ops for r in rules if r.matches(op)} | set(fixed) | set(pin_ops)
-    by_id = {op.id: op for op in ops}
     lead_memo: dict[tuple, int | None] = {}
     follow_memo: dict[tuple, tuple[Split, ...]] = {}
     for g, _, _ in _walk_graphs(graph):

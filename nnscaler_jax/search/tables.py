@@ -37,7 +37,7 @@ from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.cost.residuals import residual_outputs
 from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout
-from nnscaler_jax.plan.layouts import lift, op_layouts, scan_stored_inputs
+from nnscaler_jax.plan.layouts import lift, op_layouts, scan_stored_inputs, sole_read_variables
 from nnscaler_jax.plan.plan import OpPlan
 from nnscaler_jax.search.space import SearchSpace, Split, _walk_graphs, first_uses
 
@@ -179,17 +179,18 @@ class _Builder:
         self.lifted: dict[tuple[int, int], tuple[Tensor, bool]] = {}  # (body op, k) -> weight
         self.skipped: set[tuple[int, int]] = set()  # (scan op, k)
         self.body_first: dict[int, tuple[int, int]] = {}  # body input -> (first reader, k)
+        sole = sole_read_variables(self.graph)
         for op in self.graph.walk():
-            for k, (bop, j, stacked) in scan_stored_inputs(op).items():
-                if self.uses.get(op.inputs[k].id) == (op.id, k):
-                    self.lifted[bop.id, j] = (op.inputs[k], stacked)
-                    self.skipped.add((op.id, k))
-                    self.body_first[op.regions[0].inputs[k].id] = (bop.id, j)
+            for k, (bop, j, stacked) in scan_stored_inputs(op, sole).items():
+                self.lifted[bop.id, j] = (op.inputs[k], stacked)
+                self.skipped.add((op.id, k))
+                self.body_first[op.regions[0].inputs[k].id] = (bop.id, j)
 
     def _stores(self, op_id: int) -> tuple:
         """What an op stores or skips of the scan-read weights (part of its pricing key)."""
         n = len(self.by_id[op_id].inputs)
-        return tuple((self.lifted[op_id, k][0].shape, self.lifted[op_id, k][1])
+        return tuple((self.lifted[op_id, k][0].shape, self.lifted[op_id, k][0].dtype,
+                      self.lifted[op_id, k][0].collection, self.lifted[op_id, k][1])
                      if (op_id, k) in self.lifted else (op_id, k) in self.skipped
                      for k in range(n)) if self.lifted else ()
 

@@ -169,3 +169,32 @@ def test_memory_budget_holds_for_the_plans_full_pricing():
     assert full > report.memory_bytes  # the case this test is about
     plan, _ = search(graph, AXES, Constraints(max_memory_per_device=full - 1))
     assert CostModel.for_axes(AXES).plan_cost(plan, graph).memory_bytes_per_device <= full - 1
+
+
+def test_partitioning_of_an_nn_scan_stack_pins_its_body_reader():
+    """A stacked weight's metadata pins how the body op reading its per-layer block splits it
+    (its storage): the search must not store it some other way (it did once, silently)."""
+    lecun = nn.initializers.lecun_normal()
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            dense = nn.Dense(64, kernel_init=nn.with_partitioning(lecun, (None, "data")),
+                             name="fc1")
+            return x + nn.Dense(32, name="fc2")(nn.relu(dense(x))), None
+
+    class Stack(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            layers = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                             length=2, metadata_params={nn.PARTITION_NAME: None})
+            return layers(name="stack")(x, None)[0]
+
+    mesh = make_mesh((2, 4), ("data", "model"))
+    x = jnp.ones((8, 32))
+    pm = auto_parallel(mesh, policy="auto")(Stack())
+    variables = pm.init(jax.random.key(0), x)
+    assert pm.plan.variable_spec("params/stack/fc1/kernel") == (None, None, "data")
+    kernel = variables["params"]["stack"]["fc1"]["kernel"]
+    kernel = kernel.value if hasattr(kernel, "value") else kernel
+    assert tuple(kernel.sharding.spec) == (None, None, "data")
