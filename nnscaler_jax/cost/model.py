@@ -450,6 +450,20 @@ def _gathered_operands(model: CostModel, op: Op, mask: tuple[bool, ...],
             kept[(t.id, want)] = grown * mult
 
 
+def _scan_outputs(scans, layout: Mapping[int, Layout]) -> list[_Edge]:
+    """Each iteration relayouts a scan body's outputs into the scan's carry layout and its
+    stacked outputs' per-iteration block (the search tables price the same edges)."""
+    out = []
+    for op, outs, mult in scans:
+        ncarry = op.params["num_carry"]
+        for k, (t, want) in enumerate(zip(op.regions[0].outputs, outs, strict=True)):
+            have = layout.get(t.id)
+            want = want if k < ncarry else Layout(want.dims[1:], want.partial)
+            if have is not None and t.ndim and have != want:
+                out.append(_Edge(t, have, want, (), mult))
+    return out
+
+
 def _analyze(model: CostModel, plan: Plan, graph: Graph) -> _Analysis:
     zero = max(model.zero, plan.zero)
     mesh = model.mesh
@@ -470,6 +484,7 @@ def _analyze(model: CostModel, plan: Plan, graph: Graph) -> _Analysis:
     # the variable a tensor is computed from alone (reshapes, casts; region body inputs)
     origin: dict[int, int] = {v.id: v.id for v in graph.variables}
     first_want: dict[int, Layout] = {}
+    scans: list[tuple[Op, tuple[Layout, ...], int]] = []
     for op, mult in walk_weighted(graph):
         p = plans.get(op.id) or OpPlan(op.id, op.primitive, op.module_path)
         ins, outs = plan_layouts(op, plans, sole)
@@ -482,6 +497,8 @@ def _analyze(model: CostModel, plan: Plan, graph: Graph) -> _Analysis:
             layout[t.id] = lay
         if op.regions:
             _region_layouts(op, ins, layout, origin)
+            if op.primitive == "scan":
+                scans.append((op, outs, mult * region_length(op)))
             continue
         srcs = {origin[t.id] for t in op.inputs if t.id in origin}
         if len(srcs) == 1 and all(t.id in origin or t.role is Role.CONST for t in op.inputs):
@@ -500,6 +517,7 @@ def _analyze(model: CostModel, plan: Plan, graph: Graph) -> _Analysis:
         elif op.primitive not in FREE:
             for k in saved.get(op.id, ()):
                 kept[op.outputs[k].id] = model._local_bytes(op.outputs[k], outs[k]) * mult
+    edges += _scan_outputs(scans, layout)
     for b, mult in remat_inputs.items():
         for t in kinds[b][1]:
             if t.role in (Role.VALUE, Role.INPUT) and t.id in layout:

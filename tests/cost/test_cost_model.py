@@ -293,3 +293,39 @@ def test_a_saved_matmul_operand_reaching_it_by_an_all_gather_is_kept_gathered(ml
               for op in graph.walk())
     h = graph.op("fc2").inputs[0]
     assert model.memory_breakdown(plan, graph)["activations"] == own + h.nbytes
+
+
+def test_a_scan_body_output_relaid_into_a_split_carry_is_priced_per_iteration():
+    """A 3-layer nn.scan of Dense(32) whose carry crosses layer boundaries split over 'model'
+    while the body's matmul runs replicated: every iteration all-gathers the carry for the
+    matmul (forward) and all-gathers the carry's gradient back from the split layout (the
+    backward of slicing the body's output into the carry): 2 x 3 x the carry's bytes."""
+    from nnscaler_jax.ir.anno import parse_anno
+    from nnscaler_jax.search.abstract import plan_on_axes
+
+    class Cell(nn.Module):
+        @nn.compact
+        def __call__(self, c, _):
+            return nn.Dense(32, use_bias=False)(c), None
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            layers = nn.scan(Cell, variable_axes={"params": 0}, split_rngs={"params": True},
+                             length=3)
+            return layers(name="s")(x, None)[0]
+
+    axes = {"data": 2, "model": 4}
+    graph = trace(Net(), jnp.ones((8, 32)))
+    scan = next(op for op in graph.walk() if op.primitive == "scan")
+    k = scan.params["num_consts"]
+    hidden = parse_anno(scan.anno).inputs[k].axes[-1].dims[0].name
+
+    def policy(draft, mesh):
+        for op in draft.graph.walk():
+            draft.decide(op, {"model": hidden} if op.id == scan.id else {})
+        return draft.finish()
+
+    plan = plan_on_axes(graph, axes, policy)[0]
+    cost = CostModel.for_axes(axes, links=LINK).plan_cost(plan, graph)
+    assert cost.comm_bytes == 2 * 3 * scan.inputs[k].nbytes
