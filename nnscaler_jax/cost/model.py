@@ -83,7 +83,7 @@ from nnscaler_jax.cost.residuals import MASKED, residual_outputs, saved_operands
 from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout, comm_path
 from nnscaler_jax.layout.rvd import interned
-from nnscaler_jax.plan.layouts import op_layouts, plan_layouts, sole_read_variables
+from nnscaler_jax.plan.layouts import op_layouts, plan_layouts, sole_read_variables, unstack
 from nnscaler_jax.plan.plan import VALUE, OpPlan, Plan, PlanCost
 
 __all__ = ["CPU", "CostModel", "DeviceSpec", "itemsize", "op_flops"]
@@ -458,7 +458,7 @@ def _scan_outputs(scans, layout: Mapping[int, Layout]) -> list[_Edge]:
         ncarry = op.params["num_carry"]
         for k, (t, want) in enumerate(zip(op.regions[0].outputs, outs, strict=True)):
             have = layout.get(t.id)
-            want = want if k < ncarry else Layout(want.dims[1:], want.partial)
+            want = unstack(want, k >= ncarry)
             if have is not None and t.ndim and have != want:
                 out.append(_Edge(t, have, want, (), mult))
     return out

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import weakref
 from functools import lru_cache
 
 from nnscaler_jax.ir.anno import DimKind, parse_anno
-from nnscaler_jax.ir.graph import Op, Role
+from nnscaler_jax.ir.graph import Op
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.layout.rvd import interned
 from nnscaler_jax.plan.plan import VALUE, OpPlan
 
-__all__ = ["op_layouts", "plan_layouts", "scan_read_layouts", "scan_stored_inputs",
-           "sole_read_variables", "split_for_layout"]
+__all__ = ["lift", "op_layouts", "plan_layouts", "scan_read_layouts", "scan_stored_inputs",
+           "sole_read_variables", "split_for_layout", "unstack"]
 
 
 @lru_cache(maxsize=65536)
@@ -73,22 +72,11 @@ def split_for_layout(op: Op, operand: int, layout: Layout) -> tuple[tuple[str, s
     return tuple(pairs)
 
 
-_SOLE: dict[int, tuple[weakref.ref, frozenset[int]]] = {}
-
-
 def sole_read_variables(graph) -> frozenset[int]:
-    """Ids of the variables exactly one op of ``graph`` reads (cached per graph)."""
-    hit = _SOLE.get(id(graph))
-    if hit is not None and hit[0]() is graph:
-        return hit[1]
-    count: dict[int, int] = {}
-    for op in graph.walk():
-        for t in op.inputs:
-            if t.role is Role.VARIABLE:
-                count[t.id] = count.get(t.id, 0) + 1
-    out = frozenset(i for i, n in count.items() if n == 1)
-    _SOLE[id(graph)] = (weakref.ref(graph), out)
-    return out
+    """Ids of the variables exactly one op of ``graph`` reads (region bodies read theirs
+    through their op's operands, so the top-level ``Graph.consumers`` hold every read)."""
+    readers = graph.consumers
+    return frozenset(t.id for t in graph.variables if len(readers.get(t.id, ())) == 1)
 
 
 def scan_stored_inputs(op: Op, sole: frozenset[int]) -> dict[int, tuple[Op, int, bool]]:
@@ -122,6 +110,12 @@ def lift(lay: Layout, stacked: bool) -> Layout:
     """A body block's layout as the layout of its outer tensor (stacked: an unsplit length dim
     in front; partial sums dropped: a read is never partial)."""
     return Layout((((),) if stacked else ()) + lay.dims)
+
+
+def unstack(lay: Layout, stacked: bool) -> Layout:
+    """The inverse of :func:`lift`: a stacked outer tensor's layout as its per-iteration
+    block's (the leading length dim dropped)."""
+    return Layout(lay.dims[1:], lay.partial) if stacked else lay
 
 
 def scan_read_layouts(op: Op, plans, sole: frozenset[int]) -> dict[int, Layout]:

@@ -37,7 +37,13 @@ from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.cost.residuals import residual_outputs
 from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout
-from nnscaler_jax.plan.layouts import lift, op_layouts, scan_stored_inputs, sole_read_variables
+from nnscaler_jax.plan.layouts import (
+    lift,
+    op_layouts,
+    scan_stored_inputs,
+    sole_read_variables,
+    unstack,
+)
 from nnscaler_jax.plan.plan import OpPlan
 from nnscaler_jax.search.space import SearchSpace, Split, _walk_graphs, first_uses
 
@@ -150,10 +156,6 @@ class _Layouts(dict):
         return out
 
 
-def _slice(lay: Layout, stacked: bool) -> Layout:
-    return Layout(lay.dims[1:], lay.partial) if stacked else lay
-
-
 class _Builder:
     def __init__(self, space: SearchSpace, cm: CostModel, zero: int) -> None:
         self.space, self.cm, self.zero = space, cm, zero
@@ -260,7 +262,7 @@ class _Builder:
         return c, x, m
 
     def _member_unary(self, op: Op, splits) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        cm, mesh_axes = self.cm, self.space.mesh_axes
+        cm = self.cm
         n = len(splits)
         c, x, m = np.zeros(n), np.zeros(n), np.zeros(n)
         forward = getattr(cm, "forward_time", None)
@@ -274,36 +276,33 @@ class _Builder:
             if not remat:
                 m[i] += w * cm.activation_bytes(op, split, self.saved.get(op.id, ()))
         for k, t in enumerate(op.inputs):
-            if (op.id, k) in self.lifted:
-                self._lifted_unary(op, k, splits, x, m)
+            lifted = self.lifted.get((op.id, k))  # a scan-read weight this body op stores
+            if lifted is None and (t.id not in self.top_inputs or (op.id, k) in self.skipped):
                 continue
-            if t.id not in self.top_inputs or (op.id, k) in self.skipped:
-                continue
-            first = t.role is Role.VARIABLE and self.uses.get(t.id) == (op.id, k)
+            first = lifted is not None or (t.role is Role.VARIABLE and
+                                           self.uses.get(t.id) == (op.id, k))
             if t.role is Role.VARIABLE and not first:
                 continue  # an edge from the first reader
             for i, split in enumerate(splits):
                 want = self.lays[op.id, split][0][k]
-                if first:
-                    dp = _sync_axes(want, split)
-                    have = stored_layout(t, want, dp, mesh_axes, self.zero)
-                    m[i] += (cm.variable_bytes(t, want, dp) if self.zero
-                             else cm.variable_bytes(t, want))
+                if lifted is not None:
+                    stored, secs = self._storage(lifted[0], lift(want, lifted[1]), split)
+                elif first:
+                    stored, secs = self._storage(t, want, split)
                 else:
-                    have = Layout.replicated(t.ndim)
-                x[i] += cm.reshard_time(t, have, want)
+                    stored, secs = 0.0, cm.reshard_time(t, Layout.replicated(t.ndim), want)
+                m[i] += stored
+                x[i] += secs
         return c, x, m
 
-    def _lifted_unary(self, op: Op, k: int, splits, x: np.ndarray, m: np.ndarray) -> None:
-        """Storage of a scan-read weight, priced at the body op first reading its block."""
-        v, stacked = self.lifted[op.id, k]
-        for i, split in enumerate(splits):
-            want = lift(self.lays[op.id, split][0][k], stacked)
-            dp = _sync_axes(want, split)
-            have = stored_layout(v, want, dp, self.space.mesh_axes, self.zero)
-            m[i] += (self.cm.variable_bytes(v, want, dp) if self.zero
-                     else self.cm.variable_bytes(v, want))
-            x[i] += self.cm.reshard_time(v, have, want)
+    def _storage(self, v: Tensor, want: Layout, split: Split) -> tuple[float, float]:
+        """(bytes, seconds) of storing variable ``v`` for its first reader, which reads it as
+        ``want`` under ``split``: the state bytes and the reader's relayout from storage."""
+        dp = _sync_axes(want, split)
+        have = stored_layout(v, want, dp, self.space.mesh_axes, self.zero)
+        stored = self.cm.variable_bytes(v, want, dp) if self.zero else \
+            self.cm.variable_bytes(v, want)
+        return stored, self.cm.reshard_time(v, have, want)
 
     # ---- gradient syncs ------------------------------------------------------------------------
 
@@ -444,7 +443,7 @@ class _Builder:
                 if kind == "var":
                     lay = stored_layout(op.inputs[k], lay, _sync_axes(lay, split),
                                         self.space.mesh_axes, self.zero)
-            out.append(_slice(lay, stacked))
+            out.append(unstack(lay, stacked))
         return out
 
     def _unique_layouts(self, end: tuple, fg, m: int) -> tuple[list[Layout], list[int]]:
