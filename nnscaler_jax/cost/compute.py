@@ -27,7 +27,7 @@ from functools import lru_cache
 import numpy as np
 
 from nnscaler_jax.ir.anno import parse_anno
-from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
+from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor, _itemsize
 
 __all__ = ["FREE", "MATMUL", "TRAINABLE", "grad_tensors", "is_float", "itemsize", "op_bytes",
            "op_flops", "region_length", "walk_weighted"]
@@ -45,14 +45,6 @@ def itemsize(t: Tensor) -> int:
 def is_float(t: Tensor) -> bool:
     """Whether ``t`` can carry a gradient (a floating-point dtype)."""
     return _is_float(t.dtype)
-
-
-@lru_cache(maxsize=256)
-def _itemsize(dtype: str) -> int:
-    try:
-        return np.dtype(dtype).itemsize
-    except TypeError:
-        return 8
 
 
 @lru_cache(maxsize=256)

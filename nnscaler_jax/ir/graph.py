@@ -8,9 +8,10 @@ Tensors are edges, operators vertices. Every operator carries its dimension anno
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any
 
 import networkx as nx
@@ -29,6 +30,15 @@ class Role(enum.Enum):
     RNG = "rng"  # an rng key passed to apply
     CONST = "const"  # a constant of the traced program (closed-over array or literal)
     VALUE = "value"  # produced by an op
+
+
+@lru_cache(maxsize=256)
+def _itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype name (8 for extended dtypes such as rng keys)."""
+    try:
+        return np.dtype(dtype).itemsize
+    except TypeError:
+        return 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,10 +69,7 @@ class Tensor:
 
     @property
     def nbytes(self) -> int:
-        try:
-            return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
-        except TypeError:  # extended dtypes (rng keys)
-            return int(np.prod(self.shape, dtype=np.int64)) * 8
+        return math.prod(self.shape) * _itemsize(self.dtype)
 
     def __str__(self) -> str:
         dims = ",".join(map(str, self.shape))

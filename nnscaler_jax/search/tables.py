@@ -30,6 +30,7 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -138,6 +139,7 @@ def stored_layout(v: Tensor, want: Layout, sync_axes: tuple[str, ...],
     return lay
 
 
+@lru_cache(maxsize=65536)
 def _sync_axes(want: Layout, split: Split) -> tuple[str, ...]:
     used = set(want.split_axes) | set(want.partial)
     return tuple(dict.fromkeys(a for a, d in split if d != "+" and a not in used))
