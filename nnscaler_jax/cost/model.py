@@ -10,9 +10,10 @@ The search prices every candidate through this one interface:
   an all-reduced value is already replicated);
 - ``grad_sync_time(tensor, layout, split)``: seconds to reduce the gradient of an operand that
   its consumer splits over mesh axes the operand is replicated on (each device then holds a
-  partial sum of the gradient). For a weight that is the data-parallel all-reduce (ZeRO-3:
-  reduce-scatter + re-gather of the weight for the backward); for an activation the backward
-  all-reduce of Megatron's ``f`` operator. Call it for every operand that needs a gradient;
+  partial sum of the gradient): the cheapest collective path from those partial sums, as
+  ``plan_cost`` takes it. For a weight that is the data-parallel all-reduce (ZeRO-3:
+  reduce-scatter to its shard); for an activation the backward all-reduce of Megatron's ``f``
+  operator. Call it for every operand that needs a gradient;
 - ``activation_bytes(op, split)``: bytes of ``op``'s outputs kept per device for the backward;
 - ``variable_bytes(variable, layout)``: per-device bytes of a weight with its gradient and
   optimizer state under the ZeRO stage;
@@ -56,13 +57,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from nnscaler_jax.cost.comm import (
-    DEFAULT_LINK,
-    LinkCost,
-    MeshSpec,
-    all_reduce_time,
-    reduce_scatter_time,
-)
+from nnscaler_jax.cost.comm import DEFAULT_LINK, LinkCost, MeshSpec
 from nnscaler_jax.cost.compute import (
     FREE,
     MATMUL,
@@ -220,14 +215,20 @@ class CostModel:
     def _needs_grad(self, t: Tensor) -> bool:
         return needs_grad_locally(t, self.input_grads) and t.collection in TRAINABLE
 
-    def reshard_time(self, t: Tensor, src: Layout, dst: Layout) -> float:
-        """Forward + backward seconds to move ``t`` from ``src`` to ``dst``."""
-        if src == dst or t.ndim == 0:
+    def reshard_time(self, t: Tensor, src: Layout, dst: Layout,
+                     grad: Layout | None = None) -> float:
+        """Forward + backward seconds to move ``t`` from ``src`` to ``dst``.
+
+        The backward moves the gradient from ``grad`` (default ``dst`` without partial sums;
+        a consumer splitting ``t`` over axes it reads it replicated on hands back partial sums
+        over those axes, see :meth:`grad_sync_time`) to ``src`` without partial sums.
+        """
+        if t.ndim == 0 or (src == dst and grad is None):
             return 0.0
-        out = _path(src, dst, t.shape, itemsize(t), self.mesh)[0]
+        out = _path(src, dst, t.shape, itemsize(t), self.mesh)[0] if src != dst else 0.0
         if self._needs_grad(t):
-            out += _path(_drop_partial(dst), _drop_partial(src), t.shape, itemsize(t),
-                         self.mesh)[0]
+            out += _path(_drop_partial(dst) if grad is None else grad, _drop_partial(src),
+                         t.shape, itemsize(t), self.mesh)[0]
         return out
 
     def reshard_bytes(self, t: Tensor, src: Layout, dst: Layout) -> int:
@@ -251,31 +252,33 @@ class CostModel:
         except Exception:  # noqa: BLE001 - an indivisible layout: the even share
             return int(t.nbytes / math.prod(self.mesh.size(a) for a in layout.split_axes))
 
+    def _sync_path(self, v: Tensor, layout: Layout, split: Split) -> tuple[float, int]:
+        axes = self._sync_axes(layout, split)
+        if not axes or not self._needs_grad(v) or v.ndim == 0:
+            return 0.0, 0
+        dst = _drop_partial(layout)
+        if v.role is Role.VARIABLE and self.zero >= 3:
+            for a in axes:
+                dst = _add_axis(self, v, dst, a)
+        return _path(interned(Layout(layout.dims, tuple(axes))), dst, v.shape, itemsize(v),
+                     self.mesh)
+
     def grad_sync_time(self, v: Tensor, layout: Layout, split: Split) -> float:
         """Seconds to reduce ``v``'s gradient over the axes its consumer splits but ``v`` not.
 
-        ``layout`` is the layout the consumer reads ``v`` in. Weights under ZeRO-3 pay a
-        reduce-scatter (their forward all-gather is the edge's; XLA keeps the gathered weight
-        for the backward instead of gathering it again); everything else an all-reduce
-        (ZeRO-1/2's reduce-scatter + all-gather of the updated shard costs the same).
+        ``layout`` is the layout the consumer reads ``v`` in; the gradient comes back as partial
+        sums over those axes and takes the cheapest collective path to ``layout`` (over two
+        axes one hierarchical reduction, not two all-reduces; as ``plan_cost``). Weights under
+        ZeRO-3 are reduce-scattered to their shard (their forward all-gather is the edge's; XLA
+        keeps the gathered weight for the backward instead of gathering it again); everything
+        else is all-reduced (ZeRO-1/2's reduce-scatter + all-gather of the updated shard costs
+        the same).
         """
-        if not self._needs_grad(v):
-            return 0.0
-        n = self._local_bytes(v, layout)
-        out = 0.0
-        for a in self._sync_axes(layout, split):
-            link, p = self.mesh.link(a), self.mesh.size(a)
-            if v.role is Role.VARIABLE and self.zero >= 3:
-                out += reduce_scatter_time(link, p, n)
-            else:
-                out += all_reduce_time(link, p, n)
-        return out
+        return self._sync_path(v, layout, split)[0]
 
     def grad_sync_bytes(self, v: Tensor, layout: Layout, split: Split) -> int:
         """Bytes (the ``n`` of the collectives) of :meth:`grad_sync_time`."""
-        if not self._needs_grad(v):
-            return 0
-        return self._local_bytes(v, layout) * len(self._sync_axes(layout, split))
+        return self._sync_path(v, layout, split)[1]
 
     # ---- memory --------------------------------------------------------------------------------
 

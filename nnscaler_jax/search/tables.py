@@ -11,12 +11,17 @@ and the relayouts between a ``scan`` op and its body):
   relayout from storage; example inputs relayout from replicated; relayouts between members of
   one group (a follower dropping its producer's partial sums pays the all-reduce here);
 - edges (two groups' choices): ``reshard_time`` of each tensor from the producer's output layout
-  to the consumer's input layout (and later readers of a variable from its storage layout);
-- gradient syncs: ``grad_sync_time`` of every operand a consumer splits over mesh axes it reads
-  it replicated on (the data-parallel all-reduce of a weight, Megatron's backward all-reduce of
-  an activation). ``plan_cost`` reduces a tensor's gradient once per gradient layout, however
-  many readers hand it back, so a tensor read by several ops gets one continuous variable per
-  gradient layout, ``z >= s`` of every reader strategy producing it (exact, linear).
+  to the consumer's input layout (and later readers of a variable from its storage layout). A
+  value read by one op folds that reader's gradient reduction into its edge: the gradient goes
+  from the reader's partial sums to the producer's layout in one path (a reduce-scatter where
+  an all-reduce and a slice would cost twice as much), as ``plan_cost`` takes it;
+- gradient syncs: ``grad_sync_time`` of every other operand a consumer splits over mesh axes it
+  reads it replicated on (the data-parallel all-reduce of a weight, Megatron's backward
+  all-reduce of an activation read by several ops). ``plan_cost`` reduces a tensor's gradient
+  once per gradient layout, however many readers hand it back, so a tensor read by several ops
+  gets one continuous variable per gradient layout, ``z >= s`` of every reader strategy
+  producing it (linear; the relayout after the reduction is still priced per reader edge, up to
+  ~2% over ``plan_cost`` on Llama / MoE, where it is paid once per gradient layout).
 
 Ops inside a remat (``checkpoint``) boundary keep no activations and run their forward twice.
 
@@ -38,6 +43,7 @@ from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.cost.residuals import residual_outputs
 from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout
+from nnscaler_jax.layout.rvd import interned
 from nnscaler_jax.plan.layouts import (
     lift,
     op_layouts,
@@ -145,6 +151,14 @@ def _sync_axes(want: Layout, split: Split) -> tuple[str, ...]:
     return tuple(dict.fromkeys(a for a, d in split if d != "+" and a not in used))
 
 
+@lru_cache(maxsize=65536)
+def _folded(want: Layout, split: Split) -> Layout | tuple[Layout, Layout]:
+    """A folded read's end of an edge: ``want``, or ``(want, layout of the gradient handed
+    back)`` when the reader returns partial sums over axes it splits but reads ``want`` whole."""
+    axes = _sync_axes(want, split)
+    return (want, interned(Layout(want.dims, axes))) if axes else want
+
+
 class _Layouts(dict):
     """``(op id, split) -> (input layouts, output layouts)``, computed once per search."""
 
@@ -189,6 +203,15 @@ class _Builder:
                 self.lifted[bop.id, j] = (op.inputs[k], stacked)
                 self.skipped.add((op.id, k))
                 self.body_first[op.regions[0].inputs[k].id] = (bop.id, j)
+        # tensor -> the reads whose gradients it gets back (sync sets; single reads fold)
+        self.readers: dict[int, list[tuple[Op, int]]] = {}
+        for op in self.graph.walk():
+            for j, t in enumerate(op.inputs):
+                if t.role is not Role.CONST and t.ndim and (op.id, j) not in self.skipped:
+                    self.readers.setdefault(t.id, []).append((op, j))
+        # values read once, by an op of their producer's graph: the edge prices the gradient's
+        # whole way back (partial sums -> the producer's layout, one path as plan_cost takes)
+        self.folded: set[tuple[int, int]] = set()
 
     def _stores(self, op_id: int) -> tuple:
         """What an op stores or skips of the scan-read weights (part of its pricing key)."""
@@ -309,14 +332,11 @@ class _Builder:
     # ---- gradient syncs ------------------------------------------------------------------------
 
     def syncs(self) -> list[SyncSet]:
-        readers: dict[int, list[tuple[Op, int]]] = {}
-        for op in self.graph.walk():
-            for j, t in enumerate(op.inputs):
-                if t.role is not Role.CONST and t.ndim and (op.id, j) not in self.skipped:
-                    readers.setdefault(t.id, []).append((op, j))
         merged: dict[tuple, list] = {}
         out: list[SyncSet] = []
-        for reads in readers.values():
+        for reads in self.readers.values():
+            if len(reads) == 1 and (reads[0][0].id, reads[0][1]) in self.folded:
+                continue  # its edge priced the reduction
             t = reads[0][0].inputs[reads[0][1]]
             sig_parts = []
             for op, j in reads:
@@ -423,6 +443,10 @@ class _Builder:
                     elif t.id in producer:
                         prod = producer[t.id]
                         src = ("out", prod.id, [o.id for o in prod.outputs].index(t.id), False)
+                        if not op.regions and t.role is Role.VALUE and \
+                                len(self.readers.get(t.id, ())) == 1:
+                            self.folded.add((op.id, j))
+                            dst = ("fin", op.id, j, False)
                     elif t.role is Role.VARIABLE and t.id in self.uses and \
                             self.uses[t.id] != (op.id, j):
                         src = ("var",) + self.uses[t.id] + (False,)
@@ -440,6 +464,9 @@ class _Builder:
         for split in fg.splits[m]:
             if kind == "out":
                 lay = self.lays[op_id, split][1][k]
+            elif kind == "fin":
+                out.append(_folded(self.lays[op_id, split][0][k], split))
+                continue
             else:
                 lay = self.lays[op_id, split][0][k]
                 if kind == "var":
@@ -457,13 +484,14 @@ class _Builder:
             out = self.member_memo[key] = _unique(self._layouts(end, fg, m))
         return out
 
-    def _reshard(self, t: Tensor, src: Layout, dst: Layout) -> float:
+    def _reshard(self, t: Tensor, src: Layout, dst: Layout | tuple[Layout, Layout]) -> float:
         if src == dst:
             return 0.0
         key = (t.shape, t.dtype, t.role, t.collection, src, dst)
         out = self.reshard_memo.get(key)
         if out is None:
-            out = self.reshard_memo[key] = self.cm.reshard_time(t, src, dst)
+            out = self.reshard_memo[key] = self.cm.reshard_time(t, src, dst) if \
+                isinstance(dst, Layout) else self.cm.reshard_time(t, src, *dst)
         return out
 
     def edge(self, t: Tensor, w: float, src: tuple, dst: tuple) -> None:
