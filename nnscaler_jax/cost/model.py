@@ -216,17 +216,18 @@ class CostModel:
         return needs_grad_locally(t, self.input_grads) and t.collection in TRAINABLE
 
     def reshard_time(self, t: Tensor, src: Layout, dst: Layout,
-                     grad: Layout | None = None) -> float:
+                     grad: Layout | None = None, backward: bool = True) -> float:
         """Forward + backward seconds to move ``t`` from ``src`` to ``dst``.
 
         The backward moves the gradient from ``grad`` (default ``dst`` without partial sums;
         a consumer splitting ``t`` over axes it reads it replicated on hands back partial sums
-        over those axes, see :meth:`grad_sync_time`) to ``src`` without partial sums.
+        over those axes, see :meth:`grad_sync_time`) to ``src`` without partial sums; none with
+        ``backward=False`` (another read of ``t`` pays it).
         """
         if t.ndim == 0 or (src == dst and grad is None):
             return 0.0
         out = _path(src, dst, t.shape, itemsize(t), self.mesh)[0] if src != dst else 0.0
-        if self._needs_grad(t):
+        if backward and self._needs_grad(t):
             out += _path(_drop_partial(dst) if grad is None else grad, _drop_partial(src),
                          t.shape, itemsize(t), self.mesh)[0]
         return out

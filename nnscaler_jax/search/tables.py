@@ -12,16 +12,17 @@ and the relayouts between a ``scan`` op and its body):
   one group (a follower dropping its producer's partial sums pays the all-reduce here);
 - edges (two groups' choices): ``reshard_time`` of each tensor from the producer's output layout
   to the consumer's input layout (and later readers of a variable from its storage layout). A
-  value read by one op folds that reader's gradient reduction into its edge: the gradient goes
-  from the reader's partial sums to the producer's layout in one path (a reduce-scatter where
-  an all-reduce and a slice would cost twice as much), as ``plan_cost`` takes it;
+  value read by one op, or by sibling ops deciding as one group (q / k / v of one input), folds
+  the readers' gradient reduction into its edge: the gradient goes from the partial sums to the
+  producer's layout in one path (a reduce-scatter where an all-reduce and a slice would cost
+  twice as much), once for the siblings, as ``plan_cost`` takes it;
 - gradient syncs: ``grad_sync_time`` of every other operand a consumer splits over mesh axes it
   reads it replicated on (the data-parallel all-reduce of a weight, Megatron's backward
   all-reduce of an activation read by several ops). ``plan_cost`` reduces a tensor's gradient
   once per gradient layout, however many readers hand it back, so a tensor read by several ops
   gets one continuous variable per gradient layout, ``z >= s`` of every reader strategy
-  producing it (linear; the relayout after the reduction is still priced per reader edge, up to
-  ~2% over ``plan_cost`` on Llama / MoE, where it is paid once per gradient layout).
+  producing it (linear; the relayout after the reduction is still priced per reader edge: up to
+  ~1.5% over ``plan_cost`` on Llama / MoE, which pays it once per gradient layout).
 
 Ops inside a remat (``checkpoint``) boundary keep no activations and run their forward twice.
 
@@ -335,8 +336,8 @@ class _Builder:
         merged: dict[tuple, list] = {}
         out: list[SyncSet] = []
         for reads in self.readers.values():
-            if len(reads) == 1 and (reads[0][0].id, reads[0][1]) in self.folded:
-                continue  # its edge priced the reduction
+            if (reads[0][0].id, reads[0][1]) in self.folded:
+                continue  # its edges priced the reduction (all reads fold or none)
             t = reads[0][0].inputs[reads[0][1]]
             sig_parts = []
             for op, j in reads:
@@ -443,10 +444,10 @@ class _Builder:
                     elif t.id in producer:
                         prod = producer[t.id]
                         src = ("out", prod.id, [o.id for o in prod.outputs].index(t.id), False)
-                        if not op.regions and t.role is Role.VALUE and \
-                                len(self.readers.get(t.id, ())) == 1:
+                        kind = self._fold(t, op, j)
+                        if kind:
                             self.folded.add((op.id, j))
-                            dst = ("fin", op.id, j, False)
+                            dst = (kind, op.id, j, False)
                     elif t.role is Role.VARIABLE and t.id in self.uses and \
                             self.uses[t.id] != (op.id, j):
                         src = ("var",) + self.uses[t.id] + (False,)
@@ -457,6 +458,27 @@ class _Builder:
                         continue
                     self.edge(t, w, src, dst)
 
+    def _fold(self, t: Tensor, op: Op, j: int) -> str:
+        """How a read of value ``t`` prices its gradient's way back on its edge: ``"fin"`` the
+        whole way (partial sums -> producer layout), ``"ffw"`` none of it (a sibling's edge
+        pays it), ``""`` the usual way (relayout on the edge, reduction in a sync set)."""
+        reads = self.readers.get(t.id, ())
+        if op.regions or t.role is not Role.VALUE or not reads:
+            return ""
+        if len(reads) == 1:
+            return "fin"
+        # siblings deciding as one group (ours: same class, operand, strategy list) read t
+        # alike and hand back one gradient layout per choice, which plan_cost reduces once
+        sig = set()
+        for o, k in reads:
+            if o.regions:
+                return ""
+            g, _f, m, fg = self.fgroup(o.id)
+            sig.add((g, self.space.op_class[o.id], k, fg.split_ids[m]))
+        if len(sig) != 1:
+            return ""
+        return "fin" if (reads[0][0].id, reads[0][1]) == (op.id, j) else "ffw"
+
     def _layouts(self, end: tuple, fg, m: int) -> list[Layout]:
         kind, op_id, k, stacked = end
         op = self.by_id[op_id]
@@ -466,6 +488,9 @@ class _Builder:
                 lay = self.lays[op_id, split][1][k]
             elif kind == "fin":
                 out.append(_folded(self.lays[op_id, split][0][k], split))
+                continue
+            elif kind == "ffw":  # forward only
+                out.append((self.lays[op_id, split][0][k], None))
                 continue
             else:
                 lay = self.lays[op_id, split][0][k]
@@ -490,8 +515,13 @@ class _Builder:
         key = (t.shape, t.dtype, t.role, t.collection, src, dst)
         out = self.reshard_memo.get(key)
         if out is None:
-            out = self.reshard_memo[key] = self.cm.reshard_time(t, src, dst) if \
-                isinstance(dst, Layout) else self.cm.reshard_time(t, src, *dst)
+            if isinstance(dst, Layout):
+                out = self.cm.reshard_time(t, src, dst)
+            elif dst[1] is None:
+                out = self.cm.reshard_time(t, src, dst[0], backward=False)
+            else:
+                out = self.cm.reshard_time(t, src, *dst)
+            self.reshard_memo[key] = out
         return out
 
     def edge(self, t: Tensor, w: float, src: tuple, dst: tuple) -> None:
