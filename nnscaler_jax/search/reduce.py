@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nnscaler_jax.search.tables import CostTables, Edge, SyncSet
+from nnscaler_jax.search.objective import CostTables, Edge, SyncSet
 
 __all__ = ["Reduced", "reduce_tables", "solve_by_elimination"]
 
