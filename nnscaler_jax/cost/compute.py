@@ -29,8 +29,8 @@ import numpy as np
 from nnscaler_jax.ir.anno import parse_anno
 from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor, _itemsize
 
-__all__ = ["FREE", "MATMUL", "TRAINABLE", "grad_tensors", "is_float", "itemsize", "op_bytes",
-           "op_flops", "region_length", "walk_weighted"]
+__all__ = ["FREE", "MATMUL", "TRAINABLE", "grad_sources", "grad_tensors", "is_float", "itemsize",
+           "op_bytes", "op_flops", "region_length", "walk_weighted"]
 
 MATMUL = frozenset({"dot_general", "conv_general_dilated"})
 TRAINABLE = (None, "params", "param")  # variable collections that get gradients
@@ -119,19 +119,36 @@ def needs_grad_locally(t: Tensor, input_grads: bool) -> bool:
     return input_grads or t.role is not Role.INPUT
 
 
-def grad_tensors(graph: Graph, input_grads: bool = False) -> set[int]:
-    """Ids of tensors that need a gradient: trainable variables (+ example inputs with
-    ``input_grads``) and every floating-point value computed from them, region bodies included."""
-    grads = {t.id for t in graph.inputs
-             if is_float(t) and ((t.role is Role.VARIABLE and t.collection in TRAINABLE)
-                                 or (t.role is Role.INPUT and input_grads))}
+def grad_sources(graph: Graph) -> dict[int, int]:
+    """Tensor id -> where its gradient would come from: bit 1 if it is (computed from) a
+    trainable variable, bit 2 if from an example input; floating point only (an integer breaks
+    the chain: top-k indices, their one-hot masks), region bodies included."""
+    src: dict[int, int] = {}
+    for t in graph.inputs:
+        if is_float(t) and t.role is Role.VARIABLE and t.collection in TRAINABLE:
+            src[t.id] = 1
+        elif is_float(t) and t.role is Role.INPUT:
+            src[t.id] = 2
     for op in graph.walk():
-        if not any(t.id in grads for t in op.inputs):
+        m = 0
+        for t in op.inputs:
+            m |= src.get(t.id, 0)
+        if not m:
             continue
-        grads.update(t.id for t in op.outputs if is_float(t))
-        for region in op.regions:
-            grads.update(t.id for t in region.inputs if is_float(t))
-    return grads
+        for t in (*op.outputs, *(u for region in op.regions for u in region.inputs)):
+            if is_float(t):
+                src[t.id] = src.get(t.id, 0) | m
+    return src
+
+
+def grad_tensors(graph: Graph, input_grads: bool = False,
+                 sources: dict[int, int] | None = None) -> set[int]:
+    """Ids of tensors that need a gradient: trainable variables (+ example inputs with
+    ``input_grads``) and every floating-point value computed from them, region bodies included
+    (``sources``: :func:`grad_sources` of ``graph`` when already computed)."""
+    want = 3 if input_grads else 1
+    return {t for t, m in (sources if sources is not None else grad_sources(graph)).items()
+            if m & want}
 
 
 def walk_weighted(graph: Graph, mult: int = 1) -> Iterator[tuple[Op, int]]:

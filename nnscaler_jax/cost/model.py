@@ -201,13 +201,15 @@ class CostModel:
             self._cache[key] = t
         return self._cache[key]
 
-    def op_time(self, op: Op, split: Split = ()) -> float:
+    def op_time(self, op: Op, split: Split = (), grads: tuple[bool, ...] | None = None) -> float:
         """Forward + backward seconds of one device's part of ``op``.
 
-        Which operands need a gradient is guessed locally (floating point, not a constant, not an
-        example input unless ``input_grads``); ``plan_cost`` knows it exactly.
+        ``grads``: which operands need a gradient (``plan_cost`` and the search know it from
+        :func:`~nnscaler_jax.cost.compute.grad_tensors`); default a local guess (floating
+        point, not a constant, not an example input unless ``input_grads``).
         """
-        grads = tuple(needs_grad_locally(t, self.input_grads) for t in op.inputs)
+        if grads is None:
+            grads = tuple(needs_grad_locally(t, self.input_grads) for t in op.inputs)
         return self._op_time(op, split, grads)
 
     # ---- communication -------------------------------------------------------------------------
@@ -215,19 +217,20 @@ class CostModel:
     def _needs_grad(self, t: Tensor) -> bool:
         return needs_grad_locally(t, self.input_grads) and t.collection in TRAINABLE
 
-    def reshard_time(self, t: Tensor, src: Layout, dst: Layout,
-                     grad: Layout | None = None, backward: bool = True) -> float:
+    def reshard_time(self, t: Tensor, src: Layout, dst: Layout, grad: Layout | None = None,
+                     backward: bool | None = None) -> float:
         """Forward + backward seconds to move ``t`` from ``src`` to ``dst``.
 
         The backward moves the gradient from ``grad`` (default ``dst`` without partial sums;
         a consumer splitting ``t`` over axes it reads it replicated on hands back partial sums
-        over those axes, see :meth:`grad_sync_time`) to ``src`` without partial sums; none with
-        ``backward=False`` (another read of ``t`` pays it).
+        over those axes, see :meth:`grad_sync_time`) to ``src`` without partial sums.
+        ``backward``: whether ``t`` gets a gradient this way (False also when another read of
+        ``t`` pays it); default a local guess as :meth:`op_time`'s.
         """
         if t.ndim == 0 or (src == dst and grad is None):
             return 0.0
         out = _path(src, dst, t.shape, itemsize(t), self.mesh)[0] if src != dst else 0.0
-        if backward and self._needs_grad(t):
+        if self._needs_grad(t) if backward is None else backward:
             out += _path(_drop_partial(dst) if grad is None else grad, _drop_partial(src),
                          t.shape, itemsize(t), self.mesh)[0]
         return out
@@ -253,9 +256,11 @@ class CostModel:
         except Exception:  # noqa: BLE001 - an indivisible layout: the even share
             return int(t.nbytes / math.prod(self.mesh.size(a) for a in layout.split_axes))
 
-    def _sync_path(self, v: Tensor, layout: Layout, split: Split) -> tuple[float, int]:
+    def _sync_path(self, v: Tensor, layout: Layout, split: Split,
+                   needs_grad: bool | None = None) -> tuple[float, int]:
         axes = self._sync_axes(layout, split)
-        if not axes or not self._needs_grad(v) or v.ndim == 0:
+        if not axes or v.ndim == 0 or not (self._needs_grad(v) if needs_grad is None
+                                           else needs_grad):
             return 0.0, 0
         dst = _drop_partial(layout)
         if v.role is Role.VARIABLE and self.zero >= 3:
@@ -264,7 +269,8 @@ class CostModel:
         return _path(interned(Layout(layout.dims, tuple(axes))), dst, v.shape, itemsize(v),
                      self.mesh)
 
-    def grad_sync_time(self, v: Tensor, layout: Layout, split: Split) -> float:
+    def grad_sync_time(self, v: Tensor, layout: Layout, split: Split,
+                       needs_grad: bool | None = None) -> float:
         """Seconds to reduce ``v``'s gradient over the axes its consumer splits but ``v`` not.
 
         ``layout`` is the layout the consumer reads ``v`` in; the gradient comes back as partial
@@ -273,9 +279,9 @@ class CostModel:
         ZeRO-3 are reduce-scattered to their shard (their forward all-gather is the edge's; XLA
         keeps the gathered weight for the backward instead of gathering it again); everything
         else is all-reduced (ZeRO-1/2's reduce-scatter + all-gather of the updated shard costs
-        the same).
+        the same). ``needs_grad``: whether ``v`` gets a gradient (default a local guess).
         """
-        return self._sync_path(v, layout, split)[0]
+        return self._sync_path(v, layout, split, needs_grad)[0]
 
     def grad_sync_bytes(self, v: Tensor, layout: Layout, split: Split) -> int:
         """Bytes (the ``n`` of the collectives) of :meth:`grad_sync_time`."""

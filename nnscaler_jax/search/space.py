@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from nnscaler_jax.constraints import Rule
+from nnscaler_jax.cost.compute import grad_sources
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.anno import parse_anno
 from nnscaler_jax.ir.graph import Graph, Op, Role
@@ -142,8 +143,9 @@ def check_rules(graph: Graph, mesh_axes: Mapping[str, int], rules: Sequence[Rule
 _NUMBERED = re.compile(r"^(.*?)_?(\d+)$")
 
 
-def _op_signature(op: Op, first_use: set[tuple[int, int]], rules: Sequence[Rule]) -> tuple:
-    ins = tuple((t.shape, t.dtype, t.role.value, (op.id, k) in first_use)
+def _op_signature(op: Op, first_use: set[tuple[int, int]], rules: Sequence[Rule],
+                  grads: Mapping[int, int]) -> tuple:
+    ins = tuple((t.shape, t.dtype, t.role.value, (op.id, k) in first_use, grads.get(t.id, 0))
                 for k, t in enumerate(op.inputs))
     return (op.primitive, op.anno, op.annotated, ins, tuple(t.shape for t in op.outputs),
             tuple(i for i, r in enumerate(rules) if r.matches(op)))
@@ -239,10 +241,12 @@ class SearchSpace:
         removed: (rule, strategies it removed over all ops).
         weights: op id -> how many times it runs per step (scan trip counts).
         op_class: op id -> class id; ops of one class have equal primitives, annotations,
-            shapes, dtypes, roles and matching rules (so equal costs under equal splits).
+            shapes, dtypes, roles, gradient sources and matching rules (so equal costs under
+            equal splits).
         shared: copies of a layer share a decision (ours); the cost tables then price one
             representative per class of identical work instead of every op.
         fixed: op id -> the split a policy fixed by hand before the search (kept).
+        grad_sources: tensor id -> :func:`~nnscaler_jax.cost.compute.grad_sources` bits.
     """
 
     graph: Graph = field(repr=False)
@@ -256,6 +260,7 @@ class SearchSpace:
     op_class: dict[int, int] = field(default_factory=dict, repr=False)
     shared: bool = False
     fixed: dict[int, Split] = field(default_factory=dict, repr=False)
+    grad_sources: dict[int, int] = field(default_factory=dict, repr=False)
 
     @property
     def log10_size(self) -> float:
@@ -417,7 +422,8 @@ def build_space(graph: Graph, mesh_axes: Mapping[str, int], rules: Sequence[Rule
             if lifted is not None:  # a scan stack's weight: its body reader stores it
                 op_id, k, axes = lifted[0].id, lifted[1], _unstack_pin(axes, lifted[2], spec)
             pin_ops.setdefault(op_id, []).append((k, axes))
-    sigs = {op.id: _op_signature(op, first, rules) + (fixed.get(op.id),
+    grads = grad_sources(graph)
+    sigs = {op.id: _op_signature(op, first, rules, grads) + (fixed.get(op.id),
                                                       tuple(pin_ops.get(op.id, ())))
             for op in ops}
     interned: dict[tuple, int] = {}
@@ -551,4 +557,4 @@ def build_space(graph: Graph, mesh_axes: Mapping[str, int], rules: Sequence[Rule
                 where[op_id] = (gi, fi, mi)
     return SearchSpace(graph, mesh_axes, tuple(groups), where, len(ops), log10_full,
                        tuple((r, n) for r, n in removed.items()), weights, op_class,
-                       share_layers, fixed)
+                       share_layers, fixed, grads)

@@ -39,6 +39,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from nnscaler_jax.cost.compute import grad_tensors
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.cost.residuals import residual_outputs
 from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
@@ -123,6 +124,9 @@ class _Builder:
         self.reshard_memo: dict[tuple, float] = {}
         self.member_memo: dict[tuple, object] = {}  # ours only: per class of identical work
         self.top_inputs = {t.id for t in self.graph.inputs}
+        # which tensors get a gradient, exactly as plan_cost knows it (not the local guess: a
+        # one-hot dispatch mask computed from top-k indices gets none)
+        self.grads = grad_tensors(self.graph, cm.input_grads, space.grad_sources or None)
         self.lays = _Layouts(self.by_id)
         # weights a scan reads for its body are stored as the body op first reading their block
         # reads it (plan.layouts.scan_stored_inputs): that op prices the storage, later body
@@ -226,9 +230,10 @@ class _Builder:
         forward = getattr(cm, "forward_time", None)
         w = self.space.weights[op.id]
         remat = op.id in self.remat
+        mask = tuple(t.id in self.grads for t in op.inputs)
         for i, split in enumerate(splits):
             if not op.regions:
-                c[i] += w * cm.op_time(op, split)
+                c[i] += w * cm.op_time(op, split, mask)
                 if remat and forward is not None:
                     c[i] += w * forward(op, split)
             if not remat:
@@ -248,7 +253,8 @@ class _Builder:
                 elif first:
                     stored, secs = self._storage(t, want, split)
                 else:
-                    stored, secs = 0.0, cm.reshard_time(t, Layout.replicated(t.ndim), want)
+                    stored, secs = 0.0, cm.reshard_time(t, Layout.replicated(t.ndim), want,
+                                                        backward=t.id in self.grads)
                 m[i] += stored
                 x[i] += secs
         return c, x, m
@@ -260,7 +266,7 @@ class _Builder:
         have = stored_layout(v, want, dp, self.space.mesh_axes, self.zero)
         stored = self.cm.variable_bytes(v, want, dp) if self.zero else \
             self.cm.variable_bytes(v, want)
-        return stored, self.cm.reshard_time(v, have, want)
+        return stored, self.cm.reshard_time(v, have, want, backward=v.id in self.grads)
 
     # ---- gradient syncs ------------------------------------------------------------------------
 
@@ -338,7 +344,7 @@ class _Builder:
                     continue
                 key = (want, axes)
                 if key not in classes:
-                    cost = w * self.cm.grad_sync_time(t, want, split)
+                    cost = w * self.cm.grad_sync_time(t, want, split, t.id in self.grads)
                     if cost <= 0:
                         continue
                     classes[key] = len(costs)
@@ -444,15 +450,16 @@ class _Builder:
     def _reshard(self, t: Tensor, src: Layout, dst: Layout | tuple[Layout, Layout]) -> float:
         if src == dst:
             return 0.0
-        key = (t.shape, t.dtype, t.role, t.collection, src, dst)
+        grad = t.id in self.grads
+        key = (t.shape, t.dtype, t.role, t.collection, grad, src, dst)
         out = self.reshard_memo.get(key)
         if out is None:
             if isinstance(dst, Layout):
-                out = self.cm.reshard_time(t, src, dst)
+                out = self.cm.reshard_time(t, src, dst, backward=grad)
             elif dst[1] is None:
                 out = self.cm.reshard_time(t, src, dst[0], backward=False)
             else:
-                out = self.cm.reshard_time(t, src, *dst)
+                out = self.cm.reshard_time(t, src, *dst, backward=grad)
             self.reshard_memo[key] = out
         return out
 

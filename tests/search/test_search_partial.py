@@ -17,9 +17,12 @@ from nnscaler_jax.search.tables import build_tables
 
 AXES = {"data": 2, "model": 4}
 
-# ILP objectives (seconds per step) on AXES before representative pricing; must not move.
-BEFORE = {"mlp": 5.896000000000001e-06, "gpt": 0.0001774096, "t5": 0.00021694076,
-          "moe": 0.00017919445999999998, "swin": 0.017104775119999947}
+# ILP objectives (seconds per step) on AXES; representative pricing must not move them. Re-pinned
+# when the tables began pricing exactly as plan_cost (gradient reductions as one path, siblings'
+# reduction once, exact gradient masks): gpt 1.774096e-4, t5 2.1694076e-4, moe 1.7919446e-4
+# (1.8% above its plan_cost then; the better plan found since costs 1.7398e-4) before.
+BEFORE = {"mlp": 5.896000000000001e-06, "gpt": 0.0001774088, "t5": 0.00021629956,
+          "moe": 0.00017397906000000003, "swin": 0.017104775119999947}
 
 
 def _graph(name, preset="tiny"):
@@ -32,7 +35,7 @@ def test_representative_pricing_keeps_the_objective(name):
     plan, report = search(graph, AXES)
     assert report.objective_s == pytest.approx(BEFORE[name], rel=1e-9)
     cost = CostModel.for_axes(AXES).plan_cost(plan, graph)
-    assert report.objective_s == pytest.approx(cost.step_time_s, rel=0.02)
+    assert report.objective_s == pytest.approx(cost.step_time_s, rel=1e-9)
 
 
 def test_shared_tables_equal_per_op_tables_on_every_choice():
