@@ -28,6 +28,8 @@ each device puts on the wire (:func:`wire_bytes`).
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
@@ -233,12 +235,20 @@ class MeshSpec:
                 f"unknown mesh axis {axis!r}; mesh axes are {self.axis_names}"
             ) from None
 
-    def size(self, axis: str) -> int:
-        """Number of devices along ``axis``."""
+    def size(self, axis: str | tuple[str, ...]) -> int:
+        """Number of devices along ``axis`` (a tuple of axes: the devices of their product)."""
+        if isinstance(axis, tuple):
+            return math.prod(self.size(a) for a in axis)
         return self.axis_sizes[self.index(axis)]
 
-    def link(self, axis: str) -> LinkCost:
-        """The link cost of ``axis``."""
+    def link(self, axis: str | tuple[str, ...]) -> LinkCost:
+        """The link cost of ``axis``. A collective over a tuple of axes runs one ring through
+        all their devices: it waits for the slowest of their links (largest latency, least
+        bandwidth), as NCCL's flat ring across nodes is bound by the inter-node link."""
+        if isinstance(axis, tuple):
+            links = [self.link(a) for a in axis]
+            return LinkCost(max(lk.alpha_s for lk in links),
+                            max(lk.beta_s_per_byte for lk in links))
         return self.links[self.index(axis)]
 
     @property

@@ -474,6 +474,18 @@ def _scan_outputs(scans, layout: Mapping[int, Layout]) -> list[_Edge]:
     return out
 
 
+def _partial_outputs(graph: Graph, layout: Mapping[int, Layout]) -> list[_Edge]:
+    """Graph outputs left as partial sums that no op reads: the program hands back their value,
+    so they are all-reduced over those axes (the lowering constrains them to their dims)."""
+    read = {t.id for op in graph.ops for t in op.inputs}
+    out = []
+    for t in graph.outputs:
+        lay = layout.get(t.id)
+        if lay is not None and lay.partial and t.ndim and t.id not in read:
+            out.append(_Edge(t, lay, _drop_partial(lay), (), 1))
+    return out
+
+
 def _analyze(model: CostModel, plan: Plan, graph: Graph) -> _Analysis:
     zero = max(model.zero, plan.zero)
     mesh = model.mesh
@@ -528,6 +540,7 @@ def _analyze(model: CostModel, plan: Plan, graph: Graph) -> _Analysis:
             for k in saved.get(op.id, ()):
                 kept[op.outputs[k].id] = model._local_bytes(op.outputs[k], outs[k]) * mult
     edges += _scan_outputs(scans, layout)
+    edges += _partial_outputs(graph, layout)
     for b, mult in remat_inputs.items():
         for t in kinds[b][1]:
             if t.role in (Role.VALUE, Role.INPUT) and t.id in layout:

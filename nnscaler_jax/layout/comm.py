@@ -1,8 +1,9 @@
 """The cheapest sequence of collectives turning one RVD layout into another.
 
 States are the :class:`~nnscaler_jax.layout.rvd.Layout` s of one tensor that are valid on the mesh;
-an edge changes the state of exactly one mesh axis ``a`` (``p`` devices) by one collective over
-``a`` (nnScaler's RVD transitions on one device set):
+an edge changes the state of one mesh axis ``a`` (``p`` devices) by one collective over ``a``
+(nnScaler's RVD transitions on one device set), or reduces partial sums over several axes at once
+(below):
 
 ==============  ===============  ==============================================================
 kind            transition       ``bytes`` (the ``n`` of :mod:`nnscaler_jax.cost.comm`)
@@ -14,6 +15,14 @@ reduce_scatter  V -> D(i)        local bytes *before* the scatter (p x after)
 slice           R -> D(i)        0 — local, free
 value_chunk     R -> V           0 — local, free (one replica keeps the value, the others zeros)
 ==============  ===============  ==============================================================
+
+One collective may also run over several axes ``(a1, a2, ...)`` at once, through the devices of
+all of them (``p = p1 x p2``, priced on the slowest of their links): an all-reduce of partial
+sums over those axes (``V(a1, a2) -> R``), a reduce-scatter of them onto one dim, or an
+all-gather of the minor-most axes splitting one dim. That is what XLA emits for such a change,
+one collective whose replica groups span the axes. The search still finds two all-reduces, or
+reduce-scatter / all-reduce / all-gather, when those are cheaper (a fast axis inside a node, a
+slow one across nodes).
 
 "Local bytes" are the bytes of one device's block (``Layout.local_bytes``); partial sums keep the
 block's full shape. Ordering constraint: a dim split by several axes ``(a1, a2)`` holds blocks
@@ -57,7 +66,8 @@ class Collective:
 
     Attributes:
         kind: the collective (``slice`` and ``value_chunk`` are local and free).
-        axis: the mesh axis it runs over.
+        axis: the mesh axis it runs over (a tuple of axes for a collective over several at once:
+            in mesh order for a reduction, major to minor for an all-gather).
         bytes: the ``n`` of the cost formula (see the module docstring), per device.
         time_s: its alpha-beta time.
         src: the layout before the step.
@@ -68,7 +78,7 @@ class Collective:
     """
 
     kind: CollectiveKind
-    axis: str
+    axis: str | tuple[str, ...]
     bytes: int
     time_s: float
     src: Layout
@@ -88,8 +98,9 @@ class Collective:
             if self.kind == "value_chunk"
             else ("R" if self.dst_dim is None else f"D{self.dst_dim}")
         )
+        axis = ",".join(self.axis) if isinstance(self.axis, tuple) else self.axis
         return (
-            f"{self.kind}[{self.axis}: {before}->{after}] {self.src} -> {self.dst} "
+            f"{self.kind}[{axis}: {before}->{after}] {self.src} -> {self.dst} "
             f"(n={self.bytes} B, {self.time_s * 1e6:.3f} us)"
         )
 
@@ -126,7 +137,7 @@ class CommPath:
 
 def _step(
     kind: CollectiveKind,
-    axis: str,
+    axis: str | tuple[str, ...],
     src: Layout,
     dst: Layout,
     n: int,
@@ -158,8 +169,10 @@ def _divisible(layout: Layout, dim: int, shape: tuple[int, ...], mesh: MeshSpec)
 def _transitions(
     src: Layout, shape: tuple[int, ...], itemsize: int, mesh: MeshSpec
 ) -> Iterator[Collective]:
-    """Every single-axis step out of ``src`` that lands on a layout valid for ``shape``."""
+    """Every step out of ``src`` that lands on a layout valid for ``shape``: one axis changes,
+    or partial sums over several axes are all-reduced at once."""
     local = src.local_bytes(shape, itemsize, mesh)
+    yield from _group_transitions(src, shape, local, mesh)
     for axis in mesh.axis_names:
         p = mesh.size(axis)
         state = src.axis_state(axis)
@@ -190,6 +203,35 @@ def _transitions(
             yield _step(
                 "value_chunk", axis, src, src.replace_axis(axis, ("V",)), 0, mesh, None, None
             )
+
+
+def _group_transitions(
+    src: Layout, shape: tuple[int, ...], local: int, mesh: MeshSpec
+) -> Iterator[Collective]:
+    """Collectives over several mesh axes at once (one ring through all their devices):
+    all-reduce or reduce-scatter of partial sums over a set of axes, all-gather of the minor-most
+    axes splitting one dim (their blocks are contiguous)."""
+    partial = tuple(a for a in mesh.axis_names if a in src.partial and mesh.size(a) > 1)
+    for k in range(2, len(partial) + 1):
+        for group in itertools.combinations(partial, k):
+            reduced = src
+            for axis in group:
+                reduced = reduced.replace_axis(axis, ("R",))
+            yield _step("all_reduce", group, src, reduced, local, mesh, None, None)
+            for j in range(src.ndim):
+                dst = reduced
+                for axis in group:
+                    dst = dst.replace_axis(axis, ("D", j))
+                if _divisible(dst, j, shape, mesh):
+                    yield _step("reduce_scatter", group, src, dst, local, mesh, None, j)
+    for i, axes in enumerate(src.dims):
+        axes = tuple(a for a in axes if mesh.size(a) > 1) if len(axes) > 1 else ()
+        for k in range(2, len(axes) + 1):
+            group = axes[-k:]
+            dst = src
+            for axis in group:
+                dst = dst.replace_axis(axis, ("R",))
+            yield _step("all_gather", group, src, dst, local * mesh.size(group), mesh, i, None)
 
 
 @functools.lru_cache(maxsize=64)

@@ -355,6 +355,25 @@ class _Builder:
             return None
         return SyncSet(np.array(costs), tuple(out))
 
+    # ---- graph outputs -------------------------------------------------------------------------
+
+    def outputs(self) -> None:
+        """Outputs no op reads, left as partial sums by their producer's choice: the program
+        hands back their value, all-reduced (``plan_cost``'s ``_partial_outputs``)."""
+        read = {t.id for op in self.graph.ops for t in op.inputs}
+        producer = self.graph.producer
+        for t in self.graph.outputs:
+            if t.id in read or t.id not in producer or not t.ndim:
+                continue
+            op = producer[t.id]
+            k = [o.id for o in op.outputs].index(t.id)
+            g, _f, m, fg = self.fgroup(op.id)
+            for i, split in enumerate(fg.splits[m]):
+                lay = self.lays[op.id, split][1][k]
+                if lay.partial:
+                    self.comm[g][i] += self.cm.reshard_time(t, lay, interned(Layout(lay.dims)),
+                                                            backward=False)
+
     # ---- edges ---------------------------------------------------------------------------------
 
     def edges(self) -> None:
@@ -543,6 +562,7 @@ def build_tables(space: SearchSpace, cm: CostModel, zero: int = 0) -> CostTables
     """Price every group's strategies and every edge's strategy pairs."""
     b = _Builder(space, cm, zero)
     b.unary()
+    b.outputs()
     b.edges()
     syncs = b.syncs()
     edges = b.finish()

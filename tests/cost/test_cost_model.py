@@ -329,3 +329,36 @@ def test_a_scan_body_output_relaid_into_a_split_carry_is_priced_per_iteration():
     plan = plan_on_axes(graph, axes, policy)[0]
     cost = CostModel.for_axes(axes, links=LINK).plan_cost(plan, graph)
     assert cost.comm_bytes == 2 * 3 * scan.inputs[k].nbytes
+
+
+@pytest.mark.parametrize("axes", [("model",), ("data", "model")])
+def test_an_output_left_as_partial_sums_costs_one_all_reduce(axes):
+    """A model whose last op leaves partial sums that nothing reads: the program hands back the
+    value, so the lowering all-reduces it over the partial axes in one collective (XLA's
+    replica groups span them all). ``plan_cost``, the search tables and the compiled HLO agree."""
+    from nnscaler_jax import auto_parallel
+    from nnscaler_jax.lower.hlo import hlo_collectives
+    from nnscaler_jax.search import search_policy
+    from nnscaler_jax.search.abstract import plan_on_axes
+
+    module, x = nn.Dense(8, use_bias=False), jnp.ones((16, 32))
+    graph = trace(module, x)
+    mesh = make_mesh((2, 4), ("data", "model"))
+    model = CostModel.for_axes({"data": 2, "model": 4}, links=LINK)
+
+    def policy(draft, mesh):  # the contraction dim split: partial sums over ``axes``
+        draft.decide(draft.graph.ops[0], {a: "k0" for a in axes})
+        return search_policy("auto", cost_model=model)(draft, mesh)
+
+    plan, _, report = plan_on_axes(graph, {"data": 2, "model": 4}, policy, cost_model=model)
+    out = 16 * 8 * 4  # bytes of the output, whole on every device
+    assert plan.cost.comm_bytes == out
+    assert plan.cost.comm_time_s == pytest.approx(
+        all_reduce_time(LINK, 4 if axes == ("model",) else 8, out), rel=1e-12)
+    # the search's tables price the same all-reduce (the op was decided by hand)
+    assert report.objective_s == pytest.approx(plan.cost.step_time_s, rel=1e-9)
+    pm = auto_parallel(mesh, plan=plan)(module)
+    variables = pm.init(jax.random.key(0), x)
+    hlo = jax.jit(pm.apply).lower(variables, x).compile().as_text()
+    cols = [c for c in hlo_collectives(hlo, mesh) if c.kind == "all_reduce"]
+    assert [(c.bytes, set(c.axes)) for c in cols] == [(out, set(axes))]
