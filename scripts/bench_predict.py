@@ -214,8 +214,9 @@ def flag(r: float | None, tol: float) -> str:
     return "ok" if abs(r - 1) <= tol else "OFF"
 
 
-NOTES = {  # diagnosed by hand (per-path dump of plan_cost vs the HLO collectives)
-    ("gpt", "megatron"): (
+NOTES = {  # diagnosed by hand (per-path dump of plan_cost vs the HLO collectives), on the figures
+    # (plan n, HLO n) given first: a run whose figures differ says the note is stale
+    ("gpt", "megatron"): ((110784, 143556),
         "diagnosed: the data-axis gradient all-reduce agrees to the byte (plan 45248 n vs HLO "
         "45252 incl. the loss scalar) and so do the 4 forward model-axis all-reduces (4 x 8192); "
         "in the backward the plan prices Megatron's f operator once per block input (partial "
@@ -225,6 +226,15 @@ NOTES = {  # diagnosed by hand (per-path dump of plan_cost vs the HLO collective
         "collective-optimizations pipeline (add(all-reduce(x), all-reduce(y)) -> "
         "all-reduce(add(x, y))), which gives the plan's one all-reduce; the CPU pipeline "
         "measured here leaves three"),
+    ("gpt", "auto"): ((155648, 222624),
+        "diagnosed: every collective of the plan is in the HLO at its size (the forward "
+        "all-reduces of the attention output over 'model' and of the MLP output over data x "
+        "model as one 8-device all-reduce, their backward counterparts, the all-gathers); the "
+        "HLO adds (1) the q / k / v input gradients all-reduced separately where the plan prices "
+        "one all-reduce of their sum (2 layers x 2 x 16384 B = 65536 B; XLA's GPU pipeline "
+        "reassociates them, as for Megatron above) and (2) 480 + 960 B in the loss outside the "
+        "model, whose softmax reduces over the vocab-split logits: 155648 + 65536 + 1440 = "
+        "222624 B, the HLO figure"),
 }
 
 
@@ -278,7 +288,10 @@ def reasons(r: dict) -> list[str]:
         if wr and abs(wr - 1) <= COMM_TOL:
             msg += ("; the plan and XLA pick different collectives (n conventions differ per "
                     "kind) but send the same bytes")
-        note = NOTES.get((r["model"], r["policy"]))
+        figures, note = NOTES.get((r["model"], r["policy"]), (None, ""))
+        if note and figures != (r["comm_pred_n"], r["comm_hlo_n"]):
+            note = (f"a note diagnosed plan n / HLO n {figures[0]} / {figures[1]}; the figures "
+                    "changed since, so it no longer applies (re-diagnose)")
         if note:
             msg += "; " + note
         elif not (wr and abs(wr - 1) <= COMM_TOL):
