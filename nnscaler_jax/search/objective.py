@@ -34,9 +34,24 @@ class Edge:
     def compressed(cls, src: int, dst: int, mat: np.ndarray) -> Edge:
         """The edge of a full (strategies of ``src``) x (strategies of ``dst``) cost matrix,
         strategies with equal rows / columns sharing one layout class."""
-        rows_u, rows = np.unique(mat, axis=0, return_inverse=True)
-        cols_u, cols = np.unique(rows_u, axis=1, return_inverse=True)
-        return cls(src, dst, rows.ravel(), cols.ravel(), cols_u)
+        rows_u, rows = _unique_rows(mat)
+        cols_u, cols = _unique_rows(rows_u.T)
+        return cls(src, dst, rows, cols, np.ascontiguousarray(cols_u.T))
+
+
+def _unique_rows(mat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct rows in order of first appearance, row -> index of its distinct row): what
+    ``np.unique(mat, axis=0, return_inverse=True)`` gives up to the order, without its sort of
+    structured views (the search compresses thousands of small matrices)."""
+    index: dict[bytes, int] = {}
+    first: list[int] = []
+    inv = np.empty(len(mat), dtype=np.intp)
+    for i, row in enumerate(np.ascontiguousarray(mat)):
+        k = index.setdefault(row.tobytes(), len(index))
+        if k == len(first):
+            first.append(i)
+        inv[i] = k
+    return mat[first], inv
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ import numpy as np
 
 from nnscaler_jax.search.objective import CostTables, Edge, SyncSet
 
-__all__ = ["Reduced", "reduce_tables", "solve_by_elimination"]
+__all__ = ["Reduced", "dead_end_elimination", "reduce_tables", "solve_by_elimination"]
 
 
 @dataclass(frozen=True)
@@ -180,11 +180,14 @@ def solve_by_elimination(tables: CostTables, max_entries: int = 2_000_000
     if tables.syncs:
         return None
     n = len(tables.compute)
-    size = [len(tables.compute[g]) for g in range(n)]
-    terms: list[tuple[tuple[int, ...], np.ndarray]] = [((g,), tables.unary(g).astype(float))
+    unary = [tables.unary(g).astype(float) for g in range(n)]
+    pairs = [(e.src, e.dst, e.full) for e in tables.edges]
+    kept = dead_end_elimination(unary, pairs)  # exact: only never-optimal strategies go
+    size = [len(a) for a in kept]
+    terms: list[tuple[tuple[int, ...], np.ndarray]] = [((g,), unary[g][kept[g]])
                                                         for g in range(n)]
-    for e in tables.edges:
-        terms.append(((e.src, e.dst), e.full))
+    for u, v, m in pairs:
+        terms.append(((u, v), m[np.ix_(kept[u], kept[v])]))
     nbr: list[set[int]] = [set() for _ in range(n)]
     for vs, _ in terms:
         for u in vs:
@@ -216,4 +219,48 @@ def solve_by_elimination(tables: CostTables, max_entries: int = 2_000_000
     choice = [0] * n
     for v, rest, arg in reversed(steps):
         choice[v] = int(arg[tuple(choice[u] for u in rest)]) if rest else int(arg)
-    return tuple(choice)
+    return tuple(int(kept[g][c]) for g, c in enumerate(choice))
+
+
+def dead_end_elimination(unary: list[np.ndarray], pairs: list[tuple[int, int, np.ndarray]]
+                         ) -> list[np.ndarray]:
+    """Strategies that can be in an optimal choice of a unary + pairwise problem (Goldstein's
+    dead-end elimination, exact): strategy ``a`` of a group is dropped when another strategy
+    ``b`` of it is better whatever the neighbours choose,
+    ``U[a] - U[b] + sum over edges of min_s (E[a, s] - E[b, s]) > 0``; repeated until nothing
+    changes, the minimum over the neighbours' strategies still alive. Every optimum keeps only
+    strategies that survive, so minimising over them is exact. A margin of 64 ulps of the terms'
+    magnitudes keeps rounding from dropping either of two equal strategies. Returns each
+    group's surviving strategy indices (ascending).
+
+    >>> u = [np.array([1.0, 0.0, 5.0]), np.array([0.0, 0.0])]
+    >>> e = np.array([[0.0, 1.0], [0.0, 1.0], [0.0, 0.0]])
+    >>> [a.tolist() for a in dead_end_elimination(u, [(0, 1, e)])]
+    [[1], [0]]
+    """
+    n = len(unary)
+    alive = [np.arange(len(u)) for u in unary]
+    touching: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(n)]
+    for u, v, m in pairs:
+        touching[u].append((v, m))
+        touching[v].append((u, m.T))
+    changed = True
+    while changed:
+        changed = False
+        for v in range(n):
+            idx = alive[v]
+            if len(idx) < 2:
+                continue
+            cur = unary[v][idx]
+            d = cur[:, None] - cur[None, :]
+            scale = float(np.abs(cur).max())
+            for w, m in touching[v]:
+                sub = m[np.ix_(idx, alive[w])]
+                d += (sub[:, None, :] - sub[None, :, :]).min(axis=2)
+                scale += float(np.abs(sub).max())
+            np.fill_diagonal(d, -np.inf)
+            drop = (d > 64 * np.finfo(float).eps * scale).any(axis=1)
+            if drop.any():
+                alive[v] = idx[~drop]
+                changed = True
+    return alive

@@ -468,10 +468,15 @@ def build_space(graph: Graph, mesh_axes: Mapping[str, int], rules: Sequence[Rule
     # Followers: op -> (follower group index, member index); built in program order per graph.
     fg_ops: list[list[int]] = []
     fg_splits: list[list[tuple[Split, ...]]] = []
+    # members' strategy lists interned to small ints (equal lists, equal ids) as they are made,
+    # each list hashed once: the follow memo and the cost tables key on them
+    lists: dict[tuple, int] = {}
+    fg_lids: list[list[int]] = []
+    class_lid: dict[int, int] = {}
     member: dict[int, tuple[int, int]] = {}
     ruled = {op.id for op in ops for r in rules if r.matches(op)} | set(fixed) | set(pin_ops)
     lead_memo: dict[tuple, int | None] = {}
-    follow_memo: dict[tuple, tuple[Split, ...]] = {}
+    follow_memo: dict[tuple, tuple[tuple[Split, ...], int]] = {}
     for g, _, _ in _walk_graphs(graph):
         producer = g.producer
         for op in g.ops:
@@ -488,14 +493,21 @@ def build_space(graph: Graph, mesh_axes: Mapping[str, int], rules: Sequence[Rule
                 member[op.id] = (len(fg_ops), 0)
                 fg_ops.append([op.id])
                 fg_splits.append([allowed[op.id]])
+                cls = op_class[op.id]
+                lid = class_lid.get(cls) if share_layers else None  # allowed: per class
+                if lid is None:
+                    lid = class_lid[cls] = lists.setdefault(allowed[op.id], len(lists))
+                fg_lids.append([lid])
                 continue
             t = op.inputs[j]
             prod = producer[t.id]
             f, m = member[prod.id]
             k = [o.id for o in prod.outputs].index(t.id)
-            fk = (op_class[prod.id], k, op_class[op.id], j, fg_splits[f][m])
-            mine = follow_memo.get(fk) if share_layers else None
-            if mine is None:
+            fk = (op_class[prod.id], k, op_class[op.id], j, fg_lids[f][m])
+            hit = follow_memo.get(fk) if share_layers else None
+            if hit is not None:
+                mine, lid = hit
+            else:
                 sizes = op_sizes(op)
                 out = []
                 for s in fg_splits[f][m]:
@@ -503,23 +515,23 @@ def build_space(graph: Graph, mesh_axes: Mapping[str, int], rules: Sequence[Rule
                                                       s))
                     out.append(_follow_split(outs[k], op, j, sizes, mesh_axes))
                 mine = tuple(out)
+                lid = lists.setdefault(mine, len(lists))
                 if share_layers:
-                    follow_memo[fk] = mine
+                    follow_memo[fk] = (mine, lid)
             member[op.id] = (f, len(fg_ops[f]))
             fg_ops[f].append(op.id)
             fg_splits[f].append(mine)
+            fg_lids[f].append(lid)
 
     fgroups = []
     # isomorphism keys and members' strategy lists interned to small ints (cheap to hash: the
     # cost tables key their memos on them)
     iso: dict[tuple, int] = {}
-    lists: dict[tuple, int] = {}
-    for ids, splits in zip(fg_ops, fg_splits, strict=True):
+    for ids, splits, lids in zip(fg_ops, fg_splits, fg_lids, strict=True):
         key = None
         if all(i in keys for i in ids):
             key = iso.setdefault(tuple(keys[i] for i in ids), len(iso))
-        fgroups.append(FGroup(tuple(ids), tuple(splits), key,
-                              tuple(lists.setdefault(sp, len(lists)) for sp in splits)))
+        fgroups.append(FGroup(tuple(ids), tuple(splits), key, tuple(lids)))
 
     # Groups: copies of one layer share a decision; so do sibling ops (ours): leaders of one
     # class reading the same value at the same operand (the q / k / v projections of one input).

@@ -121,7 +121,7 @@ class _Builder:
         self.memo: dict[tuple, np.ndarray] = {}
         self.remat = _remat_ops(self.graph)
         self.saved = residual_outputs(self.graph)
-        self.reshard_memo: dict[tuple, float] = {}
+        self.reshard_memo: dict[tuple, dict[tuple, float]] = {}  # tensor kind -> pair -> s
         self.member_memo: dict[tuple, object] = {}  # ours only: per class of identical work
         self.top_inputs = {t.id for t in self.graph.inputs}
         # which tensors get a gradient, exactly as plan_cost knows it (not the local guess: a
@@ -466,20 +466,27 @@ class _Builder:
             out = self.member_memo[key] = _unique(self._layouts(end, fg, m))
         return out
 
-    def _reshard(self, t: Tensor, src: Layout, dst: Layout | tuple[Layout, Layout]) -> float:
-        if src == dst:
-            return 0.0
+    def _reshards(self, t: Tensor, pairs) -> list[float]:
+        """Seconds of each ``(src, dst)`` relayout of ``t`` (memoised by what the price reads:
+        shape, dtype, whether a gradient comes back)."""
         grad = t.id in self.grads
-        key = (t.shape, t.dtype, t.role, t.collection, grad, src, dst)
-        out = self.reshard_memo.get(key)
-        if out is None:
-            if isinstance(dst, Layout):
-                out = self.cm.reshard_time(t, src, dst, backward=grad)
-            elif dst[1] is None:
-                out = self.cm.reshard_time(t, src, dst[0], backward=False)
-            else:
-                out = self.cm.reshard_time(t, src, *dst, backward=grad)
-            self.reshard_memo[key] = out
+        memo = self.reshard_memo.setdefault((t.shape, t.dtype, grad), {})
+        out = []
+        for key in pairs:
+            src, dst = key
+            if src == dst:
+                out.append(0.0)
+                continue
+            v = memo.get(key)
+            if v is None:
+                if isinstance(dst, Layout):
+                    v = self.cm.reshard_time(t, src, dst, backward=grad)
+                elif dst[1] is None:
+                    v = self.cm.reshard_time(t, src, dst[0], backward=False)
+                else:
+                    v = self.cm.reshard_time(t, src, *dst, backward=grad)
+                memo[key] = v
+            out.append(v)
         return out
 
     def edge(self, t: Tensor, w: float, src: tuple, dst: tuple) -> None:
@@ -498,8 +505,8 @@ class _Builder:
             if vec is None:
                 ua, ia = self._unique_layouts(src, fgs, ms)
                 ub, ib = self._unique_layouts(dst, fgd, md)
-                vec = w * np.array([self._reshard(t, ua[a], ub[b]) for a, b in zip(ia, ib,
-                                                                                   strict=True)])
+                vec = w * np.array(self._reshards(t, [(ua[a], ub[b]) for a, b in
+                                                       zip(ia, ib, strict=True)]))
                 if dsig is not None:
                     self.memo[dsig] = vec
             self.comm[gs] += vec
@@ -508,7 +515,8 @@ class _Builder:
         if mat is None:
             ua, ia = self._unique_layouts(src, fgs, ms)
             ub, ib = self._unique_layouts(dst, fgd, md)
-            small = np.array([[self._reshard(t, x, y) for y in ub] for x in ua])
+            small = np.array(self._reshards(t, [(x, y) for x in ua for y in ub])
+                             ).reshape(len(ua), len(ub))
             mat = w * small[np.ix_(ia, ib)]
             if sig is not None:
                 self.memo[sig] = mat

@@ -96,4 +96,44 @@ def test_bucket_elimination_finds_the_optimum(seed):
     assert tables.objective(choice) == pytest.approx(_brute(tables), rel=1e-12)
     # gradient syncs over three groups, or a term cap, hand the problem to the ILP
     assert solve_by_elimination(_random_tables(seed, sync=True)) is None
-    assert solve_by_elimination(tables, max_entries=1) is None
+    # a problem no strategy dominates in (every pair prefers to differ), over the term cap
+    k, n = 3, 4
+    potts = [Edge(u, v, np.arange(k), np.arange(k), 1 - np.eye(k))
+             for u, v in itertools.combinations(range(n), 2)]
+    even = CostTables([np.zeros(k)] * n, [np.zeros(k)] * n, [np.zeros(k)] * n, potts, [],
+                      [np.zeros(k)] * n)
+    assert solve_by_elimination(even, max_entries=8) is None
+    assert even.objective(solve_by_elimination(even)) == pytest.approx(_brute(even))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_dead_end_elimination_keeps_every_optimum(seed):
+    """Dominated strategies (worse than another one whatever the neighbours pick) are dropped
+    before bucket elimination; on dense random problems with ties the optimum is the brute
+    force's and a strategy tied with another is never dropped together with it."""
+    from nnscaler_jax.search.reduce import dead_end_elimination, solve_by_elimination
+
+    rng = np.random.default_rng(seed)
+    n = 6
+    sizes = rng.integers(2, 5, n)
+    unary = [rng.uniform(0, 4, k) for k in sizes]
+    unary[0] = np.append(unary[0], unary[0][0])  # strategy 0 of group 0, twice
+    sizes[0] += 1
+    edges = []
+    for u, v in itertools.combinations(range(n), 2):  # a complete graph: no chains to fold
+        cost = rng.uniform(0, 1, (sizes[u], sizes[v]))
+        if u == 0:
+            cost[-1] = cost[0]
+        edges.append(Edge(u, v, np.arange(sizes[u]), np.arange(sizes[v]), cost))
+    tables = CostTables(unary, [np.zeros(k) for k in sizes], [np.zeros(k) for k in sizes],
+                        edges, [], [np.zeros(k) for k in sizes])
+    kept = dead_end_elimination([tables.unary(g) for g in range(n)],
+                                [(e.src, e.dst, e.full) for e in edges])
+    assert sum(map(len, kept)) < sum(sizes)  # something was dominated
+    assert (0 in kept[0]) == (sizes[0] - 1 in kept[0])  # the twins stay or go together
+    choice = solve_by_elimination(tables)
+    assert tables.objective(choice) == pytest.approx(_brute(tables), rel=1e-12)
+    best = _brute(tables)
+    for c in itertools.product(*[range(k) for k in sizes]):
+        if tables.objective(c) <= best * (1 + 1e-12):  # every optimum survives the pruning
+            assert all(c[g] in kept[g] for g in range(n))
