@@ -98,7 +98,7 @@ def hlo_n_bytes(cols, mesh) -> tuple[int, float, Counter]:
 def plan_wire_bytes(cm: CostModel, plan, graph) -> float:
     """Wire bytes (sent per device) of the plan's collectives: ``plan_cost``'s own walk with each
     path's time replaced by its wire bytes (so multiplicities count)."""
-    from nnscaler_jax.cost import model as cmod
+    from nnscaler_jax.cost import plan_walk as cmod
     from nnscaler_jax.layout import comm_path
 
     def wire_path(src, dst, shape, size, mesh):
@@ -111,7 +111,7 @@ def plan_wire_bytes(cm: CostModel, plan, graph) -> float:
     saved = cmod._path
     cmod._path = wire_path
     try:
-        return float(cmod._analyze(cm, plan, graph).comm_time)
+        return float(cmod.analyze(cm, plan, graph).comm_time)
     finally:
         cmod._path = saved
 

@@ -29,7 +29,6 @@ each device puts on the wire (:func:`wire_bytes`).
 from __future__ import annotations
 
 import math
-
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias

@@ -20,8 +20,8 @@ The search prices every candidate through this one interface:
 - ``plan_cost(plan, graph)``: the :class:`~nnscaler_jax.plan.plan.PlanCost` of a whole plan, and
   ``memory_breakdown(plan, graph)`` its memory by kind.
 
-``plan_cost`` walks the graph once: every edge (tensor -> consumer) costs the forward path from
-the tensor's layout to the layout its consumer needs plus, for tensors that need a gradient
+``plan_cost`` walks the graph once (:mod:`nnscaler_jax.cost.plan_walk`): every edge (tensor ->
+consumer) costs the forward path from the tensor's layout to the layout its consumer needs plus, for tensors that need a gradient
 (computed from trainable variables; example inputs only with ``input_grads``), the backward path of
 the gradient (reduced once per tensor and gradient layout). Weights start from their storage
 layout, so data parallelism costs one all-reduce per weight and ZeRO-3 an all-gather in the
@@ -63,7 +63,6 @@ from nnscaler_jax.cost.compute import (
     MATMUL,
     TRAINABLE,
     compute_dtype,
-    grad_tensors,
     is_float,
     itemsize,
     needs_grad_locally,
@@ -74,14 +73,13 @@ from nnscaler_jax.cost.compute import (
 )
 from nnscaler_jax.cost.devices import CPU, ClusterSpec, DeviceSpec
 from nnscaler_jax.cost.profile import ProfileDB
-from nnscaler_jax.cost.residuals import MASKED, residual_outputs, saved_operands
 from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout, comm_path
 from nnscaler_jax.layout.rvd import interned
-from nnscaler_jax.plan.layouts import op_layouts, plan_layouts, sole_read_variables, unstack
+from nnscaler_jax.plan.layouts import op_layouts
 from nnscaler_jax.plan.plan import VALUE, OpPlan, Plan, PlanCost
 
-__all__ = ["CPU", "CostModel", "DeviceSpec", "itemsize", "op_flops"]
+__all__ = ["CPU", "CostModel", "DeviceSpec", "drop_partial", "itemsize", "op_flops"]
 
 Split = tuple[tuple[str, str], ...]
 REMAT = frozenset({"checkpoint", "remat", "remat2"})
@@ -231,7 +229,7 @@ class CostModel:
             return 0.0
         out = _path(src, dst, t.shape, itemsize(t), self.mesh)[0] if src != dst else 0.0
         if self._needs_grad(t) if backward is None else backward:
-            out += _path(_drop_partial(dst) if grad is None else grad, _drop_partial(src),
+            out += _path(drop_partial(dst) if grad is None else grad, drop_partial(src),
                          t.shape, itemsize(t), self.mesh)[0]
         return out
 
@@ -241,7 +239,7 @@ class CostModel:
             return 0
         out = _path(src, dst, t.shape, itemsize(t), self.mesh)[1]
         if self._needs_grad(t):
-            out += _path(_drop_partial(dst), _drop_partial(src), t.shape, itemsize(t),
+            out += _path(drop_partial(dst), drop_partial(src), t.shape, itemsize(t),
                          self.mesh)[1]
         return out
 
@@ -262,7 +260,7 @@ class CostModel:
         if not axes or v.ndim == 0 or not (self._needs_grad(v) if needs_grad is None
                                            else needs_grad):
             return 0.0, 0
-        dst = _drop_partial(layout)
+        dst = drop_partial(layout)
         if v.role is Role.VARIABLE and self.zero >= 3:
             for a in axes:
                 dst = _add_axis(self, v, dst, a)
@@ -336,7 +334,9 @@ class CostModel:
 
     def plan_cost(self, plan: Plan, graph: Graph) -> PlanCost:
         """Step time, per-device peak memory and communication bytes of ``plan``."""
-        a = _analyze(self, plan, graph)
+        from nnscaler_jax.cost.plan_walk import analyze
+
+        a = analyze(self, plan, graph)
         return PlanCost(step_time_s=a.compute + a.comm_time, memory_bytes_per_device=int(a.peak),
                         comm_bytes=int(a.comm_bytes), compute_time_s=a.compute,
                         comm_time_s=a.comm_time)
@@ -345,7 +345,9 @@ class CostModel:
         """Per-device bytes of a training step by kind: ``params``, ``grads``, ``optimizer``,
         ``activations`` (kept for the backward), ``transient`` (the largest temporary) and
         ``peak`` (their sum)."""
-        a = _analyze(self, plan, graph)
+        from nnscaler_jax.cost.plan_walk import analyze
+
+        a = analyze(self, plan, graph)
         return {"params": int(a.params), "grads": int(a.grads), "optimizer": int(a.optimizer),
                 "activations": int(a.activations), "transient": int(a.transient),
                 "peak": int(a.peak)}
@@ -355,7 +357,8 @@ class CostModel:
 
 
 @lru_cache(maxsize=65536)
-def _drop_partial(lay: Layout) -> Layout:
+def drop_partial(lay: Layout) -> Layout:
+    """``lay`` without its partial-sum axes (the layout a reduction over them leaves)."""
     return interned(Layout(lay.dims)) if lay.partial else lay
 
 
@@ -371,68 +374,6 @@ def _grad_source(want: Layout, split: Split) -> Layout:
     return Layout(want.dims, tuple(_partial_grad_axes(want, split)))
 
 
-@dataclass
-class _Edge:
-    tensor: Tensor
-    have: Layout
-    want: Layout
-    split: Split
-    mult: int
-    region: bool = False  # the consumer is a region op: its body's edges reduce the gradients
-
-
-@dataclass
-class _Analysis:
-    compute: float = 0.0
-    comm_time: float = 0.0
-    comm_bytes: float = 0.0
-    params: float = 0.0
-    grads: float = 0.0
-    optimizer: float = 0.0
-    activations: float = 0.0
-    transient: float = 0.0
-
-    @property
-    def peak(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.transient
-
-
-def _boundary_kinds(graph: Graph) -> dict[int, tuple[str, tuple[Tensor, ...]]]:
-    out = {b.id: (b.kind, b.inputs) for b in graph.boundaries}
-    for op in graph.ops:
-        for region in op.regions:
-            out.update(_boundary_kinds(region))
-    return out
-
-
-
-
-def _region_layouts(op: Op, ins: tuple[Layout, ...], layout: dict[int, Layout],
-                    origin: dict[int, int]) -> None:
-    """Layouts of a region's body inputs from the layouts its op reads its operands in;
-    ``origin`` (tensor -> the variable it is computed from) extends to the body inputs."""
-    from nnscaler_jax.ir.from_jaxpr import region_links
-
-    by_outer = {t.id: lay for t, lay in zip(op.inputs, ins, strict=True)}
-    dims: dict[int, dict[int, tuple[str, ...]]] = {}
-    try:
-        for (outer, i), (inner, j) in region_links(op):
-            if outer in by_outer and i < by_outer[outer].ndim:
-                dims.setdefault(inner, {})[j] = by_outer[outer].dims[i]
-                if outer in origin:
-                    origin.setdefault(inner, origin[outer])
-    except Exception:  # noqa: BLE001 - unknown region kinds: body inputs stay unpriced
-        return
-    for region in op.regions:
-        for t in region.inputs:
-            if t.id in dims and t.id not in layout:
-                d = dims[t.id]
-                dims_t = tuple(d.get(k, ()) for k in range(t.ndim))
-                used = [a for axes in dims_t for a in axes]
-                if len(used) == len(set(used)):  # else unpriced: an axis used twice
-                    layout[t.id] = Layout(dims_t)
-
-
 def _add_axis(model: CostModel, v: Tensor, lay: Layout, axis: str) -> Layout:
     """``lay`` with ``axis`` splitting the first dim it divides (ZeRO-3 storage), else ``lay``."""
     p = model.mesh.size(axis)
@@ -441,162 +382,6 @@ def _add_axis(model: CostModel, v: Tensor, lay: Layout, axis: str) -> Layout:
         if n % (ways * p) == 0:
             return lay.replace_axis(axis, ("D", i))
     return lay
-
-
-def _gathered_operands(model: CostModel, op: Op, mask: tuple[bool, ...],
-                       ins: tuple[Layout, ...], layout: Mapping[int, Layout], zero: int,
-                       mult: int, kept: dict) -> None:
-    """A matmul / convolution (or ReLU max) operand its transpose reads, which reaches the op
-    through a relayout that grows it (an all-gather), is saved as the op reads it: the gathered
-    copy stays for the backward next to the original (as ZeRO-3's gathered weights)."""
-    for j in saved_operands(op, mask)[0]:
-        t, want = op.inputs[j], ins[j]
-        have = layout.get(t.id)
-        if have is None or not t.ndim or have == want or (
-                t.role is Role.VARIABLE and zero >= 3) or not is_float(t):
-            continue
-        grown = model._local_bytes(t, want)
-        if grown > model._local_bytes(t, have):
-            kept[(t.id, want)] = grown * mult
-
-
-def _scan_outputs(scans, layout: Mapping[int, Layout]) -> list[_Edge]:
-    """Each iteration relayouts a scan body's outputs into the scan's carry layout and its
-    stacked outputs' per-iteration block (the search tables price the same edges)."""
-    out = []
-    for op, outs, mult in scans:
-        ncarry = op.params["num_carry"]
-        for k, (t, want) in enumerate(zip(op.regions[0].outputs, outs, strict=True)):
-            have = layout.get(t.id)
-            want = unstack(want, k >= ncarry)
-            if have is not None and t.ndim and have != want:
-                out.append(_Edge(t, have, want, (), mult))
-    return out
-
-
-def _partial_outputs(graph: Graph, layout: Mapping[int, Layout]) -> list[_Edge]:
-    """Graph outputs left as partial sums that no op reads: the program hands back their value,
-    so they are all-reduced over those axes (the lowering constrains them to their dims)."""
-    read = {t.id for op in graph.ops for t in op.inputs}
-    out = []
-    for t in graph.outputs:
-        lay = layout.get(t.id)
-        if lay is not None and lay.partial and t.ndim and t.id not in read:
-            out.append(_Edge(t, lay, _drop_partial(lay), (), 1))
-    return out
-
-
-def _analyze(model: CostModel, plan: Plan, graph: Graph) -> _Analysis:
-    zero = max(model.zero, plan.zero)
-    mesh = model.mesh
-    plans = plan._by_id()
-    grads = grad_tensors(graph, model.input_grads)
-    saved = residual_outputs(graph, grads if model.input_grads else None)
-    kinds = _boundary_kinds(graph)
-    sole = sole_read_variables(graph)
-    layout: dict[int, Layout] = {}
-    for t in graph.inputs:
-        spec = plan.variable_spec(t.name) if t.role is Role.VARIABLE else None
-        layout[t.id] = Layout.from_pspec(spec, t.ndim) if spec else Layout.replicated(t.ndim)
-    out = _Analysis()
-    edges: list[_Edge] = []
-    kept: dict[int, float] = {}
-    remat_inputs: dict[int, int] = {}  # boundary id -> multiplicity
-    remat_sum: dict[int, float] = {}
-    # the variable a tensor is computed from alone (reshapes, casts; region body inputs)
-    origin: dict[int, int] = {v.id: v.id for v in graph.variables}
-    first_want: dict[int, Layout] = {}
-    scans: list[tuple[Op, tuple[Layout, ...], int]] = []
-    for op, mult in walk_weighted(graph):
-        p = plans.get(op.id) or OpPlan(op.id, op.primitive, op.module_path)
-        ins, outs = plan_layouts(op, plans, sole)
-        for t, want in zip(op.inputs, ins, strict=True):
-            have = layout.get(t.id)
-            if have is not None and t.ndim:
-                edges.append(_Edge(t, have, want, p.split, mult, bool(op.regions)))
-                first_want.setdefault(t.id, want)
-        for t, lay in zip(op.outputs, outs, strict=True):
-            layout[t.id] = lay
-        if op.regions:
-            _region_layouts(op, ins, layout, origin)
-            if op.primitive == "scan":
-                scans.append((op, outs, mult * region_length(op)))
-            continue
-        srcs = {origin[t.id] for t in op.inputs if t.id in origin}
-        if len(srcs) == 1 and all(t.id in origin or t.role is Role.CONST for t in op.inputs):
-            origin.update({t.id: next(iter(srcs)) for t in op.outputs})  # a weight, reshaped
-        mask = tuple(t.id in grads for t in op.inputs)
-        out.compute += model._op_time(op, p.split, mask) * mult
-        if op.primitive in MASKED and not op.boundary:
-            _gathered_operands(model, op, mask, ins, layout, zero, mult, kept)
-        local = sum(model._local_bytes(t, lay) for t, lay in zip(op.outputs, outs, strict=True))
-        out.transient = max(out.transient, local)
-        remat = [b for b in op.boundary if kinds.get(b, ("",))[0] in REMAT]
-        if remat:  # recomputed in the backward: one more forward
-            out.compute += model.forward_time(op, p.split) * mult
-            remat_inputs.setdefault(remat[0], mult)
-            remat_sum[remat[0]] = remat_sum.get(remat[0], 0.0) + local * mult
-        elif op.primitive not in FREE:
-            for k in saved.get(op.id, ()):
-                kept[op.outputs[k].id] = model._local_bytes(op.outputs[k], outs[k]) * mult
-    edges += _scan_outputs(scans, layout)
-    edges += _partial_outputs(graph, layout)
-    for b, mult in remat_inputs.items():
-        for t in kinds[b][1]:
-            if t.role in (Role.VALUE, Role.INPUT) and t.id in layout:
-                lays = [layout[t.id]] + ([first_want[t.id]] if t.id in first_want else [])
-                kept.setdefault(t.id, min(model._local_bytes(t, lay) for lay in lays) * mult)
-    out.activations = sum(kept.values())
-    out.transient = max([out.transient, *remat_sum.values()])
-
-    # data-parallel axes of each weight, and its storage under the ZeRO stage
-    var_ids = {v.id for v in graph.variables}
-    dp: dict[int, tuple[str, ...]] = {v.id: () for v in graph.variables}
-    for e in edges:
-        v = origin.get(e.tensor.id, e.tensor.id)
-        if v in var_ids and not e.region:  # a region's body edges carry its gradients' axes
-            dp[v] = tuple(dict.fromkeys(dp[v] + tuple(_partial_grad_axes(e.want, e.split))))
-    store: dict[int, Layout] = {}
-    for v in graph.variables:
-        lay = layout_v = Layout.from_pspec(plan.variable_spec(v.name), v.ndim) \
-            if plan.variable_spec(v.name) else Layout.replicated(v.ndim)
-        if zero >= 3:
-            for a in dp[v.id]:
-                if a not in lay.split_axes and a not in lay.partial:
-                    lay = _add_axis(model, v, lay, a)
-        store[v.id] = lay
-        pb, gb, ob = model.state_bytes(v, layout_v, dp[v.id], zero)
-        out.params += pb
-        out.grads += gb
-        out.optimizer += ob
-
-    # communication: forward paths, then each gradient reduced once per (tensor, layout)
-    backward: dict[tuple[int, Layout], tuple[Tensor, Layout, int]] = {}
-    gathered: dict[int, int] = {}
-    for e in edges:
-        t, size = e.tensor, itemsize(e.tensor)
-        src = store.get(t.id, e.have)
-        if src != e.want:
-            ft, fb = _path(src, e.want, t.shape, size, mesh)
-            out.comm_time += ft * e.mult
-            out.comm_bytes += fb * e.mult
-            if t.id in var_ids and zero >= 3:  # the gathered weight stays for the backward
-                gathered[t.id] = max(gathered.get(t.id, 0), model._local_bytes(t, e.want))
-        if t.id in grads and not e.region:
-            g = _grad_source(e.want, e.split)
-            backward.setdefault((t.id, g), (t, _drop_partial(src), e.mult))
-    synced: dict[int, int] = {}
-    for (_, g), (t, dst, mult) in backward.items():
-        if g != dst:
-            bt, bb = _path(g, dst, t.shape, itemsize(t), mesh)
-            out.comm_time += bt * mult
-            out.comm_bytes += bb * mult
-            if t.id in var_ids:  # the local gradient before its reduction (one fused buffer)
-                synced[t.id] = max(synced.get(t.id, 0), model._local_bytes(t, g) * mult)
-    out.activations += sum(gathered.values())
-    # the reduction buffer lives at the end of the backward, when the residuals are freed
-    out.transient = max(out.transient, sum(synced.values()) - out.activations)
-    return out
 
 
 @lru_cache(maxsize=65536)

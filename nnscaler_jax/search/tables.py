@@ -40,7 +40,7 @@ from functools import lru_cache
 import numpy as np
 
 from nnscaler_jax.cost.compute import grad_tensors
-from nnscaler_jax.cost.model import CostModel
+from nnscaler_jax.cost.model import CostModel, drop_partial
 from nnscaler_jax.cost.residuals import residual_outputs
 from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout
@@ -359,11 +359,10 @@ class _Builder:
 
     def outputs(self) -> None:
         """Outputs no op reads, left as partial sums by their producer's choice: the program
-        hands back their value, all-reduced (``plan_cost``'s ``_partial_outputs``)."""
-        read = {t.id for op in self.graph.ops for t in op.inputs}
+        hands back their value, all-reduced (``plan_cost``'s ``plan_walk._partial_outputs``)."""
         producer = self.graph.producer
         for t in self.graph.outputs:
-            if t.id in read or t.id not in producer or not t.ndim:
+            if t.id in self.graph.consumers or t.id not in producer or not t.ndim:
                 continue
             op = producer[t.id]
             k = [o.id for o in op.outputs].index(t.id)
@@ -371,8 +370,7 @@ class _Builder:
             for i, split in enumerate(fg.splits[m]):
                 lay = self.lays[op.id, split][1][k]
                 if lay.partial:
-                    self.comm[g][i] += self.cm.reshard_time(t, lay, interned(Layout(lay.dims)),
-                                                            backward=False)
+                    self.comm[g][i] += self.cm.reshard_time(t, lay, drop_partial(lay), backward=False)
 
     # ---- edges ---------------------------------------------------------------------------------
 
