@@ -20,15 +20,15 @@ from nnscaler_jax.capture.flax import Traceable, linen_traceable, nnx_traceable,
 from nnscaler_jax.capture.trace import Captured, abstract_init
 from nnscaler_jax.constraints import Constraints
 from nnscaler_jax.errors import PlanError
-from nnscaler_jax.ir.from_jaxpr import graph_from_jaxpr
+from nnscaler_jax.capture.jaxpr import graph_from_jaxpr
+from nnscaler_jax.capture.metadata import is_boxed, partitioning_specs, unbox
 from nnscaler_jax.lower.replay import Lowering, explicitly_typed
 from nnscaler_jax.lower.verify import compare_outputs
 from nnscaler_jax.plan.plan import Plan
-from nnscaler_jax.plan.policies import get_policy
-from nnscaler_jax.primitives import Draft
-from nnscaler_jax.search.metadata import is_boxed, partitioning_specs, unbox
+from nnscaler_jax.pipeline.runtime import PipelineStep
+from nnscaler_jax.planner import make_plan
 
-__all__ = ["auto_parallel", "AutoParallel", "make_plan_for"]
+__all__ = ["auto_parallel", "AutoParallel"]
 
 # Wrapper state that is not nnx state: keyed weakly by the wrapper / decorated instance.
 _CORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -47,42 +47,6 @@ def _signature(flat: tuple[Any, ...], extra: Any) -> tuple:
 
 def _mesh_axes(mesh: Any) -> dict[str, int]:
     return dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
-
-
-def make_plan_for(graph: Any, mesh: Any, *, policy: Any = "auto", plan: Plan | None = None,
-                  constraints: Constraints | None = None, partitioning: Any = None) -> Plan:
-    """Run ``policy`` (or check ``plan``) for ``graph`` on ``mesh``.
-
-    ``partitioning``: ``{variable path: mesh axes per dim}`` from Flax metadata; the ``"auto"``
-    / ``"alpa"`` searches pin those variables' storage, other policies find it on
-    ``graph.partitioning`` (pass it on with ``search_policy(partitioning=...)``).
-    """
-    axes = _mesh_axes(mesh)
-    if plan is not None:
-        plan.check_graph(graph, axes)
-        return plan
-    constraints = constraints or Constraints()
-    name = policy if policy is not None else "auto"
-    constraints.check(graph, axes, policy=name)
-    draft = Draft(graph, axes, constraints=constraints, partitioning=partitioning or None)
-    if partitioning and name in ("auto", "alpa"):
-        from nnscaler_jax.search import search_policy
-
-        fn = search_policy(name, partitioning=dict(partitioning))
-    else:
-        fn = get_policy(name)
-    draft.policy = name if isinstance(name, str) else getattr(fn, "__name__", "custom")
-    result = fn(draft, mesh)
-    if isinstance(result, Draft):
-        result = result.finish()
-    if not isinstance(result, Plan):
-        raise PlanError(f"policy {draft.policy!r} returned {type(result).__name__}, not a Plan: "
-                        "end the policy with `return graph.finish()`")
-    result = constraints.apply_zero(result, graph, axes)
-    result = constraints.apply_pipeline(result, graph, axes)
-    from nnscaler_jax.cost.estimate import estimate
-
-    return estimate(result, graph)  # pipelined (stages > 1): the pipeline runtime's pricing
 
 
 @dataclass
@@ -133,8 +97,8 @@ class AutoParallel:
                                 f"{type(e).__name__}: {e}") from e
             graph, _ = graph_from_jaxpr(jaxpr, tr.infos, root=tr.root)
             captured = Captured(tr, jaxpr, graph, tr.out_tree())
-            plan = make_plan_for(graph, self.mesh, policy=self.policy, plan=self.fixed_plan,
-                                 constraints=self.constraints, partitioning=dict(specs))
+            plan = make_plan(graph, self.mesh, policy=self.policy, plan=self.fixed_plan,
+                             constraints=self.constraints, partitioning=dict(specs))
             lowering = Lowering(graph, plan, self.mesh, explicit=explicit)
             shardings = lowering.input_shardings()
             fn = jax.jit(lowering, in_shardings=shardings)
@@ -248,13 +212,11 @@ class AutoParallel:
             return_grads: also return the gradients (pipeline layout) in the metrics.
 
         Returns:
-            A :class:`~nnscaler_jax.lower.pipeline.PipelineStep` ``step``:
+            A :class:`~nnscaler_jax.pipeline.runtime.PipelineStep` ``step``:
             ``state = step.init(variables, *batch)``, then ``state, metrics = step(state,
             *batch)`` (one jitted program: micro-batches, schedule, gradient accumulation and
             the optax update); ``step.params(state)`` gives the module's params tree.
         """
-        from nnscaler_jax.lower.pipeline import PipelineStep
-
         return PipelineStep(self, loss_fn, optimizer, return_grads=return_grads)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Literal
 
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Graph
+from nnscaler_jax.mesh.axes import stage_axis
 
 __all__ = ["Constraints", "Rule"]
 
@@ -72,14 +73,13 @@ class Constraints:
             if not isinstance(r, Rule):
                 raise PlanError(f"Constraints(rules=...) takes Rule values, got {r!r}")
 
-    def check(self, graph: Graph, mesh_axes: dict[str, int], policy: Any = None) -> None:
+    def check(self, graph: Graph, mesh_axes: dict[str, int]) -> None:
         """Raise ``PlanError`` for a rule or field that cannot be met on this graph and mesh.
 
-        ``policy``: the planning policy (it decides which axes are tensor-parallel inside
-        pipeline stages, see :func:`nnscaler_jax.lower.pipeline_tp.tensor_axes`).
+        The pipeline fields are checked against the mesh here; whether the model's layers can
+        be staged is the pipeline's business (:mod:`nnscaler_jax.pipeline.configure`).
         """
-        if self.pipeline_stages not in (None, 1):
-            self._stage_of(graph, mesh_axes, policy)
+        self._check_pipeline(mesh_axes)
         for r in self.rules:
             for a in r.axes or ():
                 if a not in mesh_axes:
@@ -104,22 +104,10 @@ class Constraints:
                     raise PlanError(f"{a} and {b} contradict on op '{both[0].primitive}' at "
                                     f"'{both[0].module_path}': one replicates, one splits")
 
-    def _stage_of(self, graph: Graph, mesh_axes: dict[str, int],
-                  policy: Any = None) -> tuple[tuple[str, int], ...]:
-        """Check the pipeline fields; the layer -> stage assignment."""
-        return self._pipeline(graph, mesh_axes, policy)[-1]
-
-    def _pipeline(self, graph: Graph, mesh_axes: dict[str, int], policy: Any = None) -> tuple:
-        """``(stages, microbatches, schedule, virtual, report, stage_of)`` (checks the fields).
-
-        ``pipeline_stages="auto"``: the stages are the mesh's ``stage``/``pipe`` axis; the stage
-        DP restricted to what the runtime executes picks micro-batches and schedule, pricing
-        the non-stage axes as the runtime runs them under ``policy`` (data- or tensor-parallel).
-        """
-        from nnscaler_jax.plan.schedule import stage_layers
-
-        stages = self.pipeline_stages
-        axis = next((a for a in ("stage", "pipe") if a in mesh_axes), None)
+    def _check_pipeline(self, mesh_axes: dict[str, int]) -> None:
+        stages, axis = self.pipeline_stages, stage_axis(mesh_axes)
+        if stages in (None, 1):
+            return
         if self.microbatches is not None and self.microbatches < 1:
             raise PlanError(f"Constraints(microbatches={self.microbatches}): use a positive int")
         if stages == "auto":
@@ -128,73 +116,13 @@ class Constraints:
                     "Constraints(pipeline_stages='auto') chooses micro-batches and schedule for "
                     "the stages of the mesh's 'stage' (or 'pipe') axis; the mesh has "
                     f"{mesh_axes}. Add one, e.g. jax.make_mesh((4, 2), ('stage', 'data')), or "
-                    "run nnscaler_jax.search.pipeline_dp.search_stages to choose a stage count")
-            choice, report = self._auto_pipeline(graph, mesh_axes, policy)
-            virtual = choice.virtual
-            stages, micro, sched = mesh_axes[axis], choice.microbatches, choice.schedule
-        else:
-            if not isinstance(stages, int) or stages < 1:
-                raise PlanError(f"Constraints(pipeline_stages={stages!r}): use a positive int or "
-                                "'auto'")
-            if axis is None or mesh_axes[axis] != stages:
-                raise PlanError(
-                    f"Constraints(pipeline_stages={stages}) needs a mesh axis 'stage' (or 'pipe') "
-                    f"of size {stages}; the mesh has {mesh_axes}. E.g. "
-                    f"jax.make_mesh(({stages}, 2), ('stage', 'data'))")
-            virtual = 2 if self.schedule == "interleaved" else 1
-            micro, sched, report = self.microbatches or stages, self.schedule or "1f1b", ""
-        stage_of = stage_layers([(v.name, v.shape) for v in graph.variables], stages, virtual)
-        return stages, micro, sched, virtual, report, stage_of
-
-    def _auto_pipeline(self, graph: Graph, mesh_axes: dict[str, int], policy: Any = None):
-        """The runtime-restricted stage DP's choice and its report."""
-        from nnscaler_jax.search.pipeline_dp import runtime_setup
-
-        setup = runtime_setup(graph, mesh_axes, policy)
-        S, dp, tp, batch = setup.stages, setup.dp, setup.tp, setup.batch
-        budget = self.max_memory_per_device
-        rows = setup.choices(budget, microbatches=self.microbatches, schedule=self.schedule)
-        par = f"{dp} data-parallel" + (f" x {tp} tensor-parallel ({', '.join(setup.tensor)})" if tp > 1
-                                       else "")
-        best = rows[0]
-        if not best.fits:
-            low = min(max(r.memory_bytes) for r in rows)
+                    "run nnscaler_jax.pipeline.stage_dp.search_stages to choose a stage count")
+            return
+        if not isinstance(stages, int) or stages < 1:
+            raise PlanError(f"Constraints(pipeline_stages={stages!r}): use a positive int or "
+                            "'auto'")
+        if axis is None or mesh_axes[axis] != stages:
             raise PlanError(
-                f"Constraints(pipeline_stages='auto', max_memory_per_device={budget}): no "
-                f"schedule x micro-batch count fits {budget / 2**20:.2f} MiB per device on "
-                f"{S} stages x {par}; the smallest estimate is "
-                f"{low / 2**20:.2f} MiB. Use more stages or devices, a smaller batch, or more "
-                "memory")
-        head = (f"stage DP (runtime: {len(setup.units) - 2} layers in equal chunks over {S} "
-                f"stages x {par}, batch {batch}"
-                + (f", budget {budget / 2**20:.2f} MiB" if budget else "") + "): chose "
-                f"{best.schedule} x {best.microbatches} micro-batches of {best.microbatch_size}, "
-                f"predicted {best.step_time_s * 1e3:.3f} ms/step (bubble "
-                f"{best.bubble_s * 1e3:.3f} ms), peak {max(best.memory_bytes) / 2**20:.2f} MiB")
-        table = [(f"  {'schedule':<14} {'M':>4} x mb   {'step ms':>10} {'bubble ms':>9} "
-                  f"{'MiB/device':>10}")] + [f"  {r.row()}" for r in rows[:8]]
-        if len(rows) > 8:
-            table.append(f"  ... {len(rows) - 8} more")
-        return best, "\n".join([head] + table)
-
-    def apply_pipeline(self, plan, graph: Graph, mesh_axes: dict[str, int]):
-        """Record stages, schedule and the layer -> stage assignment on the plan."""
-        if self.pipeline_stages in (None, 1):
-            return plan
-        stages, micro, sched, virtual, report, stage_of = self._pipeline(
-            graph, mesh_axes, plan.policy or None)
-        if stages == 1:
-            return plan
-        return replace(plan, stages=stages, microbatches=micro, schedule=sched,
-                       virtual=virtual, stage_of=stage_of, pipeline_report=report)
-
-    def apply_zero(self, plan, graph: Graph, mesh_axes: dict[str, int]):
-        """Record the ZeRO stage on the plan (stage 3 also shards variable storage)."""
-        if self.zero is None:
-            return plan
-        if self.zero == 3 and plan.zero != 3:
-            from nnscaler_jax.plan.policies import DATA_AXES, zero3_storage
-
-            axes = [a for a in mesh_axes if a in DATA_AXES] or list(mesh_axes)
-            return zero3_storage(plan, graph, axes)
-        return replace(plan, zero=self.zero)
+                f"Constraints(pipeline_stages={stages}) needs a mesh axis 'stage' (or 'pipe') "
+                f"of size {stages}; the mesh has {mesh_axes}. E.g. "
+                f"jax.make_mesh(({stages}, 2), ('stage', 'data'))")

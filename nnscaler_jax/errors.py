@@ -1,9 +1,82 @@
-"""Errors a user can cause and act on."""
+"""Errors a user can cause and act on.
+
+Every one is a :class:`PlanError` (a ``ValueError``), so ``except PlanError`` catches them all;
+the subclasses say which kind of mistake it was, and the optional fields say where::
+
+    try:
+        op_trans(graph, op, "k", 3)
+    except ShardingError as e:
+        print(e.op, e.module_path, e.axis)   # 'dot_general' 'blk0/mlp/fc1' None
+
+This module is the bottom layer of the package: it imports nothing from it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["AnnotationError", "ConstraintError", "PlanError", "PlanFormatError", "ShardingError"]
 
 
 class PlanError(ValueError):
     """Every planning failure a user can cause.
 
     Messages name what was passed (op, module path, shapes, mesh axes), which rule it broke and
-    how to fix it.
+    how to fix it. ``str(e)`` is the message; the same context is also available as fields
+    (each ``None`` where the raise site does not know it):
+
+    Attributes:
+        op: the primitive name (``'dot_general'``) or a description of the op.
+        module_path: the Flax module path of the op (``'blk0/mlp/fc1'``; ``''`` at the top).
+        axis: the mesh axis involved (``'model'``; several comma-separated).
+        shapes: the tensor shapes involved (e.g. the op's operand shapes).
+    """
+
+    def __init__(self, *args: Any, op: str | None = None, module_path: str | None = None,
+                 axis: str | None = None, shapes: Any = None) -> None:
+        super().__init__(*args)
+        self.op = op
+        self.module_path = module_path
+        self.axis = axis
+        self.shapes = shapes
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # BaseException pickles as cls(*args) and then restores __dict__: the keyword-only
+        # fields travel in the state, so subclasses with the same signature round-trip too.
+        return (type(self), self.args, dict(self.__dict__))
+
+
+class AnnotationError(PlanError):
+    """An annotation that does not parse, or does not bind to the op's shapes.
+
+    Raised by :func:`nnscaler_jax.ir.anno.parse_anno` (the message underlines the bad part)
+    and by ``Anno.bind`` (operand count, rank or a dim's sizes disagree with the shapes; the
+    message names the op and module path when the caller knows them).
+    """
+
+
+class ShardingError(PlanError):
+    """A requested split or placement that cannot be made.
+
+    Raised by the primitives (``op_trans``, ``op_assign``, ``Draft.decide``) for a dim that is
+    not splittable or whose size a split does not divide, a placement an SPMD program cannot
+    express, and a mesh axis (or coordinates) that is not in the mesh.
+    """
+
+
+class PlanFormatError(PlanError):
+    """A saved plan that cannot be used.
+
+    Raised by ``Plan.from_json`` for malformed plan JSON (not JSON, not a plan, missing or
+    mistyped fields) and by ``Plan.check_graph`` for a plan made for another graph (model or
+    input shapes) or another mesh shape.
+    """
+
+
+class ConstraintError(PlanError):
+    """A ``Constraints`` field or ``Rule`` that cannot be met.
+
+    Raised for a bad field value (a ZeRO stage other than 0-3, an unknown schedule, a
+    non-positive memory budget) and when ``Constraints.check`` finds a rule that matches no op,
+    names a mesh axis the mesh lacks, or contradicts another rule.
     """

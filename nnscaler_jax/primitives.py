@@ -36,6 +36,7 @@ from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.anno import DimKind, parse_anno
 from nnscaler_jax.ir.graph import Graph, Op
 from nnscaler_jax.plan.plan import VALUE, OpPlan, Plan, graph_fingerprint
+from nnscaler_jax.rules.linear import VALUE_SPLIT_LINEAR
 
 __all__ = ["Draft", "SubOp", "op_assign", "op_order", "op_trans"]
 
@@ -52,10 +53,16 @@ class SubOp:
         return f"{self.op.primitive}@{self.op.module_path or '<top>'}({parts})"
 
 
-def _op_error(op: Op, what: str, fix: str) -> PlanError:
-    return PlanError(
+def _op_error(op: Op, what: str, fix: str, *, axis: str | None = None,
+              kind: type[PlanError] | None = None) -> PlanError:
+    """An error naming ``op`` (a ``ShardingError`` unless ``kind`` says otherwise)."""
+    from nnscaler_jax.errors import ShardingError
+
+    return (kind or ShardingError)(
         f"op {op.id} '{op.primitive}' at '{op.module_path or '<top>'}' with annotation "
-        f"'{op.anno}' and input shapes {[t.shape for t in op.inputs]}: {what}. {fix}"
+        f"'{op.anno}' and input shapes {[t.shape for t in op.inputs]}: {what}. {fix}",
+        op=op.primitive, module_path=op.module_path, axis=axis,
+        shapes=tuple(t.shape for t in op.inputs),
     )
 
 
@@ -100,13 +107,12 @@ class Draft:
         for axis, dim in pairs:
             if axis not in self.mesh_axes:
                 raise _op_error(op, f"mesh axis '{axis}' is not in the mesh "
-                                f"{self.mesh_axes}", "Use one of the mesh's axis names.")
+                                f"{self.mesh_axes}", "Use one of the mesh's axis names.",
+                                axis=axis)
             if dim == VALUE:
-                from nnscaler_jax.lower.regions import LINEAR
-
-                if op.primitive not in LINEAR:
+                if op.primitive not in VALUE_SPLIT_LINEAR:
                     raise _op_error(op, "cannot value-split it: it is not linear in its inputs",
-                                    f"Value-split only {sorted(LINEAR)}.")
+                                    f"Value-split only {sorted(VALUE_SPLIT_LINEAR)}.")
                 continue
             if dim not in names:
                 raise _op_error(op, f"cannot split dim '{dim}': {_unsplittable(anno, dim)}",
@@ -115,14 +121,15 @@ class Draft:
         if len(set(dims)) != len(dims):
             # Same dim over several axes: allowed (major-to-minor), but check divisibility.
             pass
-        sizes = anno.bind([t.shape for t in op.inputs], [t.shape for t in op.outputs])
+        sizes = anno.bind([t.shape for t in op.inputs], [t.shape for t in op.outputs],
+                          op=op.primitive, module_path=op.module_path)
         for d in set(dims) - {VALUE}:
             ways = math.prod(self.mesh_axes[a] for a, x in pairs if x == d)
             ways *= chunks[1] if chunks and chunks[0] == d else 1
             if sizes[d] % ways:
                 raise _op_error(op, f"dim '{d}' of size {sizes[d]} is not divisible into "
                                 f"{ways} parts", "Choose mesh axes whose sizes divide it, or "
-                                "another dim.")
+                                "another dim.", axis=",".join(a for a, x in pairs if x == d))
         if chunks and chunks[0] not in names:
             raise _op_error(op, f"cannot co-shard along '{chunks[0]}'",
                             f"Splittable dims: {names}.")
@@ -202,17 +209,16 @@ def op_trans(graph: Draft, op: Op | SubOp, algo: str, n: int) -> tuple[SubOp, ..
     if algo == "replicate":
         return tuple(SubOp(base, prefix + (("replicate", n, i),)) for i in range(n))
     if algo == "value":
-        from nnscaler_jax.lower.regions import LINEAR
-
-        if base.primitive not in LINEAR:
+        if base.primitive not in VALUE_SPLIT_LINEAR:
             raise _op_error(base, "cannot value-split it: it is not linear in its inputs",
-                            f"Value-split only {sorted(LINEAR)}.")
+                            f"Value-split only {sorted(VALUE_SPLIT_LINEAR)}.")
         algo = VALUE
     anno = parse_anno(base.anno)
     if algo != VALUE and algo not in anno.splittable():
         raise _op_error(base, f"op_trans along '{algo}': {_unsplittable(anno, algo)}",
                         f"Splittable dims: {anno.splittable() or 'none'}; or 'replicate'.")
-    sizes = anno.bind([t.shape for t in base.inputs], [t.shape for t in base.outputs])
+    sizes = anno.bind([t.shape for t in base.inputs], [t.shape for t in base.outputs],
+                      op=base.primitive, module_path=base.module_path)
     sizes[VALUE] = n * math.prod(m for d, m, _ in prefix if d == VALUE)  # any n divides
     done = math.prod(m for d, m, _ in prefix if d == algo)
     if n < 1 or sizes[algo] % (n * done):
@@ -251,7 +257,8 @@ def op_assign(graph: Draft, sub_op: SubOp | Sequence[SubOp],
         if isinstance(devices, str):
             if devices not in graph.mesh_axes:
                 raise _op_error(s.op, f"mesh axis '{devices}' is not in the mesh "
-                                f"{graph.mesh_axes}", "Use one of the mesh's axis names.")
+                                f"{graph.mesh_axes}", "Use one of the mesh's axis names.",
+                                axis=devices)
             n = s.splits[-1][1]
             coords = {devices: s.splits[-1][2] * graph.mesh_axes[devices] // n}
         else:
@@ -260,7 +267,8 @@ def op_assign(graph: Draft, sub_op: SubOp | Sequence[SubOp],
             if a not in graph.mesh_axes or not 0 <= int(c) < graph.mesh_axes[a]:
                 raise _op_error(s.op, f"devices {dict(coords)} are outside the mesh "
                                 f"{graph.mesh_axes}",
-                                "Give coordinates 0 <= c < size for mesh axes of the mesh.")
+                                "Give coordinates 0 <= c < size for mesh axes of the mesh.",
+                                axis=str(a))
         key = tuple(idx for d, _, idx in s.splits if d != "replicate")
         prev = graph._assigned.setdefault(s.op.id, {}).setdefault(key, {})
         prev.update(coords)
@@ -283,7 +291,8 @@ def op_order(graph: Draft, a: Op | SubOp, b: Op | SubOp) -> None:
     if oa.id in g and ob.id in g and nx.has_path(g, ob.id, oa.id):
         raise _op_error(oa, f"op_order puts it before op {ob.id} '{ob.primitive}' at "
                         f"'{ob.module_path}', but it depends on that op's output",
-                        "Order ops along their data dependencies (producer first).")
+                        "Order ops along their data dependencies (producer first).",
+                        kind=PlanError)
     graph.order.append((oa.id, ob.id))
 
 

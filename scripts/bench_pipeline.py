@@ -29,7 +29,7 @@ import optax
 
 import models
 from nnscaler_jax import Constraints, auto_parallel
-from nnscaler_jax.plan import schedule as sch
+from nnscaler_jax.pipeline import schedule as sch
 
 
 def measure(schedule: str, stages: int = 4, micro: int = 8, mb_size: int = 4) -> dict:
@@ -75,7 +75,7 @@ OUT = os.path.join(os.path.dirname(__file__), "..", "results", "bench_pipeline.j
 
 def _unit_starts(graph) -> list[int]:
     """Op index where each stage-DP unit (prefix, layers, suffix) starts, + len(ops)."""
-    from nnscaler_jax.search.pipeline_dp import _LAYER
+    from nnscaler_jax.pipeline.stage_dp import _LAYER
 
     tops = [op.module_path.split("/")[0] for op in graph.ops]
     ids = [i for i, t in enumerate(tops) if _LAYER.match(t)]
@@ -87,8 +87,8 @@ def _unit_starts(graph) -> list[int]:
 
 def _price(graph, op_bounds, dp, tp, policy, M, memory, memo) -> dict:
     """Each stage by ``price_stage`` (memoised by structure), the common objective."""
-    from nnscaler_jax.search.alpa_interop import _structure, price_stage
-    from nnscaler_jax.search.pipeline_dp import INFINIBAND, NVLINK
+    from nnscaler_jax.pipeline.inter_op import _structure, price_stage
+    from nnscaler_jax.pipeline.stage_dp import INFINIBAND, NVLINK
 
     t0 = time.perf_counter()
     profs = []
@@ -111,8 +111,8 @@ def run(layers: int, alpa_limit: float, global_batch: int) -> dict:
     import warnings
 
     from nnscaler_jax.capture.trace import capture
-    from nnscaler_jax.search.alpa_interop import alpa_pipeline_search
-    from nnscaler_jax.search.pipeline_dp import layer_units, search_stages
+    from nnscaler_jax.pipeline.inter_op import alpa_pipeline_search
+    from nnscaler_jax.pipeline.stage_dp import layer_units, search_stages
 
     N, per_node, mem = 64, 8, 80 * 2**30
     t0 = time.perf_counter()

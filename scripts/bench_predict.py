@@ -15,7 +15,7 @@ Memory (per device)
 
 Communication (bytes per device, summed over the step's collectives)
     The plan's ``comm_bytes`` is the sum of the alpha-beta ``n`` of every collective
-    (``nnscaler_jax.layout.comm`` / ``nnscaler_jax.cost.comm``): all_reduce and all_gather: the
+    (``nnscaler_jax.layout.comm`` / ``nnscaler_jax.mesh.topology``): all_reduce and all_gather: the
     result's local bytes; reduce_scatter: the local bytes *before* the scatter (p x the result);
     all_to_all: p x the local block. ``hlo_collectives`` reports the *result-shape* bytes of each
     HLO collective, so HLO bytes are converted into the ``n`` convention per collective:
@@ -60,7 +60,7 @@ sys.path.insert(0, str(ROOT))
 
 import models
 from nnscaler_jax import auto_parallel
-from nnscaler_jax.cost.comm import wire_bytes
+from nnscaler_jax.mesh.topology import wire_bytes
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.lower.hlo import hlo_collectives
 
@@ -108,12 +108,12 @@ def plan_wire_bytes(cm: CostModel, plan, graph) -> float:
             return 0.0, 0
         return p.wire_bytes, p.bytes
 
-    saved = cmod._path
-    cmod._path = wire_path
+    saved = cmod.relayout_price
+    cmod.relayout_price = wire_path
     try:
         return float(cmod.analyze(cm, plan, graph).comm_time)
     finally:
-        cmod._path = saved
+        cmod.relayout_price = saved
 
 
 def xla_peak_kinds() -> dict[str, int]:

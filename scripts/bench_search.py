@@ -24,7 +24,7 @@ import models
 from nnscaler_jax.capture.trace import capture_spec
 from nnscaler_jax.cost import cluster_preset
 from nnscaler_jax.cost.model import CostModel
-from nnscaler_jax.search.abstract import plan_on_axes
+from nnscaler_jax.planner import plan_and_report
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "results" / "bench_search.json"
@@ -43,6 +43,12 @@ CASES = [
     ("gpt-175b", "gpt", "gpt3-175b", {"data": 8, "model": 8}, {"scan_layers": False}),
 ]
 BASELINES = ["dp", "zero3", "megatron"]
+
+
+def _plan(graph, axes, policy, cost_model, time_limit=None):
+    """``(plan, seconds, search report)`` through the one planning entry."""
+    p = plan_and_report(graph, axes, policy=policy, cost_model=cost_model, time_limit=time_limit)
+    return p.plan, p.seconds, p.report
 
 
 def _graph(name: str, preset: str, overrides: dict):
@@ -82,7 +88,7 @@ def bench(key, name, preset, axes, overrides, runs: int, alpa_limit: float,
     first: dict[str, float] = {}
 
     def run(planner: str) -> float:
-        plan, s, report = plan_on_axes(graph, axes, planner, cost_model=_model(cluster, axes),
+        plan, s, report = _plan(graph, axes, planner, _model(cluster, axes),
                                        time_limit=alpa_limit if planner == "alpa" else 60)
         last[planner] = (plan, report)
         return s
@@ -109,7 +115,7 @@ def bench(key, name, preset, axes, overrides, runs: int, alpa_limit: float,
         unrolled = _graph(name, preset, {**overrides, "scan_layers": False})
         runs_u = []
         for _ in range(runs + 1):
-            plan, s, report = plan_on_axes(unrolled, axes, "alpa", cost_model=_model(cluster, axes),
+            plan, s, report = _plan(unrolled, axes, "alpa", _model(cluster, axes),
                                            time_limit=alpa_limit)
             runs_u.append(s)
         row = _row(plan, statistics.median(runs_u[1:]), report)
@@ -118,7 +124,7 @@ def bench(key, name, preset, axes, overrides, runs: int, alpa_limit: float,
         res["planners"]["alpa_unrolled"] = row
     for p in BASELINES:
         try:
-            plan, s, _ = plan_on_axes(graph, axes, p, cost_model=_model(cluster, axes))
+            plan, s, _ = _plan(graph, axes, p, _model(cluster, axes))
             res["planners"][p] = _row(plan, s, None)
         except Exception as e:  # noqa: BLE001 - a baseline that cannot plan this model
             res["planners"][p] = {"error": str(e).splitlines()[0][:200]}

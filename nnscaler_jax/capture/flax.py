@@ -18,7 +18,7 @@ import flax.linen as nn
 from flax import nnx
 
 from nnscaler_jax.errors import PlanError
-from nnscaler_jax.ir.from_jaxpr import InputInfo
+from nnscaler_jax.capture.jaxpr import InputInfo
 from nnscaler_jax.ir.graph import Role
 
 __all__ = ["Traceable", "linen_traceable", "nnx_traceable", "original_calls", "path_str"]

@@ -2,16 +2,16 @@
 profiling. ``CostModel`` lives in :mod:`nnscaler_jax.cost.model` (import it from there).
 """
 
-from nnscaler_jax.cost.comm import DEFAULT_LINK as DEFAULT_LINK
-from nnscaler_jax.cost.comm import LinkCost as LinkCost
-from nnscaler_jax.cost.comm import MeshSpec as MeshSpec
-from nnscaler_jax.cost.comm import all_gather_time as all_gather_time
-from nnscaler_jax.cost.comm import all_reduce_time as all_reduce_time
-from nnscaler_jax.cost.comm import all_to_all_time as all_to_all_time
-from nnscaler_jax.cost.comm import collective_time as collective_time
-from nnscaler_jax.cost.comm import ppermute_time as ppermute_time
-from nnscaler_jax.cost.comm import reduce_scatter_time as reduce_scatter_time
-from nnscaler_jax.cost.comm import wire_bytes as wire_bytes
+from nnscaler_jax.mesh.topology import DEFAULT_LINK as DEFAULT_LINK
+from nnscaler_jax.mesh.topology import LinkCost as LinkCost
+from nnscaler_jax.mesh.topology import MeshSpec as MeshSpec
+from nnscaler_jax.mesh.topology import all_gather_time as all_gather_time
+from nnscaler_jax.mesh.topology import all_reduce_time as all_reduce_time
+from nnscaler_jax.mesh.topology import all_to_all_time as all_to_all_time
+from nnscaler_jax.mesh.topology import collective_time as collective_time
+from nnscaler_jax.mesh.topology import ppermute_time as ppermute_time
+from nnscaler_jax.mesh.topology import reduce_scatter_time as reduce_scatter_time
+from nnscaler_jax.mesh.topology import wire_bytes as wire_bytes
 from nnscaler_jax.cost.devices import CLUSTERS as CLUSTERS
 from nnscaler_jax.cost.devices import DEVICES as DEVICES
 from nnscaler_jax.cost.devices import ClusterSpec as ClusterSpec

@@ -27,7 +27,7 @@ from functools import lru_cache
 import numpy as np
 
 from nnscaler_jax.ir.anno import parse_anno
-from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor, _itemsize
+from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor, dtype_itemsize
 
 __all__ = ["FREE", "MATMUL", "TRAINABLE", "grad_sources", "grad_tensors", "is_float", "itemsize",
            "op_bytes", "op_flops", "region_length", "walk_weighted"]
@@ -39,7 +39,7 @@ FREE = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim"})
 
 def itemsize(t: Tensor) -> int:
     """Bytes per element of ``t`` (8 for extended dtypes such as rng keys)."""
-    return _itemsize(t.dtype)
+    return dtype_itemsize(t.dtype)
 
 
 def is_float(t: Tensor) -> bool:

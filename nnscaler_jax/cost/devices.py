@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from nnscaler_jax.cost.comm import LinkCost, MeshSpec
+from nnscaler_jax.mesh.topology import LinkCost, MeshSpec
 from nnscaler_jax.errors import PlanError
 
 __all__ = [

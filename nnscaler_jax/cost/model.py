@@ -55,9 +55,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from functools import lru_cache
 
-from nnscaler_jax.cost.comm import DEFAULT_LINK, LinkCost, MeshSpec
+from nnscaler_jax.mesh.topology import DEFAULT_LINK, LinkCost, MeshSpec
 from nnscaler_jax.cost.compute import (
     FREE,
     MATMUL,
@@ -74,15 +73,21 @@ from nnscaler_jax.cost.compute import (
 from nnscaler_jax.cost.devices import CPU, ClusterSpec, DeviceSpec
 from nnscaler_jax.cost.profile import ProfileDB
 from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
-from nnscaler_jax.layout import Layout, comm_path
+from nnscaler_jax.cost.plan_walk import analyze
+from nnscaler_jax.cost.relayout import (
+    Split,
+    add_storage_axis,
+    drop_partial,
+    partial_grad_axes,
+    relayout_price,
+)
+from nnscaler_jax.layout import Layout
 from nnscaler_jax.layout.rvd import interned
 from nnscaler_jax.plan.layouts import op_layouts
 from nnscaler_jax.plan.plan import VALUE, OpPlan, Plan, PlanCost
 
-__all__ = ["CPU", "CostModel", "DeviceSpec", "drop_partial", "itemsize", "op_flops"]
+__all__ = ["CPU", "CostModel", "DeviceSpec", "itemsize", "op_flops"]
 
-Split = tuple[tuple[str, str], ...]
-REMAT = frozenset({"checkpoint", "remat", "remat2"})
 
 
 @dataclass(frozen=True)
@@ -227,9 +232,9 @@ class CostModel:
         """
         if t.ndim == 0 or (src == dst and grad is None):
             return 0.0
-        out = _path(src, dst, t.shape, itemsize(t), self.mesh)[0] if src != dst else 0.0
+        out = relayout_price(src, dst, t.shape, itemsize(t), self.mesh)[0] if src != dst else 0.0
         if self._needs_grad(t) if backward is None else backward:
-            out += _path(drop_partial(dst) if grad is None else grad, drop_partial(src),
+            out += relayout_price(drop_partial(dst) if grad is None else grad, drop_partial(src),
                          t.shape, itemsize(t), self.mesh)[0]
         return out
 
@@ -237,14 +242,14 @@ class CostModel:
         """Bytes (the ``n`` of the collectives) moved by :meth:`reshard_time`."""
         if src == dst or t.ndim == 0:
             return 0
-        out = _path(src, dst, t.shape, itemsize(t), self.mesh)[1]
+        out = relayout_price(src, dst, t.shape, itemsize(t), self.mesh)[1]
         if self._needs_grad(t):
-            out += _path(drop_partial(dst), drop_partial(src), t.shape, itemsize(t),
+            out += relayout_price(drop_partial(dst), drop_partial(src), t.shape, itemsize(t),
                          self.mesh)[1]
         return out
 
     def _sync_axes(self, layout: Layout, split: Split) -> list[str]:
-        return _partial_grad_axes(layout, split)
+        return list(partial_grad_axes(layout, split))
 
     def _local_bytes(self, t: Tensor, layout: Layout) -> int:
         if t.ndim == 0:
@@ -263,8 +268,8 @@ class CostModel:
         dst = drop_partial(layout)
         if v.role is Role.VARIABLE and self.zero >= 3:
             for a in axes:
-                dst = _add_axis(self, v, dst, a)
-        return _path(interned(Layout(layout.dims, tuple(axes))), dst, v.shape, itemsize(v),
+                dst = add_storage_axis(self.mesh, v, dst, a)
+        return relayout_price(interned(Layout(layout.dims, tuple(axes))), dst, v.shape, itemsize(v),
                      self.mesh)
 
     def grad_sync_time(self, v: Tensor, layout: Layout, split: Split,
@@ -334,8 +339,6 @@ class CostModel:
 
     def plan_cost(self, plan: Plan, graph: Graph) -> PlanCost:
         """Step time, per-device peak memory and communication bytes of ``plan``."""
-        from nnscaler_jax.cost.plan_walk import analyze
-
         a = analyze(self, plan, graph)
         return PlanCost(step_time_s=a.compute + a.comm_time, memory_bytes_per_device=int(a.peak),
                         comm_bytes=int(a.comm_bytes), compute_time_s=a.compute,
@@ -345,50 +348,7 @@ class CostModel:
         """Per-device bytes of a training step by kind: ``params``, ``grads``, ``optimizer``,
         ``activations`` (kept for the backward), ``transient`` (the largest temporary) and
         ``peak`` (their sum)."""
-        from nnscaler_jax.cost.plan_walk import analyze
-
         a = analyze(self, plan, graph)
         return {"params": int(a.params), "grads": int(a.grads), "optimizer": int(a.optimizer),
                 "activations": int(a.activations), "transient": int(a.transient),
                 "peak": int(a.peak)}
-
-
-# ---- the plan walk -------------------------------------------------------------------------------
-
-
-@lru_cache(maxsize=65536)
-def drop_partial(lay: Layout) -> Layout:
-    """``lay`` without its partial-sum axes (the layout a reduction over them leaves)."""
-    return interned(Layout(lay.dims)) if lay.partial else lay
-
-
-def _partial_grad_axes(want: Layout, split: Split) -> list[str]:
-    """Axes a consumer splits (by a dim) while reading the operand replicated: its gradient
-    comes back as partial sums over them."""
-    used = set(want.split_axes) | set(want.partial)
-    return list(dict.fromkeys(a for a, d in split if d != VALUE and a not in used))
-
-
-def _grad_source(want: Layout, split: Split) -> Layout:
-    """The layout of the gradient a consumer hands back for an operand it read as ``want``."""
-    return Layout(want.dims, tuple(_partial_grad_axes(want, split)))
-
-
-def _add_axis(model: CostModel, v: Tensor, lay: Layout, axis: str) -> Layout:
-    """``lay`` with ``axis`` splitting the first dim it divides (ZeRO-3 storage), else ``lay``."""
-    p = model.mesh.size(axis)
-    for i, n in enumerate(v.shape):
-        ways = math.prod(model.mesh.size(a) for a in lay.dims[i])
-        if n % (ways * p) == 0:
-            return lay.replace_axis(axis, ("D", i))
-    return lay
-
-
-@lru_cache(maxsize=65536)
-def _path(src: Layout, dst: Layout, shape: tuple[int, ...], size: int,
-          mesh: MeshSpec) -> tuple[float, int]:
-    try:
-        p = comm_path(src, dst, shape, size, mesh)
-    except Exception:  # noqa: BLE001 - an unreachable layout is priced as infinitely slow
-        return math.inf, 0
-    return p.time_s, p.bytes

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from nnscaler_jax.cost.compute import (
     FREE,
@@ -19,18 +20,16 @@ from nnscaler_jax.cost.compute import (
     region_length,
     walk_weighted,
 )
-from nnscaler_jax.cost.model import (
-    REMAT,
-    CostModel,
+from nnscaler_jax.cost.relayout import (
     Split,
-    _add_axis,
-    _grad_source,
-    _partial_grad_axes,
-    _path,
+    add_storage_axis,
     drop_partial,
+    grad_source,
+    partial_grad_axes,
+    relayout_price,
 )
 from nnscaler_jax.cost.residuals import MASKED, residual_outputs, saved_operands
-from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
+from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.plan.layouts import plan_layouts, sole_read_variables, unstack
 from nnscaler_jax.plan.plan import OpPlan, Plan
@@ -78,7 +77,7 @@ def _region_layouts(op: Op, ins: tuple[Layout, ...], layout: dict[int, Layout],
                     origin: dict[int, int]) -> None:
     """Layouts of a region's body inputs from the layouts its op reads its operands in;
     ``origin`` (tensor -> the variable it is computed from) extends to the body inputs."""
-    from nnscaler_jax.ir.from_jaxpr import region_links
+    from nnscaler_jax.ir.regions import region_links
 
     by_outer = {t.id: lay for t, lay in zip(op.inputs, ins, strict=True)}
     dims: dict[int, dict[int, tuple[str, ...]]] = {}
@@ -100,7 +99,7 @@ def _region_layouts(op: Op, ins: tuple[Layout, ...], layout: dict[int, Layout],
                     layout[t.id] = Layout(dims_t)
 
 
-def _gathered_operands(model: CostModel, op: Op, mask: tuple[bool, ...],
+def _gathered_operands(model: Any, op: Op, mask: tuple[bool, ...],
                        ins: tuple[Layout, ...], layout: Mapping[int, Layout], zero: int,
                        mult: int, kept: dict) -> None:
     """A matmul / convolution (or ReLU max) operand its transpose reads, which reaches the op
@@ -142,7 +141,7 @@ def _partial_outputs(graph: Graph, layout: Mapping[int, Layout]) -> list[_Edge]:
     return out
 
 
-def analyze(model: CostModel, plan: Plan, graph: Graph) -> _Analysis:
+def analyze(model: Any, plan: Plan, graph: Graph) -> _Analysis:
     zero = max(model.zero, plan.zero)
     mesh = model.mesh
     plans = plan._by_id()
@@ -187,7 +186,7 @@ def analyze(model: CostModel, plan: Plan, graph: Graph) -> _Analysis:
             _gathered_operands(model, op, mask, ins, layout, zero, mult, kept)
         local = sum(model._local_bytes(t, lay) for t, lay in zip(op.outputs, outs, strict=True))
         out.transient = max(out.transient, local)
-        remat = [b for b in op.boundary if kinds.get(b, ("",))[0] in REMAT]
+        remat = [b for b in op.boundary if kinds.get(b, ("",))[0] in REMAT_KINDS]
         if remat:  # recomputed in the backward: one more forward
             out.compute += model.forward_time(op, p.split) * mult
             remat_inputs.setdefault(remat[0], mult)
@@ -211,7 +210,7 @@ def analyze(model: CostModel, plan: Plan, graph: Graph) -> _Analysis:
     for e in edges:
         v = origin.get(e.tensor.id, e.tensor.id)
         if v in var_ids and not e.region:  # a region's body edges carry its gradients' axes
-            dp[v] = tuple(dict.fromkeys(dp[v] + tuple(_partial_grad_axes(e.want, e.split))))
+            dp[v] = tuple(dict.fromkeys(dp[v] + partial_grad_axes(e.want, e.split)))
     store: dict[int, Layout] = {}
     for v in graph.variables:
         lay = layout_v = Layout.from_pspec(plan.variable_spec(v.name), v.ndim) \
@@ -219,7 +218,7 @@ def analyze(model: CostModel, plan: Plan, graph: Graph) -> _Analysis:
         if zero >= 3:
             for a in dp[v.id]:
                 if a not in lay.split_axes and a not in lay.partial:
-                    lay = _add_axis(model, v, lay, a)
+                    lay = add_storage_axis(model.mesh, v, lay, a)
         store[v.id] = lay
         pb, gb, ob = model.state_bytes(v, layout_v, dp[v.id], zero)
         out.params += pb
@@ -233,18 +232,18 @@ def analyze(model: CostModel, plan: Plan, graph: Graph) -> _Analysis:
         t, size = e.tensor, itemsize(e.tensor)
         src = store.get(t.id, e.have)
         if src != e.want:
-            ft, fb = _path(src, e.want, t.shape, size, mesh)
+            ft, fb = relayout_price(src, e.want, t.shape, size, mesh)
             out.comm_time += ft * e.mult
             out.comm_bytes += fb * e.mult
             if t.id in var_ids and zero >= 3:  # the gathered weight stays for the backward
                 gathered[t.id] = max(gathered.get(t.id, 0), model._local_bytes(t, e.want))
         if t.id in grads and not e.region:
-            g = _grad_source(e.want, e.split)
+            g = grad_source(e.want, e.split)
             backward.setdefault((t.id, g), (t, drop_partial(src), e.mult))
     synced: dict[int, int] = {}
     for (_, g), (t, dst, mult) in backward.items():
         if g != dst:
-            bt, bb = _path(g, dst, t.shape, itemsize(t), mesh)
+            bt, bb = relayout_price(g, dst, t.shape, itemsize(t), mesh)
             out.comm_time += bt * mult
             out.comm_bytes += bb * mult
             if t.id in var_ids:  # the local gradient before its reduction (one fused buffer)

@@ -33,9 +33,9 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from nnscaler_jax.errors import PlanError
+from nnscaler_jax.errors import AnnotationError
 
-__all__ = ["Anno", "AnnoSyntaxError", "Axis", "Dim", "DimKind", "Operand", "parse_anno"]
+__all__ = ["Anno", "AnnoSyntaxError", "AnnotationError", "Axis", "Dim", "DimKind", "Operand", "parse_anno"]
 
 
 class DimKind(enum.Enum):
@@ -100,7 +100,7 @@ class Operand:
         return [d.name for ax in self.axes or () for d in ax.dims]
 
 
-class AnnoSyntaxError(PlanError):
+class AnnoSyntaxError(AnnotationError):
     """An annotation string that does not parse; the message underlines the bad part."""
 
 
@@ -161,30 +161,50 @@ class Anno:
         self,
         in_shapes: Sequence[Sequence[int] | None],
         out_shapes: Sequence[Sequence[int] | None],
+        *,
+        op: str | None = None,
+        module_path: str | None = None,
     ) -> dict[str, int]:
         """Check shapes against the annotation and return the size of every identifier.
 
+        Args:
+            in_shapes / out_shapes: the operands' shapes (``None`` for a non-tensor operand).
+            op / module_path: the op being bound (primitive name, Flax module path), named in
+                the error message and set on the error when given.
+
         Raises:
-            PlanError: operand count, rank or sizes inconsistent with the annotation.
+            AnnotationError: operand count, rank or sizes inconsistent with the annotation.
         """
+        def error(detail: str) -> AnnotationError:
+            to = f" to op '{op}'" if op is not None else ""
+            at = f" at '{module_path or '<top>'}'" if module_path is not None else ""
+            ins = [None if s is None else tuple(s) for s in in_shapes]
+            outs = [None if s is None else tuple(s) for s in out_shapes]
+            return AnnotationError(
+                f"annotation '{self}' does not bind{to}{at}: {detail} "
+                f"(input shapes {ins}, output shapes {outs})",
+                op=op, module_path=module_path, shapes=tuple(ins + outs),
+            )
+
         if len(in_shapes) != len(self.inputs) or len(out_shapes) != len(self.outputs):
-            raise PlanError(
-                f"annotation '{self}' has {len(self.inputs)} inputs / {len(self.outputs)} outputs "
+            raise error(
+                f"it has {len(self.inputs)} inputs / {len(self.outputs)} outputs "
                 f"but the op has {len(in_shapes)} / {len(out_shapes)}"
             )
         sizes: dict[str, int] = {}
+        origin: dict[str, str] = {}  # identifier -> the operand its size was read from
         pending: list[tuple[Axis, int, str]] = []
-        pairs = [(op, s, f"input {i}") for i, (op, s) in enumerate(zip(self.inputs, in_shapes))]
-        pairs += [(op, s, f"output {i}") for i, (op, s) in enumerate(zip(self.outputs, out_shapes))]
-        for op, shape, where in pairs:
-            if op.axes is None or shape is None:
+        pairs = [(o, s, f"input {i}") for i, (o, s) in enumerate(zip(self.inputs, in_shapes))]
+        pairs += [(o, s, f"output {i}") for i, (o, s) in enumerate(zip(self.outputs, out_shapes))]
+        for operand, shape, where in pairs:
+            if operand.axes is None or shape is None:
                 continue
-            if len(op.axes) != len(shape):
-                raise PlanError(
-                    f"annotation '{self}': {where} '{op}' has rank {len(op.axes)} "
+            if len(operand.axes) != len(shape):
+                raise error(
+                    f"{where} '{operand}' has rank {len(operand.axes)} "
                     f"but the tensor has shape {tuple(shape)}"
                 )
-            for ax, size in zip(op.axes, shape):
+            for ax, size in zip(operand.axes, shape):
                 pending.append((ax, int(size), where))
         # Solve groups: repeat until no progress (single-unknown groups are determined).
         progress = True
@@ -197,25 +217,43 @@ class Anno:
                                   for d in ax.dims if d not in unknown)
                 if len(unknown) == 0:
                     if known != size:
-                        raise PlanError(
-                            f"annotation '{self}': {where} axis '{ax}' needs size {known} "
-                            f"but the tensor has {size}"
-                        )
+                        raise error(_mismatch(ax, known, size, where, sizes, origin))
                 elif len(unknown) == 1 and len({d.name for d in unknown}) == 1:
                     if known == 0 or size % known:
-                        raise PlanError(
-                            f"annotation '{self}': {where} axis '{ax}' of size {size} is not a "
-                            f"multiple of {known}"
+                        raise error(
+                            f"{where} axis '{ax}' of size {size} is not a multiple of {known}"
+                            + _from(ax, sizes, origin)
                         )
                     sizes[unknown[0].name] = size // known
+                    origin[unknown[0].name] = where
                     progress = True
                 else:
                     rest.append((ax, size, where))
             pending = rest
         if pending:
             ax, size, where = pending[0]
-            raise PlanError(f"annotation '{self}': cannot infer the dims of {where} axis '{ax}'")
+            raise error(f"cannot infer the dims of {where} axis '{ax}' of size {size}")
         return {name: sizes[name] for name in self.kinds() if name in sizes}
+
+
+def _from(ax: Axis, sizes: dict[str, int], origin: dict[str, str]) -> str:
+    """Where the known dims of a group got their sizes: `` (h is 3 in input 0)``."""
+    known = [f"'{d.name}' is {sizes[d.name]} in {origin[d.name]}"
+             for d in ax.dims if d.name in origin]
+    return f" (dim {', '.join(known)})" if known else ""
+
+
+def _mismatch(ax: Axis, known: int, size: int, where: str, sizes: dict[str, int],
+              origin: dict[str, str]) -> str:
+    """A fully known axis whose size disagrees with the tensor's, naming the dim(s)."""
+    needs = f"{where} axis '{ax}' needs size {known} but the tensor has {size}"
+    if len(ax.dims) == 1:
+        d = ax.dims[0]
+        if d.fixed is None:
+            return (f"dim '{d.name}' is {sizes[d.name]} in {origin[d.name]} and {size} in "
+                    f"{where} ({needs})")
+        return f"fixed-size dim {d.name}: {needs}"
+    return needs + _from(ax, sizes, origin)
 
 
 @functools.lru_cache(maxsize=65536)

@@ -157,7 +157,7 @@ def graph_dim_classes(graph, *, reduce_frozen: bool = False) -> DimClasses:
         reduce_frozen: treat ``+`` dims absent from the outputs as frozen (True when composing
             a region; False for policies, which may split reductions into partial sums).
     """
-    from nnscaler_jax.ir.from_jaxpr import region_links
+    from nnscaler_jax.ir.regions import region_links
 
     ops = list(graph.walk())
     links = [pair for op in ops if op.regions for pair in region_links(op)]

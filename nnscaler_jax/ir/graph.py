@@ -17,7 +17,7 @@ from typing import Any
 import networkx as nx
 import numpy as np
 
-from nnscaler_jax.ir.anno import Anno, parse_anno
+from nnscaler_jax.ir.anno import Anno, AnnoSyntaxError, parse_anno
 
 __all__ = ["Boundary", "Graph", "Op", "Role", "Tensor"]
 
@@ -33,7 +33,7 @@ class Role(enum.Enum):
 
 
 @lru_cache(maxsize=256)
-def _itemsize(dtype: str) -> int:
+def dtype_itemsize(dtype: str) -> int:
     """Bytes per element of a dtype name (8 for extended dtypes such as rng keys)."""
     try:
         return np.dtype(dtype).itemsize
@@ -69,11 +69,16 @@ class Tensor:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * _itemsize(self.dtype)
+        return math.prod(self.shape) * dtype_itemsize(self.dtype)
 
     def __str__(self) -> str:
         dims = ",".join(map(str, self.shape))
         return f"%{self.id}:{self.dtype}[{dims}]"
+
+
+#: Call primitives of ``jax.checkpoint`` (remat): their body keeps only its inputs and runs its
+#: forward again in the backward pass.
+REMAT_KINDS = frozenset({"checkpoint", "remat", "remat2"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +128,29 @@ class Op:
 
     @property
     def annotation(self) -> Anno:
-        return parse_anno(self.anno)
+        """The parsed annotation.
+
+        Raises:
+            AnnotationError: ``anno`` does not parse (the message names this op).
+        """
+        try:
+            return parse_anno(self.anno)
+        except AnnoSyntaxError as e:
+            raise AnnoSyntaxError(
+                f"op {self.id} '{self.primitive}' at '{self.module_path or '<top>'}': {e}",
+                op=self.primitive, module_path=self.module_path,
+            ) from None
+
+    def dim_sizes(self) -> dict[str, int]:
+        """The size of every identifier of the annotation, bound to this op's shapes.
+
+        Raises:
+            AnnotationError: the annotation does not bind; the message names this op and its
+                module path.
+        """
+        return self.annotation.bind([t.shape for t in self.inputs],
+                                    [t.shape for t in self.outputs],
+                                    op=self.primitive, module_path=self.module_path)
 
     @property
     def params(self) -> Mapping[str, Any]:

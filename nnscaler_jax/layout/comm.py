@@ -6,7 +6,7 @@ an edge changes the state of one mesh axis ``a`` (``p`` devices) by one collecti
 (below):
 
 ==============  ===============  ==============================================================
-kind            transition       ``bytes`` (the ``n`` of :mod:`nnscaler_jax.cost.comm`)
+kind            transition       ``bytes`` (the ``n`` of :mod:`nnscaler_jax.mesh.topology`)
 ==============  ===============  ==============================================================
 all_gather      D(i) -> R        local bytes *after* the gather (p x before)
 all_to_all      D(i) -> D(j)     p x the local bytes (identical before and after)
@@ -35,7 +35,7 @@ built once per (shape, itemsize, mesh) and every answer is memoised. Each edge w
 plus :data:`HOP_PENALTY_S`, so among equally fast paths the one with fewer steps wins (it also
 makes local steps cost "tiny" rather than 0); reported times exclude the penalty.
 
->>> from nnscaler_jax.cost.comm import LinkCost, MeshSpec, all_reduce_time
+>>> from nnscaler_jax.mesh.topology import LinkCost, MeshSpec, all_reduce_time
 >>> link = LinkCost(1e-5, 1e-10)
 >>> mesh = MeshSpec(("model",), (4,), (link,))
 >>> path = comm_path(Layout.of(2, partial=("model",)), Layout.replicated(2), (1024, 1024), 4, mesh)
@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from nnscaler_jax.cost.comm import CollectiveKind, MeshSpec, collective_time, wire_bytes
+from nnscaler_jax.mesh.topology import CollectiveKind, MeshSpec, collective_time, wire_bytes
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.layout.rvd import Layout
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from jax.sharding import PartitionSpec
 
-from nnscaler_jax.cost.comm import MeshSpec
+from nnscaler_jax.mesh.topology import MeshSpec
 from nnscaler_jax.errors import PlanError
 
 AxisState = tuple[str] | tuple[str, int]

@@ -13,15 +13,21 @@ from typing import Any
 
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Op
-from nnscaler_jax.lower.replay import bind_eqn
 
-__all__ = ["bind_local", "local_out_shapes"]
+__all__ = ["bind_eqn", "bind_local", "local_out_shapes"]
 
 # params that spell the (global) output shape
 _SHAPE_PARAMS = {"reshape": "new_sizes", "broadcast_in_dim": "shape", "iota": "shape"}
 # params that depend on shapes in ways we do not rewrite
 _UNSUPPORTED = {"dynamic_slice", "slice", "pad", "gather", "scatter", "scatter-add",
                 "concatenate", "dynamic_update_slice", "rng_bit_generator", "random_bits"}
+
+
+def bind_eqn(eqn: Any, ins: Sequence[Any]) -> list[Any]:
+    """Bind a jaxpr equation's primitive on ``ins`` as ``jax.core.eval_jaxpr`` does."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    outs = eqn.primitive.bind(*ins, **params)
+    return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
 def local_out_shapes(op: Op, ways: Mapping[str, int]) -> list[tuple[int, ...]]:

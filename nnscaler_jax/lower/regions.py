@@ -24,17 +24,9 @@ from nnscaler_jax.layout import Layout
 from nnscaler_jax.lower.local import bind_local
 from nnscaler_jax.plan.layouts import op_layouts
 from nnscaler_jax.plan.plan import VALUE, OpPlan
+from nnscaler_jax.rules.linear import VALUE_SPLIT_LINEAR
 
-__all__ = ["LINEAR", "run_cosharded", "run_value_chain"]
-
-# Ops linear in their partial-sum inputs: (kind, which inputs may be partial).
-LINEAR = {
-    "add": "all", "sub": "all", "add_any": "all", "neg": "all", "convert_element_type": "all",
-    "reshape": "all", "transpose": "all", "broadcast_in_dim": "all", "reduce_sum": "all",
-    "copy": "all", "copy_p": "all", "squeeze": "all", "expand_dims": "all",
-    "mul": "one", "dot_general": "one", "div": "first",
-}
-
+__all__ = ["run_cosharded", "run_value_chain"]
 
 def _ways(plan: OpPlan, mesh_axes: dict[str, int]) -> dict[str, int]:
     ways: dict[str, int] = {}
@@ -160,7 +152,7 @@ def _check_linear(op: Op, in_part: list[frozenset[str]]) -> None:
     partial = [i for i, p in enumerate(in_part) if p]
     if not partial:
         return
-    kind = LINEAR.get(op.primitive)
+    kind = VALUE_SPLIT_LINEAR.get(op.primitive)
     ok = kind is not None and (
         kind == "all" and len({in_part[i] for i in range(len(in_part))
                                if op.inputs[i].role is not Role.CONST}) == 1

@@ -19,12 +19,14 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
+from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout
+from nnscaler_jax.lower.local import bind_eqn
+from nnscaler_jax.lower.regions import run_cosharded, run_value_chain
 from nnscaler_jax.plan.layouts import op_layouts, plan_layouts, sole_read_variables
 from nnscaler_jax.plan.plan import VALUE, OpPlan, Plan
 
-__all__ = ["Lowering", "auto_view", "bind_eqn", "explicitly_typed", "is_explicit"]
+__all__ = ["Lowering", "auto_view", "explicitly_typed", "is_explicit"]
 
 
 def is_explicit(mesh: Any) -> bool:
@@ -200,7 +202,6 @@ class Lowering:
                 i = j
                 continue
             if self._in_chain(op):
-                from nnscaler_jax.lower.regions import run_value_chain
 
                 j = i
                 while j < len(ops) and self._in_chain(ops[j]) and \
@@ -214,7 +215,7 @@ class Lowering:
 
     def _boundary(self, ops, depth, env, b, boundaries) -> None:
         ins = [self._read(env, t) for t in b.inputs]
-        if b.kind in ("checkpoint", "remat", "remat2"):
+        if b.kind in REMAT_KINDS:
             def body(*vals):
                 inner = dict(env)
                 for t, v in zip(b.inputs, vals, strict=True):
@@ -246,7 +247,6 @@ class Lowering:
         ins = [self._constrain(self._read(env, t), t, lay)
                for t, lay in zip(op.inputs, in_lays, strict=True)]
         if plan is not None and plan.chunks:
-            from nnscaler_jax.lower.regions import run_cosharded
 
             outs = run_cosharded(self, op, plan, ins, in_lays, out_lays)
         elif op.regions:
@@ -288,13 +288,6 @@ class Lowering:
         branches = [self._body_fn(g) for g in op.regions]
         return list(jax.lax.switch(ins[0], [lambda *a, f=f: list(f(*a)) for f in branches],
                                    *ins[1:]))
-
-
-def bind_eqn(eqn: Any, ins: Sequence[Any]) -> list[Any]:
-    """Bind a jaxpr equation's primitive on ``ins`` as ``jax.core.eval_jaxpr`` does."""
-    params = eqn.primitive.get_bind_params(eqn.params)
-    outs = eqn.primitive.bind(*ins, **params)
-    return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
 def _is_array_dtype(dtype: str) -> bool:

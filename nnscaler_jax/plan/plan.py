@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from nnscaler_jax.errors import PlanError
+from nnscaler_jax.errors import PlanFormatError
 from nnscaler_jax.ir.graph import Graph
 
 __all__ = ["VALUE", "OpPlan", "Plan", "PlanCost", "graph_fingerprint"]
@@ -172,7 +172,7 @@ class Plan:
         """Parse ``to_json`` output.
 
         Raises:
-            PlanError: malformed JSON or not a plan.
+            PlanFormatError: malformed JSON or not a plan.
         """
         try:
             d = json.loads(text)
@@ -206,19 +206,19 @@ class Plan:
                 pipeline_report=str(pipe.get("report", "")),
             )
         except (ValueError, KeyError, TypeError, IndexError) as e:
-            raise PlanError(f"not a valid plan JSON ({type(e).__name__}: {e}); write it with "
-                            "Plan.to_json()") from e
+            raise PlanFormatError(f"not a valid plan JSON ({type(e).__name__}: {e}); write it "
+                                  "with Plan.to_json()") from e
 
     def check_graph(self, graph: Graph, mesh_axes: dict[str, int]) -> None:
-        """Raise ``PlanError`` if the plan was made for another graph or mesh shape."""
+        """Raise ``PlanFormatError`` if the plan was made for another graph or mesh shape."""
         fp = graph_fingerprint(graph)
         if fp != self.fingerprint:
-            raise PlanError(
+            raise PlanFormatError(
                 f"this plan was made for another model or other input shapes (fingerprint "
                 f"{self.fingerprint}, this graph {fp}); re-plan with policy=... or make_plan()")
         if dict(self.mesh) != mesh_axes:
-            raise PlanError(f"this plan is for mesh {dict(self.mesh)}, not {mesh_axes}; re-plan "
-                            "for this mesh")
+            raise PlanFormatError(f"this plan is for mesh {dict(self.mesh)}, not {mesh_axes}; "
+                                  "re-plan for this mesh")
 
 
 def _entry(e: Any) -> Any:

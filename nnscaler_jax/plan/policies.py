@@ -11,21 +11,19 @@ together (column- then row-parallel), and so do the heads of the q / k / v / out
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from typing import Any
 
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.anno import parse_anno
 from nnscaler_jax.ir.dims import DimClasses, graph_dim_classes
 from nnscaler_jax.ir.graph import Op, Role
+from nnscaler_jax.mesh.axes import DATA_AXES, MODEL_AXES
 from nnscaler_jax.plan.plan import Plan
+from nnscaler_jax.plan.zero import zero3_storage
 from nnscaler_jax.primitives import Draft, op_assign, op_trans
 
-__all__ = ["BUILTIN", "DATA_AXES", "MODEL_AXES", "dp", "get_policy", "megatron", "zero3"]
+__all__ = ["dp", "megatron", "zero3"]
 
-DATA_AXES = ("data", "dp", "batch", "fsdp", "replica")
-MODEL_AXES = ("model", "tp", "tensor", "mp")
 
 
 def _axes(mesh_axes: dict[str, int], names: tuple[str, ...]) -> list[str]:
@@ -77,7 +75,7 @@ def _batch_classes(graph: Draft, classes: DimClasses) -> set:
 
 def _weight_tensors(graph: Draft) -> set[int]:
     """Ids of tensors computed from model variables and constants only (region bodies too)."""
-    from nnscaler_jax.ir.from_jaxpr import region_links
+    from nnscaler_jax.ir.regions import region_links
 
     weights = {t.id for t in graph.graph.variables}
     consts = {t.id for op in graph.graph.walk() for t in op.inputs if t.role is Role.CONST}
@@ -174,30 +172,6 @@ def zero3(graph: Draft, mesh: Any) -> Plan:
     return zero3_storage(graph.finish(), graph.graph, axes)
 
 
-def zero3_storage(plan: Plan, graph: Any, axes: list[str]) -> Plan:
-    """``plan`` with every variable's storage also sharded over the data ``axes`` (ZeRO-3):
-    on its first dim that the data axes (times any axes already splitting it) divide."""
-    from dataclasses import replace
-
-    mesh_axes = dict(plan.mesh)
-    ways = math.prod(mesh_axes[a] for a in axes)
-    specs = dict(plan.variables)
-    for t in graph.variables:
-        spec = list(specs.get(t.name, (None,) * t.ndim))
-        used = {a for e in spec if e for a in ((e,) if isinstance(e, str) else e)}
-        if ways == 1 or used & set(axes):
-            continue
-        for i, n in enumerate(t.shape):
-            have = () if spec[i] is None else ((spec[i],) if isinstance(spec[i], str)
-                                               else tuple(spec[i]))
-            if n % (ways * math.prod(mesh_axes[a] for a in have)) == 0:
-                new = tuple(axes) + have
-                spec[i] = new[0] if len(new) == 1 else new
-                specs[t.name] = tuple(spec)
-                break
-    return replace(plan, zero=3, variables=tuple(sorted(specs.items())))
-
-
 def megatron(graph: Draft, mesh: Any) -> Plan:
     """Megatron-LM tensor parallelism over the model axis (attention heads, MLP hidden: column-
     then row-parallel), data parallelism over the data axes."""
@@ -209,21 +183,3 @@ def megatron(graph: Draft, mesh: Any) -> Plan:
     graph.policy = graph.policy or "megatron"
     _plan_by_classes(graph, data, model)
     return graph.finish()
-
-
-BUILTIN: dict[str, Callable[[Draft, Any], Plan]] = {"dp": dp, "zero3": zero3,
-                                                    "megatron": megatron}
-
-
-def get_policy(policy: str | Callable) -> Callable[[Draft, Any], Plan]:
-    if callable(policy):
-        return policy
-    if policy in BUILTIN:
-        return BUILTIN[policy]
-    if policy in ("auto", "alpa"):
-        # The cost-model search (ours), or the Alpa-style planner to compare against.
-        from nnscaler_jax.search import search_policy
-
-        return search_policy(policy)
-    raise PlanError(f"unknown policy {policy!r}; built-ins: {sorted(BUILTIN)} or 'auto', or pass "
-                    "a function policy(graph, mesh) -> Plan")

@@ -9,8 +9,11 @@ Rules build annotation *text*: one operand is a list of axis tokens (``"a"``, ``
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
+
+AnnotationRule = str | Callable[[Mapping[str, Any], Sequence[Any], Sequence[Any]], "str | None"]
+"""An annotation string, or ``rule(params, in_avals, out_avals) -> str | None``."""
 
 Shape = tuple[int, ...]
 

@@ -26,8 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nnscaler_jax.rules._build import anno, group, operand, shape_of
-from nnscaler_jax.rules.registry import Rule
+from nnscaler_jax.rules._build import AnnotationRule, anno, group, operand, shape_of
 
 __all__ = ["conv_general_dilated", "rules"]
 
@@ -79,6 +78,6 @@ def conv_general_dilated(params: Mapping[str, Any], in_avals: Sequence[Any],
     return anno([operand(lhs), operand(rhs)], [operand(out)])
 
 
-def rules() -> dict[str, Rule]:
+def rules() -> dict[str, AnnotationRule]:
     """The convolution rule table."""
     return {"conv_general_dilated": conv_general_dilated}

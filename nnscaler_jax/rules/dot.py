@@ -15,8 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nnscaler_jax.rules._build import anno, operand, shape_of
-from nnscaler_jax.rules.registry import Rule
+from nnscaler_jax.rules._build import AnnotationRule, anno, operand, shape_of
 
 __all__ = ["dot_general", "rules"]
 
@@ -44,6 +43,6 @@ def dot_general(params: Mapping[str, Any], in_avals: Sequence[Any],
     return anno([operand(lhs), operand(rhs)], [operand(out)])
 
 
-def rules() -> dict[str, Rule]:
+def rules() -> dict[str, AnnotationRule]:
     """The dot rule table."""
     return {"dot_general": dot_general}

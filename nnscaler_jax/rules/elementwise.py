@@ -14,8 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nnscaler_jax.rules._build import Fresh, anno, operand, shape_of
-from nnscaler_jax.rules.registry import Rule
+from nnscaler_jax.rules._build import AnnotationRule, Fresh, anno, operand, shape_of
 
 __all__ = ["ELEMENTWISE", "bitcast_convert_type", "elementwise", "identity", "rules"]
 
@@ -99,9 +98,9 @@ def bitcast_convert_type(params: Mapping[str, Any], in_avals: Sequence[Any],
     return anno([operand(ids + [str(s) for s in si[n:]])], [operand(ids + [str(s) for s in so[n:]])])
 
 
-def rules() -> dict[str, Rule]:
+def rules() -> dict[str, AnnotationRule]:
     """The elementwise rule table."""
-    table: dict[str, Rule] = dict.fromkeys(ELEMENTWISE, elementwise)
+    table: dict[str, AnnotationRule] = dict.fromkeys(ELEMENTWISE, elementwise)
     for name in ("optimization_barrier", "device_put", "pvary", "sharding_constraint",
                  "random_clone", "reshard"):
         table[name] = identity

@@ -28,8 +28,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nnscaler_jax.rules._build import anno, operand, shape_of
-from nnscaler_jax.rules.registry import Rule
+from nnscaler_jax.rules._build import AnnotationRule, anno, operand, shape_of
 
 __all__ = ["gather", "rules", "scatter"]
 
@@ -111,9 +110,9 @@ def scatter(params: Mapping[str, Any], in_avals: Sequence[Any],
     return anno([operand(opnd), operand(idx), operand(upd)], [operand(opnd)])
 
 
-def rules() -> dict[str, Rule]:
+def rules() -> dict[str, AnnotationRule]:
     """The gather / scatter rule table."""
-    table: dict[str, Rule] = {"gather": gather}
+    table: dict[str, AnnotationRule] = {"gather": gather}
     for name in ("scatter", "scatter-add", "scatter_add", "scatter-sub", "scatter-mul",
                  "scatter-min", "scatter-max"):
         table[name] = scatter

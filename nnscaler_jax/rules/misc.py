@@ -19,8 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nnscaler_jax.rules._build import Fresh, anno, operand, replicated, shape_of
-from nnscaler_jax.rules.registry import Rule
+from nnscaler_jax.rules._build import AnnotationRule, Fresh, anno, operand, replicated, shape_of
 
 __all__ = ["rules"]
 
@@ -155,9 +154,9 @@ cholesky eigh eig lu qr svd triangular_solve householder_product geqrf hessenber
 """
 
 
-def rules() -> dict[str, Rule]:
+def rules() -> dict[str, AnnotationRule]:
     """The misc rule table."""
-    table: dict[str, Rule] = dict.fromkeys(_RANDOM.split(), frozen)
+    table: dict[str, AnnotationRule] = dict.fromkeys(_RANDOM.split(), frozen)
     table.update(dict.fromkeys(_LINALG.split(), batched_linalg))
     table.update({
         "sort": sort,

@@ -18,8 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nnscaler_jax.rules._build import Fresh, anno, operand, shape_of
-from nnscaler_jax.rules.registry import Rule
+from nnscaler_jax.rules._build import AnnotationRule, Fresh, anno, operand, shape_of
 
 __all__ = ["cumulative", "reduce_frozen", "reduce_generic", "reduce_sum", "rules"]
 
@@ -74,9 +73,9 @@ def cumulative(params: Mapping[str, Any], in_avals: Sequence[Any],
     return anno([operand(ids)], [operand(ids)])
 
 
-def rules() -> dict[str, Rule]:
+def rules() -> dict[str, AnnotationRule]:
     """The reduction rule table."""
-    table: dict[str, Rule] = {"reduce_sum": reduce_sum, "reduce": reduce_generic}
+    table: dict[str, AnnotationRule] = {"reduce_sum": reduce_sum, "reduce": reduce_generic}
     for name in ("reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
                  "reduce_xor", "argmax", "argmin"):
         table[name] = reduce_frozen

@@ -25,30 +25,29 @@ from typing import Any, overload
 
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.anno import Anno, parse_anno
-from nnscaler_jax.rules._build import replicated, shape_of
+from nnscaler_jax.rules import conv, dot, elementwise, gather, misc, reduce, reshape, shape
+from nnscaler_jax.rules._build import AnnotationRule, replicated, shape_of
 
-__all__ = ["Rule", "annotate", "has_rule", "register_rule", "registered"]
+__all__ = ["AnnotationRule", "annotate", "has_rule", "register_rule", "registered"]
 
 log = logging.getLogger(__name__)
 
-RuleFn = Callable[[Mapping[str, Any], Sequence[Any], Sequence[Any]], "str | None"]
-Rule = str | RuleFn
 
 
 class _Registry:
     """Built-in rules (loaded once, lazily) and user rules (which take precedence)."""
 
     def __init__(self) -> None:
-        self._builtin: dict[str, Rule] | None = None
-        self._user: dict[str, Rule] = {}
+        self._builtin: dict[str, AnnotationRule] | None = None
+        self._user: dict[str, AnnotationRule] = {}
 
     @property
-    def builtin(self) -> dict[str, Rule]:
+    def builtin(self) -> dict[str, AnnotationRule]:
         if self._builtin is None:
             self._builtin = _builtin_rules()
         return self._builtin
 
-    def lookup(self, name: str) -> tuple[Rule, bool] | None:
+    def lookup(self, name: str) -> tuple[AnnotationRule, bool] | None:
         """The rule for ``name`` and whether a user registered it."""
         if name in self._user:
             return self._user[name], True
@@ -60,11 +59,9 @@ class _Registry:
 _REGISTRY = _Registry()
 
 
-def _builtin_rules() -> dict[str, Rule]:
+def _builtin_rules() -> dict[str, AnnotationRule]:
     """Collect every built-in rule table (imports the rule modules on first use)."""
-    from nnscaler_jax.rules import conv, dot, elementwise, gather, misc, reduce, reshape, shape
-
-    table: dict[str, Rule] = {}
+    table: dict[str, AnnotationRule] = {}
     for module in (elementwise, dot, reduce, reshape, shape, conv, gather, misc):
         for name, rule in module.rules().items():
             if name in table:
@@ -91,12 +88,12 @@ def _parse(name: str, text: str) -> Anno:
 
 
 @overload
-def register_rule(prim: Any, rule: Rule, *, override: bool = True) -> Rule: ...
+def register_rule(prim: Any, rule: AnnotationRule, *, override: bool = True) -> AnnotationRule: ...
 @overload
-def register_rule(prim: Any, rule: None = None, *, override: bool = True) -> Callable[[Rule], Rule]: ...
+def register_rule(prim: Any, rule: None = None, *, override: bool = True) -> Callable[[AnnotationRule], AnnotationRule]: ...
 
 
-def register_rule(prim: Any, rule: Rule | None = None, *, override: bool = True) -> Any:
+def register_rule(prim: Any, rule: AnnotationRule | None = None, *, override: bool = True) -> Any:
     """Register the annotation rule of a primitive (overrides the built-in one).
 
     Works as a call and as a decorator::

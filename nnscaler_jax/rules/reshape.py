@@ -20,8 +20,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nnscaler_jax.rules._build import Fresh, anno, group, operand, shape_of
-from nnscaler_jax.rules.registry import Rule
+from nnscaler_jax.rules._build import AnnotationRule, Fresh, anno, group, operand, shape_of
 
 __all__ = ["reshape", "reshape_anno", "rules"]
 
@@ -120,6 +119,6 @@ def reshape(params: Mapping[str, Any], in_avals: Sequence[Any],
     return text
 
 
-def rules() -> dict[str, Rule]:
+def rules() -> dict[str, AnnotationRule]:
     """The reshape rule table."""
     return {"reshape": reshape}

@@ -16,8 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nnscaler_jax.rules._build import Fresh, anno, operand, shape_of
-from nnscaler_jax.rules.registry import Rule
+from nnscaler_jax.rules._build import AnnotationRule, Fresh, anno, operand, shape_of
 
 __all__ = ["rules"]
 
@@ -205,7 +204,7 @@ def unstack(params: Params, in_avals: Avals, out_avals: Avals) -> str | None:
     return anno([operand(inp)], [operand(ids)] * len(out_avals))
 
 
-def rules() -> dict[str, Rule]:
+def rules() -> dict[str, AnnotationRule]:
     """The shape-op rule table."""
     return {
         "broadcast_in_dim": broadcast_in_dim,

@@ -1,6 +1,6 @@
-"""Search: the strategy space, the SPMD ILP (ours), the Alpa-style planner, Flax metadata."""
+"""Search: the strategy space, cost tables, the SPMD ILP (ours), the Alpa-style planner, and the
+SPMD planning entry (:mod:`nnscaler_jax.search.entry`)."""
 
-from nnscaler_jax.search.alpa import alpa_policy as alpa_policy
 from nnscaler_jax.search.alpa import alpa_search as alpa_search
 from nnscaler_jax.search.ilp import SearchReport as SearchReport
 from nnscaler_jax.search.ilp import search as search
@@ -8,5 +8,5 @@ from nnscaler_jax.search.ilp import search_policy as search_policy
 from nnscaler_jax.search.space import SearchSpace as SearchSpace
 from nnscaler_jax.search.space import build_space as build_space
 
-__all__ = ["SearchReport", "SearchSpace", "alpa_policy", "alpa_search", "build_space", "search",
+__all__ = ["SearchReport", "SearchSpace", "alpa_search", "build_space", "search",
            "search_policy"]

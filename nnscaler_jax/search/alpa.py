@@ -19,9 +19,9 @@ from nnscaler_jax.constraints import Constraints
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.plan.plan import Plan
-from nnscaler_jax.search.ilp import SearchReport, search, search_policy
+from nnscaler_jax.search.ilp import SearchReport, search
 
-__all__ = ["alpa_policy", "alpa_search"]
+__all__ = ["alpa_search"]
 
 
 def alpa_search(graph: Graph, mesh_axes: Mapping[str, int],
@@ -30,9 +30,3 @@ def alpa_search(graph: Graph, mesh_axes: Mapping[str, int],
     """Alpa's intra-operator ILP: ``(plan, report)``; see :func:`nnscaler_jax.search.search`."""
     return search(graph, mesh_axes, constraints, cost_model, planner="alpa",
                   time_limit=time_limit, draft=draft)
-
-
-def alpa_policy(constraints: Constraints | None = None, cost_model: CostModel | None = None,
-                time_limit: float = 600.0):
-    """The Alpa-style planner as a policy ``policy(graph, mesh) -> Plan``."""
-    return search_policy("alpa", constraints, cost_model, time_limit)

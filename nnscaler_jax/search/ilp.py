@@ -334,7 +334,7 @@ def fixed_decisions(draft) -> dict[int, tuple[tuple[str, str], ...]]:
 
 
 def _pins(graph: Graph, draft, partitioning: Any) -> dict[int, tuple]:
-    from nnscaler_jax.search.metadata import partitioning_specs, pins_of
+    from nnscaler_jax.capture.metadata import partitioning_specs, pins_of
 
     specs: dict[str, tuple] = {}
     if partitioning is None and draft is not None:  # auto_parallel put the model's metadata there

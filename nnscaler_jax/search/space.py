@@ -281,13 +281,13 @@ class SearchSpace:
         return "\n".join(lines)
 
 
-def _walk_graphs(graph: Graph, weight: float = 1.0) -> Iterable[tuple[Graph, float, Op | None]]:
+def walk_graphs(graph: Graph, weight: float = 1.0) -> Iterable[tuple[Graph, float, Op | None]]:
     """(graph, runs per step, the op owning it) for the top graph and every region body."""
     yield graph, weight, None
     for op in graph.ops:
         for region in op.regions:
             trips = float(op.params.get("length", 1)) if op.primitive == "scan" else 1.0
-            for g, w, owner in _walk_graphs(region, weight * trips):
+            for g, w, owner in walk_graphs(region, weight * trips):
                 yield g, w, owner if owner is not None else op
 
 
@@ -430,7 +430,7 @@ def build_space(graph: Graph, mesh_axes: Mapping[str, int], rules: Sequence[Rule
     op_class = {i: interned.setdefault(sig, len(interned)) for i, sig in sigs.items()}
     keys = layer_keys(ops, op_class)  # also memoizes costs of copies when not shared
     weights: dict[int, float] = {}
-    for g, w, _ in _walk_graphs(graph):
+    for g, w, _ in walk_graphs(graph):
         for op in g.ops:
             weights[op.id] = w
 
@@ -477,7 +477,7 @@ def build_space(graph: Graph, mesh_axes: Mapping[str, int], rules: Sequence[Rule
     ruled = {op.id for op in ops for r in rules if r.matches(op)} | set(fixed) | set(pin_ops)
     lead_memo: dict[tuple, int | None] = {}
     follow_memo: dict[tuple, tuple[tuple[Split, ...], int]] = {}
-    for g, _, _ in _walk_graphs(graph):
+    for g, _, _ in walk_graphs(graph):
         producer = g.producer
         for op in g.ops:
             j = None

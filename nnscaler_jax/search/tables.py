@@ -40,9 +40,10 @@ from functools import lru_cache
 import numpy as np
 
 from nnscaler_jax.cost.compute import grad_tensors
-from nnscaler_jax.cost.model import CostModel, drop_partial
+from nnscaler_jax.cost.model import CostModel
+from nnscaler_jax.cost.relayout import drop_partial, partial_grad_axes
 from nnscaler_jax.cost.residuals import residual_outputs
-from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
+from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.layout.rvd import interned
 from nnscaler_jax.plan.layouts import (
@@ -54,7 +55,7 @@ from nnscaler_jax.plan.layouts import (
 )
 from nnscaler_jax.plan.plan import OpPlan
 from nnscaler_jax.search.objective import CostTables, Edge, SyncSet
-from nnscaler_jax.search.space import SearchSpace, Split, _walk_graphs, first_uses
+from nnscaler_jax.search.space import SearchSpace, Split, walk_graphs, first_uses
 
 log = logging.getLogger(__name__)
 
@@ -80,16 +81,10 @@ def stored_layout(v: Tensor, want: Layout, sync_axes: tuple[str, ...],
 
 
 @lru_cache(maxsize=65536)
-def _sync_axes(want: Layout, split: Split) -> tuple[str, ...]:
-    used = set(want.split_axes) | set(want.partial)
-    return tuple(dict.fromkeys(a for a, d in split if d != "+" and a not in used))
-
-
-@lru_cache(maxsize=65536)
 def _folded(want: Layout, split: Split) -> Layout | tuple[Layout, Layout]:
     """A folded read's end of an edge: ``want``, or ``(want, layout of the gradient handed
     back)`` when the reader returns partial sums over axes it splits but reads ``want`` whole."""
-    axes = _sync_axes(want, split)
+    axes = partial_grad_axes(want, split)
     return (want, interned(Layout(want.dims, axes))) if axes else want
 
 
@@ -262,7 +257,7 @@ class _Builder:
     def _storage(self, v: Tensor, want: Layout, split: Split) -> tuple[float, float]:
         """(bytes, seconds) of storing variable ``v`` for its first reader, which reads it as
         ``want`` under ``split``: the state bytes and the reader's relayout from storage."""
-        dp = _sync_axes(want, split)
+        dp = partial_grad_axes(want, split)
         have = stored_layout(v, want, dp, self.space.mesh_axes, self.zero)
         stored = self.cm.variable_bytes(v, want, dp) if self.zero else \
             self.cm.variable_bytes(v, want)
@@ -339,7 +334,7 @@ class _Builder:
             cls = np.full(fg.n, -1, dtype=np.int64)
             for i, split in enumerate(fg.splits[mm]):
                 want = self.lays[op.id, split][0][j]
-                axes = _sync_axes(want, split)
+                axes = partial_grad_axes(want, split)
                 if not axes:
                     continue
                 key = (want, axes)
@@ -375,7 +370,7 @@ class _Builder:
     # ---- edges ---------------------------------------------------------------------------------
 
     def edges(self) -> None:
-        for g, w, owner in _walk_graphs(self.graph):
+        for g, w, owner in walk_graphs(self.graph):
             producer = g.producer
             body_in: dict[int, tuple[int, bool]] = {}
             if owner is not None and owner.primitive == "scan":
@@ -450,7 +445,7 @@ class _Builder:
             else:
                 lay = self.lays[op_id, split][0][k]
                 if kind == "var":
-                    lay = stored_layout(op.inputs[k], lay, _sync_axes(lay, split),
+                    lay = stored_layout(op.inputs[k], lay, partial_grad_axes(lay, split),
                                         self.space.mesh_axes, self.zero)
             out.append(unstack(lay, stacked))
         return out
@@ -555,7 +550,7 @@ def _remat_ops(graph: Graph) -> set[int]:
 
     collect(graph)
     return {op.id for op in graph.walk()
-            if any(kinds.get(b) in ("checkpoint", "remat", "remat2") for b in op.boundary)}
+            if any(kinds.get(b) in REMAT_KINDS for b in op.boundary)}
 
 
 def _unique(layouts: list[Layout]) -> tuple[list[Layout], list[int]]:

@@ -3,7 +3,7 @@
 import pytest
 from meshes import make_mesh
 
-from nnscaler_jax.cost.comm import (
+from nnscaler_jax.mesh.topology import (
     DEFAULT_LINK,
     LinkCost,
     MeshSpec,

@@ -9,7 +9,7 @@ from meshes import make_mesh
 import models
 from models.mlp import MLP, Config
 from nnscaler_jax import trace
-from nnscaler_jax.api import make_plan_for
+from nnscaler_jax.planner import make_plan, plan_and_report
 from nnscaler_jax.cost import (
     LinkCost,
     all_gather_time,
@@ -19,7 +19,6 @@ from nnscaler_jax.cost import (
     reduce_scatter_time,
 )
 from nnscaler_jax.cost.devices import H100_80G, IB_NDR, NVLINK_H100
-from nnscaler_jax.cost.estimate import estimate
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.cost.residuals import residual_outputs
 from nnscaler_jax.errors import PlanError
@@ -35,7 +34,7 @@ def mlp_graph():
 
 
 def _plan(graph, shape, policy):
-    return make_plan_for(graph, make_mesh(shape, ("data", "model")), policy=policy)
+    return make_plan(graph, make_mesh(shape, ("data", "model")), policy=policy)
 
 
 def _model(plan, **kw):
@@ -228,10 +227,10 @@ def test_cluster_prices_the_data_axis_over_infiniband(mlp_graph):
     assert across.comm_time_s > inside.comm_time_s
 
 
-def test_estimate_fills_the_plan_cost(mlp_graph):
+def test_make_plan_fills_the_plan_cost(mlp_graph):
     graph, _ = mlp_graph
     plan = _plan(graph, (2, 4), "megatron")
-    assert estimate(plan, graph).cost == CostModel.for_axes(dict(plan.mesh)).plan_cost(plan, graph)
+    assert plan.cost == CostModel.for_axes(dict(plan.mesh)).plan_cost(plan, graph)
     assert plan.cost.memory_bytes_per_device > 0 and plan.cost.step_time_s > 0
 
 
@@ -285,7 +284,7 @@ def test_a_saved_matmul_operand_reaching_it_by_an_all_gather_is_kept_gathered(ml
         draft.decide(draft.op("fc2"), {"model": "n0"})
         return draft.finish()
 
-    plan = make_plan_for(graph, mesh, policy=policy)
+    plan = make_plan(graph, mesh, policy=policy)
     model = _model(plan)
     splits = {p.op: p.split for p in plan.ops}
     saved = residual_outputs(graph)
@@ -301,7 +300,6 @@ def test_a_scan_body_output_relaid_into_a_split_carry_is_priced_per_iteration():
     matmul (forward) and all-gathers the carry's gradient back from the split layout (the
     backward of slicing the body's output into the carry): 2 x 3 x the carry's bytes."""
     from nnscaler_jax.ir.anno import parse_anno
-    from nnscaler_jax.search.abstract import plan_on_axes
 
     class Cell(nn.Module):
         @nn.compact
@@ -326,7 +324,7 @@ def test_a_scan_body_output_relaid_into_a_split_carry_is_priced_per_iteration():
             draft.decide(op, {"model": hidden} if op.id == scan.id else {})
         return draft.finish()
 
-    plan = plan_on_axes(graph, axes, policy)[0]
+    plan = make_plan(graph, axes, policy=policy)
     cost = CostModel.for_axes(axes, links=LINK).plan_cost(plan, graph)
     assert cost.comm_bytes == 2 * 3 * scan.inputs[k].nbytes
 
@@ -339,7 +337,6 @@ def test_an_output_left_as_partial_sums_costs_one_all_reduce(axes):
     from nnscaler_jax import auto_parallel
     from nnscaler_jax.lower.hlo import hlo_collectives
     from nnscaler_jax.search import search_policy
-    from nnscaler_jax.search.abstract import plan_on_axes
 
     module, x = nn.Dense(8, use_bias=False), jnp.ones((16, 32))
     graph = trace(module, x)
@@ -350,7 +347,8 @@ def test_an_output_left_as_partial_sums_costs_one_all_reduce(axes):
         draft.decide(draft.graph.ops[0], {a: "k0" for a in axes})
         return search_policy("auto", cost_model=model)(draft, mesh)
 
-    plan, _, report = plan_on_axes(graph, {"data": 2, "model": 4}, policy, cost_model=model)
+    planned = plan_and_report(graph, {"data": 2, "model": 4}, policy=policy, cost_model=model)
+    plan, report = planned.plan, planned.report
     out = 16 * 8 * 4  # bytes of the output, whole on every device
     assert plan.cost.comm_bytes == out
     assert plan.cost.comm_time_s == pytest.approx(

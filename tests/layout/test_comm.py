@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from nnscaler_jax.cost.comm import (
+from nnscaler_jax.mesh.topology import (
     LinkCost,
     MeshSpec,
     all_gather_time,

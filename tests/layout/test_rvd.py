@@ -7,7 +7,7 @@ from meshes import make_mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnscaler_jax.cost.comm import DEFAULT_LINK, MeshSpec
+from nnscaler_jax.mesh.topology import DEFAULT_LINK, MeshSpec
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.layout import Layout
 

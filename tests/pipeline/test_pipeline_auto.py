@@ -9,10 +9,10 @@ from meshes import make_mesh
 
 import models
 from nnscaler_jax import Constraints, Plan, PlanError, auto_parallel
-from nnscaler_jax.cost.comm import LinkCost
+from nnscaler_jax.mesh.topology import LinkCost
 from nnscaler_jax.cost.model import CostModel
-from nnscaler_jax.plan import schedule as sch
-from nnscaler_jax.search.pipeline_dp import Unit, layer_units, runtime_choices, runtime_time
+from nnscaler_jax.pipeline import schedule as sch
+from nnscaler_jax.pipeline.stage_dp import Unit, layer_units, runtime_choices, runtime_time
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import pytest
 import models
 from nnscaler_jax.capture.trace import trace
 from nnscaler_jax.errors import PlanError
-from nnscaler_jax.search.pipeline_dp import evaluate, layer_units, search_stages
+from nnscaler_jax.pipeline.stage_dp import evaluate, layer_units, search_stages
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,8 @@
 import pytest
 
 from nnscaler_jax.errors import PlanError
-from nnscaler_jax.plan import schedule as sch
-from nnscaler_jax.plan.schedule import Schedule, Step
+from nnscaler_jax.pipeline import schedule as sch
+from nnscaler_jax.pipeline.schedule import Schedule, Step
 
 
 @pytest.mark.parametrize("stages,mbs", [(1, 1), (2, 4), (4, 4), (4, 8), (3, 5)])

@@ -11,7 +11,7 @@ from meshes import make_mesh
 
 import models
 from nnscaler_jax import Constraints, PlanError, Rule, auto_parallel
-from nnscaler_jax.api import make_plan_for
+from nnscaler_jax.planner import make_plan
 from nnscaler_jax.capture.trace import capture, capture_spec
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.lower.verify import max_rel_diff
@@ -35,7 +35,7 @@ def gpt():
 def test_search_is_no_worse_than_every_builtin(name):
     graph = _graph(name)
     mesh = make_mesh((2, 4), ("data", "model"))
-    cost = {p: make_plan_for(graph, mesh, policy=p).cost.step_time_s
+    cost = {p: make_plan(graph, mesh, policy=p).cost.step_time_s
             for p in ["auto", "dp", "zero3", "megatron"]}
     for p in ["dp", "zero3", "megatron"]:
         assert cost["auto"] <= cost[p] * (1 + 1e-9), cost

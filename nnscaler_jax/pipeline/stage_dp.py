@@ -29,10 +29,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nnscaler_jax.cost.comm import LinkCost, all_reduce_time, ppermute_time
+from nnscaler_jax.mesh.topology import LinkCost, all_reduce_time, ppermute_time
 from nnscaler_jax.cost.model import CostModel, DeviceSpec, itemsize
 from nnscaler_jax.cost.residuals import residual_outputs
 from nnscaler_jax.errors import PlanError
+from nnscaler_jax.mesh.axes import stage_axis
 from nnscaler_jax.ir.graph import Graph
 
 __all__ = [
@@ -45,7 +46,6 @@ __all__ = [
     "Unit",
     "evaluate",
     "layer_units",
-    "price_pipeline",
     "runtime_choices",
     "runtime_setup",
     "runtime_time",
@@ -270,7 +270,7 @@ def search_stages(units: list[Unit], devices: int, global_batch: int, memory_per
         t_max_levels: slowest-stage bounds tried per configuration (Alpa's enumeration,
             quantised).
         recompute: stages keep only their inputs per in-flight micro-batch and recompute the
-            forward in the backward (what :mod:`nnscaler_jax.lower.pipeline` runs); otherwise
+            forward in the backward (what :mod:`nnscaler_jax.pipeline.runtime` runs); otherwise
             all activations of every in-flight micro-batch are kept.
 
     Raises:
@@ -369,7 +369,7 @@ def runtime_time(sched, fwd: list[float], bwd: list[float], p2p: float) -> tuple
     stage's work at ``t`` (``fwd[c]`` / ``bwd[c]`` of chunk ``c``) and then both ``ppermute``\\ s
     (``p2p`` seconds together).
     """
-    from nnscaler_jax.plan.schedule import timeline
+    from nnscaler_jax.pipeline.schedule import timeline
 
     S = sched.stages
     total, busy = 0.0, [0.0] * S
@@ -396,7 +396,7 @@ def runtime_choices(units: list[Unit], stages: int, dp: int, batch: int,
                     schedule: str | None = None, optimizer_bytes: float = 3.0,
                     stage_link: LinkCost = NVLINK, data_link: LinkCost = NVLINK, tp: int = 1,
                     tp_link: LinkCost = NVLINK) -> list[RuntimeChoice]:
-    """Every (schedule, micro-batch count) :mod:`nnscaler_jax.lower.pipeline` can run, priced.
+    """Every (schedule, micro-batch count) :mod:`nnscaler_jax.pipeline.runtime` can run, priced.
 
     The runtime's restrictions: ``stages x virtual`` equal contiguous chunks of the layer stack
     (the prefix runs with chunk 0, the suffix with the last chunk; their parameters replicated
@@ -404,7 +404,7 @@ def runtime_choices(units: list[Unit], stages: int, dp: int, batch: int,
     ``microbatches x dp``, interleaved only with 2 chunks per stage and micro-batches a multiple
     of the stages. Sorted: fitting first, then by step time, then memory.
 
-    ``tp`` > 1: stages are also tensor-parallel inside (:mod:`nnscaler_jax.lower.pipeline_tp`),
+    ``tp`` > 1: stages are also tensor-parallel inside (:mod:`nnscaler_jax.pipeline.in_stage`),
     priced as Megatron, like :func:`search_stages`: unit compute and parameters / ``tp``, each
     unit's ``tp_collectives`` all-reduces of its output activation over ``tp_link`` (half in the
     forward, half in the backward; the recomputed forward repeats its half), one chunk's
@@ -414,7 +414,7 @@ def runtime_choices(units: list[Unit], stages: int, dp: int, batch: int,
     Raises:
         PlanError: no configuration the runtime can execute (layers or batch do not divide).
     """
-    from nnscaler_jax.plan import schedule as sch
+    from nnscaler_jax.pipeline import schedule as sch
 
     L, n, S = len(units) - 2, len(units), stages
     shared = (units[0].param_bytes + units[-1].param_bytes) / tp * (1 + optimizer_bytes)
@@ -491,7 +491,7 @@ class RuntimeSetup:
     Attributes:
         units: :func:`layer_units` of the graph at its batch.
         axis: the stage axis; ``data`` / ``tensor``: the non-stage axes the runtime runs
-            data-parallel / tensor-parallel (:func:`nnscaler_jax.lower.pipeline_tp.tensor_axes`).
+            data-parallel / tensor-parallel (:func:`nnscaler_jax.pipeline.in_stage.tensor_axes`).
         stages / dp / tp / batch: sizes; ``*_link``: the cost model's link of the first axis of
             each kind.
     """
@@ -523,9 +523,9 @@ def runtime_setup(graph: Graph, mesh_axes: dict[str, int], policy,
         PlanError: no ``stage``/``pipe`` axis, or no repeated layer stack.
     """
     from nnscaler_jax.ir.graph import Role
-    from nnscaler_jax.lower.pipeline_tp import tensor_axes
+    from nnscaler_jax.pipeline.in_stage import tensor_axes
 
-    axis = next((a for a in ("stage", "pipe") if a in mesh_axes), None)
+    axis = stage_axis(mesh_axes)
     if axis is None:
         raise PlanError(f"pipeline pricing needs a 'stage' (or 'pipe') mesh axis; the mesh has "
                         f"{mesh_axes}")
@@ -539,19 +539,3 @@ def runtime_setup(graph: Graph, mesh_axes: dict[str, int], policy,
         math.prod(mesh_axes[a] for a in data), math.prod(mesh_axes[a] for a in tensor), batch,
         link(axis), link(data[0]) if data else link(axis),
         link(tensor[0]) if tensor else link(axis))
-
-
-def price_pipeline(plan, graph: Graph, model: CostModel | None = None) -> RuntimeChoice:
-    """The runtime pricing of a pipelined ``plan``'s own settings (stages from its mesh,
-    micro-batches, schedule, virtual, data / tensor-parallel split by its policy).
-
-    Raises:
-        PlanError: the runtime cannot execute those settings (see :func:`runtime_choices`).
-    """
-    setup = runtime_setup(graph, dict(plan.mesh), plan.policy or None, model)
-    rows = [r for r in setup.choices(microbatches=plan.microbatches, schedule=plan.schedule)
-            if r.virtual == plan.virtual]
-    if not rows:
-        raise PlanError(f"pipeline: schedule {plan.schedule!r} with {plan.virtual} chunks per "
-                        "stage is not one the runtime executes (interleaved: 2, else 1)")
-    return rows[0]

@@ -1,6 +1,6 @@
 """Cutting a traced training program into prefix, one layer template and suffix (pipelines).
 
-Used by :mod:`nnscaler_jax.lower.pipeline`: the micro-batch loss program is split by module path
+Used by :mod:`nnscaler_jax.pipeline.runtime`: the micro-batch loss program is split by module path
 into the ops before the layer stack (embeddings), one layer (``h_i`` or the ``nn.scan`` body) and
 the ops after it (final norm, head, loss), so that each stage can run its chunk of layers.
 """
@@ -201,7 +201,7 @@ def split_program(closed: Any, param_paths: list[str], root: str) -> Split:
     return Split(**{**split.__dict__, "shared": shared})
 
 
-def _eval(eqns, env: dict) -> None:
+def eval_eqns(eqns, env: dict) -> None:
     def read(v):
         return v.val if isinstance(v, jcore.Literal) else env[v]
 

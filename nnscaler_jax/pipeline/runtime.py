@@ -10,7 +10,7 @@ last chunk; their parameters are replicated and their gradients summed over stag
 embeddings get both contributions).
 
 Inside one ``jax.shard_map`` over the whole mesh (stage axis + data-parallel axes), a
-``lax.fori_loop`` walks the schedule's step table (:func:`nnscaler_jax.plan.schedule.timeline`):
+``lax.fori_loop`` walks the schedule's step table (:func:`nnscaler_jax.pipeline.schedule.timeline`):
 each device reads what it does at step ``t`` from the table at its ``lax.axis_index`` — forward of
 micro-batch ``m``, backward of ``m`` (``jax.vjp`` of the chunk recomputed from its saved input:
 activations are kept only as chunk inputs, in a buffer of the schedule's in-flight size), or
@@ -22,7 +22,7 @@ Tensor parallelism inside stages (a policy other than ``'dp'``, e.g. ``'megatron
 axes not named like data axes (e.g. ``'model'``) are left out of the manual axes of the
 ``shard_map`` (partial-manual, GSPMD inside) and the chunks run the in-stage plan as sharding
 constraints, with layer parameters stored split as that plan says
-(:mod:`nnscaler_jax.lower.pipeline_tp`, which also says why this and not a fully manual body).
+(:mod:`nnscaler_jax.pipeline.in_stage`, which also says why this and not a fully manual body).
 """
 
 from __future__ import annotations
@@ -41,13 +41,13 @@ from jax.sharding import PartitionSpec as P
 
 from nnscaler_jax.capture.flax import path_str
 from nnscaler_jax.errors import PlanError
-from nnscaler_jax.lower.pipeline_split import Split, _eval, split_program
-from nnscaler_jax.lower.pipeline_tp import StagePlan, plan_in_stage, tensor_axes
+from nnscaler_jax.mesh.axes import stage_axis as find_stage_axis
+from nnscaler_jax.pipeline.split import Split, eval_eqns, split_program
+from nnscaler_jax.pipeline.in_stage import StagePlan, plan_in_stage, tensor_axes
 from nnscaler_jax.lower.replay import auto_view
-from nnscaler_jax.plan import schedule as sch
+from nnscaler_jax.pipeline import schedule as sch
 
 __all__ = [
-    "STAGE_AXES",
     "PipelineProgram",
     "PipelineStep",
     "Split",
@@ -55,14 +55,11 @@ __all__ = [
     "stage_axis",
 ]
 
-STAGE_AXES = ("stage", "pipe")
-
-
 def stage_axis(mesh_axes: dict[str, int]) -> str:
     """The mesh axis the stages run along (``'stage'`` or ``'pipe'``)."""
-    for a in STAGE_AXES:
-        if a in mesh_axes:
-            return a
+    axis = find_stage_axis(mesh_axes)
+    if axis is not None:
+        return axis
     raise PlanError(f"pipeline parallelism needs a mesh axis named 'stage' or 'pipe', mesh axes "
                     f"are {mesh_axes}; e.g. jax.make_mesh((4, 2), ('stage', 'data'))")
 
@@ -186,7 +183,7 @@ class PipelineProgram:
         closed = jax.make_jaxpr(program)(*abstract, *jax.tree.leaves(mb_batch))
         self.split = split_program(closed, paths, type(module).__name__)
         self.stage_plan: StagePlan | None = None
-        self._eval = _eval
+        self._eval = eval_eqns
         if self.tp_axes:
             self.stage_plan = plan_in_stage(closed, paths, n_params, mesh, self.axis, policy,
                                             root=type(module).__name__, rules=rules)

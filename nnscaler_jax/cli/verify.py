@@ -9,14 +9,14 @@ import argparse
 import time
 from typing import Any
 
-from nnscaler_jax.cli import (
-    _check_policy,
-    _emit,
-    _mesh,
-    _mutable,
-    _rngs,
-    _spec,
-    _table,
+from nnscaler_jax.cli.common import (
+    check_policy,
+    emit,
+    model_spec,
+    parse_mesh,
+    spec_mutable,
+    spec_rng_names,
+    table,
 )
 
 __all__ = ["cmd_demo", "cmd_verify"]
@@ -37,11 +37,11 @@ def _verify(spec: Any, mesh: Any, policy: str) -> dict[str, Any]:
     """Forward and gradients of the loss, parallel vs single device (both jitted)."""
     import jax
 
-    from nnscaler_jax import auto_parallel
+    from nnscaler_jax.api import auto_parallel
 
     args = spec.make_args(abstract=False)
-    rngs = _rngs(spec)
-    mutable = _mutable(spec)
+    rngs = spec_rng_names(spec)
+    mutable = spec_mutable(spec)
     if spec.kind == "nnx":
         from flax import nnx
 
@@ -88,7 +88,7 @@ def _verify_table(res: dict[str, Any]) -> str:
     rows = [["forward", f"{res['forward_rel_diff']:.3e}", res["forward_worst_at"] or "-"],
             ["grad of loss", f"{res['grad_rel_diff']:.3e}", res["grad_worst_at"] or "-"]]
     verdict = "OK" if res["ok"] else "MISMATCH"
-    return (_table(["check", "max rel diff", "worst leaf"], rows)
+    return (table(["check", "max rel diff", "worst leaf"], rows)
             + f"\n{verdict}: max relative difference {res['max_rel_diff']:.3e} "
               f"(tolerance {res['tolerance']:g})")
 
@@ -97,9 +97,9 @@ def _verify_table(res: dict[str, Any]) -> str:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    spec = _spec(args.model, args.preset)
-    mesh = _mesh(args.mesh, args.axes)
-    policy = _check_policy(args.policy)
+    spec = model_spec(args.model, args.preset)
+    mesh = parse_mesh(args.mesh, args.axes)
+    policy = check_policy(args.policy)
     res = _verify(spec, mesh, policy)
     obj = {"ok": res["ok"], "max_rel_diff": res["max_rel_diff"],
            "forward_rel_diff": res["forward_rel_diff"], "grad_rel_diff": res["grad_rel_diff"],
@@ -110,7 +110,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         text = (f"{args.model} [{args.preset}] on mesh {args.mesh} "
                 f"{dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))}, policy "
                 f"{policy}\n" + _verify_table(res))
-    _emit(args, text, obj)
+    emit(args, text, obj)
     return 0 if res["ok"] else 1
 
 
@@ -119,11 +119,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     import optax
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from nnscaler_jax import auto_parallel
+    from nnscaler_jax.api import auto_parallel
 
-    spec = _spec("gpt", "tiny")
-    mesh = _mesh(args.mesh, args.axes)
-    policy = _check_policy(args.policy)
+    spec = model_spec("gpt", "tiny")
+    mesh = parse_mesh(args.mesh, args.axes)
+    policy = check_policy(args.policy)
     say = (lambda *a: None) if args.json else print
     say(f"GPT [tiny] on {mesh.devices.size} {jax.devices()[0].platform.upper()} devices, "
         f"mesh {dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))}, policy {policy}")
@@ -184,7 +184,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     else:
         say(f"OK: verified (max rel diff {res['max_rel_diff']:.2e}) and trained, loss "
             f"{losses[0]:.4f} -> {losses[-1]:.4f}")
-    _emit(args, "", {"ok": ok, "max_rel_diff": res["max_rel_diff"], "losses": losses,
+    emit(args, "", {"ok": ok, "max_rel_diff": res["max_rel_diff"], "losses": losses,
                      "mesh": args.mesh, "policy": policy})
     return 0 if ok else 1
 

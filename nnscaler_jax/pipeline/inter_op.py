@@ -31,12 +31,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from nnscaler_jax.cost.comm import LinkCost, all_reduce_time
+from nnscaler_jax.mesh.topology import LinkCost, all_reduce_time
 from nnscaler_jax.cost.compute import op_flops
 from nnscaler_jax.cost.model import CostModel, DeviceSpec
+from nnscaler_jax.constraints import Constraints
 from nnscaler_jax.errors import PlanError
+from nnscaler_jax.search.entry import plan_spmd
 from nnscaler_jax.ir.graph import Graph, Role
-from nnscaler_jax.search.pipeline_dp import H100, INFINIBAND, NVLINK
+from nnscaler_jax.pipeline.stage_dp import H100, INFINIBAND, NVLINK
 
 __all__ = ["InterOpResult", "StageProfile", "alpa_pipeline_search", "cluster_layers",
            "inter_op_dp", "price_stage", "stage_graph", "submesh_shapes"]
@@ -204,16 +206,14 @@ def price_stage(graph: Graph, start: int, end: int, dp: int, tp: int, policy: st
     Raises:
         PlanError: no intra-op plan fits ``memory``.
     """
-    from nnscaler_jax.constraints import Constraints
-    from nnscaler_jax.search.abstract import plan_on_axes
-
     t0 = time.perf_counter()
     sub = stage_graph(graph, start, end)
     axes = {"data": dp, "model": tp}
     cm = CostModel.for_axes(axes, links={"data": data_link, "model": model_link},
                             device=device, input_grads=True)
     cons = Constraints(max_memory_per_device=int(memory)) if memory else None
-    plan, _, _ = plan_on_axes(sub, axes, policy, cons, cost_model=cm, time_limit=time_limit)
+    plan = plan_spmd(sub, axes, policy=policy, constraints=cons, cost_model=cm,
+                     time_limit=time_limit).plan
     br = cm.memory_breakdown(plan, sub)
     sync = 0.0
     for v in sub.variables:

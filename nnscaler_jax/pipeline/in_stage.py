@@ -1,9 +1,9 @@
 """Tensor parallelism inside pipeline stages: the in-stage plan replayed as sharding constraints.
 
-The pipelined step (:mod:`nnscaler_jax.lower.pipeline`) runs one ``jax.shard_map``. With a
+The pipelined step (:mod:`nnscaler_jax.pipeline.runtime`) runs one ``jax.shard_map``. With a
 tensor-parallel policy (``policy='megatron'``, ``'auto'``, ``'alpa'``, ``'zero3'`` or a function)
 that ``shard_map`` is *partial-manual*: manual over the stage axis and the data-parallel axes
-(named like :data:`~nnscaler_jax.plan.policies.DATA_AXES`), while the remaining axes (e.g.
+(named like :data:`~nnscaler_jax.mesh.axes.DATA_AXES`), while the remaining axes (e.g.
 ``'model'``) stay in GSPMD's auto mode inside the body. The policy plans the micro-batch training
 program (``loss_fn(module.apply(...))`` on one data shard's micro-batch) on the mesh of those
 tensor-parallel axes only; the chunk functions then evaluate the cut program with every op's
@@ -36,14 +36,16 @@ from jax.extend import core as jcore
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from nnscaler_jax.constraints import Constraints
 from nnscaler_jax.errors import PlanError
-from nnscaler_jax.ir.from_jaxpr import BOUNDARY, INLINE, InputInfo, graph_from_jaxpr
-from nnscaler_jax.ir.graph import Graph, Role, Tensor
+from nnscaler_jax.capture.jaxpr import BOUNDARY, INLINE, InputInfo, graph_from_jaxpr
+from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Role, Tensor
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.lower.replay import Lowering, auto_view
 from nnscaler_jax.plan.layouts import op_layouts
 from nnscaler_jax.plan.plan import VALUE, Plan
-from nnscaler_jax.plan.policies import DATA_AXES
+from nnscaler_jax.search.entry import plan_spmd
+from nnscaler_jax.mesh.axes import DATA_AXES
 
 __all__ = ["StagePlan", "plan_in_stage", "tensor_axes"]
 
@@ -129,9 +131,6 @@ def plan_in_stage(closed: Any, param_paths: list[str], n_params: int, mesh: Mesh
             axis), leaves a tensor-parallel axis unused (no dim it splits divides), or uses
             value-split / co-sharding (not supported inside stages).
     """
-    from nnscaler_jax.api import make_plan_for
-    from nnscaler_jax.constraints import Constraints
-
     mesh_axes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
     axes = tensor_axes(mesh_axes, stage, policy)
     tp = {a: mesh_axes[a] for a in axes}
@@ -141,8 +140,8 @@ def plan_in_stage(closed: Any, param_paths: list[str], n_params: int, mesh: Mesh
     graph, _ = graph_from_jaxpr(closed, infos, root=root)
     sub = _sub_mesh(mesh, axes)
     try:
-        plan = make_plan_for(graph, sub, policy=policy,
-                             constraints=Constraints(rules=tuple(rules)))
+        plan = plan_spmd(graph, sub, policy=policy,
+                         constraints=Constraints(rules=tuple(rules))).plan
     except PlanError as e:
         raise _stage_error(policy, tp, f"failed: {e}", f"In-stage policies see only the "
                            f"tensor-parallel axes {list(tp)}: the stage axis '{stage}' and the "
@@ -240,7 +239,7 @@ def _evaluate(sp: StagePlan, eqns: Any, env: dict) -> None:
         sub = e.params.get("jaxpr") if name in INLINE else None
         if sub is not None:
             outs = _call(sp, sub, ins)
-        elif name in ("checkpoint", "remat", "remat2"):
+        elif name in REMAT_KINDS:
             body = e.params["jaxpr"]
             fn: Callable = lambda *a, body=body: _call(sp, body, list(a))
             outs = jax.checkpoint(fn, prevent_cse=e.params.get("prevent_cse", True),

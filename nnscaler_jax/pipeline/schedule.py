@@ -5,7 +5,7 @@ its steps ``Step(kind, microbatch, virtual)``: ``'F'`` / ``'B'`` of micro-batch 
 stage's virtual chunk ``v`` (model chunk ``c = v * stages + stage``; ``virtual == 1`` unless
 interleaved). :func:`timeline` places every step at the earliest unit time step at which its
 data dependencies are done (a result sent at step ``t`` is usable at ``t + 1``); the runtime
-(:mod:`nnscaler_jax.lower.pipeline`) executes exactly that table.
+(:mod:`nnscaler_jax.pipeline.runtime`) executes exactly that table.
 
 >>> s = one_f_one_b(2, 4)
 >>> print(format_schedule(s))

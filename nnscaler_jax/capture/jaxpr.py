@@ -18,14 +18,15 @@ import numpy as np
 from jax.extend import core as jcore
 
 from nnscaler_jax.ir.dims import dim_classes, compose_anno
-from nnscaler_jax.ir.graph import Boundary, Graph, Op, Role, Tensor
+from nnscaler_jax.ir.graph import REMAT_KINDS, Boundary, Graph, Op, Role, Tensor
+from nnscaler_jax.rules import annotate as rules_annotate
 
 log = logging.getLogger(__name__)
 
 __all__ = ["graph_from_jaxpr", "InputInfo"]
 
 INLINE = {"jit", "pjit", "closed_call", "core_call"}
-BOUNDARY = {"checkpoint", "remat", "remat2", "custom_jvp_call", "custom_vjp_call",
+BOUNDARY = REMAT_KINDS | {"custom_jvp_call", "custom_vjp_call",
             "custom_vjp_call_jaxpr"}
 REGIONS = {"scan", "while", "cond"}
 
@@ -246,51 +247,8 @@ def graph_from_jaxpr(
     Returns:
         The graph and, per primitive without a rule, the module paths where it appears.
     """
-    if annotate is None:
-        from nnscaler_jax.rules import annotate as annotate  # noqa: PLC0414
-    b = _Builder(annotate, root)
+    b = _Builder(annotate or rules_annotate, root)
     in_tensors = [b.tensor(v.aval, info.role, info.name, info.collection)
                   for v, info in zip(closed.jaxpr.invars, inputs, strict=True)]
     graph = b.build(closed.jaxpr, closed.consts, in_tensors)
     return graph, b.missing
-
-
-def region_links(op: Op) -> list[tuple[tuple[int, int], tuple[int, int]]]:
-    """Pairs (outer tensor axis, body tensor axis) that hold the same data in a region op.
-
-    Scan: consts and carries map axis to axis, stacked inputs / outputs skip their leading
-    length axis. While: cond and body consts, carries. Cond: operands after the index and
-    outputs, for every branch.
-    """
-    links: list[tuple[tuple[int, int], tuple[int, int]]] = []
-
-    def tie(outer: Tensor, inner: Tensor, skip: int = 0) -> None:
-        links.extend(((outer.id, i + skip), (inner.id, i)) for i in range(inner.ndim))
-
-    p = op.params
-    if op.primitive == "scan":
-        (body,) = op.regions
-        nc, ncarry = p["num_consts"], p["num_carry"]
-        for k, (o, b) in enumerate(zip(op.inputs, body.inputs, strict=True)):
-            tie(o, b, 0 if k < nc + ncarry else 1)
-        for k, (o, b) in enumerate(zip(op.outputs, body.outputs, strict=True)):
-            tie(o, b, 0 if k < ncarry else 1)
-    elif op.primitive == "while":
-        cond, body = op.regions
-        cn, bn = p["cond_nconsts"], p["body_nconsts"]
-        ins = list(op.inputs)
-        for o, b in zip(ins[:cn], cond.inputs[:cn], strict=True):
-            tie(o, b)
-        for o, b in zip(ins[cn:cn + bn], body.inputs[:bn], strict=True):
-            tie(o, b)
-        for o, b in zip(ins[cn + bn:], body.inputs[bn:], strict=True):
-            tie(o, b)
-        for o, b in zip(op.outputs, body.outputs, strict=True):
-            tie(o, b)
-    elif op.primitive == "cond":
-        for branch in op.regions:
-            for o, b in zip(op.inputs[1:], branch.inputs, strict=True):
-                tie(o, b)
-            for o, b in zip(op.outputs, branch.outputs, strict=True):
-                tie(o, b)
-    return links

@@ -1,0 +1,3 @@
+"""The ``nnscaler-jax`` command line."""
+
+from nnscaler_jax.cli.main import main as main

@@ -1,0 +1,122 @@
+"""``nnscaler-jax``: the command line (also ``python -m nnscaler_jax``). Thin: argparse + printing.
+
+Subcommands: ``graph``, ``plan``, ``verify``, ``compare``, ``demo``. Each prints tables for a
+person, or with ``--json`` one JSON object on the last line of its output. Errors a user can cause
+(unknown model / preset / policy, a bad mesh) print one line and exit 2.
+
+Before JAX starts its backends, :func:`main` sets ``XLA_FLAGS`` to ask for ``--devices`` virtual
+CPU devices (default 8 when the flags name no device count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from nnscaler_jax.cli.commands import cmd_compare, cmd_graph, cmd_plan, cmd_profile
+from nnscaler_jax.cli.common import (
+    DEFAULT_DEVICES,
+    DEFAULT_PLANNERS,
+    UsageError,
+    request_devices,
+)
+
+__all__ = ["main"]
+
+def _lazy(name: str) -> Any:
+    """A handler defined in :mod:`nnscaler_jax.cli.verify` (imported when it runs)."""
+    def run(args: argparse.Namespace) -> int:
+        from nnscaler_jax.cli import verify
+
+        return getattr(verify, name)(args)
+    return run
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true",
+                        help="print one JSON object on the last line")
+    common.add_argument("--devices", type=int, default=None,
+                        help=f"virtual CPU devices to request (default {DEFAULT_DEVICES}; "
+                             "only before JAX starts)")
+    model = argparse.ArgumentParser(add_help=False)
+    model.add_argument("--model", required=True, help="model zoo name (e.g. gpt, mlp)")
+    model.add_argument("--preset", default="tiny", help="model preset (default tiny)")
+    mesh = argparse.ArgumentParser(add_help=False)
+    mesh.add_argument("--mesh", default="2x4", help="mesh shape, e.g. 8, 2x4 (default 2x4)")
+    mesh.add_argument("--axes", default=None,
+                      help="mesh axis names, comma separated (default: data | data,model | "
+                           "data,fsdp,model)")
+
+    p = argparse.ArgumentParser(prog="nnscaler-jax",
+                                description="Automatic parallelization of JAX/Flax models.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    g = sub.add_parser("graph", parents=[common, model], help="trace a model and summarise its graph")
+    g.add_argument("--print-ir", action="store_true", help="print the annotated graph")
+    g.add_argument("--depth", type=int, default=2, help="module path components per summary row")
+    g.set_defaults(fn=cmd_graph)
+
+    pl = sub.add_parser("plan", parents=[common, model, mesh], help="make and print a plan")
+    pl.add_argument("--policy", default="auto", help="dp, zero3, megatron or auto (default)")
+    pl.add_argument("--out", default=None, help="write the plan JSON to this file")
+    pl.add_argument("--pipeline", type=int, default=0, metavar="N",
+                    help="also print the layer -> stage split and per-device schedule of N stages")
+    pl.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "interleaved"),
+                    help="pipeline schedule (default 1f1b)")
+    pl.add_argument("--microbatches", type=int, default=0, help="default 2 x stages")
+    pl.add_argument("--virtual", type=int, default=2, help="chunks per stage (interleaved)")
+    pl.add_argument("--gantt", default=None, metavar="PNG", help="write a Gantt chart PNG")
+    pl.set_defaults(fn=cmd_plan)
+
+    v = sub.add_parser("verify", parents=[common, model, mesh],
+                       help="compare forward and gradients with the single-device program")
+    v.add_argument("--policy", default="auto", help="dp, zero3, megatron or auto (default)")
+    v.set_defaults(fn=_lazy('cmd_verify'))
+
+    c = sub.add_parser("compare", parents=[common, model, mesh],
+                       help="plan with several planners and compare their cost estimates")
+    c.add_argument("--planners", default=DEFAULT_PLANNERS,
+                   help=f"comma separated (default {DEFAULT_PLANNERS})")
+    c.add_argument("--cluster", default=None,
+                   help="price on a cluster preset (e.g. h100-80g-8x) instead of the local CPU")
+    c.set_defaults(fn=cmd_compare)
+
+    d = sub.add_parser("demo", parents=[common, mesh],
+                       help="plan, verify and train a tiny GPT (the quickstart)")
+    d.add_argument("--policy", default="megatron", help="default megatron")
+    d.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
+    d.add_argument("--lr", type=float, default=1e-2, help="adamw learning rate (default 1e-2)")
+    d.set_defaults(fn=_lazy('cmd_demo'))
+
+    pr = sub.add_parser("profile", parents=[common, model],
+                        help="time a model's ops on the local backend into a profile database")
+    pr.add_argument("--out", default=None,
+                    help="profile database JSON (default ~/.cache/nnscaler_jax/profile.json)")
+    pr.add_argument("--runs", type=int, default=5, help="timed runs per op (median kept)")
+    pr.set_defaults(fn=cmd_profile)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (0 ok, 1 check failed, 2 usage error)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "fn", None) is None:
+        parser.print_help()
+        return 2
+    request_devices(args.devices)
+
+    from nnscaler_jax.errors import PlanError
+
+    try:
+        return args.fn(args)
+    except (UsageError, PlanError) as e:
+        kind = "error" if isinstance(e, UsageError) else "plan error"
+        print(f"nnscaler-jax {args.command}: {kind}: {e}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"ok": False, "error": str(e)}))
+        return 2

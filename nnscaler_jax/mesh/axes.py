@@ -1,0 +1,45 @@
+"""Mesh axis roles: which axis names mean data, tensor (model) or pipeline-stage parallelism.
+
+The built-in policies, ZeRO, the pipeline and the cost model read roles from axis names, so the
+names live here once.
+
+>>> import jax
+>>> mesh_axes(jax.sharding.AbstractMesh((8, 8), ("data", "model")))
+{'data': 8, 'model': 8}
+>>> stage_axis({"stage": 4, "data": 2})
+'stage'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from nnscaler_jax.errors import PlanError
+
+__all__ = ["DATA_AXES", "MODEL_AXES", "STAGE_AXES", "data_axes", "mesh_axes", "stage_axis"]
+
+DATA_AXES = ("data", "dp", "batch", "fsdp", "replica")
+MODEL_AXES = ("model", "tp", "tensor", "mp")
+STAGE_AXES = ("stage", "pipe")
+
+
+def mesh_axes(mesh: Any) -> dict[str, int]:
+    """Axis name -> size of a ``Mesh``, ``AbstractMesh`` or ``{name: size}`` mapping."""
+    if isinstance(mesh, Mapping):
+        return {str(k): int(v) for k, v in mesh.items()}
+    shape = getattr(mesh, "shape", None)
+    if isinstance(shape, Mapping):
+        return {str(k): int(v) for k, v in shape.items()}
+    raise PlanError(f"cannot read mesh axes from {type(mesh).__name__}: pass a jax Mesh, an "
+                    "AbstractMesh or a dict like {'data': 8, 'model': 8}")
+
+
+def stage_axis(axes: Mapping[str, int] | Any) -> str | None:
+    """The pipeline-stage axis of a mesh (the first of ``STAGE_AXES`` it has), or None."""
+    return next((a for a in STAGE_AXES if a in axes), None)
+
+
+def data_axes(axes: Mapping[str, int] | Any) -> list[str]:
+    """The mesh's data-parallel axes (named as in ``DATA_AXES``), in mesh order."""
+    return [a for a in axes if a in DATA_AXES]

@@ -1,0 +1,111 @@
+"""Pipeline settings on a plan: stages, schedule, micro-batches and the layer -> stage split,
+chosen (``pipeline_stages="auto"``) and priced as the pipeline runtime executes them.
+
+The stage DP restricted to what the runtime runs prices every candidate once; the chosen row is
+the plan's cost (``step_time_s`` with the bubble, the largest stage's memory, the busiest
+stage's compute / communication).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from nnscaler_jax.constraints import Constraints
+from nnscaler_jax.cost.model import CostModel
+from nnscaler_jax.errors import PlanError
+from nnscaler_jax.ir.graph import Graph
+from nnscaler_jax.mesh.axes import stage_axis
+from nnscaler_jax.pipeline.schedule import stage_layers
+from nnscaler_jax.pipeline.stage_dp import RuntimeChoice, RuntimeSetup, runtime_setup
+from nnscaler_jax.plan.plan import Plan, PlanCost
+
+__all__ = ["configure_pipeline", "estimate_pipelined", "price_pipeline"]
+
+
+def configure_pipeline(plan: Plan, graph: Graph, constraints: Constraints,
+                       model: CostModel | None = None) -> Plan:
+    """``plan`` (an SPMD plan of the whole model) with the pipeline settings ``constraints``
+    ask for, priced as the runtime runs them; ``plan`` itself when they ask for none.
+
+    Raises:
+        PlanError: no repeated layer stack, settings the runtime cannot execute, or (``"auto"``)
+            no schedule x micro-batch count within ``max_memory_per_device``.
+    """
+    if constraints.pipeline_stages in (None, 1):
+        return plan
+    mesh_axes = dict(plan.mesh)
+    setup = runtime_setup(graph, mesh_axes, plan.policy or None, model)
+    if constraints.pipeline_stages == "auto":
+        choice, report = _auto_choice(setup, constraints)
+    else:
+        virtual = 2 if constraints.schedule == "interleaved" else 1
+        choice = _priced(setup, constraints.microbatches or setup.stages,
+                         constraints.schedule or "1f1b", virtual)
+        report = ""
+    stages = mesh_axes[stage_axis(mesh_axes)]
+    stage_of = stage_layers([(v.name, v.shape) for v in graph.variables], stages, choice.virtual)
+    return replace(plan, stages=stages, microbatches=choice.microbatches,
+                   schedule=choice.schedule, virtual=choice.virtual, stage_of=stage_of,
+                   pipeline_report=report, cost=_cost(choice))
+
+
+def price_pipeline(plan: Plan, graph: Graph, model: CostModel | None = None) -> RuntimeChoice:
+    """The runtime pricing of a pipelined ``plan``'s own settings (stages from its mesh,
+    micro-batches, schedule, virtual, data / tensor-parallel split by its policy).
+
+    Raises:
+        PlanError: the runtime cannot execute those settings.
+    """
+    setup = runtime_setup(graph, dict(plan.mesh), plan.policy or None, model)
+    return _priced(setup, plan.microbatches, plan.schedule, plan.virtual)
+
+
+def estimate_pipelined(plan: Plan, graph: Graph, model: CostModel | None = None) -> Plan:
+    """``plan`` (pipelined) with its cost from :func:`price_pipeline`."""
+    return replace(plan, cost=_cost(price_pipeline(plan, graph, model)))
+
+
+def _priced(setup: RuntimeSetup, microbatches: int, schedule: str,
+            virtual: int) -> RuntimeChoice:
+    rows = [r for r in setup.choices(microbatches=microbatches, schedule=schedule)
+            if r.virtual == virtual]
+    if not rows:
+        raise PlanError(f"pipeline: schedule {schedule!r} with {virtual} chunks per "
+                        "stage is not one the runtime executes (interleaved: 2, else 1)")
+    return rows[0]
+
+
+def _cost(r: RuntimeChoice) -> PlanCost:
+    return PlanCost(step_time_s=r.step_time_s, memory_bytes_per_device=int(max(r.memory_bytes)),
+                    comm_bytes=int(r.comm_bytes), compute_time_s=r.compute_s,
+                    comm_time_s=r.comm_s)
+
+
+def _auto_choice(setup: RuntimeSetup, constraints: Constraints) -> tuple[RuntimeChoice, str]:
+    """The runtime-restricted stage DP's choice and its report."""
+    S, dp, tp, batch = setup.stages, setup.dp, setup.tp, setup.batch
+    budget = constraints.max_memory_per_device
+    rows = setup.choices(budget, microbatches=constraints.microbatches,
+                         schedule=constraints.schedule)
+    par = f"{dp} data-parallel" + (f" x {tp} tensor-parallel ({', '.join(setup.tensor)})"
+                                   if tp > 1 else "")
+    best = rows[0]
+    if not best.fits:
+        low = min(max(r.memory_bytes) for r in rows)
+        raise PlanError(
+            f"Constraints(pipeline_stages='auto', max_memory_per_device={budget}): no "
+            f"schedule x micro-batch count fits {budget / 2**20:.2f} MiB per device on "
+            f"{S} stages x {par}; the smallest estimate is "
+            f"{low / 2**20:.2f} MiB. Use more stages or devices, a smaller batch, or more "
+            "memory")
+    head = (f"stage DP (runtime: {len(setup.units) - 2} layers in equal chunks over {S} "
+            f"stages x {par}, batch {batch}"
+            + (f", budget {budget / 2**20:.2f} MiB" if budget else "") + "): chose "
+            f"{best.schedule} x {best.microbatches} micro-batches of {best.microbatch_size}, "
+            f"predicted {best.step_time_s * 1e3:.3f} ms/step (bubble "
+            f"{best.bubble_s * 1e3:.3f} ms), peak {max(best.memory_bytes) / 2**20:.2f} MiB")
+    table = [(f"  {'schedule':<14} {'M':>4} x mb   {'step ms':>10} {'bubble ms':>9} "
+              f"{'MiB/device':>10}")] + [f"  {r.row()}" for r in rows[:8]]
+    if len(rows) > 8:
+        table.append(f"  ... {len(rows) - 8} more")
+    return best, "\n".join([head] + table)

@@ -1,0 +1,106 @@
+"""The SPMD planning entry: the policy registry and one function that plans a graph on a mesh.
+
+Every SPMD plan is made here, for ``auto_parallel``, the CLI, the benchmarks and the pipeline's
+in-stage plans: check the constraints, run the policy (a built-in, the search, or the user's
+function) on a :class:`~nnscaler_jax.primitives.Draft`, record the ZeRO stage, price the result.
+The mesh may be a ``Mesh``, an ``AbstractMesh`` or ``{axis: size}``: no devices are needed, so
+benchmarks plan for 512 devices on a laptop. Pipelined plans add stages on top of this
+(:func:`nnscaler_jax.planner.make_plan`).
+
+>>> sorted(POLICIES)
+['alpa', 'auto', 'dp', 'megatron', 'zero3']
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from nnscaler_jax.constraints import Constraints
+from nnscaler_jax.cost.model import CostModel
+from nnscaler_jax.errors import PlanError
+from nnscaler_jax.ir.graph import Graph
+from nnscaler_jax.mesh.axes import mesh_axes
+from nnscaler_jax.plan.plan import Plan
+from nnscaler_jax.plan.policies import dp, megatron, zero3
+from nnscaler_jax.plan.zero import apply_zero
+from nnscaler_jax.primitives import Draft
+from nnscaler_jax.search.ilp import SearchReport, search_policy
+
+__all__ = ["POLICIES", "Planned", "plan_spmd", "resolve_policy"]
+
+SEARCHES = ("auto", "alpa")
+#: Policy names: the hand-written built-ins and the two searches (ours, the Alpa-style one).
+POLICIES: dict[str, Callable[..., Any] | None] = {"dp": dp, "zero3": zero3, "megatron": megatron,
+                                                  "auto": None, "alpa": None}
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A plan with what planning it took: wall seconds and the search's report (or None)."""
+
+    plan: Plan
+    seconds: float
+    report: SearchReport | None
+
+
+def resolve_policy(policy: str | Callable | None, *, cost_model: CostModel | None = None,
+                   time_limit: float | None = None) -> Callable[[Draft, Any], Any]:
+    """The policy function for a name (``"auto"`` when None) or a user's function.
+
+    Raises:
+        PlanError: an unknown name.
+    """
+    if policy is None:
+        policy = "auto"
+    if callable(policy):
+        return policy
+    if policy in SEARCHES:
+        return search_policy(policy, cost_model=cost_model, time_limit=time_limit)
+    if policy in POLICIES:
+        return POLICIES[policy]
+    raise PlanError(f"unknown policy {policy!r}; choose one of {sorted(POLICIES)}, or pass a "
+                    "function policy(graph, mesh) -> Plan written with op_trans / op_assign")
+
+
+def plan_spmd(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto",
+              constraints: Constraints | None = None, partitioning: dict | None = None,
+              cost_model: CostModel | None = None, time_limit: float | None = None) -> Planned:
+    """Plan ``graph`` on ``mesh`` with ``policy`` under ``constraints``; the plan is priced.
+
+    Args:
+        graph: the annotated graph.
+        mesh: a ``Mesh``, ``AbstractMesh`` or ``{axis: size}``.
+        policy: a name in :data:`POLICIES` or ``policy(draft, mesh) -> Plan``.
+        constraints: validated against the graph and mesh first; rules and the memory budget
+            bind the searches; ``zero`` is recorded (stage 3 shards the storage).
+        partitioning: ``{variable path: mesh axes per dim}`` from Flax metadata; the searches
+            pin those variables' storage, other policies find it on ``draft.partitioning``.
+        cost_model: prices the search and the plan (default: the local CPU model of the mesh).
+        time_limit: the searches' solver budget in seconds.
+
+    Raises:
+        PlanError: a constraint that cannot be met, an unknown policy, a policy that returns
+            something other than a plan, or (searches) no plan within the memory budget.
+    """
+    axes = mesh_axes(mesh)
+    constraints = constraints or Constraints()
+    name = policy if policy is not None else "auto"
+    constraints.check(graph, axes)
+    t0 = time.perf_counter()
+    fn = resolve_policy(name, cost_model=cost_model, time_limit=time_limit)
+    draft = Draft(graph, axes, constraints=constraints, partitioning=partitioning or None)
+    draft.policy = name if isinstance(name, str) else getattr(fn, "__name__", "custom")
+    result = fn(draft, mesh)
+    if isinstance(result, Draft):
+        result = result.finish()
+    if not isinstance(result, Plan):
+        raise PlanError(f"policy {draft.policy!r} returned {type(result).__name__}, not a Plan: "
+                        "end the policy with `return graph.finish()`")
+    result = apply_zero(result, graph, constraints.zero)
+    seconds = time.perf_counter() - t0
+    cm = cost_model or CostModel.for_axes(axes, zero=result.zero)
+    return Planned(replace(result, cost=cm.plan_cost(result, graph)), seconds,
+                   getattr(draft, "search_report", None))
