@@ -6,7 +6,7 @@ import fnmatch
 from dataclasses import dataclass, field
 from typing import Literal
 
-from nnscaler_jax.errors import PlanError
+from nnscaler_jax.errors import ConstraintError
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.mesh.axes import stage_axis
 
@@ -63,18 +63,20 @@ class Constraints:
         object.__setattr__(self, "rules", tuple(self.rules))
         object.__setattr__(self, "logical_rules", tuple(tuple(r) for r in self.logical_rules))
         if self.zero is not None and self.zero not in (0, 1, 2, 3):
-            raise PlanError(f"Constraints(zero={self.zero!r}): ZeRO stage is 0, 1, 2 or 3")
+            raise ConstraintError(f"Constraints(zero={self.zero!r}): ZeRO stage is 0, 1, 2 or 3")
         if self.schedule not in (None, "1f1b", "gpipe", "interleaved"):
-            raise PlanError(f"Constraints(schedule={self.schedule!r}): use '1f1b', 'gpipe' or "
-                            "'interleaved'")
+            raise ConstraintError(f"Constraints(schedule={self.schedule!r}): use '1f1b', 'gpipe' "
+                                  "or 'interleaved'")
         if self.max_memory_per_device is not None and self.max_memory_per_device <= 0:
-            raise PlanError("Constraints(max_memory_per_device=...) must be a positive byte count")
+            raise ConstraintError(
+                "Constraints(max_memory_per_device=...) must be a positive byte count")
         for r in self.rules:
             if not isinstance(r, Rule):
-                raise PlanError(f"Constraints(rules=...) takes Rule values, got {r!r}")
+                raise ConstraintError(f"Constraints(rules=...) takes Rule values, got {r!r}")
 
     def check(self, graph: Graph, mesh_axes: dict[str, int]) -> None:
-        """Raise ``PlanError`` for a rule or field that cannot be met on this graph and mesh.
+        """Raise ``ConstraintError`` (a ``PlanError``) for a rule or field that cannot be met on
+        this graph and mesh.
 
         The pipeline fields are checked against the mesh here; whether the model's layers can
         be staged is the pipeline's business (:mod:`nnscaler_jax.pipeline.configure`).
@@ -83,46 +85,50 @@ class Constraints:
         for r in self.rules:
             for a in r.axes or ():
                 if a not in mesh_axes:
-                    raise PlanError(f"{r}: mesh axis '{a}' is not in the mesh {mesh_axes}")
+                    raise ConstraintError(f"{r}: mesh axis '{a}' is not in the mesh {mesh_axes}",
+                                          axis=a)
             ops = [op for op in graph.walk() if r.matches(op)]
             if not ops:
-                raise PlanError(f"{r} matches no op; module paths include "
-                                f"{sorted(graph.module_paths)[:12]}")
+                raise ConstraintError(f"{r} matches no op; module paths include "
+                                      f"{sorted(graph.module_paths)[:12]}")
             if r.dims:
                 for op in ops:
                     missing = set(r.dims) - set(op.annotation.kinds())
                     if missing == set(r.dims):
-                        raise PlanError(
+                        raise ConstraintError(
                             f"{r}: op '{op.primitive}' at '{op.module_path}' (annotation "
                             f"'{op.anno}', shapes {[t.shape for t in op.inputs]}) has none of the "
-                            f"dims {list(r.dims)}")
+                            f"dims {list(r.dims)}", op=op.primitive, module_path=op.module_path,
+                            shapes=tuple(t.shape for t in op.inputs))
         for i, a in enumerate(self.rules):
             for b in self.rules[i + 1:]:
                 both = [op for op in graph.walk() if a.matches(op) and b.matches(op)]
                 if both and ((a.replicate and (b.dims or b.axes)) or
                              (b.replicate and (a.dims or a.axes))):
-                    raise PlanError(f"{a} and {b} contradict on op '{both[0].primitive}' at "
-                                    f"'{both[0].module_path}': one replicates, one splits")
+                    raise ConstraintError(f"{a} and {b} contradict on op '{both[0].primitive}' at "
+                                          f"'{both[0].module_path}': one replicates, one splits",
+                                          op=both[0].primitive, module_path=both[0].module_path)
 
     def _check_pipeline(self, mesh_axes: dict[str, int]) -> None:
         stages, axis = self.pipeline_stages, stage_axis(mesh_axes)
         if stages in (None, 1):
             return
         if self.microbatches is not None and self.microbatches < 1:
-            raise PlanError(f"Constraints(microbatches={self.microbatches}): use a positive int")
+            raise ConstraintError(
+                f"Constraints(microbatches={self.microbatches}): use a positive int")
         if stages == "auto":
             if axis is None:
-                raise PlanError(
+                raise ConstraintError(
                     "Constraints(pipeline_stages='auto') chooses micro-batches and schedule for "
                     "the stages of the mesh's 'stage' (or 'pipe') axis; the mesh has "
                     f"{mesh_axes}. Add one, e.g. jax.make_mesh((4, 2), ('stage', 'data')), or "
                     "run nnscaler_jax.pipeline.stage_dp.search_stages to choose a stage count")
             return
         if not isinstance(stages, int) or stages < 1:
-            raise PlanError(f"Constraints(pipeline_stages={stages!r}): use a positive int or "
+            raise ConstraintError(f"Constraints(pipeline_stages={stages!r}): use a positive int or "
                             "'auto'")
         if axis is None or mesh_axes[axis] != stages:
-            raise PlanError(
+            raise ConstraintError(
                 f"Constraints(pipeline_stages={stages}) needs a mesh axis 'stage' (or 'pipe') "
                 f"of size {stages}; the mesh has {mesh_axes}. E.g. "
                 f"jax.make_mesh(({stages}, 2), ('stage', 'data'))")

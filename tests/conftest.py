@@ -1,11 +1,4 @@
-"""Test configuration: 8 virtual CPU devices, requested before jax is imported."""
-import os
+"""Test configuration: the 8 virtual CPU devices are requested by the root conftest.py."""
+import jax  # noqa: F401 - jax starts after the root conftest set XLA_FLAGS
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-import jax  # noqa: E402,F401 - jax starts after XLA_FLAGS is set
-
-from meshes import make_mesh  # noqa: E402,F401 - re-exported for old imports
+from meshes import make_mesh  # noqa: F401 - re-exported for old imports

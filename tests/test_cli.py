@@ -31,6 +31,7 @@ def test_graph_table_and_ir(capsys):
     assert "dot_general" in out and "fc1" in out and "parameters: 2,128" in out
 
 
+@pytest.mark.slow
 def test_verify_megatron(capsys):
     assert main(["verify", "--model", "mlp", "--mesh", "2x4", "--policy", "megatron",
                  "--json"]) == 0
@@ -79,6 +80,7 @@ def test_user_errors_exit_2(capsys, argv, needle):
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_demo(capsys):
     assert main(["demo", "--steps", "3", "--json"]) == 0
     res = _last_json(capsys)

@@ -149,3 +149,22 @@ def test_a_placement_spmd_cannot_express_is_a_sharding_error(graph):
     with pytest.raises(ShardingError, match="not placed along one mesh axis") as info:
         draft.finish()
     assert info.value.op == "dot_general" and info.value.module_path == "fc1"
+
+
+def test_constraints_that_cannot_be_met_are_constraint_errors_naming_axis_and_op(graph):
+    from nnscaler_jax import Constraints, Rule
+
+    with pytest.raises(ConstraintError, match="ZeRO stage"):
+        Constraints(zero=5)
+    with pytest.raises(ConstraintError, match="mesh axis 'pipe' is not in the mesh") as info:
+        Constraints(rules=(Rule(module="fc1", axes=("pipe",)),)).check(graph, dict(MESH))
+    assert info.value.axis == "pipe"
+    both = (Rule(module="fc*", replicate=True), Rule(module="fc1", axes=("model",)))
+    with pytest.raises(ConstraintError, match="contradict") as info:
+        Constraints(rules=both).check(graph, dict(MESH))
+    assert info.value.module_path == "fc1" and info.value.op is not None
+    with pytest.raises(ConstraintError, match="has none of the dims") as info:
+        Constraints(rules=(Rule(module="fc1", primitive="dot_general", dims=("zz",)),)).check(
+            graph, dict(MESH))
+    assert (info.value.op, info.value.module_path) == ("dot_general", "fc1")
+    assert info.value.shapes == ((6, 16), (16, 8))

@@ -1,7 +1,21 @@
 """Cost models: devices and clusters, compute, communication (alpha-beta per mesh axis), memory,
-profiling. ``CostModel`` lives in :mod:`nnscaler_jax.cost.model` (import it from there).
+profiling; :class:`CostModel` prices ops, relayouts and whole plans.
+
+>>> from nnscaler_jax.cost import CostModel
+>>> CostModel.for_axes({"data": 2, "model": 4}).mesh.size("model")
+4
 """
 
+from nnscaler_jax.cost.devices import CLUSTERS as CLUSTERS
+from nnscaler_jax.cost.devices import DEVICES as DEVICES
+from nnscaler_jax.cost.devices import ClusterSpec as ClusterSpec
+from nnscaler_jax.cost.devices import DeviceSpec as DeviceSpec
+from nnscaler_jax.cost.devices import cluster_preset as cluster_preset
+from nnscaler_jax.cost.devices import device_preset as device_preset
+from nnscaler_jax.cost.devices import local_cpu as local_cpu
+from nnscaler_jax.cost.model import CostModel as CostModel
+from nnscaler_jax.cost.profile import ProfileDB as ProfileDB
+from nnscaler_jax.cost.profile import profile_ops as profile_ops
 from nnscaler_jax.mesh.topology import DEFAULT_LINK as DEFAULT_LINK
 from nnscaler_jax.mesh.topology import LinkCost as LinkCost
 from nnscaler_jax.mesh.topology import MeshSpec as MeshSpec
@@ -12,12 +26,3 @@ from nnscaler_jax.mesh.topology import collective_time as collective_time
 from nnscaler_jax.mesh.topology import ppermute_time as ppermute_time
 from nnscaler_jax.mesh.topology import reduce_scatter_time as reduce_scatter_time
 from nnscaler_jax.mesh.topology import wire_bytes as wire_bytes
-from nnscaler_jax.cost.devices import CLUSTERS as CLUSTERS
-from nnscaler_jax.cost.devices import DEVICES as DEVICES
-from nnscaler_jax.cost.devices import ClusterSpec as ClusterSpec
-from nnscaler_jax.cost.devices import DeviceSpec as DeviceSpec
-from nnscaler_jax.cost.devices import cluster_preset as cluster_preset
-from nnscaler_jax.cost.devices import device_preset as device_preset
-from nnscaler_jax.cost.devices import local_cpu as local_cpu
-from nnscaler_jax.cost.profile import ProfileDB as ProfileDB
-from nnscaler_jax.cost.profile import profile_ops as profile_ops

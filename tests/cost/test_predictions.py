@@ -18,6 +18,8 @@ from nnscaler_jax import auto_parallel
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.lower.hlo import hlo_collectives
 
+pytestmark = pytest.mark.slow  # compiles and runs programs over the mesh
+
 
 def _measure(policy):
     spec = models.get("mlp", "tiny", batch_size=8)
@@ -25,7 +27,7 @@ def _measure(policy):
     args = spec.make_args(abstract=False)
     pm = auto_parallel(mesh, policy=policy)(spec.module)
     variables = pm.init(jax.random.key(0), *args)
-    plan, graph = pm.plan, pm._last.captured.graph
+    plan, graph = pm.plan, pm.graph
     step = jax.jit(jax.value_and_grad(lambda v: spec.loss_fn(pm.apply(v, *args), *args)))
     compiled = step.lower(variables).compile()
     text = compiled.as_text()

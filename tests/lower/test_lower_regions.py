@@ -11,6 +11,8 @@ from nnscaler_jax.ir.anno import DimKind
 from nnscaler_jax.lower.hlo import hlo_collectives, summarize
 from nnscaler_jax.lower.verify import max_rel_diff
 
+pytestmark = pytest.mark.slow  # compiles and runs programs over the mesh
+
 
 class Net(nn.Module):
     @nn.compact

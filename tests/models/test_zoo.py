@@ -14,6 +14,8 @@ from flax import nnx
 
 import models
 
+pytestmark = pytest.mark.slow  # compiles and runs programs over the mesh
+
 TINY = [(n, "tiny") for n in models.names()]
 PAPER = [(n, p) for n in models.names() for p in models.presets(n)
          if models.preset_info(n, p).paper and n != "gpt_nnx"]
