@@ -21,7 +21,7 @@ Communication (bytes per device, summed over the step's collectives)
     HLO collective, so HLO bytes are converted into the ``n`` convention per collective:
     ``n = result_bytes x (p if kind in {reduce_scatter, all_to_all} else 1)`` with ``p`` the
     replica-group size (product of the mesh axes it spans). Also reported: "wire" bytes, what each
-    device sends (``cost.comm.wire_bytes``: all_reduce 2(p-1)/p n, all_gather / reduce_scatter
+    device sends (``mesh.topology.wire_bytes``: all_reduce 2(p-1)/p n, all_gather / reduce_scatter
     (p-1)/p n, ...), on both sides; this is the figure that drives time and it stays comparable
     when XLA picks different collectives than the plan (e.g. all-reduce + slice for a
     reduce-scatter).
@@ -146,7 +146,7 @@ def run_case(name: str, batch: int, policy: str, mesh, with_adam: bool) -> dict:
     pm = auto_parallel(mesh, policy=policy)(spec.module)
     variables = pm.init(jax.random.key(0), *args)
     plan = pm.plan
-    graph = pm._last.captured.graph
+    graph = pm.graph
 
     def loss(v):
         out = pm.apply(v, *args, mutable=mutable)

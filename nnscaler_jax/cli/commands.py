@@ -223,7 +223,8 @@ def _compiled_figures(spec: Any, mesh: Any, plan: Any) -> dict[str, int]:
         args = spec.make_args(abstract=False)
         pm = auto_parallel(mesh, plan=plan)(spec.module)
         variables = pm.init(jax.random.key(0), *args)
-        compiled = pm.compiled(variables, *args, rngs=spec_rng_names(spec), mutable=spec_mutable(spec))
+        compiled = pm.compiled(variables, *args, rngs=spec_rng_names(spec),
+                               mutable=spec_mutable(spec))
         m = compiled.memory_analysis()
         memory = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
                   - m.alias_size_in_bytes)

@@ -1,4 +1,5 @@
-"""Shared pieces of the command line: usage errors, device requests, model specs, meshes, printing."""
+"""Shared pieces of the command line: usage errors, device requests, model specs, meshes,
+printing."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def request_devices(n: int | None) -> None:
     os.environ["XLA_FLAGS"] = f"{flags} {COUNT_FLAG}={n}".strip()
 
 
-# ---- small helpers ---------------------------------------------------------------------------------
+# ---- small helpers -------------------------------------------------------------------------------
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -134,10 +135,6 @@ def parse_mesh(text: str, axes: str | None, devices: int | None = None) -> Any:
     return jax.make_mesh(shape, names, devices=jax.devices()[:need])
 
 
-def mesh_str(mesh: Any) -> str:
-    return "x".join(str(n) for n in mesh.devices.shape)
-
-
 def policy_names() -> list[str]:
     from nnscaler_jax.search.entry import POLICIES
 
@@ -180,7 +177,8 @@ def make_plan(spec: Any, mesh: Any, policy: str) -> Any:
     pm = auto_parallel(mesh, policy=policy)(spec.module)
     if spec.kind == "nnx":
         return pm.make_plan(*args)
-    return pm.make_plan(*args, variables=variables, rngs=spec_rng_names(spec), mutable=spec_mutable(spec))
+    return pm.make_plan(*args, variables=variables, rngs=spec_rng_names(spec),
+                        mutable=spec_mutable(spec))
 
 
 def cost_dict(plan: Any) -> dict[str, Any] | None:

@@ -55,7 +55,8 @@ def _parser() -> argparse.ArgumentParser:
                                 description="Automatic parallelization of JAX/Flax models.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
-    g = sub.add_parser("graph", parents=[common, model], help="trace a model and summarise its graph")
+    g = sub.add_parser("graph", parents=[common, model],
+                       help="trace a model and summarise its graph")
     g.add_argument("--print-ir", action="store_true", help="print the annotated graph")
     g.add_argument("--depth", type=int, default=2, help="module path components per summary row")
     g.set_defaults(fn=cmd_graph)

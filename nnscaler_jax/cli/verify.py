@@ -46,7 +46,10 @@ def _verify(spec: Any, mesh: Any, policy: str) -> dict[str, Any]:
         from flax import nnx
 
         module = spec.module
-        loss = lambda m: spec.loss_fn(m(*args), *args)
+
+        def loss(m):
+            return spec.loss_fn(m(*args), *args)
+
         ref_out = module(*args)
         ref_grad = jax.tree_util.tree_leaves(nnx.grad(loss)(module))
         pm = auto_parallel(mesh, policy=policy)(module)
@@ -93,7 +96,7 @@ def _verify_table(res: dict[str, Any]) -> str:
               f"(tolerance {res['tolerance']:g})")
 
 
-# ---- subcommands -----------------------------------------------------------------------------------
+# ---- subcommands ---------------------------------------------------------------------------------
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal
 
-from nnscaler_jax.mesh.topology import LinkCost, MeshSpec
 from nnscaler_jax.errors import PlanError
+from nnscaler_jax.mesh.topology import LinkCost, MeshSpec
 
 __all__ = [
     "A100_40G", "A100_80G", "CLUSTERS", "CPU", "DEVICES", "H100_80G", "H200", "IB_HDR", "IB_NDR",
@@ -196,9 +196,6 @@ class ClusterSpec:
             where[axis] = p
         links = tuple(self.intra if where[n] == "intra" else self.inter for n in names)
         return MeshSpec(names, sizes, links)
-
-    def with_device(self, device: DeviceSpec) -> ClusterSpec:
-        return replace(self, device=device)
 
 
 CLUSTERS: Mapping[str, ClusterSpec] = {

@@ -21,13 +21,13 @@ The search prices every candidate through this one interface:
   ``memory_breakdown(plan, graph)`` its memory by kind.
 
 ``plan_cost`` walks the graph once (:mod:`nnscaler_jax.cost.plan_walk`): every edge (tensor ->
-consumer) costs the forward path from the tensor's layout to the layout its consumer needs plus, for tensors that need a gradient
-(computed from trainable variables; example inputs only with ``input_grads``), the backward path of
-the gradient (reduced once per tensor and gradient layout). Weights start from their storage
-layout, so data parallelism costs one all-reduce per weight and ZeRO-3 an all-gather in the
-forward and a reduce-scatter of the gradient (2 Psi, like DP's all-reduce): XLA keeps the
-gathered weight for the backward rather than gathering it again (DeepSpeed's 3 Psi), so the
-gathered weights count as kept activations.
+consumer) costs the forward path from the tensor's layout to the layout its consumer needs plus, for
+tensors that need a gradient (computed from trainable variables; example inputs only with
+``input_grads``), the backward path of the gradient (reduced once per tensor and gradient layout).
+Weights start from their storage layout, so data parallelism costs one all-reduce per weight and
+ZeRO-3 an all-gather in the forward and a reduce-scatter of the gradient (2 Psi, like DP's
+all-reduce): XLA keeps the gathered weight for the backward rather than gathering it again
+(DeepSpeed's 3 Psi), so the gathered weights count as kept activations.
 
 Memory per device for a training step (ZeRO as in DeepSpeed, over each weight's data-parallel
 axes: the mesh axes its consumers split while it is replicated on them)::
@@ -45,9 +45,9 @@ ZeRO-1 ``4 Psi + 12 Psi / N``, ZeRO-2 ``2 Psi + 14 Psi / N``, ZeRO-3 ``16 Psi / 
 Activations: the forward values the backward reads, after XLA's fusion
 (:mod:`nnscaler_jax.cost.residuals`: what each primitive's transpose needs, traced back through
 cheap elementwise and layout ops to the values XLA materialises), except inside remat
-(``checkpoint``) boundaries, which keep only their inputs and recompute the rest (one more forward of those ops in
-the compute time; the largest such block is transient during the backward). Ops inside a ``scan``
-body count ``length`` times (compute, communication and kept activations).
+(``checkpoint``) boundaries, which keep only their inputs and recompute the rest (one more forward
+of those ops in the compute time; the largest such block is transient during the backward). Ops
+inside a ``scan`` body count ``length`` times (compute, communication and kept activations).
 """
 
 from __future__ import annotations
@@ -56,7 +56,6 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from nnscaler_jax.mesh.topology import DEFAULT_LINK, LinkCost, MeshSpec
 from nnscaler_jax.cost.compute import (
     FREE,
     MATMUL,
@@ -71,9 +70,8 @@ from nnscaler_jax.cost.compute import (
     walk_weighted,
 )
 from nnscaler_jax.cost.devices import CPU, ClusterSpec, DeviceSpec
-from nnscaler_jax.cost.profile import ProfileDB
-from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
 from nnscaler_jax.cost.plan_walk import analyze
+from nnscaler_jax.cost.profile import ProfileDB
 from nnscaler_jax.cost.relayout import (
     Split,
     add_storage_axis,
@@ -81,8 +79,10 @@ from nnscaler_jax.cost.relayout import (
     partial_grad_axes,
     relayout_price,
 )
+from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.layout.rvd import interned
+from nnscaler_jax.mesh.topology import DEFAULT_LINK, LinkCost, MeshSpec
 from nnscaler_jax.plan.layouts import op_layouts
 from nnscaler_jax.plan.plan import VALUE, OpPlan, Plan, PlanCost
 
@@ -238,16 +238,6 @@ class CostModel:
                          t.shape, itemsize(t), self.mesh)[0]
         return out
 
-    def reshard_bytes(self, t: Tensor, src: Layout, dst: Layout) -> int:
-        """Bytes (the ``n`` of the collectives) moved by :meth:`reshard_time`."""
-        if src == dst or t.ndim == 0:
-            return 0
-        out = relayout_price(src, dst, t.shape, itemsize(t), self.mesh)[1]
-        if self._needs_grad(t):
-            out += relayout_price(drop_partial(dst), drop_partial(src), t.shape, itemsize(t),
-                         self.mesh)[1]
-        return out
-
     def _sync_axes(self, layout: Layout, split: Split) -> list[str]:
         return list(partial_grad_axes(layout, split))
 
@@ -285,10 +275,6 @@ class CostModel:
         the same). ``needs_grad``: whether ``v`` gets a gradient (default a local guess).
         """
         return self._sync_path(v, layout, split, needs_grad)[0]
-
-    def grad_sync_bytes(self, v: Tensor, layout: Layout, split: Split) -> int:
-        """Bytes (the ``n`` of the collectives) of :meth:`grad_sync_time`."""
-        return self._sync_path(v, layout, split)[1]
 
     # ---- memory --------------------------------------------------------------------------------
 

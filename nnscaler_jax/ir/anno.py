@@ -35,7 +35,8 @@ from dataclasses import dataclass
 
 from nnscaler_jax.errors import AnnotationError
 
-__all__ = ["Anno", "AnnoSyntaxError", "AnnotationError", "Axis", "Dim", "DimKind", "Operand", "parse_anno"]
+__all__ = ["Anno", "AnnoSyntaxError", "AnnotationError", "Axis", "Dim", "DimKind", "Operand",
+           "parse_anno"]
 
 
 class DimKind(enum.Enum):
@@ -77,10 +78,6 @@ class Operand:
     """One operand: ``axes is None`` means ``?`` (replicate-only / non-tensor)."""
 
     axes: tuple[Axis, ...] | None
-
-    @property
-    def replicate_only(self) -> bool:
-        return self.axes is None
 
     def __str__(self) -> str:
         if self.axes is None:
