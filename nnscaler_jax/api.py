@@ -11,27 +11,32 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import jax
 import flax.linen as nn
+import jax
 import numpy as np
 from flax import nnx
 
 from nnscaler_jax.capture.flax import Traceable, linen_traceable, nnx_traceable, original_calls
-from nnscaler_jax.capture.trace import Captured, abstract_init
-from nnscaler_jax.constraints import Constraints
-from nnscaler_jax.errors import PlanError
 from nnscaler_jax.capture.jaxpr import graph_from_jaxpr
 from nnscaler_jax.capture.metadata import is_boxed, partitioning_specs, unbox
+from nnscaler_jax.capture.trace import Captured, abstract_init, warn_unannotated
+from nnscaler_jax.constraints import Constraints
+from nnscaler_jax.errors import PlanError
+from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.lower.replay import Lowering, explicitly_typed
 from nnscaler_jax.lower.verify import compare_outputs
-from nnscaler_jax.plan.plan import Plan
 from nnscaler_jax.pipeline.runtime import PipelineStep
+from nnscaler_jax.plan.plan import Plan
 from nnscaler_jax.planner import make_plan
 
 __all__ = ["auto_parallel", "AutoParallel"]
 
 # Wrapper state that is not nnx state: keyed weakly by the wrapper / decorated instance.
 _CORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# The wrapper of an instance of a decorated linen class, kept in the instance's __dict__: linen
+# modules are frozen dataclasses hashed by value (unhashable fields are allowed), and a weak map
+# whose value (the wrapper) holds its key (the instance) would never let the key go.
+_LINEN_CORE = "_nnscaler_jax_core"
 
 
 def _abstract(x: Any) -> Any:
@@ -78,6 +83,13 @@ class AutoParallel:
             raise PlanError("no plan yet: call init/apply first, or make_plan(*args)")
         return self._last.plan
 
+    @property
+    def graph(self) -> Graph:
+        """The captured, annotated graph of the last planned call."""
+        if self._last is None:
+            raise PlanError("no graph yet: call init/apply or make_plan first")
+        return self._last.captured.graph
+
     # ---- planning -------------------------------------------------------------------------------
 
     def _program(self, tr: Traceable, extra: Any, partitioning: Any = None) -> _Program:
@@ -95,7 +107,8 @@ class AutoParallel:
                 raise PlanError(f"{type(self.module).__name__}: tracing with inputs "
                                 f"{[(tuple(a.shape), str(a.dtype)) for a in abstract]} failed: "
                                 f"{type(e).__name__}: {e}") from e
-            graph, _ = graph_from_jaxpr(jaxpr, tr.infos, root=tr.root)
+            graph, missing = graph_from_jaxpr(jaxpr, tr.infos, root=tr.root)
+            warn_unannotated(missing, f"auto_parallel({type(self.module).__name__})")
             captured = Captured(tr, jaxpr, graph, tr.out_tree())
             plan = make_plan(graph, self.mesh, policy=self.policy, plan=self.fixed_plan,
                              constraints=self.constraints, partitioning=dict(specs))
@@ -155,14 +168,11 @@ class AutoParallel:
         """Plan for ``apply(variables, *args)`` without running it (args may be abstract)."""
         if isinstance(self.module, nnx.Module):
             tr = nnx_traceable(self.module, args, kwargs)
-        else:
-            if variables is None:
-                variables = abstract_init(self.module, args, kwargs)
-            tr = self._linen_traceable(variables, args, kwargs, rngs, mutable)
-            return self._program(tr, ("apply", _hashable(mutable), _rng_names(rngs)),
-                                 self._specs(variables)).plan
-        return self._program(tr, ("apply", _hashable(mutable), _rng_names(rngs)),
-                             self._nnx_specs()).plan
+            return self._program(tr, _call_key(), self._nnx_specs()).plan
+        if variables is None:
+            variables = abstract_init(self.module, args, kwargs)
+        tr = self._linen_traceable(variables, args, kwargs, rngs, mutable)
+        return self._program(tr, _apply_key(mutable, rngs), self._specs(variables)).plan
 
     def init(self, rngs: Any, *args: Any, **kwargs: Any) -> Any:
         """``module.init`` with every leaf laid out over the mesh as the plan says.
@@ -178,7 +188,7 @@ class AutoParallel:
         variables = jax.eval_shape(lambda r: init_fn(r, *args, **kwargs), rngs)
         coll = [c for c in variables if c != "params"] or False
         tr = self._linen_traceable(variables, args, kwargs, None, coll)
-        prog = self._program(tr, ("apply", _hashable(coll), ()), self._specs(variables))
+        prog = self._program(tr, _apply_key(coll), self._specs(variables))
         var_shardings = prog.in_shardings[: len(jax.tree_util.tree_leaves(variables))]
         out_shardings = jax.tree_util.tree_unflatten(
             jax.tree_util.tree_structure(variables), list(var_shardings))
@@ -188,16 +198,14 @@ class AutoParallel:
               method: Any = None, **kwargs: Any) -> Any:
         """``module.apply`` computed as one program over the mesh (``variables`` boxed or not)."""
         tr = self._linen_traceable(variables, args, kwargs, rngs, mutable, method)
-        return self._run(tr, ("apply", _hashable(mutable), _rng_names(rngs), method),
-                         self._specs(variables))
+        return self._run(tr, _apply_key(mutable, rngs, method), self._specs(variables))
 
     def compiled(self, variables: Any, *args: Any, rngs: Any = None, mutable: Any = False,
-                 **kwargs: Any) -> Any:
+                 method: Any = None, **kwargs: Any) -> Any:
         """The compiled forward program of ``apply(variables, *args)`` (``.as_text()``,
         ``.memory_analysis()``), for checking what XLA made of the plan."""
-        tr = self._linen_traceable(variables, args, kwargs, rngs, mutable)
-        prog = self._program(tr, ("apply", _hashable(mutable), _rng_names(rngs), None),
-                             self._specs(variables))
+        tr = self._linen_traceable(variables, args, kwargs, rngs, mutable, method)
+        prog = self._program(tr, _apply_key(mutable, rngs, method), self._specs(variables))
         flat = [self._place(x, s) for x, s in zip(tr.flat_inputs, prog.in_shardings,
                                                    strict=True)]
         return prog.fn.lower(*flat).compile()
@@ -235,6 +243,19 @@ def _rng_names(rngs: Any) -> tuple:
     return tuple(sorted(rngs)) if isinstance(rngs, dict) else ()
 
 
+def _apply_key(mutable: Any = False, rngs: Any = None, method: Any = None) -> tuple:
+    """What selects a linen program besides its inputs' shapes: the one key ``init``,
+    ``apply``, ``make_plan`` and ``compiled`` all build, so whichever comes first plans for
+    the others (``init`` asks for the collections besides ``params`` as mutable, as the
+    ``apply`` that updates them does)."""
+    return ("apply", _hashable(mutable), _rng_names(rngs), method)
+
+
+def _call_key() -> tuple:
+    """The key of an nnx call's program (``pm(*args)`` and ``pm.make_plan(*args)``)."""
+    return ("call",)
+
+
 class NnxAutoParallel(nnx.Module):
     """An nnx module whose calls run as one program over the mesh; its state is the wrapped
     module's state (``pm.module``), laid out by the plan."""
@@ -250,6 +271,11 @@ class NnxAutoParallel(nnx.Module):
     def plan(self) -> Plan:
         return self._core.plan
 
+    @property
+    def graph(self) -> Graph:
+        """The captured, annotated graph of the last planned call."""
+        return self._core.graph
+
     def make_plan(self, *args, **kwargs) -> Plan:
         return self._core.make_plan(*args, **kwargs)
 
@@ -257,7 +283,7 @@ class NnxAutoParallel(nnx.Module):
         core = self._core
         tr = nnx_traceable(self.module, args, kwargs)
         specs = core._nnx_specs()
-        prog = core._program(tr, ("call",), specs)
+        prog = core._program(tr, _call_key(), specs)
         if not self._laid_out:
             _, state = nnx.split(self.module)
             leaves = jax.tree_util.tree_leaves(state)
@@ -266,7 +292,7 @@ class NnxAutoParallel(nnx.Module):
                 jax.tree_util.tree_structure(state), placed))
             self._laid_out = True
             tr = nnx_traceable(self.module, args, kwargs)
-        out, new_state = core._run(tr, ("call",), specs)
+        out, new_state = core._run(tr, _call_key(), specs)
         nnx.update(self.module, new_state)
         return out
 
@@ -323,7 +349,12 @@ def _decorate_class(cls: type, mesh, constraints, policy, plan, verify) -> type:
                                             "__module__": cls.__module__})
     if issubclass(cls, nn.Module):
         def _core(self):
-            return AutoParallel(self, mesh, constraints, policy, plan, verify)
+            # One wrapper per instance, so repeated init / apply reuse its programs.
+            core = self.__dict__.get(_LINEN_CORE)
+            if core is None:
+                core = AutoParallel(self, mesh, constraints, policy, plan, verify)
+                object.__setattr__(self, _LINEN_CORE, core)  # frozen dataclass: no plain set
+            return core
 
         def init(self, rngs, *args, **kwargs):
             return _core(self).init(rngs, *args, **kwargs)

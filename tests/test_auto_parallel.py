@@ -207,7 +207,7 @@ def test_scan_stacked_weights_are_stored_as_the_body_reads_them():
         pm = auto_parallel(mesh, policy="megatron")(module)
         variables = pm.init(jax.random.key(0), *make_args())
         bd = CostModel.for_axes(dict(pm.plan.mesh)).memory_breakdown(
-            pm.plan, pm._last.captured.graph)
+            pm.plan, pm.graph)
         mem[preset] = (bd["params"], bd["grads"], bd["optimizer"])
     kernel = variables["params"]["h"]["mlp"]["c_fc"]["kernel"]  # (layers, d, 4d)
     spec = tuple(kernel.sharding.spec) + (None,) * 3
@@ -232,7 +232,7 @@ def test_scan_carry_may_cross_layer_boundaries_split():
     mesh = make_mesh((2, 4), ("data", "model"))
     module, make_args, loss = models.get("gpt", "tiny-scan", batch_size=8)
     pm, _ = _linen_case(module, make_args(), loss, mesh, policy, rtol=1e-4)
-    graph = pm._last.captured.graph
+    graph = pm.graph
     scan = next(op for op in graph.walk() if op.primitive == "scan")
     plan = {p.op: p for p in pm.plan.ops}[scan.id]
     carry_out = op_layouts(scan, plan)[1][0]

@@ -18,7 +18,8 @@ from nnscaler_jax.ir.graph import Graph
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Captured", "abstract_init", "capture", "capture_spec", "spec_inputs", "spec_rngs", "trace"]
+__all__ = ["Captured", "abstract_init", "capture", "capture_spec", "spec_inputs", "spec_rngs",
+           "trace", "warn_unannotated"]
 
 
 @dataclass(frozen=True)
@@ -44,15 +45,23 @@ def abstract_init(module: nn.Module, args: tuple, kwargs: dict) -> Any:
         ) from e
 
 
-def _warn_missing(missing: dict[str, set[str]]) -> None:
+def warn_unannotated(missing: dict[str, set[str]], model: str, stacklevel: int = 2) -> None:
+    """One warning per new program naming every primitive without an annotation rule, where it
+    appears and how to register one (such ops are planned replicated; not an error)."""
+    if not missing:
+        return
+    lines = []
     for prim, paths in sorted(missing.items()):
-        where = ", ".join(sorted(p or "<top>" for p in paths)[:5])
-        warnings.warn(
-            f"no annotation rule for primitive '{prim}' (at {where}); it is planned "
-            f"replicate-only. Register one with nnscaler_jax.register_rule('{prim}', "
-            "'a b, a b -> a b') or a function (params, in_avals, out_avals) -> str.",
-            stacklevel=3,
-        )
+        where = sorted(p or "<top>" for p in paths)
+        more = f" and {len(where) - 5} more" if len(where) > 5 else ""
+        lines.append(f"  '{prim}' at {', '.join(where[:5])}{more}")
+    first = min(missing)
+    warnings.warn(
+        f"{model}: no annotation rule for these primitives; their ops are planned "
+        "replicated (every device computes them whole):\n" + "\n".join(lines) + "\n"
+        f"Register a rule to let them be split, e.g. nnscaler_jax.register_rule('{first}', "
+        "'a b -> a b') or a function (params, in_avals, out_avals) -> str.",
+        UserWarning, stacklevel=stacklevel)
 
 
 def capture(module: Any, *args: Any, variables: Any = None, rngs: Any = None,
@@ -90,7 +99,7 @@ def capture(module: Any, *args: Any, variables: Any = None, rngs: Any = None,
         raise PlanError(f"tracing {type(module).__name__} on args {shapes} failed: "
                         f"{type(e).__name__}: {e}") from e
     graph, missing = graph_from_jaxpr(jaxpr, tr.infos, root=tr.root)
-    _warn_missing(missing)
+    warn_unannotated(missing, f"trace({type(module).__name__})", stacklevel=3)
     return Captured(tr, jaxpr, graph, tr.out_tree())
 
 

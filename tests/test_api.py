@@ -1,0 +1,173 @@
+"""``auto_parallel``'s wrappers: one program per call signature (planned once, shared by
+``make_plan`` / ``init`` / ``apply``), the class decorator's per-instance wrapper, the
+missing-rule warning and ``pm.graph``."""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from jax.extend import core as jcore
+from jax.interpreters import mlir
+from meshes import make_mesh
+
+from nnscaler_jax import PlanError, auto_parallel
+from nnscaler_jax.ir.graph import Graph
+from nnscaler_jax.lower.verify import max_rel_diff
+
+api = importlib.import_module("nnscaler_jax.api")
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(8, name="fc2")(nn.relu(nn.Dense(32, name="fc1")(x)))
+
+
+class MLPNnx(nnx.Module):
+    def __init__(self, rngs):
+        self.fc1 = nnx.Linear(8, 32, rngs=rngs)
+        self.fc2 = nnx.Linear(32, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.fc2(nnx.relu(self.fc1(x)))
+
+
+@pytest.fixture
+def mesh():
+    return make_mesh((2, 4), ("data", "model"))
+
+
+@pytest.fixture
+def plans(monkeypatch):
+    """Counts the plans ``auto_parallel`` makes (one per new program)."""
+    calls = []
+    real = api.make_plan
+
+    def counting(graph, *args, **kwargs):
+        calls.append(graph)
+        return real(graph, *args, **kwargs)
+
+    monkeypatch.setattr(api, "make_plan", counting)
+    return calls
+
+
+def _x():
+    return jax.random.normal(jax.random.key(1), (8, 8))
+
+
+def test_decorated_linen_class_keeps_one_wrapper_per_instance(mesh, plans):
+    @auto_parallel(mesh, policy="megatron")
+    class Block(MLP):
+        pass
+
+    x = _x()
+    blk = Block()
+    v = blk.init(jax.random.key(0), x)
+    outs = [blk.apply(v, x) for _ in range(3)]
+    assert len(plans) == 1, f"init + 3 applies planned {len(plans)} times"
+    ref = nn.Module.apply(blk, v, x)   # the original code, unwrapped
+    for out in outs:
+        assert max_rel_diff(out, ref)[0] <= 1e-5
+    other = Block()                    # another instance: its own wrapper
+    other.apply(v, x)
+    assert len(plans) == 2
+
+
+def test_make_plan_init_apply_compiled_share_one_program(mesh, plans):
+    x = _x()
+    pm = auto_parallel(mesh, policy="megatron")(MLP())
+    plan = pm.make_plan(x)
+    v = pm.init(jax.random.key(0), x)
+    out = pm.apply(v, x)
+    pm.compiled(v, x)
+    assert len(plans) == 1, f"make_plan + init + apply + compiled planned {len(plans)} times"
+    assert pm.plan is plan
+    assert max_rel_diff(out, MLP().apply(v, x))[0] <= 1e-5
+
+
+def test_init_then_apply_plan_once(mesh, plans):
+    """Without make_plan first: init's program is apply's."""
+    x = _x()
+    pm = auto_parallel(mesh, policy="dp")(MLP())
+    v = pm.init(jax.random.key(0), x)
+    pm.apply(v, x)
+    pm.apply(v, x)
+    assert len(plans) == 1
+
+
+def test_nnx_make_plan_then_call_plan_once(mesh, plans):
+    x = _x()
+    pm = auto_parallel(mesh, policy="megatron")(MLPNnx(nnx.Rngs(0)))
+    plan = pm.make_plan(x)
+    pm(x)
+    pm(x)
+    assert len(plans) == 1, f"make_plan + 2 calls planned {len(plans)} times"
+    assert pm.plan is plan
+
+
+def _make_primitive() -> jcore.Primitive:
+    prim = jcore.Primitive("api_test_softsign")    # a name no test registers a rule for
+    prim.def_impl(lambda x: x / (1 + jnp.abs(x)))
+    prim.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
+    mlir.register_lowering(prim, mlir.lower_fun(lambda x: x / (1 + jnp.abs(x)),
+                                                multiple_results=False))
+    return prim
+
+
+SOFTSIGN = _make_primitive()
+
+
+class _Custom(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4, name="inner")(SOFTSIGN.bind(nn.Dense(4, name="proj")(x)))
+
+
+class _WithCustom(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return _Custom(name="block")(x)
+
+
+def test_primitive_without_rule_warns_once_per_program(mesh):
+    x = _x()
+    pm = auto_parallel(mesh, policy="dp")(_WithCustom())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        v = pm.init(jax.random.key(0), x)
+        out = pm.apply(v, x)
+        pm.apply(v, x)
+    msgs = [str(w.message) for w in caught if "api_test_softsign" in str(w.message)]
+    assert len(msgs) == 1, msgs
+    (msg,) = msgs
+    assert "block" in msg and "replicated" in msg
+    assert "nnscaler_jax.register_rule('api_test_softsign'" in msg
+    assert max_rel_diff(out, _WithCustom().apply(v, x))[0] <= 1e-5
+
+    with pytest.warns(UserWarning, match="(?s)no annotation rule.*api_test_softsign"):
+        auto_parallel(mesh, policy="dp")(_WithCustom()).make_plan(x)
+
+
+def test_graph_of_the_last_planned_call(mesh):
+    x = _x()
+    pm = auto_parallel(mesh, policy="megatron")(MLP())
+    with pytest.raises(PlanError, match="no graph yet: call init/apply or make_plan first"):
+        pm.graph  # noqa: B018 - the property raises
+    pm.make_plan(x)
+    graph = pm.graph
+    assert isinstance(graph, Graph)
+    assert {op.module_path for op in graph.ops if op.primitive == "dot_general"} == {"fc1", "fc2"}
+    assert {p.op for p in pm.plan.ops} <= {op.id for op in graph.walk()}
+
+    nm = auto_parallel(mesh, policy="dp")(MLPNnx(nnx.Rngs(0)))
+    with pytest.raises(PlanError, match="no graph yet"):
+        nm.graph  # noqa: B018
+    nm(x)
+    assert {op.module_path for op in nm.graph.ops if op.primitive == "dot_general"} == {
+        "fc1", "fc2"}
