@@ -29,6 +29,8 @@ def plan_and_report(graph: Graph, mesh: Any, *, policy: str | Callable | None = 
                     time_limit: float | None = None) -> Planned:
     """:func:`make_plan` with the planning seconds and the search's report."""
     constraints = constraints or Constraints()
+    if policy is None and constraints.pipeline_stages not in (None, 1):
+        policy = "dp"   # a pipeline without a policy: stages data-parallel inside
     planned = plan_spmd(graph, mesh, policy=policy, constraints=constraints,
                         partitioning=partitioning, cost_model=cost_model, time_limit=time_limit)
     if constraints.pipeline_stages in (None, 1):
@@ -47,7 +49,8 @@ def make_plan(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto"
         graph: the annotated graph (``nnscaler_jax.trace`` or ``pm.graph``).
         mesh: the mesh, or just its axis sizes (no devices needed).
         policy: ``"auto"`` (the search), ``"alpa"``, ``"dp"``, ``"zero3"``, ``"megatron"`` or a
-            function ``policy(draft, mesh) -> Plan``.
+            function ``policy(draft, mesh) -> Plan``; None: ``"auto"``, or ``"dp"`` with
+            pipeline stages (stages data-parallel inside, as the pipeline runtime runs them).
         plan: a saved plan to check and reuse instead of planning.
         constraints: what the plan must satisfy (rules, memory, ZeRO, pipeline).
         partitioning: ``{variable path: mesh axes per dim}`` from Flax metadata.

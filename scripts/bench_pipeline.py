@@ -5,7 +5,7 @@ activations, buffers and scratch; ``argument`` = params, optimizer state and bat
 (8 layers, d 128, seq 128) on a (stage 4, data 2) mesh of 8 CPU devices at 8 micro-batches.
 
 ``--search``: GPT-3 175B (unrolled, abstract, micro-batch 1) on 64 abstract H100s (8 per
-node): our stage DP (:func:`search_stages`), the Alpa-style inter-op DP
+node, the ``h100-80g-8x`` cluster preset of :mod:`nnscaler_jax.cost.devices`): our stage DP (:func:`search_stages`), the Alpa-style inter-op DP
 (:func:`alpa_pipeline_search`) and a Megatron-style 3-D plan (8-way TP x 8 stages), each
 stage priced by the same pricer (:func:`price_stage`: its intra-op plan by our ILP / the
 Alpa-style ILP / the megatron policy, the cost model at the micro-batch, recompute) and the same
@@ -29,7 +29,10 @@ import optax
 
 import models
 from nnscaler_jax import Constraints, auto_parallel
+from nnscaler_jax.cost.devices import cluster_preset
 from nnscaler_jax.pipeline import schedule as sch
+
+CLUSTER = cluster_preset("h100-80g-8x")   # H100 80 GB, NVLink 4 in a node, IB NDR across
 
 
 def measure(schedule: str, stages: int = 4, micro: int = 8, mb_size: int = 4) -> dict:
@@ -75,29 +78,26 @@ OUT = os.path.join(os.path.dirname(__file__), "..", "results", "bench_pipeline.j
 
 def _unit_starts(graph) -> list[int]:
     """Op index where each stage-DP unit (prefix, layers, suffix) starts, + len(ops)."""
-    from nnscaler_jax.pipeline.stage_dp import _LAYER
+    from nnscaler_jax.pipeline.stages import graph_layers
 
-    tops = [op.module_path.split("/")[0] for op in graph.ops]
-    ids = [i for i, t in enumerate(tops) if _LAYER.match(t)]
-    first: dict[str, int] = {}
-    for i in ids:
-        first.setdefault(tops[i], i)
-    return [0] + list(first.values()) + [ids[-1] + 1, len(graph.ops)]
+    where = graph_layers(graph)
+    return [0] + [a for a, _ in where.bounds] + [where.end, len(graph.ops)]
 
 
 def _price(graph, op_bounds, dp, tp, policy, M, memory, memo) -> dict:
     """Each stage by ``price_stage`` (memoised by structure), the common objective."""
-    from nnscaler_jax.pipeline.inter_op import _structure, price_stage
-    from nnscaler_jax.pipeline.stage_dp import INFINIBAND, NVLINK
+    from nnscaler_jax.pipeline.inter_op import price_stage, stage_structure
 
     t0 = time.perf_counter()
     profs = []
     for a, b in op_bounds:
-        key = (policy, _structure(graph, a, b), b == len(graph.ops), dp, tp)
+        key = (policy, stage_structure(graph, a, b), b == len(graph.ops), dp, tp)
         if key not in memo:
-            memo[key] = price_stage(graph, a, b, dp, tp, policy, data_link=NVLINK if dp * tp
-                                    <= 8 else INFINIBAND, model_link=NVLINK,
-                                    send_link=INFINIBAND, memory=memory)
+            c = CLUSTER
+            memo[key] = price_stage(graph, a, b, dp, tp, policy, device=c.device,
+                                    data_link=c.intra if dp * tp <= c.devices_per_node
+                                    else c.inter, model_link=c.intra, send_link=c.inter,
+                                    memory=memory)
         profs.append(memo[key])
     S = len(profs)
     ts = [p.time_s for p in profs]
@@ -111,10 +111,12 @@ def run(layers: int, alpa_limit: float, global_batch: int) -> dict:
     import warnings
 
     from nnscaler_jax.capture.trace import capture
+    from nnscaler_jax.cost.model import CostModel
     from nnscaler_jax.pipeline.inter_op import alpa_pipeline_search
-    from nnscaler_jax.pipeline.stage_dp import layer_units, search_stages
+    from nnscaler_jax.pipeline.stage_dp import search_stages
+    from nnscaler_jax.pipeline.units import layer_units
 
-    N, per_node, mem = 64, 8, 80 * 2**30
+    N, per_node, mem = 64, CLUSTER.devices_per_node, CLUSTER.device.memory_bytes
     t0 = time.perf_counter()
     import jax.numpy as jnp
 
@@ -127,12 +129,12 @@ def run(layers: int, alpa_limit: float, global_batch: int) -> dict:
     starts = _unit_starts(graph)
     memo: dict = {}
     out = {"model": "gpt3-175b unrolled (96 layers), bf16 compute, fp32 params + Adam, micro-batch 1, seq 2048", "devices": N,
-           "per_node": per_node, "memory_per_device_gib": 80, "global_batch": global_batch,
+           "per_node": per_node, "memory_per_device_gib": mem / 2**30, "global_batch": global_batch,
            "ops": len(graph.ops), "trace_s": trace_s}
     # ours: the stage DP on per-layer units, then our ILP inside each stage
     t0 = time.perf_counter()
-    units = layer_units(graph, batch=1)
-    best = search_stages(units, N, global_batch, mem)
+    units = layer_units(graph, batch=1, model=CostModel.for_axes({"x": 1}, device=CLUSTER.device))
+    best = search_stages(units, N, global_batch, mem, intra=CLUSTER.intra, inter=CLUSTER.inter)
     dp_s = time.perf_counter() - t0
     ob = [(starts[a], starts[b]) for a, b in best.bounds]
     mb = best.microbatch_size
@@ -156,6 +158,7 @@ def run(layers: int, alpa_limit: float, global_batch: int) -> dict:
     print("megatron", json.dumps(mega), flush=True)
     # Alpa-style inter-op DP (its stages priced by the Alpa-style ILP inside)
     r = alpa_pipeline_search(graph, N, global_batch, mem, per_node=per_node, layers=layers,
+                             device=CLUSTER.device, intra=CLUSTER.intra, inter=CLUSTER.inter,
                              time_limit=alpa_limit)
     out["alpa_interop"] = {
         "search_s": r.search_s, "profile_s": r.profile_s, "dp_s": r.dp_s,
@@ -176,7 +179,8 @@ def run(layers: int, alpa_limit: float, global_batch: int) -> dict:
             ("Megatron 3-D (hand)", 0.0, mega["step_time_s"],
              f"8 stages x tp 8, M {global_batch}")]
     with open(md, "w") as f:
-        f.write("# Stage search on GPT-3 175B, 64 H100 (8 per node), 80 GiB, global batch "
+        f.write(f"# Stage search on GPT-3 175B, {N} H100 ({per_node} per node), "
+                f"{mem / 1e9:.0f} GB, global batch "
                 f"{global_batch} (predicted)\n\n| planner | search s | step s | plan |\n"
                 "|---|---|---|---|\n")
         f.writelines(f"| {name} | {s_:.1f} | {t:.2f} | {desc} |\n" for name, s_, t, desc in rows)

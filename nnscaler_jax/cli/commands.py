@@ -112,6 +112,7 @@ def _pipeline_schedule(args: argparse.Namespace, spec: Any) -> tuple[str, dict[s
     import jax
 
     from nnscaler_jax.pipeline import schedule as sch
+    from nnscaler_jax.pipeline.stages import stage_layers
 
     micro = args.microbatches or 2 * args.pipeline
     sched = sch.build(args.schedule, args.pipeline, micro, args.virtual)
@@ -119,7 +120,7 @@ def _pipeline_schedule(args: argparse.Namespace, spec: Any) -> tuple[str, dict[s
     flat = jax.tree_util.tree_flatten_with_path(variables)[0] if variables is not None else []
     names = [("/".join(str(getattr(k, "key", k)) for k in path), tuple(x.shape))
              for path, x in flat]
-    stage_of = sch.stage_layers(names, args.pipeline, sched.virtual)
+    stage_of = stage_layers(names, args.pipeline, sched.virtual)
     by: dict[int, list[str]] = {}
     for name, st in stage_of:
         by.setdefault(st, []).append(name)

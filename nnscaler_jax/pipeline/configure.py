@@ -15,9 +15,9 @@ from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.mesh.axes import stage_axis
-from nnscaler_jax.pipeline.schedule import stage_layers
-from nnscaler_jax.pipeline.stage_dp import RuntimeChoice, RuntimeSetup, runtime_setup
-from nnscaler_jax.plan.plan import Plan, PlanCost
+from nnscaler_jax.pipeline.pricing import RuntimeChoice, RuntimeSetup, runtime_setup
+from nnscaler_jax.pipeline.stages import graph_layers, stage_of
+from nnscaler_jax.plan.plan import PipelineSettings, Plan, PlanCost
 
 __all__ = ["configure_pipeline", "estimate_pipelined", "price_pipeline"]
 
@@ -43,10 +43,10 @@ def configure_pipeline(plan: Plan, graph: Graph, constraints: Constraints,
                          constraints.schedule or "1f1b", virtual)
         report = ""
     stages = mesh_axes[stage_axis(mesh_axes)]
-    stage_of = stage_layers([(v.name, v.shape) for v in graph.variables], stages, choice.virtual)
-    return replace(plan, stages=stages, microbatches=choice.microbatches,
-                   schedule=choice.schedule, virtual=choice.virtual, stage_of=stage_of,
-                   pipeline_report=report, cost=_cost(choice))
+    layers = stage_of(graph_layers(graph).stack, stages, choice.virtual)
+    settings = PipelineSettings(stages, choice.microbatches, choice.schedule, choice.virtual,
+                                layers, report)
+    return replace(plan, pipeline=settings, cost=_cost(choice))
 
 
 def price_pipeline(plan: Plan, graph: Graph, model: CostModel | None = None) -> RuntimeChoice:
@@ -54,10 +54,14 @@ def price_pipeline(plan: Plan, graph: Graph, model: CostModel | None = None) -> 
     micro-batches, schedule, virtual, data / tensor-parallel split by its policy).
 
     Raises:
-        PlanError: the runtime cannot execute those settings.
+        PlanError: ``plan`` does not pipeline, or the runtime cannot execute its settings.
     """
+    pipe = plan.pipeline
+    if pipe is None:
+        raise PlanError("price_pipeline: the plan has no pipeline settings (plan.pipeline is "
+                        "None); price it with CostModel.plan_cost")
     setup = runtime_setup(graph, dict(plan.mesh), plan.policy or None, model)
-    return _priced(setup, plan.microbatches, plan.schedule, plan.virtual)
+    return _priced(setup, pipe.microbatches, pipe.schedule, pipe.virtual)
 
 
 def estimate_pipelined(plan: Plan, graph: Graph, model: CostModel | None = None) -> Plan:

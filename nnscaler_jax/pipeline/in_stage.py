@@ -36,18 +36,18 @@ from jax.extend import core as jcore
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from nnscaler_jax.capture.jaxpr import BOUNDARY, INLINE, InputInfo, graph_from_jaxpr
 from nnscaler_jax.constraints import Constraints
 from nnscaler_jax.errors import PlanError
-from nnscaler_jax.capture.jaxpr import BOUNDARY, INLINE, InputInfo, graph_from_jaxpr
 from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Role, Tensor
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.lower.replay import Lowering, auto_view
+from nnscaler_jax.mesh.axes import DATA_AXES
 from nnscaler_jax.plan.layouts import op_layouts
 from nnscaler_jax.plan.plan import VALUE, Plan
 from nnscaler_jax.search.entry import plan_spmd
-from nnscaler_jax.mesh.axes import DATA_AXES
 
-__all__ = ["StagePlan", "plan_in_stage", "tensor_axes"]
+__all__ = ["InStagePlan", "plan_in_stage", "tensor_axes"]
 
 _Specs = tuple[P | None, ...]
 
@@ -73,7 +73,7 @@ def _stage_error(policy: Any, tp: dict[str, int], what: str, fix: str) -> PlanEr
 
 
 @dataclass(frozen=True)
-class StagePlan:
+class InStagePlan:
     """The in-stage plan and what the chunk functions need from it.
 
     Attributes:
@@ -115,7 +115,7 @@ def _sub_mesh(mesh: Mesh, axes: tuple[str, ...]) -> Mesh:
 
 
 def plan_in_stage(closed: Any, param_paths: list[str], n_params: int, mesh: Mesh, stage: str,
-                  policy: Any, *, root: str = "", rules: tuple = ()) -> StagePlan:
+                  policy: Any, *, root: str = "", rules: tuple = ()) -> InStagePlan:
     """Plan the micro-batch program ``closed`` with ``policy`` on the tensor-parallel axes.
 
     Args:
@@ -166,7 +166,7 @@ def plan_in_stage(closed: Any, param_paths: list[str], n_params: int, mesh: Mesh
         spec = plan.variable_spec(t.name)
         var_specs.append(tuple(spec) + (None,) * (t.ndim - len(spec)) if spec is not None
                          else (None,) * t.ndim)
-    return StagePlan(axes, graph, plan, op_specs, boundary_specs, tuple(var_specs), body_specs)
+    return InStagePlan(axes, graph, plan, op_specs, boundary_specs, tuple(var_specs), body_specs)
 
 
 def _specs(graph: Graph, plan: Plan, mesh: Mesh) -> tuple[dict, dict, dict]:
@@ -229,7 +229,7 @@ def _constrain(xs: list[Any], specs: _Specs | None) -> list[Any]:
             for x, s in zip(xs, specs, strict=True)]
 
 
-def _evaluate(sp: StagePlan, eqns: Any, env: dict) -> None:
+def _evaluate(sp: InStagePlan, eqns: Any, env: dict) -> None:
     def read(v):
         return v.val if isinstance(v, jcore.Literal) else env[v]
 
@@ -257,7 +257,7 @@ def _evaluate(sp: StagePlan, eqns: Any, env: dict) -> None:
             env[v] = o
 
 
-def _call(sp: StagePlan, sub: Any, ins: list[Any]) -> list[Any]:
+def _call(sp: InStagePlan, sub: Any, ins: list[Any]) -> list[Any]:
     closed = sub if isinstance(sub, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(sub, ())
     env = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
     env.update(zip(closed.jaxpr.invars, ins, strict=True))

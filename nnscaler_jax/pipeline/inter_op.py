@@ -1,9 +1,8 @@
 """Alpa's inter-operator pass (OSDI'22, section 5) on our graph and cost model.
 
-1. **Layer clustering** (Alpa's ``cluster_jaxpr_by_cost``): the top-level ops, in program order,
-   are cut into ``L`` layers by a DP minimising the bytes of activations crossing the cuts,
-   with every layer's FLOPs at most ``(1 + eps)`` x the average (the smallest ``eps`` of a
-   ladder that admits a clustering).
+1. **Layer clustering** (Alpa's ``cluster_jaxpr_by_cost``,
+   :func:`nnscaler_jax.pipeline.clustering.cluster_layers`): the top-level ops cut into ``L``
+   layers of balanced FLOPs with cheap cuts.
 2. **Stage profiles**: for a layer range ``[i, j)`` and a logical mesh ``(dp, tp)`` of a
    sub-mesh, the stage's ops are planned by the Alpa-style intra-op ILP
    (:func:`nnscaler_jax.search.ilp.search`, ``planner="alpa"``) and priced by the
@@ -31,105 +30,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from nnscaler_jax.mesh.topology import LinkCost, all_reduce_time
-from nnscaler_jax.cost.compute import op_flops
-from nnscaler_jax.cost.model import CostModel, DeviceSpec
 from nnscaler_jax.constraints import Constraints
+from nnscaler_jax.cost.devices import H100_80G, IB_NDR, NVLINK_H100, DeviceSpec
+from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.errors import PlanError
-from nnscaler_jax.search.entry import plan_spmd
 from nnscaler_jax.ir.graph import Graph, Role
-from nnscaler_jax.pipeline.stage_dp import H100, INFINIBAND, NVLINK
+from nnscaler_jax.mesh.topology import LinkCost, all_reduce_time
+from nnscaler_jax.pipeline.clustering import cluster_layers
+from nnscaler_jax.search.entry import plan_spmd
 
-__all__ = ["InterOpResult", "StageProfile", "alpa_pipeline_search", "cluster_layers",
-           "inter_op_dp", "price_stage", "stage_graph", "submesh_shapes"]
-
-
-# ---- 1. layer clustering ---------------------------------------------------------------------
-
-
-def _cut_bytes(graph: Graph) -> np.ndarray:
-    """``cut[k]``: bytes of op outputs produced before op ``k`` and read at or after it."""
-    n = len(graph.ops)
-    pos = {t.id: i for i, op in enumerate(graph.ops) for t in op.outputs}
-    last: dict[int, int] = {}
-    for i, op in enumerate(graph.ops):
-        for t in op.inputs:
-            if t.id in pos:
-                last[t.id] = i
-    for t in graph.outputs:
-        if t.id in pos:
-            last[t.id] = n
-    diff = np.zeros(n + 2)
-    for op in graph.ops:
-        for t in op.outputs:
-            if t.id in last and last[t.id] > pos[t.id]:
-                diff[pos[t.id] + 1] += t.nbytes
-                diff[last[t.id] + 1] -= t.nbytes
-    return np.cumsum(diff)[: n + 1]
-
-
-def _range_min(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Min and argmin of ``values[lo[k]:hi[k]]`` per k (sparse table; empty ranges: inf)."""
-    n = len(values)
-    tables, args = [values.copy()], [np.arange(n)]
-    w = 1
-    while 2 * w <= n:
-        a, b = tables[-1], args[-1]
-        left, right = a[:-w], a[w:]
-        pick = right < left
-        tables.append(np.where(pick, right, left))
-        args.append(np.where(pick, b[w:], b[:-w]))
-        w *= 2
-    length = np.maximum(hi - lo, 1)
-    lev = np.floor(np.log2(length)).astype(int)
-    out = np.full(len(lo), np.inf)
-    arg = np.zeros(len(lo), dtype=int)
-    for level in np.unique(lev):
-        sel = np.nonzero(lev == level)[0]
-        span = 1 << int(level)
-        t, g = tables[level], args[level]
-        i1, i2 = lo[sel], hi[sel] - span
-        ok = (hi[sel] > lo[sel]) & (i1 < len(t)) & (i2 >= 0)
-        i1c, i2c = np.clip(i1, 0, len(t) - 1), np.clip(i2, 0, len(t) - 1)
-        pick = t[i2c] < t[i1c]
-        out[sel] = np.where(ok, np.where(pick, t[i2c], t[i1c]), np.inf)
-        arg[sel] = np.where(pick, g[i2c], g[i1c])
-    return out, arg
-
-
-def cluster_layers(graph: Graph, layers: int,
-                   eps_ladder: tuple[float, ...] = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 1e9)
-                   ) -> tuple[tuple[int, int], ...]:
-    """Alpa's layer clustering: ``layers`` contiguous op ranges ``(start, end)`` of
-    ``graph.ops`` minimising the activation bytes crossing the cuts, each layer's FLOPs within
-    ``(1 + eps)`` x the average for the smallest ``eps`` of the ladder that admits one."""
-    n = len(graph.ops)
-    if not 1 <= layers <= n:
-        raise PlanError(f"cluster_layers: {layers} layers for {n} ops")
-    flops = np.array([op_flops(op) for op in graph.ops], dtype=float)
-    cum = np.concatenate([[0.0], np.cumsum(flops)])
-    cut = _cut_bytes(graph)
-    cut[0] = 0.0
-    ends = np.arange(n + 1)
-    for eps in eps_ladder:
-        cap = (1 + eps) * cum[-1] / layers
-        # smallest j with cum[k] - cum[j] <= cap
-        lo = np.searchsorted(cum, cum - cap - 1e-9 * max(cum[-1], 1.0), side="left")
-        f = np.full(n + 1, np.inf)
-        f[0] = 0.0
-        back = []
-        for _ in range(layers):
-            g, arg = _range_min(f + cut, lo, ends)   # j in [lo[k], k)
-            f = g
-            back.append(arg)
-        if np.isfinite(f[n]):
-            bounds, k = [], n
-            for arg in reversed(back):
-                j = int(arg[k])
-                bounds.append((j, k))
-                k = j
-            return tuple(reversed(bounds))
-    raise PlanError(f"cluster_layers: no clustering of {n} ops into {layers} layers")
+__all__ = ["InterOpResult", "StageProfile", "alpa_pipeline_search", "inter_op_dp",
+           "price_stage", "stage_graph", "stage_structure", "submesh_shapes"]
 
 
 # ---- 2. stage profiles -----------------------------------------------------------------------
@@ -153,7 +64,9 @@ def stage_graph(graph: Graph, start: int, end: int) -> Graph:
                  tuple(b for b in graph.boundaries if b.id in used), consts)
 
 
-def _structure(graph: Graph, start: int, end: int) -> str:
+def stage_structure(graph: Graph, start: int, end: int) -> str:
+    """A hash of ops ``[start, end)``: primitives, annotations, shapes, roles and wiring, equal
+    for identical op sequences (e.g. the same number of identical layers)."""
     h = hashlib.sha1()
     ids: dict[int, int] = {}
     for op in graph.ops[start:end]:
@@ -195,8 +108,8 @@ class StageProfile:
 
 
 def price_stage(graph: Graph, start: int, end: int, dp: int, tp: int, policy: str = "alpa", *,
-                device: DeviceSpec = H100, data_link: LinkCost = NVLINK,
-                model_link: LinkCost = NVLINK, send_link: LinkCost = INFINIBAND,
+                device: DeviceSpec = H100_80G, data_link: LinkCost = NVLINK_H100,
+                model_link: LinkCost = NVLINK_H100, send_link: LinkCost = IB_NDR,
                 time_limit: float = 60.0, memory: float | None = None) -> StageProfile:
     """Plan ops ``[start, end)`` with ``policy`` (``"alpa"``, ``"auto"``, ``"megatron"``...)
     on the logical mesh ``{data: dp, model: tp}`` and price one micro-batch of it.
@@ -384,8 +297,8 @@ def inter_op_dp(cost: Mapping, layers: int, shapes: list[tuple[int, int]], devic
 
 def alpa_pipeline_search(graph: Graph | Mapping[int, Graph], devices: int, global_batch: int,
                          memory_per_device: float, *, per_node: int = 8, layers: int = 16,
-                         device: DeviceSpec = H100, intra: LinkCost = NVLINK,
-                         inter: LinkCost = INFINIBAND, t_max_levels: int = 64,
+                         device: DeviceSpec = H100_80G, intra: LinkCost = NVLINK_H100,
+                         inter: LinkCost = IB_NDR, t_max_levels: int = 64,
                          time_limit: float = 3600.0, ilp_time_limit: float = 60.0,
                          max_stages: int | None = None) -> InterOpResult:
     """Alpa's inter-operator pass: layer clustering + stage / sub-mesh / micro-batch DP with
@@ -398,6 +311,8 @@ def alpa_pipeline_search(graph: Graph | Mapping[int, Graph], devices: int, globa
         global_batch: samples per step; micro-batches ``B = global_batch / size``.
         memory_per_device: bytes.
         layers: ``L`` of the layer clustering.
+        device / intra / inter: the hardware (default: H100 nodes, NVLink 4 inside a node,
+            InfiniBand NDR across; :mod:`nnscaler_jax.cost.devices`).
         time_limit: seconds for profiling; profiles not reached are left out (``capped``).
         ilp_time_limit: HiGHS seconds per stage ILP.
 
@@ -407,13 +322,11 @@ def alpa_pipeline_search(graph: Graph | Mapping[int, Graph], devices: int, globa
     t0 = time.perf_counter()
     graphs = dict(graph) if isinstance(graph, Mapping) else {_batch(graph): graph}
     shapes = submesh_shapes(devices, per_node)
+    prof = _Profiler(device, intra, inter, memory_per_device, ilp_time_limit, time_limit, t0)
     best: tuple | None = None
-    memo: dict = {}
-    ilps = requests = 0
-    profile_s = dp_s = 0.0
+    dp_s = 0.0
     capped: list[str] = []
     log: list[str] = []
-    smallest = math.inf
     for mb, g in sorted(graphs.items()):
         if global_batch % mb:
             continue
@@ -421,51 +334,11 @@ def alpa_pipeline_search(graph: Graph | Mapping[int, Graph], devices: int, globa
         clusters = cluster_layers(g, min(layers, len(g.ops)))
         L = len(clusters)
         n_stages = min(max_stages or L, L, devices)
-        param = np.array([sum(v.nbytes for v in stage_graph(g, a, b).variables)
-                          for a, b in clusters])
-        cost: dict = {}
-        skipped = 0
-        for length in range(1, L + 1):     # short stages first: the time cap drops long ones
-            for i in range(L - length + 1):
-                j = i + length
-                a, b = clusters[i][0], clusters[j - 1][1]
-                key_s = _structure(g, a, b) + f"|{b == len(g.ops)}"
-                for sh in shapes:
-                    d = sh[0] * sh[1]
-                    # exact lower bound: params + grads + Adam spread over all d devices
-                    if param[i:j].sum() * 4 / d > memory_per_device:
-                        smallest = min(smallest, param[i:j].sum() * 4 / d)
-                        continue
-                    profs = []
-                    for dp_, tp in _logical(sh):
-                        requests += 1
-                        key = (mb, key_s, sh, dp_, tp)
-                        if key not in memo:
-                            if time.perf_counter() - t0 > time_limit:
-                                skipped += 1
-                                continue
-                            dl = inter if sh[0] > 1 else intra
-                            t_ilp = time.perf_counter()
-                            try:
-                                memo[key] = price_stage(
-                                    g, a, b, dp_, tp, "alpa", device=device, data_link=dl,
-                                    model_link=intra, send_link=inter,
-                                    time_limit=ilp_time_limit, memory=memory_per_device)
-                            except PlanError:
-                                memo[key] = None     # no intra-op plan fits the budget
-                            ilps += 1
-                            profile_s += time.perf_counter() - t_ilp
-                        if memo[key] is not None:
-                            profs.append(memo[key])
-                    for s in range(1, n_stages + 1):
-                        fit = [p for p in profs if p.memory(min(s, M)) <= memory_per_device]
-                        smallest = min([smallest] + [p.memory(min(s, M)) for p in profs])
-                        if fit:
-                            p = min(fit, key=lambda p: p.time_s)
-                            cost[(i, j, sh, min(s, M))] = (p.time_s, (p.dp, p.tp), p)
-        if skipped:
-            capped.append(f"micro-batch {mb}: {skipped} stage profiles skipped at the "
-                          f"{time_limit:.0f} s time limit")
+        skipped = prof.skipped
+        cost = _stage_costs(g, clusters, mb, M, n_stages, shapes, prof)
+        if prof.skipped > skipped:
+            capped.append(f"micro-batch {mb}: {prof.skipped - skipped} stage profiles skipped "
+                          f"at the {time_limit:.0f} s time limit")
         t1 = time.perf_counter()
         r = inter_op_dp(cost, L, shapes, devices, M, n_stages, t_max_levels,
                         bound=best[0] if best is not None else math.inf)
@@ -474,20 +347,96 @@ def alpa_pipeline_search(graph: Graph | Mapping[int, Graph], devices: int, globa
             if note:
                 capped.append(f"micro-batch {mb}: {note}")
             S = len(stages)
-            ps = [cost[(k, j, sh, min(S - n, M))][2] for n, ((k, j), sh, _, _) in
-                  enumerate(stages)]
             log.append(f"micro-batch {mb}: {S} stages, step {step:.4g} s")
             if best is None or step < best[0]:
+                ps = [cost[(k, j, sh, min(S - n, M))][2] for n, ((k, j), sh, _, _) in
+                      enumerate(stages)]
                 mem = tuple(p.memory(min(S - n, M)) for n, p in enumerate(ps))
                 best = (step, mb, M, clusters, tuple(stages), mem)
         dp_s += time.perf_counter() - t1
     if best is None:
         raise PlanError(f"alpa_pipeline_search: no stage / sub-mesh assignment fits "
                         f"{memory_per_device / 2**30:.1f} GiB per device on {devices} devices; "
-                        f"the smallest estimate is ~{smallest / 2**30:.1f} GiB")
+                        f"the smallest estimate is ~{prof.smallest / 2**30:.1f} GiB")
     step, mb, M, clusters, stages, mem = best
     return InterOpResult(stages, clusters, M, mb, step, mem, time.perf_counter() - t0,
-                         profile_s, dp_s, (ilps, requests), "; ".join(capped), tuple(log))
+                         prof.profile_s, dp_s, (prof.ilps, prof.requests), "; ".join(capped),
+                         tuple(log))
+
+
+@dataclass
+class _Profiler:
+    """Memoised stage profiles of one search (across micro-batch sizes) and what they cost."""
+
+    device: DeviceSpec
+    intra: LinkCost
+    inter: LinkCost
+    memory: float
+    ilp_time_limit: float
+    time_limit: float
+    t0: float
+    memo: dict = field(default_factory=dict)
+    ilps: int = 0
+    requests: int = 0
+    skipped: int = 0
+    profile_s: float = 0.0
+    smallest: float = math.inf
+
+    def profiles(self, g: Graph, a: int, b: int, key: str, sh: tuple[int, int],
+                 mb: int) -> list[StageProfile]:
+        """Ops ``[a, b)`` (structure ``key``) on sub-mesh ``sh``, per logical mesh that has an
+        intra-op plan within the budget (profiles past the time limit are skipped)."""
+        profs = []
+        for dp_, tp in _logical(sh):
+            self.requests += 1
+            k = (mb, key, sh, dp_, tp)
+            if k not in self.memo:
+                if time.perf_counter() - self.t0 > self.time_limit:
+                    self.skipped += 1
+                    continue
+                dl = self.inter if sh[0] > 1 else self.intra
+                t_ilp = time.perf_counter()
+                try:
+                    self.memo[k] = price_stage(
+                        g, a, b, dp_, tp, "alpa", device=self.device, data_link=dl,
+                        model_link=self.intra, send_link=self.inter,
+                        time_limit=self.ilp_time_limit, memory=self.memory)
+                except PlanError:
+                    self.memo[k] = None     # no intra-op plan fits the budget
+                self.ilps += 1
+                self.profile_s += time.perf_counter() - t_ilp
+            if self.memo[k] is not None:
+                profs.append(self.memo[k])
+        return profs
+
+
+def _stage_costs(g: Graph, clusters: tuple[tuple[int, int], ...], mb: int, M: int,
+                 n_stages: int, shapes: list[tuple[int, int]], prof: _Profiler) -> dict:
+    """:func:`inter_op_dp`'s cost table for one micro-batch size: the fastest fitting profile
+    per (layer range, sub-mesh, micro-batches in flight)."""
+    L = len(clusters)
+    param = np.array([sum(v.nbytes for v in stage_graph(g, a, b).variables)
+                      for a, b in clusters])
+    cost: dict = {}
+    for length in range(1, L + 1):     # short stages first: the time cap drops long ones
+        for i in range(L - length + 1):
+            j = i + length
+            a, b = clusters[i][0], clusters[j - 1][1]
+            key = stage_structure(g, a, b) + f"|{b == len(g.ops)}"
+            for sh in shapes:
+                d = sh[0] * sh[1]
+                # exact lower bound: params + grads + Adam spread over all d devices
+                if param[i:j].sum() * 4 / d > prof.memory:
+                    prof.smallest = min(prof.smallest, param[i:j].sum() * 4 / d)
+                    continue
+                profs = prof.profiles(g, a, b, key, sh, mb)
+                for s in range(1, n_stages + 1):
+                    fit = [p for p in profs if p.memory(min(s, M)) <= prof.memory]
+                    prof.smallest = min([prof.smallest] + [p.memory(min(s, M)) for p in profs])
+                    if fit:
+                        p = min(fit, key=lambda p: p.time_s)
+                        cost[(i, j, sh, min(s, M))] = (p.time_s, (p.dp, p.tp), p)
+    return cost
 
 
 def _batch(graph: Graph) -> int:

@@ -28,7 +28,6 @@ constraints, with layer parameters stored split as that plan says
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -41,19 +40,15 @@ from jax.sharding import PartitionSpec as P
 
 from nnscaler_jax.capture.flax import path_str
 from nnscaler_jax.errors import PlanError
-from nnscaler_jax.mesh.axes import stage_axis as find_stage_axis
-from nnscaler_jax.pipeline.split import Split, eval_eqns, split_program
-from nnscaler_jax.pipeline.in_stage import StagePlan, plan_in_stage, tensor_axes
 from nnscaler_jax.lower.replay import auto_view
+from nnscaler_jax.mesh.axes import stage_axis as find_stage_axis
 from nnscaler_jax.pipeline import schedule as sch
+from nnscaler_jax.pipeline.in_stage import InStagePlan, plan_in_stage, tensor_axes
+from nnscaler_jax.pipeline.loop_tables import loop_tables
+from nnscaler_jax.pipeline.split import eval_eqns, split_program
 
-__all__ = [
-    "PipelineProgram",
-    "PipelineStep",
-    "Split",
-    "split_program",
-    "stage_axis",
-]
+__all__ = ["PipelineProgram", "PipelineStep", "stage_axis"]
+
 
 def stage_axis(mesh_axes: dict[str, int]) -> str:
     """The mesh axis the stages run along (``'stage'`` or ``'pipe'``)."""
@@ -74,67 +69,6 @@ def _place(x: Any, sharding: NamedSharding) -> Any:
 
 
 # ---- the pipelined program -----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Tables:
-    """Per (time step, stage) int32 tables driving the interpreter loop."""
-
-    kind: np.ndarray      # 0 idle, 1 forward, 2 backward
-    mb: np.ndarray        # micro-batch
-    virt: np.ndarray      # virtual chunk on the stage
-    in_slot: np.ndarray   # input-buffer slot the step reads
-    g_slot: np.ndarray    # cotangent-buffer slot a backward reads
-    rf_slot: np.ndarray   # slot to store the activation received after the step (-1: none)
-    rb_slot: np.ndarray   # slot to store the cotangent received after the step (-1: none)
-    n_in: int
-    n_g: int
-
-
-def _tables(sched: sch.Schedule) -> _Tables:
-    table = sch.timeline(sched)
-    T, S, C = len(table), sched.stages, sched.chunks
-    z = lambda fill=0: np.full((T, S), fill, np.int32)
-    kind, mb, virt, in_slot, g_slot, rf, rb = z(), z(), z(), z(), z(), z(-1), z(-1)
-    free_in: list[list[int]] = [[] for _ in range(S)]
-    free_g: list[list[int]] = [[] for _ in range(S)]
-    used_in, used_g = [0] * S, [0] * S
-    slot_in: list[dict] = [{} for _ in range(S)]
-    slot_g: list[dict] = [{} for _ in range(S)]
-
-    def alloc(free, used, s):
-        if free[s]:
-            return free[s].pop()
-        used[s] += 1
-        return used[s] - 1
-
-    for t, row in enumerate(table):
-        for s, st in enumerate(row):
-            if st is None:
-                continue
-            kind[t, s] = 1 if st.kind == "F" else 2
-            mb[t, s], virt[t, s] = st.microbatch, st.virtual
-            key = (st.microbatch, st.virtual)
-            in_slot[t, s] = slot_in[s].get(key, 0)
-            if st.kind == "B":
-                if key in slot_in[s]:
-                    free_in[s].append(slot_in[s].pop(key))
-                if key in slot_g[s]:
-                    g_slot[t, s] = slot_g[s][key]
-                    free_g[s].append(slot_g[s].pop(key))
-        # after the step: what arrives from the neighbours
-        for s, st in enumerate(row):
-            if st is None:
-                continue
-            c = st.virtual * S + s
-            if st.kind == "F" and c + 1 < C:
-                d, key = (c + 1) % S, (st.microbatch, (c + 1) // S)
-                slot_in[d][key] = rf[t, d] = alloc(free_in, used_in, d)
-            if st.kind == "B" and c > 0:
-                d, key = (c - 1) % S, (st.microbatch, (c - 1) // S)
-                slot_g[d][key] = rb[t, d] = alloc(free_g, used_g, d)
-    return _Tables(kind, mb, virt, in_slot, g_slot, rf, rb, max(max(used_in), 1),
-                   max(max(used_g), 1))
 
 
 class PipelineProgram:
@@ -182,7 +116,7 @@ class PipelineProgram:
         abstract = [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for _, x in flat]
         closed = jax.make_jaxpr(program)(*abstract, *jax.tree.leaves(mb_batch))
         self.split = split_program(closed, paths, type(module).__name__)
-        self.stage_plan: StagePlan | None = None
+        self.stage_plan: InStagePlan | None = None
         self._eval = eval_eqns
         if self.tp_axes:
             self.stage_plan = plan_in_stage(closed, paths, n_params, mesh, self.axis, policy,
@@ -193,7 +127,7 @@ class PipelineProgram:
             raise PlanError(f"{L} layers do not split into {sched.stages} stages x "
                             f"{sched.virtual} chunks; use a stage count dividing {L}")
         self.per_chunk = L // C
-        self.tables = _tables(sched)
+        self.tables = loop_tables(sched)
         self.param_shapes = [tuple(a.shape) for a in abstract]
 
     # ---- parameter layout --------------------------------------------------------------------
@@ -485,11 +419,14 @@ class PipelineStep:
     def init(self, variables: Any, *batch: Any) -> dict:
         """Plan, build the program for ``batch``'s shapes and lay out the training state."""
         params = variables.get("params", variables)
-        if self.pm.policy is None:
-            self.pm.policy = "dp"
-        self.pm.make_plan(*batch, variables={"params": params})   # checks + records stages
-        plan = self.pm.plan
-        sched = sch.build(plan.schedule, plan.stages, plan.microbatches, plan.virtual)
+        # checks + records the stages; policy None: stages data-parallel inside (the planner
+        # plans 'dp' for a pipelined wrapper without a policy); the wrapper is left as it is
+        plan = self.pm.make_plan(*batch, variables={"params": params})
+        pipe = plan.pipeline
+        if pipe is None:
+            raise PlanError("train_step: the plan has no pipeline settings (a saved plan made "
+                            "without Constraints(pipeline_stages=...)); re-plan with them")
+        sched = sch.build(pipe.schedule, pipe.stages, pipe.microbatches, pipe.virtual)
         self.program = PipelineProgram(self.pm.module, self.loss_fn, self.pm.mesh, sched, params,
                                        tuple(batch), policy=self.pm.policy,
                                        rules=self.pm.constraints.rules)

@@ -23,8 +23,19 @@ from typing import Literal
 
 from nnscaler_jax.errors import PlanError
 
-__all__ = ["Step", "Schedule", "gpipe", "one_f_one_b", "interleaved", "build", "validate",
-           "timeline", "peak_in_flight", "format_schedule", "plot_gantt"]
+__all__ = [
+    "Schedule",
+    "Step",
+    "build",
+    "format_schedule",
+    "gpipe",
+    "interleaved",
+    "one_f_one_b",
+    "peak_in_flight",
+    "plot_gantt",
+    "timeline",
+    "validate",
+]
 
 Kind = Literal["F", "B"]
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -68,12 +79,6 @@ class Schedule:
     def to_lists(self) -> list[list[list]]:
         """JSON-ready ``[[kind, m, v], ...]`` per stage."""
         return [[[x.kind, x.microbatch, x.virtual] for x in row] for row in self.steps]
-
-    @classmethod
-    def from_lists(cls, name: str, stages: int, microbatches: int, virtual: int,
-                   rows: list) -> Schedule:
-        steps = tuple(tuple(Step(str(k), int(m), int(v)) for k, m, v in row) for row in rows)
-        return cls(name, stages, microbatches, virtual, steps)
 
 
 def _check_sizes(stages: int, microbatches: int, virtual: int = 1) -> None:
@@ -149,7 +154,7 @@ def _deps(step: Step, stage: int, sched: Schedule) -> list[tuple[Step, int]]:
     S, C = sched.stages, sched.chunks
     c = step.virtual * S + stage
     m = step.microbatch
-    at = lambda kind, c2: (Step(kind, m, c2 // S), c2 % S)  # noqa: E731
+    at = lambda kind, c2: (Step(kind, m, c2 // S), c2 % S)
     if step.kind == "F":
         return [at("F", c - 1)] if c > 0 else []
     deps = [at("F", c)]
@@ -300,55 +305,3 @@ def plot_gantt(sched: Schedule, path: str) -> str:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
-
-
-def stage_layers(variables: list[tuple[str, tuple[int, ...]]], stages: int,
-                 virtual: int = 1) -> tuple[tuple[str, int], ...]:
-    """Which stage holds which layer: ``((layer, stage), ...)``, contiguous chunks of layers.
-
-    Layers are found from variable paths (``params/h_3/attn/...``): the most repeated
-    ``<prefix>_<i>`` top module, or a stacked (``nn.scan``) module whose variables share one
-    leading layer axis (reported as ``h[i]``). Chunk ``c`` holds layers ``[c L/C, (c+1) L/C)`` and
-    runs on stage ``c mod stages``.
-
-    Raises:
-        PlanError: no layer stack, or its length does not divide into ``stages x virtual``.
-    """
-    import re
-
-    tops: dict[str, list[tuple[int, ...]]] = {}
-    for name, shape in variables:
-        parts = [p for p in name.split("/") if p]
-        if parts and parts[0] in ("params", "batch_stats", "cache"):
-            parts = parts[1:]
-        if parts:
-            tops.setdefault(parts[0], []).append(tuple(shape))
-    groups: dict[str, list[int]] = {}
-    for t in tops:
-        m = re.match(r"^(.*)_(\d+)$", t)
-        if m:
-            groups.setdefault(m.group(1), []).append(int(m.group(2)))
-    names: list[str] = []
-    best = max(groups, key=lambda k: len(groups[k]), default=None)
-    if best is not None and len(groups[best]) >= 2:
-        names = [f"{best}_{i}" for i in sorted(groups[best])]
-    else:
-        for t, shapes in tops.items():
-            lead = {s[0] for s in shapes if s}
-            if len(lead) == 1 and all(s for s in shapes) and t not in ("wte", "wpe"):
-                (n,) = lead
-                if n >= 2 and len(shapes) >= 4:
-                    names = [f"{t}[{i}]" for i in range(n)]
-                    break
-    chunks = stages * virtual
-    if not names:
-        raise PlanError(f"pipeline_stages={stages}: no stack of repeated layers in the model "
-                        f"(top modules {sorted(tops)[:12]}); stage splitting needs layers named "
-                        "'<prefix>_0', '<prefix>_1', ... or one nn.scan over them. Fix: "
-                        "pipeline_stages=None")
-    if len(names) % chunks:
-        raise PlanError(f"pipeline_stages={stages}" + (f" x virtual {virtual}" if virtual > 1
-                        else "") + f": {len(names)} layers ({names[0]}..{names[-1]}) do not "
-                        f"split evenly; use a stage count dividing {len(names)}")
-    per = len(names) // chunks
-    return tuple((n, (i // per) % stages) for i, n in enumerate(names))

@@ -7,17 +7,15 @@ the ops after it (final norm, head, loss), so that each stage can run its chunk 
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from jax.extend import core as jcore
 
 from nnscaler_jax.errors import PlanError
+from nnscaler_jax.pipeline.stages import LayerStack, numbered_layers, variable_top
 
-__all__ = ["Split", "split_program"]
-
-_LAYER = re.compile(r"^(.*)_(\d+)$")
+__all__ = ["ProgramSplit", "eval_eqns", "split_program"]
 
 
 def _unsupported(what: str) -> PlanError:
@@ -32,7 +30,7 @@ def _unsupported(what: str) -> PlanError:
 
 
 @dataclass(frozen=True)
-class Split:
+class ProgramSplit:
     """The traced micro-batch program cut into prefix / layer template / suffix.
 
     Attributes:
@@ -86,119 +84,117 @@ def _ext_inputs(eqns, defined_outside: bool = True) -> list:
     return ext
 
 
-def split_program(closed: Any, param_paths: list[str], root: str) -> Split:
+def split_program(closed: Any, param_paths: list[str], root: str) -> ProgramSplit:
     """Cut the traced loss program at the layer stack (see the module docstring).
 
     Raises:
         PlanError: the program has no repeated layer stack or the layers are not a chain.
     """
     jaxpr = closed.jaxpr
-    n_params = len(param_paths)
     tops = [_root_part(e.source_info.name_stack, root) for e in jaxpr.eqns]
-    layer_ids = {}
-    for i, top in enumerate(tops):
-        m = _LAYER.match(top or "")
-        if m:
-            layer_ids.setdefault(m.group(1), set()).add(int(m.group(2)))
-    prefix = max(layer_ids, key=lambda k: len(layer_ids[k]), default=None)
-    top_of_param = [p.split("/")[1] if p.startswith("params/") else p.split("/")[0]
-                    for p in param_paths]
-    consts = set(jaxpr.constvars)
-    if prefix is not None and len(layer_ids[prefix]) >= 2:
-        n = len(layer_ids[prefix])
-        if layer_ids[prefix] != set(range(n)):
-            raise _unsupported(f"layers '{prefix}_i' are not numbered 0..{n - 1}")
-        which = [int(_LAYER.match(t).group(2)) if t and _LAYER.match(t) and
-                 _LAYER.match(t).group(1) == prefix else None for t in tops]
-        idx = [i for i, w in enumerate(which) if w is not None]
-        first, last = idx[0], idx[-1]
-        seq = [w for w in which[first:last + 1]]
-        if any(w is None for w in seq) or seq != sorted(seq):
-            raise _unsupported(f"ops of the layers '{prefix}_i' are interleaved with other ops")
-        segs = [[e for e, w in zip(jaxpr.eqns, which) if w == i] for i in range(n)]
-        leaves = []
-        for i in range(n):
-            names = [(j, p) for j, p in enumerate(param_paths)
-                     if top_of_param[j] == f"{prefix}_{i}"]
-            leaves.append(names)
-        shapes0 = [(p.replace(f"{prefix}_0/", "/", 1), jaxpr.invars[j].aval.shape)
-                   for j, p in leaves[0]]
-        for i in range(1, n):
-            si = [(p.replace(f"{prefix}_{i}/", "/", 1), jaxpr.invars[j].aval.shape)
-                  for j, p in leaves[i]]
-            if si != shapes0 or [e.primitive for e in segs[i]] != [e.primitive for e in segs[0]]:
-                raise _unsupported(f"layer '{prefix}_{i}' differs from '{prefix}_0' (parameters or "
-                                   "ops)")
-        tmpl = segs[0]
-        ext = [v for v in _ext_inputs(tmpl) if v not in consts]
-        pvars = [jaxpr.invars[j] for j, _ in leaves[0]]
-        acts = [v for v in ext if v not in pvars]
-        if len(acts) != 1:
-            raise _unsupported(f"layer '{prefix}_0' reads {len(acts)} activations from outside "
-                               f"({[str(v.aval) for v in acts]}), expected 1")
-        x0 = acts[0]
-        later = set()
-        for e in jaxpr.eqns[idx[0] + len(tmpl):]:
-            later.update(v for v in e.invars if not isinstance(v, jcore.Literal))
-        later.update(v for v in jaxpr.outvars if not isinstance(v, jcore.Literal))
-        outs = [v for e in tmpl for v in e.outvars if v in later]
-        if len(outs) != 1:
-            raise _unsupported(f"layer '{prefix}_0' passes {len(outs)} values on, expected 1")
-        layer_y = outs[0]
-        last_seg = segs[-1]
-        later_post = set()
-        for e in jaxpr.eqns[last + 1:]:
-            later_post.update(v for v in e.invars if not isinstance(v, jcore.Literal))
-        later_post.update(v for v in jaxpr.outvars if not isinstance(v, jcore.Literal))
-        xl = [v for e in last_seg for v in e.outvars if v in later_post]
-        if len(xl) != 1:
-            raise _unsupported(f"the last layer passes {len(xl)} values on, expected 1")
-        layer_leaves = tuple(tuple(j for j, _ in lv) for lv in leaves)
-        split = Split(closed, n_params, tuple(jaxpr.eqns[:first]), tuple(jaxpr.eqns[last + 1:]),
-                      tuple(tmpl), tuple(pvars), x0, layer_y, (), layer_leaves, False, n, x0,
-                      xl[0], ())
+    stack = numbered_layers(tops)
+    if stack is not None:
+        split = _split_numbered(closed, param_paths, tops, stack)
     else:
-        params_in = set(jaxpr.invars[:n_params])
-        scans = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "scan"
-                 and any(v in params_in for v in e.invars)]
-        if len(scans) != 1:
-            raise _unsupported("no repeated layer stack found (module paths "
-                               f"{sorted({t for t in tops if t})})")
-        k = scans[0]
-        e = jaxpr.eqns[k]
-        tops[k] = tops[k] or next(top_of_param[j] for j, v in enumerate(jaxpr.invars[:n_params])
-                                  if v in e.invars)
-        nc, ncarry = e.params["num_consts"], e.params["num_carry"]
-        body = e.params["jaxpr"]
-        if ncarry != 1:
-            raise _unsupported(f"the scanned stack '{tops[k]}' carries {ncarry} values, expected 1")
-        xs = e.invars[nc + 1:]
-        pos = {v: j for j, v in enumerate(jaxpr.invars[:n_params])}
-        if not all(v in pos for v in xs):
-            raise _unsupported(f"the scanned stack '{tops[k]}' scans over values that are not "
-                               "parameters")
-        if any(not isinstance(v, jcore.Literal) and v not in consts and v not in pos
-               for v in e.invars[:nc]):
-            raise _unsupported(f"the scanned stack '{tops[k]}' closes over computed values")
-        if body.consts:
-            raise _unsupported("the scan body has constants")
-        bj = body.jaxpr
-        if len(bj.outvars) != 1:
-            raise _unsupported(f"the scanned stack '{tops[k]}' stacks outputs")
-        n = int(e.params["length"])
-        split = Split(closed, n_params, tuple(jaxpr.eqns[:k]), tuple(jaxpr.eqns[k + 1:]),
-                      tuple(bj.eqns), tuple(bj.invars[nc + 1:]), bj.invars[nc], bj.outvars[0],
-                      tuple(zip(bj.invars[:nc], e.invars[:nc], strict=True)),
-                      (tuple(pos[v] for v in xs),), True, n, e.invars[nc], e.outvars[0], ())
+        split = _split_scanned(closed, param_paths, tops)
     layer_set = {j for lv in split.layer_leaves for j in lv}
-    shared = tuple(j for j in range(n_params) if j not in layer_set)
+    shared = tuple(j for j in range(split.n_params) if j not in layer_set)
     # The suffix may only read the stack's output, parameters, batch and constants.
-    allowed = set(jaxpr.invars) | consts | {split.xl}
+    allowed = set(jaxpr.invars) | set(jaxpr.constvars) | {split.xl}
     bad = [v for v in _ext_inputs(split.post) if v not in allowed]
     if bad:
         raise _unsupported(f"the suffix after the layers reads {len(bad)} values computed before "
                            f"them ({[str(v.aval) for v in bad]})")
-    return Split(**{**split.__dict__, "shared": shared})
+    return replace(split, shared=shared)
+
+
+def _read_after(eqns, outvars) -> set:
+    """Variables read by ``eqns`` or returned (``outvars``)."""
+    read = {v for e in eqns for v in e.invars if not isinstance(v, jcore.Literal)}
+    return read | {v for v in outvars if not isinstance(v, jcore.Literal)}
+
+
+def _split_numbered(closed: Any, param_paths: list[str], tops: list,
+                    stack: LayerStack) -> ProgramSplit:
+    """The split of numbered layers ``<prefix>_0 .. <prefix>_{L-1}``."""
+    jaxpr, prefix, n = closed.jaxpr, stack.module, stack.count
+    if stack.numbers != tuple(range(n)):
+        raise _unsupported(f"layers '{prefix}_i' are not numbered 0..{n - 1}")
+    which = [stack.number_of(t) for t in tops]
+    idx = [i for i, w in enumerate(which) if w is not None]
+    first, last = idx[0], idx[-1]
+    seq = which[first:last + 1]
+    if any(w is None for w in seq) or seq != sorted(seq):
+        raise _unsupported(f"ops of the layers '{prefix}_i' are interleaved with other ops")
+    segs = [[e for e, w in zip(jaxpr.eqns, which, strict=True) if w == i] for i in range(n)]
+    param_tops = [variable_top(p) for p in param_paths]
+    leaves = [[(j, p) for j, p in enumerate(param_paths) if param_tops[j] == f"{prefix}_{i}"]
+              for i in range(n)]
+
+    def signature(i):
+        return ([(p.replace(f"{prefix}_{i}/", "/", 1), jaxpr.invars[j].aval.shape)
+                 for j, p in leaves[i]], [e.primitive for e in segs[i]])
+
+    for i in range(1, n):
+        if signature(i) != signature(0):
+            raise _unsupported(f"layer '{prefix}_{i}' differs from '{prefix}_0' (parameters or "
+                               "ops)")
+    tmpl = segs[0]
+    pvars = [jaxpr.invars[j] for j, _ in leaves[0]]
+    acts = [v for v in _ext_inputs(tmpl) if v not in set(jaxpr.constvars) and v not in pvars]
+    if len(acts) != 1:
+        raise _unsupported(f"layer '{prefix}_0' reads {len(acts)} activations from outside "
+                           f"({[str(v.aval) for v in acts]}), expected 1")
+    later = _read_after(jaxpr.eqns[first + len(tmpl):], jaxpr.outvars)
+    outs = [v for e in tmpl for v in e.outvars if v in later]
+    if len(outs) != 1:
+        raise _unsupported(f"layer '{prefix}_0' passes {len(outs)} values on, expected 1")
+    later_post = _read_after(jaxpr.eqns[last + 1:], jaxpr.outvars)
+    xl = [v for e in segs[-1] for v in e.outvars if v in later_post]
+    if len(xl) != 1:
+        raise _unsupported(f"the last layer passes {len(xl)} values on, expected 1")
+    layer_leaves = tuple(tuple(j for j, _ in lv) for lv in leaves)
+    return ProgramSplit(closed, len(param_paths), tuple(jaxpr.eqns[:first]),
+                        tuple(jaxpr.eqns[last + 1:]), tuple(tmpl), tuple(pvars), acts[0], outs[0],
+                        (), layer_leaves, False, n, acts[0], xl[0], ())
+
+
+def _split_scanned(closed: Any, param_paths: list[str], tops: list) -> ProgramSplit:
+    """The split of one ``scan`` over stacked layer parameters (``nn.scan``)."""
+    jaxpr, n_params = closed.jaxpr, len(param_paths)
+    params_in = set(jaxpr.invars[:n_params])
+    scans = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "scan"
+             and any(v in params_in for v in e.invars)]
+    if len(scans) != 1:
+        raise _unsupported("no stack of repeated layers found (module paths "
+                           f"{sorted({t for t in tops if t})})")
+    k = scans[0]
+    e = jaxpr.eqns[k]
+    name = tops[k] or next(variable_top(param_paths[j])
+                           for j, v in enumerate(jaxpr.invars[:n_params]) if v in e.invars)
+    nc, ncarry = e.params["num_consts"], e.params["num_carry"]
+    body = e.params["jaxpr"]
+    if ncarry != 1:
+        raise _unsupported(f"the scanned stack '{name}' carries {ncarry} values, expected 1")
+    xs = e.invars[nc + 1:]
+    pos = {v: j for j, v in enumerate(jaxpr.invars[:n_params])}
+    if not all(v in pos for v in xs):
+        raise _unsupported(f"the scanned stack '{name}' scans over values that are not "
+                           "parameters")
+    consts = set(jaxpr.constvars)
+    if any(not isinstance(v, jcore.Literal) and v not in consts and v not in pos
+           for v in e.invars[:nc]):
+        raise _unsupported(f"the scanned stack '{name}' closes over computed values")
+    if body.consts:
+        raise _unsupported("the scan body has constants")
+    bj = body.jaxpr
+    if len(bj.outvars) != 1:
+        raise _unsupported(f"the scanned stack '{name}' stacks outputs")
+    return ProgramSplit(closed, n_params, tuple(jaxpr.eqns[:k]), tuple(jaxpr.eqns[k + 1:]),
+                        tuple(bj.eqns), tuple(bj.invars[nc + 1:]), bj.invars[nc], bj.outvars[0],
+                        tuple(zip(bj.invars[:nc], e.invars[:nc], strict=True)),
+                        (tuple(pos[v] for v in xs),), True, int(e.params["length"]),
+                        e.invars[nc], e.outvars[0], ())
 
 
 def eval_eqns(eqns, env: dict) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 from nnscaler_jax.errors import PlanFormatError
 from nnscaler_jax.ir.graph import Graph
 
-__all__ = ["VALUE", "OpPlan", "Plan", "PlanCost", "graph_fingerprint"]
+__all__ = ["VALUE", "OpPlan", "PipelineSettings", "Plan", "PlanCost", "graph_fingerprint"]
 
 FORMAT = "nnscaler_jax.plan/1"
 VALUE = "+"  # pseudo-identifier: value-split (inputs and outputs stay partial sums)
@@ -58,6 +58,56 @@ class PlanCost:
 
 
 @dataclass(frozen=True, slots=True)
+class PipelineSettings:
+    """How a plan pipelines: stages along the mesh's ``stage``/``pipe`` axis, each running the
+    plan's SPMD layouts on its sub-mesh (see :mod:`nnscaler_jax.pipeline`).
+
+    Attributes:
+        stages: pipeline stages (the stage axis's size).
+        microbatches / schedule / virtual: the pipeline schedule (``'gpipe'``, ``'1f1b'``,
+            ``'interleaved'`` with ``virtual`` model chunks per stage; see
+            :mod:`nnscaler_jax.pipeline.schedule`).
+        stage_of: ``(layer module path, stage)`` pairs (op_assign of layers to stages).
+        report: why these settings (``pipeline_stages="auto"``: the stage DP's predicted step
+            time and memory per candidate schedule / micro-batch count), or empty.
+    """
+
+    stages: int
+    microbatches: int = 1
+    schedule: str = ""
+    virtual: int = 1
+    stage_of: tuple[tuple[str, int], ...] = ()
+    report: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object under a plan's ``"pipeline"`` key."""
+        d: dict[str, Any] = {"stages": self.stages, "microbatches": self.microbatches,
+                             "schedule": self.schedule, "virtual": self.virtual,
+                             "stage_of": [list(x) for x in self.stage_of]}
+        if self.report:
+            d["report"] = self.report
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PipelineSettings:
+        return cls(stages=int(d.get("stages", 1)), microbatches=int(d.get("microbatches", 1)),
+                   schedule=str(d.get("schedule", "")), virtual=int(d.get("virtual", 1)),
+                   stage_of=tuple((str(n), int(st)) for n, st in d.get("stage_of", ())),
+                   report=str(d.get("report", "")))
+
+    def lines(self) -> list[str]:
+        """The plan text's pipeline section."""
+        by: dict[int, list[str]] = {}
+        for name, st in self.stage_of:
+            by.setdefault(st, []).append(name)
+        lines = [f"pipeline: {self.stages} stages, {self.microbatches} micro-batches, "
+                 f"schedule {self.schedule}" + (f" x {self.virtual} virtual"
+                                                if self.virtual > 1 else "")]
+        lines += [f"  stage {st}: {', '.join(ns)}" for st, ns in sorted(by.items())]
+        return lines + (self.report.splitlines() if self.report else [])
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     """A parallelization plan for one graph on one mesh shape.
 
@@ -70,11 +120,8 @@ class Plan:
         order: ``(a, b)`` op ids: ``a`` before ``b`` on their shared devices.
         policy: the policy that made the plan.
         cost: estimates, if computed.
-        stages: pipeline stages along the mesh's ``stage``/``pipe`` axis (1: no pipeline).
-        microbatches / schedule / virtual: the pipeline schedule (see ``plan/schedule.py``).
-        stage_of: ``(layer module path, stage)`` pairs (op_assign of layers to stages).
-        pipeline_report: why these pipeline settings (``pipeline_stages="auto"``: the stage
-            DP's predicted step time and memory per candidate schedule / micro-batch count).
+        pipeline: the pipeline settings, None when the plan does not pipeline (the ops,
+            variables and order are then the whole SPMD plan; with a pipeline, each stage's).
     """
 
     mesh: tuple[tuple[str, int], ...]
@@ -85,12 +132,12 @@ class Plan:
     order: tuple[tuple[int, int], ...] = ()
     policy: str = ""
     cost: PlanCost | None = field(default=None, compare=False)
-    stages: int = 1
-    microbatches: int = 1
-    schedule: str = ""
-    virtual: int = 1
-    stage_of: tuple[tuple[str, int], ...] = ()
-    pipeline_report: str = ""
+    pipeline: PipelineSettings | None = None
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages (1 when the plan does not pipeline)."""
+        return self.pipeline.stages if self.pipeline is not None else 1
 
     def op_plan(self, op_id: int) -> OpPlan | None:
         return self._by_id().get(op_id)
@@ -122,16 +169,8 @@ class Plan:
         if sharded:
             lines.append("variables stored sharded:")
             lines += [f"  {n}: P{tuple(s)}" for n, s in sharded]
-        if self.stages > 1:
-            by: dict[int, list[str]] = {}
-            for name, st in self.stage_of:
-                by.setdefault(st, []).append(name)
-            lines.append(f"pipeline: {self.stages} stages, {self.microbatches} micro-batches, "
-                         f"schedule {self.schedule}" + (f" x {self.virtual} virtual"
-                                                        if self.virtual > 1 else ""))
-            lines += [f"  stage {st}: {', '.join(ns)}" for st, ns in sorted(by.items())]
-            if self.pipeline_report:
-                lines += self.pipeline_report.splitlines()
+        if self.pipeline is not None:
+            lines += self.pipeline.lines()
         if self.cost:
             c = self.cost
             lines.append(f"estimate: step {c.step_time_s * 1e3:.3f} ms, memory/device "
@@ -159,12 +198,8 @@ class Plan:
             ],
             "cost": dataclasses.asdict(self.cost) if self.cost else None,
         }
-        if self.stages > 1:
-            d["pipeline"] = {"stages": self.stages, "microbatches": self.microbatches,
-                             "schedule": self.schedule, "virtual": self.virtual,
-                             "stage_of": [list(x) for x in self.stage_of]}
-            if self.pipeline_report:
-                d["pipeline"]["report"] = self.pipeline_report
+        if self.pipeline is not None:
+            d["pipeline"] = self.pipeline.to_dict()
         return json.dumps(d, indent=1, sort_keys=True)
 
     @classmethod
@@ -188,7 +223,7 @@ class Plan:
             )
             variables = tuple((str(n), tuple(_entry(e) for e in s)) for n, s in d["variables"])
             cost = PlanCost(**d["cost"]) if d.get("cost") else None
-            pipe = d.get("pipeline") or {}
+            pipe = d.get("pipeline")
             return cls(
                 mesh=tuple((str(a), int(n)) for a, n in d["mesh"]),
                 fingerprint=str(d["fingerprint"]),
@@ -198,12 +233,7 @@ class Plan:
                 order=tuple((int(a), int(b)) for a, b in d["order"]),
                 policy=str(d["policy"]),
                 cost=cost,
-                stages=int(pipe.get("stages", 1)),
-                microbatches=int(pipe.get("microbatches", 1)),
-                schedule=str(pipe.get("schedule", "")),
-                virtual=int(pipe.get("virtual", 1)),
-                stage_of=tuple((str(n), int(st)) for n, st in pipe.get("stage_of", ())),
-                pipeline_report=str(pipe.get("report", "")),
+                pipeline=PipelineSettings.from_dict(pipe) if pipe else None,
             )
         except (ValueError, KeyError, TypeError, IndexError) as e:
             raise PlanFormatError(f"not a valid plan JSON ({type(e).__name__}: {e}); write it "

@@ -9,9 +9,9 @@ import models
 from nnscaler_jax.capture.trace import capture_spec
 from nnscaler_jax.cost.compute import op_flops
 from nnscaler_jax.errors import PlanError
+from nnscaler_jax.pipeline.clustering import cluster_layers
 from nnscaler_jax.pipeline.inter_op import (
     alpa_pipeline_search,
-    cluster_layers,
     inter_op_dp,
     stage_graph,
     submesh_shapes,

@@ -9,10 +9,11 @@ from meshes import make_mesh
 
 import models
 from nnscaler_jax import Constraints, Plan, PlanError, auto_parallel
-from nnscaler_jax.mesh.topology import LinkCost
 from nnscaler_jax.cost.model import CostModel
+from nnscaler_jax.mesh.topology import LinkCost
 from nnscaler_jax.pipeline import schedule as sch
-from nnscaler_jax.pipeline.stage_dp import Unit, layer_units, runtime_choices, runtime_time
+from nnscaler_jax.pipeline.pricing import runtime_choices, runtime_time
+from nnscaler_jax.pipeline.units import Unit, layer_units
 
 
 @pytest.fixture(scope="module")
@@ -50,28 +51,29 @@ def test_auto_records_choice_and_trains(gpt):
     plan = pm.plan
     ref = spec.loss_fn(spec.module.apply({"params": params}, tokens), tokens)
     np.testing.assert_allclose(metrics["loss"], ref, rtol=1e-4)
-    assert plan.stages == 2 and plan.schedule in ("gpipe", "1f1b", "interleaved")
-    assert step.program.schedule.microbatches == plan.microbatches
-    assert 16 % (plan.microbatches * 4) == 0
-    assert plan.virtual == (2 if plan.schedule == "interleaved" else 1)
+    pipe = plan.pipeline
+    assert plan.stages == 2 and pipe.schedule in ("gpipe", "1f1b", "interleaved")
+    assert step.program.schedule.microbatches == pipe.microbatches
+    assert 16 % (pipe.microbatches * 4) == 0
+    assert pipe.virtual == (2 if pipe.schedule == "interleaved" else 1)
     text = str(plan)
-    assert "stage DP" in text and f"chose {plan.schedule} x {plan.microbatches}" in text
+    assert "stage DP" in text and f"chose {pipe.schedule} x {pipe.microbatches}" in text
     assert Plan.from_json(plan.to_json()) == plan
-    assert Plan.from_json(plan.to_json()).pipeline_report == plan.pipeline_report
+    assert Plan.from_json(plan.to_json()).pipeline == pipe
 
 
 def _chosen(plan):
-    head = plan.pipeline_report.splitlines()[0]
+    head = plan.pipeline.report.splitlines()[0]
     ms = float(head.split("predicted ")[1].split(" ms")[0])
     mib = float(head.split("peak ")[1].split(" MiB")[0])
-    return (plan.schedule, plan.microbatches), ms, mib
+    return (plan.pipeline.schedule, plan.pipeline.microbatches), ms, mib
 
 
 def test_memory_budget_changes_choice(gpt):
     mesh = make_mesh((2, 4), ("stage", "data"))
     free = _plan(gpt, mesh)
     choice, ms, mib = _chosen(free)
-    rows = [r.split() for r in free.pipeline_report.splitlines()[2:] if "x" in r]
+    rows = [r.split() for r in free.pipeline.report.splitlines()[2:] if "x" in r]
     mems = sorted({float(r[-1]) for r in rows if r[-1] != "budget"})
     assert mems[0] < mib  # a cheaper-in-memory candidate exists, so a budget can bind
     budget = int((mems[0] + 0.005) * 2**20) + 1  # the report rounds MiB to 2 decimals
@@ -85,11 +87,12 @@ def test_memory_budget_changes_choice(gpt):
 def test_explicit_fields_respected(gpt):
     mesh = make_mesh((2, 4), ("stage", "data"))
     p = _plan(gpt, mesh, microbatches=2)
-    assert p.microbatches == 2
+    assert p.pipeline.microbatches == 2
     p = _plan(gpt, mesh, schedule="1f1b")
-    assert p.schedule == "1f1b" and p.virtual == 1
+    assert p.pipeline.schedule == "1f1b" and p.pipeline.virtual == 1
     p = _plan(gpt, mesh, schedule="interleaved", microbatches=4)
-    assert (p.schedule, p.virtual, p.microbatches) == ("interleaved", 2, 4)
+    pipe = p.pipeline
+    assert (pipe.schedule, pipe.virtual, pipe.microbatches) == ("interleaved", 2, 4)
     with pytest.raises(PlanError, match="no schedule the runtime can execute"):
         _plan(gpt, mesh, microbatches=3)
 
@@ -135,15 +138,17 @@ def test_auto_prices_tensor_parallel_stages(gpt):
     pm = auto_parallel(mesh, Constraints(pipeline_stages="auto"), policy="megatron")(spec.module)
     plan = pm.make_plan(tokens, variables={"params": params})
     (sched, m), ms, _ = _chosen(plan)
-    units = layer_units(pm._last.captured.graph, batch=16, model=CostModel.for_axes(axes))
-    choice = (sched, m, plan.virtual)
+    units = layer_units(pm.graph, batch=16, model=CostModel.for_axes(axes))
+    choice = (sched, m, plan.pipeline.virtual)
     assert ms == pytest.approx(_price(units, axes, choice, 4), abs=5e-4)  # printed to 1e-3 ms
     assert abs(_price(units, axes, choice, 1) - ms) > 0.1   # not stages data-parallel inside
-    assert "x 4 tensor-parallel (model)" in plan.pipeline_report
+    assert "x 4 tensor-parallel (model)" in plan.pipeline.report
     dp = _plan(gpt, mesh)   # policy 'dp': 'model' is data-parallel inside stages
-    assert "1 data-parallel" not in dp.pipeline_report and "tensor" not in dp.pipeline_report
+    report = dp.pipeline.report
+    assert "1 data-parallel" not in report and "tensor" not in report
     assert _chosen(dp)[1] == pytest.approx(
-        _price(units, axes, (dp.schedule, dp.microbatches, dp.virtual), 1), abs=5e-4)
+        _price(units, axes, (dp.pipeline.schedule, dp.pipeline.microbatches,
+                             dp.pipeline.virtual), 1), abs=5e-4)
 
 
 def test_pipelined_plan_cost_is_the_pipeline_pricing(gpt):
@@ -157,7 +162,7 @@ def test_pipelined_plan_cost_is_the_pipeline_pricing(gpt):
     assert c.memory_bytes_per_device / 2**20 == pytest.approx(mib, abs=5e-3)
     assert 0 < c.compute_time_s and 0 < c.comm_time_s and 0 < c.comm_bytes
     assert c.compute_time_s + c.comm_time_s <= c.step_time_s   # the rest is the bubble
-    flat = CostModel.for_axes(dict(plan.mesh)).plan_cost(plan, pm._last.captured.graph)
+    flat = CostModel.for_axes(dict(plan.mesh)).plan_cost(plan, pm.graph)
     assert abs(flat.step_time_s * 1e3 - ms) > 0.1
     assert Plan.from_json(plan.to_json()).cost == c
     # fixed settings are priced as given: 2 stages x 2 data x 2 model, 1F1B, 8 micro-batches
@@ -166,7 +171,7 @@ def test_pipelined_plan_cost_is_the_pipeline_pricing(gpt):
                           policy="megatron")(spec.module)
     p = fixed.make_plan(tokens, variables={"params": params})
     axes = dict(p.mesh)
-    units = layer_units(fixed._last.captured.graph, batch=16, model=CostModel.for_axes(axes))
+    units = layer_units(fixed.graph, batch=16, model=CostModel.for_axes(axes))
     link = CostModel.for_axes(axes).mesh.link
     row, = runtime_choices(units, 2, 2, 16, microbatches=8, schedule="1f1b",
                            stage_link=link("stage"), data_link=link("data"), tp=2,

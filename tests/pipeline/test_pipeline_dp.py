@@ -6,7 +6,8 @@ import pytest
 import models
 from nnscaler_jax.capture.trace import trace
 from nnscaler_jax.errors import PlanError
-from nnscaler_jax.pipeline.stage_dp import evaluate, layer_units, search_stages
+from nnscaler_jax.pipeline.stage_dp import evaluate, search_stages
+from nnscaler_jax.pipeline.units import layer_units
 
 
 @pytest.fixture(scope="module")

@@ -72,14 +72,3 @@ def test_printer_and_gantt(tmp_path):
     out = sch.plot_gantt(sch.interleaved(2, 4, 2), str(tmp_path / "g.png"))
     with open(out, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-
-
-def test_stage_layers():
-    vs = [(f"params/h_{i}/mlp/kernel", (4, 4)) for i in range(4)] + [("params/wte/embedding",
-                                                                       (8, 4))]
-    assert sch.stage_layers(vs, 2) == (("h_0", 0), ("h_1", 0), ("h_2", 1), ("h_3", 1))
-    assert [s for _, s in sch.stage_layers(vs, 2, 2)] == [0, 1, 0, 1]
-    with pytest.raises(PlanError, match="do not split evenly"):
-        sch.stage_layers(vs, 3)
-    with pytest.raises(PlanError, match="no stack of repeated layers"):
-        sch.stage_layers([("params/fc1/kernel", (4, 4))], 2)

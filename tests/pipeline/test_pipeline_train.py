@@ -5,20 +5,19 @@ the pipeline computes as the mean over micro-batches and data shards.
 """
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from meshes import make_mesh
 
 import models
-from meshes import make_mesh
 from nnscaler_jax import Constraints, PlanError, auto_parallel
 
 RTOL, ATOL = 1e-4, 1e-6  # float32; ATOL for gradients that are exactly 0 in theory (key bias)
 
 
 def _reference(spec, params, tokens, opt):
-    loss_fn = lambda p: spec.loss_fn(spec.module.apply({"params": p}, tokens), tokens)  # noqa
+    loss_fn = lambda p: spec.loss_fn(spec.module.apply({"params": p}, tokens), tokens)
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, _ = opt.update(grads, opt.init(params), params)
     return loss, grads, optax.apply_updates(params, updates)
@@ -52,10 +51,23 @@ def test_pipeline_matches_single_device(preset, stages, schedule, microbatches):
     np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=RTOL)
     _close(step.program.from_pipeline(metrics["grads"]), ref_grads)
     _close(step.params(state), ref_params)
-    assert pm.plan.stages == stages and pm.plan.schedule == schedule
+    assert pm.plan.stages == stages and pm.plan.pipeline.schedule == schedule
     assert "pipeline: " in str(pm.plan)
     assert type(pm.plan).from_json(pm.plan.to_json()) == pm.plan
 
+
+
+def test_init_leaves_the_wrappers_policy():
+    """``step.init`` plans stages data-parallel inside without setting ``pm.policy``."""
+    spec = models.get("gpt", "tiny", n_layers=2, batch_size=8)
+    (tokens,) = spec.make_args()
+    params = spec.init(jax.random.PRNGKey(0))["params"]
+    pm = auto_parallel(make_mesh((2, 4), ("stage", "data")),
+                       Constraints(pipeline_stages=2, microbatches=2))(spec.module)
+    step = pm.train_step(spec.loss_fn, optax.sgd(0.1))
+    step.init({"params": params}, tokens)
+    assert pm.policy is None                       # the user's wrapper is not mutated
+    assert pm.plan.policy == "dp" and step.program.tp_axes == ()
 
 def test_unsupported_model_and_mesh_errors():
     spec = models.get("mlp", "tiny")

@@ -1,0 +1,25 @@
+"""Pipeline parallelism: stages along the mesh's ``stage``/``pipe`` axis, on top of SPMD plans.
+
+Modules (no import cycles among them; see docs/design.md for the layers):
+
+- :mod:`~nnscaler_jax.pipeline.stages`: layer / stage detection, the one finder of a model's
+  stack of repeated layers (numbered ``<prefix>_<i>`` modules or one ``nn.scan``) and of which
+  stage holds which layer.
+- :mod:`~nnscaler_jax.pipeline.schedule`: schedules as validated step tables (GPipe, 1F1B,
+  interleaved); :mod:`~nnscaler_jax.pipeline.loop_tables`: a step table as the runtime loop's
+  per-(time step, stage) tables.
+- :mod:`~nnscaler_jax.pipeline.units`: the model cut into prefix / layers / suffix, priced per
+  sample; :mod:`~nnscaler_jax.pipeline.stage_dp`: the stage DP over unit boundaries;
+  :mod:`~nnscaler_jax.pipeline.pricing`: what the runtime executes, priced (schedule x
+  micro-batches).
+- :mod:`~nnscaler_jax.pipeline.clustering` and :mod:`~nnscaler_jax.pipeline.inter_op`: Alpa's
+  layer clustering and inter-operator pass (stage profiles by the intra-op ILP).
+- :mod:`~nnscaler_jax.pipeline.configure`: pipeline settings chosen and priced onto a
+  :class:`~nnscaler_jax.plan.plan.Plan` (``plan.pipeline``).
+- :mod:`~nnscaler_jax.pipeline.split`, :mod:`~nnscaler_jax.pipeline.in_stage` and
+  :mod:`~nnscaler_jax.pipeline.runtime`: the traced program cut at the layer stack, tensor
+  parallelism inside stages, and the pipelined training step (``pm.train_step``).
+
+Hardware defaults (H100 nodes, NVLink 4 / InfiniBand NDR) come from
+:mod:`nnscaler_jax.cost.devices`, the one hardware table.
+"""

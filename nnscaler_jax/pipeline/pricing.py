@@ -1,0 +1,296 @@
+"""Pricing what the pipeline runtime executes: equal chunks of layers, a schedule's step table.
+
+The runtime (:mod:`nnscaler_jax.pipeline.runtime`) splits the layer stack into ``stages x
+virtual`` equal contiguous chunks and walks a schedule's step table in lock step; this module
+prices every (schedule, micro-batch count) it can run from the model's units
+(:func:`nnscaler_jax.pipeline.units.layer_units`) with the cost model's links: per time step the
+slowest stage's work plus both ``ppermute``\\ s, then the gradient syncs; memory per stage with
+the schedule's in-flight stage inputs. :func:`runtime_setup` splits a mesh as the runtime does
+(stage axis, data-parallel and tensor-parallel axes) and prices a graph's units on it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from nnscaler_jax.cost.devices import NVLINK_H100
+from nnscaler_jax.cost.model import CostModel
+from nnscaler_jax.errors import PlanError
+from nnscaler_jax.ir.graph import Graph, Role
+from nnscaler_jax.mesh.axes import stage_axis
+from nnscaler_jax.mesh.topology import LinkCost, all_reduce_time, ppermute_time
+from nnscaler_jax.pipeline import schedule as sch
+from nnscaler_jax.pipeline.in_stage import tensor_axes
+from nnscaler_jax.pipeline.units import Unit, layer_units
+
+__all__ = ["RuntimeChoice", "RuntimeSetup", "runtime_choices", "runtime_setup", "runtime_time"]
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeChoice:
+    """One (schedule, micro-batches) the runtime can execute, priced by the cost model.
+
+    Attributes:
+        schedule / virtual / microbatches / microbatch_size: the configuration.
+        step_time_s: sum over the schedule's time steps of the slowest stage's work (forward,
+            or recomputed forward + backward, each with its tensor-parallel all-reduces) plus
+            both ``ppermute``\\ s, + gradient sync.
+        bubble_s: the schedule table's time (without gradient sync) minus the busiest stage's
+            work.
+        memory_bytes: per stage (params + grads + optimizer + in-flight stage inputs + one
+            chunk's activations).
+        fits: within the memory budget.
+        compute_s: the busiest stage's compute seconds over the step (forward, recomputed
+            forward, backward of all its micro-batches).
+        comm_s: communication seconds on the step: the ``ppermute``\\ s of every time step, the
+            busiest stage's tensor-parallel all-reduces and the gradient syncs;
+            ``step_time_s - compute_s - comm_s`` is the busiest stage's idle time (bubble).
+        comm_bytes: bytes a device of the busiest stage sends per step (all-reduces counted
+            as ``2 (p - 1) / p`` x buffer, as ring all-reduces send).
+    """
+
+    schedule: str
+    virtual: int
+    microbatches: int
+    microbatch_size: int
+    step_time_s: float
+    bubble_s: float
+    memory_bytes: tuple[float, ...]
+    fits: bool
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    comm_bytes: float = 0.0
+
+    def row(self) -> str:
+        name = self.schedule + (f" x{self.virtual}" if self.virtual > 1 else "")
+        return (f"{name:<14} {self.microbatches:>4} x {self.microbatch_size:<4} "
+                f"{self.step_time_s * 1e3:>10.3f} {self.bubble_s * 1e3:>9.3f} "
+                f"{max(self.memory_bytes) / 2**20:>10.2f}{'' if self.fits else '  over budget'}")
+
+
+def runtime_time(sched, fwd: list[float], bwd: list[float], p2p: float) -> tuple[float, float]:
+    """``(step seconds, bubble seconds)`` of a schedule's step table (``plan.schedule``).
+
+    The runtime walks the table in lock step: time step ``t`` lasts as long as the slowest
+    stage's work at ``t`` (``fwd[c]`` / ``bwd[c]`` of chunk ``c``) and then both ``ppermute``\\ s
+    (``p2p`` seconds together).
+    """
+    S = sched.stages
+    total, busy = 0.0, [0.0] * S
+    for row in sch.timeline(sched):
+        dur = 0.0
+        for s, st in enumerate(row):
+            if st is None:
+                continue
+            c = st.virtual * S + s
+            w = fwd[c] if st.kind == "F" else bwd[c]
+            busy[s] += w
+            dur = max(dur, w)
+        total += dur + p2p
+    return total, total - max(busy)
+
+
+def _wire(p: int, n: float) -> float:
+    """Bytes one device sends in a ring all-reduce of ``n`` bytes over ``p`` devices."""
+    return 2 * (p - 1) / p * n if p > 1 else 0.0
+
+
+def runtime_choices(units: list[Unit], stages: int, dp: int, batch: int,
+                    memory_per_device: float | None = None, *, microbatches: int | None = None,
+                    schedule: str | None = None, optimizer_bytes: float = 3.0,
+                    stage_link: LinkCost = NVLINK_H100, data_link: LinkCost = NVLINK_H100,
+                    tp: int = 1, tp_link: LinkCost = NVLINK_H100) -> list[RuntimeChoice]:
+    """Every (schedule, micro-batch count) :mod:`nnscaler_jax.pipeline.runtime` can run, priced.
+
+    The runtime's restrictions: ``stages x virtual`` equal contiguous chunks of the layer stack
+    (the prefix runs with chunk 0, the suffix with the last chunk; their parameters replicated
+    on every stage), stages data-parallel inside (``dp`` ways), ``batch`` split into
+    ``microbatches x dp``, interleaved only with 2 chunks per stage and micro-batches a multiple
+    of the stages. Sorted: fitting first, then by step time, then memory.
+
+    ``tp`` > 1: stages are also tensor-parallel inside (:mod:`nnscaler_jax.pipeline.in_stage`),
+    priced as Megatron, like :func:`~nnscaler_jax.pipeline.stage_dp.search_stages`: unit compute
+    and parameters / ``tp``, each unit's ``tp_collectives`` all-reduces of its output activation
+    over ``tp_link`` (half in the forward, half in the backward; the recomputed forward repeats
+    its half), one chunk's activations / ``tp``; the in-flight stage inputs and the
+    ``ppermute``\\ d activations stay whole (replicated over the tensor-parallel axes).
+
+    Raises:
+        PlanError: no configuration the runtime can execute (layers or batch do not divide).
+    """
+    L, S = len(units) - 2, stages
+    kinds = [(s, 2 if s == "interleaved" else 1) for s in ("1f1b", "gpipe", "interleaved")
+             if schedule in (None, s)]
+    kinds = [(s, v) for s, v in kinds if L % (S * v) == 0]
+    ms = [m for m in range(1, batch // dp + 1) if batch % (m * dp) == 0
+          and microbatches in (None, m)]
+    ways = _Ways(units, S, dp, tp, batch, optimizer_bytes, stage_link, data_link, tp_link,
+                 memory_per_device)
+    out = [_price(ways, name, V, M) for name, V in kinds for M in ms
+           if not (name == "interleaved" and M % S)]
+    if not out:
+        par = f"{dp} data-parallel" + (f" x {tp} tensor-parallel" if tp > 1 else "")
+        raise PlanError(
+            f"pipeline: no schedule the runtime can execute for {L} layers on {S} stages x {par} "
+            f"ways with batch {batch}"
+            + (f", microbatches={microbatches}" if microbatches else "")
+            + (f", schedule={schedule!r}" if schedule else "")
+            + f"; the layers must divide into {S} (x2 for interleaved) equal chunks and the "
+            f"batch into micro-batches x {dp}")
+    out.sort(key=lambda r: (not r.fits, r.step_time_s, max(r.memory_bytes)))
+    return out
+
+
+@dataclass(frozen=True)
+class _Ways:
+    """One :func:`runtime_choices` call's fixed sizes, links and budget."""
+
+    units: list[Unit]
+    stages: int
+    dp: int
+    tp: int
+    batch: int
+    optimizer_bytes: float
+    stage_link: LinkCost
+    data_link: LinkCost
+    tp_link: LinkCost
+    budget: float | None
+
+    @property
+    def shared(self) -> float:
+        """Prefix + suffix parameter, gradient and optimizer bytes per device (replicated)."""
+        return ((self.units[0].param_bytes + self.units[-1].param_bytes) / self.tp
+                * (1 + self.optimizer_bytes))
+
+
+@dataclass(frozen=True)
+class _ChunkWork:
+    """Per chunk: compute seconds (forward + backward), one pass's tensor-parallel all-reduce
+    seconds and bytes sent, and the seconds of its forward / backward steps."""
+
+    compute: list[float]
+    ar: list[float]
+    ar_bytes: list[float]
+    fwd: list[float]
+    bwd: list[float]
+
+
+def _chunk_bounds(n: int, layers: int, chunks: int) -> list[tuple[int, int]]:
+    """Unit ranges of equal layer chunks; the prefix joins the first, the suffix the last."""
+    k = layers // chunks
+    return [(0 if c == 0 else 1 + c * k, n if c == chunks - 1 else 1 + (c + 1) * k)
+            for c in range(chunks)]
+
+
+def _chunk_work(w: _Ways, bounds: list[tuple[int, int]], mb: int) -> _ChunkWork:
+    units, tp = w.units, w.tp
+    fb = [sum(u.time_s for u in units[a:b]) * mb / tp for a, b in bounds]
+    ar = [sum(u.tp_collectives / 2 * all_reduce_time(w.tp_link, tp, u.out_bytes * mb)
+              for u in units[a:b]) if tp > 1 else 0.0 for a, b in bounds]
+    ar_b = [sum(u.tp_collectives / 2 * _wire(tp, u.out_bytes * mb) for u in units[a:b])
+            for a, b in bounds]
+    fwd = [t / 3 + c for t, c in zip(fb, ar, strict=True)]
+    bwd = [t * 2 / 3 + c + f  # + recomputed forward
+           for t, c, f in zip(fb, ar, fwd, strict=True)]
+    return _ChunkWork(fb, ar, ar_b, fwd, bwd)
+
+
+def _price(w: _Ways, name: str, V: int, M: int) -> RuntimeChoice:
+    """One (schedule, virtual, micro-batches) priced (see :func:`runtime_choices`)."""
+    units, S, dp, tp = w.units, w.stages, w.dp, w.tp
+    n, C = len(units), S * V
+    bounds = _chunk_bounds(n, n - 2, C)
+    mb = w.batch // (M * dp)
+    sched = sch.build(name, S, M, V)
+    work = _chunk_work(w, bounds, mb)
+    msg = max(units[b - 1].out_bytes * mb for a, b in bounds)
+    p2p = 2 * ppermute_time(w.stage_link, S, msg) if S > 1 else 0.0
+    step, bubble = runtime_time(sched, work.fwd, work.bwd, p2p)
+    params = [sum(sum(u.param_bytes for u in units[max(a, 1):min(b, n - 1)])
+                  for c, (a, b) in enumerate(bounds) if c % S == s) / tp
+              for s in range(S)]
+    mine = [[c for c in range(C) if c % S == s] for s in range(S)]
+    top = max(range(S), key=lambda s: sum(work.fwd[c] + work.bwd[c] for c in mine[s]))
+    shared_grad = w.shared / (1 + w.optimizer_bytes)
+    grad = params[top] + shared_grad
+    dsync = max(all_reduce_time(w.data_link, dp, p + shared_grad)
+                for p in params) if dp > 1 else 0.0
+    ssync = all_reduce_time(w.stage_link, S, shared_grad) if S > 1 else 0.0
+    step = step + dsync + ssync
+    steps = len(sch.timeline(sched))
+    compute = M * sum(work.compute[c] * 4 / 3 for c in mine[top])
+    comm = steps * p2p + M * sum(3 * work.ar[c] for c in mine[top]) + dsync + ssync
+    sent = (steps * 2 * msg if S > 1 else 0.0) \
+        + M * sum(3 * work.ar_bytes[c] for c in mine[top]) + _wire(dp, grad) \
+        + _wire(S, shared_grad)
+    mem = _stage_memory(w, bounds, mine, params, sch.peak_in_flight(sched), mb)
+    fits = w.budget is None or max(mem) <= w.budget
+    return RuntimeChoice(name, V, M, mb, step, bubble, tuple(mem), fits, compute, comm, sent)
+
+
+def _stage_memory(w: _Ways, bounds: list[tuple[int, int]], mine: list[list[int]],
+                  params: list[float], peaks: tuple[int, ...], mb: int) -> list[float]:
+    """Per stage: its parameters with gradients and optimizer state, the replicated prefix /
+    suffix, its in-flight stage inputs and one chunk's activations."""
+    units, mem = w.units, []
+    for s in range(w.stages):
+        inp = max(units[max(bounds[c][0] - 1, 0)].out_bytes * mb for c in mine[s])
+        act = max(sum(u.act_bytes for u in units[bounds[c][0]:bounds[c][1]]) * mb / w.tp
+                  for c in mine[s])
+        mem.append(params[s] * (1 + w.optimizer_bytes) + w.shared + peaks[s] * inp + act)
+    return mem
+
+
+@dataclass(frozen=True)
+class RuntimeSetup:
+    """A graph and mesh as the pipeline runtime runs them: units, axes split, links.
+
+    Attributes:
+        units: :func:`~nnscaler_jax.pipeline.units.layer_units` of the graph at its batch.
+        axis: the stage axis; ``data`` / ``tensor``: the non-stage axes the runtime runs
+            data-parallel / tensor-parallel (:func:`nnscaler_jax.pipeline.in_stage.tensor_axes`).
+        stages / dp / tp / batch: sizes; ``*_link``: the cost model's link of the first axis of
+            each kind.
+    """
+
+    units: list[Unit]
+    axis: str
+    data: tuple[str, ...]
+    tensor: tuple[str, ...]
+    stages: int
+    dp: int
+    tp: int
+    batch: int
+    stage_link: LinkCost
+    data_link: LinkCost
+    tp_link: LinkCost
+
+    def choices(self, memory_per_device: float | None = None, **kw) -> list[RuntimeChoice]:
+        """:func:`runtime_choices` for this setup (``kw``: microbatches, schedule, ...)."""
+        return runtime_choices(self.units, self.stages, self.dp, self.batch, memory_per_device,
+                               stage_link=self.stage_link, data_link=self.data_link, tp=self.tp,
+                               tp_link=self.tp_link, **kw)
+
+
+def runtime_setup(graph: Graph, mesh_axes: dict[str, int], policy,
+                  model: CostModel | None = None) -> RuntimeSetup:
+    """Split ``mesh_axes`` as the runtime does for ``policy`` and price ``graph``'s units.
+
+    Raises:
+        PlanError: no ``stage``/``pipe`` axis, or no repeated layer stack.
+    """
+    axis = stage_axis(mesh_axes)
+    if axis is None:
+        raise PlanError(f"pipeline pricing needs a 'stage' (or 'pipe') mesh axis; the mesh has "
+                        f"{mesh_axes}")
+    tensor = tensor_axes(mesh_axes, axis, policy)
+    data = tuple(a for a in mesh_axes if a != axis and a not in tensor)
+    batch = next((t.shape[0] for t in graph.inputs if t.role is Role.INPUT and t.shape), 1)
+    model = model or CostModel.for_axes(mesh_axes)
+    link = model.mesh.link
+    return RuntimeSetup(
+        layer_units(graph, batch=batch, model=model), axis, data, tensor, mesh_axes[axis],
+        math.prod(mesh_axes[a] for a in data), math.prod(mesh_axes[a] for a in tensor), batch,
+        link(axis), link(data[0]) if data else link(axis),
+        link(tensor[0]) if tensor else link(axis))

@@ -1,0 +1,102 @@
+"""A traced model cut into pipeline units (prefix, each layer, suffix), priced per sample.
+
+The layers are the graph's layer stack (:func:`nnscaler_jax.pipeline.stages.graph_layers`:
+numbered ``<prefix>_<i>`` modules or one ``nn.scan``); each unit is priced per sample by the
+:class:`~nnscaler_jax.cost.model.CostModel` (``op_time`` forward + backward,
+``activation_bytes`` of what autodiff keeps) plus its parameter bytes. The stage DP
+(:mod:`nnscaler_jax.pipeline.stage_dp`) and the runtime pricing
+(:mod:`nnscaler_jax.pipeline.pricing`) place stage boundaries between units.
+
+>>> import models
+>>> from nnscaler_jax.capture.trace import trace
+>>> spec = models.get("gpt", "tiny", n_layers=4)
+>>> [u.name for u in layer_units(trace(spec.module, *spec.make_args()), batch=2)]
+['<prefix>', 'h_0', 'h_1', 'h_2', 'h_3', '<suffix>']
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from nnscaler_jax.cost.devices import H100_80G
+from nnscaler_jax.cost.model import CostModel, itemsize
+from nnscaler_jax.cost.residuals import residual_outputs
+from nnscaler_jax.errors import PlanError
+from nnscaler_jax.ir.graph import Graph
+from nnscaler_jax.pipeline.stages import graph_layers
+
+__all__ = ["Unit", "layer_units"]
+
+TP_COLLECTIVES = 4
+"""All-reduces of a layer's output per forward + backward under Megatron tensor parallelism."""
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """One indivisible piece of the model, priced for one sample on one device.
+
+    Attributes:
+        name: ``'<prefix>'``, a layer (``h_3``, ``h[3]``), or ``'<suffix>'``.
+        time_s: forward + backward seconds.
+        act_bytes: activations kept for the backward pass.
+        param_bytes: parameter bytes (without gradient / optimizer state).
+        out_bytes: bytes of the activation sent to the next unit.
+        tp_collectives: all-reduces of ``out_bytes`` per pass under tensor parallelism
+            (Megatron: 2 per layer forward, 2 backward).
+    """
+
+    name: str
+    time_s: float
+    act_bytes: float
+    param_bytes: float
+    out_bytes: float
+    tp_collectives: int = 0
+
+
+def layer_units(graph: Graph, batch: int = 1, model: CostModel | None = None) -> list[Unit]:
+    """Cut ``graph`` (traced at batch ``batch``) into prefix / layers / suffix units per sample.
+
+    ``model``: the pricing (default: one H100, :data:`nnscaler_jax.cost.devices.H100_80G`).
+
+    Raises:
+        PlanError: the graph has no repeated layer stack.
+    """
+    model = model or CostModel.for_axes({"x": 1}, device=H100_80G)
+    try:
+        where = graph_layers(graph)
+    except PlanError as e:
+        raise PlanError(f"stage search: {e}") from None
+    saved = residual_outputs(graph)  # the activations autodiff keeps, after fusion
+    var_bytes = {t.id: math.prod(t.shape) * itemsize(t) for t in graph.variables}
+
+    def params_of(ops) -> float:
+        ids = {t.id for o in ops for t in o.inputs if t.id in var_bytes}
+        return float(sum(var_bytes[i] for i in ids))
+
+    def unit(name, ops, tp_coll=0, param_bytes=None) -> Unit:
+        flat = [o for o in ops if not o.regions]
+        t = sum(model.op_time(o, ()) for o in flat) / batch
+        act = sum(model.activation_bytes(o, (), saved.get(o.id, ())) for o in flat) / batch
+        out = flat[-1].outputs[0] if flat and flat[-1].outputs else None
+        ob = (math.prod(out.shape) * itemsize(out) / batch) if out is not None else 0.0
+        p = params_of(ops) if param_bytes is None else param_bytes
+        return Unit(name, t, act, p, ob, tp_coll)
+
+    ops, stack = graph.ops, where.stack
+    units = [unit("<prefix>", ops[:where.start])]
+    if stack.scanned:
+        scan = ops[where.start]
+        body = [o for region in scan.regions for o in region.walk()]
+        per_layer = sum(var_bytes[i] for i in {t.id for t in scan.inputs if t.id in var_bytes})
+        one = unit("", body, TP_COLLECTIVES, per_layer / stack.count)
+        units += [Unit(name, one.time_s, one.act_bytes, one.param_bytes, one.out_bytes,
+                       one.tp_collectives) for name in where.names]
+    else:
+        units += [unit(name, ops[a:b], TP_COLLECTIVES)
+                  for name, (a, b) in zip(where.names, where.bounds, strict=True)]
+    units.append(unit("<suffix>", ops[where.end:]))
+    # the prefix hands the first layer the same activation a layer hands the next
+    p0 = units[0]
+    units[0] = Unit(p0.name, p0.time_s, p0.act_bytes, p0.param_bytes, units[1].out_bytes, 0)
+    return units
