@@ -19,7 +19,7 @@ from nnscaler_jax.pipeline.pricing import RuntimeChoice, RuntimeSetup, runtime_s
 from nnscaler_jax.pipeline.stages import graph_layers, stage_of
 from nnscaler_jax.plan.plan import PipelineSettings, Plan, PlanCost
 
-__all__ = ["configure_pipeline", "estimate_pipelined", "price_pipeline"]
+__all__ = ["configure_pipeline"]
 
 
 def configure_pipeline(plan: Plan, graph: Graph, constraints: Constraints,
@@ -47,26 +47,6 @@ def configure_pipeline(plan: Plan, graph: Graph, constraints: Constraints,
     settings = PipelineSettings(stages, choice.microbatches, choice.schedule, choice.virtual,
                                 layers, report)
     return replace(plan, pipeline=settings, cost=_cost(choice))
-
-
-def price_pipeline(plan: Plan, graph: Graph, model: CostModel | None = None) -> RuntimeChoice:
-    """The runtime pricing of a pipelined ``plan``'s own settings (stages from its mesh,
-    micro-batches, schedule, virtual, data / tensor-parallel split by its policy).
-
-    Raises:
-        PlanError: ``plan`` does not pipeline, or the runtime cannot execute its settings.
-    """
-    pipe = plan.pipeline
-    if pipe is None:
-        raise PlanError("price_pipeline: the plan has no pipeline settings (plan.pipeline is "
-                        "None); price it with CostModel.plan_cost")
-    setup = runtime_setup(graph, dict(plan.mesh), plan.policy or None, model)
-    return _priced(setup, pipe.microbatches, pipe.schedule, pipe.virtual)
-
-
-def estimate_pipelined(plan: Plan, graph: Graph, model: CostModel | None = None) -> Plan:
-    """``plan`` (pipelined) with its cost from :func:`price_pipeline`."""
-    return replace(plan, cost=_cost(price_pipeline(plan, graph, model)))
 
 
 def _priced(setup: RuntimeSetup, microbatches: int, schedule: str,
