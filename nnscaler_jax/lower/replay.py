@@ -130,11 +130,15 @@ class Lowering:
         for op in self.graph.ops:
             _, outs = op_layouts(op, self._plans.get(op.id))
             for t, lay in zip(op.outputs, outs, strict=True):
-                lays[t.id] = self._resolve(t, lay)
+                lays[t.id] = self.resolve(t, lay)
         return [Layout(lays[t.id].dims).to_pspec() if t.id in lays else PartitionSpec()
                 for t in self.graph.outputs]
 
-    def _resolve(self, t: Tensor, lay: Layout) -> Layout:
+    def consumer_layout(self, tensor_id: int) -> Layout | None:
+        """The layout the first consumer of a tensor reads it in (None: no consumer)."""
+        return self._consumer_layout.get(tensor_id)
+
+    def resolve(self, t: Tensor, lay: Layout) -> Layout:
         """Replace partial axes by what the first consumer needs on them."""
         if not lay.partial:
             return lay
@@ -235,7 +239,7 @@ class Lowering:
                 if op is not None:
                     _, lays = op_layouts(op, self._plans.get(op.id))
                     lay = lays[[o.id for o in op.outputs].index(t.id)]
-                    x = self._constrain(x, t, self._resolve(t, lay))
+                    x = self._constrain(x, t, self.resolve(t, lay))
                 fixed.append(x)
             outs = fixed
         for t, x in zip(b.outputs, outs, strict=True):
@@ -254,7 +258,7 @@ class Lowering:
         else:
             outs = bind_eqn(op.eqn, ins)
         for t, x, lay in zip(op.outputs, outs, out_lays, strict=True):
-            env[t.id] = self._constrain(x, t, self._resolve(t, lay))
+            env[t.id] = self._constrain(x, t, self.resolve(t, lay))
 
     def _body_fn(self, body: Graph):
         def fn(*vals):

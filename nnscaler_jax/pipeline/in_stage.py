@@ -26,30 +26,25 @@ mesh (same devices, names and specs).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import jax
-import numpy as np
-from jax.extend import core as jcore
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
-from nnscaler_jax.capture.jaxpr import BOUNDARY, INLINE, InputInfo, graph_from_jaxpr
+from nnscaler_jax.capture.jaxpr import InputInfo, graph_from_jaxpr
 from nnscaler_jax.constraints import Constraints
 from nnscaler_jax.errors import PlanError
-from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Role, Tensor
+from nnscaler_jax.ir.graph import Graph, Role
 from nnscaler_jax.layout import Layout
+from nnscaler_jax.lower.eqns import EqnConstraints
 from nnscaler_jax.lower.replay import Lowering, auto_view
 from nnscaler_jax.mesh.axes import DATA_AXES
-from nnscaler_jax.plan.layouts import op_layouts
 from nnscaler_jax.plan.plan import VALUE, Plan
 from nnscaler_jax.search.entry import plan_spmd
 
 __all__ = ["InStagePlan", "plan_in_stage", "tensor_axes"]
 
-_Specs = tuple[P | None, ...]
 
 
 def tensor_axes(mesh_axes: dict[str, int], stage: str, policy: Any) -> tuple[str, ...]:
@@ -79,8 +74,8 @@ class InStagePlan:
     Attributes:
         axes: the tensor-parallel mesh axes (auto inside the ``shard_map``).
         graph / plan: the micro-batch program's graph and the policy's plan for it.
-        op_specs: ``id(eqn) -> (input specs, output specs)`` (None: leave unconstrained).
-        boundary_specs: ``id(eqn) -> output specs`` of custom-derivative calls bound whole.
+        constraints: the plan's sharding constraints keyed by equation (what the chunk
+            functions evaluate under).
         var_specs: per parameter leaf (flat index), its storage ``PartitionSpec`` entries.
         body_specs: ``scan`` body input var -> the layout its first consumer wants (the
             per-layer storage of an ``nn.scan`` stack, whose stacked variable the policies may
@@ -90,8 +85,7 @@ class InStagePlan:
     axes: tuple[str, ...]
     graph: Graph
     plan: Plan
-    op_specs: dict[int, tuple[_Specs, _Specs]]
-    boundary_specs: dict[int, _Specs]
+    constraints: EqnConstraints
     var_specs: tuple[tuple, ...]
     body_specs: dict
 
@@ -104,7 +98,7 @@ class InStagePlan:
 
     def evaluate(self, eqns: Any, env: dict) -> None:
         """Evaluate ``eqns`` into ``env`` with the plan's sharding constraints."""
-        _evaluate(self, eqns, env)
+        self.constraints.evaluate(eqns, env)
 
 
 def _sub_mesh(mesh: Mesh, axes: tuple[str, ...]) -> Mesh:
@@ -160,106 +154,25 @@ def plan_in_stage(closed: Any, param_paths: list[str], n_params: int, mesh: Mesh
         raise _stage_error(policy, tp, f"value-splits or co-shards op '{bad[0].primitive}' at "
                            f"'{bad[0].module_path}'", "Inside pipeline stages only dim splits "
                            "run; use policy='megatron' or 'auto'")
-    op_specs, boundary_specs, body_specs = _specs(graph, plan, sub)
+    low = Lowering(graph, plan, sub)
     var_specs = []
     for t in graph.inputs[:n_params]:
         spec = plan.variable_spec(t.name)
         var_specs.append(tuple(spec) + (None,) * (t.ndim - len(spec)) if spec is not None
                          else (None,) * t.ndim)
-    return InStagePlan(axes, graph, plan, op_specs, boundary_specs, tuple(var_specs), body_specs)
+    return InStagePlan(axes, graph, plan, EqnConstraints.of(low), tuple(var_specs),
+                       _body_specs(low))
 
 
-def _specs(graph: Graph, plan: Plan, mesh: Mesh) -> tuple[dict, dict, dict]:
-    """Per equation, the specs of its inputs and outputs under ``plan`` (see the docstring)."""
-    low = Lowering(graph, plan, mesh)
-    producer: dict[int, tuple[Any, int]] = {}
-    graphs = [graph]
-    for g in graphs:
-        for op in g.ops:
-            graphs.extend(op.regions)
-    for op in graph.walk():
-        for i, t in enumerate(op.outputs):
-            producer[t.id] = (op, i)
-
-    def spec(t: Tensor, lay: Layout) -> P | None:
-        if t.role is Role.CONST or t.ndim == 0:
-            return None
-        try:
-            np.dtype(t.dtype)
-        except TypeError:
-            return None
-        return lay.to_pspec(allow_partial=True)
-
-    def out_specs(op: Any) -> list[P | None]:
-        _, outs = op_layouts(op, low.plan_of(op))
-        return [spec(t, low._resolve(t, lay)) for t, lay in zip(op.outputs, outs, strict=True)]
-
-    op_specs, body_specs = {}, {}
-    for op in graph.walk():
-        if op.eqn is None:
+def _body_specs(low: Lowering) -> dict:
+    """``scan`` body input var -> the layout its first consumer reads (no partial sums)."""
+    out = {}
+    for op in low.graph.walk():
+        if op.eqn is None or op.primitive != "scan":
             continue
-        if op.primitive == "scan":
-            (body,) = op.regions
-            for v, t in zip(op.eqn.params["jaxpr"].jaxpr.invars, body.inputs, strict=True):
-                lay = low._consumer_layout.get(t.id)
-                if lay is not None and t.ndim:
-                    body_specs[v] = tuple(Layout(lay.dims).to_pspec())
-        ins, _ = op_layouts(op, low.plan_of(op))
-        op_specs[id(op.eqn)] = (tuple(spec(t, lay) for t, lay in zip(op.inputs, ins,
-                                                                        strict=True)),
-                                tuple(out_specs(op)))
-    boundary_specs = {}
-    for g in graphs:
-        for b in g.boundaries:
-            outs = []
-            for t in b.outputs:
-                if t.id in producer:
-                    op, i = producer[t.id]
-                    outs.append(out_specs(op)[i])
-                else:
-                    outs.append(None)
-            boundary_specs[id(b.eqn)] = tuple(outs)
-    return op_specs, boundary_specs, body_specs
-
-
-def _constrain(xs: list[Any], specs: _Specs | None) -> list[Any]:
-    if specs is None:
-        return xs
-    return [x if s is None else jax.lax.with_sharding_constraint(x, s)
-            for x, s in zip(xs, specs, strict=True)]
-
-
-def _evaluate(sp: InStagePlan, eqns: Any, env: dict) -> None:
-    def read(v):
-        return v.val if isinstance(v, jcore.Literal) else env[v]
-
-    for e in eqns:
-        name = e.primitive.name
-        ins = [read(v) for v in e.invars]
-        sub = e.params.get("jaxpr") if name in INLINE else None
-        if sub is not None:
-            outs = _call(sp, sub, ins)
-        elif name in REMAT_KINDS:
-            body = e.params["jaxpr"]
-            fn: Callable = lambda *a, body=body: _call(sp, body, list(a))
-            outs = jax.checkpoint(fn, prevent_cse=e.params.get("prevent_cse", True),
-                                  policy=e.params.get("policy"))(*ins)
-        else:
-            in_specs, out_specs = sp.op_specs.get(id(e), (None, None))
-            ins = _constrain(ins, in_specs)
-            with e.ctx.manager:
-                out = e.primitive.bind(*ins, **e.primitive.get_bind_params(e.params))
-            outs = list(out) if e.primitive.multiple_results else [out]
-            if name in BOUNDARY:
-                out_specs = sp.boundary_specs.get(id(e))
-            outs = _constrain(outs, out_specs)
-        for v, o in zip(e.outvars, outs, strict=True):
-            env[v] = o
-
-
-def _call(sp: InStagePlan, sub: Any, ins: list[Any]) -> list[Any]:
-    closed = sub if isinstance(sub, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(sub, ())
-    env = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
-    env.update(zip(closed.jaxpr.invars, ins, strict=True))
-    _evaluate(sp, closed.jaxpr.eqns, env)
-    return [v.val if isinstance(v, jcore.Literal) else env[v] for v in closed.jaxpr.outvars]
+        (body,) = op.regions
+        for v, t in zip(op.eqn.params["jaxpr"].jaxpr.invars, body.inputs, strict=True):
+            lay = low.consumer_layout(t.id)
+            if lay is not None and t.ndim:
+                out[v] = tuple(Layout(lay.dims).to_pspec())
+    return out

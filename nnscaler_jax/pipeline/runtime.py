@@ -40,12 +40,13 @@ from jax.sharding import PartitionSpec as P
 
 from nnscaler_jax.capture.flax import path_str
 from nnscaler_jax.errors import PlanError
+from nnscaler_jax.lower.eqns import NO_CONSTRAINTS
 from nnscaler_jax.lower.replay import auto_view
 from nnscaler_jax.mesh.axes import stage_axis as find_stage_axis
 from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.in_stage import InStagePlan, plan_in_stage, tensor_axes
 from nnscaler_jax.pipeline.loop_tables import loop_tables
-from nnscaler_jax.pipeline.split import eval_eqns, split_program
+from nnscaler_jax.pipeline.split import split_program
 
 __all__ = ["PipelineProgram", "PipelineStep", "stage_axis"]
 
@@ -117,7 +118,7 @@ class PipelineProgram:
         closed = jax.make_jaxpr(program)(*abstract, *jax.tree.leaves(mb_batch))
         self.split = split_program(closed, paths, type(module).__name__)
         self.stage_plan: InStagePlan | None = None
-        self._eval = eval_eqns
+        self._eval = NO_CONSTRAINTS.evaluate
         if self.tp_axes:
             self.stage_plan = plan_in_stage(closed, paths, n_params, mesh, self.axis, policy,
                                             root=type(module).__name__, rules=rules)

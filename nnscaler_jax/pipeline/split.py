@@ -15,7 +15,7 @@ from jax.extend import core as jcore
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.pipeline.stages import LayerStack, numbered_layers, variable_top
 
-__all__ = ["ProgramSplit", "eval_eqns", "split_program"]
+__all__ = ["ProgramSplit", "split_program"]
 
 
 def _unsupported(what: str) -> PlanError:
@@ -195,17 +195,3 @@ def _split_scanned(closed: Any, param_paths: list[str], tops: list) -> ProgramSp
                         tuple(zip(bj.invars[:nc], e.invars[:nc], strict=True)),
                         (tuple(pos[v] for v in xs),), True, int(e.params["length"]),
                         e.invars[nc], e.outvars[0], ())
-
-
-def eval_eqns(eqns, env: dict) -> None:
-    def read(v):
-        return v.val if isinstance(v, jcore.Literal) else env[v]
-
-    for e in eqns:
-        with e.ctx.manager:
-            out = e.primitive.bind(*[read(v) for v in e.invars],
-                                   **e.primitive.get_bind_params(e.params))
-        if not e.primitive.multiple_results:
-            out = [out]
-        for v, o in zip(e.outvars, out, strict=True):
-            env[v] = o
