@@ -167,7 +167,7 @@ class Draft:
 
     def _compile_assignment(self, op_id: int, assigned: dict[tuple, dict[str, int]]) -> OpPlan:
         op = self.graph.op(op_id)
-        splits = self._splits[op_id]
+        splits = self._splits.get(op_id, [])  # replicas only: no split level, replicated
         total = math.prod(n for _, n in splits)
         if len(assigned) != total:
             raise _op_error(op, f"{len(assigned)} of its {total} sub-ops are assigned",

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from jax.errors import InconclusiveDimensionOperation
+
 AnnotationRule = str | Callable[[Mapping[str, Any], Sequence[Any], Sequence[Any]], "str | None"]
 """An annotation string, or ``rule(params, in_avals, out_avals) -> str | None``."""
 
@@ -25,7 +27,7 @@ def shape_of(aval: Any) -> Shape | None:
         return None
     try:
         return tuple(int(s) for s in shape)
-    except TypeError:  # symbolic dims: not plannable
+    except (TypeError, InconclusiveDimensionOperation):  # symbolic dims: not plannable
         return None
 
 

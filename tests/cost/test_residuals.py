@@ -1,0 +1,105 @@
+"""`cost/residuals.py`: what each primitive's transpose reads, and which forward outputs a
+training step materialises for the backward pass (expected sets derived from the module's two
+rules by hand in each test)."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+
+from nnscaler_jax import trace
+from nnscaler_jax.cost.residuals import residual_outputs, saved_operands
+from nnscaler_jax.ir.graph import Op, Tensor
+
+F = lambda i: Tensor(i, (4, 4), "float32")
+I = lambda i: Tensor(i, (4,), "int32")
+
+
+def _op(prim, n_in, ints=()):
+    ins = tuple(I(k) if k in ints else F(k) for k in range(n_in))
+    return Op(9, prim, ins, (F(8),), "")
+
+
+@pytest.mark.parametrize(("prim", "n_in", "ints", "grads", "want"), [
+    ("add", 2, (), (True, True), ([], [])),                    # linear: nothing
+    ("reduce_sum", 1, (), (True,), ([], [])),
+    ("gather", 2, (1,), (True, False), ([1], [])),             # its indices
+    ("select_n", 3, (0,), (False, True, True), ([0], [])),     # its predicate
+    ("exp", 1, (), (True,), ([], [0])),                        # its output
+    ("rsqrt", 1, (), (True,), ([0], [0])),                     # both
+    ("mul", 2, (), (True, False), ([1], [])),                  # the other operand
+    ("mul", 2, (), (True, True), ([0, 1], [])),
+    ("dot_general", 2, (), (False, True), ([0], [])),
+    ("div", 2, (), (True, False), ([1], [])),                  # d/dx = 1/y
+    ("div", 2, (), (False, True), ([0, 1], [])),               # d/dy = -x/y^2
+    ("log", 1, (), (True,), ([0], [])),                        # anything else: its inputs
+    ("mul", 2, (), (False, False), ([], [])),                  # no gradient: nothing
+])
+def test_saved_operands(prim, n_in, ints, grads, want):
+    assert saved_operands(_op(prim, n_in, ints), grads) == want
+
+
+def _saved_prims(module, *shapes):
+    g = trace(module, *(jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes))
+    by_id = {op.id: op for op in g.walk()}
+    return sorted((by_id[i].primitive, by_id[i].module_path, ks)
+                  for i, ks in residual_outputs(g).items())
+
+
+class Chain(nn.Module):
+    """fc1 -> act -> fc2, no biases."""
+
+    act: str = "tanh"
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(8, use_bias=False, name="fc1")(x)
+        if self.act == "tanh":
+            h = jnp.tanh(h)
+        elif self.act == "relu":
+            h = jnp.maximum(h, 0.0)
+        elif self.act == "scale":
+            h = h * 2.0
+        elif self.act == "exp_reshape":
+            h = jnp.exp(h).reshape(h.shape[0], 2, 4).reshape(h.shape)
+        elif self.act == "scale_sin":
+            h = jnp.sin(h * 2.0)
+        return nn.Dense(4, use_bias=False, name="fc2")(h)
+
+
+def test_tanh_saves_its_output_once():
+    # tanh's transpose reads its output; fc2's weight gradient reads the same value
+    assert _saved_prims(Chain("tanh"), (2, 16)) == [("tanh", "", (0,))]
+
+
+def test_relu_mask_keeps_the_matmul_output_and_its_own():
+    # max saves its input (fc1's output, materialised: max is a masked transpose) and fc2's
+    # weight gradient reads max's output (a matmul operand is materialised)
+    assert _saved_prims(Chain("relu"), (2, 16)) == [("dot_general", "fc1", (0,)),
+                                                    ("max", "", (0,))]
+
+
+def test_a_cheap_op_feeding_a_matmul_is_materialised():
+    # fc2 reads h * 2 as a matmul operand: XLA materialises it; mul by a constant saves nothing
+    assert _saved_prims(Chain("scale"), (2, 16)) == [("mul", "", (0,))]
+
+
+def test_bitcast_reshapes_fold_into_the_matmul_operand():
+    # exp saves its output; fc2 reads reshape(reshape(exp)): bitcasts, so exp's output is kept
+    assert _saved_prims(Chain("exp_reshape"), (2, 16)) == [("exp", "", (0,))]
+
+
+def test_cheap_producers_fuse_into_an_elementwise_transpose():
+    # sin saves its input h * 2; mul is cheap, so XLA recomputes it from fc1's output; fc2
+    # reads sin's output (not cheap: kept)
+    assert _saved_prims(Chain("scale_sin"), (2, 16)) == [("dot_general", "fc1", (0,)),
+                                                         ("sin", "", (0,))]
+
+
+def test_nothing_is_saved_without_gradients_and_results_are_cached():
+    g = trace(Chain("tanh"), jax.ShapeDtypeStruct((2, 16), jnp.float32))
+    assert residual_outputs(g, grads=set()) == {}
+    first = residual_outputs(g)
+    assert residual_outputs(g) is first  # memoised per graph object

@@ -1,0 +1,141 @@
+"""`lower/hlo.py`: reading collectives out of HLO text (synthetic lines in each replica-group
+syntax XLA prints; nothing compiled) and the collectives a plan implies (`expected_collectives`)."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from meshes import make_mesh
+
+from nnscaler_jax import trace
+from nnscaler_jax.lower.hlo import HloCollective, expected_collectives, hlo_collectives, summarize
+from nnscaler_jax.primitives import Draft
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return make_mesh((2, 4), ("data", "model"))
+
+
+def _ids(mesh):
+    return np.vectorize(lambda d: d.id)(mesh.devices)
+
+
+def _groups(rows):
+    return "{" + ",".join("{" + ",".join(str(int(i)) for i in r) + "}" for r in rows) + "}"
+
+
+def _line(op, groups, ty="f32[8,4]{1,0}"):
+    return f"  %x.1 = {ty} {op}({ty} %p), channel_id=1, replica_groups={groups}, to_apply=%add"
+
+
+def test_explicit_groups_name_the_axis_they_span(mesh):
+    ids = _ids(mesh)
+    (c,) = hlo_collectives(_line("all-reduce", _groups(ids)), mesh)          # rows: 'model'
+    assert c == HloCollective("all_reduce", 8 * 4 * 4, ("model",))
+    (c,) = hlo_collectives(_line("all-reduce", _groups(ids.T)), mesh)        # columns: 'data'
+    assert c.axes == ("data",)
+    (c,) = hlo_collectives(_line("all-reduce", _groups([ids.reshape(-1)])), mesh)
+    assert c.axes == ("data", "model")
+    odd = [[ids[0, 0], ids[1, 1]], [ids[0, 1], ids[1, 0]]]   # no mesh axis groups these
+    assert hlo_collectives(_line("all-reduce", _groups(odd)), mesh)[0].axes == ("?",)
+    single = [[i] for i in ids.reshape(-1)]                   # groups of one: no axis
+    assert hlo_collectives(_line("all-reduce", _groups(single)), mesh)[0].axes == ()
+
+
+def test_iota_groups(mesh):
+    if not (_ids(mesh) == np.arange(8).reshape(2, 4)).all():
+        pytest.skip("iota groups index devices in mesh order only when ids are an iota")
+    assert hlo_collectives(_line("all-gather", "[2,4]<=[8]"), mesh)[0].axes == ("model",)
+    assert hlo_collectives(_line("all-gather", "[4,2]<=[2,4]T(1,0)"), mesh)[0].axes == ("data",)
+
+
+def test_kinds_bytes_and_async_pairs(mesh):
+    ids = _ids(mesh)
+    g = _groups(ids)
+    text = "\n".join([
+        _line("reduce-scatter", g, "bf16[2,4]{1,0}"),
+        _line("all-to-all", g, "(f32[4], s32[2,2], pred[8])"),
+        f"  %s = f32[16]{{0}} all-gather-start(f32[4] %p), replica_groups={g}",
+        "  %d = f32[16]{0} all-gather-done(f32[16] %s)",
+        "  %add.3 = f32[8,4]{1,0} add(f32[8,4] %a, f32[8,4] %b)",
+    ])
+    got = hlo_collectives(text, mesh)
+    assert [(c.kind, c.bytes) for c in got] == [
+        ("reduce_scatter", 2 * 4 * 2),
+        ("all_to_all", 4 * 4 + 4 * 4 + 8 * 1),
+        ("all_gather", 16 * 4),
+    ]
+    pairs = ",".join(f"{{{ids[0, j]},{ids[1, j]}}}" for j in range(4))
+    line = f"  %cp = f32[4]{{0}} collective-permute(f32[4] %p), source_target_pairs={{{pairs}}}"
+    assert hlo_collectives(line, mesh) == [HloCollective("ppermute", 16, ("data",))]
+
+
+def test_a_collective_without_groups_spans_nothing(mesh):
+    (c,) = hlo_collectives("  %r = f32[2]{0} all-reduce(f32[2] %p), to_apply=%add", mesh)
+    assert c.axes == () and c.bytes == 8
+
+
+class TwoDense(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(8, use_bias=False, name="fc1")(x)
+        return jnp.tanh(nn.Dense(4, use_bias=False, name="fc2")(h))
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return trace(TwoDense(), jax.ShapeDtypeStruct((8, 16), jnp.float32))
+
+
+def _plan(graph, fc1=None, fc2=None, store=None, mesh=None):
+    d = Draft(graph, dict(mesh or {"data": 2, "model": 4}))
+    for path, split in (("fc1", fc1), ("fc2", fc2)):
+        op = graph.op(path)
+        if split is not None:
+            d.decide(op, split)
+    for name, spec in (store or {}).items():
+        d.store_variable(name, spec)
+    return d.finish()
+
+
+def test_megatron_forward_implies_one_all_reduce(graph):
+    plan = _plan(graph, fc1={"model": "n0"}, fc2={"model": "k0"})
+    got = expected_collectives(graph, plan)
+    assert [(k, a) for k, a, _ in got] == [("all_reduce", "model")]  # fc2's partial sums
+    assert summarize(got) == {("all_reduce", ("model",)): 1}
+
+
+def test_a_split_read_replicated_is_gathered(graph):
+    plan = _plan(graph, fc1={"model": "n0"}, fc2={})
+    got = expected_collectives(graph, plan)
+    h = graph.op("fc2").inputs[0]
+    assert got == [("all_gather", "model", str(h))]
+
+
+def test_a_split_moved_to_another_dim_is_an_all_to_all(graph):
+    plan = _plan(graph, fc1={"model": "m0"}, fc2={"model": "k0"})
+    got = [(k, a) for k, a, _ in expected_collectives(graph, plan)]
+    # h: rows split (fc1) -> columns split (fc2 contracts them); then fc2's partial sums
+    assert got == [("all_to_all", "model"), ("all_reduce", "model")]
+
+
+def test_sharded_storage_read_whole_is_gathered(graph):
+    plan = _plan(graph, fc1={}, fc2={}, store={"params/fc1/kernel": ("data", None)})
+    kernel = next(t for t in graph.variables if t.name == "params/fc1/kernel")
+    assert expected_collectives(graph, plan) == [("all_gather", "data", str(kernel))]
+
+
+def test_axes_of_size_one_imply_nothing(graph):
+    plan = _plan(graph, fc1={"model": "n0"}, fc2={}, mesh={"data": 2, "model": 1})
+    assert expected_collectives(graph, plan) == []
+
+
+def test_summarize_counts_both_kinds_of_items():
+    items = [HloCollective("all_reduce", 4, ("model",)), ("all_reduce", "model", "%1"),
+             HloCollective("all_gather", 4, ("data", "model"))]
+    assert summarize(items) == {("all_reduce", ("model",)): 2,
+                                ("all_gather", ("data", "model")): 1}

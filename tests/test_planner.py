@@ -1,0 +1,86 @@
+"""`planner.py`: ``make_plan`` / ``plan_and_report`` on abstract meshes: the mesh forms agree,
+saved plans are checked and reused, the policy default under pipeline stages, ZeRO recorded."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from meshes import make_mesh
+
+import models
+from nnscaler_jax import Constraints, trace
+from nnscaler_jax.capture.trace import capture_spec
+from nnscaler_jax.cost.model import CostModel
+from nnscaler_jax.errors import PlanFormatError
+from nnscaler_jax.mesh.topology import LinkCost
+from nnscaler_jax.planner import make_plan, plan_and_report
+
+AXES = {"data": 2, "model": 4}
+
+
+class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(16, name="fc2")(nn.relu(nn.Dense(32, name="fc1")(x)))
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return trace(Net(), jax.ShapeDtypeStruct((8, 16), jnp.float32))
+
+
+def test_a_dict_an_abstract_mesh_and_a_mesh_give_one_plan(graph):
+    plans = [make_plan(graph, m, policy="megatron") for m in (
+        AXES, jax.sharding.AbstractMesh((2, 4), ("data", "model")),
+        make_mesh((2, 4), ("data", "model")))]
+    assert plans[0] == plans[1] == plans[2]
+    assert plans[0].mesh == (("data", 2), ("model", 4)) and plans[0].policy == "megatron"
+
+
+def test_the_plan_comes_priced_by_the_given_cost_model(graph):
+    plan = make_plan(graph, AXES, policy="dp")
+    assert plan.cost == CostModel.for_axes(AXES).plan_cost(plan, graph)
+    slow = CostModel.for_axes(AXES, links=LinkCost(1e-3, 1e-6))
+    priced = make_plan(graph, AXES, policy="dp", cost_model=slow)
+    assert priced.cost.comm_time_s > plan.cost.comm_time_s  # same plan, slower links
+    assert priced.ops == plan.ops
+
+
+def test_a_saved_plan_is_checked_and_returned_as_is(graph):
+    saved = make_plan(graph, AXES, policy="dp")
+    assert make_plan(graph, AXES, plan=saved, policy="megatron") is saved
+    with pytest.raises(PlanFormatError, match="mesh"):
+        make_plan(graph, {"data": 8}, plan=saved)
+    other = trace(Net(), jax.ShapeDtypeStruct((4, 16), jnp.float32))
+    with pytest.raises(PlanFormatError, match="another model"):
+        make_plan(other, AXES, plan=saved)
+
+
+def test_plan_and_report_times_planning_and_a_policy_function_names_the_plan(graph):
+    def mine(draft, mesh):
+        return draft.finish()
+
+    planned = plan_and_report(graph, AXES, policy=mine)
+    assert planned.plan.policy == "mine" and planned.seconds >= 0
+    assert all(p.split == () for p in planned.plan.ops)
+    assert planned.report is None  # no search ran
+
+
+def test_zero_is_recorded_on_any_policy(graph):
+    plan = make_plan(graph, AXES, policy="megatron", constraints=Constraints(zero=3))
+    assert plan.zero == 3
+    kernel = plan.variable_spec("params/fc1/kernel")
+    assert "model" in kernel and any(e == "data" or (isinstance(e, tuple) and "data" in e)
+                                     for e in kernel)
+    assert make_plan(graph, AXES, policy="dp", constraints=Constraints(zero=1)).zero == 1
+
+
+def test_pipeline_stages_without_a_policy_are_data_parallel_inside():
+    spec = models.get("gpt", "tiny", batch_size=8)
+    g = capture_spec(spec).graph
+    plan = make_plan(g, {"stage": 2, "data": 2}, policy=None,
+                     constraints=Constraints(pipeline_stages=2, microbatches=2))
+    assert plan.policy == "dp" and plan.stages == 2
+    assert plan.pipeline.microbatches == 2
