@@ -74,10 +74,10 @@ from nnscaler_jax.cost.plan_walk import analyze
 from nnscaler_jax.cost.profile import ProfileDB
 from nnscaler_jax.cost.relayout import (
     Split,
-    add_storage_axis,
     drop_partial,
     partial_grad_axes,
     relayout_price,
+    storage_layout,
 )
 from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout
@@ -257,8 +257,7 @@ class CostModel:
             return 0.0, 0
         dst = drop_partial(layout)
         if v.role is Role.VARIABLE and self.zero >= 3:
-            for a in axes:
-                dst = add_storage_axis(self.mesh, v, dst, a)
+            dst = storage_layout(self.mesh, v, dst, axes)
         return relayout_price(interned(Layout(layout.dims, tuple(axes))), dst, v.shape, itemsize(v),
                      self.mesh)
 

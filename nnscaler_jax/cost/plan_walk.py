@@ -22,11 +22,11 @@ from nnscaler_jax.cost.compute import (
 )
 from nnscaler_jax.cost.relayout import (
     Split,
-    add_storage_axis,
     drop_partial,
     grad_source,
     partial_grad_axes,
     relayout_price,
+    storage_layout,
 )
 from nnscaler_jax.cost.residuals import MASKED, residual_outputs, saved_operands
 from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
@@ -142,69 +142,98 @@ def _partial_outputs(graph: Graph, layout: Mapping[int, Layout]) -> list[_Edge]:
 
 
 def analyze(model: Any, plan: Plan, graph: Graph) -> _Analysis:
+    """Step time, bytes moved and per-device memory of ``plan`` (see the module docs)."""
     zero = max(model.zero, plan.zero)
-    mesh = model.mesh
-    plans = plan._by_id()
     grads = grad_tensors(graph, model.input_grads)
-    saved = residual_outputs(graph, grads if model.input_grads else None)
-    kinds = _boundary_kinds(graph)
-    sole = sole_read_variables(graph)
-    layout: dict[int, Layout] = {}
-    for t in graph.inputs:
-        spec = plan.variable_spec(t.name) if t.role is Role.VARIABLE else None
-        layout[t.id] = Layout.from_pspec(spec, t.ndim) if spec else Layout.replicated(t.ndim)
     out = _Analysis()
-    edges: list[_Edge] = []
-    kept: dict[int, float] = {}
-    remat_inputs: dict[int, int] = {}  # boundary id -> multiplicity
-    remat_sum: dict[int, float] = {}
-    # the variable a tensor is computed from alone (reshapes, casts; region body inputs)
-    origin: dict[int, int] = {v.id: v.id for v in graph.variables}
-    first_want: dict[int, Layout] = {}
-    scans: list[tuple[Op, tuple[Layout, ...], int]] = []
-    for op, mult in walk_weighted(graph):
-        p = plans.get(op.id) or OpPlan(op.id, op.primitive, op.module_path)
-        ins, outs = plan_layouts(op, plans, sole)
+    walk = _Walk(model, plan, graph, grads, zero, out)
+    walk.run()
+    store, var_ids = _storage(model, plan, graph, walk.edges, walk.origin, zero, out)
+    _communication(model, walk.edges, store, var_ids, grads, zero, out)
+    return out
+
+
+class _Walk:
+    """One pass over the ops in program order: compute, layouts (the edges between them), what
+    is kept for the backward and the largest transient."""
+
+    def __init__(self, model: Any, plan: Plan, graph: Graph, grads, zero: int,
+                 out: _Analysis) -> None:
+        self.model, self.graph, self.grads, self.zero, self.out = model, graph, grads, zero, out
+        self.plans = plan._by_id()
+        self.saved = residual_outputs(graph, grads if model.input_grads else None)
+        self.kinds = _boundary_kinds(graph)
+        self.sole = sole_read_variables(graph)
+        self.layout: dict[int, Layout] = {}
+        for t in graph.inputs:
+            spec = plan.variable_spec(t.name) if t.role is Role.VARIABLE else None
+            self.layout[t.id] = Layout.from_pspec(spec, t.ndim) if spec else \
+                Layout.replicated(t.ndim)
+        self.edges: list[_Edge] = []
+        self.kept: dict[int, float] = {}
+        self.remat_inputs: dict[int, int] = {}  # boundary id -> multiplicity
+        self.remat_sum: dict[int, float] = {}
+        # the variable a tensor is computed from alone (reshapes, casts; region body inputs)
+        self.origin: dict[int, int] = {v.id: v.id for v in graph.variables}
+        self.first_want: dict[int, Layout] = {}
+        self.scans: list[tuple[Op, tuple[Layout, ...], int]] = []
+
+    def run(self) -> None:
+        for op, mult in walk_weighted(self.graph):
+            self.op(op, mult)
+        self.edges += _scan_outputs(self.scans, self.layout)
+        self.edges += _partial_outputs(self.graph, self.layout)
+        out, layout, model = self.out, self.layout, self.model
+        for b, mult in self.remat_inputs.items():
+            for t in self.kinds[b][1]:
+                if t.role in (Role.VALUE, Role.INPUT) and t.id in layout:
+                    lays = [layout[t.id]] + ([self.first_want[t.id]]
+                                             if t.id in self.first_want else [])
+                    self.kept.setdefault(t.id, min(model._local_bytes(t, lay)
+                                                   for lay in lays) * mult)
+        out.activations = sum(self.kept.values())
+        out.transient = max([out.transient, *self.remat_sum.values()])
+
+    def op(self, op: Op, mult: int) -> None:
+        model, out, origin = self.model, self.out, self.origin
+        p = self.plans.get(op.id) or OpPlan(op.id, op.primitive, op.module_path)
+        ins, outs = plan_layouts(op, self.plans, self.sole)
         for t, want in zip(op.inputs, ins, strict=True):
-            have = layout.get(t.id)
+            have = self.layout.get(t.id)
             if have is not None and t.ndim:
-                edges.append(_Edge(t, have, want, p.split, mult, bool(op.regions)))
-                first_want.setdefault(t.id, want)
+                self.edges.append(_Edge(t, have, want, p.split, mult, bool(op.regions)))
+                self.first_want.setdefault(t.id, want)
         for t, lay in zip(op.outputs, outs, strict=True):
-            layout[t.id] = lay
+            self.layout[t.id] = lay
         if op.regions:
-            _region_layouts(op, ins, layout, origin)
+            _region_layouts(op, ins, self.layout, origin)
             if op.primitive == "scan":
-                scans.append((op, outs, mult * region_length(op)))
-            continue
+                self.scans.append((op, outs, mult * region_length(op)))
+            return
         srcs = {origin[t.id] for t in op.inputs if t.id in origin}
         if len(srcs) == 1 and all(t.id in origin or t.role is Role.CONST for t in op.inputs):
             origin.update({t.id: next(iter(srcs)) for t in op.outputs})  # a weight, reshaped
-        mask = tuple(t.id in grads for t in op.inputs)
+        mask = tuple(t.id in self.grads for t in op.inputs)
         out.compute += model._op_time(op, p.split, mask) * mult
         if op.primitive in MASKED and not op.boundary:
-            _gathered_operands(model, op, mask, ins, layout, zero, mult, kept)
+            _gathered_operands(model, op, mask, ins, self.layout, self.zero, mult, self.kept)
         local = sum(model._local_bytes(t, lay) for t, lay in zip(op.outputs, outs, strict=True))
         out.transient = max(out.transient, local)
-        remat = [b for b in op.boundary if kinds.get(b, ("",))[0] in REMAT_KINDS]
+        remat = [b for b in op.boundary if self.kinds.get(b, ("",))[0] in REMAT_KINDS]
         if remat:  # recomputed in the backward: one more forward
             out.compute += model.forward_time(op, p.split) * mult
-            remat_inputs.setdefault(remat[0], mult)
-            remat_sum[remat[0]] = remat_sum.get(remat[0], 0.0) + local * mult
+            self.remat_inputs.setdefault(remat[0], mult)
+            self.remat_sum[remat[0]] = self.remat_sum.get(remat[0], 0.0) + local * mult
         elif op.primitive not in FREE:
-            for k in saved.get(op.id, ()):
-                kept[op.outputs[k].id] = model._local_bytes(op.outputs[k], outs[k]) * mult
-    edges += _scan_outputs(scans, layout)
-    edges += _partial_outputs(graph, layout)
-    for b, mult in remat_inputs.items():
-        for t in kinds[b][1]:
-            if t.role in (Role.VALUE, Role.INPUT) and t.id in layout:
-                lays = [layout[t.id]] + ([first_want[t.id]] if t.id in first_want else [])
-                kept.setdefault(t.id, min(model._local_bytes(t, lay) for lay in lays) * mult)
-    out.activations = sum(kept.values())
-    out.transient = max([out.transient, *remat_sum.values()])
+            for k in self.saved.get(op.id, ()):
+                self.kept[op.outputs[k].id] = model._local_bytes(op.outputs[k], outs[k]) * mult
 
-    # data-parallel axes of each weight, and its storage under the ZeRO stage
+
+def _storage(model: Any, plan: Plan, graph: Graph, edges: list[_Edge],
+             origin: Mapping[int, int], zero: int,
+             out: _Analysis) -> tuple[dict[int, Layout], set[int]]:
+    """Data-parallel axes of each weight and its storage under the ZeRO stage (parameters,
+    gradients and optimizer state added to ``out``): ``(variable -> storage, variable ids)``."""
     var_ids = {v.id for v in graph.variables}
     dp: dict[int, tuple[str, ...]] = {v.id: () for v in graph.variables}
     for e in edges:
@@ -215,17 +244,18 @@ def analyze(model: Any, plan: Plan, graph: Graph) -> _Analysis:
     for v in graph.variables:
         lay = layout_v = Layout.from_pspec(plan.variable_spec(v.name), v.ndim) \
             if plan.variable_spec(v.name) else Layout.replicated(v.ndim)
-        if zero >= 3:
-            for a in dp[v.id]:
-                if a not in lay.split_axes and a not in lay.partial:
-                    lay = add_storage_axis(model.mesh, v, lay, a)
-        store[v.id] = lay
+        store[v.id] = storage_layout(model.mesh, v, lay, dp[v.id]) if zero >= 3 else lay
         pb, gb, ob = model.state_bytes(v, layout_v, dp[v.id], zero)
         out.params += pb
         out.grads += gb
         out.optimizer += ob
+    return store, var_ids
 
-    # communication: forward paths, then each gradient reduced once per (tensor, layout)
+
+def _communication(model: Any, edges: list[_Edge], store: Mapping[int, Layout],
+                   var_ids: set[int], grads, zero: int, out: _Analysis) -> None:
+    """Forward paths, then each gradient reduced once per (tensor, layout), added to ``out``."""
+    mesh = model.mesh
     backward: dict[tuple[int, Layout], tuple[Tensor, Layout, int]] = {}
     gathered: dict[int, int] = {}
     for e in edges:
@@ -251,4 +281,3 @@ def analyze(model: Any, plan: Plan, graph: Graph) -> _Analysis:
     out.activations += sum(gathered.values())
     # the reduction buffer lives at the end of the backward, when the residuals are freed
     out.transient = max(out.transient, sum(synced.values()) - out.activations)
-    return out

@@ -9,6 +9,7 @@ gradient a reader hands back, ZeRO-3 storage axes, and the price of one relayout
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from functools import lru_cache
 
 from nnscaler_jax.ir.graph import Tensor
@@ -16,9 +17,10 @@ from nnscaler_jax.layout import Layout, comm_path
 from nnscaler_jax.layout.rvd import interned
 from nnscaler_jax.mesh.topology import MeshSpec
 from nnscaler_jax.plan.plan import VALUE
+from nnscaler_jax.plan.zero import zero3_layout
 
-__all__ = ["Split", "add_storage_axis", "drop_partial", "grad_source", "partial_grad_axes",
-           "relayout_price"]
+__all__ = ["Split", "drop_partial", "grad_source", "partial_grad_axes",
+           "relayout_price", "storage_layout"]
 
 Split = tuple[tuple[str, str], ...]
 
@@ -42,15 +44,16 @@ def grad_source(want: Layout, split: Split) -> Layout:
     return Layout(want.dims, partial_grad_axes(want, split))
 
 
-def add_storage_axis(mesh: MeshSpec, v: Tensor, lay: Layout, axis: str) -> Layout:
-    """``lay`` with ``axis`` splitting the first dim of ``v`` it divides (ZeRO-3 storage over a
-    data-parallel axis), else ``lay``."""
-    p = mesh.size(axis)
-    for i, n in enumerate(v.shape):
-        ways = math.prod(mesh.size(a) for a in lay.dims[i])
-        if n % (ways * p) == 0:
-            return lay.replace_axis(axis, ("D", i))
-    return lay
+@lru_cache(maxsize=64)
+def _sizes(mesh: MeshSpec) -> dict[str, int]:
+    return dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+
+
+def storage_layout(mesh: MeshSpec, v: Tensor, lay: Layout, axes: Sequence[str]) -> Layout:
+    """How a plan whose storage was not sharded is priced under ZeRO-3: variable ``v`` kept as
+    ``lay``, its data-parallel ``axes`` (those its readers split, ``lay`` not) added one at a
+    time (:func:`~nnscaler_jax.plan.zero.zero3_layout`, ``joint=False``)."""
+    return zero3_layout(v.shape, lay, axes, _sizes(mesh), joint=False)
 
 
 @lru_cache(maxsize=65536)

@@ -136,6 +136,36 @@ def _progress(iterable, total: int, desc: str):
     return tqdm(iterable, total=total, desc=desc, disable=None, leave=False)
 
 
+class _Rows:
+    """The ILP's constraint matrix in COO form, one row at a time, and its variables' costs."""
+
+    def __init__(self, nv: int) -> None:
+        self.nv = nv  # variables so far
+        self.r = 0  # rows so far
+        self.rows: list[int] = []
+        self.cols: list = []
+        self.vals: list = []
+        self.lb: list[float] = []
+        self.ub: list[float] = []
+        self.c_parts: list[np.ndarray] = []
+
+    def add(self, cols: list, vals: list, lo: float, hi: float) -> None:
+        """One constraint ``lo <= sum(vals * x[cols]) <= hi``."""
+        self.rows += [self.r] * len(cols)
+        self.cols += cols
+        self.vals += vals
+        self.lb.append(lo)
+        self.ub.append(hi)
+        self.r += 1
+
+    def variables(self, cost: np.ndarray) -> int:
+        """New continuous variables costing ``cost`` (microseconds); the index of the first."""
+        base = self.nv
+        self.nv += len(cost)
+        self.c_parts.append(cost)
+        return base
+
+
 def solve(tables: CostTables, *, max_memory: float | None = None, time_limit: float = 60.0,
           desc: str = "ILP", memory_offset: float = 0.0,
           transient_floor: float = 0.0) -> _Solution:
@@ -148,78 +178,24 @@ def solve(tables: CostTables, *, max_memory: float | None = None, time_limit: fl
     if any(k == 0 for k in n):
         raise PlanError("a group has no strategy left (rules removed them all)")
     off = np.concatenate([[0], np.cumsum(n)]).astype(np.int64)
-    nv = int(off[-1])
-    c_parts = [(tables.unary(g) * _SCALE) for g in range(len(n))]
-    rows, cols, vals, lb, ub = [], [], [], [], []
-    r = 0
+    lp = _Rows(int(off[-1]))
+    lp.c_parts += [(tables.unary(g) * _SCALE) for g in range(len(n))]
     for g, k in enumerate(n):  # one strategy per group
-        rows += [r] * k
-        cols += list(range(off[g], off[g] + k))
-        vals += [1.0] * k
-        lb.append(1.0)
-        ub.append(1.0)
-        r += 1
-    for e in _progress(tables.edges, len(tables.edges), desc):
-        nr, nc = e.cost.shape
-        base = nv
-        nv += nr * nc
-        c_parts.append(e.cost.ravel() * _SCALE)
-        idx = base + np.arange(nr * nc).reshape(nr, nc)
-        # Pair variables tie to both ends: each row x sums to the source strategies in class x,
-        # each column y to the destination strategies in class y (the last column is implied).
-        ties = [(idx[x], np.nonzero(e.rows == x)[0] + off[e.src]) for x in range(nr)]
-        ties += [(idx[:, y], np.nonzero(e.cols == y)[0] + off[e.dst]) for y in range(nc - 1)]
-        for pair_vars, members in ties:
-            rows += [r] * (len(pair_vars) + len(members))
-            cols += list(pair_vars) + members.tolist()
-            vals += [1.0] * len(pair_vars) + [-1.0] * len(members)
-            lb.append(0.0)
-            ub.append(0.0)
-            r += 1
-    for ss in tables.syncs:  # z_c >= sum of a reader's strategies handing back class c
-        base = nv
-        nv += len(ss.cost)
-        c_parts.append(ss.cost * _SCALE)
-        for g, cls in ss.readers:
-            for c in np.unique(cls[cls >= 0]):
-                members = np.nonzero(cls == c)[0] + off[g]
-                rows += [r] * (len(members) + 1)
-                cols += [base + int(c)] + members.tolist()
-                vals += [1.0] + [-1.0] * len(members)
-                lb.append(0.0)
-                ub.append(np.inf)
-                r += 1
-    mem = np.concatenate(tables.memory) if n else np.zeros(0)
-    if max_memory is not None:  # kept bytes + T <= M, T >= the chosen transient of each group
-        scale = max(float(mem.max(initial=0.0)), 1.0)
-        tvar = nv
-        nv += 1
-        c_parts.append(np.zeros(1))
-        rows += [r] * (int(off[-1]) + 1)
-        cols += list(range(int(off[-1]))) + [tvar]
-        vals += (mem / scale).tolist() + [1.0]
-        lb.append(-np.inf)
-        ub.append((max_memory - memory_offset) / scale)
-        r += 1
-        for g, k in enumerate(n):
-            tr = tables.transient[g] if tables.transient else np.zeros(k)
-            if not np.any(tr):
-                continue
-            rows += [r] * (k + 1)
-            cols += [tvar] + list(range(off[g], off[g] + k))
-            vals += [1.0] + (-tr / scale).tolist()
-            lb.append(0.0)
-            ub.append(np.inf)
-            r += 1
-    a = sparse.csr_array((vals, (rows, cols)), shape=(r, nv))
-    c = np.concatenate(c_parts)
+        lp.add(list(range(off[g], off[g] + k)), [1.0] * k, 1.0, 1.0)
+    _edge_rows(lp, tables, off, desc)
+    _sync_rows(lp, tables, off)
+    scale = _memory_rows(lp, tables, off, max_memory, memory_offset) \
+        if max_memory is not None else 1.0
+    nv = lp.nv
+    a = sparse.csr_array((lp.vals, (lp.rows, lp.cols)), shape=(lp.r, nv))
+    c = np.concatenate(lp.c_parts)
     last = np.arange(nv) == nv - 1
     bounds = Bounds(np.where(last, transient_floor / scale, 0.0), np.where(last, np.inf, 1.0)) \
         if max_memory is not None else Bounds(0.0, 1.0)
     integrality = np.zeros(nv)
     integrality[: int(off[-1])] = 1
-    log.info("%s: %d variables (%d binary), %d constraints", desc, nv, int(off[-1]), r)
-    res = milp(c, constraints=LinearConstraint(a, lb, ub), integrality=integrality,
+    log.info("%s: %d variables (%d binary), %d constraints", desc, nv, int(off[-1]), lp.r)
+    res = milp(c, constraints=LinearConstraint(a, lp.lb, lp.ub), integrality=integrality,
                bounds=bounds,
                options={"time_limit": float(time_limit), "disp": False, "mip_rel_gap": 1e-6})
     if res.x is None:
@@ -229,7 +205,52 @@ def solve(tables: CostTables, *, max_memory: float | None = None, time_limit: fl
         raise PlanError(f"the search found no plan: {res.message}")
     choice = tuple(int(np.argmax(res.x[off[g]:off[g + 1]])) for g in range(len(n)))
     return _Solution(choice, tables.objective(choice), tables.memory_of(choice),
-                     str(res.message), res.status == 0, nv, r)
+                     str(res.message), res.status == 0, nv, lp.r)
+
+
+def _edge_rows(lp: _Rows, tables: CostTables, off: np.ndarray, desc: str) -> None:
+    """Per edge a pair variable per (layout class, layout class), tied to both ends: each row x
+    sums to the source strategies in class x, each column y to the destination strategies in
+    class y (the last column is implied)."""
+    for e in _progress(tables.edges, len(tables.edges), desc):
+        nr, nc = e.cost.shape
+        base = lp.variables(e.cost.ravel() * _SCALE)
+        idx = base + np.arange(nr * nc).reshape(nr, nc)
+        ties = [(idx[x], np.nonzero(e.rows == x)[0] + off[e.src]) for x in range(nr)]
+        ties += [(idx[:, y], np.nonzero(e.cols == y)[0] + off[e.dst]) for y in range(nc - 1)]
+        for pair_vars, members in ties:
+            lp.add(list(pair_vars) + members.tolist(),
+                   [1.0] * len(pair_vars) + [-1.0] * len(members), 0.0, 0.0)
+
+
+def _sync_rows(lp: _Rows, tables: CostTables, off: np.ndarray) -> None:
+    """Per shared gradient sync, ``z_c >= sum of a reader's strategies handing back class c``."""
+    for ss in tables.syncs:
+        base = lp.variables(ss.cost * _SCALE)
+        for g, cls in ss.readers:
+            for c in np.unique(cls[cls >= 0]):
+                members = np.nonzero(cls == c)[0] + off[g]
+                lp.add([base + int(c)] + members.tolist(), [1.0] + [-1.0] * len(members),
+                       0.0, np.inf)
+
+
+def _memory_rows(lp: _Rows, tables: CostTables, off: np.ndarray, max_memory: float,
+                 memory_offset: float) -> float:
+    """Kept bytes + T <= M, T (the last variable) >= the chosen transient of each group; the
+    bytes are scaled by the largest kept bytes (returned)."""
+    n = [len(c) for c in tables.compute]
+    mem = np.concatenate(tables.memory) if n else np.zeros(0)
+    scale = max(float(mem.max(initial=0.0)), 1.0)
+    tvar = lp.variables(np.zeros(1))
+    lp.add(list(range(int(off[-1]))) + [tvar], (mem / scale).tolist() + [1.0],
+           -np.inf, (max_memory - memory_offset) / scale)
+    for g, k in enumerate(n):
+        tr = tables.transient[g] if tables.transient else np.zeros(k)
+        if not np.any(tr):
+            continue
+        lp.add([tvar] + list(range(off[g], off[g] + k)), [1.0] + (-tr / scale).tolist(),
+               0.0, np.inf)
+    return scale
 
 
 def _solve_reduced(tables: CostTables, budget: float | None, limit: float,

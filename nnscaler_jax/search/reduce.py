@@ -82,14 +82,44 @@ def _constant(x: np.ndarray | None) -> bool:
 def reduce_tables(tables: CostTables, *, memory_budget: bool = False) -> Reduced:
     """Eliminate every group of degree <= 2 that only edges couple (see the module docs)."""
     n = len(tables.compute)
+    unary, pair, syncs = _pairwise(tables)
+    protected = {g for s in syncs for g, _ in s.readers}
+    if memory_budget:
+        tr = tables.transient
+        protected |= {g for g in range(n) if not _constant(tables.memory[g])
+                      or (tr is not None and not _constant(tr[g]))}
+    steps, alive = _eliminate(unary, pair, protected)
+    kept = tuple(g for g in range(n) if alive[g])
+    index = {g: i for i, g in enumerate(kept)}
+    edges = [Edge.compressed(index[u], index[v], mat) for (u, v), mat in pair.items()]
+    syncs = [SyncSet(s.cost, tuple((index[g], cls) for g, cls in s.readers)) for s in syncs]
+    gone = [g for g in range(n) if not alive[g]]
+    offset = floor = 0.0
+    if memory_budget and gone:
+        offset = float(sum(tables.memory[g][0] for g in gone))
+        if tables.transient is not None:
+            floor = float(max(tables.transient[g][0] for g in gone))
+    reduced = CostTables(
+        [unary[g] for g in kept], [np.zeros_like(unary[g]) for g in kept],
+        [tables.memory[g] for g in kept], edges, syncs,
+        None if tables.transient is None else [tables.transient[g] for g in kept])
+    return Reduced(reduced, kept, tuple(steps), offset, floor)
+
+
+def _pairwise(tables: CostTables) -> tuple[list[np.ndarray], dict[tuple[int, int], np.ndarray],
+                                             list[SyncSet]]:
+    """The objective as unary costs, pairwise costs ``(u, v) with u < v -> (n_u, n_v)`` (edges,
+    and gradient syncs shared by readers in at most two groups), and the syncs left (three or
+    more groups)."""
+    n = len(tables.compute)
     unary = [tables.unary(g).astype(float) for g in range(n)]
-    pair: dict[tuple[int, int], np.ndarray] = {}  # (u, v) with u < v -> (n_u, n_v) costs
+    pair: dict[tuple[int, int], np.ndarray] = {}
     for e in tables.edges:
         full = e.full
         u, v, mat = (e.src, e.dst, full) if e.src < e.dst else (e.dst, e.src, full.T)
         pair[(u, v)] = pair[(u, v)] + mat if (u, v) in pair else mat
     syncs = []
-    for ss in tables.syncs:  # a sync shared by readers in at most two groups is a pairwise term
+    for ss in tables.syncs:
         groups = sorted({g for g, _ in ss.readers})
         if len(groups) > 2:
             syncs.append(ss)
@@ -105,15 +135,18 @@ def reduce_tables(tables: CostTables, *, memory_budget: bool = False) -> Reduced
             unary[u] = unary[u] + np.diagonal(terms)
         else:
             pair[(u, v)] = pair[(u, v)] + terms if (u, v) in pair else terms
+    return unary, pair, syncs
+
+
+def _eliminate(unary: list[np.ndarray], pair: dict[tuple[int, int], np.ndarray],
+               protected: set[int]) -> tuple[list[tuple], list[bool]]:
+    """Minimise out groups of degree <= 2 not ``protected``, to a fixed point (``unary`` and
+    ``pair`` are updated in place): the elimination records and which groups are left."""
+    n = len(unary)
     adj: list[set[int]] = [set() for _ in range(n)]
     for u, v in pair:
         adj[u].add(v)
         adj[v].add(u)
-    protected = {g for s in syncs for g, _ in s.readers}
-    if memory_budget:
-        tr = tables.transient
-        protected |= {g for g in range(n) if not _constant(tables.memory[g])
-                      or (tr is not None and not _constant(tr[g]))}
 
     def edge(u: int, v: int) -> np.ndarray:
         """Costs indexed [strategy of u, strategy of v]."""
@@ -153,22 +186,7 @@ def reduce_tables(tables: CostTables, *, memory_budget: bool = False) -> Reduced
             adj[h2].add(h1)
         alive[v] = False
         todo += [h for h in nbrs if alive[h] and h not in protected and len(adj[h]) <= 2]
-
-    kept = tuple(g for g in range(n) if alive[g])
-    index = {g: i for i, g in enumerate(kept)}
-    edges = [Edge.compressed(index[u], index[v], mat) for (u, v), mat in pair.items()]
-    syncs = [SyncSet(s.cost, tuple((index[g], cls) for g, cls in s.readers)) for s in syncs]
-    gone = [g for g in range(n) if not alive[g]]
-    offset = floor = 0.0
-    if memory_budget and gone:
-        offset = float(sum(tables.memory[g][0] for g in gone))
-        if tables.transient is not None:
-            floor = float(max(tables.transient[g][0] for g in gone))
-    reduced = CostTables(
-        [unary[g] for g in kept], [np.zeros_like(unary[g]) for g in kept],
-        [tables.memory[g] for g in kept], edges, syncs,
-        None if tables.transient is None else [tables.transient[g] for g in kept])
-    return Reduced(reduced, kept, tuple(steps), offset, floor)
+    return steps, alive
 
 
 def solve_by_elimination(tables: CostTables, max_entries: int = 2_000_000

@@ -1,11 +1,8 @@
 """The strategy space: per op, which annotated dim every mesh axis splits; shrunk honestly.
 
-A *strategy* of an op is a tuple of ``(mesh axis, identifier)`` pairs (an ``OpPlan.split``): each
-mesh axis splits one splittable identifier of the op's annotation or nothing; one identifier may
-be split over several axes (major to minor in mesh-axis order) when their product divides it.
-So on a 2-D mesh an op with ``D`` splittable dims has up to ``(D + 1)^2`` strategies.
-
-The space shrinks in three honest ways:
+A *strategy* of an op is a tuple of ``(mesh axis, identifier)`` pairs (an ``OpPlan.split``; see
+:mod:`~nnscaler_jax.search.strategies`): each mesh axis splits one splittable identifier of the
+op's annotation or nothing. The space shrinks in three honest ways:
 
 - **followers** (Alpa): an op whose annotation holds all its splittable dims in one input
   produced by another op (elementwise ops, reshapes, transposes, reductions) takes the layout its
@@ -13,7 +10,8 @@ The space shrinks in three honest ways:
 - **repeated layers**: subtrees of the module tree that are copies (``h_0`` ~ ``h_1``: the same
   ops, primitives, annotations and shapes in the same order) share one decision per position;
   an ``nn.scan`` body is already one copy; likewise **siblings**, ops of one class reading the
-  same value (the query / key / value projections of one input), share one decision;
+  same value (the query / key / value projections of one input), share one decision
+  (:mod:`~nnscaler_jax.search.sharing`);
 - **rules** (``Constraints.rules``): strategies a rule forbids are removed.
 
 >>> from nnscaler_jax.search.space import enumerate_splits
@@ -23,172 +21,25 @@ The space shrinks in three honest ways:
 
 from __future__ import annotations
 
-import itertools
 import math
-import re
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 from nnscaler_jax.constraints import Rule
 from nnscaler_jax.cost.compute import grad_sources
-from nnscaler_jax.errors import PlanError
-from nnscaler_jax.ir.anno import parse_anno
-from nnscaler_jax.ir.graph import Graph, Op, Role
-from nnscaler_jax.layout import Layout
-from nnscaler_jax.plan.layouts import op_layouts, scan_stored_inputs, sole_read_variables
-from nnscaler_jax.plan.plan import OpPlan
+from nnscaler_jax.ir.graph import Graph, Op
+from nnscaler_jax.search.sharing import follower_groups, layer_keys, op_classes, shared_buckets
+from nnscaler_jax.search.strategies import (
+    Split,
+    allowed_splits,
+    check_rules,
+    enumerate_splits,
+    op_splits,
+    pinned_readers,
+)
 
 __all__ = ["FGroup", "Group", "SearchSpace", "Split", "build_space", "check_rules",
-           "enumerate_splits", "op_splits"]
-
-Split = tuple[tuple[str, str], ...]
-
-
-# ---- strategies of one op --------------------------------------------------------------------------
-
-
-@lru_cache(maxsize=65536)
-def _bind(anno_text: str, in_shapes: tuple, out_shapes: tuple) -> tuple[tuple[str, int], ...]:
-    return tuple(anno_of(anno_text).bind(list(in_shapes), list(out_shapes)).items())
-
-
-@lru_cache(maxsize=65536)
-def anno_of(text: str):
-    """The parsed annotation (cached: the search asks for the same strings many times)."""
-    return parse_anno(text)
-
-
-@lru_cache(maxsize=65536)
-def splittable_of(text: str) -> tuple[str, ...]:
-    """The splittable identifiers of an annotation (cached)."""
-    return tuple(anno_of(text).splittable())
-
-
-def op_sizes(op: Op) -> dict[str, int]:
-    """Size of every identifier of ``op``'s annotation."""
-    if not op.annotated:
-        return {}
-    return dict(_bind(op.anno, tuple(t.shape for t in op.inputs),
-                      tuple(t.shape for t in op.outputs)))
-
-
-def enumerate_splits(sizes: Mapping[str, int], names: Sequence[str],
-                     mesh_axes: Mapping[str, int]) -> tuple[Split, ...]:
-    """Every assignment mesh axis -> splittable identifier (or none) whose sizes divide.
-
-    Axes of size 1 never split (their strategies would repeat others). Replicated first.
-    """
-    axes = [a for a, n in mesh_axes.items() if n > 1]
-    choices = [[None] + [d for d in names if sizes.get(d, 0) % mesh_axes[a] == 0] for a in axes]
-    out = []
-    for combo in itertools.product(*choices):
-        pairs = tuple((a, d) for a, d in zip(axes, combo, strict=True) if d is not None)
-        ok = all(sizes[d] % math.prod(mesh_axes[a] for a, x in pairs if x == d) == 0
-                 for d in {d for _, d in pairs})
-        if ok:
-            out.append(pairs)
-    # Fewest splits first (replicated, then 1-axis, ...), stable within.
-    out.sort(key=len)
-    return tuple(out)
-
-
-def op_splits(op: Op, mesh_axes: Mapping[str, int]) -> tuple[Split, ...]:
-    """The full strategy set of ``op`` (replicate-only when unannotated)."""
-    if not op.annotated:
-        return ((),)
-    return enumerate_splits(op_sizes(op), splittable_of(op.anno), mesh_axes)
-
-
-# ---- rules -----------------------------------------------------------------------------------------
-
-
-def _rule_allows(rule: Rule, split: Split) -> bool:
-    if rule.replicate:
-        return not split
-    if rule.dims is not None and any(d not in rule.dims for _, d in split):
-        return False
-    return rule.axes is None or all(a in rule.axes for a, _ in split)
-
-
-def _contradiction_error(a: Rule, b: Rule, op: Op, why: str) -> PlanError:
-    return PlanError(
-        f"{a} and {b} contradict on op '{op.primitive}' at '{op.module_path or '<top>'}' "
-        f"(annotation '{op.anno}', input shapes {[t.shape for t in op.inputs]}): {why}. "
-        "Narrow one rule's module glob / primitive, or merge them into one Rule.")
-
-
-def check_rules(graph: Graph, mesh_axes: Mapping[str, int], rules: Sequence[Rule]) -> None:
-    """Raise ``PlanError`` naming both rules when two rules on one op leave nothing to choose:
-    one replicates while the other splits, or their dims / mesh axes are disjoint."""
-    ops = list(graph.walk())
-    for i, a in enumerate(rules):
-        for b in rules[i + 1:]:
-            for op in ops:
-                if not (a.matches(op) and b.matches(op)):
-                    continue
-                if a.replicate != b.replicate and (a.dims or a.axes or b.dims or b.axes):
-                    raise _contradiction_error(a, b, op, "one replicates, the other splits")
-                if a.dims is not None and b.dims is not None and not set(a.dims) & set(b.dims):
-                    raise _contradiction_error(
-                        a, b, op, f"no dim is allowed by both ({list(a.dims)} vs {list(b.dims)})")
-                if a.axes is not None and b.axes is not None and not set(a.axes) & set(b.axes):
-                    raise _contradiction_error(
-                        a, b, op, f"no mesh axis is allowed by both ({list(a.axes)} vs "
-                        f"{list(b.axes)}; mesh {dict(mesh_axes)})")
-
-
-# ---- repeated layers -------------------------------------------------------------------------------
-
-_NUMBERED = re.compile(r"^(.*?)_?(\d+)$")
-
-
-def _op_signature(op: Op, first_use: set[tuple[int, int]], rules: Sequence[Rule],
-                  grads: Mapping[int, int]) -> tuple:
-    ins = tuple((t.shape, t.dtype, t.role.value, (op.id, k) in first_use, grads.get(t.id, 0))
-                for k, t in enumerate(op.inputs))
-    return (op.primitive, op.anno, op.annotated, ins, tuple(t.shape for t in op.outputs),
-            tuple(i for i, r in enumerate(rules) if r.matches(op)))
-
-
-@lru_cache(maxsize=65536)
-def _numbered_prefixes(module_path: str) -> tuple[str, ...]:
-    """The prefixes of ``module_path`` ending in a numbered component (``a/h_3``, ...)."""
-    parts = module_path.split("/") if module_path else []
-    return tuple("/".join(parts[: i + 1]) for i, comp in enumerate(parts)
-                 if _NUMBERED.match(comp))
-
-
-def layer_keys(ops: Sequence[Op], signatures: Mapping[int, Hashable]) -> dict[int, tuple]:
-    """op id -> ``(class, position)`` for ops inside a repeated module subtree.
-
-    A numbered module component (``h_3``, ``blocks_12``, ``layer4``) roots a subtree; subtrees
-    with the same base name and the same ops (signatures, relative paths, order) form a class
-    when there are at least two of them. The outermost repeated subtree of an op decides its
-    key, so sub-layers of one layer (``dense_0`` / ``dense_1``) never merge with each other.
-    """
-    subtree: dict[str, list[Op]] = {}
-    for op in ops:
-        for prefix in _numbered_prefixes(op.module_path):
-            subtree.setdefault(prefix, []).append(op)
-    klass: dict[str, tuple] = {}
-    count: dict[tuple, int] = {}
-    for prefix, members in subtree.items():
-        base = _NUMBERED.match(prefix.rsplit("/", 1)[-1]).group(1)
-        sig = hash(tuple((op.module_path[len(prefix):], signatures[op.id]) for op in members))
-        klass[prefix] = (base, len(members), sig)
-        count[klass[prefix]] = count.get(klass[prefix], 0) + 1
-    out: dict[int, tuple] = {}
-    for prefix, members in sorted(subtree.items(), key=lambda kv: kv[0].count("/")):
-        k = klass[prefix]
-        if count[k] < 2:
-            continue
-        for pos, op in enumerate(members):
-            out.setdefault(op.id, (k, pos))
-    return out
-
-
-# ---- groups ----------------------------------------------------------------------------------------
+           "enumerate_splits", "first_uses", "op_splits", "walk_graphs"]
 
 
 @dataclass(frozen=True)
@@ -303,88 +154,6 @@ def first_uses(graph: Graph) -> dict[int, tuple[int, int]]:
     return out
 
 
-def _follow_split(src: Layout, op: Op, j: int, sizes: Mapping[str, int],
-                  mesh_axes: Mapping[str, int]) -> Split:
-    """The split of ``op`` whose input ``j`` keeps the dim-splits of ``src`` that ``op`` can."""
-    anno = anno_of(op.anno)
-    operand = anno.inputs[j]
-    names = set(splittable_of(op.anno))
-    pairs: list[tuple[str, str]] = []
-    for pos, axes in enumerate(src.dims):
-        if not axes or operand.axes is None:
-            continue
-        name = operand.axes[pos].dims[0].name
-        if name not in names:
-            continue
-        keep = list(axes)
-        while keep and sizes[name] % math.prod(mesh_axes[a] for a in keep):
-            keep.pop()
-        pairs += [(a, name) for a in keep]
-    return tuple(pairs)
-
-
-def _leader_input(op: Op, producer: Mapping[int, Op], sizes: Mapping[str, int],
-                  mesh_axes: Mapping[str, int]) -> int | None:
-    """The input whose layout decides ``op`` (all its splittable dims live there), if any."""
-    if not op.annotated or op.regions or not op.inputs:
-        return None
-    anno = anno_of(op.anno)
-    smallest = min((n for n in mesh_axes.values() if n > 1), default=0)
-    live = [d for d in splittable_of(op.anno) if smallest and sizes.get(d, 0) >= smallest
-            and any(sizes[d] % n == 0 for n in mesh_axes.values() if n > 1)]
-    best = None
-    for j, (operand, t) in enumerate(zip(anno.inputs, op.inputs, strict=True)):
-        if t.id not in producer or operand.axes is None:
-            continue
-        held = {ax.dims[0].name for ax in operand.axes}
-        if all(d in held for d in live) and (best is None or
-                                             t.nbytes > op.inputs[best].nbytes):
-            best = j
-    return best
-
-
-def _pin_axes(spec: tuple, mesh_axes: Mapping[str, int]) -> tuple[tuple[str, ...], ...]:
-    out = []
-    for entry in spec:
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        for a in axes:
-            if a not in mesh_axes:
-                raise PlanError(f"partitioning names mesh axis '{a}' (spec {spec}), which is not "
-                                f"in the mesh {dict(mesh_axes)}")
-        out.append(tuple(a for a in axes if mesh_axes[a] > 1))
-    return tuple(out)
-
-
-def _unstack_pin(axes: tuple, stacked: bool, spec: tuple) -> tuple:
-    """A stacked weight's pinned axes as its per-layer block's (the layer dim stays whole)."""
-    if not stacked:
-        return axes
-    if axes and axes[0]:
-        raise PlanError(f"partitioning {spec} splits the layer dim of an nn.scan stack over "
-                        f"{axes[0]}; a scan runs its layers one after another, so that dim "
-                        "cannot be split (use None for it, or pipeline_stages for layers)")
-    return axes[1:]
-
-
-def _pin_filter(op: Op, keep: tuple[Split, ...], pins, mesh_axes) -> tuple[Split, ...]:
-    """The strategies of ``op`` reading each pinned operand split exactly as pinned."""
-    def ok(split: Split) -> bool:
-        ins, _ = op_layouts(op, OpPlan(op.id, op.primitive, op.module_path, split))
-        return all(tuple(a for a in ins[k].dims[i] if mesh_axes[a] > 1) == axes
-                   for k, spec in pins for i, axes in enumerate(spec))
-
-    kept = tuple(s for s in keep if ok(s))
-    if not kept:
-        names = [op.inputs[k].name for k, _ in pins]
-        raise PlanError(
-            f"partitioning of {names} ({[spec for _, spec in pins]}) cannot be met by op "
-            f"'{op.primitive}' at '{op.module_path or '<top>'}' (annotation '{op.anno}', input "
-            f"shapes {[t.shape for t in op.inputs]}) under the other constraints: no strategy "
-            "splits those dims over those mesh axes (sizes must divide). Change the metadata "
-            "or the rules.")
-    return kept
-
-
 def build_space(graph: Graph, mesh_axes: Mapping[str, int], rules: Sequence[Rule] = (), *,
                 followers: bool = True, share_layers: bool = True,
                 fixed: Mapping[int, Split] | None = None,
@@ -409,155 +178,46 @@ def build_space(graph: Graph, mesh_axes: Mapping[str, int], rules: Sequence[Rule
     rules = tuple(rules)
     check_rules(graph, mesh_axes, rules)
     ops = list(graph.walk())
-    uses = first_uses(graph)
-    first = set(uses.values())
-    pin_ops: dict[int, list[tuple[int, tuple]]] = {}
     by_id = {op.id: op for op in ops}
-    sole = sole_read_variables(graph) if pinned else frozenset()
-    for tid, spec in (pinned or {}).items():
-        if tid in uses:
-            op_id, k = uses[tid]
-            axes = _pin_axes(spec, mesh_axes)
-            lifted = scan_stored_inputs(by_id[op_id], sole).get(k)
-            if lifted is not None:  # a scan stack's weight: its body reader stores it
-                op_id, k, axes = lifted[0].id, lifted[1], _unstack_pin(axes, lifted[2], spec)
-            pin_ops.setdefault(op_id, []).append((k, axes))
+    uses = first_uses(graph)
+    pin_ops = pinned_readers(graph, pinned or {}, uses, by_id, mesh_axes)
     grads = grad_sources(graph)
-    sigs = {op.id: _op_signature(op, first, rules, grads) + (fixed.get(op.id),
-                                                      tuple(pin_ops.get(op.id, ())))
-            for op in ops}
-    interned: dict[tuple, int] = {}
-    op_class = {i: interned.setdefault(sig, len(interned)) for i, sig in sigs.items()}
-    keys = layer_keys(ops, op_class)  # also memoizes costs of copies when not shared
+    op_class = op_classes(ops, set(uses.values()), rules, grads, fixed, pin_ops)
     weights: dict[int, float] = {}
     for g, w, _ in walk_graphs(graph):
         for op in g.ops:
             weights[op.id] = w
-
-    removed = {str(r): 0 for r in rules}
-    full: dict[int, tuple[Split, ...]] = {}
-    allowed: dict[int, tuple[Split, ...]] = {}
-    log10_full = 0.0
-    # Ours computes each class of identical ops once (same primitive, annotation, shapes, rules).
-    per_class: dict[int, tuple] = {}
-    for op in ops:
-        cls = op_class[op.id]
-        done = per_class.get(cls) if share_layers else None
-        if done is None:
-            splits = op_splits(op, mesh_axes)
-            keep = splits
-            cut = []
-            for r in rules:
-                if r.matches(op):
-                    kept = tuple(s for s in keep if _rule_allows(r, s))
-                    cut.append((str(r), len(keep) - len(kept)))
-                    keep = kept
-            keep = keep or ((),)
-            if op.id in pin_ops:
-                keep = _pin_filter(op, keep, pin_ops[op.id], mesh_axes)
-            if op.id in fixed:
-                keep = (fixed[op.id],)
-            done = per_class[cls] = (splits, keep, tuple(cut))
-        splits, keep, cut = done
-        full[op.id] = splits
-        log10_full += math.log10(len(splits))
-        for r, n in cut:
-            removed[r] += n
-        allowed[op.id] = keep
-
-    # Followers: op -> (follower group index, member index); built in program order per graph.
-    fg_ops: list[list[int]] = []
-    fg_splits: list[list[tuple[Split, ...]]] = []
-    # members' strategy lists interned to small ints (equal lists, equal ids) as they are made,
-    # each list hashed once: the follow memo and the cost tables key on them
-    lists: dict[tuple, int] = {}
-    fg_lids: list[list[int]] = []
-    class_lid: dict[int, int] = {}
-    member: dict[int, tuple[int, int]] = {}
+    # ours computes each class of identical ops once (same primitive, annotation, shapes, rules)
+    allowed, log10_full, removed = allowed_splits(ops, op_class, mesh_axes, rules, pin_ops,
+                                                  fixed, share_layers)
     ruled = {op.id for op in ops for r in rules if r.matches(op)} | set(fixed) | set(pin_ops)
-    lead_memo: dict[tuple, int | None] = {}
-    follow_memo: dict[tuple, tuple[tuple[Split, ...], int]] = {}
-    for g, _, _ in walk_graphs(graph):
-        producer = g.producer
-        for op in g.ops:
-            j = None
-            if followers and op.id not in ruled:
-                if share_layers:
-                    lk = (op_class[op.id], tuple(t.id in producer for t in op.inputs))
-                    if lk not in lead_memo:
-                        lead_memo[lk] = _leader_input(op, producer, op_sizes(op), mesh_axes)
-                    j = lead_memo[lk]
-                else:
-                    j = _leader_input(op, producer, op_sizes(op), mesh_axes)
-            if j is None:
-                member[op.id] = (len(fg_ops), 0)
-                fg_ops.append([op.id])
-                fg_splits.append([allowed[op.id]])
-                cls = op_class[op.id]
-                lid = class_lid.get(cls) if share_layers else None  # allowed: per class
-                if lid is None:
-                    lid = class_lid[cls] = lists.setdefault(allowed[op.id], len(lists))
-                fg_lids.append([lid])
-                continue
-            t = op.inputs[j]
-            prod = producer[t.id]
-            f, m = member[prod.id]
-            k = [o.id for o in prod.outputs].index(t.id)
-            fk = (op_class[prod.id], k, op_class[op.id], j, fg_lids[f][m])
-            hit = follow_memo.get(fk) if share_layers else None
-            if hit is not None:
-                mine, lid = hit
-            else:
-                sizes = op_sizes(op)
-                out = []
-                for s in fg_splits[f][m]:
-                    _, outs = op_layouts(prod, OpPlan(prod.id, prod.primitive, prod.module_path,
-                                                      s))
-                    out.append(_follow_split(outs[k], op, j, sizes, mesh_axes))
-                mine = tuple(out)
-                lid = lists.setdefault(mine, len(lists))
-                if share_layers:
-                    follow_memo[fk] = (mine, lid)
-            member[op.id] = (f, len(fg_ops[f]))
-            fg_ops[f].append(op.id)
-            fg_splits[f].append(mine)
-            fg_lids[f].append(lid)
-
-    fgroups = []
-    # isomorphism keys and members' strategy lists interned to small ints (cheap to hash: the
-    # cost tables key their memos on them)
+    fg_ops, fg_splits, fg_lids = follower_groups(
+        [g for g, _, _ in walk_graphs(graph)], allowed, op_class, ruled, mesh_axes,
+        followers=followers, share_layers=share_layers)
+    # isomorphism keys (also memoize costs of copies when not shared) interned to small ints
+    # (cheap to hash: the cost tables key their memos on them)
+    keys = layer_keys(ops, op_class)
     iso: dict[tuple, int] = {}
+    fgroups = []
     for ids, splits, lids in zip(fg_ops, fg_splits, fg_lids, strict=True):
         key = None
         if all(i in keys for i in ids):
             key = iso.setdefault(tuple(keys[i] for i in ids), len(iso))
         fgroups.append(FGroup(tuple(ids), tuple(splits), key, tuple(lids)))
+    buckets = shared_buckets([(by_id[fg.ops[0]], fg.key) for fg in fgroups], op_class, ruled,
+                             share_layers)
+    groups, where = _groups(fgroups, buckets, by_id)
+    return SearchSpace(graph, mesh_axes, groups, where, len(ops), log10_full,
+                       tuple((r, n) for r, n in removed.items()), weights, op_class,
+                       share_layers, fixed, grads)
 
-    # Groups: copies of one layer share a decision; so do sibling ops (ours): leaders of one
-    # class reading the same value at the same operand (the q / k / v projections of one input).
-    parent = list(range(len(fgroups)))
 
-    def root(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    if share_layers:
-        first: dict[object, int] = {}
-        for i, fg in enumerate(fgroups):
-            lead = by_id[fg.ops[0]]
-            keys = [fg.key] if fg.key is not None else []
-            keys += [(op_class[lead.id], j, t.id) for j, t in enumerate(lead.inputs)
-                     if t.role is Role.VALUE and t.ndim and lead.id not in ruled]
-            for k in keys:
-                parent[root(i)] = root(first.setdefault(k, i))
-    buckets: dict[int, list[int]] = {}
-    for i in range(len(fgroups)):
-        buckets.setdefault(root(i), []).append(i)
+def _groups(fgroups: Sequence[FGroup], buckets: Iterable[list[int]], by_id: Mapping[int, Op]
+            ) -> tuple[tuple[Group, ...], dict[int, tuple[int, int, int]]]:
+    """The ILP variables (one per bucket of follower groups deciding as one) and ``where``."""
     groups = []
     where: dict[int, tuple[int, int, int]] = {}
-    for gi, members in enumerate(buckets.values()):
+    for gi, members in enumerate(buckets):
         fgs = tuple(fgroups[i] for i in members)
         lead = by_id[fgs[0].ops[0]]
         label = f"{lead.module_path or '<top>'}:{lead.primitive}"
@@ -567,6 +227,4 @@ def build_space(graph: Graph, mesh_axes: Mapping[str, int], rules: Sequence[Rule
         for fi, fg in enumerate(fgs):
             for mi, op_id in enumerate(fg.ops):
                 where[op_id] = (gi, fi, mi)
-    return SearchSpace(graph, mesh_axes, tuple(groups), where, len(ops), log10_full,
-                       tuple((r, n) for r, n in removed.items()), weights, op_class,
-                       share_layers, fixed, grads)
+    return tuple(groups), where

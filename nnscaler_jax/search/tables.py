@@ -7,7 +7,8 @@ and the relayouts between a ``scan`` op and its body):
 
 - unary (one group's choice): compute ``op_time`` of every member; activation bytes; for the
   first reader of a model variable: gradient synchronisation, the variable's bytes in the layout
-  it is stored in (how that reader reads it; ZeRO-3 also shards it over the data axes) and the
+  it is stored in (how that reader reads it; ZeRO-3 also shards it over its data-parallel axes,
+  ``plan.zero.zero3_layout(..., joint=False)`` as ``plan_cost`` prices it) and the
   relayout from storage; example inputs relayout from replicated; relayouts between members of
   one group (a follower dropping its producer's partial sums pays the all-reduce here);
 - edges (two groups' choices): ``reshard_time`` of each tensor from the producer's output layout
@@ -33,9 +34,7 @@ the Alpa-style planner too, so the two planners differ only in their ILPs.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping
-from functools import lru_cache
 
 import numpy as np
 
@@ -45,47 +44,16 @@ from nnscaler_jax.cost.relayout import drop_partial, partial_grad_axes
 from nnscaler_jax.cost.residuals import residual_outputs
 from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout
-from nnscaler_jax.layout.rvd import interned
-from nnscaler_jax.plan.layouts import (
-    lift,
-    op_layouts,
-    scan_stored_inputs,
-    sole_read_variables,
-    unstack,
-)
+from nnscaler_jax.plan.layouts import lift, op_layouts, scan_stored_inputs, sole_read_variables
 from nnscaler_jax.plan.plan import OpPlan
+from nnscaler_jax.plan.zero import zero3_layout
+from nnscaler_jax.search.edges import EdgePricing
 from nnscaler_jax.search.objective import CostTables, Edge, SyncSet
-from nnscaler_jax.search.space import SearchSpace, Split, walk_graphs, first_uses
+from nnscaler_jax.search.space import SearchSpace, Split, first_uses
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CostTables", "Edge", "SyncSet", "build_tables", "stored_layout"]
-
-
-def stored_layout(v: Tensor, want: Layout, sync_axes: tuple[str, ...],
-                  mesh_axes: Mapping[str, int], zero: int) -> Layout:
-    """How variable ``v`` is stored when its first reader reads it as ``want`` and splits it
-    over ``sync_axes`` (its data-parallel axes): ZeRO-3 also shards it over those, on the first
-    dim each divides (as ``CostModel.plan_cost``)."""
-    if zero < 3:
-        return want
-    lay = want
-    for a in sync_axes:
-        if a in lay.split_axes or a in lay.partial:
-            continue
-        for i, n in enumerate(v.shape):
-            if n % (math.prod(mesh_axes[b] for b in lay.dims[i]) * mesh_axes[a]) == 0:
-                lay = lay.replace_axis(a, ("D", i))
-                break
-    return lay
-
-
-@lru_cache(maxsize=65536)
-def _folded(want: Layout, split: Split) -> Layout | tuple[Layout, Layout]:
-    """A folded read's end of an edge: ``want``, or ``(want, layout of the gradient handed
-    back)`` when the reader returns partial sums over axes it splits but reads ``want`` whole."""
-    axes = partial_grad_axes(want, split)
-    return (want, interned(Layout(want.dims, axes))) if axes else want
+__all__ = ["CostTables", "Edge", "SyncSet", "build_tables"]
 
 
 class _Layouts(dict):
@@ -101,7 +69,10 @@ class _Layouts(dict):
         return out
 
 
-class _Builder:
+class _Builder(EdgePricing):
+    """Prices a search space: unary costs, gradient syncs, outputs here; edges in
+    :class:`~nnscaler_jax.search.edges.EdgePricing`."""
+
     def __init__(self, space: SearchSpace, cm: CostModel, zero: int) -> None:
         self.space, self.cm, self.zero = space, cm, zero
         self.graph: Graph = space.graph
@@ -112,11 +83,8 @@ class _Builder:
         self.comm = [np.zeros(k) for k in n]
         self.memory = [np.zeros(k) for k in n]
         self.transient = [np.zeros(k) for k in n]
-        self.pairs: dict[tuple[int, int], np.ndarray] = {}
-        self.memo: dict[tuple, np.ndarray] = {}
         self.remat = _remat_ops(self.graph)
         self.saved = residual_outputs(self.graph)
-        self.reshard_memo: dict[tuple, dict[tuple, float]] = {}  # tensor kind -> pair -> s
         self.member_memo: dict[tuple, object] = {}  # ours only: per class of identical work
         self.top_inputs = {t.id for t in self.graph.inputs}
         # which tensors get a gradient, exactly as plan_cost knows it (not the local guess: a
@@ -141,9 +109,7 @@ class _Builder:
             for j, t in enumerate(op.inputs):
                 if t.role is not Role.CONST and t.ndim and (op.id, j) not in self.skipped:
                     self.readers.setdefault(t.id, []).append((op, j))
-        # values read once, by an op of their producer's graph: the edge prices the gradient's
-        # whole way back (partial sums -> the producer's layout, one path as plan_cost takes)
-        self.folded: set[tuple[int, int]] = set()
+        self.start_edges()
 
     def _stores(self, op_id: int) -> tuple:
         """What an op stores or skips of the scan-read weights (part of its pricing key)."""
@@ -258,7 +224,8 @@ class _Builder:
         """(bytes, seconds) of storing variable ``v`` for its first reader, which reads it as
         ``want`` under ``split``: the state bytes and the reader's relayout from storage."""
         dp = partial_grad_axes(want, split)
-        have = stored_layout(v, want, dp, self.space.mesh_axes, self.zero)
+        have = zero3_layout(v.shape, want, dp, self.space.mesh_axes, joint=False) \
+            if self.zero >= 3 else want
         stored = self.cm.variable_bytes(v, want, dp) if self.zero else \
             self.cm.variable_bytes(v, want)
         return stored, self.cm.reshard_time(v, have, want, backward=v.id in self.grads)
@@ -367,177 +334,6 @@ class _Builder:
                 if lay.partial:
                     self.comm[g][i] += self.cm.reshard_time(t, lay, drop_partial(lay), backward=False)
 
-    # ---- edges ---------------------------------------------------------------------------------
-
-    def edges(self) -> None:
-        for g, w, owner in walk_graphs(self.graph):
-            producer = g.producer
-            body_in: dict[int, tuple[int, bool]] = {}
-            if owner is not None and owner.primitive == "scan":
-                p = owner.params
-                lead = p["num_consts"] + p["num_carry"]
-                body_in = {t.id: (k, k >= lead) for k, t in enumerate(g.inputs)}
-                for k, t in enumerate(g.outputs):
-                    if t.id in producer:
-                        prod = producer[t.id]
-                        kp = [o.id for o in prod.outputs].index(t.id)
-                        self.edge(t, w, ("out", prod.id, kp, False),
-                                  ("out", owner.id, k, k >= p["num_carry"]))
-            for op in g.ops:
-                for j, t in enumerate(op.inputs):
-                    dst = ("in", op.id, j, False)
-                    if t.id in self.body_first:
-                        # a scan-read weight's block, stored as its first reader reads it
-                        if self.body_first[t.id] == (op.id, j):
-                            continue
-                        src = ("in",) + self.body_first[t.id] + (False,)
-                    elif t.id in producer:
-                        prod = producer[t.id]
-                        src = ("out", prod.id, [o.id for o in prod.outputs].index(t.id), False)
-                        kind = self._fold(t, op, j)
-                        if kind:
-                            self.folded.add((op.id, j))
-                            dst = (kind, op.id, j, False)
-                    elif t.role is Role.VARIABLE and t.id in self.uses and \
-                            self.uses[t.id] != (op.id, j):
-                        src = ("var",) + self.uses[t.id] + (False,)
-                    elif t.id in body_in:
-                        k, stacked = body_in[t.id]
-                        src = ("in", owner.id, k, stacked)
-                    else:
-                        continue
-                    self.edge(t, w, src, dst)
-
-    def _fold(self, t: Tensor, op: Op, j: int) -> str:
-        """How a read of value ``t`` prices its gradient's way back on its edge: ``"fin"`` the
-        whole way (partial sums -> producer layout), ``"ffw"`` none of it (a sibling's edge
-        pays it), ``""`` the usual way (relayout on the edge, reduction in a sync set)."""
-        reads = self.readers.get(t.id, ())
-        if op.regions or t.role is not Role.VALUE or not reads:
-            return ""
-        if len(reads) == 1:
-            return "fin"
-        # siblings deciding as one group (ours: same class, operand, strategy list) read t
-        # alike and hand back one gradient layout per choice, which plan_cost reduces once
-        sig = set()
-        for o, k in reads:
-            if o.regions:
-                return ""
-            g, _f, m, fg = self.fgroup(o.id)
-            sig.add((g, self.space.op_class[o.id], k, fg.split_ids[m]))
-        if len(sig) != 1:
-            return ""
-        return "fin" if (reads[0][0].id, reads[0][1]) == (op.id, j) else "ffw"
-
-    def _layouts(self, end: tuple, fg, m: int) -> list[Layout]:
-        kind, op_id, k, stacked = end
-        op = self.by_id[op_id]
-        out = []
-        for split in fg.splits[m]:
-            if kind == "out":
-                lay = self.lays[op_id, split][1][k]
-            elif kind == "fin":
-                out.append(_folded(self.lays[op_id, split][0][k], split))
-                continue
-            elif kind == "ffw":  # forward only
-                out.append((self.lays[op_id, split][0][k], None))
-                continue
-            else:
-                lay = self.lays[op_id, split][0][k]
-                if kind == "var":
-                    lay = stored_layout(op.inputs[k], lay, partial_grad_axes(lay, split),
-                                        self.space.mesh_axes, self.zero)
-            out.append(unstack(lay, stacked))
-        return out
-
-    def _unique_layouts(self, end: tuple, fg, m: int) -> tuple[list[Layout], list[int]]:
-        if not self.space.shared:
-            return _unique(self._layouts(end, fg, m))
-        key = ("l", self.space.op_class[end[1]], end[0], end[2], end[3], fg.split_ids[m])
-        out = self.member_memo.get(key)
-        if out is None:
-            out = self.member_memo[key] = _unique(self._layouts(end, fg, m))
-        return out
-
-    def _reshards(self, t: Tensor, pairs) -> list[float]:
-        """Seconds of each ``(src, dst)`` relayout of ``t`` (memoised by what the price reads:
-        shape, dtype, whether a gradient comes back)."""
-        grad = t.id in self.grads
-        memo = self.reshard_memo.setdefault((t.shape, t.dtype, grad), {})
-        out = []
-        for key in pairs:
-            src, dst = key
-            if src == dst:
-                out.append(0.0)
-                continue
-            v = memo.get(key)
-            if v is None:
-                if isinstance(dst, Layout):
-                    v = self.cm.reshard_time(t, src, dst, backward=grad)
-                elif dst[1] is None:
-                    v = self.cm.reshard_time(t, src, dst[0], backward=False)
-                else:
-                    v = self.cm.reshard_time(t, src, *dst, backward=grad)
-                memo[key] = v
-            out.append(v)
-        return out
-
-    def edge(self, t: Tensor, w: float, src: tuple, dst: tuple) -> None:
-        gs, _fs, ms, fgs = self.fgroup(src[1])
-        gd, _fd, md, fgd = self.fgroup(dst[1])
-        sig = None
-        if self.space.shared:  # ours: one pricing per (producer, consumer, shapes) pattern
-            cls = self.space.op_class
-            sig = ("e", cls[src[1]], src[0], src[2], src[3], fgs.split_ids[ms], cls[dst[1]],
-                   dst[0], dst[2], dst[3], fgd.split_ids[md], w, t.role, t.collection)
-        elif fgs.key is not None and fgd.key is not None:
-            sig = (fgs.key, ms, src[0], src[2], src[3], fgd.key, md, dst[0], dst[2], dst[3], w)
-        if gs == gd:  # one decision: only equal strategy indices meet (the diagonal)
-            dsig = None if sig is None else ("diag",) + sig
-            vec = self.memo.get(dsig) if dsig is not None else None
-            if vec is None:
-                ua, ia = self._unique_layouts(src, fgs, ms)
-                ub, ib = self._unique_layouts(dst, fgd, md)
-                vec = w * np.array(self._reshards(t, [(ua[a], ub[b]) for a, b in
-                                                       zip(ia, ib, strict=True)]))
-                if dsig is not None:
-                    self.memo[dsig] = vec
-            self.comm[gs] += vec
-            return
-        mat = self.memo.get(sig) if sig is not None else None
-        if mat is None:
-            ua, ia = self._unique_layouts(src, fgs, ms)
-            ub, ib = self._unique_layouts(dst, fgd, md)
-            small = np.array(self._reshards(t, [(x, y) for x in ua for y in ub])
-                             ).reshape(len(ua), len(ub))
-            mat = w * small[np.ix_(ia, ib)]
-            if sig is not None:
-                self.memo[sig] = mat
-        key = (gs, gd) if gs < gd else (gd, gs)
-        mat = mat if gs < gd else mat.T
-        if key in self.pairs:
-            self.pairs[key] = self.pairs[key] + mat
-        else:
-            self.pairs[key] = mat
-
-    def finish(self) -> list[Edge]:
-        out = []
-        for (gs, gd), mat in self.pairs.items():
-            if not np.any(mat):
-                continue
-            if not np.all(np.isfinite(mat)):
-                mat = np.where(np.isfinite(mat), mat, 1e6)  # unreachable relayouts: forbidden
-            e = Edge.compressed(gs, gd, mat)
-            c = e.cost
-            sep = c[:, :1] + c[:1, :] - c[0, 0]
-            if np.allclose(c, sep, rtol=1e-12, atol=1e-15):
-                self.comm[gs] += c[e.rows, 0]
-                self.comm[gd] += c[0, e.cols] - c[0, 0]
-                continue
-            out.append(e)
-        return out
-
-
 def _remat_ops(graph: Graph) -> set[int]:
     """Ids of ops inside a remat (``checkpoint``) boundary, region bodies included."""
     kinds: dict[int, str] = {}
@@ -551,12 +347,6 @@ def _remat_ops(graph: Graph) -> set[int]:
     collect(graph)
     return {op.id for op in graph.walk()
             if any(kinds.get(b) in REMAT_KINDS for b in op.boundary)}
-
-
-def _unique(layouts: list[Layout]) -> tuple[list[Layout], list[int]]:
-    index: dict[Layout, int] = {}
-    inv = [index.setdefault(lay, len(index)) for lay in layouts]
-    return list(index), inv
 
 
 def build_tables(space: SearchSpace, cm: CostModel, zero: int = 0) -> CostTables:
