@@ -12,6 +12,8 @@ from meshes import make_mesh
 from nnscaler_jax import PlanError, auto_parallel
 from nnscaler_jax.lower.verify import max_rel_diff
 
+pytestmark = pytest.mark.slow  # compiles and runs programs over the mesh
+
 MESHES = [(8, 1), (2, 4), (4, 2)]
 POLICIES = ["dp", "zero3", "megatron"]
 # The MLP runs the full (policy x mesh) matrix; the bigger models a sample in which every policy

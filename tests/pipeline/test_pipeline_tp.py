@@ -20,6 +20,8 @@ import models
 from nnscaler_jax import Constraints, PlanError, auto_parallel
 from nnscaler_jax.lower.hlo import hlo_collectives
 
+pytestmark = pytest.mark.slow  # compiles and runs programs over the mesh
+
 RTOL, ATOL = 1e-4, 1e-6  # float32, as tests/pipeline/test_pipeline_train.py
 
 

@@ -13,6 +13,8 @@ from meshes import make_mesh
 import models
 from nnscaler_jax import Constraints, PlanError, auto_parallel
 
+pytestmark = pytest.mark.slow  # compiles and runs programs over the mesh
+
 RTOL, ATOL = 1e-4, 1e-6  # float32; ATOL for gradients that are exactly 0 in theory (key bias)
 
 
