@@ -6,6 +6,7 @@ Orchestration only: capture (``capture/``), plan (``plan/``, ``primitives``), lo
 from __future__ import annotations
 
 import functools
+import json
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from nnscaler_jax.capture.jaxpr import graph_from_jaxpr
 from nnscaler_jax.capture.metadata import is_boxed, partitioning_specs, unbox
 from nnscaler_jax.capture.trace import Captured, abstract_init, warn_unannotated
 from nnscaler_jax.constraints import Constraints
-from nnscaler_jax.errors import PlanError
+from nnscaler_jax.errors import PlanError, PlanFormatError
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.lower.replay import Lowering, explicitly_typed
 from nnscaler_jax.lower.verify import compare_outputs
@@ -298,7 +299,8 @@ class NnxAutoParallel(nnx.Module):
 
 
 def auto_parallel(mesh: Any, constraints: Constraints | None = None, *, policy: Any = None,
-                  plan: Plan | None = None, verify: bool = False) -> Callable[[Any], Any]:
+                  plan: Plan | str | dict | None = None,
+                  verify: bool = False) -> Callable[[Any], Any]:
     """Wrap a Flax module (instance or class) to run as one program over ``mesh``.
 
     Args:
@@ -306,7 +308,8 @@ def auto_parallel(mesh: Any, constraints: Constraints | None = None, *, policy: 
         constraints: ``Constraints`` narrowing the plan.
         policy: a function ``policy(graph, mesh) -> Plan`` or ``"dp"``, ``"zero3"``,
             ``"megatron"``, ``"auto"`` (default).
-        plan: a saved ``Plan`` to reuse.
+        plan: a saved ``Plan`` to reuse (or its ``to_json()`` text, or that text parsed as a
+            dict).
         verify: on the first call also run the single-device program and raise
             ``PlanError`` if the results differ.
 
@@ -318,6 +321,7 @@ def auto_parallel(mesh: Any, constraints: Constraints | None = None, *, policy: 
                         "make one with jax.make_mesh((2, 4), ('data', 'model'))")
     if constraints is not None and not isinstance(constraints, Constraints):
         raise PlanError(f"constraints must be a Constraints, got {type(constraints).__name__}")
+    plan = _saved_plan(plan)
 
     def wrap(target: Any) -> Any:
         if isinstance(target, type):
@@ -330,6 +334,19 @@ def auto_parallel(mesh: Any, constraints: Constraints | None = None, *, policy: 
                         f"class), got {type(target).__name__}")
 
     return wrap
+
+
+def _saved_plan(plan: Any) -> Plan | None:
+    """A ``Plan`` from what ``auto_parallel(plan=...)`` accepts: a Plan, its JSON, or a dict."""
+    if plan is None or isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, dict):
+        plan = json.dumps(plan)
+    if isinstance(plan, str | bytes):
+        return Plan.from_json(plan)
+    raise PlanFormatError(f"auto_parallel(plan=...) takes a Plan, its to_json() text or that "
+                          f"text parsed as a dict, got {type(plan).__name__}; load a saved plan "
+                          "with Plan.from_json(open(path).read())")
 
 
 def _decorate_class(cls: type, mesh, constraints, policy, plan, verify) -> type:

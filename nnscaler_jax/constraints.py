@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -10,7 +11,7 @@ from nnscaler_jax.errors import ConstraintError
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.mesh.axes import stage_axis
 
-__all__ = ["Constraints", "Rule"]
+__all__ = ["Constraints", "Rule", "parse_bytes"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,35 @@ class Rule:
         return f"Rule({', '.join(parts)})"
 
 
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """A positive byte count from an int / float or a string such as ``"32GiB"``, ``"80 GB"``.
+
+    >>> parse_bytes("32GiB"), parse_bytes("1.5 MB"), parse_bytes(4096)
+    (34359738368, 1500000, 4096)
+
+    Raises:
+        ConstraintError: not a positive size, or an unknown unit.
+    """
+    bad = ConstraintError(
+        f"Constraints(max_memory_per_device={value!r}): give a positive byte count (e.g. "
+        f"34359738368) or a size string such as '32GiB' or '80GB' (units: B, KB, MB, GB, TB, "
+        "KiB, MiB, GiB, TiB)")
+    if isinstance(value, bool):
+        raise bad
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
+        if m is None or m.group(2).lower() not in _UNITS:
+            raise bad
+        value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not isinstance(value, int | float) or not value > 0 or value != value:
+        raise bad
+    return int(value)
+
+
 @dataclass(frozen=True)
 class Constraints:
     """What a plan must satisfy. All fields optional (see the contract).
@@ -51,7 +81,7 @@ class Constraints:
     ``nn.with_logical_partitioning`` params to mesh axes (default: the rules in the box).
     """
 
-    max_memory_per_device: int | None = None
+    max_memory_per_device: int | str | None = None
     pipeline_stages: int | Literal["auto"] | None = None
     microbatches: int | None = None
     schedule: Literal["1f1b", "gpipe", "interleaved"] | None = None
@@ -67,9 +97,9 @@ class Constraints:
         if self.schedule not in (None, "1f1b", "gpipe", "interleaved"):
             raise ConstraintError(f"Constraints(schedule={self.schedule!r}): use '1f1b', 'gpipe' "
                                   "or 'interleaved'")
-        if self.max_memory_per_device is not None and self.max_memory_per_device <= 0:
-            raise ConstraintError(
-                "Constraints(max_memory_per_device=...) must be a positive byte count")
+        if self.max_memory_per_device is not None:
+            object.__setattr__(self, "max_memory_per_device",
+                               parse_bytes(self.max_memory_per_device))
         for r in self.rules:
             if not isinstance(r, Rule):
                 raise ConstraintError(f"Constraints(rules=...) takes Rule values, got {r!r}")

@@ -14,6 +14,7 @@ from typing import Any
 
 from nnscaler_jax.constraints import Constraints
 from nnscaler_jax.cost.model import CostModel
+from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.mesh.axes import mesh_axes
 from nnscaler_jax.pipeline.configure import configure_pipeline
@@ -33,10 +34,24 @@ def plan_and_report(graph: Graph, mesh: Any, *, policy: str | Callable | None = 
         policy = "dp"   # a pipeline without a policy: stages data-parallel inside
     planned = plan_spmd(graph, mesh, policy=policy, constraints=constraints,
                         partitioning=partitioning, cost_model=cost_model, time_limit=time_limit)
-    if constraints.pipeline_stages in (None, 1):
-        return planned
-    plan = configure_pipeline(planned.plan, graph, constraints, cost_model)
-    return Planned(plan, planned.seconds, planned.report)
+    if constraints.pipeline_stages not in (None, 1):
+        planned = Planned(configure_pipeline(planned.plan, graph, constraints, cost_model),
+                          planned.seconds, planned.report)
+    _check_budget(planned.plan, constraints.max_memory_per_device)
+    return planned
+
+
+def _check_budget(plan: Plan, budget: int | None) -> None:
+    """Every policy's plan must fit the memory budget (the searches choose within it; a
+    hand-written or built-in policy's plan is checked here)."""
+    if budget is None or plan.cost is None or plan.cost.memory_bytes_per_device <= budget:
+        return
+    raise PlanError(
+        f"policy {plan.policy or 'custom'!r}: the plan needs an estimated "
+        f"{plan.cost.memory_bytes_per_device / 2**20:.2f} MiB per device, over "
+        f"Constraints(max_memory_per_device={budget}) ({budget / 2**20:.2f} MiB); no plan fits "
+        "with this policy. Use policy='auto' (it searches within the budget), Constraints("
+        "zero=3), more devices, a smaller batch, or a larger budget")
 
 
 def make_plan(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto",

@@ -171,3 +171,41 @@ def test_graph_of_the_last_planned_call(mesh):
     nm(x)
     assert {op.module_path for op in nm.graph.ops if op.primitive == "dot_general"} == {
         "fc1", "fc2"}
+
+
+def test_a_saved_plan_is_taken_as_plan_json_text_or_dict(mesh):
+    import json
+
+    from nnscaler_jax import Plan
+    from nnscaler_jax.errors import PlanFormatError
+
+    x = _x()
+    saved = auto_parallel(mesh, policy="megatron")(MLP()).make_plan(x)
+    for given in (saved, saved.to_json(), json.loads(saved.to_json())):
+        reused = auto_parallel(mesh, plan=given)(MLP()).make_plan(x)
+        assert isinstance(reused, Plan) and reused == saved and reused.policy == "megatron"
+    with pytest.raises(PlanFormatError, match="Plan.from_json"):
+        auto_parallel(mesh, plan=42)
+    with pytest.raises(PlanFormatError, match="not a valid plan JSON"):
+        auto_parallel(mesh, plan='{"format": "something else"}')
+
+
+def test_zero3_under_the_search_shards_the_stored_variables(mesh):
+    """Constraints(zero=3) with the default policy (the search) stores every variable sharded
+    over the data axis; it printed zero=3 and stored them as zero=0."""
+    from nnscaler_jax import Constraints
+
+    x = _x()
+    key = jax.random.key(0)
+
+    def device0_bytes(variables):
+        return sum(leaf.addressable_shards[0].data.nbytes
+                   for leaf in jax.tree_util.tree_leaves(variables))
+
+    plain = auto_parallel(mesh)(MLP())
+    zero3 = auto_parallel(mesh, Constraints(zero=3))(MLP())
+    v0, v3 = plain.init(key, x), zero3.init(key, x)
+    assert zero3.plan.zero == 3
+    assert all("data" in str(s) for _, s in zero3.plan.variables)
+    assert device0_bytes(v3) * 2 == device0_bytes(v0)  # data axis of size 2, every leaf divides
+    assert max_rel_diff(zero3.apply(v3, x), plain.apply(v0, x))[0] <= 1e-5

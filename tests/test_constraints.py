@@ -112,3 +112,16 @@ def test_pipe_is_a_stage_axis_too(graph):
 def test_pipeline_fields_that_do_not(graph, kw, mesh, what):
     with pytest.raises(ConstraintError, match=what):
         Constraints(**kw).check(graph, mesh)
+
+
+@pytest.mark.parametrize("text, want", [("32GiB", 32 * 2**30), ("80 GB", 80 * 10**9),
+                                        ("1.5MiB", int(1.5 * 2**20)), ("4096", 4096),
+                                        (4096, 4096), (1e9, 10**9)])
+def test_memory_budget_takes_byte_counts_and_size_strings(text, want):
+    assert Constraints(max_memory_per_device=text).max_memory_per_device == want
+
+
+@pytest.mark.parametrize("bad", ["1 GiBs", "lots", "-3GB", "0", 0, -1, True, [1]])
+def test_a_bad_memory_budget_is_a_constraint_error_naming_the_units(bad):
+    with pytest.raises(ConstraintError, match="GiB"):
+        Constraints(max_memory_per_device=bad)

@@ -84,3 +84,20 @@ def test_pipeline_stages_without_a_policy_are_data_parallel_inside():
                      constraints=Constraints(pipeline_stages=2, microbatches=2))
     assert plan.policy == "dp" and plan.stages == 2
     assert plan.pipeline.microbatches == 2
+
+
+@pytest.mark.parametrize("policy", ["dp", "megatron", "zero3"])
+def test_a_built_in_policy_over_the_memory_budget_is_refused(policy):
+    """The built-ins accepted max_memory_per_device=1 without a word."""
+    from nnscaler_jax import PlanError
+    from nnscaler_jax.planner import make_plan as plan_of
+
+    spec = models.get("mlp", "tiny")
+    graph = capture_spec(spec).graph
+    fits = plan_of(graph, {"data": 2, "model": 4}, policy=policy)
+    need = fits.cost.memory_bytes_per_device
+    assert plan_of(graph, {"data": 2, "model": 4}, policy=policy,
+                   constraints=Constraints(max_memory_per_device=need)) == fits
+    with pytest.raises(PlanError, match="over Constraints\\(max_memory_per_device=1\\)"):
+        plan_of(graph, {"data": 2, "model": 4}, policy=policy,
+                constraints=Constraints(max_memory_per_device=1))

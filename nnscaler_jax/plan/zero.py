@@ -72,7 +72,7 @@ def apply_zero(plan: Plan, graph: Any, zero: int | None) -> Plan:
     shards every variable's storage over the mesh's data axes (all axes if none is named so)."""
     if zero is None:
         return plan
-    if zero == 3 and plan.zero != 3:
+    if zero == 3:  # also after a search that priced ZeRO-3 but kept its readers' layouts
         mesh_axes = dict(plan.mesh)
         return zero3_storage(plan, graph, data_axes(mesh_axes) or list(mesh_axes))
     return replace(plan, zero=zero)
