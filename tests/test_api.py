@@ -9,11 +9,9 @@ import warnings
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import pytest
+from custom_prims import softsign_primitive
 from flax import nnx
-from jax.extend import core as jcore
-from jax.interpreters import mlir
 from meshes import make_mesh
 
 from nnscaler_jax import PlanError, auto_parallel
@@ -111,16 +109,7 @@ def test_nnx_make_plan_then_call_plan_once(mesh, plans):
     assert pm.plan is plan
 
 
-def _make_primitive() -> jcore.Primitive:
-    prim = jcore.Primitive("api_test_softsign")    # a name no test registers a rule for
-    prim.def_impl(lambda x: x / (1 + jnp.abs(x)))
-    prim.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
-    mlir.register_lowering(prim, mlir.lower_fun(lambda x: x / (1 + jnp.abs(x)),
-                                                multiple_results=False))
-    return prim
-
-
-SOFTSIGN = _make_primitive()
+SOFTSIGN = softsign_primitive("api_test_softsign")  # no test registers a rule for it
 
 
 class _Custom(nn.Module):

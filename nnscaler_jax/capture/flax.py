@@ -13,12 +13,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import jax
 import flax.linen as nn
+import jax
 from flax import nnx
 
-from nnscaler_jax.errors import PlanError
 from nnscaler_jax.capture.jaxpr import InputInfo
+from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Role
 
 __all__ = ["Traceable", "linen_traceable", "nnx_traceable", "original_calls", "path_str"]

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from jax.extend import core as jcore
 
-from nnscaler_jax.ir.dims import dim_classes, compose_anno
+from nnscaler_jax.ir.dims import compose_anno, dim_classes
 from nnscaler_jax.ir.graph import REMAT_KINDS, Boundary, Graph, Op, Role, Tensor
 from nnscaler_jax.rules import annotate as rules_annotate
 

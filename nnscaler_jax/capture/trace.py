@@ -7,13 +7,13 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-import jax
 import flax.linen as nn
+import jax
 from flax import nnx
 
 from nnscaler_jax.capture.flax import Traceable, linen_traceable, nnx_traceable
-from nnscaler_jax.errors import PlanError
 from nnscaler_jax.capture.jaxpr import graph_from_jaxpr
+from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Graph
 
 log = logging.getLogger(__name__)

@@ -52,9 +52,9 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from nnscaler_jax.mesh.topology import CollectiveKind, MeshSpec, collective_time, wire_bytes
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.layout.rvd import Layout
+from nnscaler_jax.mesh.topology import CollectiveKind, MeshSpec, collective_time, wire_bytes
 
 HOP_PENALTY_S = 1e-12
 """Extra search weight per step (seconds): prefers fewer steps among equally fast paths."""

@@ -24,8 +24,8 @@ from typing import Any
 
 from jax.sharding import PartitionSpec
 
-from nnscaler_jax.mesh.topology import MeshSpec
 from nnscaler_jax.errors import PlanError
+from nnscaler_jax.mesh.topology import MeshSpec
 
 AxisState = tuple[str] | tuple[str, int]
 """``('R',)``, ``('V',)`` or ``('D', dim)``."""

@@ -1,4 +1,5 @@
-"""The mesh an abstract plan is made for: axis roles and topology (links, alpha-beta collectives)."""
+"""The mesh an abstract plan is made for: axis roles and topology (links, alpha-beta
+collectives)."""
 
 from nnscaler_jax.mesh.axes import DATA_AXES as DATA_AXES
 from nnscaler_jax.mesh.axes import MODEL_AXES as MODEL_AXES

@@ -17,7 +17,8 @@ from typing import Any
 
 from nnscaler_jax.errors import PlanError
 
-__all__ = ["DATA_AXES", "MODEL_AXES", "STAGE_AXES", "data_axes", "mesh_axes", "stage_axis"]
+__all__ = ["DATA_AXES", "MODEL_AXES", "STAGE_AXES", "data_axes", "mesh_axes", "model_axes",
+           "require_stage_axis", "stage_axis"]
 
 DATA_AXES = ("data", "dp", "batch", "fsdp", "replica")
 MODEL_AXES = ("model", "tp", "tensor", "mp")
@@ -40,6 +41,20 @@ def stage_axis(axes: Mapping[str, int] | Any) -> str | None:
     return next((a for a in STAGE_AXES if a in axes), None)
 
 
+def require_stage_axis(axes: Mapping[str, int]) -> str:
+    """:func:`stage_axis`, or a ``PlanError`` saying how to name one."""
+    axis = stage_axis(axes)
+    if axis is None:
+        raise PlanError(f"pipeline parallelism needs a mesh axis named 'stage' or 'pipe'; the "
+                        f"mesh has {dict(axes)}. E.g. jax.make_mesh((4, 2), ('stage', 'data'))")
+    return axis
+
+
 def data_axes(axes: Mapping[str, int] | Any) -> list[str]:
     """The mesh's data-parallel axes (named as in ``DATA_AXES``), in mesh order."""
     return [a for a in axes if a in DATA_AXES]
+
+
+def model_axes(axes: Mapping[str, int] | Any) -> list[str]:
+    """The mesh's tensor-parallel axes (named as in ``MODEL_AXES``), in mesh order."""
+    return [a for a in axes if a in MODEL_AXES]

@@ -14,7 +14,7 @@ from nnscaler_jax.constraints import Constraints
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Graph
-from nnscaler_jax.mesh.axes import stage_axis
+from nnscaler_jax.mesh.axes import require_stage_axis
 from nnscaler_jax.pipeline.pricing import RuntimeChoice, RuntimeSetup, runtime_setup
 from nnscaler_jax.pipeline.stages import graph_layers, stage_of
 from nnscaler_jax.plan.plan import PipelineSettings, Plan, PlanCost
@@ -42,7 +42,7 @@ def configure_pipeline(plan: Plan, graph: Graph, constraints: Constraints,
         choice = _priced(setup, constraints.microbatches or setup.stages,
                          constraints.schedule or "1f1b", virtual)
         report = ""
-    stages = mesh_axes[stage_axis(mesh_axes)]
+    stages = mesh_axes[require_stage_axis(mesh_axes)]
     layers = stage_of(graph_layers(graph).stack, stages, choice.virtual)
     settings = PipelineSettings(stages, choice.microbatches, choice.schedule, choice.virtual,
                                 layers, report)

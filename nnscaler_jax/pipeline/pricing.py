@@ -18,7 +18,7 @@ from nnscaler_jax.cost.devices import NVLINK_H100
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Graph, Role
-from nnscaler_jax.mesh.axes import stage_axis
+from nnscaler_jax.mesh.axes import require_stage_axis
 from nnscaler_jax.mesh.topology import LinkCost, all_reduce_time, ppermute_time
 from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.in_stage import tensor_axes
@@ -280,10 +280,7 @@ def runtime_setup(graph: Graph, mesh_axes: dict[str, int], policy,
     Raises:
         PlanError: no ``stage``/``pipe`` axis, or no repeated layer stack.
     """
-    axis = stage_axis(mesh_axes)
-    if axis is None:
-        raise PlanError(f"pipeline pricing needs a 'stage' (or 'pipe') mesh axis; the mesh has "
-                        f"{mesh_axes}")
+    axis = require_stage_axis(mesh_axes)
     tensor = tensor_axes(mesh_axes, axis, policy)
     data = tuple(a for a in mesh_axes if a != axis and a not in tensor)
     batch = next((t.shape[0] for t in graph.inputs if t.role is Role.INPUT and t.shape), 1)

@@ -42,22 +42,13 @@ from nnscaler_jax.capture.flax import path_str
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.lower.eqns import NO_CONSTRAINTS
 from nnscaler_jax.lower.replay import auto_view
-from nnscaler_jax.mesh.axes import stage_axis as find_stage_axis
+from nnscaler_jax.mesh.axes import require_stage_axis
 from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.in_stage import InStagePlan, plan_in_stage, tensor_axes
 from nnscaler_jax.pipeline.loop_tables import loop_tables
 from nnscaler_jax.pipeline.split import split_program
 
-__all__ = ["PipelineProgram", "PipelineStep", "stage_axis"]
-
-
-def stage_axis(mesh_axes: dict[str, int]) -> str:
-    """The mesh axis the stages run along (``'stage'`` or ``'pipe'``)."""
-    axis = find_stage_axis(mesh_axes)
-    if axis is not None:
-        return axis
-    raise PlanError(f"pipeline parallelism needs a mesh axis named 'stage' or 'pipe', mesh axes "
-                    f"are {mesh_axes}; e.g. jax.make_mesh((4, 2), ('stage', 'data'))")
+__all__ = ["PipelineProgram", "PipelineStep"]
 
 
 def _place(x: Any, sharding: NamedSharding) -> Any:
@@ -85,7 +76,7 @@ class PipelineProgram:
                  params: Any, batch: tuple, *, policy: Any = None, rules: tuple = ()):
         self.module, self.loss_fn, self.mesh, self.schedule = module, loss_fn, mesh, sched
         axes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
-        self.axis = stage_axis(axes)
+        self.axis = require_stage_axis(axes)
         if axes[self.axis] != sched.stages:
             raise PlanError(f"schedule has {sched.stages} stages but mesh axis '{self.axis}' has "
                             f"{axes[self.axis]} devices; use pipeline_stages={axes[self.axis]}")

@@ -119,7 +119,8 @@ def interleaved(stages: int, microbatches: int, virtual: int) -> Schedule:
     _check_sizes(stages, microbatches, virtual)
     if microbatches % stages:
         raise PlanError(f"interleaved({stages}, {microbatches}, {virtual}): micro-batches must be "
-                        f"a multiple of the stages; use microbatches={stages * max(1, microbatches // stages)}")
+                        f"a multiple of the stages; use "
+                        f"microbatches={stages * max(1, microbatches // stages)}")
     total = microbatches * virtual
 
     def unit(i: int, backward: bool) -> tuple[int, int]:

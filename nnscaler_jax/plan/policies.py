@@ -17,17 +17,13 @@ from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.anno import parse_anno
 from nnscaler_jax.ir.dims import DimClasses, graph_dim_classes
 from nnscaler_jax.ir.graph import Op, Role
-from nnscaler_jax.mesh.axes import DATA_AXES, MODEL_AXES
+from nnscaler_jax.mesh.axes import MODEL_AXES, data_axes, model_axes
 from nnscaler_jax.plan.plan import Plan
 from nnscaler_jax.plan.zero import zero3_storage
 from nnscaler_jax.primitives import Draft, op_assign, op_trans
 
 __all__ = ["dp", "megatron", "zero3"]
 
-
-
-def _axes(mesh_axes: dict[str, int], names: tuple[str, ...]) -> list[str]:
-    return [a for a in mesh_axes if a in names]
 
 
 def _ident_classes(op: Op, classes: DimClasses) -> dict[str, Any]:
@@ -157,7 +153,7 @@ def _plan_by_classes(graph: Draft, data: list[str], model: list[str]) -> None:
 
 def dp(graph: Draft, mesh: Any) -> Plan:
     """Data parallel: split the batch over the data axes (all axes if none is named so)."""
-    axes = _axes(graph.mesh_axes, DATA_AXES) or list(graph.mesh_axes)
+    axes = data_axes(graph.mesh_axes) or list(graph.mesh_axes)
     graph.policy = graph.policy or "dp"
     _plan_by_classes(graph, axes, [])
     return graph.finish()
@@ -166,7 +162,7 @@ def dp(graph: Draft, mesh: Any) -> Plan:
 def zero3(graph: Draft, mesh: Any) -> Plan:
     """ZeRO-3: ``dp`` plus parameters (hence gradients and optimizer state) sharded over the
     data axes along their first divisible dim."""
-    axes = _axes(graph.mesh_axes, DATA_AXES) or list(graph.mesh_axes)
+    axes = data_axes(graph.mesh_axes) or list(graph.mesh_axes)
     graph.policy, graph.zero = graph.policy or "zero3", 3
     _plan_by_classes(graph, axes, [])
     return zero3_storage(graph.finish(), graph.graph, axes)
@@ -175,11 +171,11 @@ def zero3(graph: Draft, mesh: Any) -> Plan:
 def megatron(graph: Draft, mesh: Any) -> Plan:
     """Megatron-LM tensor parallelism over the model axis (attention heads, MLP hidden: column-
     then row-parallel), data parallelism over the data axes."""
-    model = _axes(graph.mesh_axes, MODEL_AXES)
+    model = model_axes(graph.mesh_axes)
     if not model:
         raise PlanError(f"megatron needs a model axis named one of {MODEL_AXES}; the mesh has "
                         f"{list(graph.mesh_axes)}. E.g. jax.make_mesh((2, 4), ('data', 'model')).")
-    data = [a for a in _axes(graph.mesh_axes, DATA_AXES) if a not in model]
+    data = [a for a in data_axes(graph.mesh_axes) if a not in model]
     graph.policy = graph.policy or "megatron"
     _plan_by_classes(graph, data, model)
     return graph.finish()

@@ -31,10 +31,12 @@ from nnscaler_jax.search.ilp import SearchReport, search_policy
 
 __all__ = ["POLICIES", "Planned", "plan_spmd", "resolve_policy"]
 
+#: The hand-written built-in policies.
+BUILTIN: dict[str, Callable[..., Any]] = {"dp": dp, "zero3": zero3, "megatron": megatron}
+#: The searches: ours and the Alpa-style planner.
 SEARCHES = ("auto", "alpa")
-#: Policy names: the hand-written built-ins and the two searches (ours, the Alpa-style one).
-POLICIES: dict[str, Callable[..., Any] | None] = {"dp": dp, "zero3": zero3, "megatron": megatron,
-                                                  "auto": None, "alpa": None}
+#: Every policy name.
+POLICIES: tuple[str, ...] = (*BUILTIN, *SEARCHES)
 
 
 @dataclass(frozen=True)
@@ -59,8 +61,8 @@ def resolve_policy(policy: str | Callable | None, *, cost_model: CostModel | Non
         return policy
     if policy in SEARCHES:
         return search_policy(policy, cost_model=cost_model, time_limit=time_limit)
-    if policy in POLICIES:
-        return POLICIES[policy]
+    if policy in BUILTIN:
+        return BUILTIN[policy]
     raise PlanError(f"unknown policy {policy!r}; choose one of {sorted(POLICIES)}, or pass a "
                     "function policy(graph, mesh) -> Plan written with op_trans / op_assign")
 

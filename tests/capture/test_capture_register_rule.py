@@ -5,28 +5,16 @@ from __future__ import annotations
 import warnings
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend import core as jcore
-from jax.interpreters import mlir
+from custom_prims import softsign_primitive
 
 import nnscaler_jax
 from nnscaler_jax import trace
 from nnscaler_jax.rules.registry import _REGISTRY
 
-
-def _make_primitive() -> jcore.Primitive:
-    prim = jcore.Primitive("my_softsign")
-    prim.def_impl(lambda x: x / (1 + jnp.abs(x)))
-    prim.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
-    mlir.register_lowering(prim, mlir.lower_fun(lambda x: x / (1 + jnp.abs(x)),
-                                                multiple_results=False))
-    return prim
-
-
-MY_PRIM = _make_primitive()
+MY_PRIM = softsign_primitive("my_softsign")
 
 
 class _Custom(nn.Module):
