@@ -1,12 +1,12 @@
 """Stage search: Alpa's inter-operator DP over layer boundaries x sub-mesh shapes x micro-batches.
 
-The traced graph is cut into units (:func:`nnscaler_jax.pipeline.units.layer_units`: prefix
-ops, each layer of the repeated stack, suffix ops), each priced per sample. For every (stages
-``S``, tensor-parallel degree ``tp`` inside a stage, data-parallel degree ``dp = N / (S tp)``,
-micro-batch count ``M``), a DP places the stage boundaries minimising Alpa's objective
-``sum_s t_s + (M - 1) max_s t_s`` (enumerating the slowest-stage bound ``t_max``) under the per-device memory budget with 1F1B's in-flight
-activations (stage ``k`` keeps ``S - k`` micro-batches). Stages get equal sub-meshes
-(``tp x dp`` devices), as the runtime's stage mesh axis requires.
+The traced graph is cut into units (:func:`nnscaler_jax.pipeline.units.layer_units`: prefix ops,
+each layer of the repeated stack, suffix ops), each priced per sample. For every (stages ``S``,
+tensor-parallel degree ``tp`` inside a stage, data-parallel degree ``dp = N / (S tp)``, micro-batch
+count ``M``), a DP places the stage boundaries minimising Alpa's objective ``sum_s t_s + (M - 1)
+max_s t_s`` (enumerating the slowest-stage bound ``t_max``) under the per-device memory budget with
+1F1B's in-flight activations (stage ``k`` keeps ``S - k`` micro-batches). Stages get equal
+sub-meshes (``tp x dp`` devices), as the runtime's stage mesh axis requires.
 
 >>> import models
 >>> from nnscaler_jax.capture.trace import trace
