@@ -5,8 +5,8 @@ Orchestration only: capture (``capture/``), plan (``plan/``, ``primitives``), lo
 
 from __future__ import annotations
 
-import functools
 import json
+import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,14 +16,17 @@ import flax.linen as nn
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-from nnscaler_jax.capture.flax import Traceable, linen_traceable, nnx_traceable, original_calls
+from nnscaler_jax.capture.flax import (CallArgs, Traceable, linen_traceable, nnx_traceable,
+                                       original_calls)
 from nnscaler_jax.capture.jaxpr import graph_from_jaxpr
 from nnscaler_jax.capture.metadata import is_boxed, partitioning_specs, unbox
 from nnscaler_jax.capture.trace import Captured, abstract_init, warn_unannotated
 from nnscaler_jax.constraints import Constraints
 from nnscaler_jax.errors import PlanError, PlanFormatError
 from nnscaler_jax.ir.graph import Graph
+from nnscaler_jax.lower.explicit import result_specs
 from nnscaler_jax.lower.replay import Lowering, explicitly_typed
 from nnscaler_jax.lower.verify import compare_outputs
 from nnscaler_jax.pipeline.runtime import PipelineStep
@@ -93,10 +96,12 @@ class AutoParallel:
 
     # ---- planning -------------------------------------------------------------------------------
 
-    def _program(self, tr: Traceable, extra: Any, partitioning: Any = None) -> _Program:
+    def _program(self, tr: Traceable, partitioning: Any = None) -> _Program:
+        """The program of a call: planned, lowered and jitted once per input signature, static
+        arguments (``train=True``, ``mutable=``, an nnx module's mode) and layout metadata."""
         explicit = any(explicitly_typed(x) for x in tr.flat_inputs)
         specs = tuple(sorted((partitioning or {}).items()))
-        key = _signature(tr.flat_inputs, (extra, explicit, specs))
+        key = _signature(tr.flat_inputs, (tr.static_key, explicit, specs))
         prog = self._programs.get(key)
         if prog is None:
             abstract = [_abstract(x) for x in tr.flat_inputs]
@@ -113,7 +118,11 @@ class AutoParallel:
             captured = Captured(tr, jaxpr, graph, tr.out_tree())
             plan = make_plan(graph, self.mesh, policy=self.policy, plan=self.fixed_plan,
                              constraints=self.constraints, partitioning=dict(specs))
-            lowering = Lowering(graph, plan, self.mesh, explicit=explicit)
+            results = None
+            if explicit:  # results typed as the plain module would type them
+                n = tr.n_results() if tr.n_results is not None else len(graph.outputs)
+                results = result_specs(tr.fn, graph, tr.flat_inputs, self.mesh, n)
+            lowering = Lowering(graph, plan, self.mesh, explicit=explicit, result_specs=results)
             shardings = lowering.input_shardings()
             fn = jax.jit(lowering, in_shardings=shardings)
             prog = _Program(captured, plan, fn, shardings)
@@ -121,8 +130,8 @@ class AutoParallel:
         self._last = prog
         return prog
 
-    def _run(self, tr: Traceable, extra: Any, partitioning: Any = None) -> Any:
-        prog = self._program(tr, extra, partitioning)
+    def _run(self, tr: Traceable, partitioning: Any = None) -> Any:
+        prog = self._program(tr, partitioning)
         flat = [self._place(x, s) for x, s in zip(tr.flat_inputs, prog.in_shardings,
                                                    strict=True)]
         out = prog.fn(*flat)
@@ -143,9 +152,11 @@ class AutoParallel:
 
     # ---- linen --------------------------------------------------------------------------------
 
-    def _linen_traceable(self, variables, args, kwargs, rngs=None, mutable=False, method=None):
+    def _linen_traceable(self, variables, args, kwargs, rngs=None, mutable=False, method=None,
+                         capture_intermediates=False):
         return linen_traceable(self.module, args, kwargs, variables=unbox(variables), rngs=rngs,
-                               mutable=mutable, method=method)
+                               mutable=mutable, method=method,
+                               capture_intermediates=capture_intermediates)
 
     def _specs(self, variables: Any) -> dict:
         """Storage specs named by boxed (``nn.with_partitioning``...) linen variables."""
@@ -165,15 +176,18 @@ class AutoParallel:
         return self._nnx_metadata
 
     def make_plan(self, *args: Any, variables: Any = None, rngs: Any = None,
-                  mutable: Any = False, **kwargs: Any) -> Plan:
-        """Plan for ``apply(variables, *args)`` without running it (args may be abstract)."""
+                  mutable: Any = False, method: Any = None, capture_intermediates: Any = False,
+                  **kwargs: Any) -> Plan:
+        """Plan for ``apply(variables, *args, **kwargs)`` without running it (args may be
+        abstract; non-array arguments are static, as in ``apply``)."""
         if isinstance(self.module, nnx.Module):
             tr = nnx_traceable(self.module, args, kwargs)
-            return self._program(tr, _call_key(), self._nnx_specs()).plan
+            return self._program(tr, self._nnx_specs()).plan
         if variables is None:
-            variables = abstract_init(self.module, args, kwargs)
-        tr = self._linen_traceable(variables, args, kwargs, rngs, mutable)
-        return self._program(tr, _apply_key(mutable, rngs), self._specs(variables)).plan
+            variables = abstract_init(self.module, args, kwargs, rngs)
+        tr = self._linen_traceable(variables, args, kwargs, rngs, mutable, method,
+                                   capture_intermediates)
+        return self._program(tr, self._specs(variables)).plan
 
     def init(self, rngs: Any, *args: Any, **kwargs: Any) -> Any:
         """``module.init`` with every leaf laid out over the mesh as the plan says.
@@ -181,32 +195,50 @@ class AutoParallel:
         Returns the same structure ``module.init`` does: params boxed by
         ``nn.with_partitioning`` / ``nn.with_logical_partitioning`` stay boxed (``nn.Partitioned``
         around the laid-out array), so both ``pm.apply`` and ``module.apply`` take the result.
-        Their specs pin the variables' storage in the search (``policy="auto"``).
+        Their specs pin the variables' storage in the search (``policy="auto"``). Non-array
+        arguments (``train=False``) are static; rng streams besides ``params`` (``dropout``)
+        are passed to the planned call as ``apply`` would get them.
         """
         if not isinstance(rngs, dict):
             rngs = {"params": rngs}
-        init_fn = functools.partial(nn.Module.init, self.module)
-        variables = jax.eval_shape(lambda r: init_fn(r, *args, **kwargs), rngs)
+        call = CallArgs.of(args, kwargs, type(self.module).__name__)
+        # Example args only give shapes; on an Explicit mesh they are initialised from a
+        # replicated copy (the plain module.init may not type-check on split ones).
+        arrays = [jax.device_put(x, jax.sharding.NamedSharding(self.mesh, P()))
+                  if explicitly_typed(x) else x for x in call.arrays]
+
+        def init_fn(r, arrays):
+            a, kw = call.rebuild(arrays)
+            return nn.Module.init(self.module, r, *a, **kw)
+
+        variables = jax.eval_shape(init_fn, rngs, [_abstract(x) for x in arrays])
         coll = [c for c in variables if c != "params"] or False
-        tr = self._linen_traceable(variables, args, kwargs, None, coll)
-        prog = self._program(tr, _apply_key(coll), self._specs(variables))
+        streams = {k: v for k, v in rngs.items() if k != "params"} or None
+        tr = self._linen_traceable(variables, args, kwargs, streams, coll)
+        prog = self._program(tr, self._specs(variables))
         var_shardings = prog.in_shardings[: len(jax.tree_util.tree_leaves(variables))]
         out_shardings = jax.tree_util.tree_unflatten(
             jax.tree_util.tree_structure(variables), list(var_shardings))
-        return jax.jit(lambda r: init_fn(r, *args, **kwargs), out_shardings=out_shardings)(rngs)
+        return jax.jit(init_fn, out_shardings=out_shardings)(rngs, arrays)
 
     def apply(self, variables: Any, *args: Any, rngs: Any = None, mutable: Any = False,
-              method: Any = None, **kwargs: Any) -> Any:
-        """``module.apply`` computed as one program over the mesh (``variables`` boxed or not)."""
-        tr = self._linen_traceable(variables, args, kwargs, rngs, mutable, method)
-        return self._run(tr, _apply_key(mutable, rngs, method), self._specs(variables))
+              method: Any = None, capture_intermediates: Any = False, **kwargs: Any) -> Any:
+        """``module.apply`` computed as one program over the mesh (``variables`` boxed or not).
+
+        Non-array arguments (``train=True``, ``deterministic=False``, ``method=``,
+        ``mutable=``, ``capture_intermediates=``) are static, as ``jax.jit``'s static
+        arguments: each combination is planned and compiled once."""
+        tr = self._linen_traceable(variables, args, kwargs, rngs, mutable, method,
+                                   capture_intermediates)
+        return self._run(tr, self._specs(variables))
 
     def compiled(self, variables: Any, *args: Any, rngs: Any = None, mutable: Any = False,
-                 method: Any = None, **kwargs: Any) -> Any:
+                 method: Any = None, capture_intermediates: Any = False, **kwargs: Any) -> Any:
         """The compiled forward program of ``apply(variables, *args)`` (``.as_text()``,
         ``.memory_analysis()``), for checking what XLA made of the plan."""
-        tr = self._linen_traceable(variables, args, kwargs, rngs, mutable, method)
-        prog = self._program(tr, _apply_key(mutable, rngs, method), self._specs(variables))
+        tr = self._linen_traceable(variables, args, kwargs, rngs, mutable, method,
+                                   capture_intermediates)
+        prog = self._program(tr, self._specs(variables))
         flat = [self._place(x, s) for x, s in zip(tr.flat_inputs, prog.in_shardings,
                                                    strict=True)]
         return prog.fn.lower(*flat).compile()
@@ -232,29 +264,6 @@ class AutoParallel:
         if isinstance(self.module, nnx.Module):
             raise PlanError("use the nnx wrapper (auto_parallel(mesh)(nnx_module)) to call it")
         raise PlanError("a wrapped linen module is used through .init / .apply, like the module")
-
-
-def _hashable(x: Any) -> Any:
-    if isinstance(x, (list, tuple)):
-        return tuple(x)
-    return x
-
-
-def _rng_names(rngs: Any) -> tuple:
-    return tuple(sorted(rngs)) if isinstance(rngs, dict) else ()
-
-
-def _apply_key(mutable: Any = False, rngs: Any = None, method: Any = None) -> tuple:
-    """What selects a linen program besides its inputs' shapes: the one key ``init``,
-    ``apply``, ``make_plan`` and ``compiled`` all build, so whichever comes first plans for
-    the others (``init`` asks for the collections besides ``params`` as mutable, as the
-    ``apply`` that updates them does)."""
-    return ("apply", _hashable(mutable), _rng_names(rngs), method)
-
-
-def _call_key() -> tuple:
-    """The key of an nnx call's program (``pm(*args)`` and ``pm.make_plan(*args)``)."""
-    return ("call",)
 
 
 class NnxAutoParallel(nnx.Module):
@@ -284,7 +293,7 @@ class NnxAutoParallel(nnx.Module):
         core = self._core
         tr = nnx_traceable(self.module, args, kwargs)
         specs = core._nnx_specs()
-        prog = core._program(tr, _call_key(), specs)
+        prog = core._program(tr, specs)
         if not self._laid_out:
             _, state = nnx.split(self.module)
             leaves = jax.tree_util.tree_leaves(state)
@@ -293,7 +302,7 @@ class NnxAutoParallel(nnx.Module):
                 jax.tree_util.tree_structure(state), placed))
             self._laid_out = True
             tr = nnx_traceable(self.module, args, kwargs)
-        out, new_state = core._run(tr, _call_key(), specs)
+        out, new_state = core._run(tr, specs)
         nnx.update(self.module, new_state)
         return out
 
@@ -308,8 +317,9 @@ def auto_parallel(mesh: Any, constraints: Constraints | None = None, *, policy: 
         constraints: ``Constraints`` narrowing the plan.
         policy: a function ``policy(graph, mesh) -> Plan`` or ``"dp"``, ``"zero3"``,
             ``"megatron"``, ``"auto"`` (default).
-        plan: a saved ``Plan`` to reuse (or its ``to_json()`` text, or that text parsed as a
-            dict).
+        plan: a saved ``Plan`` to reuse: the Plan, its ``to_json()`` text, that text parsed as
+            a dict, or the path of a file holding it. It applies at other batch sizes /
+            sequence lengths while its splits divide.
         verify: on the first call also run the single-device program and raise
             ``PlanError`` if the results differ.
 
@@ -337,16 +347,26 @@ def auto_parallel(mesh: Any, constraints: Constraints | None = None, *, policy: 
 
 
 def _saved_plan(plan: Any) -> Plan | None:
-    """A ``Plan`` from what ``auto_parallel(plan=...)`` accepts: a Plan, its JSON, or a dict."""
+    """A ``Plan`` from what ``auto_parallel(plan=...)`` accepts: a Plan, its JSON text, that
+    text parsed as a dict, or the path of a file holding it."""
     if plan is None or isinstance(plan, Plan):
         return plan
     if isinstance(plan, dict):
         plan = json.dumps(plan)
+    if isinstance(plan, os.PathLike) or (isinstance(plan, str)
+                                         and not plan.lstrip().startswith("{")):
+        try:
+            with open(plan, encoding="utf-8") as f:
+                plan = f.read()
+        except OSError as e:
+            raise PlanFormatError(f"auto_parallel(plan={str(plan)!r}): not JSON text and no "
+                                  f"readable file ({e.strerror}); pass a Plan, its to_json() "
+                                  "text, that text as a dict or a path to a saved plan") from e
     if isinstance(plan, str | bytes):
         return Plan.from_json(plan)
-    raise PlanFormatError(f"auto_parallel(plan=...) takes a Plan, its to_json() text or that "
-                          f"text parsed as a dict, got {type(plan).__name__}; load a saved plan "
-                          "with Plan.from_json(open(path).read())")
+    raise PlanFormatError(f"auto_parallel(plan=...) takes a Plan, its to_json() text, that "
+                          f"text parsed as a dict or a path to a saved plan, got "
+                          f"{type(plan).__name__}")
 
 
 def _decorate_class(cls: type, mesh, constraints, policy, plan, verify) -> type:

@@ -162,7 +162,7 @@ def test_graph_of_the_last_planned_call(mesh):
         "fc1", "fc2"}
 
 
-def test_a_saved_plan_is_taken_as_plan_json_text_or_dict(mesh):
+def test_a_saved_plan_is_taken_as_plan_json_text_dict_or_path(mesh, tmp_path):
     import json
 
     from nnscaler_jax import Plan
@@ -170,11 +170,15 @@ def test_a_saved_plan_is_taken_as_plan_json_text_or_dict(mesh):
 
     x = _x()
     saved = auto_parallel(mesh, policy="megatron")(MLP()).make_plan(x)
-    for given in (saved, saved.to_json(), json.loads(saved.to_json())):
+    (tmp_path / "plan.json").write_text(saved.to_json())
+    for given in (saved, saved.to_json(), json.loads(saved.to_json()), tmp_path / "plan.json",
+                  str(tmp_path / "plan.json")):
         reused = auto_parallel(mesh, plan=given)(MLP()).make_plan(x)
         assert isinstance(reused, Plan) and reused == saved and reused.policy == "megatron"
-    with pytest.raises(PlanFormatError, match="Plan.from_json"):
+    with pytest.raises(PlanFormatError, match="path to a saved plan"):
         auto_parallel(mesh, plan=42)
+    with pytest.raises(PlanFormatError, match="no readable file"):
+        auto_parallel(mesh, plan=str(tmp_path / "missing.json"))
     with pytest.raises(PlanFormatError, match="not a valid plan JSON"):
         auto_parallel(mesh, plan='{"format": "something else"}')
 

@@ -21,7 +21,7 @@ from nnscaler_jax.capture.jaxpr import InputInfo
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Role
 
-__all__ = ["Traceable", "linen_traceable", "nnx_traceable", "original_calls", "path_str"]
+__all__ = ["CallArgs", "Traceable", "linen_traceable", "nnx_traceable", "original_calls", "path_str"]
 
 _TRACING = threading.local()
 
@@ -62,9 +62,14 @@ class Traceable:
         flat_inputs: arrays or ``ShapeDtypeStruct`` values, one per input.
         infos: role / path / collection per input (computed on first use: ``apply`` rebuilds a
             Traceable on every call, but only a new input signature needs the paths).
-        in_tree: treedef of the structured inputs (``(variables_or_state, rngs, args, kwargs)``).
+        in_tree: treedef of the structured inputs (``(variables, rngs, arrays)`` for linen,
+            ``(state, arrays)`` for nnx; ``arrays`` are the call's array arguments).
         out_tree: a thunk giving the output treedef once ``fn`` has been traced.
         root: the root module name in name stacks.
+        static_key: what selects the program besides the inputs' shapes and dtypes (input tree,
+            static call arguments, apply options; an nnx module's graphdef).
+        n_results: a thunk giving how many leading outputs are the module's results (the rest
+            is updated state the wrapper writes back: an nnx module's); None: all of them.
     """
 
     fn: Callable[..., Any]
@@ -73,6 +78,8 @@ class Traceable:
     in_tree: Any
     out_tree: Callable[[], Any]
     root: str
+    static_key: Any = ()
+    n_results: Callable[[], int] | None = None
 
     @functools.cached_property
     def infos(self) -> tuple[InputInfo, ...]:
@@ -88,41 +95,107 @@ def _infos(tree: Any, role: Role, prefix: str, collection_from_path: bool) -> li
     return out
 
 
-def _check_args(args: Sequence[Any], where: str) -> None:
-    for i, leaf in enumerate(jax.tree_util.tree_leaves(args)):
-        if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
-            raise PlanError(
-                f"{where}: example argument leaf {i} is {type(leaf).__name__}, not an array. "
-                "Pass arrays or jax.ShapeDtypeStruct values (non-array options belong in the "
-                "module's attributes)."
-            )
+def _is_array(x: Any) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+@dataclass(frozen=True)
+class CallArgs:
+    """A call's ``(args, kwargs)`` split as ``jax.jit`` splits traced and static arguments.
+
+    Array leaves (arrays, tracers, ``ShapeDtypeStruct``) are traced inputs; every other leaf
+    (``train=True``, ``deterministic=False``, a string, ...) is a static option baked into the
+    traced program and part of its cache :attr:`key`, with the tree structure (keyword names,
+    ``None`` arguments).
+
+    >>> import jax.numpy as jnp
+    >>> c = CallArgs.of((jnp.ones(2),), {"train": True}, "M")
+    >>> len(c.arrays), c.static, c.rebuild(c.arrays)[1]
+    (1, ((1, True),), {'train': True})
+    """
+
+    arrays: tuple[Any, ...]
+    paths: tuple[str, ...]
+    treedef: Any
+    static: tuple[tuple[int, Any], ...]
+
+    @classmethod
+    def of(cls, args: Sequence[Any], kwargs: dict, where: str) -> CallArgs:
+        """Split ``args`` / ``kwargs``.
+
+        Raises:
+            PlanError: a non-array leaf that is not hashable (it cannot select a program).
+        """
+        tree = (tuple(args), dict(kwargs))
+        flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        arrays, paths, static = [], [], []
+        for i, (path, leaf) in enumerate(flat):
+            name = ("args/" if path[0].idx == 0 else "kwargs/") + path_str(path[1:])
+            if _is_array(leaf):
+                arrays.append(leaf)
+                paths.append(name)
+                continue
+            try:
+                hash(leaf)
+            except TypeError:
+                raise PlanError(
+                    f"{where}: argument {name} is a {type(leaf).__name__}, neither an array nor "
+                    "a hashable option (bool, int, float, str); pass arrays or "
+                    "jax.ShapeDtypeStruct values, and options as plain Python values") from None
+            static.append((i, leaf))
+        return cls(tuple(arrays), tuple(paths), treedef, tuple(static))
+
+    @property
+    def key(self) -> tuple:
+        """What selects the program besides the arrays' shapes and dtypes."""
+        return (self.treedef, self.static)
+
+    def rebuild(self, arrays: Sequence[Any]) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` with ``arrays`` in the array positions."""
+        it = iter(arrays)
+        static = dict(self.static)
+        leaves = [static[i] if i in static else next(it)
+                  for i in range(self.treedef.num_leaves)]
+        args, kwargs = jax.tree_util.tree_unflatten(self.treedef, leaves)
+        return args, kwargs
+
+    def infos(self) -> list[InputInfo]:
+        return [InputInfo(Role.INPUT, p, None) for p in self.paths]
 
 
 def linen_traceable(module: nn.Module, args: Sequence[Any], kwargs: dict, *,
                     variables: Any, rngs: Any = None, mutable: Any = False,
-                    method: Any = None) -> Traceable:
-    """The flat function of ``module.apply(variables, *args, rngs=rngs, mutable=mutable)``."""
-    _check_args((args, kwargs), type(module).__name__)
+                    method: Any = None, capture_intermediates: Any = False) -> Traceable:
+    """The flat function of ``module.apply(variables, *args, rngs=rngs, mutable=mutable,
+    method=method, capture_intermediates=...)``; non-array arguments are static (:class:`CallArgs`).
+    """
+    call = CallArgs.of(args, kwargs, type(module).__name__)
     rngs = dict(rngs) if rngs else {}
-    structured = (variables, rngs, tuple(args), dict(kwargs))
+    structured = (variables, rngs, call.arrays)
     flat, in_tree = jax.tree_util.tree_flatten(structured)
+
     def infos() -> list[InputInfo]:
         return (_infos(variables, Role.VARIABLE, "", True) + _infos(rngs, Role.RNG, "rngs/", False)
-                + _infos(tuple(args), Role.INPUT, "args/", False)
-                + _infos(dict(kwargs), Role.INPUT, "kwargs/", False))
+                + call.infos())
 
     store: dict[str, Any] = {}
 
     def fn(*flat_in):
-        v, r, a, kw = jax.tree_util.tree_unflatten(in_tree, flat_in)
+        v, r, arrays = jax.tree_util.tree_unflatten(in_tree, flat_in)
+        a, kw = call.rebuild(arrays)
         # nn.Module.apply itself, so a class decorated by auto_parallel runs its original code.
         out = nn.Module.apply(module, v, *a, rngs=r or None, mutable=mutable, method=method,
-                              **kw)
+                              capture_intermediates=capture_intermediates, **kw)
         leaves, store["tree"] = jax.tree_util.tree_flatten(out)
         return leaves
 
+    key = (in_tree, call.key, _hashable(mutable), method, _hashable(capture_intermediates))
     return Traceable(fn, tuple(flat), infos, in_tree, lambda: store["tree"],
-                     type(module).__name__)
+                     type(module).__name__, key)
+
+
+def _hashable(x: Any) -> Any:
+    return tuple(x) if isinstance(x, list) else x
 
 
 @contextlib.contextmanager
@@ -168,10 +241,14 @@ def _nnx_named_scopes(root: Any):
 
 
 def nnx_traceable(module: nnx.Module, args: Sequence[Any], kwargs: dict) -> Traceable:
-    """The flat function ``(state, args) -> (outputs, new state)`` of an nnx module call."""
-    _check_args((args, kwargs), type(module).__name__)
+    """The flat function ``(state, args) -> (outputs, new state)`` of an nnx module call.
+
+    The module's graphdef (its structure and static attributes: ``deterministic``,
+    ``use_running_average``, whatever ``.eval()`` / ``.train()`` switch) and the call's non-array
+    arguments select the program (:attr:`Traceable.static_key`)."""
+    call = CallArgs.of(args, kwargs, type(module).__name__)
     graphdef, state = nnx.split(module)
-    structured = (state, {}, tuple(args), dict(kwargs))
+    structured = (state, call.arrays)
     flat, in_tree = jax.tree_util.tree_flatten(structured)
 
     def infos() -> list[InputInfo]:
@@ -180,20 +257,22 @@ def nnx_traceable(module: nnx.Module, args: Sequence[Any], kwargs: dict) -> Trac
             p = path_str(path)
             p = p[: -len("/value")] if p.endswith("/value") else p
             var_infos.append(InputInfo(Role.VARIABLE, p, _nnx_collection(state, path)))
-        return (var_infos + _infos(tuple(args), Role.INPUT, "args/", False)
-                + _infos(dict(kwargs), Role.INPUT, "kwargs/", False))
+        return var_infos + call.infos()
     store: dict[str, Any] = {}
 
     def fn(*flat_in):
-        s, _, a, kw = jax.tree_util.tree_unflatten(in_tree, flat_in)
+        s, arrays = jax.tree_util.tree_unflatten(in_tree, flat_in)
+        a, kw = call.rebuild(arrays)
         m = nnx.merge(graphdef, s)
         with _nnx_named_scopes(m), _original():
             out = m(*a, **kw)
         _, new_state = nnx.split(m)
         leaves, store["tree"] = jax.tree_util.tree_flatten((out, new_state))
+        store["n"] = len(jax.tree_util.tree_leaves(out))
         return leaves
 
-    return Traceable(fn, tuple(flat), infos, in_tree, lambda: store["tree"], "")
+    return Traceable(fn, tuple(flat), infos, in_tree, lambda: store["tree"], "",
+                     (graphdef, in_tree, call.key), lambda: store["n"])
 
 
 def _nnx_collection(state: Any, path: Sequence[Any]) -> str:

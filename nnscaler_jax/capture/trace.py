@@ -11,7 +11,7 @@ import flax.linen as nn
 import jax
 from flax import nnx
 
-from nnscaler_jax.capture.flax import Traceable, linen_traceable, nnx_traceable
+from nnscaler_jax.capture.flax import CallArgs, Traceable, linen_traceable, nnx_traceable
 from nnscaler_jax.capture.jaxpr import graph_from_jaxpr
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Graph
@@ -32,17 +32,26 @@ class Captured:
     out_tree: Any
 
 
-def abstract_init(module: nn.Module, args: tuple, kwargs: dict) -> Any:
-    """Variables of a linen module as ``ShapeDtypeStruct`` values (no allocation)."""
+def abstract_init(module: nn.Module, args: tuple, kwargs: dict, rngs: Any = None) -> Any:
+    """Variables of a linen module as ``ShapeDtypeStruct`` values (no allocation); non-array
+    arguments (``train=True``) are static; ``params`` and ``dropout`` get fixed keys unless
+    ``rngs`` names the streams."""
     keys = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+    keys.update({k: jax.random.key(2 + i) for i, k in enumerate(sorted(rngs or ()))
+                 if k not in keys})
+    call = CallArgs.of(args, kwargs, type(module).__name__)
+
+    def init(arrays):
+        a, kw = call.rebuild(arrays)
+        return module.init(keys, *a, **kw)
+
     try:
-        return jax.eval_shape(lambda a, kw: module.init(keys, *a, **kw), tuple(args),
-                              dict(kwargs))
+        return jax.eval_shape(init, call.arrays)
     except Exception as e:  # noqa: BLE001 - re-raised with context a user can act on
         raise PlanError(
             f"{type(module).__name__}.init failed on the example args "
-            f"{jax.tree_util.tree_map(lambda x: (tuple(x.shape), str(x.dtype)), args)}: {e}"
-        ) from e
+            f"{jax.tree_util.tree_map(lambda x: (tuple(x.shape), str(x.dtype)), call.arrays)} "
+            f"(options {dict(call.static) or 'none'}): {type(e).__name__}: {e}") from e
 
 
 def warn_unannotated(missing: dict[str, set[str]], model: str, stacklevel: int = 2) -> None:
@@ -65,26 +74,30 @@ def warn_unannotated(missing: dict[str, set[str]], model: str, stacklevel: int =
 
 
 def capture(module: Any, *args: Any, variables: Any = None, rngs: Any = None,
-            mutable: Any = None, method: Any = None, **kwargs: Any) -> Captured:
+            mutable: Any = None, method: Any = None, capture_intermediates: Any = False,
+            **kwargs: Any) -> Captured:
     """Trace a linen or nnx module on example args (arrays or ``ShapeDtypeStruct``).
 
     Args:
         module: a ``flax.linen.Module`` or ``flax.nnx.Module`` instance.
-        *args, **kwargs: example arguments of the call.
+        *args, **kwargs: example arguments of the call; non-array ones (``train=True``) are
+            static options of the traced call.
         variables: linen variables (default: ``module.init`` evaluated abstractly).
         rngs: linen rng streams for ``apply`` (e.g. ``{'dropout': key}``).
         mutable: linen mutable collections; default: every collection except ``params``.
         method: linen method to call instead of ``__call__``.
+        capture_intermediates: linen's ``apply`` option (the sown intermediates are outputs).
     """
     if isinstance(module, nnx.Module):
         tr = nnx_traceable(module, args, kwargs)
     elif isinstance(module, nn.Module):
         if variables is None:
-            variables = abstract_init(module, args, kwargs)
+            variables = abstract_init(module, args, kwargs, rngs)
         if mutable is None:
             mutable = [c for c in variables if c != "params"] or False
         tr = linen_traceable(module, args, kwargs, variables=variables, rngs=rngs,
-                             mutable=mutable, method=method)
+                             mutable=mutable, method=method,
+                             capture_intermediates=capture_intermediates)
     else:
         raise PlanError(
             f"cannot trace a {type(module).__name__}: pass a flax.linen.Module or a "
@@ -95,7 +108,7 @@ def capture(module: Any, *args: Any, variables: Any = None, rngs: Any = None,
     except PlanError:
         raise
     except Exception as e:  # noqa: BLE001 - re-raised with context a user can act on
-        shapes = jax.tree_util.tree_map(lambda x: (tuple(x.shape), str(x.dtype)), args)
+        shapes = [(tuple(x.shape), str(x.dtype)) for x in CallArgs.of(args, kwargs, "").arrays]
         raise PlanError(f"tracing {type(module).__name__} on args {shapes} failed: "
                         f"{type(e).__name__}: {e}") from e
     graph, missing = graph_from_jaxpr(jaxpr, tr.infos, root=tr.root)

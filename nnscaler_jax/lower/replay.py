@@ -54,13 +54,15 @@ def explicitly_typed(x: Any) -> bool:
 @dataclass(eq=False)
 class Lowering:
     """Replays ``graph`` under ``plan`` on ``mesh`` (``explicit``: inputs carry Explicit
-    sharding types)."""
+    sharding types; ``result_specs``: on an Explicit mesh, the types of the outputs the user's
+    code reads (:func:`nnscaler_jax.lower.explicit.result_specs`; None entries: the plan's))."""
 
     graph: Graph
     plan: Plan
     mesh: Mesh
 
     explicit: bool = False
+    result_specs: Sequence[PartitionSpec | None] | None = None
 
     def __post_init__(self) -> None:
         # Untyped inputs: run on an Auto view of the mesh. Explicitly typed inputs: run on the
@@ -165,7 +167,9 @@ class Lowering:
         """
         if not self.explicit:
             return self._program(*flat_inputs)
-        specs = self.output_specs()
+        specs = [r if r is not None else s for s, r in
+                 zip(self.output_specs(), self.result_specs or [None] * len(self.graph.outputs),
+                     strict=True)]
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
             fn = jax.sharding.auto_axes(lambda *a: list(self._program(*a)), out_sharding=specs)
             return fn(*flat_inputs)

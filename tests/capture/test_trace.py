@@ -57,21 +57,6 @@ def test_keyword_args_reach_the_module_and_the_out_tree_follows():
     assert set(jax.tree_util.tree_unflatten(one.out_tree, one.graph.outputs)) == {"y"}
 
 
-@pytest.mark.xfail(strict=True, reason="capture() runs abstract_init (which traces keyword "
-                   "args into eval_shape) before linen_traceable's argument check, so a Python "
-                   "option passed as a keyword fails with a TracerBoolConversionError wrapped as "
-                   "'init failed' instead of the actionable 'not an array ... belong in the "
-                   "module's attributes' message")
-def test_a_python_option_as_keyword_gets_the_actionable_error():
-    class Switch(nn.Module):
-        @nn.compact
-        def __call__(self, x, train: bool = False):
-            return nn.Dense(3)(x) * (2.0 if train else 1.0)
-
-    with pytest.raises(PlanError, match="not an array"):
-        trace(Switch(), X, train=True)
-
-
 def test_method_traces_another_method():
     g = trace(_Coder(), X, method="encode")
     (dot,) = _dots(g)
