@@ -68,8 +68,9 @@ class PlanFormatError(PlanError):
     """A saved plan that cannot be used.
 
     Raised by ``Plan.from_json`` for malformed plan JSON (not JSON, not a plan, missing or
-    mistyped fields) and by ``Plan.check_graph`` for a plan made for another graph (model or
-    input shapes) or another mesh shape.
+    mistyped fields), by ``Plan.check_graph`` for a plan made for another model or another mesh
+    shape, and by ``make_plan(plan=...)`` when a split of the plan does not divide this graph's
+    sizes (another batch size or sequence length).
     """
 
 

@@ -4,12 +4,18 @@ SPMD plans come from :func:`nnscaler_jax.search.entry.plan_spmd` (constraints ch
 run, ZeRO recorded, plan priced); ``Constraints(pipeline_stages=...)`` adds the pipeline's
 stages, schedule and micro-batches on top (:func:`nnscaler_jax.pipeline.configure.
 configure_pipeline`, priced as the pipeline runtime runs them). A saved plan is checked against
-the graph and mesh instead.
+the graph and mesh instead (:func:`nnscaler_jax.plan.reuse.check_reuse`: the same model, splits
+that divide this graph's sizes) and re-priced at them. Dims a policy left replicated because a
+mesh axis does not divide them (``Plan.unsplit``) are warned about once per plan.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from nnscaler_jax.constraints import Constraints
@@ -18,7 +24,8 @@ from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.mesh.axes import mesh_axes
 from nnscaler_jax.pipeline.configure import configure_pipeline
-from nnscaler_jax.plan.plan import Plan
+from nnscaler_jax.plan.plan import Plan, unsplit_summary
+from nnscaler_jax.plan.reuse import check_reuse
 from nnscaler_jax.search.entry import Planned, plan_spmd
 
 __all__ = ["make_plan", "plan_and_report"]
@@ -38,7 +45,29 @@ def plan_and_report(graph: Graph, mesh: Any, *, policy: str | Callable | None = 
         planned = Planned(configure_pipeline(planned.plan, graph, constraints, cost_model),
                           planned.seconds, planned.report)
     _check_budget(planned.plan, constraints.max_memory_per_device)
+    _warn_unsplit(planned.plan)
     return planned
+
+
+def _warn_unsplit(plan: Plan) -> None:
+    """One ``UserWarning`` per plan listing the dims left replicated because a mesh axis does
+    not divide them (grouped by size and axis), pointing at the first caller outside
+    the package."""
+    if not plan.unsplit:
+        return
+    here = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(0), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(here):
+        frame, level = frame.f_back, level + 1
+    u = plan.unsplit[0]
+    warnings.warn(
+        f"policy {plan.policy or 'custom'!r} left {len(plan.unsplit)} op dims replicated: the "
+        "mesh axis they would split over does not divide their size (every device computes "
+        "them whole):\n" + "\n".join(f"  {x}" for x in unsplit_summary(plan.unsplit)) + "\n"
+        f"Use sizes the mesh axes divide (e.g. a multiple of {u.axis_size} rather than "
+        f"{u.size} over '{u.axis}'), or a mesh whose axis sizes divide them; str(plan) lists "
+        "them.",
+        UserWarning, stacklevel=level)
 
 
 def _check_budget(plan: Plan, budget: int | None) -> None:
@@ -73,15 +102,32 @@ def make_plan(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto"
         time_limit: the searches' solver budget in seconds.
 
     Returns:
-        The plan, with ``plan.cost`` filled in (a saved plan as it was saved).
+        The plan, with ``plan.cost`` filled in (a saved plan as it was saved, its cost, if it
+        had one, re-priced for this graph's sizes).
 
     Raises:
-        PlanError: the saved plan is for another graph or mesh; a constraint that cannot be
-            met; no plan fits the memory budget.
+        PlanError: the saved plan is for another model or mesh, or (a ``PlanFormatError``
+            naming the op, dim, size and mesh axis) its splits do not divide this graph's sizes;
+            a constraint that cannot be met; no plan fits the memory budget.
     """
     if plan is not None:
-        plan.check_graph(graph, mesh_axes(mesh))
-        return plan
+        check_reuse(plan, graph, mesh_axes(mesh))
+        return _repriced(plan, graph, cost_model)
     return plan_and_report(graph, mesh, policy=policy, constraints=constraints,
                            partitioning=partitioning, cost_model=cost_model,
                            time_limit=time_limit).plan
+
+
+def _repriced(plan: Plan, graph: Graph, cost_model: CostModel | None) -> Plan:
+    """A saved plan's cost at ``graph``'s sizes (as plan_spmd / configure_pipeline price it);
+    ``plan`` itself when it had no cost."""
+    if plan.cost is None:
+        return plan
+    if plan.pipeline is None:
+        cm = cost_model or CostModel.for_axes(dict(plan.mesh), zero=plan.zero)
+        return replace(plan, cost=cm.plan_cost(plan, graph))
+    p = plan.pipeline
+    cons = Constraints(pipeline_stages=p.stages, microbatches=p.microbatches,
+                       schedule=p.schedule or None)
+    priced = configure_pipeline(replace(plan, pipeline=None), graph, cons, cost_model)
+    return replace(plan, cost=priced.cost)

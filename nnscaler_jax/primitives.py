@@ -35,7 +35,7 @@ from typing import Any
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.anno import DimKind, parse_anno
 from nnscaler_jax.ir.graph import Graph, Op
-from nnscaler_jax.plan.plan import VALUE, OpPlan, Plan, graph_fingerprint
+from nnscaler_jax.plan.plan import VALUE, OpPlan, Plan, Unsplit, graph_fingerprint
 from nnscaler_jax.rules.linear import VALUE_SPLIT_LINEAR
 
 __all__ = ["Draft", "SubOp", "op_assign", "op_order", "op_trans"]
@@ -90,6 +90,7 @@ class Draft:
     decisions: dict[int, OpPlan] = field(default_factory=dict)
     variables: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     order: list[tuple[int, int]] = field(default_factory=list)
+    unsplit: list[Unsplit] = field(default_factory=list)
     _assigned: dict[int, dict[tuple, dict[str, int]]] = field(default_factory=dict)
     _splits: dict[int, list[tuple[str, int]]] = field(default_factory=dict)
 
@@ -143,6 +144,16 @@ class Draft:
             raise PlanError(f"no model variable '{name}'; variables: {sorted(known)[:10]}...")
         self.variables[name] = tuple(spec)
 
+    def note_unsplit(self, op: Op, dim: str, axis: str, size: int | None = None) -> None:
+        """Record that the policy leaves ``dim`` of ``op`` unsplit over mesh ``axis`` because
+        the axis does not divide it (``size``: the dim's size, or its per-shard size when other
+        axes already split it; default its size). The plan lists it (``plan.unsplit``) and
+        planning warns once per plan."""
+        if size is None:
+            size = op.dim_sizes()[dim]
+        self.unsplit.append(Unsplit(op.id, op.primitive, op.module_path, dim, int(size), axis,
+                                    self.mesh_axes[axis]))
+
     def finish(self) -> Plan:
         """The frozen plan (undecided ops follow their neighbours, see ``propagate``)."""
         from nnscaler_jax.plan.propagate import propagate
@@ -163,6 +174,7 @@ class Draft:
             zero=self.zero,
             order=order,
             policy=self.policy,
+            unsplit=tuple(self.unsplit),
         )
 
     def _compile_assignment(self, op_id: int, assigned: dict[tuple, dict[str, int]]) -> OpPlan:

@@ -98,9 +98,11 @@ def test_a_plan_for_another_graph_or_mesh_is_a_plan_format_error(graph):
     plan.check_graph(graph, dict(MESH))  # its own graph and mesh: fine
     with pytest.raises(PlanFormatError, match="mesh"):
         plan.check_graph(graph, {"data": 4, "model": 2})
-    other = trace(TwoDense(), jax.ShapeDtypeStruct((4, 16), jnp.float32))
+    other = trace(nn.Dense(4), jax.ShapeDtypeStruct((6, 16), jnp.float32))
     with pytest.raises(PlanFormatError, match="another model"):
         plan.check_graph(other, dict(MESH))
+    # the same model at another batch size is the same model (sizes are checked on reuse)
+    plan.check_graph(trace(TwoDense(), jax.ShapeDtypeStruct((4, 16), jnp.float32)), dict(MESH))
 
 
 def test_op_trans_of_a_dim_that_does_not_divide_is_a_sharding_error(graph):

@@ -1,5 +1,6 @@
 """`planner.py`: ``make_plan`` / ``plan_and_report`` on abstract meshes: the mesh forms agree,
-saved plans are checked and reused, the policy default under pipeline stages, ZeRO recorded."""
+saved plans are checked and reused (at other sizes too, re-priced), the policy default under
+pipeline stages, ZeRO recorded."""
 
 from __future__ import annotations
 
@@ -48,13 +49,24 @@ def test_the_plan_comes_priced_by_the_given_cost_model(graph):
     assert priced.ops == plan.ops
 
 
-def test_a_saved_plan_is_checked_and_returned_as_is(graph):
+def test_a_saved_plan_is_checked_and_reused_at_other_sizes(graph):
     saved = make_plan(graph, AXES, policy="dp")
-    assert make_plan(graph, AXES, plan=saved, policy="megatron") is saved
+    again = make_plan(graph, AXES, plan=saved, policy="megatron")
+    assert again == saved and again.policy == "dp" and again.cost == saved.cost
     with pytest.raises(PlanFormatError, match="mesh"):
         make_plan(graph, {"data": 8}, plan=saved)
-    other = trace(Net(), jax.ShapeDtypeStruct((4, 16), jnp.float32))
-    with pytest.raises(PlanFormatError, match="another model"):
+    # another batch size the data axis divides: the same splits, priced at the new sizes
+    half = trace(Net(), jax.ShapeDtypeStruct((4, 16), jnp.float32))
+    reused = make_plan(half, AXES, plan=saved)
+    assert reused == saved and reused.ops == saved.ops
+    assert reused.cost == CostModel.for_axes(AXES).plan_cost(saved, half) != saved.cost
+    # one it does not divide: named, with the op, the size and the axis
+    odd = trace(Net(), jax.ShapeDtypeStruct((3, 16), jnp.float32))
+    with pytest.raises(PlanFormatError, match=r"'data' \(2\), but its size here is 3") as info:
+        make_plan(odd, AXES, plan=saved)
+    assert info.value.axis == "data" and info.value.module_path in ("fc1", "fc2", "")
+    other = trace(nn.Dense(16), jax.ShapeDtypeStruct((8, 16), jnp.float32))
+    with pytest.raises(PlanFormatError, match="another model.*ops"):
         make_plan(other, AXES, plan=saved)
 
 
@@ -84,6 +96,11 @@ def test_pipeline_stages_without_a_policy_are_data_parallel_inside():
                      constraints=Constraints(pipeline_stages=2, microbatches=2))
     assert plan.policy == "dp" and plan.stages == 2
     assert plan.pipeline.microbatches == 2
+    # reused at batch 16: the same stages and schedule, priced as the runtime runs them there
+    g16 = capture_spec(models.get("gpt", "tiny", batch_size=16)).graph
+    again = make_plan(g16, {"stage": 2, "data": 2}, plan=plan)
+    assert again == plan and again.pipeline == plan.pipeline
+    assert again.cost.compute_time_s > plan.cost.compute_time_s
 
 
 @pytest.mark.parametrize("policy", ["dp", "megatron", "zero3"])

@@ -11,9 +11,11 @@ from typing import Any
 from nnscaler_jax.errors import PlanFormatError
 from nnscaler_jax.ir.graph import Graph
 
-__all__ = ["VALUE", "OpPlan", "PipelineSettings", "Plan", "PlanCost", "graph_fingerprint"]
+__all__ = ["VALUE", "OpPlan", "PipelineSettings", "Plan", "PlanCost", "Unsplit",
+           "graph_fingerprint", "unsplit_summary"]
 
 FORMAT = "nnscaler_jax.plan/1"
+FINGERPRINT = "s1-"  # structure fingerprints (no sizes); older plans hashed shapes, no prefix
 VALUE = "+"  # pseudo-identifier: value-split (inputs and outputs stay partial sums)
 
 
@@ -55,6 +57,56 @@ class PlanCost:
     comm_bytes: int
     compute_time_s: float = 0.0
     comm_time_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Unsplit:
+    """A dim a policy wanted to split over a mesh axis but left replicated there, because the
+    axis's size does not divide it (a batch of 3 on a data axis of 2).
+
+    Attributes:
+        op / primitive / module_path: the op.
+        dim: the annotation identifier.
+        size: the dim's size (per shard, when earlier axes already split it).
+        axis / axis_size: the mesh axis and its size.
+    """
+
+    op: int
+    primitive: str
+    module_path: str
+    dim: str
+    size: int
+    axis: str
+    axis_size: int
+
+    def __str__(self) -> str:
+        return (f"op {self.op} {self.primitive} at '{self.module_path or '<top>'}', dim "
+                f"'{self.dim}' of size {self.size} over '{self.axis}' ({self.axis_size})")
+
+
+def unsplit_summary(notes: tuple[Unsplit, ...], limit: int = 6) -> list[str]:
+    """One line per (size, mesh axis) group of ``notes``: the op count, the first module
+    paths and the first op in full; at most ``limit`` lines and a count of the rest.
+
+    >>> n = [Unsplit(3, "dot_general", "fc1", "m0", 3, "data", 2),
+    ...      Unsplit(5, "add", "fc1", "d0", 3, "data", 2)]
+    >>> unsplit_summary(tuple(n))
+    ["size 3 over 'data' (2): 2 ops in fc1 (e.g. op 3 dot_general at 'fc1', dim 'm0')"]
+    """
+    groups: dict[tuple[int, str, int], list[Unsplit]] = {}
+    for u in notes:
+        groups.setdefault((u.size, u.axis, u.axis_size), []).append(u)
+    lines = []
+    for (size, axis, n), us in list(groups.items())[:limit]:
+        paths = list(dict.fromkeys(u.module_path or "<top>" for u in us))
+        more = f" and {len(paths) - limit} more" if len(paths) > limit else ""
+        first = us[0]
+        lines.append(f"size {size} over '{axis}' ({n}): {len(us)} op{'s' * (len(us) > 1)} in "
+                     f"{', '.join(paths[:limit])}{more} (e.g. op {first.op} {first.primitive} "
+                     f"at '{first.module_path or '<top>'}', dim '{first.dim}')")
+    if len(groups) > limit:
+        lines.append(f"... and {len(groups) - limit} more (size, axis) groups")
+    return lines
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +174,8 @@ class Plan:
         cost: estimates, if computed.
         pipeline: the pipeline settings, None when the plan does not pipeline (the ops,
             variables and order are then the whole SPMD plan; with a pipeline, each stage's).
+        unsplit: dims the policy left replicated because a mesh axis does not divide them
+            (what it said, not what it decided: not compared).
     """
 
     mesh: tuple[tuple[str, int], ...]
@@ -133,6 +187,7 @@ class Plan:
     policy: str = ""
     cost: PlanCost | None = field(default=None, compare=False)
     pipeline: PipelineSettings | None = None
+    unsplit: tuple[Unsplit, ...] = field(default=(), compare=False)
 
     @property
     def stages(self) -> int:
@@ -171,6 +226,9 @@ class Plan:
             lines += [f"  {n}: P{tuple(s)}" for n, s in sharded]
         if self.pipeline is not None:
             lines += self.pipeline.lines()
+        if self.unsplit:
+            lines.append(f"left replicated (size does not divide): {len(self.unsplit)} op dims")
+            lines += [f"  {x}" for x in unsplit_summary(self.unsplit)]
         if self.cost:
             c = self.cost
             lines.append(f"estimate: step {c.step_time_s * 1e3:.3f} ms, memory/device "
@@ -200,6 +258,8 @@ class Plan:
         }
         if self.pipeline is not None:
             d["pipeline"] = self.pipeline.to_dict()
+        if self.unsplit:
+            d["unsplit"] = [dataclasses.asdict(u) for u in self.unsplit]
         return json.dumps(d, indent=1, sort_keys=True)
 
     @classmethod
@@ -234,21 +294,56 @@ class Plan:
                 policy=str(d["policy"]),
                 cost=cost,
                 pipeline=PipelineSettings.from_dict(pipe) if pipe else None,
+                unsplit=tuple(_unsplit(u) for u in d.get("unsplit", ())),
             )
         except (ValueError, KeyError, TypeError, IndexError) as e:
             raise PlanFormatError(f"not a valid plan JSON ({type(e).__name__}: {e}); write it "
                                   "with Plan.to_json()") from e
 
     def check_graph(self, graph: Graph, mesh_axes: dict[str, int]) -> None:
-        """Raise ``PlanFormatError`` if the plan was made for another graph or mesh shape."""
+        """Raise ``PlanFormatError`` if the plan was made for another model (structure: ops,
+        names, ranks, dtypes; see :func:`graph_fingerprint`) or another mesh shape. Sizes may
+        differ: :func:`nnscaler_jax.plan.reuse.check_reuse` also checks that the splits divide
+        them (what ``make_plan(plan=...)`` runs).
+
+        A plan saved before fingerprints left sizes out (no ``s1-`` prefix) passes when its ops
+        and variables match the graph's by id, primitive, module path and name.
+        """
+        if dict(self.mesh) != dict(mesh_axes):
+            raise PlanFormatError(f"this plan is for mesh {dict(self.mesh)}, not "
+                                  f"{dict(mesh_axes)}; re-plan for this mesh")
+        legacy = not self.fingerprint.startswith(FINGERPRINT)
         fp = graph_fingerprint(graph)
-        if fp != self.fingerprint:
-            raise PlanFormatError(
-                f"this plan was made for another model or other input shapes (fingerprint "
-                f"{self.fingerprint}, this graph {fp}); re-plan with policy=... or make_plan()")
-        if dict(self.mesh) != mesh_axes:
-            raise PlanFormatError(f"this plan is for mesh {dict(self.mesh)}, not {mesh_axes}; "
-                                  "re-plan for this mesh")
+        if legacy or self.fingerprint != fp:
+            diff = self.structure_diff(graph)
+            if diff or not legacy:
+                diff = diff or ("the ops match by primitive and module path, but the input "
+                                "names, roles, ranks or dtypes differ")
+                raise PlanFormatError(
+                    f"this plan was made for another model (fingerprint {self.fingerprint}, "
+                    f"this graph {fp}): {diff}; re-plan with policy=... or make_plan()")
+
+    def structure_diff(self, graph: Graph) -> str:
+        """What differs between the graph the plan was made for and ``graph`` ('' if nothing
+        it can tell): the op count, the first op whose primitive or module path differs, the
+        variable names."""
+        ops = {op.id: op for op in graph.walk()}
+        parts = []
+        if len(self.ops) != len(ops):
+            parts.append(f"the plan has {len(self.ops)} ops, this graph {len(ops)}")
+        for p in self.ops:
+            op = ops.get(p.op)
+            if op is None or (op.primitive, op.module_path) != (p.primitive, p.module_path):
+                here = f"{op.primitive} at '{op.module_path or '<top>'}'" if op else "no such op"
+                parts.append(f"op {p.op} is {p.primitive} at '{p.module_path or '<top>'}' in "
+                             f"the plan, {here} in this graph")
+                break
+        mine = {n for n, _ in self.variables}
+        theirs = {t.name for t in graph.variables}
+        if mine and mine != theirs:
+            parts.append(f"variables only in the plan: {sorted(mine - theirs)[:3] or 'none'}, "
+                         f"only in this graph: {sorted(theirs - mine)[:3] or 'none'}")
+        return "; ".join(parts)
 
 
 def _entry(e: Any) -> Any:
@@ -257,11 +352,20 @@ def _entry(e: Any) -> Any:
     return tuple(e)
 
 
+def _unsplit(u: dict[str, Any]) -> Unsplit:
+    return Unsplit(int(u["op"]), str(u["primitive"]), str(u["module_path"]), str(u["dim"]),
+                   int(u["size"]), str(u["axis"]), int(u["axis_size"]))
+
+
 def graph_fingerprint(graph: Graph) -> str:
-    """A short hash of the graph's ops, shapes and variable names."""
+    """A short hash of the graph's structure: its ops (id, primitive, module path, operand
+    ranks and dtypes) and its inputs' names, roles, ranks and dtypes; no dim sizes, so one plan
+    serves every batch size and sequence length its splits divide."""
     h = hashlib.sha1()
     for t in graph.inputs:
-        h.update(f"{t.name}:{t.shape}:{t.dtype};".encode())
+        h.update(f"{t.name}:{t.role.value}:{t.ndim}:{t.dtype};".encode())
     for op in graph.walk():
-        h.update(f"{op.id}:{op.primitive}:{[t.shape for t in op.inputs]};".encode())
-    return h.hexdigest()[:16]
+        ins = [(t.ndim, t.dtype) for t in op.inputs]
+        outs = [(t.ndim, t.dtype) for t in op.outputs]
+        h.update(f"{op.id}:{op.primitive}:{op.module_path}:{ins}->{outs};".encode())
+    return FINGERPRINT + h.hexdigest()[:16]

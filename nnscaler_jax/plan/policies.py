@@ -11,19 +11,19 @@ together (column- then row-parallel), and so do the heads of the q / k / v / out
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.anno import parse_anno
 from nnscaler_jax.ir.dims import DimClasses, graph_dim_classes
-from nnscaler_jax.ir.graph import Op, Role
+from nnscaler_jax.ir.graph import Graph, Op, Role
 from nnscaler_jax.mesh.axes import MODEL_AXES, data_axes, model_axes
-from nnscaler_jax.plan.plan import Plan
+from nnscaler_jax.plan.plan import Plan, Unsplit
 from nnscaler_jax.plan.zero import zero3_storage
 from nnscaler_jax.primitives import Draft, op_assign, op_trans
 
-__all__ = ["dp", "megatron", "zero3"]
-
+__all__ = ["batch_unsplit", "dp", "megatron", "zero3"]
 
 
 def _ident_classes(op: Op, classes: DimClasses) -> dict[str, Any]:
@@ -41,14 +41,18 @@ def _ident_classes(op: Op, classes: DimClasses) -> dict[str, Any]:
 
 def _split(graph: Draft, subs: list[Any], dim: str, axes: list[str]) -> list[Any]:
     """op_trans every sub-op along ``dim`` over each of ``axes`` that divides it, op_assign the
-    pieces along that axis; returns the new sub-ops."""
+    pieces along that axis; an axis that does not divide it is noted (``Draft.note_unsplit``).
+    Returns the new sub-ops."""
     op = subs[0].op if hasattr(subs[0], "op") else subs[0]
     anno = parse_anno(op.anno)
     size = anno.bind([t.shape for t in op.inputs], [t.shape for t in op.outputs])[dim]
     done = 1
     for a in axes:
         n = graph.mesh_axes[a]
-        if n == 1 or size % (done * n):
+        if n == 1:
+            continue
+        if size % (done * n):
+            graph.note_unsplit(op, dim, a, size // done)
             continue
         new = []
         for sub in subs:
@@ -59,9 +63,9 @@ def _split(graph: Draft, subs: list[Any], dim: str, axes: list[str]) -> list[Any
     return subs
 
 
-def _batch_classes(graph: Draft, classes: DimClasses) -> set:
+def _batch_classes(graph: Graph, classes: DimClasses) -> set:
     out = set()
-    for t in graph.graph.inputs:
+    for t in graph.inputs:
         if t.role is Role.INPUT and t.ndim >= 1:
             c = classes.cls(t.id, 0)
             if c is not None and c not in classes.frozen:
@@ -128,7 +132,7 @@ def _tp_classes(graph: Draft, classes: DimClasses, batch: set) -> set:
 
 def _plan_by_classes(graph: Draft, data: list[str], model: list[str]) -> None:
     classes = graph_dim_classes(graph.graph)
-    batch = _batch_classes(graph, classes) if data else set()
+    batch = _batch_classes(graph.graph, classes) if data else set()
     tp = _tp_classes(graph, classes, batch) if model else set()
     for op in graph.graph.walk():
         if not op.annotated:
@@ -179,3 +183,29 @@ def megatron(graph: Draft, mesh: Any) -> Plan:
     graph.policy = graph.policy or "megatron"
     _plan_by_classes(graph, data, model)
     return graph.finish()
+
+
+def batch_unsplit(graph: Graph, plan: Plan, axes: dict[str, int]) -> tuple[Unsplit, ...]:
+    """The ops whose batch dim (the class of axis 0 of the example arguments) ``plan`` leaves
+    unsplit over a data axis (of size > 1, unused by the op) that does not divide it (its
+    per-shard size when other axes split it): what a search could not offer. Nothing without
+    data axes."""
+    data = [a for a in data_axes(axes) if axes[a] > 1]
+    classes = graph_dim_classes(graph) if data else None
+    batch = _batch_classes(graph, classes) if classes is not None else set()
+    by_id = {p.op: p for p in plan.ops}
+    out: list[Unsplit] = []
+    for op in graph.walk() if batch else ():
+        idents = _ident_classes(op, classes) if op.annotated else {}
+        dim = next((n for n in parse_anno(op.anno).splittable() if idents.get(n) in batch),
+                   None) if idents else None
+        if dim is None:
+            continue
+        split = by_id[op.id].split if op.id in by_id else ()
+        size = op.dim_sizes()[dim]
+        ways = math.prod(axes[a] for a, d in split if d == dim)
+        for a in data:
+            if all(x != a for x, _ in split) and (size // ways) % axes[a]:
+                out.append(Unsplit(op.id, op.primitive, op.module_path, dim, size // ways, a,
+                                   axes[a]))
+    return tuple(out)

@@ -3,6 +3,8 @@
 Every SPMD plan is made here, for ``auto_parallel``, the CLI, the benchmarks and the pipeline's
 in-stage plans: check the constraints, run the policy (a built-in, the search, or the user's
 function) on a :class:`~nnscaler_jax.primitives.Draft`, record the ZeRO stage, price the result.
+A search's plan lists the ops whose batch dim a data axis does not divide (``Plan.unsplit``, as
+the built-in policies record for every dim they could not split).
 The mesh may be a ``Mesh``, an ``AbstractMesh`` or ``{axis: size}``: no devices are needed, so
 benchmarks plan for 512 devices on a laptop. Pipelined plans add stages on top of this
 (:func:`nnscaler_jax.planner.make_plan`).
@@ -24,7 +26,7 @@ from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.mesh.axes import mesh_axes
 from nnscaler_jax.plan.plan import Plan
-from nnscaler_jax.plan.policies import dp, megatron, zero3
+from nnscaler_jax.plan.policies import batch_unsplit, dp, megatron, zero3
 from nnscaler_jax.plan.zero import apply_zero
 from nnscaler_jax.primitives import Draft
 from nnscaler_jax.search.ilp import SearchReport, search_policy
@@ -102,6 +104,8 @@ def plan_spmd(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto"
         raise PlanError(f"policy {draft.policy!r} returned {type(result).__name__}, not a Plan: "
                         "end the policy with `return graph.finish()`")
     result = apply_zero(result, graph, constraints.zero)
+    if name in SEARCHES:  # the search offers only splits that divide: say what it could not
+        result = replace(result, unsplit=result.unsplit + batch_unsplit(graph, result, axes))
     seconds = time.perf_counter() - t0
     cm = cost_model or CostModel.for_axes(axes, zero=result.zero)
     return Planned(replace(result, cost=cm.plan_cost(result, graph)), seconds,

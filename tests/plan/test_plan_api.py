@@ -193,9 +193,11 @@ def test_indivisible_batch_falls_back_or_errors(mlp):
     pm = auto_parallel(make_mesh((2, 4), ("data", "model")), policy=policy)(module)
     with pytest.raises(PlanError, match=r"size 3 is not divisible"):
         pm.make_plan(x)
-    # the built-in dp policy leaves an indivisible batch replicated instead of failing
-    out = auto_parallel(make_mesh((2, 4), ("data", "model")), policy="dp")(module).apply(
-        module.init(jax.random.key(0), x), x)
+    # the built-in dp policy leaves an indivisible batch replicated instead of failing, and
+    # says so (tests/plan/test_unsplit.py)
+    with pytest.warns(UserWarning, match=r"size 3 over 'data' \(2\)"):
+        out = auto_parallel(make_mesh((2, 4), ("data", "model")), policy="dp")(module).apply(
+            module.init(jax.random.key(0), x), x)
     assert out.shape == (3, 16)
 
 
@@ -204,7 +206,8 @@ def test_wrong_shaped_args(mlp):
     pm = auto_parallel(make_mesh((2, 4), ("data", "model")), policy="dp")(module)
     with pytest.raises(PlanError, match=r"MLP.*\(8, 5\)"):
         pm.apply(v, jnp.ones((8, 5)))
-    with pytest.raises(PlanError, match="not an array"):
+    # a string is a static option (as in jax.jit): the module fails on it, named with context
+    with pytest.raises(PlanError, match=r"MLP: tracing with inputs .* failed"):
         pm.apply(v, "tokens")
 
 
