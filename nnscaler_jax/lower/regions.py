@@ -82,7 +82,8 @@ def run_cosharded(lw: Any, op: Op, plan: OpPlan, ins: Sequence[Any],
             outs = [f + (jnp.sum(r, axis=0) if rest is not None else 0)
                     for f, r in zip(first, rest or [None] * len(first), strict=True)]
         else:
-            ys = jax.lax.map(one, chunked)
+            # length=k: an op whose inputs lack the dim (iota, random_bits) has nothing to map
+            _, ys = jax.lax.scan(lambda c, xs: (c, one(xs)), None, chunked, length=k)
             outs = [merge(y, p) if p is not None else y[0] for y, p in
                     zip(ys, pos_out, strict=True)]
         return [jax.lax.psum(o, tuple(partial)) if partial else o for o in outs]

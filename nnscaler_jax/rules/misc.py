@@ -1,7 +1,14 @@
 """Random numbers, sorting and top-k, windowed reductions, FFT and batched linear algebra.
 
-- PRNG ops (``random_bits``, ``random_split``, ``random_wrap`` ...) and ``rng_bit_generator``:
-  every axis frozen (a shard of random bits is not the random bits of a shard);
+- ``random_bits`` from a counter-based key (threefry2x32 under ``jax_threefry_partitionable``,
+  the default; threefry4x32, philox2x32 / philox4x32 always): the drawn axes free, like a
+  broadcast from a scalar (bit ``i`` hashes the key with the counter ``i``, so a shard's bits are
+  the matching slice of the whole array's, and GSPMD draws them in place); the key's own axes
+  frozen. These bits depend on the global shape: run on a local piece (inside ``shard_map``
+  regions) the op draws other bits, so :mod:`nnscaler_jax.lower.local` refuses it there;
+- ``random_bits`` otherwise (original threefry, rbg keys), the key ops (``random_split``,
+  ``random_wrap``, ``random_fold_in`` ...) and ``rng_bit_generator``: every axis frozen (the
+  bits of a shard are not a shard of the bits);
 - ``sort`` / ``top_k``: the sorted axis frozen, the others shared;
 - windowed reductions: axes with a trivial window (size 1, stride 1, no padding, no dilation)
   shared, the others frozen;
@@ -12,12 +19,19 @@
 >>> i32 = lambda *s: jax.core.ShapedArray(s, "int32")
 >>> top_k({"k": 3, "axis": 1}, [f32(4, 6)], [f32(4, 3), i32(4, 3)])
 'd0 x^ -> d0 y^, d0 y^'
+>>> key, keys = jax.typeof(jax.random.key(0)), jax.typeof(jax.random.split(jax.random.key(0), 3))
+>>> random_bits({"bit_width": 32, "shape": (4, 6)}, [key], [i32(4, 6)])
+'() -> d0 d1'
+>>> random_bits({"bit_width": 32, "shape": (6,)}, [keys], [i32(3, 6)])
+'k0^ -> k1^ d0'
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import jax
 
 from nnscaler_jax.rules._build import AnnotationRule, Fresh, anno, operand, replicated, shape_of
 
@@ -30,6 +44,35 @@ Avals = Sequence[Any]
 def frozen(params: Params, in_avals: Avals, out_avals: Avals) -> str | None:
     """Every axis frozen (replicate-only), scalars ``()``."""
     return replicated(in_avals, out_avals)
+
+
+# PRNG implementations whose random_bits hash the key with an iota of the output shape
+_COUNTER_IMPLS = frozenset({"threefry4x32", "philox2x32", "philox4x32"})
+
+
+def counter_based(key_aval: Any) -> bool:
+    """Whether ``random_bits`` on keys like ``key_aval`` hashes the key with each bit's index.
+
+    threefry2x32 does so only under ``jax_threefry_partitionable`` (read now, at annotation
+    time); otherwise its bits of a shape come out of one flattened stream, and rbg keys draw with
+    XLA's ``RngBitGenerator``.
+    """
+    name = getattr(getattr(getattr(key_aval, "dtype", None), "_impl", None), "name", None)
+    if name == "threefry2x32":
+        return bool(jax.config.jax_threefry_partitionable)
+    return name in _COUNTER_IMPLS
+
+
+def random_bits(params: Params, in_avals: Avals, out_avals: Avals) -> str | None:
+    """``keys -> bits`` of shape ``keys.shape + shape``: counter-based keys: the ``shape`` axes
+    free (ids in no input), the key axes frozen; other keys: every axis frozen."""
+    ks, so = shape_of(in_avals[0]), shape_of(out_avals[0])
+    if ks is None or so is None or len(in_avals) != 1 or not counter_based(in_avals[0]):
+        return frozen(params, in_avals, out_avals)
+    fresh = Fresh("k")
+    keys = [fresh.frozen() for _ in ks]
+    lead = [fresh.frozen() for _ in ks]
+    return anno([operand(keys)], [operand(lead + Fresh("d").many(len(so) - len(ks)))])
 
 
 def sort(params: Params, in_avals: Avals, out_avals: Avals) -> str | None:
@@ -159,6 +202,7 @@ def rules() -> dict[str, AnnotationRule]:
     table: dict[str, AnnotationRule] = dict.fromkeys(_RANDOM.split(), frozen)
     table.update(dict.fromkeys(_LINALG.split(), batched_linalg))
     table.update({
+        "random_bits": random_bits,
         "sort": sort,
         "top_k": top_k,
         "approx_top_k": top_k,

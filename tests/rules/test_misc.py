@@ -1,5 +1,5 @@
 """`rules/misc.py` on what tests/rules/test_programs.py does not run: FFTs and batched linear
-algebra (leading batch axes shared, matrix / transformed axes frozen), top_k's axis, PRNG ops.
+algebra (leading batch axes shared, matrix / transformed axes frozen), top_k's axis, PRNG key ops.
 The shared axes are checked numerically: the op on a block of them is that block of the op."""
 
 from __future__ import annotations
@@ -73,8 +73,19 @@ def test_top_k_freezes_the_selected_axis():
     np.testing.assert_array_equal(jax.lax.top_k(x[1:], 2)[0], vals[1:])
 
 
-def test_random_bits_are_replicate_only():
-    (a,) = _annos(lambda k: jax.random.bits(k, (4, 3)), jax.random.key(0), prim="random_bits")
-    assert a.splittable() == []
-    assert all(d.kind is DimKind.FROZEN for o in a.operands for ax in o.axes or ()
-               for d in ax.dims)
+@pytest.mark.parametrize(("fn", "prim"), [
+    (lambda k: jax.random.split(k, 4), "random_split"),
+    (lambda k: jax.random.fold_in(k, 7), "random_fold_in"),
+    (lambda k: jax.random.key_data(jax.random.split(k, 4)), "random_unwrap"),
+    (lambda k: jax.random.bits(jax.random.wrap_key_data(jax.random.key_data(k)), (4, 3)),
+     "random_wrap"),
+    (lambda k: jax.random.bits(jax.random.key(0, impl="rbg"), (4, 3)), "random_bits"),
+    (lambda k: jax.random.bits(jax.random.key(0, impl="unsafe_rbg"), (4, 3)), "random_bits"),
+])
+def test_key_ops_and_rbg_bits_are_replicate_only(fn, prim):
+    """Key ops and rbg bits (XLA's RngBitGenerator) stay frozen; counter-based random_bits split
+    (tests/rules/test_random_split.py)."""
+    for a in _annos(fn, jax.random.key(0), prim=prim):
+        assert a.splittable() == []
+        assert all(d.kind is DimKind.FROZEN for o in a.operands for ax in o.axes or ()
+                   for d in ax.dims)
