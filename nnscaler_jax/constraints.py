@@ -24,7 +24,10 @@ class Rule:
         dims: the op may be split only along these annotated dims.
         axes: ... and only over these mesh axes.
         replicate: the op is not split at all.
-        recompute: activations of these ops are recomputed in the backward pass.
+        recompute: True: the module paths this rule selects are recomputed in the backward pass
+            (their activations are not kept; one remat group per top module); False: the
+            search may not recompute them; None (default): the search decides (it recomputes
+            layers only when no plan fits the memory budget otherwise).
     """
 
     module: str | None = None
@@ -32,7 +35,7 @@ class Rule:
     dims: tuple[str, ...] | None = None
     axes: tuple[str, ...] | None = None
     replicate: bool = False
-    recompute: bool = False
+    recompute: bool | None = None
 
     def matches(self, op) -> bool:
         if self.primitive is not None and op.primitive != self.primitive:
@@ -130,6 +133,12 @@ class Constraints:
                             f"'{op.anno}', shapes {[t.shape for t in op.inputs]}) has none of the "
                             f"dims {list(r.dims)}", op=op.primitive, module_path=op.module_path,
                             shapes=tuple(t.shape for t in op.inputs))
+        for r in self.rules:
+            if r.recompute is not None and r.primitive is not None:
+                raise ConstraintError(
+                    f"{r}: recompute selects module paths, not primitives (a remat group is a "
+                    f"module's ops); use Rule(module='{r.module or '*'}', recompute="
+                    f"{r.recompute})", op=r.primitive)
         for i, a in enumerate(self.rules):
             for b in self.rules[i + 1:]:
                 both = [op for op in graph.walk() if a.matches(op) and b.matches(op)]
@@ -138,6 +147,12 @@ class Constraints:
                     raise ConstraintError(f"{a} and {b} contradict on op '{both[0].primitive}' at "
                                           f"'{both[0].module_path}': one replicates, one splits",
                                           op=both[0].primitive, module_path=both[0].module_path)
+
+    def recompute_groups(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """``(forced, forbidden)`` module path globs of the recompute rules."""
+        forced = tuple(r.module or "*" for r in self.rules if r.recompute is True)
+        forbidden = tuple(r.module or "*" for r in self.rules if r.recompute is False)
+        return forced, forbidden
 
     def _check_pipeline(self, mesh_axes: dict[str, int]) -> None:
         stages, axis = self.pipeline_stages, stage_axis(mesh_axes)

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["AnnotationError", "ConstraintError", "PlanError", "PlanFormatError", "ShardingError"]
+__all__ = ["AnnotationError", "ConstraintError", "NoFitError", "PlanError", "PlanFormatError",
+           "ShardingError"]
 
 
 class PlanError(ValueError):
@@ -81,3 +82,22 @@ class ConstraintError(PlanError):
     non-positive memory budget) and when ``Constraints.check`` finds a rule that matches no op,
     names a mesh axis the mesh lacks, or contradicts another rule.
     """
+
+
+class NoFitError(PlanError):
+    """No plan within the memory budget.
+
+    Raised by the searches (and the planner's budget check) when every plan they can make needs
+    more memory per device than ``Constraints(max_memory_per_device=...)`` (or the device's
+    memory, the default budget on real devices and cluster presets).
+
+    Attributes:
+        smallest_bytes: the smallest per-device estimate found (None when unknown).
+        budget_bytes: the budget it was over.
+    """
+
+    def __init__(self, *args: Any, smallest_bytes: float | None = None,
+                 budget_bytes: float | None = None, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.smallest_bytes = smallest_bytes
+        self.budget_bytes = budget_bytes

@@ -19,8 +19,9 @@ from dataclasses import replace
 from typing import Any
 
 from nnscaler_jax.constraints import Constraints
+from nnscaler_jax.cost.devices import DefaultBudget, default_budget_of
 from nnscaler_jax.cost.model import CostModel
-from nnscaler_jax.errors import PlanError
+from nnscaler_jax.errors import NoFitError, PlanError
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.mesh.axes import mesh_axes
 from nnscaler_jax.pipeline.configure import configure_pipeline
@@ -28,25 +29,55 @@ from nnscaler_jax.plan.plan import Plan, unsplit_summary
 from nnscaler_jax.plan.reuse import check_reuse
 from nnscaler_jax.search.entry import Planned, plan_spmd
 
-__all__ = ["make_plan", "plan_and_report"]
+__all__ = ["make_plan", "plan_and_report", "with_default_budget"]
 
 
 def plan_and_report(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto",
                     constraints: Constraints | None = None, partitioning: dict | None = None,
                     cost_model: CostModel | None = None,
                     time_limit: float | None = None) -> Planned:
-    """:func:`make_plan` with the planning seconds and the search's report."""
-    constraints = constraints or Constraints()
+    """:func:`make_plan` with the planning seconds and the search's report.
+
+    The memory budget is the user's, else the device's (:func:`with_default_budget`).
+    """
+    constraints, default = with_default_budget(constraints, mesh, cost_model)
     if policy is None and constraints.pipeline_stages not in (None, 1):
         policy = "dp"   # a pipeline without a policy: stages data-parallel inside
-    planned = plan_spmd(graph, mesh, policy=policy, constraints=constraints,
-                        partitioning=partitioning, cost_model=cost_model, time_limit=time_limit)
-    if constraints.pipeline_stages not in (None, 1):
-        planned = Planned(configure_pipeline(planned.plan, graph, constraints, cost_model),
-                          planned.seconds, planned.report)
-    _check_budget(planned.plan, constraints.max_memory_per_device)
+    try:
+        planned = plan_spmd(graph, mesh, policy=policy, constraints=constraints,
+                            partitioning=partitioning, cost_model=cost_model,
+                            time_limit=time_limit)
+        if constraints.pipeline_stages not in (None, 1):
+            planned = Planned(configure_pipeline(planned.plan, graph, constraints, cost_model),
+                              planned.seconds, planned.report)
+        _check_budget(planned.plan, constraints.max_memory_per_device, default)
+    except PlanError as e:
+        if default is not None and _about_memory(e):
+            e.args = (f"{e.args[0] if e.args else ''}\n{default.describe()}", *e.args[1:])
+        raise
     _warn_unsplit(planned.plan)
     return planned
+
+
+def with_default_budget(constraints: Constraints | None, mesh: Any,
+                        cost_model: CostModel | None) -> tuple[Constraints, DefaultBudget | None]:
+    """``constraints`` with ``max_memory_per_device`` filled in from the device when the user
+    left it unset (:func:`nnscaler_jax.cost.devices.default_budget`), and that default (None
+    when the user set one, or the device has no known memory: CPU meshes, ``{axis: size}``
+    without a cluster's cost model)."""
+    constraints = constraints or Constraints()
+    if constraints.max_memory_per_device is not None:
+        return constraints, None
+    default = default_budget_of(mesh, cost_model)
+    if default is None:
+        return constraints, None
+    return replace(constraints, max_memory_per_device=max(default.bytes, 1)), default
+
+
+def _about_memory(e: PlanError) -> bool:
+    """Whether a planning failure is about the memory budget (to say where the default came
+    from)."""
+    return isinstance(e, NoFitError) or "max_memory_per_device" in str(e)
 
 
 def _warn_unsplit(plan: Plan) -> None:
@@ -70,17 +101,25 @@ def _warn_unsplit(plan: Plan) -> None:
         UserWarning, stacklevel=level)
 
 
-def _check_budget(plan: Plan, budget: int | None) -> None:
+def _check_budget(plan: Plan, budget: int | None, default: DefaultBudget | None = None) -> None:
     """Every policy's plan must fit the memory budget (the searches choose within it; a
-    hand-written or built-in policy's plan is checked here)."""
+    hand-written or built-in policy's plan is checked here).
+
+    Raises:
+        NoFitError: over the budget (``smallest_bytes``: the plan's estimate); ``default``
+            (the budget came from the device) adds where it came from in the caller.
+    """
     if budget is None or plan.cost is None or plan.cost.memory_bytes_per_device <= budget:
         return
-    raise PlanError(
+    need = plan.cost.memory_bytes_per_device
+    over = (f"the default budget ({budget / 2**20:.2f} MiB)" if default is not None else
+            f"Constraints(max_memory_per_device={budget}) ({budget / 2**20:.2f} MiB)")
+    raise NoFitError(
         f"policy {plan.policy or 'custom'!r}: the plan needs an estimated "
-        f"{plan.cost.memory_bytes_per_device / 2**20:.2f} MiB per device, over "
-        f"Constraints(max_memory_per_device={budget}) ({budget / 2**20:.2f} MiB); no plan fits "
+        f"{need / 2**20:.2f} MiB per device, over {over}; no plan fits "
         "with this policy. Use policy='auto' (it searches within the budget), Constraints("
-        "zero=3), more devices, a smaller batch, or a larger budget")
+        "zero=3), more devices, a smaller batch, or a larger budget", smallest_bytes=need,
+        budget_bytes=budget)
 
 
 def make_plan(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto",
@@ -96,7 +135,9 @@ def make_plan(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto"
             function ``policy(draft, mesh) -> Plan``; None: ``"auto"``, or ``"dp"`` with
             pipeline stages (stages data-parallel inside, as the pipeline runtime runs them).
         plan: a saved plan to check and reuse instead of planning.
-        constraints: what the plan must satisfy (rules, memory, ZeRO, pipeline).
+        constraints: what the plan must satisfy (rules, memory, ZeRO, pipeline); without
+            ``max_memory_per_device``, a cluster preset's or accelerator's memory less a reserve
+            (see the module doc; none on CPU).
         partitioning: ``{variable path: mesh axes per dim}`` from Flax metadata.
         cost_model: prices search and plan (default: the local CPU model of the mesh).
         time_limit: the searches' solver budget in seconds.
@@ -108,7 +149,7 @@ def make_plan(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto"
     Raises:
         PlanError: the saved plan is for another model or mesh, or (a ``PlanFormatError``
             naming the op, dim, size and mesh axis) its splits do not divide this graph's sizes;
-            a constraint that cannot be met; no plan fits the memory budget.
+            a constraint that cannot be met; (``NoFitError``) no plan fits the memory budget.
     """
     if plan is not None:
         check_reuse(plan, graph, mesh_axes(mesh))

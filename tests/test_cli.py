@@ -63,7 +63,10 @@ def test_compare_json(capsys):
     res = _last_json(capsys)
     assert set(res["planners"]) == {"dp", "megatron"}
     for r in res["planners"].values():
-        assert set(r) >= {"search_s", "step_time_s", "memory_bytes_per_device", "comm_bytes"}
+        assert set(r) >= {"search_s", "step_time_s", "memory_bytes_per_device", "comm_bytes",
+                          "fits", "features"}
+        assert r["fits"] is True  # CPU devices: no default budget
+    assert res["budget_bytes"] is None  # (budgets: tests/cli/test_compare.py)
 
 
 @pytest.mark.parametrize("argv, needle", [

@@ -1,17 +1,14 @@
-"""``nnscaler-jax graph``, ``plan``, ``compare`` and ``profile``."""
+"""``nnscaler-jax graph``, ``plan`` and ``profile`` (``compare``: :mod:`nnscaler_jax.cli.compare`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
-import re
 import time
 from typing import Any
 
 from nnscaler_jax.cli.common import (
-    DEFAULT_AXES,
-    UsageError,
     abstract_inputs,
     capture_model,
     check_policy,
@@ -21,9 +18,6 @@ from nnscaler_jax.cli.common import (
     mib,
     model_spec,
     parse_mesh,
-    policy_names,
-    spec_mutable,
-    spec_rng_names,
     table,
 )
 
@@ -137,102 +131,6 @@ def _pipeline_schedule(args: argparse.Namespace, spec: Any) -> tuple[str, dict[s
         lines.append(f"wrote {args.gantt}")
         obj["gantt"] = args.gantt
     return "\n".join(lines), obj
-
-
-def cmd_compare(args: argparse.Namespace) -> int:
-    import jax
-
-    from nnscaler_jax.cost.model import CostModel
-    from nnscaler_jax.errors import PlanError
-    from nnscaler_jax.planner import plan_and_report
-
-    spec = model_spec(args.model, args.preset)
-    try:  # a real mesh when there are devices enough (compiled figures); else axis sizes only
-        mesh = parse_mesh(args.mesh, args.axes)
-    except UsageError:
-        if not re.fullmatch(r"\d+(x\d+)*", args.mesh or ""):
-            raise
-        shape = tuple(int(n) for n in args.mesh.split("x"))
-        names = (tuple(a.strip() for a in args.axes.split(",")) if args.axes
-                 else DEFAULT_AXES.get(len(shape)))
-        if not names or len(names) != len(shape):
-            raise
-        mesh = jax.sharding.AbstractMesh(shape, names)
-    axes = dict(mesh.shape)
-    planners = [p.strip() if p.strip() == "alpa" else check_policy(p.strip())
-                for p in args.planners.split(",") if p.strip()]
-    if not planners:
-        raise UsageError(f"--planners is empty; choose from: {', '.join(policy_names())}, alpa")
-    cluster = None
-    if args.cluster:
-        from nnscaler_jax.cost.devices import CLUSTERS, cluster_preset
-
-        if args.cluster not in CLUSTERS:
-            raise UsageError(f"unknown --cluster {args.cluster!r}; presets: {', '.join(CLUSTERS)}")
-        cluster = cluster_preset(args.cluster)
-    graph = capture_model(spec, mutable=spec_mutable(spec)).graph
-    compile_here = isinstance(mesh, jax.sharding.Mesh) and spec.kind == "linen" and \
-        args.preset.startswith("tiny")
-    results: dict[str, dict[str, Any]] = {}
-    rows = []
-    for name in planners:
-        try:
-            cm = None
-            if cluster is not None:
-                cm = CostModel.for_cluster(cluster, axes, zero=3 if name == "zero3" else 0)
-            planned = plan_and_report(graph, mesh, policy=name, cost_model=cm)
-            plan, search_s = planned.plan, planned.seconds
-        except PlanError as e:
-            results[name] = {"error": str(e).splitlines()[0]}
-            rows.append([name, "-", "-", "-", "-", "-", "-",
-                         f"error: {str(e).splitlines()[0][:60]}"])
-            continue
-        c = plan.cost
-        res = {"search_s": search_s, "step_time_s": c.step_time_s,
-               "memory_bytes_per_device": c.memory_bytes_per_device, "comm_bytes": c.comm_bytes}
-        if compile_here:
-            res.update(_compiled_figures(spec, mesh, plan))
-        results[name] = res
-        rows.append([name, f"{search_s:.3f}", f"{c.step_time_s * 1e3:.3f}",
-                     mib(c.memory_bytes_per_device), mib(c.comm_bytes),
-                     mib(res["compiled_memory_bytes"]) if "compiled_memory_bytes" in res
-                     else "-",
-                     mib(res["hlo_comm_bytes"]) if "hlo_comm_bytes" in res else "-", ""])
-    obj = {"model": args.model, "preset": args.preset, "mesh": args.mesh,
-           "cluster": args.cluster, "planners": results}
-    text = ""
-    if not args.json:
-        headers = ["planner", "plan s", "step ms", "memory/device", "comm", "XLA memory",
-                   "HLO comm", "note"]
-        if not any(r[-1] for r in rows):
-            headers, rows = headers[:-1], [r[:-1] for r in rows]
-        text = (f"{args.model} [{args.preset}] on mesh {args.mesh}"
-                f"{f' ({args.cluster})' if args.cluster else ''}: estimated per training step "
-                "(XLA memory / HLO comm: the compiled forward)\n" + table(headers, rows))
-    emit(args, text, obj)
-    return 0
-
-
-def _compiled_figures(spec: Any, mesh: Any, plan: Any) -> dict[str, int]:
-    """XLA's per-device memory and collective bytes of the compiled forward under ``plan``."""
-    import jax
-
-    from nnscaler_jax.api import auto_parallel
-    from nnscaler_jax.lower.hlo import hlo_collectives
-
-    try:
-        args = spec.make_args(abstract=False)
-        pm = auto_parallel(mesh, plan=plan)(spec.module)
-        variables = pm.init(jax.random.key(0), *args)
-        compiled = pm.compiled(variables, *args, rngs=spec_rng_names(spec),
-                               mutable=spec_mutable(spec))
-        m = compiled.memory_analysis()
-        memory = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-                  - m.alias_size_in_bytes)
-        comm = sum(c.bytes for c in hlo_collectives(compiled.as_text(), mesh))
-        return {"compiled_memory_bytes": int(memory), "hlo_comm_bytes": int(comm)}
-    except Exception as e:  # noqa: BLE001 - the figures are extras; say why they are missing
-        return {"compiled_error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
 
 
 def cmd_profile(args: argparse.Namespace) -> int:

@@ -16,13 +16,14 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from nnscaler_jax.cli.commands import cmd_compare, cmd_graph, cmd_plan, cmd_profile
+from nnscaler_jax.cli.commands import cmd_graph, cmd_plan, cmd_profile
 from nnscaler_jax.cli.common import (
     DEFAULT_DEVICES,
     DEFAULT_PLANNERS,
     UsageError,
     request_devices,
 )
+from nnscaler_jax.cli.compare import cmd_compare
 
 __all__ = ["main"]
 
@@ -83,7 +84,11 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--planners", default=DEFAULT_PLANNERS,
                    help=f"comma separated (default {DEFAULT_PLANNERS})")
     c.add_argument("--cluster", default=None,
-                   help="price on a cluster preset (e.g. h100-80g-8x) instead of the local CPU")
+                   help="price on a cluster preset (e.g. v100-32g-8x, h100-80g-8x) instead of the "
+                        "local CPU; its device memory less a 10%% reserve is the default budget")
+    c.add_argument("--budget", default=None,
+                   help="memory per device every planner must fit, in bytes or e.g. 32GiB "
+                        "(default: the --cluster device's; none on CPU)")
     c.set_defaults(fn=cmd_compare)
 
     d = sub.add_parser("demo", parents=[common, mesh],

@@ -1,17 +1,35 @@
-"""Devices and clusters as data: accelerator presets, node links, and mesh axes -> links.
+"""Devices and clusters as data: accelerator presets, node links, mesh axes -> links, and the
+default memory budget.
 
 Figures are public peak numbers (dense, no sparsity), per GPU:
 
 =========  ============  =============  ===========  =========  ========
 preset     bf16 FLOP/s   fp32 (TF32)    HBM          HBM B/s    NVLink*
 =========  ============  =============  ===========  =========  ========
+V100-32G   125 T (fp16)  15.7 T (none)  32 GiB       0.9 T      150 GB/s
 A100-40G   312 T         19.5 T (156)   40 GB        1.555 T    300 GB/s
 A100-80G   312 T         19.5 T (156)   80 GB        2.039 T    300 GB/s
 H100-80G   989 T         67 T (495)     80 GB        3.35 T     450 GB/s
 H200       989 T         67 T (495)     141 GB       4.8 T      450 GB/s
 =========  ============  =============  ===========  =========  ========
 
-(*) per GPU, one direction. Inter-node InfiniBand per GPU port: HDR 25 GB/s, NDR 50 GB/s.
+(*) per GPU, one direction. Inter-node InfiniBand per GPU port: EDR 12.5 GB/s, HDR 25 GB/s,
+NDR 50 GB/s.
+
+V100 (V100-SXM2-32GB, NVIDIA's V100 datasheet): 125 TFLOP/s on fp16 tensor cores, 15.7
+TFLOP/s fp32, no TF32 (float32 matmuls run at the fp32 rate); Volta has no bf16 units, so the
+16-bit figure is fp16's (a bf16 model is priced at it, faster than a V100 runs one). Memory:
+32 GiB of HBM2 (four 8 GiB stacks; ``nvidia-smi`` shows 32510 MiB of the 32768) at 900 GB/s.
+NVLink 2.0: six links of 25 GB/s per direction = 150 GB/s per GPU. Efficiency 0.75: cuBLAS fp16
+GEMMs of 8192^3 reach ~101 of the ~112 TFLOP/s peak of a V100-PCIe, ~90% (NVIDIA developer
+forum, "Understanding IPC and issue slot utilization when using tensor cores"); 0.75 leaves
+room for the SXM2's clocks under sustained tensor load and for the mid-size matmuls of a
+sharded model, as A100's 0.75 does. Two V100 clusters: ``v100-32g-8x`` (DGX-1-like nodes of 8,
+one IB EDR 100 Gb/s port per GPU as the A100 / H100 presets have one port per GPU; a DGX-1's
+cube-mesh NVLink reaches less than 150 GB/s in collectives over all 8 GPUs) and
+``v100-32g-16x`` (nnScaler's artifact ran on V100-32GB nodes of 16: DGX-2-like, NVSwitch at
+150 GB/s between any two GPUs of a node, eight EDR ports per 16 GPUs = 6.25 GB/s per GPU).
+
 Latencies (alpha) are explicit constants below: NVLink :data:`NVLINK_LATENCY_S` (1 us),
 InfiniBand :data:`IB_LATENCY_S` (2 us). A cluster maps mesh axes to links by Alpa's convention:
 the minor (last) axes stay inside a node while the product of their sizes fits in a node (the
@@ -21,6 +39,14 @@ the minor (last) axes stay inside a node while the product of their sizes fits i
 >>> m = c.mesh_spec(("data", "model"), (4, 8))
 >>> m.link("model") == c.intra, m.link("data") == c.inter
 (True, True)
+
+Planning for a cluster preset or for real accelerators, the device's memory less
+:data:`DEFAULT_RESERVE_FRACTION` is the memory budget unless the user gives one
+(:func:`default_budget`; the planner applies it):
+
+>>> budget = default_budget({"data": 2, "model": 4}, cluster_preset("v100-32g-8x"))
+>>> budget, round(budget / 2**30, 2)
+(30923764532, 28.8)
 """
 
 from __future__ import annotations
@@ -34,9 +60,10 @@ from nnscaler_jax.errors import PlanError
 from nnscaler_jax.mesh.topology import LinkCost, MeshSpec
 
 __all__ = [
-    "A100_40G", "A100_80G", "CLUSTERS", "CPU", "DEVICES", "H100_80G", "H200", "IB_HDR", "IB_NDR",
-    "NVLINK_A100", "NVLINK_H100", "ClusterSpec", "DeviceSpec", "cluster_preset", "device_preset",
-    "local_cpu",
+    "A100_40G", "A100_80G", "CLUSTERS", "CPU", "DEFAULT_RESERVE_FRACTION", "DEVICES", "H100_80G",
+    "H200", "IB_EDR", "IB_EDR_SHARED", "IB_HDR", "IB_NDR", "NVLINK_A100", "NVLINK_H100", "NVLINK_V100", "V100_32G",
+    "ClusterSpec", "DefaultBudget", "DeviceSpec", "cluster_preset", "default_budget",
+    "default_budget_of", "device_for_kind", "device_preset", "local_cpu", "memory_reserve",
 ]
 
 GB = 10**9
@@ -81,6 +108,8 @@ class DeviceSpec:
         return self.flops_fp32
 
 
+V100_32G = DeviceSpec("V100-32G", 125 * T, 15.7 * T, 32 * 2**30, 900 * GB, efficiency=0.75,
+                      kind="Tesla V100-SXM2-32GB")
 A100_40G = DeviceSpec("A100-40G", 312 * T, 19.5 * T, 40 * GB, 1.555 * T, efficiency=0.75,
                       flops_tf32=156 * T, kind="NVIDIA A100-SXM4-40GB")
 A100_80G = DeviceSpec("A100-80G", 312 * T, 19.5 * T, 80 * GB, 2.039 * T, efficiency=0.75,
@@ -94,12 +123,13 @@ CPU = DeviceSpec("cpu", flops=1e11, flops_fp32=1e11, memory_bytes=24 * 2**30,
 """A nominal CPU (nothing measured); :func:`local_cpu` times this machine instead."""
 
 DEVICES: Mapping[str, DeviceSpec] = {
-    d.name.lower(): d for d in (A100_40G, A100_80G, H100_80G, H200, CPU)
+    d.name.lower(): d for d in (V100_32G, A100_40G, A100_80G, H100_80G, H200, CPU)
 }
 
 
 def device_preset(name: str) -> DeviceSpec:
-    """A :class:`DeviceSpec` by (case-insensitive) name: a100-40g, a100-80g, h100-80g, h200, cpu."""
+    """A :class:`DeviceSpec` by (case-insensitive) name: v100-32g, a100-40g, a100-80g, h100-80g,
+    h200, cpu."""
     try:
         return DEVICES[name.lower()]
     except KeyError:
@@ -137,8 +167,11 @@ def local_cpu(n: int = 512, repeats: int = 3) -> DeviceSpec:
 
 NVLINK_LATENCY_S = 1e-6
 IB_LATENCY_S = 2e-6
+NVLINK_V100 = LinkCost.from_bandwidth(NVLINK_LATENCY_S, 150 * GB)
 NVLINK_A100 = LinkCost.from_bandwidth(NVLINK_LATENCY_S, 300 * GB)
 NVLINK_H100 = LinkCost.from_bandwidth(NVLINK_LATENCY_S, 450 * GB)
+IB_EDR = LinkCost.from_bandwidth(IB_LATENCY_S, 12.5 * GB)
+IB_EDR_SHARED = LinkCost.from_bandwidth(IB_LATENCY_S, 6.25 * GB)  # one EDR port per 2 GPUs (DGX-2)
 IB_HDR = LinkCost.from_bandwidth(IB_LATENCY_S, 25 * GB)
 IB_NDR = LinkCost.from_bandwidth(IB_LATENCY_S, 50 * GB)
 
@@ -200,13 +233,16 @@ class ClusterSpec:
 
 CLUSTERS: Mapping[str, ClusterSpec] = {
     c.name: c for c in (
+        ClusterSpec("v100-32g-8x", V100_32G, 8, NVLINK_V100, IB_EDR),
+        ClusterSpec("v100-32g-16x", V100_32G, 16, NVLINK_V100, IB_EDR_SHARED),
         ClusterSpec("a100-40g-8x", A100_40G, 8, NVLINK_A100, IB_HDR),
         ClusterSpec("a100-80g-8x", A100_80G, 8, NVLINK_A100, IB_HDR),
         ClusterSpec("h100-80g-8x", H100_80G, 8, NVLINK_H100, IB_NDR),
         ClusterSpec("h200-8x", H200, 8, NVLINK_H100, IB_NDR),
     )
 }
-"""8-GPU nodes: A100 with NVLink 3 + IB HDR; H100 / H200 with NVLink 4 + IB NDR."""
+"""8-GPU nodes: V100 with NVLink 2 + IB EDR; A100 with NVLink 3 + IB HDR; H100 / H200 with
+NVLink 4 + IB NDR. ``v100-32g-16x``: 16 V100 per node (NVSwitch), 8 EDR ports per node."""
 
 
 def cluster_preset(name: str) -> ClusterSpec:
@@ -216,3 +252,139 @@ def cluster_preset(name: str) -> ClusterSpec:
     except KeyError:
         raise PlanError(f"unknown cluster {name!r}; presets: {', '.join(CLUSTERS)} (or build a "
                         "ClusterSpec(name, device, devices_per_node, intra, inter))") from None
+
+
+# ---- the default memory budget -----------------------------------------------------------------
+
+DEFAULT_RESERVE_FRACTION = 0.1
+"""Share of a device's memory kept out of the default budget: what a training step needs beyond
+the plan's estimate (parameters, gradients, optimizer state, activations, the largest transient).
+It covers the CUDA context and library handles (cuBLAS / cuDNN, a few hundred MiB), NCCL's
+communicator buffers (``NCCL_BUFFSIZE`` 4 MiB per channel and peer), XLA's scratch (GEMM
+workspaces, autotuning), the allocator's fragmentation, and some of the estimate's own error
+(it models what XLA keeps, not XLA's buffer assignment). 10% is vLLM's default too
+(``gpu_memory_utilization=0.9``). V100-32G: 3.2 GiB of 32 GiB; A100-80G: 8 GB of 80 GB.
+A user's ``Constraints(max_memory_per_device=...)`` replaces the default, reserve included."""
+
+
+def memory_reserve(memory_bytes: int) -> int:
+    """Bytes of ``memory_bytes`` left out of the default budget (:data:`DEFAULT_RESERVE_FRACTION`).
+
+    >>> round(memory_reserve(32 * 2**30) / 2**30, 3)
+    3.2
+    """
+    return int(memory_bytes * DEFAULT_RESERVE_FRACTION)
+
+
+@dataclass(frozen=True, slots=True)
+class DefaultBudget:
+    """The memory budget a device implies when the user gives none.
+
+    Attributes:
+        device: the device's name (a preset's, or ``jax.Device.device_kind``).
+        memory_bytes: its memory (real devices: the allocator's ``bytes_limit`` when reported).
+        reserve_bytes: the part kept back (:func:`memory_reserve`).
+        source: where the device came from (``"the cost model's device"``, ``"the mesh's
+            devices"``).
+    """
+
+    device: str
+    memory_bytes: int
+    reserve_bytes: int
+    source: str
+
+    @property
+    def bytes(self) -> int:
+        """The budget: memory less the reserve."""
+        return self.memory_bytes - self.reserve_bytes
+
+    def short(self) -> str:
+        """``'28.80 GiB: V100-32G's 32.00 GiB less a 10% reserve'``."""
+        g = 2**30
+        return (f"{self.bytes / g:.2f} GiB: {self.device}'s {self.memory_bytes / g:.2f} GiB less "
+                f"a {DEFAULT_RESERVE_FRACTION:.0%} reserve")
+
+    def describe(self) -> str:
+        """One sentence naming the device, its memory, the reserve and how to override it."""
+        g = 2**30
+        return (f"the memory budget {self.bytes / g:.2f} GiB per device is the default for "
+                f"{self.device} ({self.source}): {self.memory_bytes / g:.2f} GiB of memory less "
+                f"a {self.reserve_bytes / g:.2f} GiB reserve "
+                f"({DEFAULT_RESERVE_FRACTION:.0%}) for XLA's workspace and the runtime; give "
+                "Constraints(max_memory_per_device=...) (command line: --budget) to set another")
+
+
+def device_for_kind(kind: str) -> DeviceSpec | None:
+    """The preset whose ``kind`` is ``jax.Device.device_kind`` ``kind`` (case-insensitive), if any.
+
+    >>> device_for_kind("Tesla V100-SXM2-32GB").name
+    'V100-32G'
+    """
+    for d in DEVICES.values():
+        if d.kind and d.kind.lower() == kind.lower() and d is not CPU:
+            return d
+    return None
+
+
+def _has_memory(device: DeviceSpec) -> bool:
+    """Whether ``device``'s memory is a real limit (not the nominal CPU's or a timed local
+    backend's, which borrow :data:`CPU`'s figure)."""
+    return device.kind != "cpu" and device.name != CPU.name and not device.name.startswith("local-")
+
+
+def _mesh_budget(mesh: object) -> DefaultBudget | None:
+    """The budget of a ``jax.sharding.Mesh`` over accelerators (None: CPU, abstract, a dict)."""
+    try:
+        dev = mesh.devices.flat[0]  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - AbstractMesh raises ValueError; a dict has no devices
+        return None
+    if getattr(dev, "platform", "cpu") == "cpu":
+        return None
+    kind = str(getattr(dev, "device_kind", ""))
+    try:
+        stats = dev.memory_stats() or {}
+    except Exception:  # noqa: BLE001 - a backend without memory statistics
+        stats = {}
+    memory = stats.get("bytes_limit")
+    if memory:  # what XLA's allocator may hand out (XLA_PYTHON_CLIENT_MEM_FRACTION applied)
+        return DefaultBudget(kind, int(memory), memory_reserve(int(memory)),
+                             "the mesh's devices, the allocator's bytes_limit")
+    preset = device_for_kind(kind)
+    if preset is None:
+        return None
+    return DefaultBudget(preset.name, preset.memory_bytes, memory_reserve(preset.memory_bytes),
+                         f"the mesh's devices, {kind!r}")
+
+
+def default_budget_of(mesh: object, cost_model: object | None = None) -> DefaultBudget | None:
+    """The default memory budget and where it comes from (see :func:`default_budget`)."""
+    device = getattr(cost_model, "device", cost_model)
+    if isinstance(device, DeviceSpec) and _has_memory(device):
+        return DefaultBudget(device.name, device.memory_bytes, memory_reserve(device.memory_bytes),
+                             "the cost model's device")
+    return _mesh_budget(mesh)
+
+
+def default_budget(mesh: object, cost_model: object | None = None) -> int | None:
+    """Bytes per device a plan may use when the user sets no ``max_memory_per_device``.
+
+    The device's memory less :func:`memory_reserve`, for:
+
+    - a cost model (or a :class:`ClusterSpec` / :class:`DeviceSpec`) whose device has a known
+      memory: a preset, ``CostModel.for_cluster``, a ``DeviceSpec`` of one's own;
+    - else a ``jax.sharding.Mesh`` over accelerators (GPU, TPU): the memory XLA's allocator
+      reports (``memory_stats()["bytes_limit"]``, which honours
+      ``XLA_PYTHON_CLIENT_MEM_FRACTION``), or the preset of its ``device_kind``.
+
+    None (no budget) for CPU meshes, abstract meshes and ``{axis: size}`` without such a cost
+    model, and for the nominal / timed CPU devices (:data:`CPU`, :func:`local_cpu`).
+    A preset's memory is the card's: run with ``XLA_PYTHON_CLIENT_MEM_FRACTION=.95`` (JAX
+    preallocates 75% by default) for the plan to have it.
+
+    >>> default_budget({"data": 8}) is None
+    True
+    >>> default_budget({"data": 8}, H100_80G) == 72 * GB
+    True
+    """
+    b = default_budget_of(mesh, cost_model)
+    return None if b is None else b.bytes

@@ -30,6 +30,7 @@ from nnscaler_jax.cost.relayout import (
 )
 from nnscaler_jax.cost.residuals import MASKED, residual_outputs, saved_operands
 from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
+from nnscaler_jax.ir.remat import with_recompute
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.plan.layouts import plan_layouts, sole_read_variables, unstack
 from nnscaler_jax.plan.plan import OpPlan, Plan
@@ -142,7 +143,9 @@ def _partial_outputs(graph: Graph, layout: Mapping[int, Layout]) -> list[_Edge]:
 
 
 def analyze(model: Any, plan: Plan, graph: Graph) -> _Analysis:
-    """Step time, bytes moved and per-device memory of ``plan`` (see the module docs)."""
+    """Step time, bytes moved and per-device memory of ``plan`` (see the module docs); the
+    plan's recompute groups are remat boundaries (:func:`nnscaler_jax.ir.remat.with_recompute`)."""
+    graph = with_recompute(graph, plan.recompute)
     zero = max(model.zero, plan.zero)
     grads = grad_tensors(graph, model.input_grads)
     out = _Analysis()
@@ -220,10 +223,13 @@ class _Walk:
         local = sum(model._local_bytes(t, lay) for t, lay in zip(op.outputs, outs, strict=True))
         out.transient = max(out.transient, local)
         remat = [b for b in op.boundary if self.kinds.get(b, ("",))[0] in REMAT_KINDS]
-        if remat:  # recomputed in the backward: one more forward
+        if remat:  # recomputed in the backward: one more forward; while the block's backward
+            # runs, its residuals are live again (the block's transient)
             out.compute += model.forward_time(op, p.split) * mult
             self.remat_inputs.setdefault(remat[0], mult)
-            self.remat_sum[remat[0]] = self.remat_sum.get(remat[0], 0.0) + local * mult
+            redo = 0 if op.primitive in FREE else sum(
+                model._local_bytes(op.outputs[k], outs[k]) for k in self.saved.get(op.id, ()))
+            self.remat_sum[remat[0]] = self.remat_sum.get(remat[0], 0.0) + redo * mult
         elif op.primitive not in FREE:
             for k in self.saved.get(op.id, ()):
                 self.kept[op.outputs[k].id] = model._local_bytes(op.outputs[k], outs[k]) * mult

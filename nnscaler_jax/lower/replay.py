@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
+from nnscaler_jax.ir.remat import with_recompute
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.lower.local import bind_eqn
 from nnscaler_jax.lower.regions import run_cosharded, run_value_chain
@@ -68,6 +69,7 @@ class Lowering:
         # Untyped inputs: run on an Auto view of the mesh. Explicitly typed inputs: run on the
         # user's Explicit mesh under auto_axes, so results are typed like the plan's layouts.
         self.mesh = self.mesh if self.explicit else auto_view(self.mesh)
+        self.graph = with_recompute(self.graph, self.plan.recompute)  # remat boundaries
         self._plans = {p.op: p for p in self.plan.ops}
         self._sole = sole_read_variables(self.graph)
         self._consumer_layout: dict[int, Layout] = {}

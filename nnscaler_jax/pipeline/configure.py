@@ -16,7 +16,8 @@ from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.mesh.axes import require_stage_axis
 from nnscaler_jax.pipeline.pricing import RuntimeChoice, RuntimeSetup, runtime_setup
-from nnscaler_jax.pipeline.stages import graph_layers, stage_of
+from nnscaler_jax.ir.layers import graph_layers
+from nnscaler_jax.pipeline.stages import stage_of
 from nnscaler_jax.plan.plan import PipelineSettings, Plan, PlanCost
 
 __all__ = ["configure_pipeline"]

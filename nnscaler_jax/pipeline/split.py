@@ -13,7 +13,7 @@ from typing import Any
 from jax.extend import core as jcore
 
 from nnscaler_jax.errors import PlanError
-from nnscaler_jax.pipeline.stages import LayerStack, numbered_layers, variable_top
+from nnscaler_jax.ir.layers import LayerStack, numbered_layers, variable_top
 
 __all__ = ["ProgramSplit", "split_program"]
 

@@ -1,189 +1,27 @@
-"""Layer / stage detection: the one place that finds a model's stack of repeated layers.
+"""Stage detection: which stage holds which layer of the model's layer stack
+(:mod:`nnscaler_jax.ir.layers` finds the stack, for the pipeline and the search alike).
 
-A *layer stack* is either
-
-- numbered modules ``<prefix>_0``, ``<prefix>_1``, ... among the top modules (the prefix with the
-  most distinct numbers, at least two; any prefix, no model's names are special), or
-- one ``nn.scan`` module whose variables carry a leading layer axis (``<module>[i]``).
-
-Everything the pipeline does per layer starts here: the stage DP's units
-(:func:`nnscaler_jax.pipeline.units.layer_units` via :func:`graph_layers`), the program split
+Everything the pipeline does per layer starts from that stack: the stage DP's units
+(:func:`nnscaler_jax.pipeline.units.layer_units` via ``graph_layers``), the program split
 the runtime executes (:func:`nnscaler_jax.pipeline.split.split_program` via
-:func:`numbered_layers`), and which stage holds which layer (:func:`stage_of`, recorded on a
+``numbered_layers``), and which stage holds which layer (:func:`stage_of`, recorded on a
 pipelined plan).
 
+>>> from nnscaler_jax.ir.layers import variable_stack
 >>> stack = variable_stack([("params/h_0/w", (4, 4)), ("params/h_1/w", (4, 4)),
 ...                         ("params/wte/embedding", (8, 4))])
->>> stack.names
-('h_0', 'h_1')
 >>> stage_of(stack, 2)
 (('h_0', 0), ('h_1', 1))
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 from nnscaler_jax.errors import PlanError
-from nnscaler_jax.ir.graph import Graph
+from nnscaler_jax.ir.layers import LayerStack, variable_stack
 
-__all__ = ["LAYER_NAME", "GraphLayers", "LayerStack", "graph_layers", "layer_number",
-           "numbered_layers", "stage_layers", "stage_of", "variable_stack", "variable_top"]
-
-LAYER_NAME = re.compile(r"^(.*)_(\d+)$")
-"""A numbered module name: ``<prefix>_<i>``."""
-
-_COLLECTIONS = ("params", "batch_stats", "cache")
-_HOW = ("layers named '<prefix>_0', '<prefix>_1', ... or one nn.scan over them")
-
-
-@dataclass(frozen=True, slots=True)
-class LayerStack:
-    """A model's stack of repeated layers.
-
-    Attributes:
-        module: the prefix of the numbered layers, or the scanned module's name.
-        numbers: the layer numbers, ascending (``0 .. count - 1`` for a scanned stack).
-        scanned: one ``nn.scan`` module with a leading layer axis (else numbered modules).
-    """
-
-    module: str
-    numbers: tuple[int, ...]
-    scanned: bool = False
-
-    @property
-    def count(self) -> int:
-        return len(self.numbers)
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        """``<prefix>_<i>`` per numbered layer, ``<module>[<i>]`` per scanned layer."""
-        if self.scanned:
-            return tuple(f"{self.module}[{i}]" for i in self.numbers)
-        return tuple(f"{self.module}_{i}" for i in self.numbers)
-
-    def number_of(self, top: str | None) -> int | None:
-        """The layer number of top module ``top`` in this (numbered) stack, None if not one."""
-        return layer_number(top, self.module)
-
-
-def layer_number(top: str | None, prefix: str) -> int | None:
-    """``i`` if ``top`` is ``<prefix>_<i>``, else None."""
-    m = LAYER_NAME.match(top or "")
-    return int(m.group(2)) if m and m.group(1) == prefix else None
-
-
-def numbered_layers(tops: Iterable[str | None]) -> LayerStack | None:
-    """The numbered stack among top module names (one per op, equation or variable; repeats
-    and None are fine): the prefix with the most distinct numbers, the first seen on ties;
-    None when no prefix has two."""
-    groups: dict[str, set[int]] = {}
-    for top in tops:
-        m = LAYER_NAME.match(top or "")
-        if m:
-            groups.setdefault(m.group(1), set()).add(int(m.group(2)))
-    best = max(groups, key=lambda k: len(groups[k]), default=None)
-    if best is None or len(groups[best]) < 2:
-        return None
-    return LayerStack(best, tuple(sorted(groups[best])))
-
-
-def variable_top(path: str) -> str | None:
-    """The top module of a variable path (``params/h_3/attn/kernel`` -> ``h_3``)."""
-    parts = [p for p in path.split("/") if p]
-    if len(parts) > 1 and parts[0] in _COLLECTIONS:
-        parts = parts[1:]
-    return parts[0] if parts else None
-
-
-def variable_stack(variables: Sequence[tuple[str, tuple[int, ...]]]) -> LayerStack:
-    """The layer stack of a model from its variables ``(path, shape)``.
-
-    Numbered top modules first; otherwise a stacked (``nn.scan``) top module: at least four
-    variables, all sharing one leading dim ``n >= 2`` (the one with the most variables).
-
-    Raises:
-        PlanError: no layer stack.
-    """
-    tops: dict[str, list[tuple[int, ...]]] = {}
-    for name, shape in variables:
-        top = variable_top(name)
-        if top:
-            tops.setdefault(top, []).append(tuple(shape))
-    stack = numbered_layers(tops)
-    if stack is not None:
-        return stack
-    best: tuple[int, str, int] | None = None
-    for top, shapes in tops.items():
-        lead = {s[0] for s in shapes if s}
-        stacked = len(lead) == 1 and all(shapes) and len(shapes) >= 4 and min(lead) >= 2
-        if stacked and (best is None or len(shapes) > best[0]):
-            best = (len(shapes), top, min(lead))
-    if best is None:
-        raise PlanError(f"no stack of repeated layers in the model (top modules "
-                        f"{sorted(tops)[:12]}); stage splitting needs {_HOW}")
-    return LayerStack(best[1], tuple(range(best[2])), scanned=True)
-
-
-@dataclass(frozen=True, slots=True)
-class GraphLayers:
-    """Where a graph's layer stack is.
-
-    Attributes:
-        stack: the layers.
-        bounds: ``(start, end)`` op ranges of ``graph.ops`` per numbered layer in program order
-            (ops between two layers belong to the earlier one); a scanned stack:
-            ``((k, k + 1),)``, the one ``scan`` op. The prefix is ``graph.ops[:start]``, the
-            suffix ``graph.ops[end:]``.
-        names: the layer of each range (numbered stacks; a scanned stack: ``stack.names``).
-    """
-
-    stack: LayerStack
-    bounds: tuple[tuple[int, int], ...]
-    names: tuple[str, ...]
-
-    @property
-    def start(self) -> int:
-        return self.bounds[0][0]
-
-    @property
-    def end(self) -> int:
-        return self.bounds[-1][1]
-
-
-def graph_layers(graph: Graph) -> GraphLayers:
-    """The layer stack of a traced graph: numbered top modules (ops' module paths) first,
-    otherwise the one top-level ``scan`` reading variables.
-
-    Raises:
-        PlanError: no repeated layer stack.
-    """
-    tops = [op.module_path.split("/")[0] for op in graph.ops]
-    stack = numbered_layers(tops)
-    if stack is not None:
-        at = [(i, stack.number_of(t)) for i, t in enumerate(tops)]
-        starts: dict[int, int] = {}
-        for i, n in at:
-            if n is not None:
-                starts.setdefault(n, i)
-        last = max(i for i, n in at if n is not None)
-        firsts = sorted(starts.values())
-        bounds = tuple(zip(firsts, firsts[1:] + [last + 1], strict=True))
-        return GraphLayers(stack, bounds, tuple(tops[a] for a, _ in bounds))
-    variables = {t.id: t for t in graph.variables}
-    scans = [i for i, op in enumerate(graph.ops) if op.regions and op.primitive == "scan"
-             and any(t.id in variables for t in op.inputs)]
-    if len(scans) != 1:
-        raise PlanError(f"no stack of repeated layers in the graph (module paths "
-                        f"{sorted(set(tops))[:12]}); it needs {_HOW}")
-    k = scans[0]
-    op = graph.ops[k]
-    name = tops[k] or next(variable_top(t.name) for t in op.inputs if t.id in variables)
-    length = int(op.params.get("length", 1))
-    stack = LayerStack(name or "", tuple(range(length)), scanned=True)
-    return GraphLayers(stack, ((k, k + 1),), stack.names)
+__all__ = ["stage_layers", "stage_of"]
 
 
 def stage_of(stack: LayerStack, stages: int, virtual: int = 1) -> tuple[tuple[str, int], ...]:

@@ -24,7 +24,7 @@ from nnscaler_jax.cost.model import CostModel, itemsize
 from nnscaler_jax.cost.residuals import residual_outputs
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Graph
-from nnscaler_jax.pipeline.stages import graph_layers
+from nnscaler_jax.ir.layers import graph_layers
 
 __all__ = ["Unit", "layer_units"]
 

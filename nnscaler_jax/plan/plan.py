@@ -176,6 +176,8 @@ class Plan:
             variables and order are then the whole SPMD plan; with a pipeline, each stage's).
         unsplit: dims the policy left replicated because a mesh axis does not divide them
             (what it said, not what it decided: not compared).
+        recompute: groups (module path globs) whose activations are recomputed in the
+            backward pass instead of kept (:mod:`nnscaler_jax.ir.remat`).
     """
 
     mesh: tuple[tuple[str, int], ...]
@@ -188,6 +190,7 @@ class Plan:
     cost: PlanCost | None = field(default=None, compare=False)
     pipeline: PipelineSettings | None = None
     unsplit: tuple[Unsplit, ...] = field(default=(), compare=False)
+    recompute: tuple[str, ...] = ()
 
     @property
     def stages(self) -> int:
@@ -226,6 +229,10 @@ class Plan:
             lines += [f"  {n}: P{tuple(s)}" for n, s in sharded]
         if self.pipeline is not None:
             lines += self.pipeline.lines()
+        if self.recompute:
+            shown = ", ".join(self.recompute[:8]) + (
+                f" and {len(self.recompute) - 8} more" if len(self.recompute) > 8 else "")
+            lines.append(f"recompute (activations recomputed in the backward): {shown}")
         if self.unsplit:
             lines.append(f"left replicated (size does not divide): {len(self.unsplit)} op dims")
             lines += [f"  {x}" for x in unsplit_summary(self.unsplit)]
@@ -258,6 +265,8 @@ class Plan:
         }
         if self.pipeline is not None:
             d["pipeline"] = self.pipeline.to_dict()
+        if self.recompute:
+            d["recompute"] = list(self.recompute)
         if self.unsplit:
             d["unsplit"] = [dataclasses.asdict(u) for u in self.unsplit]
         return json.dumps(d, indent=1, sort_keys=True)
@@ -295,6 +304,7 @@ class Plan:
                 cost=cost,
                 pipeline=PipelineSettings.from_dict(pipe) if pipe else None,
                 unsplit=tuple(_unsplit(u) for u in d.get("unsplit", ())),
+                recompute=tuple(str(g) for g in d.get("recompute", ())),
             )
         except (ValueError, KeyError, TypeError, IndexError) as e:
             raise PlanFormatError(f"not a valid plan JSON ({type(e).__name__}: {e}); write it "

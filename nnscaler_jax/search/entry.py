@@ -3,6 +3,9 @@
 Every SPMD plan is made here, for ``auto_parallel``, the CLI, the benchmarks and the pipeline's
 in-stage plans: check the constraints, run the policy (a built-in, the search, or the user's
 function) on a :class:`~nnscaler_jax.primitives.Draft`, record the ZeRO stage, price the result.
+Recompute groups forced by the constraints are remat boundaries of the graph every policy plans;
+the searches also add layers to them when no plan fits the budget otherwise
+(:mod:`nnscaler_jax.search.recompute`).
 A search's plan lists the ops whose batch dim a data axis does not divide (``Plan.unsplit``, as
 the built-in policies record for every dim they could not split).
 The mesh may be a ``Mesh``, an ``AbstractMesh`` or ``{axis: size}``: no devices are needed, so
@@ -24,12 +27,14 @@ from nnscaler_jax.constraints import Constraints
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Graph
+from nnscaler_jax.ir.remat import with_recompute
 from nnscaler_jax.mesh.axes import mesh_axes
 from nnscaler_jax.plan.plan import Plan
 from nnscaler_jax.plan.policies import batch_unsplit, dp, megatron, zero3
 from nnscaler_jax.plan.zero import apply_zero
 from nnscaler_jax.primitives import Draft
 from nnscaler_jax.search.ilp import SearchReport, search_policy
+from nnscaler_jax.search.recompute import choose_recompute
 
 __all__ = ["POLICIES", "Planned", "plan_spmd", "resolve_policy"]
 
@@ -95,18 +100,35 @@ def plan_spmd(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto"
     constraints.check(graph, axes)
     t0 = time.perf_counter()
     fn = resolve_policy(name, cost_model=cost_model, time_limit=time_limit)
-    draft = Draft(graph, axes, constraints=constraints, partitioning=partitioning or None)
-    draft.policy = name if isinstance(name, str) else getattr(fn, "__name__", "custom")
-    result = fn(draft, mesh)
-    if isinstance(result, Draft):
-        result = result.finish()
-    if not isinstance(result, Plan):
-        raise PlanError(f"policy {draft.policy!r} returned {type(result).__name__}, not a Plan: "
-                        "end the policy with `return graph.finish()`")
-    result = apply_zero(result, graph, constraints.zero)
-    if name in SEARCHES:  # the search offers only splits that divide: say what it could not
-        result = replace(result, unsplit=result.unsplit + batch_unsplit(graph, result, axes))
-    seconds = time.perf_counter() - t0
-    cm = cost_model or CostModel.for_axes(axes, zero=result.zero)
-    return Planned(replace(result, cost=cm.plan_cost(result, graph)), seconds,
-                   getattr(draft, "search_report", None))
+    label = name if isinstance(name, str) else getattr(fn, "__name__", "custom")
+
+    def run(groups: tuple[str, ...]) -> tuple[Plan, Draft]:
+        draft = Draft(with_recompute(graph, groups), axes, constraints=constraints,
+                      partitioning=partitioning or None)
+        draft.policy = label
+        result = fn(draft, mesh)
+        if isinstance(result, Draft):
+            result = result.finish()
+        if not isinstance(result, Plan):
+            raise PlanError(f"policy {label!r} returned {type(result).__name__}, not a Plan: "
+                            "end the policy with `return graph.finish()`")
+        return replace(result, recompute=groups), draft
+
+    def finish(result: Plan) -> Plan:
+        result = apply_zero(result, graph, constraints.zero)
+        if name in SEARCHES:  # the search offers only splits that divide: say what it could not
+            result = replace(result, unsplit=result.unsplit + batch_unsplit(graph, result, axes))
+        cm = cost_model or CostModel.for_axes(axes, zero=result.zero)
+        return replace(result, cost=cm.plan_cost(result, graph))
+
+    def run_priced(groups: tuple[str, ...]) -> tuple[Plan, Draft]:
+        result, draft = run(groups)
+        return finish(result), draft
+
+    forced, forbidden = constraints.recompute_groups()
+    if name in SEARCHES:  # recompute is one of the searches' decisions
+        ours = (lambda r: r[0].cost.step_time_s) if name == "auto" else None
+        result, draft = choose_recompute(run_priced, graph, forced, forbidden, price=ours)
+    else:
+        result, draft = run_priced(forced)
+    return Planned(result, time.perf_counter() - t0, getattr(draft, "search_report", None))

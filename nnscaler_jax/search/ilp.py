@@ -30,7 +30,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from nnscaler_jax.constraints import Constraints
 from nnscaler_jax.cost.model import CostModel
-from nnscaler_jax.errors import PlanError
+from nnscaler_jax.errors import NoFitError, PlanError
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.plan.plan import OpPlan, Plan
 from nnscaler_jax.search.reduce import reduce_tables, solve_by_elimination
@@ -290,12 +290,12 @@ def _meet_budget(plan: Plan, sol: _Solution, budget: float, solved, cm: CostMode
         real = cm.plan_cost(plan, graph).memory_bytes_per_device
     if real <= budget:
         return plan, sol
-    raise PlanError(
+    raise NoFitError(
         f"no plan fits max_memory_per_device={int(budget):,} bytes ({budget / 2**30:.2f} GiB): "
         f"the best plan found within the search's per-op estimate needs {int(real):,} bytes "
         f"({real / 2**30:.2f} GiB) per device once relayout buffers kept for the backward (all-"
         "gathered matmul operands) are counted. Raise the budget, use Constraints(zero=3), or "
-        "a larger mesh.")
+        "a larger mesh.", smallest_bytes=real, budget_bytes=budget)
 
 
 def _smallest_memory(tables: CostTables) -> float:
@@ -305,12 +305,13 @@ def _smallest_memory(tables: CostTables) -> float:
     return tables.memory_of(choice)
 
 
-def _memory_error(budget: float, smallest: float) -> PlanError:
-    return PlanError(
+def _memory_error(budget: float, smallest: float) -> NoFitError:
+    return NoFitError(
         f"no plan fits max_memory_per_device={int(budget):,} bytes ({budget / 2**30:.2f} GiB): "
         f"the smallest estimate found is {int(smallest):,} bytes ({smallest / 2**30:.2f} GiB) "
         "per device (parameters, gradients, optimizer state, activations). Raise the budget, "
-        "use Constraints(zero=3), or a larger mesh.")
+        "use Constraints(zero=3), or a larger mesh.", smallest_bytes=smallest,
+        budget_bytes=budget)
 
 
 def _report(planner: str, space: SearchSpace, tables: CostTables, sol: _Solution,

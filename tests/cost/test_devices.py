@@ -1,5 +1,6 @@
 """`cost/devices.py`: what tests/cost/test_cost_model.py leaves out of the hardware table:
-peaks per dtype class, presets by name, Alpa's intra/inter placement on meshes of 3 axes."""
+peaks per dtype class, presets by name, the V100 preset's figures, Alpa's intra/inter placement
+on meshes of 3 axes. (The default memory budget: tests/test_default_budget.py.)"""
 
 from __future__ import annotations
 
@@ -9,11 +10,15 @@ from nnscaler_jax.cost.devices import (
     A100_40G,
     CLUSTERS,
     DEVICES,
+    IB_EDR,
     IB_HDR,
     NVLINK_A100,
+    NVLINK_V100,
+    V100_32G,
     ClusterSpec,
     DeviceSpec,
     cluster_preset,
+    device_for_kind,
     device_preset,
 )
 from nnscaler_jax.errors import PlanError
@@ -42,6 +47,29 @@ def test_presets_are_consistent():
         assert c.intra.beta_s_per_byte < c.inter.beta_s_per_byte
     with pytest.raises(PlanError, match="unknown cluster 'dgx'"):
         cluster_preset("dgx")
+
+
+def test_v100_preset_figures():
+    """V100-SXM2-32GB: 125 T fp16 tensor cores, 15.7 T fp32 and no TF32 (float32 matmuls at the
+    fp32 rate), 32 GiB HBM2 at 900 GB/s; NVLink 2 150 GB/s per direction, IB EDR 12.5 GB/s."""
+    d = device_preset("v100-32g")
+    assert d is V100_32G and d.name == "V100-32G" and d.kind == "Tesla V100-SXM2-32GB"
+    assert d.flops == 125e12 and d.flops_fp32 == 15.7e12 and d.flops_tf32 is None
+    assert d.peak("float16", matmul=True) == 125e12
+    assert d.peak("float32", matmul=True) == d.peak("float32", matmul=False) == 15.7e12
+    assert d.memory_bytes == 32 * 2**30 and d.bandwidth == 900e9 and d.efficiency == 0.75
+    assert device_for_kind("tesla v100-sxm2-32gb") is d and device_for_kind("cpu") is None
+    c = cluster_preset("v100-32g-8x")
+    assert c.device is d and c.devices_per_node == 8
+    assert (c.intra, c.inter) == (NVLINK_V100, IB_EDR)
+    assert c.intra.beta_s_per_byte == pytest.approx(1 / 150e9)
+    assert c.inter.beta_s_per_byte == pytest.approx(1 / 12.5e9)
+    # nnScaler's artifact: 16 V100 per node, 8 EDR ports per node (6.25 GB/s per GPU)
+    big = cluster_preset("v100-32g-16x")
+    assert big.device is d and big.devices_per_node == 16 and big.intra == NVLINK_V100
+    assert big.inter.beta_s_per_byte == pytest.approx(1 / 6.25e9)
+    assert big.placement(("data", "model"), (2, 8)) == {"data": "intra", "model": "intra"}
+    assert c.placement(("data", "model"), (2, 8)) == {"data": "inter", "model": "intra"}
 
 
 C = ClusterSpec("t", A100_40G, 8, NVLINK_A100, IB_HDR)

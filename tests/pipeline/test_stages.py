@@ -5,13 +5,8 @@ import pytest
 import models
 from nnscaler_jax.capture.trace import trace
 from nnscaler_jax.errors import PlanError
-from nnscaler_jax.pipeline.stages import (
-    graph_layers,
-    numbered_layers,
-    stage_layers,
-    stage_of,
-    variable_stack,
-)
+from nnscaler_jax.ir.layers import graph_layers, numbered_layers, variable_stack
+from nnscaler_jax.pipeline.stages import stage_layers, stage_of
 from nnscaler_jax.pipeline.units import layer_units
 
 

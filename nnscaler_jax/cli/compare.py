@@ -1,0 +1,244 @@
+"""``nnscaler-jax compare``: several planners on one model and mesh, under one memory budget.
+
+Each planner's JSON entry (``{"planners": {name: entry}}``)::
+
+    {"fits": bool, "step_time_s", "memory_bytes_per_device", "comm_bytes", "search_s",
+     "features": {"recompute": [...], "cosharded": [[module_path, primitive, dim, chunks]],
+                  "microbatches": int, "stages": int}}
+
+The budget: ``--budget`` (bytes or a size string such as ``32GiB``), else with ``--cluster`` the
+cluster device's memory less the reserve (:func:`nnscaler_jax.cost.devices.default_budget`),
+else none (on CPU; every plan then fits). A planner that finds nothing within it reports
+``fits: false`` and its smallest estimate as ``memory_bytes_per_device`` (``step_time_s``,
+``comm_bytes`` and ``features`` are then null) instead of failing the command; any other
+planning failure is an entry with ``fits: null`` and ``error``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+from typing import Any
+
+from nnscaler_jax.cli.common import (
+    DEFAULT_AXES,
+    UsageError,
+    capture_model,
+    check_policy,
+    emit,
+    mib,
+    model_spec,
+    parse_mesh,
+    policy_names,
+    spec_mutable,
+    spec_rng_names,
+    table,
+)
+
+__all__ = ["cmd_compare", "plan_features", "smallest_estimate"]
+
+
+def plan_features(plan: Any) -> dict[str, Any]:
+    """What a plan uses beyond layouts: recompute groups, co-sharded ops, micro-batches, stages.
+
+    ``recompute``: the plan's recomputed groups (module paths); ``cosharded``: ``[module path,
+    primitive, dim, chunks]`` per op run as ``chunks`` sequential pieces; ``microbatches``: the
+    pipeline's (or the plan's gradient accumulation), 1 without; ``stages``: pipeline stages.
+    """
+    def jsonable(x: Any) -> Any:
+        if isinstance(x, str | int | float) or x is None:
+            return x
+        if isinstance(x, tuple | list):
+            return [jsonable(y) for y in x]
+        return str(x)
+
+    micro = (plan.pipeline.microbatches if plan.pipeline is not None
+             else getattr(plan, "microbatches", 1))
+    return {"recompute": [jsonable(g) for g in getattr(plan, "recompute", ()) or ()],
+            "cosharded": [[p.module_path, p.primitive, p.chunks[0], int(p.chunks[1])]
+                          for p in plan.ops if p.chunks],
+            "microbatches": int(micro or 1), "stages": int(plan.stages)}
+
+
+_SMALLEST = re.compile(r"(?:smallest estimate(?: found)? is|needs(?: an estimated)?)\s+~?"
+                       r"([0-9][0-9,]*(?:\.[0-9]+)?)\s*(bytes|MiB|GiB)")
+
+
+def smallest_estimate(e: Exception) -> int | None:
+    """The smallest per-device estimate a no-fit error carries (``NoFitError.smallest_bytes``),
+    else the first one its message states; None when it says none.
+
+    >>> smallest_estimate(ValueError("the smallest estimate found is 1,024 bytes (0 GiB)"))
+    1024
+    """
+    got = getattr(e, "smallest_bytes", None)
+    if got is not None:
+        return int(got)
+    m = _SMALLEST.search(str(e))
+    if m is None:
+        return None
+    scale = {"bytes": 1, "MiB": 2**20, "GiB": 2**30}[m.group(2)]
+    return int(float(m.group(1).replace(",", "")) * scale)
+
+
+def _mesh(args: argparse.Namespace) -> Any:
+    """A real mesh when there are devices enough (compiled figures); else axis sizes only."""
+    import jax
+
+    try:
+        return parse_mesh(args.mesh, args.axes)
+    except UsageError:
+        if not re.fullmatch(r"\d+(x\d+)*", args.mesh or ""):
+            raise
+        shape = tuple(int(n) for n in args.mesh.split("x"))
+        names = (tuple(a.strip() for a in args.axes.split(",")) if args.axes
+                 else DEFAULT_AXES.get(len(shape)))
+        if not names or len(names) != len(shape):
+            raise
+        return jax.sharding.AbstractMesh(shape, names)
+
+
+def _budget(args: argparse.Namespace, mesh: Any, cluster: Any) -> tuple[int | None, str, str]:
+    """The budget for every planner, where it comes from (``--budget``, the cluster's device,
+    none) in a sentence and in a few words."""
+    from nnscaler_jax.constraints import parse_bytes
+    from nnscaler_jax.cost.devices import default_budget_of
+    from nnscaler_jax.errors import PlanError
+
+    if args.budget is not None:
+        try:
+            budget = parse_bytes(args.budget)
+            size = f"{budget / 2**30:.2f} GiB" if budget >= 2**30 else mib(budget)
+            return budget, "--budget", f"{size} (--budget)"
+        except PlanError:
+            raise UsageError(f"bad --budget {args.budget!r}: give bytes or a size such as 32GiB, "
+                             "80GB, 512MiB") from None
+    default = default_budget_of(mesh, cluster)
+    if default is None:
+        why = "none (no --budget, no --cluster: CPU devices have no memory limit here)"
+        return None, why, "no memory budget"
+    return default.bytes, default.describe(), default.short()
+
+
+def _cluster(args: argparse.Namespace) -> Any:
+    if not args.cluster:
+        return None
+    from nnscaler_jax.cost.devices import CLUSTERS, cluster_preset
+
+    if args.cluster.lower() not in CLUSTERS:
+        raise UsageError(f"unknown --cluster {args.cluster!r}; presets: {', '.join(CLUSTERS)}")
+    return cluster_preset(args.cluster)
+
+
+def _one(name: str, graph: Any, mesh: Any, cluster: Any, budget: int | None) -> tuple[Any, dict]:
+    """Plan with one planner: (the plan or None, its JSON entry). ``budget``: the user's
+    (``--budget``); None leaves the default to the planner (which says where it came from)."""
+    from nnscaler_jax.constraints import Constraints
+    from nnscaler_jax.cost.model import CostModel
+    from nnscaler_jax.errors import NoFitError, PlanError
+    from nnscaler_jax.planner import plan_and_report
+
+    cm = None
+    if cluster is not None:
+        cm = CostModel.for_cluster(cluster, dict(mesh.shape), zero=3 if name == "zero3" else 0)
+    cons = Constraints(max_memory_per_device=budget) if budget is not None else None
+    none = {"step_time_s": None, "comm_bytes": None, "features": None}
+    t0 = time.perf_counter()
+    try:
+        planned = plan_and_report(graph, mesh, policy=name, cost_model=cm, constraints=cons)
+    except PlanError as e:
+        first = str(e).splitlines()[0]
+        if isinstance(e, NoFitError) or first.startswith("no plan fits"):
+            return None, {"fits": False, "memory_bytes_per_device": smallest_estimate(e),
+                          "search_s": time.perf_counter() - t0, **none, "error": first}
+        return None, {"fits": None, "memory_bytes_per_device": None,
+                      "search_s": time.perf_counter() - t0, **none, "error": first}
+    plan, c = planned.plan, planned.plan.cost
+    return plan, {"fits": True, "step_time_s": c.step_time_s,
+                  "memory_bytes_per_device": c.memory_bytes_per_device,
+                  "comm_bytes": c.comm_bytes, "search_s": planned.seconds,
+                  "features": plan_features(plan)}
+
+
+def _features_text(f: dict[str, Any] | None) -> str:
+    if not f:
+        return "-"
+    parts = [f"recompute {len(f['recompute'])}" if f["recompute"] else "",
+             f"co-shard {len(f['cosharded'])}" if f["cosharded"] else "",
+             f"{f['microbatches']} micro-batches" if f["microbatches"] > 1 else "",
+             f"{f['stages']} stages" if f["stages"] > 1 else ""]
+    return ", ".join(p for p in parts if p) or "-"
+
+
+def _row(name: str, r: dict[str, Any]) -> list[str]:
+    fits = {True: "yes", False: "NO", None: "-"}[r["fits"]]
+    mem = r["memory_bytes_per_device"]
+    mem_text = "-" if mem is None else (f">= {mib(mem)}" if r["fits"] is False else mib(mem))
+    return [name, fits, f"{r['search_s']:.3f}",
+            "-" if r["step_time_s"] is None else f"{r['step_time_s'] * 1e3:.3f}", mem_text,
+            "-" if r["comm_bytes"] is None else mib(r["comm_bytes"]),
+            mib(r["compiled_memory_bytes"]) if "compiled_memory_bytes" in r else "-",
+            mib(r["hlo_comm_bytes"]) if "hlo_comm_bytes" in r else "-",
+            _features_text(r["features"]), r.get("error", "")[:60]]
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    import jax
+
+    spec = model_spec(args.model, args.preset)
+    mesh = _mesh(args)
+    planners = [p.strip() if p.strip() == "alpa" else check_policy(p.strip())
+                for p in args.planners.split(",") if p.strip()]
+    if not planners:
+        raise UsageError(f"--planners is empty; choose from: {', '.join(policy_names())}, alpa")
+    cluster = _cluster(args)
+    budget, source, short = _budget(args, mesh, cluster)
+    explicit = budget if args.budget is not None else None
+    graph = capture_model(spec, mutable=spec_mutable(spec)).graph
+    compile_here = isinstance(mesh, jax.sharding.Mesh) and spec.kind == "linen" and \
+        args.preset.startswith("tiny")
+    results: dict[str, dict[str, Any]] = {}
+    for name in planners:
+        plan, results[name] = _one(name, graph, mesh, cluster, explicit)
+        if plan is not None and compile_here:
+            results[name].update(_compiled_figures(spec, mesh, plan))
+    obj = {"model": args.model, "preset": args.preset, "mesh": args.mesh,
+           "cluster": args.cluster, "budget_bytes": budget, "budget": source,
+           "planners": results}
+    text = ""
+    if not args.json:
+        headers = ["planner", "fits", "plan s", "step ms", "memory/device", "comm",
+                   "XLA memory", "HLO comm", "features", "note"]
+        rows = [_row(n, r) for n, r in results.items()]
+        keep = [i for i, h in enumerate(headers) if i < 6 or h == "features"
+                or any(r[i] not in ("", "-") for r in rows)]  # drop empty extra columns
+        headers, rows = [headers[i] for i in keep], [[r[i] for i in keep] for r in rows]
+        text = (f"{args.model} [{args.preset}] on mesh {args.mesh}"
+                f"{f' ({args.cluster})' if args.cluster else ''}: estimated per training step"
+                f"{' (XLA memory / HLO comm: the compiled forward)' if compile_here else ''}; "
+                f"memory budget per device {short}\n" + table(headers, rows))
+    emit(args, text, obj)
+    return 0
+
+
+def _compiled_figures(spec: Any, mesh: Any, plan: Any) -> dict[str, Any]:
+    """XLA's per-device memory and collective bytes of the compiled forward under ``plan``."""
+    import jax
+
+    from nnscaler_jax.api import auto_parallel
+    from nnscaler_jax.lower.hlo import hlo_collectives
+
+    try:
+        args = spec.make_args(abstract=False)
+        pm = auto_parallel(mesh, plan=plan)(spec.module)
+        variables = pm.init(jax.random.key(0), *args)
+        compiled = pm.compiled(variables, *args, rngs=spec_rng_names(spec),
+                               mutable=spec_mutable(spec))
+        m = compiled.memory_analysis()
+        memory = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                  - m.alias_size_in_bytes)
+        comm = sum(c.bytes for c in hlo_collectives(compiled.as_text(), mesh))
+        return {"compiled_memory_bytes": int(memory), "hlo_comm_bytes": int(comm)}
+    except Exception as e:  # noqa: BLE001 - the figures are extras; say why they are missing
+        return {"compiled_error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}

@@ -1,0 +1,117 @@
+"""`nnscaler-jax compare` under a memory budget: with ``--cluster`` the device's memory less the
+reserve is every planner's budget, ``--budget`` overrides it, a planner that finds nothing within
+it reports ``fits: false`` and its smallest estimate (the command still exits 0), and each entry
+lists the plan's features. Paper-scale models run on abstract shapes (nothing compiles)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from nnscaler_jax.cli import main
+from nnscaler_jax.cli.compare import plan_features, smallest_estimate
+from nnscaler_jax.cost.devices import DEFAULT_RESERVE_FRACTION
+from nnscaler_jax.errors import NoFitError
+from nnscaler_jax.plan.plan import OpPlan, PipelineSettings, Plan
+
+KEYS = {"fits", "step_time_s", "memory_bytes_per_device", "comm_bytes", "search_s", "features"}
+FEATURES = {"recompute", "cosharded", "microbatches", "stages"}
+V100_BUDGET = 32 * 2**30 - int(32 * 2**30 * DEFAULT_RESERVE_FRACTION)
+
+
+def _run(capsys, *argv):
+    code = main(["compare", *argv])
+    out = capsys.readouterr().out
+    return code, out, json.loads(out.strip().splitlines()[-1]) if "--json" in argv else None
+
+
+def test_the_cluster_memory_is_the_default_budget(capsys):
+    """GPT-3 1.3B on 2x4 V100-32GB: dp (~72 GiB) does not fit 28.8 GiB, Megatron and the
+    search do; --budget 100GiB lets dp through."""
+    code, _, res = _run(capsys, "--model", "gpt", "--preset", "gpt3-1.3b", "--mesh", "2x4",
+                        "--cluster", "v100-32g-8x", "--planners", "dp,megatron,auto", "--json")
+    assert code == 0 and res["budget_bytes"] == V100_BUDGET and "V100-32G" in res["budget"]
+    p = res["planners"]
+    for r in p.values():
+        assert set(r) >= KEYS
+    dp = p["dp"]
+    assert dp["fits"] is False and dp["memory_bytes_per_device"] > V100_BUDGET
+    assert dp["step_time_s"] is None and dp["features"] is None and "needs" in dp["error"]
+    for name in ("megatron", "auto"):
+        assert p[name]["fits"] is True and p[name]["memory_bytes_per_device"] <= V100_BUDGET
+        assert set(p[name]["features"]) == FEATURES and p[name]["features"]["stages"] == 1
+        assert p[name]["step_time_s"] > 0 and p[name]["search_s"] >= 0
+    code, _, res = _run(capsys, "--model", "gpt", "--preset", "gpt3-1.3b", "--mesh", "2x4",
+                        "--cluster", "v100-32g-8x", "--planners", "dp", "--budget", "100GiB",
+                        "--json")
+    assert code == 0 and res["budget_bytes"] == 100 * 2**30 and res["budget"] == "--budget"
+    assert res["planners"]["dp"]["fits"] is True
+    assert res["planners"]["dp"]["memory_bytes_per_device"] == dp["memory_bytes_per_device"]
+
+
+def test_a_budget_nothing_fits_reports_the_smallest_estimate(capsys):
+    """--budget 1KB on the tiny GPT: every planner reports fits false with its smallest estimate
+    (the searches' from the exception), and the table says so; the command exits 0."""
+    code, _, res = _run(capsys, "--model", "gpt", "--mesh", "2x4", "--planners", "dp,auto",
+                        "--budget", "1KB", "--json")
+    assert code == 0 and res["budget_bytes"] == 1000
+    for r in res["planners"].values():
+        assert set(r) >= KEYS and r["fits"] is False and r["memory_bytes_per_device"] > 1000
+    search, dp = res["planners"]["auto"], res["planners"]["dp"]
+    assert search["memory_bytes_per_device"] < dp["memory_bytes_per_device"]
+    code, out, _ = _run(capsys, "--model", "gpt", "--mesh", "2x4", "--planners", "dp,megatron",
+                        "--budget", "300KB")
+    assert code == 0
+    lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.split()}
+    assert "fits" in lines["planner"] and "features" in lines["planner"]
+    assert lines["dp"].split()[1] == "NO" and lines["megatron"].split()[1] == "yes"
+    assert "memory budget per device 0.29 MiB (--budget)" in out
+
+
+def test_no_cluster_no_budget_on_cpu(capsys):
+    code, _, res = _run(capsys, "--model", "mlp", "--mesh", "2x4", "--planners", "megatron",
+                        "--json")
+    assert code == 0 and res["budget_bytes"] is None
+    assert res["planners"]["megatron"]["fits"] is True
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--budget", "12XB"], "bad --budget '12XB'"),
+    (["--budget", "-1"], "bad --budget"),
+    (["--cluster", "dgx"], "v100-32g-8x"),   # the presets are listed
+])
+def test_bad_budget_or_cluster_is_a_usage_error(capsys, argv, needle):
+    assert main(["compare", "--model", "mlp", "--mesh", "2x4", *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_features_of_a_plan():
+    """Co-sharded ops as [module path, primitive, dim, chunks], the pipeline's micro-batches and
+    stages, the recompute groups when the plan has them."""
+    ops = (OpPlan(0, "dot_general", "blk0/attn/qk", (("model", "h"),), chunks=("h", 6)),
+           OpPlan(1, "dot_general", "blk0/mlp/fc1", (("model", "n"),)))
+    plan = Plan(mesh=(("stage", 2), ("model", 4)), fingerprint="x", ops=ops,
+                pipeline=PipelineSettings(stages=2, microbatches=8, schedule="1f1b"))
+    f = plan_features(plan)
+    assert f["cosharded"] == [["blk0/attn/qk", "dot_general", "h", 6]]
+    assert f["microbatches"] == 8 and f["stages"] == 2
+    assert f["recompute"] == list(getattr(plan, "recompute", ()) or ())
+    flat = Plan(mesh=(("model", 4),), fingerprint="x", ops=ops[1:])
+    assert plan_features(flat) == {"recompute": [], "cosharded": [], "microbatches": 1,
+                                   "stages": 1}
+    json.dumps(f)
+    if "recompute" in {x.name for x in dataclasses.fields(Plan)}:  # the search's groups
+        again = dataclasses.replace(flat, recompute=("h_0", "h_1/*"))
+        assert plan_features(again)["recompute"] == ["h_0", "h_1/*"]
+
+
+def test_smallest_estimate_from_the_exception_or_the_message():
+    assert smallest_estimate(NoFitError("x", smallest_bytes=123.0)) == 123
+    assert smallest_estimate(ValueError("... the smallest estimate is ~2.5 GiB.")) == \
+        int(2.5 * 2**30)
+    assert smallest_estimate(ValueError("policy 'dp': the plan needs an estimated 1.50 MiB per "
+                                        "device")) == int(1.5 * 2**20)
+    assert smallest_estimate(ValueError("unrelated")) is None

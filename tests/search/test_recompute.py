@@ -1,0 +1,160 @@
+"""Recompute as a plan decision: closed-form memory and time on a small graph, the searches
+choosing it exactly when the budget needs it (ours: the fewest layers; Alpa-style: all or
+nothing), rules forcing / forbidding it, and plans that run and match one device."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from meshes import make_mesh
+
+import models
+from nnscaler_jax import Constraints, Plan, auto_parallel
+from nnscaler_jax.capture.trace import capture_spec, trace
+from nnscaler_jax.constraints import Rule
+from nnscaler_jax.cost import CostModel
+from nnscaler_jax.errors import ConstraintError, NoFitError
+from nnscaler_jax.ir.remat import with_recompute
+from nnscaler_jax.planner import make_plan
+
+B, D, H = 8, 16, 32
+AXES = {"data": 2, "model": 4}
+
+
+class Layer(nn.Module):
+    width: int
+
+    @nn.compact
+    def __call__(self, x):
+        return jnp.tanh(nn.Dense(self.width)(x))
+
+
+class Chain(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return Layer(D, name="l_1")(Layer(H, name="l_0")(x))
+
+
+def _gpt(**kw):
+    cfg = dict(seq_len=32, n_positions=32, d_model=64, n_layers=4, vocab_size=128,
+               batch_size=8)
+    cfg.update(kw)
+    return models.get("gpt", "tiny", **cfg)
+
+
+@pytest.fixture(scope="module")
+def gpt_graph():
+    return capture_spec(_gpt()).graph
+
+
+def _smallest_without_recompute(graph) -> float:
+    """The search's smallest estimate when no layer may be recomputed."""
+    with pytest.raises(NoFitError) as e:
+        make_plan(graph, AXES, constraints=Constraints(
+            max_memory_per_device=1, rules=(Rule(module="*", recompute=False),)))
+    return e.value.smallest_bytes
+
+
+def test_closed_form_memory_and_time():
+    """Two tanh layers, data-parallel over 2: kept activations are both tanh outputs
+    (B/2 x H and B/2 x D floats); recomputed, each layer keeps only its input (x, then l_0's
+    output), the largest layer's residuals are live again while its backward runs, and every
+    op of both layers runs its forward once more."""
+    g = trace(Chain(), jax.ShapeDtypeStruct((B, D), jnp.float32))
+    cm = CostModel.for_axes({"data": 2})
+    plan = make_plan(g, {"data": 2}, policy="dp")
+    redo = dataclasses.replace(plan, recompute=("l_*",))
+    kept, again = cm.memory_breakdown(plan, g), cm.memory_breakdown(redo, g)
+    assert kept["activations"] == 4 * (B // 2) * (H + D)
+    assert again["activations"] == 4 * (B // 2) * (D + H)  # x (B/2 x D) and l_0's out
+    assert again["transient"] == max(kept["transient"], 4 * (B // 2) * H)
+    forward = sum(cm.forward_time(op, plan.op_plan(op.id).split if plan.op_plan(op.id)
+                                  else ()) for op in g.ops if op.module_path)
+    assert cm.plan_cost(redo, g).compute_time_s == pytest.approx(
+        cm.plan_cost(plan, g).compute_time_s + forward, rel=1e-9)
+    assert [b.kind for b in with_recompute(g, redo.recompute).boundaries] == ["checkpoint"] * 2
+
+
+def test_recompute_runs_never_cut_the_users_remat(gpt_graph):
+    remat = capture_spec(_gpt(remat=True)).graph
+    user = {b.id for b in remat.boundaries}
+    g = with_recompute(remat, ("h_*",))
+    new = [b for b in g.boundaries if b.id not in user]
+    assert len(new) == 4
+    for op in g.ops:
+        if op.boundary and op.boundary[-1] in user:  # the user's remat stays innermost
+            assert op.boundary[0] in {b.id for b in new}
+
+
+def test_the_search_recomputes_only_when_the_budget_needs_it(gpt_graph):
+    free = make_plan(gpt_graph, AXES)
+    assert free.recompute == ()
+    roomy = make_plan(gpt_graph, AXES, constraints=Constraints(
+        max_memory_per_device=free.cost.memory_bytes_per_device))
+    assert roomy.recompute == ()
+    budget = int(_smallest_without_recompute(gpt_graph) * 0.95)
+    ours = make_plan(gpt_graph, AXES, constraints=Constraints(max_memory_per_device=budget))
+    alpa = make_plan(gpt_graph, AXES, policy="alpa",
+                     constraints=Constraints(max_memory_per_device=budget))
+    assert ours.recompute  # the fastest of the layer counts that fit
+    assert alpa.recompute == ("h_0", "h_1", "h_2", "h_3")  # Alpa's one global switch
+    for p in (ours, alpa):
+        assert p.cost.memory_bytes_per_device <= budget
+        assert p.cost.step_time_s > free.cost.step_time_s
+    assert "recompute (activations recomputed in the backward): h_0" in str(ours)
+    assert Plan.from_json(ours.to_json()).recompute == ours.recompute
+
+
+def test_rules_force_and_forbid_recompute(gpt_graph):
+    forced = make_plan(gpt_graph, AXES, policy="dp", constraints=Constraints(
+        rules=(Rule(module="h_1", recompute=True),)))
+    assert forced.recompute == ("h_1",)
+    tight = int(_smallest_without_recompute(gpt_graph) * 0.95)
+    with pytest.raises(NoFitError, match="no plan fits"):
+        make_plan(gpt_graph, AXES, constraints=Constraints(
+            max_memory_per_device=tight, rules=(Rule(module="h_*", recompute=False),)))
+    with pytest.raises(ConstraintError, match="module paths, not primitives"):
+        make_plan(gpt_graph, AXES, constraints=Constraints(
+            rules=(Rule(primitive="dot_general", recompute=True),)))
+
+
+def test_nothing_fits_even_recomputing_everything(gpt_graph):
+    with pytest.raises(NoFitError, match="Recomputing every layer") as e:
+        make_plan(gpt_graph, AXES, constraints=Constraints(max_memory_per_device=10_000))
+    assert e.value.smallest_bytes > 10_000 and e.value.budget_bytes == 10_000
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("remat", [False, True])
+def test_a_recomputing_plan_runs_and_matches_one_device(remat):
+    """Through auto_parallel, recompute chosen by the search under a budget that needs it (or
+    forced by a rule around the model's own nn.remat): the program runs the layers under
+    jax.checkpoint, forward and gradients equal the plain module's."""
+    spec = _gpt(remat=remat)
+    (tokens,) = spec.make_args()
+    mesh = make_mesh((2, 4), ("data", "model"))
+    if remat:
+        cons = Constraints(rules=(Rule(module="h_*", recompute=True),))
+    else:
+        need = _smallest_without_recompute(capture_spec(spec).graph)
+        cons = Constraints(max_memory_per_device=int(need * 0.95))
+    pm = auto_parallel(mesh, cons)(spec.module)
+    v = pm.init(jax.random.key(0), tokens)
+    assert pm.plan.recompute
+    n_user = str(jax.make_jaxpr(spec.module.apply)(v, tokens)).count("remat")
+    assert str(jax.make_jaxpr(pm.apply)(v, tokens)).count("remat") > n_user
+    np.testing.assert_allclose(pm.apply(v, tokens), spec.module.apply(v, tokens),
+                               rtol=1e-5, atol=1e-6)
+
+    def loss(apply, v):
+        return jnp.mean(apply(v, tokens) ** 2)
+
+    g = jax.jit(jax.grad(lambda v: loss(pm.apply, v)))(v)
+    ref = jax.grad(lambda v: loss(spec.module.apply, v))(jax.tree.map(np.asarray, v))
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
