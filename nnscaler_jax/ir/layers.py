@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Graph
 
-__all__ = ["LAYER_NAME", "GraphLayers", "LayerStack", "graph_layers", "layer_number",
-           "numbered_layers", "variable_stack", "variable_top"]
+__all__ = ["LAYER_NAME", "GraphLayers", "LayerStack", "block_paths", "graph_layers",
+           "layer_number", "numbered_layers", "variable_stack", "variable_top"]
 
 LAYER_NAME = re.compile(r"^(.*)_(\d+)$")
 """A numbered module name: ``<prefix>_<i>``."""
@@ -177,3 +177,32 @@ def graph_layers(graph: Graph) -> GraphLayers:
     length = int(op.params.get("length", 1))
     stack = LayerStack(name or "", tuple(range(length)), scanned=True)
     return GraphLayers(stack, ((k, k + 1),), stack.names)
+
+
+def block_paths(module_paths: Iterable[str]) -> list[str]:
+    """The model's repeated blocks at their finest level, in program order: the elements of
+    every numbered stack of modules that have sub-modules, looking inside an element that
+    holds a stack of its own (Swin's ``layers_2/blocks_7``) and inside unnumbered modules
+    (T5's ``encoder/block_3``); leaf modules (``Dense_0``, ``Dense_1``) are never blocks.
+
+    >>> block_paths(["enc/block_0/attn", "enc/block_1/mlp", "enc/norm", "head/Dense_0",
+    ...              "head/Dense_1"])
+    ['enc/block_0', 'enc/block_1']
+    """
+    return _blocks("", [p.split("/") for p in dict.fromkeys(module_paths) if p])
+
+
+def _blocks(prefix: str, parts: list[list[str]]) -> list[str]:
+    children = list(dict.fromkeys(p[0] for p in parts))
+    deep = {p[0] for p in parts if len(p) > 1}
+    stack = numbered_layers(c for c in children if c in deep)
+    out: list[str] = []
+    for c in children:
+        path = f"{prefix}/{c}" if prefix else c
+        sub = [p[1:] for p in parts if p[0] == c and len(p) > 1]
+        inner = _blocks(path, sub) if sub else []
+        if stack is not None and stack.number_of(c) is not None:
+            out += inner if len(inner) > 1 else [path]
+        else:
+            out += inner
+    return out

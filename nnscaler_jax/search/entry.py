@@ -13,7 +13,7 @@ benchmarks plan for 512 devices on a laptop. Pipelined plans add stages on top o
 (:func:`nnscaler_jax.planner.make_plan`).
 
 >>> sorted(POLICIES)
-['alpa', 'auto', 'dp', 'megatron', 'zero3']
+['alpa', 'auto', 'deepspeed', 'dp', 'megatron', 'megatron-lm', 'zero3']
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from nnscaler_jax.plan.policies import batch_unsplit, dp, megatron, zero3
 from nnscaler_jax.plan.zero import apply_zero
 from nnscaler_jax.primitives import Draft
 from nnscaler_jax.search.ilp import SearchReport, search_policy
-from nnscaler_jax.search.recompute import choose_recompute
+from nnscaler_jax.search.recompute import choose_recompute, recompute_candidates
 
 __all__ = ["POLICIES", "Planned", "plan_spmd", "resolve_policy"]
 
@@ -42,8 +42,12 @@ __all__ = ["POLICIES", "Planned", "plan_spmd", "resolve_policy"]
 BUILTIN: dict[str, Callable[..., Any]] = {"dp": dp, "zero3": zero3, "megatron": megatron}
 #: The searches: ours and the Alpa-style planner.
 SEARCHES = ("auto", "alpa")
+#: The baselines of the comparisons as those systems train: a built-in policy with every
+#: repeated block recomputed (DeepSpeed: ZeRO-3 + activation checkpointing; Megatron-LM: tensor
+#: parallel + full recompute).
+BASELINES: dict[str, str] = {"deepspeed": "zero3", "megatron-lm": "megatron"}
 #: Every policy name.
-POLICIES: tuple[str, ...] = (*BUILTIN, *SEARCHES)
+POLICIES: tuple[str, ...] = (*BUILTIN, *SEARCHES, *BASELINES)
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,8 @@ def resolve_policy(policy: str | Callable | None, *, cost_model: CostModel | Non
         return search_policy(policy, cost_model=cost_model, time_limit=time_limit)
     if policy in BUILTIN:
         return BUILTIN[policy]
+    if policy in BASELINES:
+        return BUILTIN[BASELINES[policy]]
     raise PlanError(f"unknown policy {policy!r}; choose one of {sorted(POLICIES)}, or pass a "
                     "function policy(graph, mesh) -> Plan written with op_trans / op_assign")
 
@@ -126,6 +132,8 @@ def plan_spmd(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto"
         return finish(result), draft
 
     forced, forbidden = constraints.recompute_groups()
+    if name in BASELINES:  # full recompute
+        forced = forced + recompute_candidates(graph, forced, forbidden)
     if name in SEARCHES:  # recompute is one of the searches' decisions
         ours = (lambda r: r[0].cost.step_time_s) if name == "auto" else None
         result, draft = choose_recompute(run_priced, graph, forced, forbidden, price=ours)

@@ -13,8 +13,9 @@ budget needs it:
    (fewer recomputed layers save time, but the layouts the search can afford change with the
    memory they free, so the fewest is not always the fastest).
 
-Candidates are the layers of the model's layer stack (:mod:`nnscaler_jax.ir.layers`), else its
-top modules; a layer any ``Rule(recompute=False)`` touches is never recomputed.
+Candidates are the model's repeated blocks at their finest level (``h_3``, Swin's
+``layers_2/blocks_7``, T5's ``encoder/block_3``: :func:`nnscaler_jax.ir.layers.block_paths`),
+else its top modules; a block any ``Rule(recompute=False)`` touches is never recomputed.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 from nnscaler_jax.errors import NoFitError
 from nnscaler_jax.ir.graph import Graph
-from nnscaler_jax.ir.layers import numbered_layers
+from nnscaler_jax.ir.layers import block_paths
 from nnscaler_jax.ir.remat import in_group
 
 __all__ = ["choose_recompute", "recompute_candidates"]
@@ -32,11 +33,10 @@ __all__ = ["choose_recompute", "recompute_candidates"]
 
 def recompute_candidates(graph: Graph, forced: Sequence[str],
                          forbidden: Sequence[str]) -> tuple[str, ...]:
-    """The groups the search may add: numbered layers (or top modules) in program order, less
+    """The groups the search may add: repeated blocks (or top modules) in program order, less
     those a forced group already covers and those a forbidden one touches."""
-    tops = [op.module_path.split("/")[0] for op in graph.ops if op.module_path]
-    stack = numbered_layers(tops)
-    names = stack.names if stack is not None else tuple(dict.fromkeys(tops))
+    names = block_paths(op.module_path for op in graph.ops) or list(dict.fromkeys(
+        op.module_path.split("/")[0] for op in graph.ops if op.module_path))
     out = []
     for name in names:
         paths = {op.module_path for op in graph.ops if in_group(op.module_path, name)}

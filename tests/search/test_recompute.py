@@ -158,3 +158,18 @@ def test_a_recomputing_plan_runs_and_matches_one_device(remat):
     ref = jax.grad(lambda v: loss(spec.module.apply, v))(jax.tree.map(np.asarray, v))
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_baselines_recompute_every_block(gpt_graph):
+    """DeepSpeed-style (ZeRO-3 + activation checkpointing) and Megatron-LM-style (tensor
+    parallel + full recompute) as those systems train."""
+    ds = make_plan(gpt_graph, AXES, policy="deepspeed")
+    mlm = make_plan(gpt_graph, AXES, policy="megatron-lm")
+    blocks = ("h_0", "h_1", "h_2", "h_3")
+    assert ds.recompute == blocks and ds.zero == 3
+    assert mlm.recompute == blocks
+    assert [p.split for p in mlm.ops] == [p.split for p in make_plan(
+        gpt_graph, AXES, policy="megatron").ops]
+    plain = make_plan(gpt_graph, AXES, policy="zero3").cost
+    assert ds.cost.memory_bytes_per_device < plain.memory_bytes_per_device
+    assert ds.cost.step_time_s > plain.step_time_s

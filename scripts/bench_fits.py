@@ -1,0 +1,143 @@
+"""Benchmark: which planner finds a plan that fits the device, at nnScaler's own workload sizes.
+
+Swin and T5 at the artifact's 4 / 8 / 16 / 32-GPU presets and the AlphaFold2 Evoformer presets,
+planned on abstract shapes (nothing allocated) for the ``v100-32g-8x`` and ``a100-80g-8x``
+clusters. The budget is each cluster's device memory less the default reserve
+(``nnscaler_jax.cost.devices.DEFAULT_RESERVE_FRACTION``), the same for every planner:
+
+- ``auto``: ours (layout search + recompute chosen by the search);
+- ``alpa``: the Alpa-style planner (full ILP, one global remat switch);
+- ``megatron-lm``: tensor parallel over ``model`` + full recompute, as Megatron-LM trains;
+- ``deepspeed``: ZeRO-3 + full recompute, as DeepSpeed trains.
+
+Per case and planner: fits, predicted step seconds, memory per device, search seconds and the
+plan's features (recompute groups, co-sharded ops, micro-batches, stages). Writes
+``results/bench_fits.json`` (after every case, so a long run can be read while it goes) and
+``results/bench_fits.md``. Run from the repository root:
+
+    .venv/bin/python scripts/bench_fits.py [--only swin-8gpu,t5-8gpu] [--planners auto,alpa]
+        [--clusters v100-32g-8x] [--time-limit 120]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import models
+from nnscaler_jax.capture.trace import capture_spec
+from nnscaler_jax.cli.compare import plan_features
+from nnscaler_jax.cost import cluster_preset
+from nnscaler_jax.cost.devices import memory_reserve
+from nnscaler_jax.cost.model import CostModel
+from nnscaler_jax.errors import NoFitError, PlanError
+from nnscaler_jax.planner import plan_and_report
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+OUT = ROOT / "results" / "bench_fits.json"
+
+MESHES = {4: {"data": 2, "model": 2}, 8: {"data": 2, "model": 4},
+          16: {"data": 4, "model": 4}, 32: {"data": 8, "model": 4}}
+CASES = [(f"{m}-{n}gpu", m, f"{m}-nnscaler-{n}gpu", MESHES[n])
+         for m in ("swin", "t5") for n in (4, 8, 16, 32)]
+CASES += [("af2-initial", "evoformer", "af2-initial", MESHES[8]),
+          ("af2-finetune", "evoformer", "af2-finetune", MESHES[8]),
+          ("af2-finetune-384", "evoformer", "af2-finetune-384", MESHES[8])]
+PLANNERS = ["auto", "alpa", "megatron-lm", "deepspeed"]
+CLUSTERS = ["v100-32g-8x", "a100-80g-8x"]
+
+
+def _entry(graph, axes, planner: str, cluster: str, time_limit: float) -> dict:
+    cm = CostModel.for_cluster(cluster_preset(cluster), axes)
+    t0 = time.perf_counter()
+    try:
+        planned = plan_and_report(graph, axes, policy=planner, cost_model=cm,
+                                  time_limit=time_limit)
+    except NoFitError as e:
+        return {"fits": False, "memory_bytes_per_device": e.smallest_bytes,
+                "search_s": time.perf_counter() - t0, "error": str(e).splitlines()[0][:300]}
+    except PlanError as e:
+        return {"fits": None, "search_s": time.perf_counter() - t0,
+                "error": str(e).splitlines()[0][:300]}
+    c = planned.plan.cost
+    return {"fits": True, "step_time_s": c.step_time_s,
+            "memory_bytes_per_device": c.memory_bytes_per_device, "comm_bytes": c.comm_bytes,
+            "search_s": planned.seconds, "features": plan_features(planned.plan)}
+
+
+def _ratios(row: dict) -> dict:
+    """Predicted step of each fitting baseline over ours (> 1: ours is faster)."""
+    ours = row.get("auto", {})
+    if not ours.get("fits"):
+        return {}
+    return {p: e["step_time_s"] / ours["step_time_s"] for p, e in row.items()
+            if p != "auto" and e.get("fits")}
+
+
+def _markdown(results: dict) -> str:
+    lines = ["# Plans that fit: nnScaler's workloads on V100-32GB and A100-80GB clusters", "",
+             "Predicted step (s) / memory per device (GiB) / search (s); `no (X GiB)`: nothing "
+             "fits, X the smallest estimate. Ratio: baseline step / ours (> 1: ours faster).", ""]
+    for cluster, cases in results["clusters"].items():
+        lines += [f"## {cluster} (budget {cases['budget_gib']:.1f} GiB per device)", "",
+                  "| case | mesh | " + " | ".join(results["planners"]) + " | ratios |",
+                  "|---" * (len(results["planners"]) + 3) + "|"]
+        for key, row in cases["cases"].items():
+            cells = []
+            for p in results["planners"]:
+                e = row["planners"].get(p, {})
+                if e.get("fits"):
+                    rc = len(e["features"]["recompute"])
+                    cells.append(f"{e['step_time_s']:.3g} / "
+                                 f"{e['memory_bytes_per_device'] / 2**30:.1f} / "
+                                 f"{e['search_s']:.0f}" + (f" (rc {rc})" if rc else ""))
+                elif e.get("fits") is False and e.get("memory_bytes_per_device"):
+                    cells.append(f"no ({e['memory_bytes_per_device'] / 2**30:.0f} GiB)")
+                else:
+                    cells.append("error" if e else "-")
+            ratios = ", ".join(f"{p} {r:.2f}x" for p, r in row["ratios"].items())
+            lines.append(f"| {key} | {row['mesh']} | " + " | ".join(cells) + f" | {ratios} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="", help="comma-separated case keys")
+    ap.add_argument("--planners", default=",".join(PLANNERS))
+    ap.add_argument("--clusters", default=",".join(CLUSTERS))
+    ap.add_argument("--time-limit", type=float, default=120.0,
+                    help="each search's solver budget in seconds")
+    args = ap.parse_args()
+    only = {k for k in args.only.split(",") if k}
+    planners = [p for p in args.planners.split(",") if p]
+    clusters = [c for c in args.clusters.split(",") if c]
+    results: dict = {"planners": planners, "time_limit_s": args.time_limit, "clusters": {}}
+    for cluster in clusters:
+        device = cluster_preset(cluster).device
+        budget = device.memory_bytes - memory_reserve(device.memory_bytes)
+        results["clusters"][cluster] = {"budget_gib": budget / 2**30, "cases": {}}
+    for key, name, preset, axes in CASES:
+        if only and key not in only:
+            continue
+        spec = models.get(name, preset)
+        graph = capture_spec(spec, mutable=list(spec.mutable) or None).graph
+        for cluster in clusters:
+            row = {p: _entry(graph, axes, p, cluster, args.time_limit) for p in planners}
+            results["clusters"][cluster]["cases"][key] = {
+                "mesh": "x".join(str(v) for v in axes.values()), "planners": row,
+                "ratios": _ratios(row)}
+            print(key, cluster, {p: (e.get("fits"), round(e.get("step_time_s") or 0, 4),
+                                     round(e["search_s"], 1)) for p, e in row.items()},
+                  flush=True)
+            OUT.write_text(json.dumps(results, indent=1))
+    OUT.with_suffix(".md").write_text(_markdown(results))
+
+
+if __name__ == "__main__":
+    main()
