@@ -22,9 +22,11 @@ from nnscaler_jax.capture.flax import (CallArgs, Traceable, linen_traceable, nnx
                                        original_calls)
 from nnscaler_jax.capture.jaxpr import graph_from_jaxpr
 from nnscaler_jax.capture.metadata import is_boxed, partitioning_specs, unbox
-from nnscaler_jax.capture.trace import Captured, abstract_init, warn_unannotated
+from nnscaler_jax.capture.precision import with_precision
+from nnscaler_jax.capture.trace import (Captured, abstract_init, warn_float32_matmuls,
+                                        warn_unannotated)
 from nnscaler_jax.constraints import Constraints
-from nnscaler_jax.errors import PlanError, PlanFormatError
+from nnscaler_jax.errors import ConstraintError, PlanError, PlanFormatError
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.lower.explicit import result_specs
 from nnscaler_jax.lower.replay import Lowering, explicitly_typed
@@ -81,6 +83,22 @@ class AutoParallel:
     _nnx_metadata: dict | None = None  # sharding_names of the nnx module's variables (static)
     _verified: bool = False
 
+    def __post_init__(self) -> None:
+        asked = self.constraints.precision if self.constraints is not None else None
+        saved = self.fixed_plan.precision if self.fixed_plan is not None else None
+        if self.fixed_plan is not None and asked is not None and asked != saved:
+            raise ConstraintError(
+                f"Constraints(precision={asked!r}) contradicts the saved plan's precision "
+                f"({saved!r}): a saved plan runs at the precision it was made for; drop one")
+
+    @property
+    def precision(self) -> str | None:
+        """The compute precision calls are captured at: ``Constraints(precision=...)``, else the
+        saved plan's (None: the model's own dtypes)."""
+        if self.fixed_plan is not None:
+            return self.fixed_plan.precision
+        return self.constraints.precision if self.constraints is not None else None
+
     @property
     def plan(self) -> Plan:
         if self._last is None:
@@ -114,7 +132,10 @@ class AutoParallel:
                                 f"{[(tuple(a.shape), str(a.dtype)) for a in abstract]} failed: "
                                 f"{type(e).__name__}: {e}") from e
             graph, missing = graph_from_jaxpr(jaxpr, tr.infos, root=tr.root)
+            graph = with_precision(graph, self.precision)
             warn_unannotated(missing, f"auto_parallel({type(self.module).__name__})")
+            warn_float32_matmuls(graph, self.precision,
+                                 f"auto_parallel({type(self.module).__name__})")
             captured = Captured(tr, jaxpr, graph, tr.out_tree())
             plan = make_plan(graph, self.mesh, policy=self.policy, plan=self.fixed_plan,
                              constraints=self.constraints, partitioning=dict(specs))
@@ -138,7 +159,8 @@ class AutoParallel:
         if self.verify and not self._verified:
             ref = jax.jit(tr.fn)(*tr.flat_inputs)
             compare_outputs(out, ref, where=f"{type(self.module).__name__} under "
-                            f"{prog.plan.policy}", mesh=_mesh_axes(self.mesh))
+                            f"{prog.plan.policy}", mesh=_mesh_axes(self.mesh),
+                            precision=self.precision)
             self._verified = True
         return jax.tree_util.tree_unflatten(prog.captured.out_tree, out)
 
@@ -156,7 +178,15 @@ class AutoParallel:
                          capture_intermediates=False):
         return linen_traceable(self.module, args, kwargs, variables=unbox(variables), rngs=rngs,
                                mutable=mutable, method=method,
-                               capture_intermediates=capture_intermediates)
+                               capture_intermediates=capture_intermediates,
+                               compute_dtype=self.precision)
+
+    def _nnx_traceable(self, args, kwargs, module=None):
+        """The traceable of an nnx call on ``module`` (default the wrapped one; the nnx wrapper
+        passes its own ``self.module``, which under ``nnx.grad`` / ``nnx.jit`` is the merged
+        copy holding the traced state, not the object this core was built with)."""
+        return nnx_traceable(self.module if module is None else module, args, kwargs,
+                             compute_dtype=self.precision)
 
     def _specs(self, variables: Any) -> dict:
         """Storage specs named by boxed (``nn.with_partitioning``...) linen variables."""
@@ -181,7 +211,7 @@ class AutoParallel:
         """Plan for ``apply(variables, *args, **kwargs)`` without running it (args may be
         abstract; non-array arguments are static, as in ``apply``)."""
         if isinstance(self.module, nnx.Module):
-            tr = nnx_traceable(self.module, args, kwargs)
+            tr = self._nnx_traceable(args, kwargs)
             return self._program(tr, self._nnx_specs()).plan
         if variables is None:
             variables = abstract_init(self.module, args, kwargs, rngs)
@@ -291,7 +321,7 @@ class NnxAutoParallel(nnx.Module):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         core = self._core
-        tr = nnx_traceable(self.module, args, kwargs)
+        tr = core._nnx_traceable(args, kwargs, self.module)
         specs = core._nnx_specs()
         prog = core._program(tr, specs)
         if not self._laid_out:
@@ -301,7 +331,7 @@ class NnxAutoParallel(nnx.Module):
             nnx.update(self.module, jax.tree_util.tree_unflatten(
                 jax.tree_util.tree_structure(state), placed))
             self._laid_out = True
-            tr = nnx_traceable(self.module, args, kwargs)
+            tr = core._nnx_traceable(args, kwargs, self.module)
         out, new_state = core._run(tr, specs)
         nnx.update(self.module, new_state)
         return out

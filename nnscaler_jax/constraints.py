@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from nnscaler_jax.capture.precision import precision_name
 from nnscaler_jax.errors import ConstraintError
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.mesh.axes import stage_axis
@@ -82,6 +83,15 @@ class Constraints:
 
     ``logical_rules``: ``(logical name, mesh axis or None)`` pairs mapping the names of
     ``nn.with_logical_partitioning`` params to mesh axes (default: the rules in the box).
+
+    ``precision``: the compute precision, ``"bfloat16"``, ``"float16"`` or ``"float32"`` (a
+    dtype such as ``jnp.bfloat16`` or ``"bf16"`` too; None, the default: the model's own
+    dtypes). Params and floating inputs are cast to it on entry; variables, gradients and
+    optimizer state stay in their stored dtype (float32 master weights), and the plan records it
+    (:mod:`nnscaler_jax.capture.precision`).
+
+    >>> Constraints(precision="bf16").precision
+    'bfloat16'
     """
 
     max_memory_per_device: int | str | None = None
@@ -91,6 +101,7 @@ class Constraints:
     zero: int | None = None
     rules: tuple[Rule, ...] = field(default_factory=tuple)
     logical_rules: tuple[tuple[str, str | None], ...] = ()
+    precision: Literal["float32", "bfloat16", "float16"] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rules", tuple(self.rules))
@@ -100,6 +111,9 @@ class Constraints:
         if self.schedule not in (None, "1f1b", "gpipe", "interleaved"):
             raise ConstraintError(f"Constraints(schedule={self.schedule!r}): use '1f1b', 'gpipe' "
                                   "or 'interleaved'")
+        object.__setattr__(self, "precision",
+                           precision_name(self.precision,
+                                          f"Constraints(precision={self.precision!r})"))
         if self.max_memory_per_device is not None:
             object.__setattr__(self, "max_memory_per_device",
                                parse_bytes(self.max_memory_per_device))

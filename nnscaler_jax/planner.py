@@ -6,7 +6,9 @@ stages, schedule and micro-batches on top (:func:`nnscaler_jax.pipeline.configur
 configure_pipeline`, priced as the pipeline runtime runs them). A saved plan is checked against
 the graph and mesh instead (:func:`nnscaler_jax.plan.reuse.check_reuse`: the same model, splits
 that divide this graph's sizes) and re-priced at them. Dims a policy left replicated because a
-mesh axis does not divide them (``Plan.unsplit``) are warned about once per plan.
+mesh axis does not divide them (``Plan.unsplit``) are warned about once per plan. The plan
+records the compute precision the graph was captured at (``Plan.precision``; ``Constraints(
+precision=...)`` must agree with it: :mod:`nnscaler_jax.capture.precision`).
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from nnscaler_jax.capture.precision import UNKNOWN, graph_precision
 from nnscaler_jax.constraints import Constraints
 from nnscaler_jax.cost.devices import DefaultBudget, default_budget_of
 from nnscaler_jax.cost.model import CostModel
-from nnscaler_jax.errors import NoFitError, PlanError
+from nnscaler_jax.errors import ConstraintError, NoFitError, PlanError, PlanFormatError
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.mesh.axes import mesh_axes
 from nnscaler_jax.pipeline.configure import configure_pipeline
@@ -40,6 +43,7 @@ def plan_and_report(graph: Graph, mesh: Any, *, policy: str | Callable | None = 
 
     The memory budget is the user's, else the device's (:func:`with_default_budget`).
     """
+    precision = _precision(graph, constraints)
     constraints, default = with_default_budget(constraints, mesh, cost_model)
     if policy is None and constraints.pipeline_stages not in (None, 1):
         policy = "dp"   # a pipeline without a policy: stages data-parallel inside
@@ -55,8 +59,32 @@ def plan_and_report(graph: Graph, mesh: Any, *, policy: str | Callable | None = 
         if default is not None and _about_memory(e):
             e.args = (f"{e.args[0] if e.args else ''}\n{default.describe()}", *e.args[1:])
         raise
+    if precision is not None:
+        planned = Planned(replace(planned.plan, precision=precision), planned.seconds,
+                          planned.report)
     _warn_unsplit(planned.plan)
     return planned
+
+
+def _precision(graph: Graph, constraints: Constraints | None) -> str | None:
+    """The precision a plan records: the one the graph was captured at, else (a graph built by
+    hand) ``Constraints(precision=...)``.
+
+    Raises:
+        ConstraintError: the constraints ask for another precision than the graph's.
+    """
+    asked = constraints.precision if constraints is not None else None
+    have = graph_precision(graph)
+    if have == UNKNOWN:
+        return asked
+    if asked is not None and asked != have:
+        raise ConstraintError(
+            f"Constraints(precision={asked!r}), but the graph was captured at "
+            f"{_precision_text(have)}: the precision is applied "
+            f"when the model is captured; capture it with precision={asked!r} (capture(..., "
+            "precision=...), capture_spec(spec, precision=...); auto_parallel does it from "
+            "the constraints)")
+    return have
 
 
 def with_default_budget(constraints: Constraints | None, mesh: Any,
@@ -152,11 +180,37 @@ def make_plan(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto"
             a constraint that cannot be met; (``NoFitError``) no plan fits the memory budget.
     """
     if plan is not None:
+        _check_saved_precision(plan, graph, constraints)
         check_reuse(plan, graph, mesh_axes(mesh))
         return _repriced(plan, graph, cost_model)
     return plan_and_report(graph, mesh, policy=policy, constraints=constraints,
                            partitioning=partitioning, cost_model=cost_model,
                            time_limit=time_limit).plan
+
+
+def _precision_text(precision: str | None) -> str:
+    return repr(precision) if precision else "the model's own dtypes"
+
+
+def _check_saved_precision(plan: Plan, graph: Graph, constraints: Constraints | None) -> None:
+    """A saved plan computes at its own precision: the graph must have been captured at it, and
+    ``Constraints(precision=...)``, if given, must agree.
+
+    Raises:
+        ConstraintError: the constraints ask for another precision.
+        PlanFormatError: the graph was captured at another one.
+    """
+    asked = constraints.precision if constraints is not None else None
+    name = _precision_text
+    if asked is not None and asked != plan.precision:
+        raise ConstraintError(f"Constraints(precision={asked!r}) contradicts the saved plan's "
+                              f"precision ({name(plan.precision)}); drop one, or re-plan")
+    have = graph_precision(graph)
+    if have != UNKNOWN and have != plan.precision:
+        raise PlanFormatError(
+            f"the saved plan computes in {name(plan.precision)}, but the graph was captured at "
+            f"{name(have)}; capture the model with precision={plan.precision!r} "
+            "(auto_parallel(plan=...) does it from the plan)")
 
 
 def _repriced(plan: Plan, graph: Graph, cost_model: CostModel | None) -> Plan:

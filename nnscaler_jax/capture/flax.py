@@ -2,6 +2,9 @@
 
 The result (:class:`Traceable`) is what both the graph capture and the lowering use: one flat
 function of flat inputs, so the planned program and the single-device program are the same code.
+With a ``compute_dtype`` (mixed precision) both traceables cast their params and floating array
+arguments on entry, and what they return back, in one place: :class:`~nnscaler_jax.capture.
+precision.Cast`.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import jax
 from flax import nnx
 
 from nnscaler_jax.capture.jaxpr import InputInfo
+from nnscaler_jax.capture.precision import Cast
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Role
 
@@ -165,14 +169,22 @@ class CallArgs:
 
 def linen_traceable(module: nn.Module, args: Sequence[Any], kwargs: dict, *,
                     variables: Any, rngs: Any = None, mutable: Any = False,
-                    method: Any = None, capture_intermediates: Any = False) -> Traceable:
+                    method: Any = None, capture_intermediates: Any = False,
+                    compute_dtype: Any = None) -> Traceable:
     """The flat function of ``module.apply(variables, *args, rngs=rngs, mutable=mutable,
     method=method, capture_intermediates=...)``; non-array arguments are static (:class:`CallArgs`).
+
+    ``compute_dtype``: a precision (``'bfloat16'``...) the ``params`` collection and the
+    floating array arguments are cast to on entry (:mod:`nnscaler_jax.capture.precision`);
+    None: none.
     """
     call = CallArgs.of(args, kwargs, type(module).__name__)
     rngs = dict(rngs) if rngs else {}
     structured = (variables, rngs, call.arrays)
     flat, in_tree = jax.tree_util.tree_flatten(structured)
+    cast = Cast.of(compute_dtype)
+    mask, scopes = (_linen_cast_mask(variables, len(flat), len(call.arrays)) if cast
+                    else (None, None))
 
     def infos() -> list[InputInfo]:
         return (_infos(variables, Role.VARIABLE, "", True) + _infos(rngs, Role.RNG, "rngs/", False)
@@ -181,17 +193,37 @@ def linen_traceable(module: nn.Module, args: Sequence[Any], kwargs: dict, *,
     store: dict[str, Any] = {}
 
     def fn(*flat_in):
-        v, r, arrays = jax.tree_util.tree_unflatten(in_tree, flat_in)
+        cast_in, stored = cast.inputs(flat_in, mask, scopes) if cast else (flat_in, {})
+        v, r, arrays = jax.tree_util.tree_unflatten(in_tree, cast_in)
         a, kw = call.rebuild(arrays)
         # nn.Module.apply itself, so a class decorated by auto_parallel runs its original code.
         out = nn.Module.apply(module, v, *a, rngs=r or None, mutable=mutable, method=method,
                               capture_intermediates=capture_intermediates, **kw)
+        if cast:
+            out = cast.restore(out, stored)
+            if mutable is not False or capture_intermediates:  # (results, updated collections)
+                out = (cast.results(out[0]), cast.state(
+                    out[1], jax.tree_util.tree_unflatten(in_tree, flat_in)[0], stored))
+            else:
+                out = cast.results(out)
         leaves, store["tree"] = jax.tree_util.tree_flatten(out)
         return leaves
 
-    key = (in_tree, call.key, _hashable(mutable), method, _hashable(capture_intermediates))
+    key = (in_tree, call.key, _hashable(mutable), method, _hashable(capture_intermediates),
+           cast.precision if cast else None)
     return Traceable(fn, tuple(flat), infos, in_tree, lambda: store["tree"],
                      type(module).__name__, key)
+
+
+def _linen_cast_mask(variables: Any, n_flat: int, n_arrays: int
+                     ) -> tuple[list[bool], list[str]]:
+    """Which flat inputs a compute precision casts: the ``params`` collection's leaves and the
+    array arguments (rng keys and other collections never); and each one's module path."""
+    paths = [path_str(p).removesuffix("/value").split("/")  # boxed: nn.Partitioned(...).value
+             for p, _ in jax.tree_util.tree_flatten_with_path(variables)[0]]
+    rest = n_flat - len(paths)
+    return ([p[0] == "params" for p in paths] + [False] * (rest - n_arrays) + [True] * n_arrays,
+            ["/".join(p[1:-1]) for p in paths] + [""] * rest)
 
 
 def _hashable(x: Any) -> Any:
@@ -240,16 +272,21 @@ def _nnx_named_scopes(root: Any):
             setattr(cls, "__call__", orig)
 
 
-def nnx_traceable(module: nnx.Module, args: Sequence[Any], kwargs: dict) -> Traceable:
+def nnx_traceable(module: nnx.Module, args: Sequence[Any], kwargs: dict, *,
+                  compute_dtype: Any = None) -> Traceable:
     """The flat function ``(state, args) -> (outputs, new state)`` of an nnx module call.
 
     The module's graphdef (its structure and static attributes: ``deterministic``,
     ``use_running_average``, whatever ``.eval()`` / ``.train()`` switch) and the call's non-array
-    arguments select the program (:attr:`Traceable.static_key`)."""
+    arguments select the program (:attr:`Traceable.static_key`). ``compute_dtype``: as
+    :func:`linen_traceable`'s, for the ``nnx.Param`` leaves; the new state keeps the stored
+    dtypes (BatchNorm statistics stay float32)."""
     call = CallArgs.of(args, kwargs, type(module).__name__)
     graphdef, state = nnx.split(module)
     structured = (state, call.arrays)
     flat, in_tree = jax.tree_util.tree_flatten(structured)
+    cast = Cast.of(compute_dtype)
+    mask, scopes = _nnx_cast_mask(state, len(call.arrays)) if cast else (None, None)
 
     def infos() -> list[InputInfo]:
         var_infos = []
@@ -261,18 +298,38 @@ def nnx_traceable(module: nnx.Module, args: Sequence[Any], kwargs: dict) -> Trac
     store: dict[str, Any] = {}
 
     def fn(*flat_in):
-        s, arrays = jax.tree_util.tree_unflatten(in_tree, flat_in)
+        cast_in, stored = cast.inputs(flat_in, mask, scopes) if cast else (flat_in, {})
+        s, arrays = jax.tree_util.tree_unflatten(in_tree, cast_in)
         a, kw = call.rebuild(arrays)
         m = nnx.merge(graphdef, s)
         with _nnx_named_scopes(m), _original():
             out = m(*a, **kw)
         _, new_state = nnx.split(m)
+        if cast:
+            out = cast.results(cast.restore(out, stored))
+            new_state = cast.state(new_state, jax.tree_util.tree_unflatten(in_tree, flat_in)[0],
+                                   stored)
         leaves, store["tree"] = jax.tree_util.tree_flatten((out, new_state))
         store["n"] = len(jax.tree_util.tree_leaves(out))
         return leaves
 
     return Traceable(fn, tuple(flat), infos, in_tree, lambda: store["tree"], "",
-                     (graphdef, in_tree, call.key), lambda: store["n"])
+                     (graphdef, in_tree, call.key, cast.precision if cast else None),
+                     lambda: store["n"])
+
+
+def _nnx_cast_mask(state: Any, n_arrays: int) -> tuple[list[bool], list[str]]:
+    """Which flat inputs a compute precision casts: ``nnx.Param`` leaves and the array
+    arguments (batch statistics, rng state and other variables never); and each one's module
+    path."""
+    mask, scopes = [], []
+    variables = jax.tree_util.tree_flatten_with_path(
+        state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+    for path, var in variables:
+        n = len(jax.tree_util.tree_leaves(var)) if isinstance(var, nnx.Variable) else 1
+        mask += [isinstance(var, nnx.Param)] * n
+        scopes += ["/".join(path_str(path).split("/")[:-1])] * n
+    return mask + [True] * n_arrays, scopes + [""] * n_arrays
 
 
 def _nnx_collection(state: Any, path: Sequence[Any]) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from dataclasses import dataclass
@@ -9,17 +10,19 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import numpy as np
 from flax import nnx
 
 from nnscaler_jax.capture.flax import CallArgs, Traceable, linen_traceable, nnx_traceable
 from nnscaler_jax.capture.jaxpr import graph_from_jaxpr
+from nnscaler_jax.capture.precision import float32_matmuls, precision_name, with_precision
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Graph
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Captured", "abstract_init", "capture", "capture_spec", "spec_inputs", "spec_rngs",
-           "trace", "warn_unannotated"]
+__all__ = ["Captured", "abstract_init", "capture", "capture_spec", "spec_at_precision",
+           "spec_inputs", "spec_rngs", "trace", "warn_float32_matmuls", "warn_unannotated"]
 
 
 @dataclass(frozen=True)
@@ -73,9 +76,26 @@ def warn_unannotated(missing: dict[str, set[str]], model: str, stacklevel: int =
         UserWarning, stacklevel=stacklevel)
 
 
+def warn_float32_matmuls(graph: Graph, precision: str | None, model: str,
+                         stacklevel: int = 2) -> None:
+    """One warning when a 16-bit ``precision`` leaves matmuls in float32: layers that pin
+    ``dtype=jnp.float32`` compute in it whatever their inputs (the plan is then priced, and
+    runs, in float32 there)."""
+    paths = float32_matmuls(graph, precision)
+    if not paths:
+        return
+    where = sorted(set(paths))
+    more = f" and {len(where) - 5} more" if len(where) > 5 else ""
+    warnings.warn(
+        f"{model}: precision={precision!r}, but {len(paths)} matmuls still compute in float32 "
+        f"(at {', '.join(where[:5])}{more}): their layers set dtype=jnp.float32. Leave the "
+        f"layers' dtype None (flax's default: computed in the dtype of their inputs and params) "
+        f"or set it to jnp.{precision}", UserWarning, stacklevel=stacklevel)
+
+
 def capture(module: Any, *args: Any, variables: Any = None, rngs: Any = None,
             mutable: Any = None, method: Any = None, capture_intermediates: Any = False,
-            **kwargs: Any) -> Captured:
+            precision: Any = None, **kwargs: Any) -> Captured:
     """Trace a linen or nnx module on example args (arrays or ``ShapeDtypeStruct``).
 
     Args:
@@ -87,9 +107,13 @@ def capture(module: Any, *args: Any, variables: Any = None, rngs: Any = None,
         mutable: linen mutable collections; default: every collection except ``params``.
         method: linen method to call instead of ``__call__``.
         capture_intermediates: linen's ``apply`` option (the sown intermediates are outputs).
+        precision: compute precision (``'bfloat16'``, ``'float16'``, ``'float32'``): params
+            and floating args cast to it on entry, variables stored as they are
+            (:mod:`nnscaler_jax.capture.precision`); None: the model's own dtypes.
     """
+    precision = precision_name(precision)
     if isinstance(module, nnx.Module):
-        tr = nnx_traceable(module, args, kwargs)
+        tr = nnx_traceable(module, args, kwargs, compute_dtype=precision)
     elif isinstance(module, nn.Module):
         if variables is None:
             variables = abstract_init(module, args, kwargs, rngs)
@@ -97,7 +121,8 @@ def capture(module: Any, *args: Any, variables: Any = None, rngs: Any = None,
             mutable = [c for c in variables if c != "params"] or False
         tr = linen_traceable(module, args, kwargs, variables=variables, rngs=rngs,
                              mutable=mutable, method=method,
-                             capture_intermediates=capture_intermediates)
+                             capture_intermediates=capture_intermediates,
+                             compute_dtype=precision)
     else:
         raise PlanError(
             f"cannot trace a {type(module).__name__}: pass a flax.linen.Module or a "
@@ -112,7 +137,9 @@ def capture(module: Any, *args: Any, variables: Any = None, rngs: Any = None,
         raise PlanError(f"tracing {type(module).__name__} on args {shapes} failed: "
                         f"{type(e).__name__}: {e}") from e
     graph, missing = graph_from_jaxpr(jaxpr, tr.infos, root=tr.root)
+    graph = with_precision(graph, precision)
     warn_unannotated(missing, f"trace({type(module).__name__})", stacklevel=3)
+    warn_float32_matmuls(graph, precision, f"trace({type(module).__name__})", stacklevel=3)
     return Captured(tr, jaxpr, graph, tr.out_tree())
 
 
@@ -146,14 +173,46 @@ def spec_rngs(spec: Any) -> dict[str, Any] | None:
     return dict(zip(spec.rng_streams, keys, strict=True))
 
 
-def capture_spec(spec: Any, **kw: Any) -> Captured:
+def capture_spec(spec: Any, *, precision: Any = None, **kw: Any) -> Captured:
     """Capture a model-zoo ``ModelSpec`` (``models.get(...)``) on abstract args, nothing
     allocated, with missing-rule warnings silenced (callers list unannotated ops themselves);
-    rng streams the model needs get fixed keys; ``kw`` goes to :func:`capture` for linen."""
+    rng streams the model needs get fixed keys; ``precision`` as :func:`capture`'s, and also the
+    compute dtype of the zoo's layers (:func:`spec_at_precision`); ``kw`` goes to
+    :func:`capture` for linen."""
+    precision = precision_name(precision)
+    spec = spec_at_precision(spec, precision)
     args, variables = spec_inputs(spec)
     rngs = spec_rngs(spec)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if spec.kind == "nnx":
-            return capture(spec.module, *args)
-        return capture(spec.module, *args, variables=variables, rngs=rngs, **kw)
+            return capture(spec.module, *args, precision=precision)
+        return capture(spec.module, *args, variables=variables, rngs=rngs,
+                       precision=precision, **kw)
+
+
+def spec_at_precision(spec: Any, precision: str | None) -> Any:
+    """``spec`` with its layers computing at ``precision``.
+
+    The zoo's configs pin their layers' compute dtype (``dtype``, float32 by default; params
+    stay float32), which the cast on entry alone does not change. A linen spec is rebuilt with
+    the config's ``dtype`` replaced (the module field holding the config); an nnx module holds
+    its layers built already, so its spec must be made at that dtype.
+
+    Raises:
+        PlanError: an nnx spec whose config computes in another dtype.
+    """
+    cfg = getattr(spec, "config", None)
+    dtype = getattr(cfg, "dtype", None)
+    if precision is None or dtype is None or np.dtype(dtype).name == precision:
+        return spec
+    new_cfg = dataclasses.replace(cfg, dtype=jax.numpy.dtype(precision))
+    fields = [f.name for f in dataclasses.fields(spec.module)
+              if getattr(spec.module, f.name, None) is cfg] if spec.kind == "linen" else []
+    if not fields:
+        raise PlanError(
+            f"{spec.name}:{spec.preset} computes in its config's dtype {np.dtype(dtype).name}; "
+            f"build it at precision {precision!r}: models.get({spec.name!r}, {spec.preset!r}, "
+            f"dtype=jnp.{precision})")
+    module = spec.module.clone(**{fields[0]: new_cfg})
+    return dataclasses.replace(spec, module=module, config=new_cfg)

@@ -12,6 +12,10 @@ else none (on CPU; every plan then fits). A planner that finds nothing within it
 ``fits: false`` and its smallest estimate as ``memory_bytes_per_device`` (``step_time_s``,
 ``comm_bytes`` and ``features`` are then null) instead of failing the command; any other
 planning failure is an entry with ``fits: null`` and ``error``.
+
+``--precision`` (``bfloat16``, ``float16``, ``float32``) captures the model once at that compute
+precision (the zoo config's ``dtype`` set to it, params and inputs cast on entry, float32 master
+weights and optimizer state), so every planner is priced at the same precision.
 """
 
 from __future__ import annotations
@@ -183,10 +187,32 @@ def _row(name: str, r: dict[str, Any]) -> list[str]:
             _features_text(r["features"]), r.get("error", "")[:60]]
 
 
+def _precision(args: argparse.Namespace) -> str | None:
+    from nnscaler_jax.capture.precision import precision_name
+    from nnscaler_jax.errors import PlanError
+
+    try:
+        return precision_name(getattr(args, "precision", None))
+    except PlanError:
+        raise UsageError(f"bad --precision {args.precision!r}; choose bfloat16, float16 or "
+                         "float32 (default: the model's own dtypes)") from None
+
+
+def _spec(args: argparse.Namespace, precision: str | None) -> Any:
+    """The zoo spec, its layers computing at ``precision`` (the config's ``dtype``)."""
+    spec = model_spec(args.model, args.preset)
+    if precision is not None and getattr(spec.config, "dtype", None) is not None:
+        import jax.numpy as jnp
+
+        spec = model_spec(args.model, args.preset, dtype=jnp.dtype(precision))
+    return spec
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     import jax
 
-    spec = model_spec(args.model, args.preset)
+    precision = _precision(args)
+    spec = _spec(args, precision)
     mesh = _mesh(args)
     planners = [p.strip() if p.strip() == "alpa" else check_policy(p.strip())
                 for p in args.planners.split(",") if p.strip()]
@@ -195,7 +221,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     cluster = _cluster(args)
     budget, source, short = _budget(args, mesh, cluster)
     explicit = budget if args.budget is not None else None
-    graph = capture_model(spec, mutable=spec_mutable(spec)).graph
+    graph = capture_model(spec, mutable=spec_mutable(spec), precision=precision).graph
     compile_here = isinstance(mesh, jax.sharding.Mesh) and spec.kind == "linen" and \
         args.preset.startswith("tiny")
     results: dict[str, dict[str, Any]] = {}
@@ -205,7 +231,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             results[name].update(_compiled_figures(spec, mesh, plan))
     obj = {"model": args.model, "preset": args.preset, "mesh": args.mesh,
            "cluster": args.cluster, "budget_bytes": budget, "budget": source,
-           "planners": results}
+           "precision": precision, "planners": results}
     text = ""
     if not args.json:
         headers = ["planner", "fits", "plan s", "step ms", "memory/device", "comm",
@@ -217,7 +243,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         text = (f"{args.model} [{args.preset}] on mesh {args.mesh}"
                 f"{f' ({args.cluster})' if args.cluster else ''}: estimated per training step"
                 f"{' (XLA memory / HLO comm: the compiled forward)' if compile_here else ''}; "
-                f"memory budget per device {short}\n" + table(headers, rows))
+                f"memory budget per device {short}"
+                f"{f'; compute precision {precision}' if precision else ''}\n"
+                + table(headers, rows))
     emit(args, text, obj)
     return 0
 

@@ -89,6 +89,10 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--budget", default=None,
                    help="memory per device every planner must fit, in bytes or e.g. 32GiB "
                         "(default: the --cluster device's; none on CPU)")
+    c.add_argument("--precision", default=None,
+                   help="compute precision of every planner's plan: bfloat16, float16 or float32 "
+                        "(params and inputs cast on entry; float32 master weights and optimizer "
+                        "state); default: the model's own dtypes")
     c.set_defaults(fn=cmd_compare)
 
     d = sub.add_parser("demo", parents=[common, mesh],

@@ -24,7 +24,7 @@ import math
 from collections.abc import Iterator
 from functools import lru_cache
 
-import numpy as np
+import jax.numpy as jnp
 
 from nnscaler_jax.ir.anno import parse_anno
 from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor, dtype_itemsize
@@ -49,8 +49,10 @@ def is_float(t: Tensor) -> bool:
 
 @lru_cache(maxsize=256)
 def _is_float(dtype: str) -> bool:
+    """numpy's ``inexact`` as JAX sees it: ``bfloat16`` (an ml_dtypes type numpy does not class
+    as floating) included; extended dtypes (rng keys) not."""
     try:
-        return bool(np.issubdtype(np.dtype(dtype), np.inexact))
+        return bool(jnp.issubdtype(dtype, jnp.inexact))
     except TypeError:
         return False
 

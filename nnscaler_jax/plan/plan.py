@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from nnscaler_jax.capture.precision import precision_name
 from nnscaler_jax.errors import PlanFormatError
 from nnscaler_jax.ir.graph import Graph
 
@@ -178,6 +179,10 @@ class Plan:
             (what it said, not what it decided: not compared).
         recompute: groups (module path globs) whose activations are recomputed in the
             backward pass instead of kept (:mod:`nnscaler_jax.ir.remat`).
+        precision: the compute precision the graph was captured at (``"bfloat16"``,
+            ``"float16"``, ``"float32"``; params and inputs cast on entry, variables stored as
+            they are: :mod:`nnscaler_jax.capture.precision`), None: the model's own dtypes.
+            ``auto_parallel(plan=...)`` captures at it.
     """
 
     mesh: tuple[tuple[str, int], ...]
@@ -191,6 +196,7 @@ class Plan:
     pipeline: PipelineSettings | None = None
     unsplit: tuple[Unsplit, ...] = field(default=(), compare=False)
     recompute: tuple[str, ...] = ()
+    precision: str | None = None
 
     @property
     def stages(self) -> int:
@@ -208,7 +214,8 @@ class Plan:
 
     def __str__(self) -> str:
         axes = [a for a, _ in self.mesh]
-        head = f"Plan[{self.policy or 'custom'}] mesh {dict(self.mesh)} zero={self.zero}"
+        head = f"Plan[{self.policy or 'custom'}] mesh {dict(self.mesh)} zero={self.zero}" + (
+            f" precision={self.precision}" if self.precision else "")
         rows: dict[tuple, list[str]] = {}
         for p in self.ops:
             key = (p.module_path or "<top>",) + tuple(p.axis_dim(a) or "-" for a in axes) + (
@@ -267,6 +274,8 @@ class Plan:
             d["pipeline"] = self.pipeline.to_dict()
         if self.recompute:
             d["recompute"] = list(self.recompute)
+        if self.precision:
+            d["precision"] = self.precision
         if self.unsplit:
             d["unsplit"] = [dataclasses.asdict(u) for u in self.unsplit]
         return json.dumps(d, indent=1, sort_keys=True)
@@ -305,6 +314,7 @@ class Plan:
                 pipeline=PipelineSettings.from_dict(pipe) if pipe else None,
                 unsplit=tuple(_unsplit(u) for u in d.get("unsplit", ())),
                 recompute=tuple(str(g) for g in d.get("recompute", ())),
+                precision=precision_name(d.get("precision")),
             )
         except (ValueError, KeyError, TypeError, IndexError) as e:
             raise PlanFormatError(f"not a valid plan JSON ({type(e).__name__}: {e}); write it "
