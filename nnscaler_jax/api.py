@@ -29,7 +29,7 @@ from nnscaler_jax.constraints import Constraints
 from nnscaler_jax.errors import ConstraintError, PlanError, PlanFormatError
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.lower.explicit import result_specs
-from nnscaler_jax.lower.replay import Lowering, explicitly_typed
+from nnscaler_jax.lower.replay import Lowering, explicitly_typed, is_explicit
 from nnscaler_jax.lower.verify import compare_outputs
 from nnscaler_jax.pipeline.runtime import PipelineStep
 from nnscaler_jax.plan.plan import Plan
@@ -54,6 +54,17 @@ def _abstract(x: Any) -> Any:
 def _signature(flat: tuple[Any, ...], extra: Any) -> tuple:
     return tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x)))) for x in flat) + (
         extra,)
+
+
+_NO_MESH = jax.sharding.AbstractMesh((), ())
+
+
+def _explicit_context() -> bool:
+    """Whether the call runs under an Explicit context mesh (``with jax.set_mesh(mesh):``):
+    then the program must run as on Explicit-typed inputs (under ``auto_axes``), whatever its
+    inputs' types."""
+    ctx = jax.sharding.get_abstract_mesh()
+    return not getattr(ctx, "empty", True) and is_explicit(ctx)
 
 
 def _mesh_axes(mesh: Any) -> dict[str, int]:
@@ -117,14 +128,17 @@ class AutoParallel:
     def _program(self, tr: Traceable, partitioning: Any = None) -> _Program:
         """The program of a call: planned, lowered and jitted once per input signature, static
         arguments (``train=True``, ``mutable=``, an nnx module's mode) and layout metadata."""
-        explicit = any(explicitly_typed(x) for x in tr.flat_inputs)
+        explicit = any(explicitly_typed(x) for x in tr.flat_inputs) or _explicit_context()
         specs = tuple(sorted((partitioning or {}).items()))
         key = _signature(tr.flat_inputs, (tr.static_key, explicit, specs))
         prog = self._programs.get(key)
         if prog is None:
             abstract = [_abstract(x) for x in tr.flat_inputs]
             try:
-                jaxpr = jax.make_jaxpr(tr.fn)(*abstract)
+                # captured outside the caller's context mesh: constants of the graph must
+                # not carry its (Explicit) types into the program's auto_axes replay
+                with jax.sharding.use_abstract_mesh(_NO_MESH):
+                    jaxpr = jax.make_jaxpr(tr.fn)(*abstract)
             except PlanError:
                 raise
             except Exception as e:  # noqa: BLE001 - a user's bad input, with context

@@ -260,3 +260,20 @@ def test_explicit_mesh_user_jit_optax_loss(policy):
     ref, ref_g = jax.value_and_grad(lambda v: loss(spec.module.apply, v, tokens, labels))(v0)
     _close(val, ref)
     _close(g, ref_g)
+
+
+def test_untyped_inputs_inside_an_explicit_context_mesh():
+    """``with jax.set_mesh(mesh):`` around calls with plain (untyped) arrays: the program runs
+    as under Explicit types (was a with_sharding_constraint assertion, then a context-mesh
+    mismatch on the graph's constants)."""
+    import models
+
+    mesh = make_mesh((2, 4), ("data", "model"))
+    spec = models.get("gpt", "tiny")
+    (tokens,) = spec.make_args(8)
+    pm = auto_parallel(mesh)(spec.module)
+    v = pm.init(jax.random.key(0), tokens)
+    ref = spec.module.apply(jax.tree.map(np.asarray, v), tokens)
+    with jax.set_mesh(mesh):
+        _close(pm.apply(v, tokens), ref)
+        _close(jax.jit(pm.apply)(v, tokens), ref)
