@@ -12,6 +12,7 @@ import math
 from collections.abc import Sequence
 from functools import lru_cache
 
+from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Tensor
 from nnscaler_jax.layout import Layout, comm_path
 from nnscaler_jax.layout.rvd import interned
@@ -19,7 +20,7 @@ from nnscaler_jax.mesh.topology import MeshSpec
 from nnscaler_jax.plan.plan import VALUE
 from nnscaler_jax.plan.zero import zero3_layout
 
-__all__ = ["Split", "drop_partial", "grad_source", "partial_grad_axes",
+__all__ = ["Split", "drop_partial", "grad_source", "partial_grad_axes", "reduced_layout",
            "relayout_price", "storage_layout"]
 
 Split = tuple[tuple[str, str], ...]
@@ -65,3 +66,27 @@ def relayout_price(src: Layout, dst: Layout, shape: tuple[int, ...], size: int,
     except Exception:  # noqa: BLE001 - an unreachable layout is priced as infinitely slow
         return math.inf, 0
     return p.time_s, p.bytes
+
+
+def reduced_layout(src: Layout, want: Layout | None, shape: Sequence[int], itemsize: int,
+                   mesh: MeshSpec) -> Layout:
+    """Where a value holding partial sums (``src``) is reduced to: the first layout without
+    partial sums on the cheapest path to ``want`` (what its first consumer reads; None: no
+    consumer, reduced to ``src``'s dims by an all-reduce).
+
+    >>> from nnscaler_jax.mesh.topology import DEFAULT_LINK, MeshSpec
+    >>> mesh = MeshSpec(("data", "model"), (2, 4), (DEFAULT_LINK,) * 2)
+    >>> str(reduced_layout(Layout.of(2, partial=("model",)), None, (64, 64), 4, mesh))
+    'R'
+    """
+    if not src.partial:
+        return src
+    plain = Layout(src.dims)
+    if want is None:
+        return plain
+    want = Layout(want.dims) if want.partial else want
+    try:
+        path = comm_path(src, want, tuple(int(s) for s in shape), int(itemsize), mesh)
+    except PlanError:
+        return plain
+    return next((s.dst for s in path.steps if not s.dst.partial), want)

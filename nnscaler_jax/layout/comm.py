@@ -19,7 +19,8 @@ value_chunk     R -> V           0 — local, free (one replica keeps the value,
 One collective may also run over several axes ``(a1, a2, ...)`` at once, through the devices of
 all of them (``p = p1 x p2``, priced on the slowest of their links): an all-reduce of partial
 sums over those axes (``V(a1, a2) -> R``), a reduce-scatter of them onto one dim, or an
-all-gather of the minor-most axes splitting one dim. That is what XLA emits for such a change,
+all-gather or all-to-all of the minor-most axes splitting one dim (``D(2:(a1,a2)) ->
+D(0:(a1,a2))`` is one all-to-all over all their devices). That is what XLA emits for such a change,
 one collective whose replica groups span the axes. The search still finds two all-reduces, or
 reduce-scatter / all-reduce / all-gather, when those are cheaper (a fast axis inside a node, a
 slow one across nodes).
@@ -29,6 +30,13 @@ block's full shape. Ordering constraint: a dim split by several axes ``(a1, a2)`
 in ``a1``-major order, so only its minor-most axis can be gathered or moved by all-to-all, and a
 new split axis always becomes the minor-most one. To drop a major axis the search first removes
 the minor ones (it never re-orders axes inside a dim in place).
+
+Partial sums are reduced before any data moves: out of a layout with partial axes the only
+steps are reductions (all-reduce, reduce-scatter), local slices and ``value_chunk``. A partial
+value has no sharding to constrain it to, so the lowering reduces it in its producer's output
+constraint, at the first layout of the path without partial sums
+(:func:`nnscaler_jax.lower.relayout.reduced_layout`); XLA gets there by reductions of the
+producer's block (after slicing it), never by gathering or exchanging partial values.
 
 The search is a Dijkstra shortest path (networkx) over the graph of all valid layouts; the graph is
 built once per (shape, itemsize, mesh) and every answer is memoised. Each edge weighs its time
@@ -178,8 +186,9 @@ def _transitions(
         state = src.axis_state(axis)
         if state[0] == "D":
             i = state[1]
-            if src.dims[i][-1] != axis:
-                continue  # not minor-most: gathering it would interleave blocks (see docstring)
+            if src.dims[i][-1] != axis or src.partial:
+                continue  # not minor-most: gathering it would interleave blocks; partial sums
+                # are reduced before their data moves (see the module docstring)
             yield _step(
                 "all_gather", axis, src, src.replace_axis(axis, ("R",)), local * p, mesh, i, None
             )
@@ -210,7 +219,8 @@ def _group_transitions(
 ) -> Iterator[Collective]:
     """Collectives over several mesh axes at once (one ring through all their devices):
     all-reduce or reduce-scatter of partial sums over a set of axes, all-gather of the minor-most
-    axes splitting one dim (their blocks are contiguous)."""
+    axes splitting one dim (their blocks are contiguous), or all-to-all of them onto another
+    dim (where they become the minor-most axes, in the same order)."""
     partial = tuple(a for a in mesh.axis_names if a in src.partial and mesh.size(a) > 1)
     for k in range(2, len(partial) + 1):
         for group in itertools.combinations(partial, k):
@@ -225,13 +235,21 @@ def _group_transitions(
                 if _divisible(dst, j, shape, mesh):
                     yield _step("reduce_scatter", group, src, dst, local, mesh, None, j)
     for i, axes in enumerate(src.dims):
-        axes = tuple(a for a in axes if mesh.size(a) > 1) if len(axes) > 1 else ()
+        axes = tuple(a for a in axes if mesh.size(a) > 1) if len(axes) > 1 and \
+            not src.partial else ()
         for k in range(2, len(axes) + 1):
             group = axes[-k:]
             dst = src
             for axis in group:
                 dst = dst.replace_axis(axis, ("R",))
             yield _step("all_gather", group, src, dst, local * mesh.size(group), mesh, i, None)
+            for j in range(src.ndim):
+                moved = src
+                for axis in group:
+                    moved = moved.replace_axis(axis, ("D", j))
+                if j != i and _divisible(moved, j, shape, mesh):
+                    yield _step("all_to_all", group, src, moved, local * mesh.size(group), mesh,
+                                i, j)
 
 
 @functools.lru_cache(maxsize=64)

@@ -6,7 +6,9 @@ one layer template, a suffix: lists of equations, :mod:`nnscaler_jax.pipeline.sp
 needs the same constraints keyed by equation. :class:`EqnConstraints` derives them from a
 ``Lowering`` (the same layouts: ``op_layouts`` with partial sums resolved to what the first
 consumer needs) and evaluates equation lists under them; :data:`NO_CONSTRAINTS` evaluates
-without any (data-parallel stages).
+without any (data-parallel stages). An input whose producer is known reaches its layout along
+the priced path, one constraint per step (:func:`nnscaler_jax.lower.relayout.relayout_steps`),
+as in the replay.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from nnscaler_jax.capture.jaxpr import BOUNDARY, INLINE
 from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.lower.local import bind_eqn
+from nnscaler_jax.lower.relayout import relayout_steps
 from nnscaler_jax.lower.replay import Lowering
 from nnscaler_jax.plan.layouts import op_layouts
 
@@ -39,10 +42,13 @@ class EqnConstraints:
     Attributes:
         op_specs: ``id(eqn) -> (input specs, output specs)`` (None: leave unconstrained).
         boundary_specs: ``id(eqn) -> output specs`` of custom-derivative calls bound whole.
+        steps: ``id(eqn) -> per input, the specs it passes through before its input spec``
+            (the relayout path from its producer's layout; empty: none).
     """
 
     op_specs: dict[int, tuple[Specs, Specs]] = field(default_factory=dict)
     boundary_specs: dict[int, Specs] = field(default_factory=dict)
+    steps: dict[int, tuple[Specs, ...]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, lowering: Lowering) -> EqnConstraints:
@@ -56,20 +62,30 @@ class EqnConstraints:
             return [_spec(t, lowering.resolve(t, lay))
                     for t, lay in zip(op.outputs, outs, strict=True)]
 
-        op_specs = {}
+        made = {t.id: lowering.input_layout(t) for t in graph.inputs}
+        for op in graph.walk():
+            _, outs = op_layouts(op, lowering.plan_of(op))
+            made.update((t.id, lowering.resolve(t, lay))
+                        for t, lay in zip(op.outputs, outs, strict=True))
+        op_specs, steps = {}, {}
         for op in graph.walk():
             if op.eqn is not None:
                 ins, _ = op_layouts(op, lowering.plan_of(op))
                 op_specs[id(op.eqn)] = (
                     tuple(_spec(t, lay) for t, lay in zip(op.inputs, ins, strict=True)),
                     tuple(out_specs(op)))
+                path = tuple(_steps(lowering, t, made.get(t.id), lay)
+                             for t, lay in zip(op.inputs, ins, strict=True))
+                n = max((len(x) for x in path), default=0)
+                if n:  # shorter paths wait (None: no constraint) and end with the others
+                    steps[id(op.eqn)] = tuple((None,) * (n - len(x)) + x for x in path)
         boundary_specs = {}
         for g in _graphs(graph):
             for b in g.boundaries:
                 boundary_specs[id(b.eqn)] = tuple(
                     out_specs(producer[t.id][0])[producer[t.id][1]] if t.id in producer else None
                     for t in b.outputs)
-        return cls(op_specs, boundary_specs)
+        return cls(op_specs, boundary_specs, steps)
 
     def evaluate(self, eqns: Any, env: dict) -> None:
         """Evaluate ``eqns`` into ``env`` (jaxpr var -> value) under the constraints: calls
@@ -90,6 +106,8 @@ class EqnConstraints:
                                       policy=e.params.get("policy"))(*ins)
             else:
                 in_specs, out_specs = self.op_specs.get(id(e), (None, None))
+                for specs in zip(*self.steps.get(id(e), ())):  # the relayouts' steps, in order
+                    ins = _constrain(ins, specs)
                 ins = _constrain(ins, in_specs)  # outside the equation's context (its mesh)
                 with e.ctx.manager:
                     outs = bind_eqn(e, ins)
@@ -129,6 +147,15 @@ def _spec(t: Tensor, lay: Layout) -> P | None:
     except TypeError:
         return None
     return lay.to_pspec(allow_partial=True)
+
+
+def _steps(lowering: Lowering, t: Tensor, src: Layout | None, lay: Layout) -> Specs:
+    """The specs ``t`` passes through from ``src`` before it is read as ``lay`` (the last
+    step, ``lay`` itself, is the input spec)."""
+    if src is None or _spec(t, lay) is None:
+        return ()
+    path = relayout_steps(src, lay, t.shape, np.dtype(t.dtype).itemsize, lowering.mesh_spec)
+    return tuple(step.to_pspec() for step in path[:-1])
 
 
 def _constrain(xs: list[Any], specs: Specs | None) -> list[Any]:

@@ -99,7 +99,7 @@ def run_value_chain(lw: Any, ops: Sequence[Op], env: dict[int, Any]) -> None:
     mesh_axes = dict(zip(lw.mesh.axis_names, lw.mesh.devices.shape, strict=True))
     produced = {t.id for op in ops for t in op.outputs}
     ids = {op.id for op in ops}
-    ext, ext_lays = [], []
+    ext, ext_lays, ext_splits = [], [], []
     for op in ops:
         ins, _ = op_layouts(op, lw.plan_of(op))
         for t, lay in zip(op.inputs, ins, strict=True):
@@ -109,6 +109,7 @@ def run_value_chain(lw: Any, ops: Sequence[Op], env: dict[int, Any]) -> None:
                 continue
             ext.append(t)
             ext_lays.append(lay)
+            ext_splits.append(lw.plan_of(op).split)
     exits = [t for op in ops for t in op.outputs
              if any(c not in ids for c in lw.consumers(t.id)) or lw.is_output(t.id)]
     exit_lays = []
@@ -142,11 +143,14 @@ def run_value_chain(lw: Any, ops: Sequence[Op], env: dict[int, Any]) -> None:
             res.append(jax.lax.psum(vals[t.id], axes) if axes else vals[t.id])
         return res
 
-    args = [_as_array(env[t.id] if t.id in env else t.value) for t in ext]
+    # external inputs reach the region's layouts along the plan's paths (lower/relayout.py)
+    args = [_as_array(lw.read_as(env, t, lay, split) if t.id in env else t.value)
+            for t, lay, split in zip(ext, ext_lays, ext_splits, strict=True)]
     fn = jax.shard_map(body, mesh=lw.region_mesh(), in_specs=tuple(_spec(l) for l in ext_lays),
                        out_specs=[_spec(l) for l in exit_lays], check_vma=False)
-    for t, x in zip(exits, fn(*args), strict=True):
+    for t, x, lay in zip(exits, fn(*args), exit_lays, strict=True):
         env[t.id] = x
+        lw.layouts[t.id] = Layout(lay.dims)
 
 
 def _check_linear(op: Op, in_part: list[frozenset[str]]) -> None:

@@ -1,9 +1,12 @@
 """Plan -> program: replay the graph with the plan's layouts as sharding constraints.
 
 Every op's inputs and outputs are constrained to the layouts its partition implies
-(:func:`nnscaler_jax.plan.layouts.op_layouts`), so GSPMD / Shardy insert exactly the collectives
-between producer and consumer layouts. Partial-sum (V) outputs are constrained to what their first
-consumer needs (all-reduce for R, reduce-scatter for D). Remat boundaries are replayed under
+(:func:`nnscaler_jax.plan.layouts.op_layouts`). Between a producer's layout and a consumer's the
+value is constrained once per step of the collective path the cost model priced
+(:func:`nnscaler_jax.lower.relayout.relayout_steps`), so GSPMD / Shardy insert exactly those
+collectives, one at a time, and never fall back to a full rematerialization. Partial-sum (V)
+outputs are constrained to the first layout without partial sums on the path to their first
+consumer (all-reduce for R, reduce-scatter for D). Remat boundaries are replayed under
 ``jax.checkpoint``; custom-derivative calls are bound whole; ``scan`` / ``while`` / ``cond`` are
 rebuilt with ``jax.lax`` around a replay of their bodies. Co-sharded ops and value-split chains
 run inside ``jax.shard_map`` regions (:mod:`nnscaler_jax.lower.regions`).
@@ -16,14 +19,23 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from nnscaler_jax.cost.relayout import partial_grad_axes
 from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
 from nnscaler_jax.ir.remat import with_recompute
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.lower.local import bind_eqn
 from nnscaler_jax.lower.regions import run_cosharded, run_value_chain
+from nnscaler_jax.lower.relayout import (
+    backward_steps,
+    constrain_along,
+    reduced_layout,
+    relayout_steps,
+)
+from nnscaler_jax.mesh.topology import MeshSpec
 from nnscaler_jax.plan.layouts import op_layouts, plan_layouts, sole_read_variables
 from nnscaler_jax.plan.plan import VALUE, OpPlan, Plan
 
@@ -56,7 +68,10 @@ def explicitly_typed(x: Any) -> bool:
 class Lowering:
     """Replays ``graph`` under ``plan`` on ``mesh`` (``explicit``: inputs carry Explicit
     sharding types; ``result_specs``: on an Explicit mesh, the types of the outputs the user's
-    code reads (:func:`nnscaler_jax.lower.explicit.result_specs`; None entries: the plan's))."""
+    code reads (:func:`nnscaler_jax.lower.explicit.result_specs`; None entries: the plan's);
+    ``mesh_spec``: the link costs the plan was priced with, which choose each relayout's path
+    (None: :data:`~nnscaler_jax.mesh.topology.DEFAULT_LINK` on every axis, as the default
+    cost model))."""
 
     graph: Graph
     plan: Plan
@@ -64,11 +79,15 @@ class Lowering:
 
     explicit: bool = False
     result_specs: Sequence[PartitionSpec | None] | None = None
+    mesh_spec: MeshSpec | None = None
 
     def __post_init__(self) -> None:
         # Untyped inputs: run on an Auto view of the mesh. Explicitly typed inputs: run on the
         # user's Explicit mesh under auto_axes, so results are typed like the plan's layouts.
         self.mesh = self.mesh if self.explicit else auto_view(self.mesh)
+        self.mesh_spec = self.mesh_spec or MeshSpec.from_mesh(self.mesh)
+        # the layout each value was constrained to where it was made (the start of its relayouts)
+        self.layouts: dict[int, Layout] = {}
         self.graph = with_recompute(self.graph, self.plan.recompute)  # remat boundaries
         self._plans = {p.op: p for p in self.plan.ops}
         self._sole = sole_read_variables(self.graph)
@@ -143,21 +162,46 @@ class Lowering:
         return self._consumer_layout.get(tensor_id)
 
     def resolve(self, t: Tensor, lay: Layout) -> Layout:
-        """Replace partial axes by what the first consumer needs on them."""
-        if not lay.partial:
-            return lay
-        want = self._consumer_layout.get(t.id)
-        dims = [list(d) for d in lay.dims]
-        for axis in lay.partial:
-            st = want.axis_state(axis) if want is not None else ("R",)
-            if st[0] == "D" and not dims[st[1]]:
-                dims[st[1]].append(axis)
-        return Layout(tuple(tuple(d) for d in dims))
+        """Where partial sums are reduced: the first layout without them on the priced path
+        to the first consumer's (:func:`~nnscaler_jax.lower.relayout.reduced_layout`)."""
+        if not lay.partial or not _is_array_dtype(t.dtype):
+            return Layout(lay.dims) if lay.partial else lay
+        return reduced_layout(lay, self._consumer_layout.get(t.id), t.shape,
+                              np.dtype(t.dtype).itemsize, self.mesh_spec)
 
     def _constrain(self, x: Any, t: Tensor, lay: Layout) -> Any:
+        """Constrain a value where it is made to ``lay`` (the start of its relayouts)."""
         if t.role is Role.CONST or t.ndim == 0 or not _is_array_dtype(t.dtype):
             return x
+        self.layouts[t.id] = Layout(lay.dims)
         return jax.lax.with_sharding_constraint(x, self.sharding(lay))
+
+    def read_as(self, env: dict, t: Tensor, lay: Layout, split: Sequence = ()) -> Any:
+        """The value of ``t`` read as ``lay`` by an op split as ``split``: constrained step by
+        step along the path the plan priced from where it was made, its gradient along the
+        priced backward path (:mod:`nnscaler_jax.lower.relayout`); one constraint when where
+        it was made is unknown. Readers of the same layout whose gradients are partial over
+        the same axes share one relayout (one gradient reduction, as priced)."""
+        x = self._read(env, t)
+        if t.role is Role.CONST or t.ndim == 0 or not _is_array_dtype(t.dtype):
+            return x
+        src = self.layouts.get(t.id)
+        if src is None:
+            return jax.lax.with_sharding_constraint(x, self.sharding(lay))
+        key = ("relayout", t.id, Layout(lay.dims), partial_grad_axes(lay, tuple(split)))
+        if key not in env:
+            size, mesh = np.dtype(t.dtype).itemsize, self.mesh_spec
+            fwd = relayout_steps(src, lay, t.shape, size, mesh) or (Layout(lay.dims),)
+            back = backward_steps(src, lay, tuple(split), t.shape, size, mesh) \
+                if jnp.issubdtype(np.dtype(t.dtype), jnp.inexact) else ()
+            fwd_s = [self.sharding(s) for s in fwd]
+            if back and _runs(back) != _runs((*reversed(fwd), src)):
+                env[key] = constrain_along(x, fwd_s, [self.sharding(s) for s in back])
+            else:  # the constraints' transposes take the priced backward path
+                for s in fwd_s:
+                    x = jax.lax.with_sharding_constraint(x, s)
+                env[key] = x
+        return env[key]
 
     # ---- replay -------------------------------------------------------------------------------
 
@@ -179,8 +223,8 @@ class Lowering:
     def _program(self, *flat_inputs: Any) -> list[Any]:
         env: dict[int, Any] = {}
         for t, x in zip(self.graph.inputs, flat_inputs, strict=True):
-            if t.role is not Role.RNG and _is_array_dtype(t.dtype) and t.ndim:
-                x = jax.lax.with_sharding_constraint(x, self.sharding(self.input_layout(t)))
+            if t.role is not Role.RNG:
+                x = self._constrain(x, t, self.input_layout(t))
             env[t.id] = x
         return self._replay(self.graph, env)
 
@@ -226,8 +270,8 @@ class Lowering:
     def _boundary(self, ops, depth, env, b, boundaries) -> None:
         ins = [self._read(env, t) for t in b.inputs]
         if b.kind in REMAT_KINDS:
-            def body(*vals):
-                inner = dict(env)
+            def body(*vals):  # relayouts made outside are not reused inside (recomputed)
+                inner = {k: v for k, v in env.items() if not isinstance(k, tuple)}
                 for t, v in zip(b.inputs, vals, strict=True):
                     inner[t.id] = v
                 self._run(ops, depth + 1, inner, boundaries)
@@ -254,8 +298,8 @@ class Lowering:
     def _op(self, op: Op, env: dict) -> None:
         plan = self._plans.get(op.id)
         in_lays, out_lays = plan_layouts(op, self._plans, self._sole)
-        ins = [self._constrain(self._read(env, t), t, lay)
-               for t, lay in zip(op.inputs, in_lays, strict=True)]
+        split = plan.split if plan is not None else ()
+        ins = [self.read_as(env, t, lay, split) for t, lay in zip(op.inputs, in_lays, strict=True)]
         if plan is not None and plan.chunks:
 
             outs = run_cosharded(self, op, plan, ins, in_lays, out_lays)
@@ -298,6 +342,11 @@ class Lowering:
         branches = [self._body_fn(g) for g in op.regions]
         return list(jax.lax.switch(ins[0], [lambda *a, f=f: list(f(*a)) for f in branches],
                                    *ins[1:]))
+
+
+def _runs(layouts: Sequence[Layout]) -> list[Layout]:
+    """``layouts`` without repeats in a row (constraining twice to one layout is once)."""
+    return [lay for k, lay in enumerate(layouts) if k == 0 or lay != layouts[k - 1]]
 
 
 def _is_array_dtype(dtype: str) -> bool:

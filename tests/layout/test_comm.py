@@ -132,9 +132,33 @@ def test_only_minor_axis_is_gathered():
     src = Layout.of(2, {0: ("data", "model")})
     path = comm_path(src, Layout.of(2, {0: "model"}), SHAPE, 4, MESH)
     first = path.steps[0]
-    # 'data' is major in dim 0: it cannot move alone first (here both go in one all-gather)
-    assert first.kind == "all_gather" and first.axis in ("model", ("data", "model"))
+    # 'data' is major in dim 0: it cannot move alone first (here both move to dim 1 in one
+    # all-to-all, cheaper than gathering all 8 blocks)
+    assert first.kind in ("all_gather", "all_to_all") and first.axis in ("model",
+                                                                          ("data", "model"))
     _check_chain(path, src, Layout.of(2, {0: "model"}), SHAPE, 4, MESH)
+
+
+def test_a_group_of_axes_moves_to_another_dim_in_one_all_to_all():
+    # D(1:(data,model)) -> D(0:(data,model)): 'data' cannot move alone (it is major), and
+    # gathering all 8 blocks costs a + 7/8 b N; one all-to-all over the 8 devices: a + 7/64 b N
+    src, dst = Layout.of(2, {1: ("data", "model")}), Layout.of(2, {0: ("data", "model")})
+    path = comm_path(src, dst, SHAPE, 4, MESH)
+    assert path.kinds == ("all_to_all",) and path.steps[0].axis == ("data", "model")
+    assert (path.steps[0].src_dim, path.steps[0].dst_dim) == (1, 0)
+    assert path.time_s == pytest.approx(all_to_all_time(LINK, 8, N), rel=1e-12)
+    assert path.wire_bytes == pytest.approx(7 / 64 * N)
+
+
+
+def test_partial_sums_are_reduced_before_data_moves():
+    # moving 'model' first (an all-to-all of the partial values) would be as cheap; the lowering
+    # cannot constrain partial values, so reductions (and local slices) come first
+    src = Layout.of(2, {1: "model"}, partial=("data",))
+    for dst in (Layout.of(2, {0: "model"}), R2, Layout.of(2, {0: ("model", "data")})):
+        kinds = comm_path(src, dst, SHAPE, 4, MESH).kinds
+        moving = [k for k in kinds if k not in ("slice", "value_chunk")]
+        assert moving[0] in ("all_reduce", "reduce_scatter"), (dst, kinds)
 
 
 def test_errors_and_memo():
@@ -306,7 +330,8 @@ def _simulate(path, src, dst, shape):
 
 def test_steps_over_several_axes_compute_the_right_blocks():
     """Every collective over a tuple of axes (all-reduce / reduce-scatter of partial sums over
-    both axes, all-gather of a dim split by both) turns its source into its destination."""
+    both axes, all-gather or all-to-all of a dim split by both) turns its source into its
+    destination."""
     from nnscaler_jax.layout.comm import CommPath, _transitions
 
     shape, seen = (8, 8), set()
@@ -317,7 +342,7 @@ def test_steps_over_several_axes_compute_the_right_blocks():
             if isinstance(step.axis, tuple):
                 seen.add(step.kind)
                 assert step.wire_bytes == pytest.approx(
-                    {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}[step.kind]
-                    * 7 / 8 * step.bytes)
+                    {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1,
+                     "all_to_all": 1 / 8}[step.kind] * 7 / 8 * step.bytes)
                 _simulate(CommPath((step,), step.time_s, step.bytes), src, step.dst, shape)
-    assert seen == {"all_reduce", "reduce_scatter", "all_gather"}
+    assert seen == {"all_reduce", "reduce_scatter", "all_gather", "all_to_all"}
