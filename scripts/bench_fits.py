@@ -12,8 +12,8 @@ clusters. The budget is each cluster's device memory less the default reserve
 
 Per case and planner: fits, predicted step seconds, memory per device, search seconds and the
 plan's features (recompute groups, co-sharded ops, micro-batches, stages). Writes
-``results/bench_fits.json`` (after every case, so a long run can be read while it goes) and
-``results/bench_fits.md``. Run from the repository root:
+``results/bench_fits.json`` (after every case, so a long run can be read while it goes; a run
+with other planners or cases is merged into it) and ``results/bench_fits.md``. Run from the repository root:
 
     .venv/bin/python scripts/bench_fits.py [--only swin-8gpu,t5-8gpu] [--planners auto,alpa]
         [--clusters v100-32g-8x] [--time-limit 120]
@@ -90,7 +90,7 @@ def _markdown(results: dict) -> str:
         for key, row in cases["cases"].items():
             cells = []
             for p in results["planners"]:
-                e = row["planners"].get(p, {})
+                e = row["planners"].get(p) or {}
                 if e.get("fits"):
                     rc = len(e["features"]["recompute"])
                     cells.append(f"{e['step_time_s']:.3g} / "
@@ -113,25 +113,36 @@ def main() -> None:
     ap.add_argument("--clusters", default=",".join(CLUSTERS))
     ap.add_argument("--time-limit", type=float, default=120.0,
                     help="each search's solver budget in seconds")
+    ap.add_argument("--precision", default=None,
+                    help="compute precision of every planner (e.g. float16, as the artifact "
+                         "ran on V100); results are kept under '<cluster> <precision>'")
     args = ap.parse_args()
     only = {k for k in args.only.split(",") if k}
     planners = [p for p in args.planners.split(",") if p]
     clusters = [c for c in args.clusters.split(",") if c]
-    results: dict = {"planners": planners, "time_limit_s": args.time_limit, "clusters": {}}
+    # merged into earlier results: a run with other planners or cases adds to them
+    results: dict = json.loads(OUT.read_text()) if OUT.exists() else {"clusters": {}}
+    results["planners"] = list(dict.fromkeys(results.get("planners", []) + planners))
+    results["time_limit_s"] = args.time_limit
+    label = {c: f"{c} {args.precision}" if args.precision else c for c in clusters}
     for cluster in clusters:
         device = cluster_preset(cluster).device
         budget = device.memory_bytes - memory_reserve(device.memory_bytes)
-        results["clusters"][cluster] = {"budget_gib": budget / 2**30, "cases": {}}
+        results["clusters"].setdefault(label[cluster], {"cases": {}})["budget_gib"] = \
+            budget / 2**30
     for key, name, preset, axes in CASES:
         if only and key not in only:
             continue
         spec = models.get(name, preset)
-        graph = capture_spec(spec, mutable=list(spec.mutable) or None).graph
+        graph = capture_spec(spec, precision=args.precision,
+                             mutable=list(spec.mutable) or None).graph
         for cluster in clusters:
+            case = results["clusters"][label[cluster]]["cases"].setdefault(key,
+                                                                           {"planners": {}})
+            case["mesh"] = "x".join(str(v) for v in axes.values())
             row = {p: _entry(graph, axes, p, cluster, args.time_limit) for p in planners}
-            results["clusters"][cluster]["cases"][key] = {
-                "mesh": "x".join(str(v) for v in axes.values()), "planners": row,
-                "ratios": _ratios(row)}
+            case["planners"].update(row)
+            case["ratios"] = _ratios(case["planners"])
             print(key, cluster, {p: (e.get("fits"), round(e.get("step_time_s") or 0, 4),
                                      round(e["search_s"], 1)) for p, e in row.items()},
                   flush=True)
