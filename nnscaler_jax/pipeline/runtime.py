@@ -403,6 +403,16 @@ class PipelineStep:
                             "auto_parallel(mesh, Constraints(pipeline_stages=4, microbatches=8, "
                             "schedule='1f1b')); without stages use pm.apply inside your own "
                             "jax.jit(jax.grad(...))")
+        unsupported = [f"{name}={value!r}" for name, value in (
+            ("precision", c.precision),
+            ("recompute rules", [str(r) for r in c.rules if r.recompute is not None] or None))
+            if value]
+        if unsupported:  # would run float32 / with its own recompute while the plan says not
+            raise PlanError(f"train_step runs the pipeline in the model's own dtypes, "
+                            f"recomputing every stage: it does not apply Constraints "
+                            f"{', '.join(unsupported)} yet. Drop them for the pipelined step, "
+                            "or use pm.apply inside your own jax.jit(jax.grad(...)) without "
+                            "pipeline stages")
         self.pm, self.loss_fn, self.optimizer = pm, loss_fn, optimizer
         self.return_grads = return_grads
         self.program: PipelineProgram | None = None
