@@ -1,4 +1,27 @@
 """Test configuration: the 8 virtual CPU devices are requested by the root conftest.py."""
-import jax  # noqa: F401 - jax starts after the root conftest set XLA_FLAGS
+import importlib
 
-from meshes import make_mesh  # noqa: F401 - re-exported for old imports
+import jax  # noqa: F401 - jax starts after the root conftest set XLA_FLAGS
+import pytest
+from meshes import make_mesh
+
+
+@pytest.fixture
+def mesh():
+    """The 2 x 4 ('data', 'model') mesh most wrapper tests use."""
+    return make_mesh((2, 4), ("data", "model"))
+
+
+@pytest.fixture
+def plans(monkeypatch):
+    """Counts the plans ``auto_parallel`` makes (one per new program)."""
+    api = importlib.import_module("nnscaler_jax.api")
+    calls = []
+    real = api.make_plan
+
+    def counting(graph, *args, **kwargs):
+        calls.append(graph)
+        return real(graph, *args, **kwargs)
+
+    monkeypatch.setattr(api, "make_plan", counting)
+    return calls

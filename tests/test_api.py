@@ -4,7 +4,6 @@ missing-rule warning and ``pm.graph``."""
 
 from __future__ import annotations
 
-import importlib
 import warnings
 
 import flax.linen as nn
@@ -12,13 +11,10 @@ import jax
 import pytest
 from custom_prims import softsign_primitive
 from flax import nnx
-from meshes import make_mesh
 
 from nnscaler_jax import PlanError, auto_parallel
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.lower.verify import max_rel_diff
-
-api = importlib.import_module("nnscaler_jax.api")
 
 
 class MLP(nn.Module):
@@ -34,25 +30,6 @@ class MLPNnx(nnx.Module):
 
     def __call__(self, x):
         return self.fc2(nnx.relu(self.fc1(x)))
-
-
-@pytest.fixture
-def mesh():
-    return make_mesh((2, 4), ("data", "model"))
-
-
-@pytest.fixture
-def plans(monkeypatch):
-    """Counts the plans ``auto_parallel`` makes (one per new program)."""
-    calls = []
-    real = api.make_plan
-
-    def counting(graph, *args, **kwargs):
-        calls.append(graph)
-        return real(graph, *args, **kwargs)
-
-    monkeypatch.setattr(api, "make_plan", counting)
-    return calls
 
 
 def _x():

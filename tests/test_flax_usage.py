@@ -6,8 +6,6 @@ loss. Every result is checked against the plain module (forward, gradients, upda
 
 from __future__ import annotations
 
-import importlib
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -22,7 +20,6 @@ from meshes import make_mesh
 from nnscaler_jax import PlanError, auto_parallel
 from nnscaler_jax.capture.trace import trace
 
-api = importlib.import_module("nnscaler_jax.api")
 POLICIES = ["dp", "megatron", None]
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -57,24 +54,6 @@ class Encoder(nn.Module):
         if attention_mask is not None:
             h = h * attention_mask[:, None]
         return nn.Dense(8)(nn.Dropout(0.3)(h, deterministic=deterministic))
-
-
-@pytest.fixture
-def mesh():
-    return make_mesh((2, 4), ("data", "model"))
-
-
-@pytest.fixture
-def plans(monkeypatch):
-    calls = []
-    real = api.make_plan
-
-    def counting(graph, *args, **kwargs):
-        calls.append(graph)
-        return real(graph, *args, **kwargs)
-
-    monkeypatch.setattr(api, "make_plan", counting)
-    return calls
 
 
 def _x(shape=(8, 16)):
