@@ -26,9 +26,9 @@ EXCEPTIONS: dict[str, str] = {}
 LAYERS = {
     "errors": 0, "mesh": 1, "ir": 2, "rules": 3, "capture": 4, "layout": 5,
     "plan": 6, "primitives": 6, "constraints": 6, "cost": 7, "search": 8, "lower": 9,
-    "pipeline": 10, "planner": 11, "api": 12, "cli": 13,
+    "pipeline": 10, "train": 11, "planner": 12, "api": 13, "cli": 14,
 }
-RANKS = {f"{PKG}.{name}": rank for name, rank in LAYERS.items()} | {PKG: 14, f"{PKG}.__main__": 14}
+RANKS = {f"{PKG}.{name}": rank for name, rank in LAYERS.items()} | {PKG: 15, f"{PKG}.__main__": 15}
 
 
 def discover_modules() -> dict[str, Path]:

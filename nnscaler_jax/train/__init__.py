@@ -1,0 +1,1 @@
+"""Training programs for any plan: the SPMD training step, orbax checkpoints, multi-process start."""
