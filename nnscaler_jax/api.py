@@ -32,6 +32,7 @@ from nnscaler_jax.lower.explicit import result_specs
 from nnscaler_jax.lower.replay import Lowering, explicitly_typed, is_explicit
 from nnscaler_jax.lower.verify import compare_outputs
 from nnscaler_jax.pipeline.runtime import PipelineStep
+from nnscaler_jax.train.step import SpmdStep
 from nnscaler_jax.plan.plan import Plan
 from nnscaler_jax.planner import make_plan
 
@@ -287,22 +288,42 @@ class AutoParallel:
                                                    strict=True)]
         return prog.fn.lower(*flat).compile()
 
+    def variable_shardings(self, variables: Any, *args: Any, rngs: Any = None,
+                           mutable: Any = False, **kwargs: Any) -> Any:
+        """Where the plan of ``apply(variables, *args, **kwargs)`` stores each variable: a tree
+        like ``variables`` (unboxed) of ``NamedSharding`` (args may be abstract)."""
+        tr = self._linen_traceable(variables, args, kwargs, rngs, mutable)
+        prog = self._program(tr, self._specs(variables))
+        plain = unbox(variables)
+        n = len(jax.tree_util.tree_leaves(plain))
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(plain),
+                                            list(prog.in_shardings[:n]))
+
     def train_step(self, loss_fn: Callable[..., Any], optimizer: Any, *,
-                   return_grads: bool = False) -> Any:
-        """A pipelined training step (needs ``Constraints(pipeline_stages=...)``).
+                   return_grads: bool = False, **options: Any) -> Any:
+        """One jitted training step for the plan: ``state = step.init(variables, *batch)``,
+        then ``state, metrics = step(state, *batch)`` (``metrics['loss']``);
+        ``step.params(state)`` gives the module's params tree.
+
+        Without pipeline stages: a :class:`~nnscaler_jax.train.step.SpmdStep` (the plan's ZeRO
+        stage, micro-batches as gradient accumulation, precision; ``options``: ``inputs``,
+        ``module_kwargs``, ``rng_streams``). With ``Constraints(pipeline_stages=...)``: a
+        :class:`~nnscaler_jax.pipeline.runtime.PipelineStep`.
 
         Args:
             loss_fn: ``loss_fn(module_output, *batch) -> scalar`` (mean over the batch).
             optimizer: an ``optax.GradientTransformation``.
-            return_grads: also return the gradients (pipeline layout) in the metrics.
-
-        Returns:
-            A :class:`~nnscaler_jax.pipeline.runtime.PipelineStep` ``step``:
-            ``state = step.init(variables, *batch)``, then ``state, metrics = step(state,
-            *batch)`` (one jitted program: micro-batches, schedule, gradient accumulation and
-            the optax update); ``step.params(state)`` gives the module's params tree.
+            return_grads: also return the gradients in the metrics.
         """
-        return PipelineStep(self, loss_fn, optimizer, return_grads=return_grads)
+        c = self.constraints
+        pipelined = (c is not None and c.pipeline_stages not in (None, 1)) or (
+            self.fixed_plan is not None and self.fixed_plan.pipeline is not None)
+        if pipelined:
+            if options:
+                raise PlanError(f"train_step: options {sorted(options)} apply to steps "
+                                "without pipeline stages; the pipelined step takes none yet")
+            return PipelineStep(self, loss_fn, optimizer, return_grads=return_grads)
+        return SpmdStep(self, loss_fn, optimizer, return_grads=return_grads, **options)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if isinstance(self.module, nnx.Module):

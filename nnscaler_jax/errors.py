@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["AnnotationError", "ConstraintError", "NoFitError", "PlanError", "PlanFormatError",
-           "ShardingError"]
+__all__ = ["AnnotationError", "CheckpointError", "ConstraintError", "NoFitError", "PlanError",
+           "PlanFormatError", "ShardingError"]
 
 
 class PlanError(ValueError):
@@ -79,8 +79,11 @@ class ConstraintError(PlanError):
     """A ``Constraints`` field or ``Rule`` that cannot be met.
 
     Raised for a bad field value (a ZeRO stage other than 0-3, an unknown schedule, a
-    non-positive memory budget) and when ``Constraints.check`` finds a rule that matches no op,
-    names a mesh axis the mesh lacks, or contradicts another rule.
+    non-positive memory budget, micro-batches or pipeline stages that are not a positive int,
+    ``rules`` / ``logical_rules`` / ``Rule(dims=, axes=)`` that are not tuples of the right
+    values) and when ``Constraints.check`` finds a rule that matches no op, names a mesh axis
+    the mesh lacks, has none of an op's dims or sizes no mesh axis it allows divides, or
+    contradicts itself or another rule.
     """
 
 
@@ -101,3 +104,23 @@ class NoFitError(PlanError):
         super().__init__(*args, **kw)
         self.smallest_bytes = smallest_bytes
         self.budget_bytes = budget_bytes
+
+
+class CheckpointError(PlanError):
+    """A checkpoint that cannot be written or restored.
+
+    Raised by :class:`nnscaler_jax.train.checkpoint.Checkpointer` for a missing directory or one
+    with no checkpoint, a missing step, unreadable or corrupted checkpoint metadata, and a
+    checkpoint written by another model (the message names the first leaf path whose saved
+    shape / dtype differs from the expected one).
+
+    Attributes:
+        directory: the checkpoint directory (None when unknown).
+        step: the step involved (None when unknown).
+    """
+
+    def __init__(self, *args: Any, directory: str | None = None, step: int | None = None,
+                 **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.directory = directory
+        self.step = step

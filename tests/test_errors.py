@@ -14,13 +14,15 @@ import pytest
 from nnscaler_jax import Draft, Plan, PlanError, errors, op_assign, op_trans, trace
 from nnscaler_jax.errors import (
     AnnotationError,
+    CheckpointError,
     ConstraintError,
     NoFitError,
     PlanFormatError,
     ShardingError,
 )
 
-SUBCLASSES = [AnnotationError, ShardingError, PlanFormatError, ConstraintError, NoFitError]
+SUBCLASSES = [AnnotationError, ShardingError, PlanFormatError, ConstraintError, NoFitError,
+              CheckpointError]
 MESH = {"data": 2, "model": 4}
 
 
@@ -56,7 +58,7 @@ def test_subclasses_are_plan_errors_and_exported():
         with pytest.raises(PlanError):
             raise cls("boom")
     assert set(errors.__all__) == {"PlanError", *(c.__name__ for c in SUBCLASSES)}
-    assert len({*SUBCLASSES}) == 5 and not any(
+    assert len({*SUBCLASSES}) == 6 and not any(
         issubclass(a, b) for a in SUBCLASSES for b in SUBCLASSES if a is not b)
 
 

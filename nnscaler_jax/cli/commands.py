@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from nnscaler_jax.cli.common import (
+    UsageError,
     abstract_inputs,
     capture_model,
     check_policy,
@@ -18,6 +19,7 @@ from nnscaler_jax.cli.common import (
     mib,
     model_spec,
     parse_mesh,
+    spec_mutable,
     table,
 )
 
@@ -94,11 +96,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
         text = str(plan) + f"\nplanned in {plan_s:.2f} s (trace + policy)"
         if args.out:
             text += f"\nwrote {args.out}"
+    if getattr(args, "plot", None):
+        obj["plot"] = _plot_layout(spec, plan, args.plot)
+        text += f"\nwrote {args.plot}" if not args.json else ""
     if args.pipeline:
         ptext, obj["pipeline"] = _pipeline_schedule(args, spec)
         text += "\n" + ptext if not args.json else ""
     emit(args, text, obj)
     return 0
+
+
+def _plot_layout(spec: Any, plan: Any, path: str) -> str:
+    """``plan --plot``: the layout map PNG, the split dims named from the model's graph."""
+    from nnscaler_jax.cli.plots import layout_map
+
+    graph = capture_model(spec, mutable=spec_mutable(spec)).graph
+    try:
+        layout_map(plan, graph).savefig(path, dpi=120)
+    except OSError as e:
+        raise UsageError(f"cannot write --plot {path!r}: {e.strerror or e}") from None
+    return path
 
 
 def _pipeline_schedule(args: argparse.Namespace, spec: Any) -> tuple[str, dict[str, Any]]:

@@ -16,6 +16,9 @@ planning failure is an entry with ``fits: null`` and ``error``.
 ``--precision`` (``bfloat16``, ``float16``, ``float32``) captures the model once at that compute
 precision (the zoo config's ``dtype`` set to it, params and inputs cast on entry, float32 master
 weights and optimizer state), so every planner is priced at the same precision.
+
+``--plot out.png`` writes :func:`nnscaler_jax.cli.plots.planner_bars` of the results (step time,
+memory per device with the budget line, communication per planner); the JSON gains ``"plot"``.
 """
 
 from __future__ import annotations
@@ -232,6 +235,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     obj = {"model": args.model, "preset": args.preset, "mesh": args.mesh,
            "cluster": args.cluster, "budget_bytes": budget, "budget": source,
            "precision": precision, "planners": results}
+    if getattr(args, "plot", None):
+        obj["plot"] = _write_plot(obj, args.plot)
     text = ""
     if not args.json:
         headers = ["planner", "fits", "plan s", "step ms", "memory/device", "comm",
@@ -245,9 +250,20 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 f"{' (XLA memory / HLO comm: the compiled forward)' if compile_here else ''}; "
                 f"memory budget per device {short}"
                 f"{f'; compute precision {precision}' if precision else ''}\n"
-                + table(headers, rows))
+                + table(headers, rows) + (f"\nwrote {obj['plot']}" if "plot" in obj else ""))
     emit(args, text, obj)
     return 0
+
+
+def _write_plot(results: dict[str, Any], path: str) -> str:
+    """``--plot``: :func:`nnscaler_jax.cli.plots.planner_bars` of ``results`` as a PNG."""
+    from nnscaler_jax.cli.plots import planner_bars
+
+    try:
+        planner_bars(results).savefig(path, dpi=120)
+    except OSError as e:
+        raise UsageError(f"cannot write --plot {path!r}: {e.strerror or e}") from None
+    return path
 
 
 def _compiled_figures(spec: Any, mesh: Any, plan: Any) -> dict[str, Any]:

@@ -72,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--microbatches", type=int, default=0, help="default 2 x stages")
     pl.add_argument("--virtual", type=int, default=2, help="chunks per stage (interleaved)")
     pl.add_argument("--gantt", default=None, metavar="PNG", help="write a Gantt chart PNG")
+    pl.add_argument("--plot", default=None, metavar="PNG",
+                    help="write the plan's layout map (modules x mesh axes: the dim split) PNG")
     pl.set_defaults(fn=cmd_plan)
 
     v = sub.add_parser("verify", parents=[common, model, mesh],
@@ -93,6 +95,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="compute precision of every planner's plan: bfloat16, float16 or float32 "
                         "(params and inputs cast on entry; float32 master weights and optimizer "
                         "state); default: the model's own dtypes")
+    c.add_argument("--plot", default=None, metavar="PNG",
+                   help="write a PNG of per-planner bars: step time, memory per device (the "
+                        "budget as a line), communication")
     c.set_defaults(fn=cmd_compare)
 
     d = sub.add_parser("demo", parents=[common, mesh],

@@ -32,6 +32,7 @@ from nnscaler_jax.cost.residuals import MASKED, residual_outputs, saved_operands
 from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
 from nnscaler_jax.ir.remat import with_recompute
 from nnscaler_jax.layout import Layout
+from nnscaler_jax.mesh.axes import data_axes
 from nnscaler_jax.plan.layouts import plan_layouts, sole_read_variables, unstack
 from nnscaler_jax.plan.plan import OpPlan, Plan
 
@@ -246,12 +247,18 @@ def _storage(model: Any, plan: Plan, graph: Graph, edges: list[_Edge],
         v = origin.get(e.tensor.id, e.tensor.id)
         if v in var_ids and not e.region:  # a region's body edges carry its gradients' axes
             dp[v] = tuple(dict.fromkeys(dp[v] + partial_grad_axes(e.want, e.split)))
+    # ZeRO 1 / 2 shard optimizer state / gradients over all of the mesh's data axes (as the
+    # training step does), also for a weight whose gradient is reduced downstream of its
+    # readers (a position table sliced, then broadcast over the batch)
+    mesh_axes = {a: model.mesh.size(a) for a in dict(plan.mesh)}
+    zero_axes = tuple(data_axes(mesh_axes)) if zero in (1, 2) else ()
     store: dict[int, Layout] = {}
     for v in graph.variables:
         lay = layout_v = Layout.from_pspec(plan.variable_spec(v.name), v.ndim) \
             if plan.variable_spec(v.name) else Layout.replicated(v.ndim)
         store[v.id] = storage_layout(model.mesh, v, lay, dp[v.id]) if zero >= 3 else lay
-        pb, gb, ob = model.state_bytes(v, layout_v, dp[v.id], zero)
+        pb, gb, ob = model.state_bytes(v, layout_v, tuple(dict.fromkeys(dp[v.id] + zero_axes)),
+                                       zero)
         out.params += pb
         out.grads += gb
         out.optimizer += ob

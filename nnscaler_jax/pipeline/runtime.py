@@ -48,10 +48,10 @@ from nnscaler_jax.pipeline.in_stage import InStagePlan, plan_in_stage, tensor_ax
 from nnscaler_jax.pipeline.loop_tables import loop_tables
 from nnscaler_jax.pipeline.split import split_program
 
-__all__ = ["PipelineProgram", "PipelineStep"]
+__all__ = ["PipelineProgram", "PipelineStep", "place_as"]
 
 
-def _place(x: Any, sharding: NamedSharding) -> Any:
+def place_as(x: Any, sharding: NamedSharding) -> Any:
     """Lay ``x`` out as ``sharding`` inside jit (Explicit mesh axes: reshard; Auto: constraint)."""
     explicit = any(t == jax.sharding.AxisType.Explicit
                    for t in getattr(sharding.mesh, "axis_types", ()))
@@ -295,7 +295,7 @@ class PipelineProgram:
                            in_specs=(shared_spec, layer_spec, batch_spec),
                            out_specs=(P(), shared_spec, layer_spec), check_vma=False, **manual)
         shared_sh, layer_sh = self.leaf_shardings()
-        place = lambda xs, shs: [_place(x, sh)
+        place = lambda xs, shs: [place_as(x, sh)
                                  for x, sh in zip(xs, shs, strict=True)]
         batch_sh = [NamedSharding(self.mesh, sp) for sp in batch_spec]
         loss, gs, gl = fn(place(pp["shared"], shared_sh), place(pp["layers"], layer_sh),
@@ -325,7 +325,7 @@ class PipelineProgram:
         def place(path, x):
             keys = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path[-2:])
             sh, want = by_key.get(keys, (rep, None))
-            return _place(x, sh if tuple(np.shape(x)) == want else rep)
+            return place_as(x, sh if tuple(np.shape(x)) == want else rep)
 
         return jax.tree_util.tree_map_with_path(place, tree)
 

@@ -11,6 +11,7 @@ from typing import Any
 from nnscaler_jax.capture.precision import precision_name
 from nnscaler_jax.errors import PlanFormatError
 from nnscaler_jax.ir.graph import Graph
+from nnscaler_jax.plan import view as _view
 
 __all__ = ["VALUE", "OpPlan", "PipelineSettings", "Plan", "PlanCost", "Unsplit",
            "graph_fingerprint", "unsplit_summary"]
@@ -249,6 +250,31 @@ class Plan:
                          f"{c.memory_bytes_per_device / 2**20:.2f} MiB, comm "
                          f"{c.comm_bytes / 2**20:.2f} MiB")
         return "\n".join(lines)
+
+    def summary(self, graph: Graph | None = None) -> str:
+        """A short table: one row per module, consecutive repeated layers with the same layout
+        collapsed into one group row (``h_* (x24)``), per mesh axis the dims split (in words
+        with ``graph``, the graph the plan was made for: ``pm.graph``), the sharded variables
+        grouped the same way, features and the estimate. ``format(plan, "summary")`` too.
+        """
+        return _view.plan_summary(self, graph)
+
+    def view(self, graph: Graph | None = None) -> _view.PlanView:
+        """The plan with its graph, for a notebook: ``plan.view(pm.graph)`` names the split
+        dims (``batch (8)``, ``heads (4)``) and shows the variables' shapes."""
+        return _view.PlanView(self, graph)
+
+    def _repr_html_(self) -> str:
+        """The notebook view (the plan alone: split dims as annotation identifiers)."""
+        return _view.plan_html(self)
+
+    def __format__(self, spec: str) -> str:
+        if spec == "summary":
+            return self.summary()
+        if spec:
+            raise ValueError(f"unknown format spec {spec!r} for Plan: '' (the table) or "
+                             "'summary'")
+        return str(self)
 
     # ---- JSON ------------------------------------------------------------------------------
 

@@ -1,0 +1,322 @@
+"""The SPMD training step: one jitted program per plan with the optax update, ZeRO 1-3, gradient
+accumulation over the plan's micro-batches and its precision.
+
+``pm.train_step(loss_fn, optimizer)`` on a wrapper without pipeline stages returns a
+:class:`SpmdStep`. Its program is ``loss_fn(pm.apply(variables, *inputs), *batch)`` on each
+micro-batch (the wrapped module's planned program, the plan made for the micro-batch's shapes),
+gradients summed over micro-batches inside a ``lax.scan`` (one gradient synchronisation per step:
+the scan adds local partial gradients, XLA reduces once after it), then the optax update, all
+in one ``jax.jit`` with the state donated.
+
+Where the state lives (``Plan.zero``, over the mesh's data axes, :func:`zero_specs`):
+
+- ZeRO 0: parameters, gradients and optimizer state as the plan stores the parameters;
+- ZeRO 1: optimizer state also sharded over the data axes (the update runs sharded, the new
+  parameters are gathered);
+- ZeRO 2: gradients too (reduce-scatter instead of all-reduce);
+- ZeRO 3: the plan already stores the parameters sharded over the data axes.
+
+Precision: the wrapper captures its calls at the plan's compute dtype with float32 parameters
+(master weights); the gradients come back float32 and the optimizer state is float32. Float16
+adds dynamic loss scaling (``state['loss_scale']``: the loss is multiplied by it, the
+gradients divided; a step with non-finite gradients is skipped and halves it, every
+``growth_interval`` finite steps double it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from nnscaler_jax.cost.model import CostModel
+from nnscaler_jax.errors import PlanError
+from nnscaler_jax.layout import Layout
+from nnscaler_jax.lower.replay import auto_view, explicitly_typed
+from nnscaler_jax.mesh.axes import data_axes
+from nnscaler_jax.pipeline.runtime import place_as
+from nnscaler_jax.plan.zero import zero3_layout
+
+__all__ = ["SpmdStep", "per_device_bytes", "zero_specs"]
+
+INITIAL_LOSS_SCALE = 2.0 ** 15
+
+
+def per_device_bytes(tree: Any) -> int:
+    """Bytes one device (the first of each array's devices) holds of the arrays in ``tree``."""
+    total = 0
+    for x in jax.tree_util.tree_leaves(tree):
+        if isinstance(x, jax.Array):
+            total += x.addressable_shards[0].data.nbytes
+    return total
+
+
+def zero_specs(params: Any, shardings: Any, mesh: Any, zero: int) -> Any:
+    """The shardings of the optimizer state's parameter-shaped leaves (and of ZeRO-2's
+    gradients): each parameter's own sharding, for ``zero >= 1`` also split over the mesh's
+    data axes on the first dim they divide (:func:`~nnscaler_jax.plan.zero.zero3_layout`)."""
+    axes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
+    dp = data_axes(axes)
+    if zero < 1 or not dp:
+        return shardings
+
+    def one(x: Any, s: NamedSharding) -> NamedSharding:
+        lay = Layout.from_pspec(s.spec, x.ndim)
+        lay = zero3_layout(x.shape, lay, dp, axes)
+        return NamedSharding(mesh, P(*[(d if len(d) > 1 else d[0]) if d else None
+                                       for d in lay.dims]))
+
+    return jax.tree.map(one, params, shardings)
+
+
+def _keyed(path: Sequence[Any]) -> tuple:
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def _state_shardings(opt_shapes: Any, params: Any, param_specs: Any, mesh: Any) -> Any:
+    """Shardings of an optax state: a leaf whose path ends with a parameter's path and has its
+    shape (Adam's ``mu`` / ``nu``, momentum, ...) is laid out like that parameter's optimizer
+    state (``param_specs``); anything else (step counts, scalars) is replicated."""
+    by_path = {}
+    for (path, p), s in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                            jax.tree_util.tree_leaves(param_specs), strict=True):
+        by_path[_keyed(path)] = (p.shape, s)
+    rep = NamedSharding(mesh, P())
+
+    def one(path, x):
+        keys = _keyed(path)
+        for start in range(len(keys)):
+            hit = by_path.get(keys[start:])
+            if hit is not None and hit[0] == x.shape:
+                return hit[1]
+        return rep
+
+    return jax.tree_util.tree_map_with_path(one, opt_shapes)
+
+
+def _split_micro(x: jax.Array, m: int) -> jax.Array:
+    """``[B, ...] -> [m, B/m, ...]`` taking rows ``i::m`` into micro-batch ``i``: every
+    device's block of a batch split over the data axes splits locally."""
+    return jnp.moveaxis(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 1, 0)
+
+
+class SpmdStep:
+    """``pm.train_step(loss_fn, optimizer)`` for a plan without pipeline stages.
+
+    >>> # step = pm.train_step(loss_fn, optax.adamw(1e-3))
+    >>> # state = step.init(variables, tokens)      # laid out as the plan says (ZeRO stage too)
+    >>> # state, metrics = step(state, tokens)      # metrics['loss']
+    >>> # params = step.params(state)
+
+    Args:
+        pm: the wrapped linen module (``auto_parallel(mesh, ...)(module)``).
+        loss_fn: ``loss_fn(module_output, *batch) -> scalar`` (a mean over the batch).
+        optimizer: an ``optax.GradientTransformation``.
+        inputs: how many leading batch arrays the module takes (None: all), e.g. 1 for
+            ``(images, labels)`` with ``module(images)``.
+        module_kwargs: static keyword arguments of the module call (``{'train': True}``).
+        rng_streams: rng streams passed to the module when ``init`` got an ``rng``
+            (``'dropout'``); a new key per step and micro-batch.
+        return_grads: also return the gradients (as stored) in the metrics.
+        growth_interval: float16 loss scaling: finite steps before the scale doubles.
+    """
+
+    def __init__(self, pm: Any, loss_fn: Callable, optimizer: Any, *, inputs: int | None = None,
+                 module_kwargs: dict | None = None, rng_streams: Sequence[str] = ("dropout",),
+                 return_grads: bool = False, growth_interval: int = 2000):
+        self.pm, self.loss_fn, self.optimizer = pm, loss_fn, optimizer
+        self.inputs, self.module_kwargs = inputs, dict(module_kwargs or {})
+        self.rng_streams, self.return_grads = tuple(rng_streams), return_grads
+        self.growth_interval = growth_interval
+        self.microbatches = 1
+        self.jitted: Callable | None = None
+        self._shardings: dict | None = None
+
+    # ---- set-up --------------------------------------------------------------------------------
+
+    @property
+    def plan(self) -> Any:
+        """The plan of one micro-batch's call (after :meth:`init`)."""
+        return self.pm.plan
+
+    def _micro_count(self, batch: Sequence[Any]) -> int:
+        c, fixed = self.pm.constraints, self.pm.fixed_plan
+        if c is not None and c.microbatches:
+            m = c.microbatches
+        else:
+            m = getattr(fixed, "microbatches", 1) if fixed is not None else 1
+        sizes = {x.shape[0] for x in batch if hasattr(x, "shape") and x.ndim}
+        bad = sorted(n for n in sizes if n % m)
+        if bad:
+            raise PlanError(f"train_step: {m} micro-batches do not divide the batch size "
+                            f"{bad[0]} (batch shapes {[tuple(x.shape) for x in batch]}); use "
+                            "Constraints(microbatches=k) with k dividing it")
+        return m
+
+    def _call(self, variables: Any, batch: Sequence[Any], rngs: Any) -> Any:
+        n = len(batch) if self.inputs is None else self.inputs
+        coll = [c for c in variables if c != "params"] or False
+        return self.pm.apply(variables, *batch[:n], rngs=rngs, mutable=coll,
+                             **self.module_kwargs)
+
+    def _rngs(self, key: Any, i: Any) -> dict | None:
+        if key is None:
+            return None
+        key = jax.random.fold_in(key, i)
+        return {s: jax.random.fold_in(key, j) for j, s in enumerate(self.rng_streams)}
+
+    def init(self, variables: Any, *batch: Any, rng: Any = None) -> dict:
+        """Plan the micro-batch's call, lay out the state and build the jitted step.
+
+        Returns ``{'params', 'opt_state', 'collections', 'step'}`` (+ ``'rng'`` when ``rng`` is
+        given, + ``'loss_scale'``, ``'good_steps'`` under float16)."""
+        variables = dict(variables)
+        self.microbatches = m = self._micro_count(batch)
+        micro = [jax.ShapeDtypeStruct((x.shape[0] // m, *x.shape[1:]), x.dtype)
+                 for x in batch]
+        n = len(batch) if self.inputs is None else self.inputs
+        rngs = self._rngs(jax.random.key(0), 0) if rng is not None else None
+        var_sh = self.pm.variable_shardings(
+            variables, *micro[:n], rngs=rngs,
+            mutable=[c for c in variables if c != "params"] or False, **self.module_kwargs)
+        plan = self.pm.plan
+        # the step runs on the Auto view of the mesh: the wrapper's program inside it picks
+        # its own types, and optax mixes the state's leaves freely
+        self.mesh = mesh = auto_view(self.pm.mesh)
+        var_sh = jax.tree.map(lambda s: NamedSharding(mesh, s.spec), var_sh)
+        params = variables["params"]
+        p_sh = var_sh["params"]
+        z_sh = zero_specs(params, p_sh, mesh, plan.zero)
+        opt_shapes = jax.eval_shape(self.optimizer.init, params)
+        o_sh = _state_shardings(opt_shapes, params, z_sh, mesh)
+        rep = NamedSharding(mesh, P())
+        state_sh = {"params": p_sh, "opt_state": o_sh, "step": rep,
+                    "collections": {k: v for k, v in var_sh.items() if k != "params"}}
+        # copies: the step donates its state, the caller keeps ``variables``
+        copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t),
+                       out_shardings=(p_sh, state_sh["collections"]))
+        params, colls = copy((params, {k: v for k, v in variables.items() if k != "params"}))
+        state = {"params": params, "collections": colls,
+                 "step": jax.device_put(jnp.zeros((), jnp.int32), rep)}
+        state["opt_state"] = jax.jit(self.optimizer.init, out_shardings=o_sh)(state["params"])
+        if rng is not None:
+            state["rng"], state_sh["rng"] = jax.device_put(rng, rep), rep
+        if plan.precision == "float16":
+            state["loss_scale"] = jax.device_put(jnp.float32(INITIAL_LOSS_SCALE), rep)
+            state["good_steps"] = jax.device_put(jnp.zeros((), jnp.int32), rep)
+            state_sh["loss_scale"] = state_sh["good_steps"] = rep
+        self._shardings = {"state": state_sh, "grads": z_sh if plan.zero >= 2 else p_sh}
+        self.jitted = jax.jit(self._step, out_shardings=(state_sh, None), donate_argnums=0)
+        return state
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    def _grads(self, state: dict, batch: tuple, key: Any) -> tuple:
+        """(mean loss, summed-over-micro-batches gradients / m, updated collections)."""
+        m, scale = self.microbatches, state.get("loss_scale", 1.0)
+
+        def micro(params, colls, mb, i):
+            out = self._call({"params": params, **colls}, mb, self._rngs(key, i))
+            out, new = out if colls else (out, {})
+            loss = self.loss_fn(out, *mb)
+            return loss.astype(jnp.float32) * scale, (loss, new)
+
+        grad_fn = jax.value_and_grad(micro, has_aux=True)
+        params, colls = state["params"], state["collections"]
+        if m == 1:
+            (_, (loss, colls)), grads = grad_fn(params, colls, batch, 0)
+            return loss, grads, colls
+        mbs = tuple(_split_micro(x, m) for x in batch)
+
+        def body(carry, i):
+            g_acc, colls, l_acc = carry
+            mb = tuple(x[i] for x in mbs)
+            (_, (loss, colls)), g = grad_fn(params, colls, mb, i)
+            return (jax.tree.map(jnp.add, g_acc, g), colls, l_acc + loss), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        (grads, colls, loss), _ = lax.scan(body, (zeros, colls, jnp.float32(0)), jnp.arange(m))
+        return loss / m, jax.tree.map(lambda g: g / m, grads), colls
+
+    def _step(self, state: dict, batch: tuple) -> tuple[dict, dict]:
+        state = dict(state)
+        key = None
+        if "rng" in state:
+            state["rng"], key = jax.random.split(state["rng"])
+        loss, grads, colls = self._grads(state, batch, key)
+        grads = jax.tree.map(place_as, grads, self._shardings["grads"])
+        scale = state.get("loss_scale")
+        if scale is not None:
+            grads = jax.tree.map(lambda g: g / scale, grads)
+        updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics = {"loss": loss}
+        if scale is not None:
+            finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(g))
+                                        for g in jax.tree_util.tree_leaves(grads)]))
+            keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+            params, opt_state = keep(params, state["params"]), keep(opt_state, state["opt_state"])
+            good = jnp.where(finite, state["good_steps"] + 1, 0)
+            grow = good >= self.growth_interval
+            state["loss_scale"] = jnp.where(finite, jnp.where(grow, scale * 2, scale), scale / 2)
+            state["good_steps"] = jnp.where(grow, 0, good)
+            metrics["loss_scale"], metrics["finite"] = scale, finite
+        state.update(params=params, opt_state=opt_state, collections=colls,
+                     step=state["step"] + 1)
+        if self.return_grads:
+            metrics["grads"] = grads
+        return state, metrics
+
+    # ---- use -----------------------------------------------------------------------------------
+
+    def _check(self) -> None:
+        if self.jitted is None:
+            raise PlanError("call step.init(variables, *batch) before the first step")
+
+    def _batch(self, batch: Sequence[Any]) -> tuple:
+        """Explicit-typed batch arrays moved onto the step's Auto view (same layout)."""
+        return tuple(jax.device_put(x, NamedSharding(self.mesh, x.sharding.spec))
+                     if explicitly_typed(x) else x for x in batch)
+
+    def __call__(self, state: dict, *batch: Any) -> tuple[dict, dict]:
+        self._check()
+        return self.jitted(state, self._batch(batch))
+
+    def lower(self, state: dict, *batch: Any) -> Any:
+        """``jax.jit(step).lower(state, batch)`` (``.compile().memory_analysis()``)."""
+        self._check()
+        return self.jitted.lower(state, self._batch(batch))
+
+    def params(self, state: dict) -> Any:
+        """The module's params tree of ``state``."""
+        return state["params"]
+
+    def variables(self, state: dict) -> dict:
+        """``{'params': ..., **collections}``, as ``module.apply`` takes them."""
+        return {"params": state["params"], **state["collections"]}
+
+    def memory(self, state: dict) -> dict[str, int]:
+        """Per-device bytes measured from the arrays: ``params``, ``optimizer``, and ``grads``
+        (from the stored layout of the gradients)."""
+        g = jax.tree.map(lambda p, s: math.prod(s.shard_shape(p.shape)) * p.dtype.itemsize,
+                         state["params"], self._shardings["grads"])
+        return {"params": per_device_bytes(state["params"]),
+                "grads": int(np.sum(jax.tree_util.tree_leaves(g))),
+                "optimizer": per_device_bytes(state["opt_state"])}
+
+    def predicted_memory(self) -> dict[str, int]:
+        """The plan's per-device estimate by kind (``params``, ``grads``, ``optimizer``,
+        ``activations``, ``transient``, ``peak``) for one micro-batch's call, priced with the
+        mesh's own cost model (Adam: two moments per parameter)."""
+        self._check()
+        plan = self.plan
+        cm = CostModel.for_axes(dict(plan.mesh), zero=plan.zero)
+        return cm.memory_breakdown(plan, self.pm.graph)

@@ -1,0 +1,186 @@
+"""``pm.train_step`` for plans without pipeline stages (nnscaler_jax/train/step.py): ZeRO 0-3,
+gradient accumulation, precision, mutable collections and dropout, against plain optax loops."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import models
+from nnscaler_jax import Constraints, PlanError, auto_parallel
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    module, make_args, loss_fn = models.get("gpt", "tiny", batch_size=8)
+    args = make_args(rng=jax.random.key(1))
+    return module, args, loss_fn, module.init(jax.random.key(0), *args)
+
+
+def reference_losses(module, loss_fn, variables, args, opt, steps):
+    """The unsharded optax loop."""
+    p, o, out = variables["params"], opt.init(variables["params"]), []
+
+    @jax.jit
+    def step(p, o):
+        loss, g = jax.value_and_grad(lambda p: loss_fn(module.apply({"params": p}, *args),
+                                                       *args))(p)
+        u, o = opt.update(g, o, p)
+        return optax.apply_updates(p, u), o, loss
+
+    for _ in range(steps):
+        p, o, loss = step(p, o)
+        out.append(float(loss))
+    return np.array(out), p
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_zero_stages_measured_bytes_match_plan_and_losses_match(gpt, mesh, zero):
+    module, args, loss_fn, variables = gpt
+    opt = optax.adamw(1e-2)
+    ref, ref_params = reference_losses(module, loss_fn, variables, args, opt, 5)
+    pm = auto_parallel(mesh, Constraints(zero=zero), policy="megatron")(module)
+    step = pm.train_step(loss_fn, opt, return_grads=True)
+    state = step.init(variables, *args)
+    losses = []
+    for _ in range(5):
+        state, metrics = step(state, *args)
+        losses.append(float(metrics["loss"]))
+    # (parameters are compared under SGD below: Adam turns float noise in gradients near 0
+    # into full-size updates of the biases)
+    np.testing.assert_allclose(losses, ref, rtol=1e-5)
+    measured, predicted = step.memory(state), step.predicted_memory()
+    # the gradients as the step stores them (returned), not only their planned shardings
+    measured_grads = sum(g.addressable_shards[0].data.nbytes
+                         for g in jax.tree.leaves(metrics["grads"]))
+    assert measured_grads == measured["grads"]
+    for kind in ("params", "grads", "optimizer"):
+        assert abs(measured[kind] - predicted[kind]) <= 0.05 * predicted[kind], (kind, measured,
+                                                                                 predicted)
+    full = sum(x.nbytes for x in jax.tree.leaves(variables["params"]))
+    sharded_model = measured["params"] < full  # megatron splits over 'model' (4 ways) anyway
+    assert sharded_model
+    # each stage shards what it says over 'data' (2 ways), on top of the megatron split
+    base = {"params": measured["params"] * (2 if zero >= 3 else 1)}
+    assert measured["grads"] == pytest.approx(base["params"] / (2 if zero >= 2 else 1), rel=0.02)
+    assert measured["optimizer"] == pytest.approx(2 * base["params"] / (2 if zero >= 1 else 1),
+                                                  rel=0.02)
+
+
+def test_microbatches_accumulate_gradients(gpt, mesh):
+    module, args, loss_fn, variables = gpt
+    opt = optax.sgd(0.1)
+    ref, ref_params = reference_losses(module, loss_fn, variables, args, opt, 3)
+    pm = auto_parallel(mesh, Constraints(microbatches=4), policy="megatron")(module)
+    step = pm.train_step(loss_fn, opt)
+    state = step.init(variables, *args)
+    assert step.microbatches == 4
+    losses = []
+    for _ in range(3):
+        state, metrics = step(state, *args)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+                 step.params(state), ref_params)
+    # the step's program runs the plan made for one micro-batch (8 / 4 = 2 sequences)
+    assert pm.graph.inputs[-1].shape[0] == 2
+
+
+def test_microbatches_must_divide_the_batch(gpt, mesh):
+    module, args, loss_fn, variables = gpt
+    pm = auto_parallel(mesh, Constraints(microbatches=3), policy="dp")(module)
+    with pytest.raises(PlanError, match="3 micro-batches do not divide the batch size 8"):
+        pm.train_step(loss_fn, optax.sgd(0.1)).init(variables, *args)
+
+
+def test_step_before_init_is_a_plan_error(gpt, mesh):
+    module, args, loss_fn, _ = gpt
+    step = auto_parallel(mesh, policy="dp")(module).train_step(loss_fn, optax.sgd(0.1))
+    with pytest.raises(PlanError, match="step.init"):
+        step(None, *args)
+
+
+class Net(nn.Module):
+    """BatchNorm + dropout + a `train` flag, trained on (images, labels)."""
+
+    @nn.compact
+    def __call__(self, x, *, train: bool):
+        x = nn.Dense(32)(x)
+        x = nn.BatchNorm(use_running_average=not train)(x)
+        x = nn.Dropout(0.2, deterministic=not train)(nn.relu(x))
+        return nn.Dense(4)(x)
+
+
+def ce(logits, x, labels):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def test_train_flag_batch_stats_and_dropout_match_the_plain_loop(mesh):
+    module = Net()
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+    labels = jax.random.randint(jax.random.key(2), (16,), 0, 4)
+    variables = module.init(jax.random.key(0), x, train=False)
+    opt, rng = optax.sgd(0.1), jax.random.key(7)  # Adam would blow up float noise in the
+    # gradient of the bias before BatchNorm (0 in exact arithmetic)
+
+    # the plain loop, with the step's documented key derivation
+    p, stats, o, r, ref = variables["params"], variables["batch_stats"], None, rng, []
+    o = opt.init(p)
+    for _ in range(3):
+        r, key = jax.random.split(r)
+        rngs = {"dropout": jax.random.fold_in(jax.random.fold_in(key, 0), 0)}
+
+        def loss(p, stats, rngs=rngs):
+            out, new = module.apply({"params": p, "batch_stats": stats}, x, train=True,
+                                    rngs=rngs, mutable=["batch_stats"])
+            return ce(out, x, labels), new
+
+        (lv, new), g = jax.value_and_grad(loss, has_aux=True)(p, stats)
+        u, o = opt.update(g, o, p)
+        p, stats = optax.apply_updates(p, u), new["batch_stats"]
+        ref.append(float(lv))
+
+    pm = auto_parallel(mesh, policy="dp")(module)
+    step = pm.train_step(ce, opt, inputs=1, module_kwargs={"train": True})
+    state = step.init(variables, x, labels, rng=rng)
+    losses = []
+    for _ in range(3):
+        state, metrics = step(state, x, labels)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+                 step.variables(state)["batch_stats"], stats)
+    assert not np.allclose(ref[0], ref[1])  # the model trains (and dropout keys change)
+
+
+def test_bfloat16_trains_like_float32_with_float32_master_weights(gpt, mesh):
+    module, args, loss_fn, variables = gpt
+    opt = optax.adam(3e-3)
+    ref, _ = reference_losses(module, loss_fn, variables, args, opt, 20)
+    pm = auto_parallel(mesh, Constraints(precision="bfloat16"), policy="megatron")(module)
+    step = pm.train_step(loss_fn, opt)
+    state = step.init(variables, *args)
+    for _ in range(20):
+        state, metrics = step(state, *args)
+    assert abs(float(metrics["loss"]) - ref[-1]) <= 0.02 * ref[-1]
+    assert {x.dtype for x in jax.tree.leaves(step.params(state))} == {jnp.dtype("float32")}
+    assert {x.dtype for x in jax.tree.leaves(state["opt_state"])
+            if x.ndim} == {jnp.dtype("float32")}
+
+
+def test_float16_scales_the_loss_and_skips_overflowing_steps(gpt, mesh):
+    module, args, loss_fn, variables = gpt
+    pm = auto_parallel(mesh, Constraints(precision="float16"), policy="dp")(module)
+    step = pm.train_step(loss_fn, optax.adam(1e-3))
+    state = step.init(variables, *args)
+    state, metrics = step(state, *args)
+    assert bool(metrics["finite"]) and float(metrics["loss_scale"]) == 2.0 ** 15
+    # an absurd scale overflows float16: the step is skipped and the scale halves
+    before = jax.tree.map(np.asarray, step.params(state))
+    state["loss_scale"] = jnp.float32(2.0 ** 40)
+    state, metrics = step(state, *args)
+    assert not bool(metrics["finite"]) and float(state["loss_scale"]) == 2.0 ** 39
+    jax.tree.map(np.testing.assert_array_equal, step.params(state), before)
