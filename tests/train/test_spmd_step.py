@@ -1,5 +1,7 @@
 """``pm.train_step`` for plans without pipeline stages (nnscaler_jax/train/step.py): ZeRO 0-3,
 gradient accumulation, precision, mutable collections and dropout, against plain optax loops."""
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -41,7 +43,7 @@ def reference_losses(module, loss_fn, variables, args, opt, steps):
 def test_zero_stages_measured_bytes_match_plan_and_losses_match(gpt, mesh, zero):
     module, args, loss_fn, variables = gpt
     opt = optax.adamw(1e-2)
-    ref, ref_params = reference_losses(module, loss_fn, variables, args, opt, 5)
+    ref, _ = reference_losses(module, loss_fn, variables, args, opt, 5)
     pm = auto_parallel(mesh, Constraints(zero=zero), policy="megatron")(module)
     step = pm.train_step(loss_fn, opt, return_grads=True)
     state = step.init(variables, *args)
@@ -160,12 +162,17 @@ def test_bfloat16_trains_like_float32_with_float32_master_weights(gpt, mesh):
     module, args, loss_fn, variables = gpt
     opt = optax.adam(3e-3)
     ref, _ = reference_losses(module, loss_fn, variables, args, opt, 20)
-    pm = auto_parallel(mesh, Constraints(precision="bfloat16"), policy="megatron")(module)
+    # the same GPT with its layers computing in bfloat16 (flax's dtype; params float32)
+    bf16 = models.get("gpt", "tiny", batch_size=8, dtype=jnp.bfloat16).module
+    pm = auto_parallel(mesh, Constraints(precision="bfloat16"), policy="megatron")(bf16)
     step = pm.train_step(loss_fn, opt)
-    state = step.init(variables, *args)
-    for _ in range(20):
-        state, metrics = step(state, *args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no matmul left in float32
+        state = step.init(variables, *args)
+        for _ in range(20):
+            state, metrics = step(state, *args)
     assert abs(float(metrics["loss"]) - ref[-1]) <= 0.02 * ref[-1]
+    assert float(metrics["loss"]) != pytest.approx(ref[-1], rel=1e-6)  # it did run in bf16
     assert {x.dtype for x in jax.tree.leaves(step.params(state))} == {jnp.dtype("float32")}
     assert {x.dtype for x in jax.tree.leaves(state["opt_state"])
             if x.ndim} == {jnp.dtype("float32")}
