@@ -18,13 +18,22 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from nnscaler_jax.capture.flax import (CallArgs, Traceable, linen_traceable, nnx_traceable,
-                                       original_calls)
+from nnscaler_jax.capture.flax import (
+    CallArgs,
+    Traceable,
+    linen_traceable,
+    nnx_traceable,
+    original_calls,
+)
 from nnscaler_jax.capture.jaxpr import graph_from_jaxpr
 from nnscaler_jax.capture.metadata import is_boxed, partitioning_specs, unbox
 from nnscaler_jax.capture.precision import with_precision
-from nnscaler_jax.capture.trace import (Captured, abstract_init, warn_float32_matmuls,
-                                        warn_unannotated)
+from nnscaler_jax.capture.trace import (
+    Captured,
+    abstract_init,
+    warn_float32_matmuls,
+    warn_unannotated,
+)
 from nnscaler_jax.constraints import Constraints
 from nnscaler_jax.errors import ConstraintError, PlanError, PlanFormatError
 from nnscaler_jax.ir.graph import Graph
@@ -32,11 +41,11 @@ from nnscaler_jax.lower.explicit import result_specs
 from nnscaler_jax.lower.replay import Lowering, explicitly_typed, is_explicit
 from nnscaler_jax.lower.verify import compare_outputs
 from nnscaler_jax.pipeline.runtime import PipelineStep
-from nnscaler_jax.train.step import SpmdStep
 from nnscaler_jax.plan.plan import Plan
 from nnscaler_jax.planner import make_plan
+from nnscaler_jax.train.step import SpmdStep
 
-__all__ = ["auto_parallel", "AutoParallel"]
+__all__ = ["AutoParallel", "auto_parallel"]
 
 # Wrapper state that is not nnx state: keyed weakly by the wrapper / decorated instance.
 _CORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -142,7 +151,7 @@ class AutoParallel:
                     jaxpr = jax.make_jaxpr(tr.fn)(*abstract)
             except PlanError:
                 raise
-            except Exception as e:  # noqa: BLE001 - a user's bad input, with context
+            except Exception as e:
                 raise PlanError(f"{type(self.module).__name__}: tracing with inputs "
                                 f"{[(tuple(a.shape), str(a.dtype)) for a in abstract]} failed: "
                                 f"{type(e).__name__}: {e}") from e
@@ -354,11 +363,12 @@ class NnxAutoParallel(nnx.Module):
     def make_plan(self, *args, **kwargs) -> Plan:
         return self._core.make_plan(*args, **kwargs)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def lay_out(self, *args: Any, **kwargs: Any) -> Plan:
+        """Plan the call ``self(*args, **kwargs)`` (args may be abstract) and lay the module's
+        state out as that plan stores it, without running it."""
         core = self._core
         tr = core._nnx_traceable(args, kwargs, self.module)
-        specs = core._nnx_specs()
-        prog = core._program(tr, specs)
+        prog = core._program(tr, core._nnx_specs())
         if not self._laid_out:
             _, state = nnx.split(self.module)
             leaves = jax.tree_util.tree_leaves(state)
@@ -366,7 +376,24 @@ class NnxAutoParallel(nnx.Module):
             nnx.update(self.module, jax.tree_util.tree_unflatten(
                 jax.tree_util.tree_structure(state), placed))
             self._laid_out = True
-            tr = core._nnx_traceable(args, kwargs, self.module)
+        return prog.plan
+
+    def train_step(self, loss_fn: Callable[..., Any], optimizer: Any, *,
+                   return_grads: bool = False, **options: Any) -> Any:
+        """One jitted training step (see :meth:`AutoParallel.train_step`): ``loss_fn(self(*inputs),
+        *batch)``; ``state = step.init(None, *batch)`` takes the module's state (or the
+        ``nnx.State`` given), ``step.update(state)`` writes the trained state back into it."""
+        c = self._core.constraints
+        if c is not None and c.pipeline_stages not in (None, 1):
+            raise PlanError("train_step: pipelined steps run linen modules only so far; drop "
+                            "Constraints(pipeline_stages=...) for an nnx module")
+        return SpmdStep(self, loss_fn, optimizer, return_grads=return_grads, **options)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        core = self._core
+        specs = core._nnx_specs()
+        self.lay_out(*args, **kwargs)
+        tr = core._nnx_traceable(args, kwargs, self.module)
         out, new_state = core._run(tr, specs)
         nnx.update(self.module, new_state)
         return out

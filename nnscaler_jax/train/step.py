@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -108,6 +109,64 @@ def _split_micro(x: jax.Array, m: int) -> jax.Array:
     return jnp.moveaxis(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 1, 0)
 
 
+class _Linen:
+    """A wrapped linen module: ``variables = {'params': ..., **collections}``."""
+
+    def __init__(self, pm: Any, step: SpmdStep):
+        self.pm, self.core, self.step = pm, pm, step
+
+    def shardings(self, variables: Any, micro: Sequence[Any], rngs: Any) -> tuple[Any, Any]:
+        n = len(micro) if self.step.inputs is None else self.step.inputs
+        sh = self.pm.variable_shardings(
+            dict(variables), *micro[:n], rngs=rngs,
+            mutable=[c for c in variables if c != "params"] or False, **self.step.module_kwargs)
+        return sh["params"], {k: v for k, v in sh.items() if k != "params"}
+
+    def split(self, variables: Any) -> tuple[Any, Any]:
+        return variables["params"], {k: v for k, v in variables.items() if k != "params"}
+
+    def call(self, params: Any, colls: Any, inputs: Sequence[Any], rngs: Any) -> tuple:
+        out = self.pm.apply({"params": params, **colls}, *inputs, rngs=rngs,
+                            mutable=list(colls) or False, **self.step.module_kwargs)
+        return out if colls else (out, {})
+
+    def variables(self, state: dict) -> Any:
+        return {"params": state["params"], **state["collections"]}
+
+
+class _Nnx:
+    """A wrapped nnx module: the parameters (``nnx.Param``) are trained, the rest of its
+    state (batch statistics, rng counters) is carried and updated by each call."""
+
+    def __init__(self, pm: Any, step: SpmdStep):
+        self.pm, self.core, self.step = pm, pm._core, step
+        self.graphdef = None
+
+    def shardings(self, variables: Any, micro: Sequence[Any], rngs: Any) -> tuple[Any, Any]:
+        if rngs is not None:
+            raise PlanError("train_step: an nnx module keeps its rng streams in nnx.Rngs; "
+                            "call step.init(None, *batch) without rng=")
+        if variables is not None:
+            nnx.update(self.pm, variables)
+        n = len(micro) if self.step.inputs is None else self.step.inputs
+        self.pm.lay_out(*micro[:n], **self.step.module_kwargs)
+        params, rest = self.split(None)
+        sharding = lambda x: x.sharding
+        return jax.tree.map(sharding, params), jax.tree.map(sharding, rest)
+
+    def split(self, variables: Any) -> tuple[Any, Any]:
+        self.graphdef, params, rest = nnx.split(self.pm, nnx.Param, ...)
+        return params, rest
+
+    def call(self, params: Any, rest: Any, inputs: Sequence[Any], rngs: Any) -> tuple:
+        model = nnx.merge(self.graphdef, params, rest, copy=True)
+        out = model(*inputs, **self.step.module_kwargs)
+        return out, nnx.split(model, nnx.Param, ...)[2]
+
+    def variables(self, state: dict) -> Any:
+        return nnx.merge_state(state["params"], state["collections"])
+
+
 class SpmdStep:
     """``pm.train_step(loss_fn, optimizer)`` for a plan without pipeline stages.
 
@@ -136,6 +195,7 @@ class SpmdStep:
         self.inputs, self.module_kwargs = inputs, dict(module_kwargs or {})
         self.rng_streams, self.return_grads = tuple(rng_streams), return_grads
         self.growth_interval = growth_interval
+        self.model = _Nnx(pm, self) if isinstance(pm, nnx.Module) else _Linen(pm, self)
         self.microbatches = 1
         self.jitted: Callable | None = None
         self._shardings: dict | None = None
@@ -148,7 +208,7 @@ class SpmdStep:
         return self.pm.plan
 
     def _micro_count(self, batch: Sequence[Any]) -> int:
-        c, fixed = self.pm.constraints, self.pm.fixed_plan
+        c, fixed = self.model.core.constraints, self.model.core.fixed_plan
         if c is not None and c.microbatches:
             m = c.microbatches
         else:
@@ -161,12 +221,6 @@ class SpmdStep:
                             "Constraints(microbatches=k) with k dividing it")
         return m
 
-    def _call(self, variables: Any, batch: Sequence[Any], rngs: Any) -> Any:
-        n = len(batch) if self.inputs is None else self.inputs
-        coll = [c for c in variables if c != "params"] or False
-        return self.pm.apply(variables, *batch[:n], rngs=rngs, mutable=coll,
-                             **self.module_kwargs)
-
     def _rngs(self, key: Any, i: Any) -> dict | None:
         if key is None:
             return None
@@ -178,32 +232,28 @@ class SpmdStep:
 
         Returns ``{'params', 'opt_state', 'collections', 'step'}`` (+ ``'rng'`` when ``rng`` is
         given, + ``'loss_scale'``, ``'good_steps'`` under float16)."""
-        variables = dict(variables)
         self.microbatches = m = self._micro_count(batch)
         micro = [jax.ShapeDtypeStruct((x.shape[0] // m, *x.shape[1:]), x.dtype)
                  for x in batch]
-        n = len(batch) if self.inputs is None else self.inputs
         rngs = self._rngs(jax.random.key(0), 0) if rng is not None else None
-        var_sh = self.pm.variable_shardings(
-            variables, *micro[:n], rngs=rngs,
-            mutable=[c for c in variables if c != "params"] or False, **self.module_kwargs)
-        plan = self.pm.plan
+        p_sh, c_sh = self.model.shardings(variables, micro, rngs)
+        params, colls = self.model.split(variables)
+        plan = self.model.core.plan
         # the step runs on the Auto view of the mesh: the wrapper's program inside it picks
         # its own types, and optax mixes the state's leaves freely
-        self.mesh = mesh = auto_view(self.pm.mesh)
-        var_sh = jax.tree.map(lambda s: NamedSharding(mesh, s.spec), var_sh)
-        params = variables["params"]
-        p_sh = var_sh["params"]
+        self.mesh = mesh = auto_view(self.model.core.mesh)
+        # (state the plan does not lay out, an nnx rng counter, is replicated)
+        p_sh, c_sh = jax.tree.map(lambda s: NamedSharding(mesh, getattr(s, "spec", P())),
+                                  (p_sh, c_sh))
         z_sh = zero_specs(params, p_sh, mesh, plan.zero)
         opt_shapes = jax.eval_shape(self.optimizer.init, params)
         o_sh = _state_shardings(opt_shapes, params, z_sh, mesh)
         rep = NamedSharding(mesh, P())
-        state_sh = {"params": p_sh, "opt_state": o_sh, "step": rep,
-                    "collections": {k: v for k, v in var_sh.items() if k != "params"}}
+        state_sh = {"params": p_sh, "opt_state": o_sh, "step": rep, "collections": c_sh}
         # copies: the step donates its state, the caller keeps ``variables``
         copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t),
                        out_shardings=(p_sh, state_sh["collections"]))
-        params, colls = copy((params, {k: v for k, v in variables.items() if k != "params"}))
+        params, colls = copy((params, colls))
         state = {"params": params, "collections": colls,
                  "step": jax.device_put(jnp.zeros((), jnp.int32), rep)}
         state["opt_state"] = jax.jit(self.optimizer.init, out_shardings=o_sh)(state["params"])
@@ -223,9 +273,10 @@ class SpmdStep:
         """(mean loss, summed-over-micro-batches gradients / m, updated collections)."""
         m, scale = self.microbatches, state.get("loss_scale", 1.0)
 
+        n = len(batch) if self.inputs is None else self.inputs
+
         def micro(params, colls, mb, i):
-            out = self._call({"params": params, **colls}, mb, self._rngs(key, i))
-            out, new = out if colls else (out, {})
+            out, new = self.model.call(params, colls, mb[:n], self._rngs(key, i))
             loss = self.loss_fn(out, *mb)
             return loss.astype(jnp.float32) * scale, (loss, new)
 
@@ -299,9 +350,17 @@ class SpmdStep:
         """The module's params tree of ``state``."""
         return state["params"]
 
-    def variables(self, state: dict) -> dict:
-        """``{'params': ..., **collections}``, as ``module.apply`` takes them."""
-        return {"params": state["params"], **state["collections"]}
+    def variables(self, state: dict) -> Any:
+        """Linen: ``{'params': ..., **collections}``, as ``module.apply`` takes them; nnx: the
+        module's ``nnx.State``."""
+        return self.model.variables(state)
+
+    def update(self, state: dict) -> None:
+        """nnx: write the state's parameters and other variables back into the module."""
+        if not isinstance(self.model, _Nnx):
+            raise PlanError("step.update(state) writes an nnx module's state; for linen use "
+                            "step.variables(state) with apply")
+        nnx.update(self.pm, self.variables(state))
 
     def memory(self, state: dict) -> dict[str, int]:
         """Per-device bytes measured from the arrays: ``params``, ``optimizer``, and ``grads``
@@ -317,6 +376,6 @@ class SpmdStep:
         ``activations``, ``transient``, ``peak``) for one micro-batch's call, priced with the
         mesh's own cost model (Adam: two moments per parameter)."""
         self._check()
-        plan = self.plan
+        plan = self.model.core.plan
         cm = CostModel.for_axes(dict(plan.mesh), zero=plan.zero)
-        return cm.memory_breakdown(plan, self.pm.graph)
+        return cm.memory_breakdown(plan, self.model.core.graph)

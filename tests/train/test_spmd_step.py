@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import models
 from nnscaler_jax import Constraints, PlanError, auto_parallel
@@ -191,3 +192,45 @@ def test_float16_scales_the_loss_and_skips_overflowing_steps(gpt, mesh):
     state, metrics = step(state, *args)
     assert not bool(metrics["finite"]) and float(state["loss_scale"]) == 2.0 ** 39
     jax.tree.map(np.testing.assert_array_equal, step.params(state), before)
+
+
+class NnxNet(nnx.Module):
+    """nnx: BatchNorm statistics and a Dropout rng stream live in the module's state."""
+
+    def __init__(self, rngs):
+        self.l1, self.bn = nnx.Linear(8, 32, rngs=rngs), nnx.BatchNorm(32, rngs=rngs)
+        self.drop, self.l2 = nnx.Dropout(0.2, rngs=rngs), nnx.Linear(32, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(self.drop(nnx.relu(self.bn(self.l1(x)))))
+
+
+def test_nnx_module_trains_like_the_plain_nnx_loop(mesh):
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+    labels = jax.random.randint(jax.random.key(2), (16,), 0, 4)
+    opt = optax.sgd(0.1)
+    graphdef, params, rest = nnx.split(NnxNet(nnx.Rngs(0)), nnx.Param, ...)
+    o, ref = opt.init(params), []
+    for _ in range(3):
+        def loss(p, rest):
+            m = nnx.merge(graphdef, p, rest, copy=True)
+            return ce(m(x), x, labels), nnx.split(m, nnx.Param, ...)[2]
+
+        (lv, rest), g = jax.value_and_grad(loss, has_aux=True)(params, rest)
+        u, o = opt.update(g, o, params)
+        params = optax.apply_updates(params, u)
+        ref.append(float(lv))
+
+    pm = auto_parallel(mesh, policy="dp")(NnxNet(nnx.Rngs(0)))
+    step = pm.train_step(ce, opt, inputs=1)
+    state = step.init(None, x, labels)
+    losses = []
+    for _ in range(3):
+        state, metrics = step(state, x, labels)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref, rtol=1e-5)
+    step.update(state)  # back into the wrapped module
+    np.testing.assert_allclose(pm.module.bn.mean[...], rest["bn"]["mean"][...], rtol=1e-4,
+                               atol=1e-6)
+    np.testing.assert_allclose(pm.module.l2.kernel[...], params["l2"]["kernel"][...],
+                               rtol=1e-4, atol=1e-6)
