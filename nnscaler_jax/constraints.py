@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import fnmatch
+import math
+import numbers
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -38,6 +40,15 @@ class Rule:
     replicate: bool = False
     recompute: bool | None = None
 
+    def __post_init__(self) -> None:
+        for name in ("dims", "axes"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, str) or not all(isinstance(v, str) for v in _iter(value)):
+                raise ConstraintError(_rule_names_error(name, value))
+            object.__setattr__(self, name, tuple(value))
+
     def matches(self, op) -> bool:
         if self.primitive is not None and op.primitive != self.primitive:
             return False
@@ -48,11 +59,27 @@ class Rule:
         return f"Rule({', '.join(parts)})"
 
 
+def _iter(value: object) -> tuple:
+    try:
+        return tuple(value)  # type: ignore[arg-type]
+    except TypeError:
+        return (value,)
+
+
+def _rule_names_error(field_name: str, value: object) -> str:
+    """A ``Rule(dims=...)`` / ``Rule(axes=...)`` that is not a tuple of names."""
+    example = {"dims": "('m0', 'n0')", "axes": "('model',)"}[field_name]
+    what = {"dims": "annotated dim names", "axes": "mesh axis names"}[field_name]
+    one = f"({value!r},)" if isinstance(value, str) else example
+    return (f"Rule({field_name}={value!r}): {field_name} is a tuple of {what}, e.g. "
+            f"{field_name}={one}")
+
+
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_bytes(value: int | float | str) -> int:
+def parse_bytes(value: float | str) -> int:
     """A positive byte count from an int / float or a string such as ``"32GiB"``, ``"80 GB"``.
 
     >>> parse_bytes("32GiB"), parse_bytes("1.5 MB"), parse_bytes(4096)
@@ -72,9 +99,41 @@ def parse_bytes(value: int | float | str) -> int:
         if m is None or m.group(2).lower() not in _UNITS:
             raise bad
         value = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if not isinstance(value, int | float) or not value > 0 or value != value:
+    if not isinstance(value, int | float) or not (value > 0 and math.isfinite(value)):
         raise bad
     return int(value)
+
+
+def _iterable(value: object) -> bool:
+    try:
+        iter(value)  # type: ignore[call-overload]
+    except TypeError:
+        return False
+    return True
+
+
+def _is_int(value: object) -> bool:
+    """An integer (numpy's too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _logical_rules(value: object) -> tuple[tuple[str, str | None], ...]:
+    """``logical_rules`` as a tuple of ``(logical name, mesh axis or None)`` pairs."""
+    bad = ConstraintError(
+        f"Constraints(logical_rules={value!r}): give (logical name, mesh axis or None) pairs, "
+        "e.g. logical_rules=(('embed', 'model'), ('batch', 'data'), ('mlp', None))")
+    if isinstance(value, str) or not _iterable(value):
+        raise bad
+    pairs = []
+    for r in value:  # type: ignore[union-attr]
+        if isinstance(r, str) or not _iterable(r):
+            raise bad
+        r = tuple(r)
+        if len(r) != 2 or not isinstance(r[0], str) or not (r[1] is None
+                                                             or isinstance(r[1], str)):
+            raise bad
+        pairs.append(r)
+    return tuple(pairs)
 
 
 @dataclass(frozen=True)
@@ -104,10 +163,26 @@ class Constraints:
     precision: Literal["float32", "bfloat16", "float16"] | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.rules, Rule | str) or not _iterable(self.rules):
+            raise ConstraintError(
+                f"Constraints(rules={self.rules!r}): rules is a tuple of Rule values, e.g. "
+                "rules=(Rule(module='fc1', replicate=True),)")
         object.__setattr__(self, "rules", tuple(self.rules))
-        object.__setattr__(self, "logical_rules", tuple(tuple(r) for r in self.logical_rules))
-        if self.zero is not None and self.zero not in (0, 1, 2, 3):
+        object.__setattr__(self, "logical_rules", _logical_rules(self.logical_rules))
+        if self.zero is not None and (not _is_int(self.zero) or self.zero not in (0, 1, 2, 3)):
             raise ConstraintError(f"Constraints(zero={self.zero!r}): ZeRO stage is 0, 1, 2 or 3")
+        if self.microbatches is not None and (not _is_int(self.microbatches)
+                                              or self.microbatches < 1):
+            raise ConstraintError(
+                f"Constraints(microbatches={self.microbatches!r}): use a positive int (the "
+                "micro-batches a step's batch is split into), or None to let the planner choose")
+        stages = self.pipeline_stages
+        if stages is not None and stages != "auto" and (not _is_int(stages) or stages < 1):
+            raise ConstraintError(f"Constraints(pipeline_stages={stages!r}): use a positive int "
+                                  "or 'auto'")
+        for name in ("zero", "microbatches", "pipeline_stages"):  # numpy ints as plain ints
+            if _is_int(getattr(self, name)):
+                object.__setattr__(self, name, int(getattr(self, name)))
         if self.schedule not in (None, "1f1b", "gpipe", "interleaved"):
             raise ConstraintError(f"Constraints(schedule={self.schedule!r}): use '1f1b', 'gpipe' "
                                   "or 'interleaved'")
@@ -130,6 +205,9 @@ class Constraints:
         """
         self._check_pipeline(mesh_axes)
         for r in self.rules:
+            if r.replicate and (r.dims or r.axes):
+                raise ConstraintError(f"{r} contradicts itself: it replicates its ops and names "
+                                      "dims / axes to split them over; drop one")
             for a in r.axes or ():
                 if a not in mesh_axes:
                     raise ConstraintError(f"{r}: mesh axis '{a}' is not in the mesh {mesh_axes}",
@@ -147,6 +225,7 @@ class Constraints:
                             f"'{op.anno}', shapes {[t.shape for t in op.inputs]}) has none of the "
                             f"dims {list(r.dims)}", op=op.primitive, module_path=op.module_path,
                             shapes=tuple(t.shape for t in op.inputs))
+                    _check_divisible(r, op, mesh_axes)
         for r in self.rules:
             if r.recompute is not None and r.primitive is not None:
                 raise ConstraintError(
@@ -155,12 +234,15 @@ class Constraints:
                     f"{r.recompute})", op=r.primitive)
         for i, a in enumerate(self.rules):
             for b in self.rules[i + 1:]:
-                both = [op for op in graph.walk() if a.matches(op) and b.matches(op)]
-                if both and ((a.replicate and (b.dims or b.axes)) or
-                             (b.replicate and (a.dims or a.axes))):
-                    raise ConstraintError(f"{a} and {b} contradict on op '{both[0].primitive}' at "
-                                          f"'{both[0].module_path}': one replicates, one splits",
-                                          op=both[0].primitive, module_path=both[0].module_path)
+                op = next((op for op in graph.walk() if a.matches(op) and b.matches(op)), None)
+                why = _contradiction(a, b) if op is not None else None
+                if why:
+                    raise ConstraintError(
+                        f"{a} and {b} contradict on op '{op.primitive}' at "
+                        f"'{op.module_path or '<top>'}' (annotation '{op.anno}', input shapes "
+                        f"{[t.shape for t in op.inputs]}): {why}. Narrow one rule's module glob "
+                        "/ primitive, or merge them into one Rule", op=op.primitive,
+                        module_path=op.module_path, shapes=tuple(t.shape for t in op.inputs))
 
     def recompute_groups(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """``(forced, forbidden)`` module path globs of the recompute rules."""
@@ -172,9 +254,6 @@ class Constraints:
         stages, axis = self.pipeline_stages, stage_axis(mesh_axes)
         if stages in (None, 1):
             return
-        if self.microbatches is not None and self.microbatches < 1:
-            raise ConstraintError(
-                f"Constraints(microbatches={self.microbatches}): use a positive int")
         if stages == "auto":
             if axis is None:
                 raise ConstraintError(
@@ -183,11 +262,41 @@ class Constraints:
                     f"{mesh_axes}. Add one, e.g. jax.make_mesh((4, 2), ('stage', 'data')), or "
                     "run nnscaler_jax.pipeline.stage_dp.search_stages to choose a stage count")
             return
-        if not isinstance(stages, int) or stages < 1:
-            raise ConstraintError(f"Constraints(pipeline_stages={stages!r}): use a positive int or "
-                            "'auto'")
         if axis is None or mesh_axes[axis] != stages:
             raise ConstraintError(
                 f"Constraints(pipeline_stages={stages}) needs a mesh axis 'stage' (or 'pipe') "
                 f"of size {stages}; the mesh has {mesh_axes}. E.g. "
                 f"jax.make_mesh(({stages}, 2), ('stage', 'data'))")
+
+
+def _contradiction(a: Rule, b: Rule) -> str | None:
+    """Why two rules on one op leave nothing to choose (None: they do not contradict)."""
+    if a.replicate != b.replicate and (a.dims or a.axes or b.dims or b.axes):
+        return "one replicates, the other splits"
+    if a.dims is not None and b.dims is not None and not set(a.dims) & set(b.dims):
+        return f"no dim is allowed by both ({list(a.dims)} vs {list(b.dims)})"
+    if a.axes is not None and b.axes is not None and not set(a.axes) & set(b.axes):
+        return f"no mesh axis is allowed by both ({list(a.axes)} vs {list(b.axes)})"
+    return None
+
+
+def _check_divisible(rule: Rule, op, mesh_axes: dict[str, int]) -> None:
+    """Raise unless some dim ``rule`` lets ``op`` split divides by some mesh axis it allows
+    (ops with none of its dims splittable are the business of the other checks)."""
+    anno = op.annotation
+    dims = [d for d in rule.dims or () if d in anno.splittable()]
+    axes = [a for a in (rule.axes or mesh_axes) if mesh_axes.get(a, 1) > 1]
+    if not dims or not axes:
+        return
+    sizes = op.dim_sizes()
+    if any(sizes[d] % mesh_axes[a] == 0 for d in dims for a in axes):
+        return
+    shapes = tuple(t.shape for t in op.inputs)
+    what = " or ".join(f"dim '{d}' (size {sizes[d]})" for d in dims)
+    over = ", ".join(f"'{a}' ({mesh_axes[a]})" for a in axes)
+    raise ConstraintError(
+        f"{rule} cannot be met on op '{op.primitive}' at '{op.module_path or '<top>'}' "
+        f"(annotation '{op.anno}', shapes {list(shapes)}): no mesh axis it allows ({over}) "
+        f"divides {what}. Use sizes those axes divide, allow other dims or axes, or keep the "
+        f"op whole with Rule(module={rule.module!r}, replicate=True)",
+        op=op.primitive, module_path=op.module_path, axis=",".join(axes), shapes=shapes)

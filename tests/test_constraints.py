@@ -45,6 +45,8 @@ def test_rule_prints_only_what_it_sets():
     ({"schedule": "zb-h1"}, "schedule"),
     ({"max_memory_per_device": 0}, "positive byte count"),
     ({"rules": ("fc1",)}, "takes Rule values"),
+    ({"microbatches": 0}, "positive int"),  # refused when given, pipelined or not
+    ({"pipeline_stages": 0}, "positive int or 'auto'"),
 ])
 def test_bad_fields(kw, what):
     with pytest.raises(ConstraintError, match=what):
@@ -75,7 +77,8 @@ def test_rules_that_can_be_met_pass(graph):
     Constraints(rules=(Rule(module="fc1", primitive="dot_general", axes=("model",)),
                        Rule(module="fc1", primitive="dot_general", dims=("zz", "m0")),
                        Rule(module="fc2", replicate=True),  # no rule splitting fc2
-                       Rule(module="fc1", axes=("data",)))).check(graph, {"data": 2, "model": 2})
+                       Rule(module="fc1", axes=("data", "model")))).check(  # shares 'model'
+        graph, {"data": 2, "model": 2})
 
 
 def test_a_rule_matching_no_op_lists_module_paths(graph):
@@ -89,7 +92,6 @@ MESH = {"stage": 4, "data": 2}
 @pytest.mark.parametrize("kw", [
     {"pipeline_stages": None},
     {"pipeline_stages": 1},
-    {"pipeline_stages": 1, "microbatches": 0},  # not pipelining: not read
     {"pipeline_stages": 4, "microbatches": 8, "schedule": "1f1b"},
     {"pipeline_stages": "auto"},
 ])

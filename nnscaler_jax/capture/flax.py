@@ -143,9 +143,11 @@ class CallArgs:
                 hash(leaf)
             except TypeError:
                 raise PlanError(
-                    f"{where}: argument {name} is a {type(leaf).__name__}, neither an array nor "
-                    "a hashable option (bool, int, float, str); pass arrays or "
-                    "jax.ShapeDtypeStruct values, and options as plain Python values") from None
+                    f"{where}: argument {name} (of type {type(leaf).__name__}) is neither an "
+                    "array nor a hashable option (bool, int, float, str, a frozen dataclass); "
+                    "non-array arguments are static, as jax.jit's static arguments, and select "
+                    "the program. Pass arrays or jax.ShapeDtypeStruct values, options as hashable "
+                    "Python values, and containers of arrays as lists / tuples / dicts") from None
             static.append((i, leaf))
         return cls(tuple(arrays), tuple(paths), treedef, tuple(static))
 

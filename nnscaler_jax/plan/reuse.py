@@ -29,11 +29,75 @@ def check_reuse(plan: Plan, graph: Graph, mesh_axes: dict[str, int]) -> None:
     the pipeline's micro-batch count divides this graph's sizes."""
     plan.check_graph(graph, mesh_axes)
     ops = {op.id: op for op in graph.walk()}
+    _check_entries(plan, graph, ops, mesh_axes)
     for p in plan.ops:
         if p.split or p.chunks:
             _check_op(ops[p.op], p, mesh_axes)
     _check_variables(plan, graph, mesh_axes)
     _check_microbatches(plan, graph)
+
+
+def _corrupted(what: str, **fields: Any) -> PlanFormatError:
+    return PlanFormatError(f"saved plan is corrupted: {what}. It is not the Plan.to_json() "
+                           "of a plan for this model (edited by hand?). "
+                           f"{REPLAN[0].upper()}{REPLAN[1:]}", **fields)
+
+
+def _check_entries(plan: Plan, graph: Graph, ops: dict[int, Op],
+                   mesh_axes: dict[str, int]) -> None:
+    """Raise ``PlanFormatError`` for entries no plan of this graph has (a plan JSON edited by
+    hand, or pieced together from several): unknown op ids, ops listed twice or under another
+    primitive / module path, splits over mesh axes the mesh lacks (or one axis twice), chunk
+    counts below 1, variables the graph lacks, order pairs of unknown ops, a ZeRO stage outside
+    0-3, pipeline settings that are not positive."""
+    seen: set[int] = set()
+    for p in plan.ops:
+        op = ops.get(p.op)
+        if op is None:
+            raise _corrupted(f"op {p.op} ('{p.primitive}' at '{p.module_path or '<top>'}') is "
+                             f"not an op of this graph (ids {min(ops, default=0)}.."
+                             f"{max(ops, default=0)})", op=p.primitive,
+                             module_path=p.module_path)
+        if p.op in seen:
+            raise _corrupted(f"op {p.op} is listed twice", op=op.primitive,
+                             module_path=op.module_path)
+        seen.add(p.op)
+        if (p.primitive, p.module_path) != (op.primitive, op.module_path):
+            raise _corrupted(f"op {p.op} is '{p.primitive}' at '{p.module_path or '<top>'}' in "
+                             f"the plan, '{op.primitive}' at '{op.module_path or '<top>'}' in "
+                             "this graph", op=op.primitive, module_path=op.module_path)
+        axes = [a for a, _ in p.split]
+        for a in axes:
+            if a not in mesh_axes:
+                raise _corrupted(f"op {p.op} '{op.primitive}' at '{op.module_path or '<top>'}' "
+                                 f"is split over mesh axis '{a}', which the mesh {mesh_axes} "
+                                 "lacks", op=op.primitive, module_path=op.module_path, axis=a)
+            if axes.count(a) > 1:
+                raise _corrupted(f"op {p.op} '{op.primitive}' at '{op.module_path or '<top>'}' "
+                                 f"is split over mesh axis '{a}' twice ({list(p.split)})",
+                                 op=op.primitive, module_path=op.module_path, axis=a)
+        if p.chunks and p.chunks[1] < 1:
+            raise _corrupted(f"op {p.op} '{op.primitive}' at '{op.module_path or '<top>'}' runs "
+                             f"in {p.chunks[1]} chunks", op=op.primitive,
+                             module_path=op.module_path)
+    names = {t.name for t in graph.variables}
+    for name, spec in plan.variables:
+        if name not in names:
+            raise _corrupted(f"variable '{name}' is not a variable of this model")
+        for e in spec:
+            for a in (e,) if isinstance(e, str) else tuple(e or ()):
+                if a not in mesh_axes:
+                    raise _corrupted(f"variable '{name}' is stored split over mesh axis '{a}', "
+                                     f"which the mesh {mesh_axes} lacks", axis=a)
+    for a, b in plan.order:
+        if a not in ops or b not in ops:
+            raise _corrupted(f"the op order ({a}, {b}) names an op this graph lacks")
+    if plan.zero not in (0, 1, 2, 3):
+        raise _corrupted(f"ZeRO stage {plan.zero} (0, 1, 2 or 3)")
+    pipe = plan.pipeline
+    if pipe is not None and min(pipe.stages, pipe.microbatches, pipe.virtual) < 1:
+        raise _corrupted(f"pipeline of {pipe.stages} stages, {pipe.microbatches} micro-batches "
+                         f"and {pipe.virtual} chunks per stage (each at least 1)")
 
 
 def _check_op(op: Op, p: OpPlan, mesh_axes: dict[str, int]) -> None:
@@ -52,7 +116,7 @@ def _check_op(op: Op, p: OpPlan, mesh_axes: dict[str, int]) -> None:
         ways = math.prod(mesh_axes[a] for a in axes) * k
         if d not in anno.splittable():
             raise _op_error(op, axes, f"splits dim '{d}', which this graph's annotation "
-                            f"'{op.anno}' does not let it split", f"Re-plan: {REPLAN}")
+                            f"'{op.anno}' does not let it split", f"{REPLAN[0].upper()}{REPLAN[1:]}")
         if sizes[d] % ways:
             over = " x ".join([f"'{a}' ({mesh_axes[a]})" for a in axes] +
                               ([f"{k} chunks"] if k > 1 else []))
@@ -90,8 +154,12 @@ def _check_variables(plan: Plan, graph: Graph, mesh_axes: dict[str, int]) -> Non
         for i, e in enumerate(spec if shape is not None else ()):
             axes = (e,) if isinstance(e, str) else tuple(e or ())
             ways = math.prod(mesh_axes.get(a, 1) for a in axes)
-            if axes and (i >= len(shape) or shape[i] % ways):
-                size = shape[i] if i < len(shape) else "missing"
+            if axes and i >= len(shape):
+                raise _corrupted(f"variable '{name}' of shape {shape} is stored with dim {i} "
+                                 f"split over mesh axes {list(axes)}, but it has {len(shape)} "
+                                 "dims", axis=",".join(axes), shapes=(shape,))
+            if axes and shape[i] % ways:
+                size = shape[i]
                 raise PlanFormatError(
                     f"saved plan: variable '{name}' of shape {shape} is stored with dim {i} "
                     f"split over mesh axes {list(axes)} ({ways} ways), but that dim's size here "
