@@ -5,8 +5,6 @@ Orchestration only: capture (``capture/``), plan (``plan/``, ``primitives``), lo
 
 from __future__ import annotations
 
-import json
-import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,13 +33,14 @@ from nnscaler_jax.capture.trace import (
     warn_unannotated,
 )
 from nnscaler_jax.constraints import Constraints
-from nnscaler_jax.errors import ConstraintError, PlanError, PlanFormatError
+from nnscaler_jax.errors import ConstraintError, PlanError
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.lower.explicit import result_specs
 from nnscaler_jax.lower.replay import Lowering, explicitly_typed, is_explicit
 from nnscaler_jax.lower.verify import compare_outputs
 from nnscaler_jax.pipeline.runtime import PipelineStep
 from nnscaler_jax.plan.plan import Plan
+from nnscaler_jax.plan.reuse import saved_plan
 from nnscaler_jax.planner import make_plan
 from nnscaler_jax.train.step import SpmdStep
 
@@ -297,6 +296,12 @@ class AutoParallel:
                                                    strict=True)]
         return prog.fn.lower(*flat).compile()
 
+    def with_plan(self, plan: Plan) -> AutoParallel:
+        """The same module and mesh running ``plan`` (e.g. at a micro-batch's sizes: a plan
+        applies at other sizes while its splits divide)."""
+        return AutoParallel(self.module, self.mesh, self.constraints, self.policy, plan,
+                            self.verify)
+
     def variable_shardings(self, variables: Any, *args: Any, rngs: Any = None,
                            mutable: Any = False, **kwargs: Any) -> Any:
         """Where the plan of ``apply(variables, *args, **kwargs)`` stores each variable: a tree
@@ -363,6 +368,12 @@ class NnxAutoParallel(nnx.Module):
     def make_plan(self, *args, **kwargs) -> Plan:
         return self._core.make_plan(*args, **kwargs)
 
+    def with_plan(self, plan: Plan) -> NnxAutoParallel:
+        """A wrapper of the same module object (its state shared) running ``plan``."""
+        core = self._core
+        return NnxAutoParallel(self.module, core.mesh, core.constraints, core.policy, plan,
+                               core.verify)
+
     def lay_out(self, *args: Any, **kwargs: Any) -> Plan:
         """Plan the call ``self(*args, **kwargs)`` (args may be abstract) and lay the module's
         state out as that plan stores it, without running it."""
@@ -423,7 +434,7 @@ def auto_parallel(mesh: Any, constraints: Constraints | None = None, *, policy: 
                         "make one with jax.make_mesh((2, 4), ('data', 'model'))")
     if constraints is not None and not isinstance(constraints, Constraints):
         raise PlanError(f"constraints must be a Constraints, got {type(constraints).__name__}")
-    plan = _saved_plan(plan)
+    plan = saved_plan(plan)
 
     def wrap(target: Any) -> Any:
         if isinstance(target, type):
@@ -436,29 +447,6 @@ def auto_parallel(mesh: Any, constraints: Constraints | None = None, *, policy: 
                         f"class), got {type(target).__name__}")
 
     return wrap
-
-
-def _saved_plan(plan: Any) -> Plan | None:
-    """A ``Plan`` from what ``auto_parallel(plan=...)`` accepts: a Plan, its JSON text, that
-    text parsed as a dict, or the path of a file holding it."""
-    if plan is None or isinstance(plan, Plan):
-        return plan
-    if isinstance(plan, dict):
-        plan = json.dumps(plan)
-    if isinstance(plan, os.PathLike) or (isinstance(plan, str)
-                                         and not plan.lstrip().startswith("{")):
-        try:
-            with open(plan, encoding="utf-8") as f:
-                plan = f.read()
-        except OSError as e:
-            raise PlanFormatError(f"auto_parallel(plan={str(plan)!r}): not JSON text and no "
-                                  f"readable file ({e.strerror}); pass a Plan, its to_json() "
-                                  "text, that text as a dict or a path to a saved plan") from e
-    if isinstance(plan, str | bytes):
-        return Plan.from_json(plan)
-    raise PlanFormatError(f"auto_parallel(plan=...) takes a Plan, its to_json() text, that "
-                          f"text parsed as a dict or a path to a saved plan, got "
-                          f"{type(plan).__name__}")
 
 
 def _decorate_class(cls: type, mesh, constraints, policy, plan, verify) -> type:

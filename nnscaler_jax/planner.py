@@ -13,6 +13,7 @@ precision=...)`` must agree with it: :mod:`nnscaler_jax.capture.precision`).
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import warnings
@@ -25,8 +26,8 @@ from nnscaler_jax.constraints import Constraints
 from nnscaler_jax.cost.devices import DefaultBudget, default_budget_of
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.errors import ConstraintError, NoFitError, PlanError, PlanFormatError
-from nnscaler_jax.ir.graph import Graph
-from nnscaler_jax.mesh.axes import mesh_axes
+from nnscaler_jax.ir.graph import Graph, Role
+from nnscaler_jax.mesh.axes import data_axes, mesh_axes
 from nnscaler_jax.pipeline.configure import configure_pipeline
 from nnscaler_jax.plan.plan import Plan, unsplit_summary
 from nnscaler_jax.plan.reuse import check_reuse
@@ -48,13 +49,16 @@ def plan_and_report(graph: Graph, mesh: Any, *, policy: str | Callable | None = 
     if policy is None and constraints.pipeline_stages not in (None, 1):
         policy = "dp"   # a pipeline without a policy: stages data-parallel inside
     try:
-        planned = plan_spmd(graph, mesh, policy=policy, constraints=constraints,
-                            partitioning=partitioning, cost_model=cost_model,
-                            time_limit=time_limit)
         if constraints.pipeline_stages not in (None, 1):
+            planned = plan_spmd(graph, mesh, policy=policy, constraints=constraints,
+                                partitioning=partitioning, cost_model=cost_model,
+                                time_limit=time_limit)
             planned = Planned(configure_pipeline(planned.plan, graph, constraints, cost_model),
                               planned.seconds, planned.report)
-        _check_budget(planned.plan, constraints.max_memory_per_device, default)
+            _check_budget(planned.plan, constraints.max_memory_per_device, default)
+        else:
+            planned = _plan_microbatched(graph, mesh, policy, constraints, partitioning,
+                                         cost_model, time_limit, default)
     except PlanError as e:
         if default is not None and _about_memory(e):
             e.args = (f"{e.args[0] if e.args else ''}\n{default.describe()}", *e.args[1:])
@@ -64,6 +68,69 @@ def plan_and_report(graph: Graph, mesh: Any, *, policy: str | Callable | None = 
                           planned.report)
     _warn_unsplit(planned.plan)
     return planned
+
+
+def microbatch_candidates(graph: Graph, mesh: Any) -> list[int]:
+    """Micro-batch counts an SPMD plan of ``graph`` may accumulate over: ``m > 1`` dividing the
+    batch size (the leading dim every example input shares) such that the mesh's data axes
+    still divide a micro-batch; none when the inputs share no leading dim."""
+    lead = {t.shape[0] for t in graph.inputs if t.role is Role.INPUT and t.ndim}
+    if len(lead) != 1:
+        return []
+    (batch,) = lead
+    axes = mesh_axes(mesh)
+    ways = math.prod(axes[a] for a in data_axes(axes))
+    return [m for m in range(2, batch + 1) if batch % m == 0 and (batch // m) % ways == 0]
+
+
+def _plan_microbatched(graph: Graph, mesh: Any, policy: Any, constraints: Constraints,
+                       partitioning: dict | None, cost_model: CostModel | None,
+                       time_limit: float | None, default: DefaultBudget | None) -> Planned:
+    """The SPMD plan: with ``Constraints(microbatches=m)`` priced as m micro-batches; else
+    the plan of the whole batch if one fits the budget, otherwise of the fewest micro-batches
+    (gradient accumulation) with which one does (each count searched with the cost model's
+    ``microbatches``, so splits and recompute are chosen for one micro-batch's memory).
+
+    Raises:
+        NoFitError: no count fits (the error of the largest count tried, its smallest
+            estimate being the smallest).
+    """
+    budget = constraints.max_memory_per_device
+
+    def attempt(m: int) -> Planned:
+        cm = cost_model
+        if m > 1:
+            base = cost_model or CostModel.for_axes(mesh_axes(mesh))
+            cm = replace(base, microbatches=m, _cache={})
+        planned = plan_spmd(graph, mesh, policy=policy, constraints=constraints,
+                            partitioning=partitioning, cost_model=cm, time_limit=time_limit)
+        plan = replace(planned.plan, microbatches=m)
+        _check_budget(plan, budget, default)
+        return Planned(plan, planned.seconds, planned.report)
+
+    if constraints.microbatches:
+        return attempt(constraints.microbatches)
+    try:
+        return attempt(1)
+    except NoFitError:
+        counts = microbatch_candidates(graph, mesh) if budget is not None else []
+        if not counts:
+            raise
+    try:  # the most micro-batches: if that does not fit, nothing does
+        best = attempt(counts[-1])
+    except NoFitError as e:
+        e.args = (f"{e.args[0] if e.args else ''}\n(with gradient accumulation over "
+                  f"{counts[-1]} micro-batches, the most this batch allows; the whole batch at "
+                  "once needs more)", *e.args[1:])
+        raise
+    lo, hi = 0, len(counts) - 1  # bisect for the fewest that fit (memory falls with m)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        try:
+            best, hi = attempt(counts[mid]), mid
+        except NoFitError:
+            lo = mid + 1
+    return best
 
 
 def _precision(graph: Graph, constraints: Constraints | None) -> str | None:

@@ -110,6 +110,11 @@ class CostModel:
         master_weights: an fp32 master copy of the weights is part of the optimizer state.
         input_grads: example inputs need gradients too (a model that is a block of a larger one).
         profile: measured op times preferred over the roofline (for ``device.kind``).
+        microbatches: SPMD gradient accumulation: the batch runs as this many micro-batches, so
+            the activations kept and the transients are one micro-batch's (``1 / m``); compute
+            and communication are priced for the whole batch (the same FLOPs and bytes; the
+            extra latency of m smaller collectives and small-shape efficiency are not priced).
+            ``plan_cost`` uses the larger of this and the plan's own.
     """
 
     mesh: MeshSpec
@@ -123,6 +128,7 @@ class CostModel:
     optimizer_bytes: float | None = None
     master_weights: bool = False
     input_grads: bool = False
+    microbatches: int = 1
     profile: ProfileDB | None = field(default=None, compare=False, hash=False)
     _cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
@@ -289,7 +295,8 @@ class CostModel:
             return 0
         _, outs = op_layouts(op, OpPlan(op.id, op.primitive, op.module_path, split))
         keep = range(len(op.outputs)) if outputs is None else outputs
-        return int(sum(self._local_bytes(op.outputs[k], outs[k]) for k in keep))
+        return int(sum(self._local_bytes(op.outputs[k], outs[k]) for k in keep)
+                   / self.microbatches)
 
     def state_bytes(self, v: Tensor, layout: Layout, dp_axes: tuple[str, ...] = (),
                     zero: int | None = None) -> tuple[float, float, float]:

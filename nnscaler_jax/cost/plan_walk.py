@@ -152,6 +152,8 @@ def analyze(model: Any, plan: Plan, graph: Graph) -> _Analysis:
     out = _Analysis()
     walk = _Walk(model, plan, graph, grads, zero, out)
     walk.run()
+    micro = max(model.microbatches, plan.microbatches)  # one micro-batch's activations live
+    out.activations, out.transient = out.activations / micro, out.transient / micro
     store, var_ids = _storage(model, plan, graph, walk.edges, walk.origin, zero, out)
     _communication(model, walk.edges, store, var_ids, grads, zero, out)
     return out

@@ -184,6 +184,9 @@ class Plan:
             ``"float16"``, ``"float32"``; params and inputs cast on entry, variables stored as
             they are: :mod:`nnscaler_jax.capture.precision`), None: the model's own dtypes.
             ``auto_parallel(plan=...)`` captures at it.
+        microbatches: gradient accumulation of an SPMD plan: the training step runs the batch
+            as this many micro-batches (rows ``i::m``) and synchronises gradients once; the
+            estimate keeps one micro-batch's activations (pipelines: ``pipeline.microbatches``).
     """
 
     mesh: tuple[tuple[str, int], ...]
@@ -198,6 +201,7 @@ class Plan:
     unsplit: tuple[Unsplit, ...] = field(default=(), compare=False)
     recompute: tuple[str, ...] = ()
     precision: str | None = None
+    microbatches: int = 1
 
     @property
     def stages(self) -> int:
@@ -216,7 +220,8 @@ class Plan:
     def __str__(self) -> str:
         axes = [a for a, _ in self.mesh]
         head = f"Plan[{self.policy or 'custom'}] mesh {dict(self.mesh)} zero={self.zero}" + (
-            f" precision={self.precision}" if self.precision else "")
+            f" precision={self.precision}" if self.precision else "") + (
+            f" microbatches={self.microbatches}" if self.microbatches > 1 else "")
         rows: dict[tuple, list[str]] = {}
         for p in self.ops:
             key = (p.module_path or "<top>",) + tuple(p.axis_dim(a) or "-" for a in axes) + (
@@ -302,6 +307,8 @@ class Plan:
             d["recompute"] = list(self.recompute)
         if self.precision:
             d["precision"] = self.precision
+        if self.microbatches > 1:
+            d["microbatches"] = self.microbatches
         if self.unsplit:
             d["unsplit"] = [dataclasses.asdict(u) for u in self.unsplit]
         return json.dumps(d, indent=1, sort_keys=True)
@@ -341,6 +348,7 @@ class Plan:
                 unsplit=tuple(_unsplit(u) for u in d.get("unsplit", ())),
                 recompute=tuple(str(g) for g in d.get("recompute", ())),
                 precision=precision_name(d.get("precision")),
+                microbatches=int(d.get("microbatches", 1)),
             )
         except (ValueError, KeyError, TypeError, IndexError) as e:
             raise PlanFormatError(f"not a valid plan JSON ({type(e).__name__}: {e}); write it "

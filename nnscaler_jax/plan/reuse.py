@@ -10,7 +10,9 @@ every variable's storage spec and the pipeline's micro-batch count.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from typing import Any
 
 from nnscaler_jax.errors import PlanFormatError
@@ -18,7 +20,7 @@ from nnscaler_jax.ir.anno import parse_anno
 from nnscaler_jax.ir.graph import Graph, Op, Role
 from nnscaler_jax.plan.plan import VALUE, OpPlan, Plan
 
-__all__ = ["check_reuse"]
+__all__ = ["check_reuse", "saved_plan"]
 
 REPLAN = "re-plan for these inputs (policy=... or make_plan() without plan=)"
 
@@ -175,3 +177,26 @@ def _check_microbatches(plan: Plan, graph: Graph) -> None:
             f"saved plan: the pipeline splits the batch into {m} micro-batches, but the batch "
             f"here is {batch}, which {m} does not divide. Use a batch {m} divides, or {REPLAN}",
             shapes=tuple(t.shape for t in graph.inputs if t.role is Role.INPUT))
+
+
+def saved_plan(plan: Any) -> Plan | None:
+    """A ``Plan`` from what ``auto_parallel(plan=...)`` accepts: a Plan, its JSON text, that
+    text parsed as a dict, or the path of a file holding it."""
+    if plan is None or isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, dict):
+        plan = json.dumps(plan)
+    if isinstance(plan, os.PathLike) or (isinstance(plan, str)
+                                         and not plan.lstrip().startswith("{")):
+        try:
+            with open(plan, encoding="utf-8") as f:
+                plan = f.read()
+        except OSError as e:
+            raise PlanFormatError(f"auto_parallel(plan={str(plan)!r}): not JSON text and no "
+                                  f"readable file ({e.strerror}); pass a Plan, its to_json() "
+                                  "text, that text as a dict or a path to a saved plan") from e
+    if isinstance(plan, str | bytes):
+        return Plan.from_json(plan)
+    raise PlanFormatError(f"auto_parallel(plan=...) takes a Plan, its to_json() text, that "
+                          f"text parsed as a dict or a path to a saved plan, got "
+                          f"{type(plan).__name__}")

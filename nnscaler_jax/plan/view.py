@@ -237,7 +237,7 @@ def feature_lines(plan: PlanLike) -> list[str]:
     partial = sum(p.keep_partial for p in plan.ops)
     if partial:
         lines.append(f"value-split chains: {partial} ops keep partial sums")
-    micro = plan.pipeline.microbatches if plan.pipeline is not None else 1
+    micro = plan.pipeline.microbatches if plan.pipeline is not None else plan.microbatches
     lines.append(f"micro-batches: {micro}; ZeRO stage {plan.zero}; precision: "
                  f"{plan.precision or 'as the model (no cast)'}")
     if plan.pipeline is not None:

@@ -160,7 +160,7 @@ class _Builder(EdgePricing):
             local = self.member_memo.get(("tr",) + key) if self.space.shared else None
             if local is None:
                 local = np.array([sum(t.nbytes for t in op.outputs) / self.cm._ways(sp)
-                                  for sp in fg.splits[mi]])
+                                  / self.cm.microbatches for sp in fg.splits[mi]])
                 if self.space.shared:
                     self.member_memo[("tr",) + key] = local
             np.maximum(out, local, out=out)

@@ -115,6 +115,16 @@ class _Linen:
     def __init__(self, pm: Any, step: SpmdStep):
         self.pm, self.core, self.step = pm, pm, step
 
+    def make_plan(self, variables: Any, batch: Sequence[Any], rngs: Any) -> Any:
+        n = len(batch) if self.step.inputs is None else self.step.inputs
+        return self.pm.make_plan(*batch[:n], variables=dict(variables), rngs=rngs,
+                                 mutable=[c for c in variables if c != "params"] or False,
+                                 **self.step.module_kwargs)
+
+    def use(self, plan: Any) -> None:
+        """Run micro-batches with the whole batch's ``plan``."""
+        self.pm = self.core = self.pm.with_plan(plan)
+
     def shardings(self, variables: Any, micro: Sequence[Any], rngs: Any) -> tuple[Any, Any]:
         n = len(micro) if self.step.inputs is None else self.step.inputs
         sh = self.pm.variable_shardings(
@@ -142,12 +152,20 @@ class _Nnx:
         self.pm, self.core, self.step = pm, pm._core, step
         self.graphdef = None
 
-    def shardings(self, variables: Any, micro: Sequence[Any], rngs: Any) -> tuple[Any, Any]:
+    def make_plan(self, variables: Any, batch: Sequence[Any], rngs: Any) -> Any:
         if rngs is not None:
             raise PlanError("train_step: an nnx module keeps its rng streams in nnx.Rngs; "
                             "call step.init(None, *batch) without rng=")
         if variables is not None:
             nnx.update(self.pm, variables)
+        n = len(batch) if self.step.inputs is None else self.step.inputs
+        return self.pm.make_plan(*batch[:n], **self.step.module_kwargs)
+
+    def use(self, plan: Any) -> None:
+        self.pm = self.pm.with_plan(plan)
+        self.core = self.pm._core
+
+    def shardings(self, variables: Any, micro: Sequence[Any], rngs: Any) -> tuple[Any, Any]:
         n = len(micro) if self.step.inputs is None else self.step.inputs
         self.pm.lay_out(*micro[:n], **self.step.module_kwargs)
         params, rest = self.split(None)
@@ -204,15 +222,12 @@ class SpmdStep:
 
     @property
     def plan(self) -> Any:
-        """The plan of one micro-batch's call (after :meth:`init`)."""
-        return self.pm.plan
+        """The plan of the step (made for the whole batch; ``plan.microbatches``) after
+        :meth:`init`."""
+        self._check()
+        return self._plan
 
-    def _micro_count(self, batch: Sequence[Any]) -> int:
-        c, fixed = self.model.core.constraints, self.model.core.fixed_plan
-        if c is not None and c.microbatches:
-            m = c.microbatches
-        else:
-            m = getattr(fixed, "microbatches", 1) if fixed is not None else 1
+    def _micro_count(self, m: int, batch: Sequence[Any]) -> int:
         sizes = {x.shape[0] for x in batch if hasattr(x, "shape") and x.ndim}
         bad = sorted(n for n in sizes if n % m)
         if bad:
@@ -228,17 +243,26 @@ class SpmdStep:
         return {s: jax.random.fold_in(key, j) for j, s in enumerate(self.rng_streams)}
 
     def init(self, variables: Any, *batch: Any, rng: Any = None) -> dict:
-        """Plan the micro-batch's call, lay out the state and build the jitted step.
+        """Plan the whole batch's call, lay out the state and build the jitted step.
 
         Returns ``{'params', 'opt_state', 'collections', 'step'}`` (+ ``'rng'`` when ``rng`` is
         given, + ``'loss_scale'``, ``'good_steps'`` under float16)."""
-        self.microbatches = m = self._micro_count(batch)
+        asked = self.model.core.constraints
+        if asked is not None and asked.microbatches:  # said before planning
+            self._micro_count(asked.microbatches, batch)
+        rngs = self._rngs(jax.random.key(0), 0) if rng is not None else None
+        whole = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in batch]
+        # planned for the whole batch (the planner may choose micro-batches to fit the
+        # budget); the micro-batches' calls run that plan at their sizes
+        self._plan = plan = self.model.make_plan(variables, whole, rngs)
+        self._graph = self.model.core.graph
+        self.microbatches = m = self._micro_count(plan.microbatches, batch)
+        if m > 1:
+            self.model.use(plan)
         micro = [jax.ShapeDtypeStruct((x.shape[0] // m, *x.shape[1:]), x.dtype)
                  for x in batch]
-        rngs = self._rngs(jax.random.key(0), 0) if rng is not None else None
         p_sh, c_sh = self.model.shardings(variables, micro, rngs)
         params, colls = self.model.split(variables)
-        plan = self.model.core.plan
         # the step runs on the Auto view of the mesh: the wrapper's program inside it picks
         # its own types, and optax mixes the state's leaves freely
         self.mesh = mesh = auto_view(self.model.core.mesh)
@@ -373,9 +397,9 @@ class SpmdStep:
 
     def predicted_memory(self) -> dict[str, int]:
         """The plan's per-device estimate by kind (``params``, ``grads``, ``optimizer``,
-        ``activations``, ``transient``, ``peak``) for one micro-batch's call, priced with the
-        mesh's own cost model (Adam: two moments per parameter)."""
+        ``activations``, ``transient``, ``peak``; activations of one micro-batch), priced with
+        the mesh's own cost model (Adam: two moments per parameter)."""
         self._check()
-        plan = self.model.core.plan
+        plan = self._plan
         cm = CostModel.for_axes(dict(plan.mesh), zero=plan.zero)
-        return cm.memory_breakdown(plan, self.model.core.graph)
+        return cm.memory_breakdown(plan, self._graph)

@@ -88,8 +88,9 @@ def test_microbatches_accumulate_gradients(gpt, mesh):
     np.testing.assert_allclose(losses, ref, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
                  step.params(state), ref_params)
-    # the step's program runs the plan made for one micro-batch (8 / 4 = 2 sequences)
-    assert pm.graph.inputs[-1].shape[0] == 2
+    # planned for the whole batch, priced with one micro-batch's activations
+    assert step.plan.microbatches == 4 and "microbatches=4" in str(step.plan)
+    assert pm.graph.inputs[-1].shape[0] == 8
 
 
 def test_microbatches_must_divide_the_batch(gpt, mesh):
@@ -234,3 +235,22 @@ def test_nnx_module_trains_like_the_plain_nnx_loop(mesh):
                                atol=1e-6)
     np.testing.assert_allclose(pm.module.l2.kernel[...], params["l2"]["kernel"][...],
                                rtol=1e-4, atol=1e-6)
+
+
+def test_budget_chosen_microbatches_train_like_the_whole_batch(mesh):
+    module, make_args, loss_fn = models.get("gpt", "tiny", batch_size=16)
+    args = make_args(rng=jax.random.key(1))
+    variables = module.init(jax.random.key(0), *args)
+    opt = optax.sgd(0.1)
+    ref, _ = reference_losses(module, loss_fn, variables, args, opt, 2)
+    full = auto_parallel(mesh, policy="dp")(module).make_plan(*args).cost
+    pm = auto_parallel(mesh, Constraints(max_memory_per_device=int(
+        full.memory_bytes_per_device * 0.7)), policy="dp")(module)
+    step = pm.train_step(loss_fn, opt)
+    state = step.init(variables, *args)
+    assert step.microbatches == step.plan.microbatches > 1
+    losses = []
+    for _ in range(2):
+        state, metrics = step(state, *args)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref, rtol=1e-5)
