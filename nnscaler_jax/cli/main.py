@@ -1,8 +1,9 @@
 """``nnscaler-jax``: the command line (also ``python -m nnscaler_jax``). Thin: argparse + printing.
 
-Subcommands: ``graph``, ``plan``, ``verify``, ``compare``, ``demo``. Each prints tables for a
-person, or with ``--json`` one JSON object on the last line of its output. Errors a user can cause
-(unknown model / preset / policy, a bad mesh) print one line and exit 2.
+Subcommands: ``graph``, ``plan``, ``verify``, ``compare``, ``demo``, ``profile``, ``train``.
+Each prints tables for a person, or with ``--json`` one JSON object on the last line of its
+output. Errors a user can cause (unknown model / preset / policy, a bad mesh) print one line and
+exit 2.
 
 Before JAX starts its backends, :func:`main` sets ``XLA_FLAGS`` to ask for ``--devices`` virtual
 CPU devices (default 8 when the flags name no device count).
@@ -24,6 +25,7 @@ from nnscaler_jax.cli.common import (
     request_devices,
 )
 from nnscaler_jax.cli.compare import cmd_compare
+from nnscaler_jax.cli.train import add_train_parser
 
 __all__ = ["main"]
 
@@ -113,6 +115,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="profile database JSON (default ~/.cache/nnscaler_jax/profile.json)")
     pr.add_argument("--runs", type=int, default=5, help="timed runs per op (median kept)")
     pr.set_defaults(fn=cmd_profile)
+
+    add_train_parser(sub, [common, model, mesh])
     return p
 
 

@@ -1,0 +1,196 @@
+"""``nnscaler-jax train`` (nnscaler_jax/cli/train.py): losses across a checkpoint and a resume
+onto another mesh, two processes against one, the user errors, and the human output.
+
+The training runs call the command in-process (``main([...])``, the 8 CPU devices of conftest);
+only ``--processes`` starts real processes (under a hard timeout).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nnscaler_jax.cli.main import _parser, main
+from nnscaler_jax.cli.train import child_argv
+
+ROOT = str(Path(__file__).resolve().parents[2])
+GPT = ["train", "--model", "gpt", "--preset", "tiny", "--seed", "3", "--batch-size", "8"]
+
+
+def _last_json(text: str) -> dict:
+    return json.loads(text.strip().splitlines()[-1])
+
+
+def _run(argv: list[str]) -> tuple[int, str, str]:
+    """``main(argv)`` in-process: (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def six_steps() -> dict:
+    """The uninterrupted reference: 6 steps of GPT tiny on the 2 x 4 mesh, one process."""
+    code, out, err = _run([*GPT, "--mesh", "2x4", "--steps", "6", "--json"])
+    assert code == 0, err
+    return _last_json(out)
+
+
+# ---- the reference run's JSON ------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_json_fields(six_steps):
+    res = six_steps
+    assert res["start_step"] == 0 and res["steps"] == 6 and len(res["losses"]) == 6
+    assert all(np.isfinite(res["losses"]))
+    assert res["step_time_s"] > 0 and res["first_step_s"] > 0 and res["predicted_step_s"] > 0
+    assert res["unit"] == "token" and res["units_per_step"] == 8 * 16  # batch 8, seq 16
+    assert res["tokens_per_s"] == pytest.approx(128 / res["step_time_s"])
+    assert res["flops_per_step"] > 0
+    assert res["mfu"] is None and "no peak FLOP/s known" in res["mfu_basis"]  # CPU
+    mem = res["memory"]
+    for kind in ("params", "grads", "optimizer"):  # the plan prices what the state holds
+        assert mem["measured"][kind] == pytest.approx(mem["predicted"][kind], rel=0.05)
+    assert res["plan"]["policy"] == "auto" and res["plan"]["zero"] == 0
+    assert res["plan"]["microbatches"] == 1 and res["plan"]["precision"] is None
+    assert res["checkpoint"] is None and res["processes"] == 1 and res["devices"] == 8
+
+
+# ---- checkpoint, then resume onto another mesh ----------------------------------------------------
+
+
+@pytest.mark.slow
+def test_resume_on_another_mesh_continues_the_uninterrupted_losses(six_steps, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    code, out, err = _run([*GPT, "--mesh", "2x4", "--steps", "3", "--checkpoint-dir", ckpt,
+                           "--json"])
+    assert code == 0, err
+    first = _last_json(out)
+    assert first["checkpoint"] == {"dir": ckpt, "last_saved_step": 3, "resumed_from": None}
+    np.testing.assert_allclose(first["losses"], six_steps["losses"][:3], rtol=1e-6)
+
+    # a second fresh run into the same directory would overwrite it: refused
+    code, _, err = _run([*GPT, "--mesh", "2x4", "--steps", "3", "--checkpoint-dir", ckpt])
+    assert code == 2 and "already holds checkpoints (steps [1, 2, 3])" in err
+
+    code, out, err = _run([*GPT, "--mesh", "4x2", "--steps", "6", "--resume",
+                           "--checkpoint-dir", ckpt, "--json"])
+    assert code == 0, err
+    res = _last_json(out)
+    assert res["start_step"] == 3 and res["steps"] == 6 and len(res["losses"]) == 3
+    # another mesh sums the gradients in another order: measured 1.1e-7 relative at step 5
+    np.testing.assert_allclose(res["losses"], six_steps["losses"][3:], rtol=1e-4)
+    assert res["checkpoint"]["last_saved_step"] == 6 and res["checkpoint"]["resumed_from"] == 3
+
+    from nnscaler_jax.train.checkpoint import Checkpointer
+
+    with Checkpointer(ckpt) as saved:  # the meta has every loss so far, both runs'
+        meta = saved.info().meta
+    assert meta["model"] == "gpt" and meta["seed"] == 3
+    np.testing.assert_allclose(meta["losses"], first["losses"] + res["losses"])
+
+
+# ---- two processes -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_two_processes_train_what_one_process_trains(six_steps):
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    proc = subprocess.run([sys.executable, "-m", "nnscaler_jax", *GPT, "--mesh", "2x4",
+                           "--steps", "6", "--processes", "2", "--json"],
+                          capture_output=True, text=True, timeout=240, env=env, cwd=ROOT,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = _last_json(proc.stdout)
+    assert res["processes"] == 2 and res["devices"] == 8 and res["start_step"] == 0
+    assert proc.stdout.count('"losses"') == 1  # only process 0 prints its JSON
+    # Same plan, same numbers: only where a reduction's operands are summed can differ. Over
+    # the 2 x 4 mesh each process holds one 'data' row, so the 'model' all-reduces stay inside
+    # a process (as in one process) and the cross-process (gloo) ones have two operands, whose
+    # sum has one order: measured bit-equal. A plan that splits a dim over both axes (8 ways,
+    # e.g. --batch-size 2 here) sums 8 operands in another order over gloo than inside one XLA
+    # CPU client: measured 2.3e-7 relative (a few float32 ulps; Adam keeps it there over 6
+    # steps). rtol 1e-6 allows that, and nothing more.
+    assert res["losses"][0] == six_steps["losses"][0]
+    np.testing.assert_allclose(res["losses"], six_steps["losses"], rtol=1e-6)
+
+
+# ---- errors a user causes ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--model", "nope"], "unknown model 'nope'"),
+    (["train", "--model", "gpt", "--mesh", "2y4"], "bad mesh '2y4'"),
+    (["train", "--model", "gpt", "--resume"], "--resume needs --checkpoint-dir"),
+    (["train", "--model", "gpt", "--steps", "-1"], "--steps -1 must be at least 0"),
+    (["train", "--model", "mlp_nnx", "--pipeline", "2"], "mlp_nnx is an nnx model"),
+    (["train", "--model", "gpt", "--mesh", "2x4", "--processes", "3"],
+     "K must divide the size"),
+    (["train", "--model", "gpt", "--precision", "int3"], "precision"),
+])
+def test_usage_errors_are_one_line_and_exit_2(argv, message):
+    code, out, err = _run([*argv, "--json"])
+    assert code == 2
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert _last_json(out)["ok"] is False
+
+
+@pytest.mark.parametrize("make", [lambda p: p, lambda p: p / "missing"])
+def test_resume_without_a_checkpoint_exits_2(tmp_path, make):
+    code, _, err = _run(["train", "--model", "gpt", "--resume", "--checkpoint-dir",
+                         str(make(tmp_path))])
+    assert code == 2 and "no checkpoint to restore" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_resume_from_another_models_checkpoint_exits_2_with_the_checkpoint_error(tmp_path):
+    ckpt = str(tmp_path / "mlp")
+    assert _run(["train", "--model", "mlp", "--mesh", "8", "--steps", "1",
+                 "--checkpoint-dir", ckpt, "--json"])[0] == 0
+    code, _, err = _run([*GPT, "--mesh", "2x4", "--steps", "2", "--resume",
+                         "--checkpoint-dir", ckpt])
+    assert code == 2 and "Traceback" not in err
+    assert f"checkpoint step 1 in {ckpt} was written by another model" in err
+    assert "Fix: restore with the model that wrote it" in err
+
+
+# ---- the human output ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_human_output_has_a_line_per_step_and_a_summary(tmp_path):
+    code, out, err = _run(["train", "--model", "mlp", "--mesh", "2x4", "--steps", "3",
+                           "--checkpoint-dir", str(tmp_path / "c"), "--every", "2"])
+    assert code == 0, err
+    lines = out.splitlines()
+    steps = [line for line in lines if line.startswith("step ")]
+    assert [s.split()[1] for s in steps] == ["1/3", "2/3", "3/3"]
+    assert "(compiling)" in steps[0] and "[checkpoint]" in steps[1]  # --every 2
+    assert all("loss " in s and "predicted" in s and "examples/s" in s for s in steps)
+    assert "MFU n/a" in steps[-1]
+    assert any(line.startswith("trained steps 1..3: loss") for line in lines)
+    assert any(line.startswith("memory per device, measured / predicted") for line in lines)
+    assert f"checkpoint: {tmp_path / 'c'} (last saved step 3)" in out  # the last step too
+    assert not out.strip().splitlines()[-1].startswith("{")  # no JSON without --json
+
+
+def test_child_argv_round_trips_without_processes_and_devices():
+    parser = _parser()
+    argv = ["train", "--model", "gpt", "--mesh", "2x4", "--steps", "6", "--lr", "0.003",
+            "--checkpoint-dir", "/tmp/x", "--resume", "--zero", "1", "--json"]
+    args = parser.parse_args([*argv, "--processes", "2", "--devices", "8"])
+    child = child_argv(args)
+    assert "--processes" not in child and "--devices" not in child
+    again = vars(parser.parse_args(child))
+    assert {k: v for k, v in again.items() if k not in ("processes", "devices")} == \
+        {k: v for k, v in vars(args).items() if k not in ("processes", "devices")}
