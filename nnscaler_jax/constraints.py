@@ -7,7 +7,7 @@ import math
 import numbers
 import re
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from nnscaler_jax.capture.precision import precision_name
 from nnscaler_jax.errors import ConstraintError
@@ -149,6 +149,11 @@ class Constraints:
     optimizer state stay in their stored dtype (float32 master weights), and the plan records it
     (:mod:`nnscaler_jax.capture.precision`).
 
+    ``pipeline_pivots``: module path globs (matching whole path segments: ``'h_*'``,
+    ``'encoder/block_*'``) whose starts may begin a pipeline stage; with them (or for a model
+    that is not a stack of identical layers) stages are cut at module boundaries
+    (:mod:`nnscaler_jax.pipeline.cut`). A glob matching no module is a ``ConstraintError``.
+
     >>> Constraints(precision="bf16").precision
     'bfloat16'
     """
@@ -156,11 +161,12 @@ class Constraints:
     max_memory_per_device: int | str | None = None
     pipeline_stages: int | Literal["auto"] | None = None
     microbatches: int | None = None
-    schedule: Literal["1f1b", "gpipe", "interleaved"] | None = None
+    schedule: Literal["1f1b", "gpipe", "interleaved", "interlaced", "nf1b"] | Any | None = None
     zero: int | None = None
     rules: tuple[Rule, ...] = field(default_factory=tuple)
     logical_rules: tuple[tuple[str, str | None], ...] = ()
     precision: Literal["float32", "bfloat16", "float16"] | None = None
+    pipeline_pivots: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.rules, Rule | str) or not _iterable(self.rules):
@@ -169,6 +175,7 @@ class Constraints:
                 "rules=(Rule(module='fc1', replicate=True),)")
         object.__setattr__(self, "rules", tuple(self.rules))
         object.__setattr__(self, "logical_rules", _logical_rules(self.logical_rules))
+        object.__setattr__(self, "pipeline_pivots", _pivots(self.pipeline_pivots))
         if self.zero is not None and (not _is_int(self.zero) or self.zero not in (0, 1, 2, 3)):
             raise ConstraintError(f"Constraints(zero={self.zero!r}): ZeRO stage is 0, 1, 2 or 3")
         if self.microbatches is not None and (not _is_int(self.microbatches)
@@ -183,9 +190,8 @@ class Constraints:
         for name in ("zero", "microbatches", "pipeline_stages"):  # numpy ints as plain ints
             if _is_int(getattr(self, name)):
                 object.__setattr__(self, name, int(getattr(self, name)))
-        if self.schedule not in (None, "1f1b", "gpipe", "interleaved"):
-            raise ConstraintError(f"Constraints(schedule={self.schedule!r}): use '1f1b', 'gpipe' "
-                                  "or 'interleaved'")
+        object.__setattr__(self, "schedule", _schedule(self.schedule, self.pipeline_stages,
+                                                       self.microbatches))
         object.__setattr__(self, "precision",
                            precision_name(self.precision,
                                           f"Constraints(precision={self.precision!r})"))
@@ -204,6 +210,7 @@ class Constraints:
         be staged is the pipeline's business (:mod:`nnscaler_jax.pipeline.configure`).
         """
         self._check_pipeline(mesh_axes)
+        _check_pivots(self.pipeline_pivots, graph)
         for r in self.rules:
             if r.replicate and (r.dims or r.axes):
                 raise ConstraintError(f"{r} contradicts itself: it replicates its ops and names "
@@ -269,6 +276,35 @@ class Constraints:
                 f"jax.make_mesh(({stages}, 2), ('stage', 'data'))")
 
 
+SCHEDULE_NAMES = ("1f1b", "gpipe", "interleaved", "interlaced", "nf1b")
+
+
+def _schedule(sched: Any, stages: Any, microbatches: int | None) -> Any:
+    """``Constraints(schedule=...)``: a built-in name, or a schedule written with ``op_order``
+    (a draft with ``finish()`` is finished here; a finished one has ``steps``), whose stage and
+    micro-batch counts must agree with the other fields."""
+    if sched is None or isinstance(sched, str):
+        if sched not in (None, *SCHEDULE_NAMES):
+            raise ConstraintError(f"Constraints(schedule={sched!r}): use one of "
+                                  f"{', '.join(map(repr, SCHEDULE_NAMES))}, or a schedule "
+                                  "written with op_order (nnscaler_jax.pipeline.order."
+                                  "ScheduleDraft)")
+        return sched
+    if callable(getattr(sched, "finish", None)):
+        sched = sched.finish()
+    if not all(hasattr(sched, a) for a in ("steps", "stages", "microbatches", "name")):
+        raise ConstraintError(f"Constraints(schedule={sched!r}): use a schedule name or a "
+                              "Schedule / ScheduleDraft (nnscaler_jax.pipeline.order)")
+    if _is_int(stages) and stages != sched.stages:
+        raise ConstraintError(f"Constraints(pipeline_stages={stages}) contradicts the "
+                              f"schedule's {sched.stages} stages; drop one or make them agree")
+    if microbatches is not None and microbatches != sched.microbatches:
+        raise ConstraintError(f"Constraints(microbatches={microbatches}) contradicts the "
+                              f"schedule's {sched.microbatches} micro-batches; drop one or make "
+                              "them agree")
+    return sched
+
+
 def _contradiction(a: Rule, b: Rule) -> str | None:
     """Why two rules on one op leave nothing to choose (None: they do not contradict)."""
     if a.replicate != b.replicate and (a.dims or a.axes or b.dims or b.axes):
@@ -300,3 +336,42 @@ def _check_divisible(rule: Rule, op, mesh_axes: dict[str, int]) -> None:
         f"divides {what}. Use sizes those axes divide, allow other dims or axes, or keep the "
         f"op whole with Rule(module={rule.module!r}, replicate=True)",
         op=op.primitive, module_path=op.module_path, axis=",".join(axes), shapes=shapes)
+
+
+def _pivots(value: object) -> tuple[str, ...]:
+    """``pipeline_pivots`` as a tuple of module path globs."""
+    if isinstance(value, str) or not _iterable(value) or not all(
+            isinstance(g, str) and g for g in value):  # type: ignore[union-attr]
+        one = f"({value!r},)" if isinstance(value, str) else "('encoder/block_*', 'h_*')"
+        raise ConstraintError(
+            f"Constraints(pipeline_pivots={value!r}): give a tuple of module path globs whose "
+            f"starts may begin a pipeline stage, e.g. pipeline_pivots={one}")
+    return tuple(value)  # type: ignore[arg-type]
+
+
+def pivot_paths(glob: str, module_paths: set[str] | list[str]) -> list[str]:
+    """The module paths (and their ancestors) ``glob`` matches, segment by segment (``*`` does
+    not cross ``/``: ``'h_*'`` matches ``h_0`` but not ``h_0/attn``).
+
+    >>> pivot_paths("enc/block_*", ["enc/block_0/attn", "enc/block_1/mlp", "enc/norm"])
+    ['enc/block_0', 'enc/block_1']
+    """
+    want = glob.strip("/").split("/")
+    found: dict[str, None] = {}
+    for path in module_paths:
+        parts = path.split("/") if path else []
+        if len(parts) >= len(want) and all(
+                fnmatch.fnmatchcase(p, g) for p, g in zip(parts, want, strict=False)):
+            found["/".join(parts[:len(want)])] = None
+    return sorted(found)
+
+
+def _check_pivots(pivots: tuple[str, ...], graph: Graph) -> None:
+    paths = graph.module_paths
+    for glob in pivots:
+        if not pivot_paths(glob, paths):
+            tops = sorted({p.split("/")[0] for p in paths if p})
+            raise ConstraintError(
+                f"Constraints(pipeline_pivots=...): glob {glob!r} matches no module; module "
+                f"paths include {tops[:12]} (globs match whole path segments: 'h_*', "
+                "'encoder/block_*')", module_path=glob)

@@ -23,12 +23,13 @@ from typing import Any
 
 from nnscaler_jax.capture.precision import UNKNOWN, graph_precision
 from nnscaler_jax.constraints import Constraints
-from nnscaler_jax.cost.devices import DefaultBudget, default_budget_of
+from nnscaler_jax.cost.devices import DefaultBudget, default_budget_of, device_for_kind
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.errors import ConstraintError, NoFitError, PlanError, PlanFormatError
 from nnscaler_jax.ir.graph import Graph, Role
 from nnscaler_jax.mesh.axes import data_axes, mesh_axes
 from nnscaler_jax.pipeline.configure import configure_pipeline
+from nnscaler_jax.pipeline.schedule import from_settings
 from nnscaler_jax.plan.plan import Plan, unsplit_summary
 from nnscaler_jax.plan.reuse import check_reuse
 from nnscaler_jax.search.entry import Planned, plan_spmd
@@ -46,6 +47,7 @@ def plan_and_report(graph: Graph, mesh: Any, *, policy: str | Callable | None = 
     """
     precision = _precision(graph, constraints)
     constraints, default = with_default_budget(constraints, mesh, cost_model)
+    cost_model = cost_model or _device_cost_model(mesh)  # (budget: the allocator's limit)
     if policy is None and constraints.pipeline_stages not in (None, 1):
         policy = "dp"   # a pipeline without a policy: stages data-parallel inside
     try:
@@ -131,6 +133,18 @@ def _plan_microbatched(graph: Graph, mesh: Any, policy: Any, constraints: Constr
         except NoFitError:
             lo = mid + 1
     return best
+
+
+def _device_cost_model(mesh: Any) -> CostModel | None:
+    """The cost model of a ``jax.sharding.Mesh`` over accelerators with a device preset (its
+    peaks price the plan, its memory is the default budget); None elsewhere (CPU meshes,
+    abstract meshes, ``{axis: size}``: the nominal CPU model)."""
+    try:
+        kind = mesh.devices.flat[0].device_kind
+    except Exception:  # noqa: BLE001 - AbstractMesh raises; a dict has no devices
+        return None
+    device = device_for_kind(kind)
+    return CostModel.for_axes(mesh_axes(mesh), device=device) if device is not None else None
 
 
 def _precision(graph: Graph, constraints: Constraints | None) -> str | None:
@@ -290,6 +304,6 @@ def _repriced(plan: Plan, graph: Graph, cost_model: CostModel | None) -> Plan:
         return replace(plan, cost=cm.plan_cost(plan, graph))
     p = plan.pipeline
     cons = Constraints(pipeline_stages=p.stages, microbatches=p.microbatches,
-                       schedule=p.schedule or None)
+                       schedule=from_settings(p) if p.steps else (p.schedule or None))
     priced = configure_pipeline(replace(plan, pipeline=None), graph, cons, cost_model)
     return replace(plan, cost=priced.cost)

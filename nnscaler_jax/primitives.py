@@ -19,7 +19,8 @@ graph plus the decisions made so far) and calls the primitives::
 - ``op_assign(graph, sub_op, devices)``: place a sub-op on mesh coordinates (``{"data": 1}``), or
   a list of sub-ops along a mesh axis (``"data"``: sub-op i on coordinate i). More sub-ops than
   devices along an axis (k per device) co-shard: each device runs its k chunks in turn.
-- ``op_order(graph, a, b)``: ``a`` runs before ``b`` on their shared devices.
+- ``op_order(graph, a, b)``: ``a`` runs before ``b`` on their shared devices; on a pipeline
+  schedule draft (``op_order(sched, sched.F(0, 1), sched.B(0, 0))``) it orders pipeline blocks.
 
 Only placements an SPMD program can express are accepted (sub-op i of an n-way split on
 coordinate i // k of an axis of size n / k); anything else is a ``PlanError`` saying so.
@@ -286,12 +287,20 @@ def op_assign(graph: Draft, sub_op: SubOp | Sequence[SubOp],
         prev.update(coords)
 
 
-def op_order(graph: Draft, a: Op | SubOp, b: Op | SubOp) -> None:
+def op_order(graph: Draft | Any, a: Op | SubOp | Any, b: Op | SubOp | Any) -> None:
     """``a`` runs before ``b`` on their shared devices.
+
+    ``graph`` may also be a pipeline schedule draft (any object with an ``order(a, b)`` method,
+    e.g. :class:`nnscaler_jax.pipeline.order.ScheduleDraft`) and ``a`` / ``b`` its blocks
+    (``sched.F(stage, m)``, ``sched.B(stage, m)``): the order then goes into the step table
+    each device runs.
 
     Raises:
         PlanError: ``b`` produces (directly or not) something ``a`` needs.
     """
+    if not isinstance(graph, Draft) and callable(getattr(graph, "order", None)):
+        graph.order(a, b)  # a schedule draft: blocks ordered per device
+        return
     _check_draft(graph)
     oa = a.op if isinstance(a, SubOp) else a
     ob = b.op if isinstance(b, SubOp) else b

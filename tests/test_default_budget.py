@@ -149,3 +149,18 @@ def test_the_search_plans_within_the_default_budget(tiny):
     assert again.ops == free.ops
     with pytest.raises(NoFitError, match="default for tiny-gpu"):
         plan_and_report(tiny, AXES, cost_model=cluster(1000))
+
+
+def test_a_mesh_of_known_accelerators_is_priced_with_their_peaks(tiny):
+    """A mesh over H100s (faked: this machine has none) prices the plan with the H100 preset,
+    not the nominal CPU (the CLI's measured-vs-predicted step time on a GPU depends on it)."""
+
+    class FakeMesh:
+        shape = AXES
+        devices = np.array([types.SimpleNamespace(device_kind=H100_80G.kind)] * 8,
+                           dtype=object).reshape(2, 4)
+
+    plan = make_plan(tiny, FakeMesh(), policy="dp")
+    h100 = CostModel.for_axes(AXES, device=H100_80G).plan_cost(plan, tiny).step_time_s
+    cpu = CostModel.for_axes(AXES).plan_cost(plan, tiny).step_time_s
+    assert plan.cost.step_time_s == pytest.approx(h100) and h100 < cpu

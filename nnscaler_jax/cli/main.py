@@ -38,7 +38,8 @@ def _lazy(name: str) -> Any:
     return run
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parents() -> tuple[argparse.ArgumentParser, ...]:
+    """The options every command / model commands / mesh commands share."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true",
                         help="print one JSON object on the last line")
@@ -53,7 +54,11 @@ def _parser() -> argparse.ArgumentParser:
     mesh.add_argument("--axes", default=None,
                       help="mesh axis names, comma separated (default: data | data,model | "
                            "data,fsdp,model)")
+    return common, model, mesh
 
+
+def _parser() -> argparse.ArgumentParser:
+    common, model, mesh = _parents()
     p = argparse.ArgumentParser(prog="nnscaler-jax",
                                 description="Automatic parallelization of JAX/Flax models.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -69,7 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", default=None, help="write the plan JSON to this file")
     pl.add_argument("--pipeline", type=int, default=0, metavar="N",
                     help="also print the layer -> stage split and per-device schedule of N stages")
-    pl.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "interleaved"),
+    pl.add_argument("--schedule", default="1f1b",
+                    choices=("1f1b", "gpipe", "interleaved", "interlaced", "nf1b"),
                     help="pipeline schedule (default 1f1b)")
     pl.add_argument("--microbatches", type=int, default=0, help="default 2 x stages")
     pl.add_argument("--virtual", type=int, default=2, help="chunks per stage (interleaved)")

@@ -5,8 +5,11 @@ Modules (no import cycles among them; see docs/design.md for the layers):
 - :mod:`~nnscaler_jax.pipeline.stages`: layer / stage detection, the one finder of a model's
   stack of repeated layers (numbered ``<prefix>_<i>`` modules or one ``nn.scan``) and of which
   stage holds which layer.
-- :mod:`~nnscaler_jax.pipeline.schedule`: schedules as validated step tables (GPipe, 1F1B,
-  interleaved); :mod:`~nnscaler_jax.pipeline.loop_tables`: a step table as the runtime loop's
+- :mod:`~nnscaler_jax.pipeline.steps`: blocks, step tables, their data dependencies and
+  timeline; :mod:`~nnscaler_jax.pipeline.order`: schedules written with ``op_order``
+  (``ScheduleDraft``); :mod:`~nnscaler_jax.pipeline.schedule`: the built-in ones written with
+  it (GPipe, 1F1B, interleaved, interlaced, NF1B), printing and Gantt charts;
+  :mod:`~nnscaler_jax.pipeline.loop_tables`: a step table as the runtime loop's
   per-(time step, stage) tables.
 - :mod:`~nnscaler_jax.pipeline.units`: the model cut into prefix / layers / suffix, priced per
   sample; :mod:`~nnscaler_jax.pipeline.stage_dp`: the stage DP over unit boundaries;

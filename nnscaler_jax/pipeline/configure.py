@@ -14,9 +14,11 @@ from nnscaler_jax.constraints import Constraints
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Graph
-from nnscaler_jax.mesh.axes import require_stage_axis
-from nnscaler_jax.pipeline.pricing import RuntimeChoice, RuntimeSetup, runtime_setup
 from nnscaler_jax.ir.layers import graph_layers
+from nnscaler_jax.mesh.axes import require_stage_axis
+from nnscaler_jax.pipeline.cut import plan_cut
+from nnscaler_jax.pipeline.pricing import RuntimeChoice, RuntimeSetup, runtime_setup
+from nnscaler_jax.pipeline.schedule import Schedule, settings_steps
 from nnscaler_jax.pipeline.stages import stage_of
 from nnscaler_jax.plan.plan import PipelineSettings, Plan, PlanCost
 
@@ -35,27 +37,33 @@ def configure_pipeline(plan: Plan, graph: Graph, constraints: Constraints,
     if constraints.pipeline_stages in (None, 1):
         return plan
     mesh_axes = dict(plan.mesh)
-    setup = runtime_setup(graph, mesh_axes, plan.policy or None, model)
+    cut = plan_cut(graph, mesh_axes, constraints, plan.policy or None,
+                   2 if constraints.schedule == "interleaved"
+                   else getattr(constraints.schedule, "virtual", 1), model)
+    setup = cut.setup if cut else runtime_setup(graph, mesh_axes, plan.policy or None, model)
     if constraints.pipeline_stages == "auto":
         choice, report = _auto_choice(setup, constraints)
     else:
-        virtual = 2 if constraints.schedule == "interleaved" else 1
-        choice = _priced(setup, constraints.microbatches or setup.stages,
-                         constraints.schedule or "1f1b", virtual)
+        asked = constraints.schedule or "1f1b"
+        virtual = 2 if asked == "interleaved" else getattr(asked, "virtual", 1)
+        choice = _priced(setup, constraints.microbatches or getattr(asked, "microbatches",
+                                                                    setup.stages),
+                         asked, virtual)
         report = ""
     stages = mesh_axes[require_stage_axis(mesh_axes)]
-    layers = stage_of(graph_layers(graph).stack, stages, choice.virtual)
+    layers = cut.stage_of if cut else stage_of(graph_layers(graph).stack, stages, choice.virtual)
     settings = PipelineSettings(stages, choice.microbatches, choice.schedule, choice.virtual,
-                                layers, report)
+                                layers, report, steps=settings_steps(constraints.schedule))
     return replace(plan, pipeline=settings, cost=_cost(choice))
 
 
-def _priced(setup: RuntimeSetup, microbatches: int, schedule: str,
+def _priced(setup: RuntimeSetup, microbatches: int, schedule: str | Schedule,
             virtual: int) -> RuntimeChoice:
     rows = [r for r in setup.choices(microbatches=microbatches, schedule=schedule)
             if r.virtual == virtual]
     if not rows:
-        raise PlanError(f"pipeline: schedule {schedule!r} with {virtual} chunks per "
+        raise PlanError(f"pipeline: schedule {getattr(schedule, 'name', schedule)!r} with "
+                        f"{virtual} chunks per "
                         "stage is not one the runtime executes (interleaved: 2, else 1)")
     return rows[0]
 

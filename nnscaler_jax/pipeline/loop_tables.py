@@ -44,7 +44,13 @@ class LoopTables:
 
 def loop_tables(sched: sch.Schedule) -> LoopTables:
     """The tables of ``sched``'s step table (:func:`~nnscaler_jax.pipeline.schedule.timeline`):
-    what each stage does at each time step and which buffer slots it reads and fills."""
+    what each stage does at each time step and which buffer slots it reads and fills.
+
+    Raises:
+        PlanError: the schedule has blocks the runtime does not execute yet (no-grad forwards
+            ``N``, all-device blocks ``E`` / ``H`` / ``W``).
+    """
+    sch.require_runnable(sched)
     table = sch.timeline(sched)
     T, S, C = len(table), sched.stages, sched.chunks
     z = lambda fill=0: np.full((T, S), fill, np.int32)
@@ -88,3 +94,4 @@ def loop_tables(sched: sch.Schedule) -> LoopTables:
                 slot_g[d][key] = rb[t, d] = alloc(free_g, used_g, d)
     return LoopTables(kind, mb, virt, in_slot, g_slot, rf, rb, max(max(used_in), 1),
                    max(max(used_g), 1))
+

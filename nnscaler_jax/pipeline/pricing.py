@@ -69,22 +69,26 @@ class RuntimeChoice:
                 f"{max(self.memory_bytes) / 2**20:>10.2f}{'' if self.fits else '  over budget'}")
 
 
-def runtime_time(sched, fwd: list[float], bwd: list[float], p2p: float) -> tuple[float, float]:
+def runtime_time(sched, fwd: list[float], bwd: list[float], p2p: float,
+                 all_device: dict[str, float] | None = None, *,
+                 table: list | None = None) -> tuple[float, float]:
     """``(step seconds, bubble seconds)`` of a schedule's step table (``plan.schedule``).
 
     The runtime walks the table in lock step: time step ``t`` lasts as long as the slowest
-    stage's work at ``t`` (``fwd[c]`` / ``bwd[c]`` of chunk ``c``) and then both ``ppermute``\\ s
-    (``p2p`` seconds together).
+    stage's work at ``t`` (``fwd[c]`` / ``bwd[c]`` of chunk ``c``; a no-grad forward ``N`` costs
+    ``fwd[c]``; an all-device block ``all_device[kind]``) and then both ``ppermute``\\ s
+    (``p2p`` seconds together). ``table``: ``sch.timeline(sched)`` when already made.
     """
-    S = sched.stages
+    S, extra = sched.stages, all_device or {}
     total, busy = 0.0, [0.0] * S
-    for row in sch.timeline(sched):
+    for row in sch.timeline(sched) if table is None else table:
         dur = 0.0
         for s, st in enumerate(row):
             if st is None:
                 continue
             c = st.virtual * S + s
-            w = fwd[c] if st.kind == "F" else bwd[c]
+            w = (extra.get(st.kind, 0.0) if st.all_device
+                 else bwd[c] if st.kind == "B" else fwd[c])
             busy[s] += w
             dur = max(dur, w)
         total += dur + p2p
@@ -107,7 +111,16 @@ def runtime_choices(units: list[Unit], stages: int, dp: int, batch: int,
     (the prefix runs with chunk 0, the suffix with the last chunk; their parameters replicated
     on every stage), stages data-parallel inside (``dp`` ways), ``batch`` split into
     ``microbatches x dp``, interleaved only with 2 chunks per stage and micro-batches a multiple
-    of the stages. Sorted: fitting first, then by step time, then memory.
+    of the stages. Sorted: fitting first, then by step time, then memory. ``schedule``: a
+    name (None: the ones the runtime executes, ``'gpipe'``, ``'1f1b'``, ``'interleaved'``;
+    ``'interlaced'`` / ``'nf1b'`` are priced when named) or a
+    :class:`~nnscaler_jax.pipeline.steps.Schedule` (written with ``op_order``: its own
+    micro-batch count).
+
+    ``'interlaced'`` (all-device blocks): the prefix (embedding) and suffix (head + loss) run on
+    every stage, split ``stages`` ways (vocabulary-split: compute and parameters / ``stages``,
+    plus an all-reduce of their activation over the stage link), not with chunk 0 / the last
+    chunk. ``'nf1b'``: each no-grad pass costs a chunk's forward.
 
     ``tp`` > 1: stages are also tensor-parallel inside (:mod:`nnscaler_jax.pipeline.in_stage`),
     priced as Megatron, like :func:`~nnscaler_jax.pipeline.stage_dp.search_stages`: unit compute
@@ -120,22 +133,28 @@ def runtime_choices(units: list[Unit], stages: int, dp: int, batch: int,
         PlanError: no configuration the runtime can execute (layers or batch do not divide).
     """
     L, S = len(units) - 2, stages
-    kinds = [(s, 2 if s == "interleaved" else 1) for s in ("1f1b", "gpipe", "interleaved")
-             if schedule in (None, s)]
+    if isinstance(schedule, sch.Schedule):
+        if schedule.stages != S:
+            raise PlanError(f"pipeline: the schedule {schedule.name!r} has {schedule.stages} "
+                            f"stages, the mesh's stage axis {S}")
+        microbatches = microbatches or schedule.microbatches
+    names = sch.RUNNABLE if schedule is None else (schedule,)
+    kinds = [(s, 2 if s == "interleaved" else getattr(s, "virtual", 1)) for s in names]
     kinds = [(s, v) for s, v in kinds if L % (S * v) == 0]
     ms = [m for m in range(1, batch // dp + 1) if batch % (m * dp) == 0
           and microbatches in (None, m)]
     ways = _Ways(units, S, dp, tp, batch, optimizer_bytes, stage_link, data_link, tp_link,
                  memory_per_device)
     out = [_price(ways, name, V, M) for name, V in kinds for M in ms
-           if not (name == "interleaved" and M % S)]
+           if not (name == "interleaved" and M % S)
+           and getattr(name, "microbatches", M) == M]
     if not out:
         par = f"{dp} data-parallel" + (f" x {tp} tensor-parallel" if tp > 1 else "")
         raise PlanError(
             f"pipeline: no schedule the runtime can execute for {L} layers on {S} stages x {par} "
             f"ways with batch {batch}"
             + (f", microbatches={microbatches}" if microbatches else "")
-            + (f", schedule={schedule!r}" if schedule else "")
+            + (f", schedule={getattr(schedule, 'name', schedule)!r}" if schedule else "")
             + f"; the layers must divide into {S} (x2 for interleaved) equal chunks and the "
             f"batch into micro-batches x {dp}")
     out.sort(key=lambda r: (not r.fits, r.step_time_s, max(r.memory_bytes)))
@@ -196,49 +215,72 @@ def _chunk_work(w: _Ways, bounds: list[tuple[int, int]], mb: int) -> _ChunkWork:
     return _ChunkWork(fb, ar, ar_b, fwd, bwd)
 
 
-def _price(w: _Ways, name: str, V: int, M: int) -> RuntimeChoice:
+def _price(w: _Ways, name: str | sch.Schedule, V: int, M: int) -> RuntimeChoice:
     """One (schedule, virtual, micro-batches) priced (see :func:`runtime_choices`)."""
     units, S, dp, tp = w.units, w.stages, w.dp, w.tp
     n, C = len(units), S * V
+    sched = name if isinstance(name, sch.Schedule) else sch.build(name, S, M, V)
+    split = S if sched.all_device else 1  # interlaced: prefix / suffix on every stage
     bounds = _chunk_bounds(n, n - 2, C)
+    if split > 1:
+        bounds = [(max(a, 1), min(b, n - 1)) for a, b in bounds]
     mb = w.batch // (M * dp)
-    sched = sch.build(name, S, M, V)
     work = _chunk_work(w, bounds, mb)
     msg = max(units[b - 1].out_bytes * mb for a, b in bounds)
     p2p = 2 * ppermute_time(w.stage_link, S, msg) if S > 1 else 0.0
-    step, bubble = runtime_time(sched, work.fwd, work.bwd, p2p)
+    alld, alld_compute = _all_device_work(w, mb) if split > 1 else ({}, 0.0)
+    table = sch.timeline(sched)
+    step, bubble = runtime_time(sched, work.fwd, work.bwd, p2p, alld, table=table)
     params = [sum(sum(u.param_bytes for u in units[max(a, 1):min(b, n - 1)])
                   for c, (a, b) in enumerate(bounds) if c % S == s) / tp
               for s in range(S)]
     mine = [[c for c in range(C) if c % S == s] for s in range(S)]
     top = max(range(S), key=lambda s: sum(work.fwd[c] + work.bwd[c] for c in mine[s]))
-    shared_grad = w.shared / (1 + w.optimizer_bytes)
+    shared_grad = w.shared / (1 + w.optimizer_bytes) / split
     grad = params[top] + shared_grad
     dsync = max(all_reduce_time(w.data_link, dp, p + shared_grad)
                 for p in params) if dp > 1 else 0.0
-    ssync = all_reduce_time(w.stage_link, S, shared_grad) if S > 1 else 0.0
+    ssync = all_reduce_time(w.stage_link, S, shared_grad) if S > 1 and split == 1 else 0.0
     step = step + dsync + ssync
-    steps = len(sch.timeline(sched))
-    compute = M * sum(work.compute[c] * 4 / 3 for c in mine[top])
+    steps = len(table)
+    compute = M * (sum(work.compute[c] * (4 + sched.recycles) / 3 for c in mine[top])
+                   + alld_compute)
     comm = steps * p2p + M * sum(3 * work.ar[c] for c in mine[top]) + dsync + ssync
     sent = (steps * 2 * msg if S > 1 else 0.0) \
         + M * sum(3 * work.ar_bytes[c] for c in mine[top]) + _wire(dp, grad) \
         + _wire(S, shared_grad)
-    mem = _stage_memory(w, bounds, mine, params, sch.peak_in_flight(sched), mb)
+    mem = _stage_memory(w, bounds, mine, params, sch.peak_in_flight(sched), mb,
+                        w.shared / split)
     fits = w.budget is None or max(mem) <= w.budget
-    return RuntimeChoice(name, V, M, mb, step, bubble, tuple(mem), fits, compute, comm, sent)
+    return RuntimeChoice(sched.name, V, M, mb, step, bubble, tuple(mem), fits, compute, comm,
+                         sent)
+
+
+def _all_device_work(w: _Ways, mb: int) -> tuple[dict[str, float], float]:
+    """Seconds of the all-device blocks (interlaced): ``E`` the prefix's forward, ``H`` the
+    suffix's forward + backward, ``W`` the prefix's backward, each split over the stages, with
+    an all-reduce of the activation they exchange over the stage link; and their compute
+    seconds per micro-batch."""
+    pre, post, S = w.units[0], w.units[-1], w.stages
+    t = lambda u: u.time_s * mb / (w.tp * S)
+    ar = lambda u: all_reduce_time(w.stage_link, S, u.out_bytes * mb) if S > 1 else 0.0
+    hidden = w.units[-2]
+    work = {"E": t(pre) / 3 + ar(pre), "H": t(post) * 4 / 3 + ar(hidden),
+            "W": t(pre) * 2 / 3}
+    return work, t(pre) * 4 / 3 + t(post) * 4 / 3
 
 
 def _stage_memory(w: _Ways, bounds: list[tuple[int, int]], mine: list[list[int]],
-                  params: list[float], peaks: tuple[int, ...], mb: int) -> list[float]:
-    """Per stage: its parameters with gradients and optimizer state, the replicated prefix /
-    suffix, its in-flight stage inputs and one chunk's activations."""
+                  params: list[float], peaks: tuple[int, ...], mb: int,
+                  shared: float) -> list[float]:
+    """Per stage: its parameters with gradients and optimizer state, the prefix / suffix
+    (``shared`` bytes), its in-flight stage inputs and one chunk's activations."""
     units, mem = w.units, []
     for s in range(w.stages):
         inp = max(units[max(bounds[c][0] - 1, 0)].out_bytes * mb for c in mine[s])
         act = max(sum(u.act_bytes for u in units[bounds[c][0]:bounds[c][1]]) * mb / w.tp
                   for c in mine[s])
-        mem.append(params[s] * (1 + w.optimizer_bytes) + w.shared + peaks[s] * inp + act)
+        mem.append(params[s] * (1 + w.optimizer_bytes) + shared + peaks[s] * inp + act)
     return mem
 
 

@@ -41,9 +41,10 @@ from jax.sharding import PartitionSpec as P
 from nnscaler_jax.capture.flax import path_str
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.lower.eqns import NO_CONSTRAINTS
-from nnscaler_jax.lower.replay import auto_view
+from nnscaler_jax.lower.replay import auto_view, explicitly_typed
 from nnscaler_jax.mesh.axes import require_stage_axis
 from nnscaler_jax.pipeline import schedule as sch
+from nnscaler_jax.pipeline.hetero import CutProgram
 from nnscaler_jax.pipeline.in_stage import InStagePlan, plan_in_stage, tensor_axes
 from nnscaler_jax.pipeline.loop_tables import loop_tables
 from nnscaler_jax.pipeline.split import split_program
@@ -284,8 +285,11 @@ class PipelineProgram:
         """Mean loss over the batch and its gradients in the pipeline layout (traceable)."""
         M, D = self.schedule.microbatches, self.dp
         leaves = jax.tree.leaves(batch)
-        shaped = [x.reshape((M, D, self.mb_size) + x.shape[1:]) for x in leaves]
         data = self.data_axes if self.data_axes else None
+        # (a batch typed on an Explicit mesh says where the micro-batches go)
+        shaped = [jnp.reshape(x, (M, D, self.mb_size) + x.shape[1:],
+                              **({"out_sharding": P(None, data)} if explicitly_typed(x) else {}))
+                  for x in leaves]
         shared_spec = [P()] * len(pp["shared"])
         layer_spec = [P(self.axis)] * len(pp["layers"])
         batch_spec = [P(None, data)] * len(shaped)
@@ -415,7 +419,7 @@ class PipelineStep:
                             "pipeline stages")
         self.pm, self.loss_fn, self.optimizer = pm, loss_fn, optimizer
         self.return_grads = return_grads
-        self.program: PipelineProgram | None = None
+        self.program: PipelineProgram | CutProgram | None = None
         self.jitted: Callable | None = None
 
     def init(self, variables: Any, *batch: Any) -> dict:
@@ -428,21 +432,48 @@ class PipelineStep:
         if pipe is None:
             raise PlanError("train_step: the plan has no pipeline settings (a saved plan made "
                             "without Constraints(pipeline_stages=...)); re-plan with them")
-        sched = sch.build(pipe.schedule, pipe.stages, pipe.microbatches, pipe.virtual)
-        self.program = PipelineProgram(self.pm.module, self.loss_fn, self.pm.mesh, sched, params,
-                                       tuple(batch), policy=self.pm.policy,
-                                       rules=self.pm.constraints.rules)
+        sched = sch.require_runnable(sch.from_settings(pipe))  # built-in or op_order-written
+        args = (self.pm.module, self.loss_fn, self.pm.mesh, sched, params, tuple(batch))
+        kw = {"policy": self.pm.policy, "rules": self.pm.constraints.rules}
+        try:  # a stack of identical layers, unless pivots ask for a cut at module boundaries
+            if self.pm.constraints.pipeline_pivots:
+                raise PlanError("pipeline_pivots given")
+            self.program = PipelineProgram(*args, **kw)
+        except PlanError as stack_error:  # any other model: heterogeneous stages (hetero.py)
+            try:
+                self.program = CutProgram(*args, stage_of=pipe.stage_of, **kw)
+            except PlanError as cut_error:
+                raise cut_error from stack_error
         self.jitted = self.program.train_step(self.optimizer, return_grads=self.return_grads)
         return self.program.init_state(params, self.optimizer)
 
-    def __call__(self, state: dict, *batch: Any) -> tuple[dict, dict]:
+    def _batch(self, batch: tuple) -> tuple:
         if self.jitted is None:
             raise PlanError("call step.init(variables, *batch) before the first step")
-        return self.jitted(state, tuple(batch))
+        return tuple(batch)
+
+    def __call__(self, state: dict, *batch: Any) -> tuple[dict, dict]:
+        return self.jitted(state, self._batch(batch))
 
     def lower(self, state: dict, *batch: Any) -> Any:
         """``jax.jit(step).lower(state, batch)`` (``.compile().memory_analysis()``)."""
-        return self.jitted.lower(state, tuple(batch))
+        return self.jitted.lower(state, self._batch(batch))
+
+    @property
+    def plan(self) -> Any:
+        """The plan of the step (its ``pipeline`` settings; after :meth:`init`)."""
+        if self.jitted is None:
+            raise PlanError("call step.init(variables, *batch) before asking for its plan")
+        return self.pm.plan
+
+    def memory(self, state: dict) -> dict[str, int]:
+        """Per-device bytes measured from the arrays (the first device of each):
+        ``params`` and ``optimizer`` (the gradients are laid out like the parameters)."""
+        first = lambda tree: sum(x.addressable_shards[0].data.nbytes
+                                 for x in jax.tree_util.tree_leaves(tree)
+                                 if isinstance(x, jax.Array))
+        return {"params": first(state["params"]), "grads": first(state["params"]),
+                "optimizer": first(state["opt_state"])}
 
     def params(self, state: dict) -> Any:
         """The module's params tree of ``state``."""

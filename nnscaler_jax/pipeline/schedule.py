@@ -1,11 +1,15 @@
-"""Pipeline schedules as validated step tables (nnScaler's ``op_order`` across stages).
+"""Pipeline schedules as validated step tables, written with ``op_order``.
 
 A :class:`Schedule` lists, per stage (one device group along the mesh's stage axis), the order of
-its steps ``Step(kind, microbatch, virtual)``: ``'F'`` / ``'B'`` of micro-batch ``m`` on the
+its blocks (:mod:`nnscaler_jax.pipeline.steps`): ``'F'`` / ``'B'`` of micro-batch ``m`` on the
 stage's virtual chunk ``v`` (model chunk ``c = v * stages + stage``; ``virtual == 1`` unless
-interleaved). :func:`timeline` places every step at the earliest unit time step at which its
-data dependencies are done (a result sent at step ``t`` is usable at ``t + 1``); the runtime
-(:mod:`nnscaler_jax.pipeline.runtime`) executes exactly that table.
+interleaved), ``'N'`` no-grad forwards (``nf1b``) and the all-device blocks ``'E'`` / ``'H'`` /
+``'W'`` (``interlaced``). Every built-in schedule is a
+:class:`~nnscaler_jax.pipeline.order.ScheduleDraft` whose per-stage orders are given with
+``op_order`` -- the mechanism users write their own with. :func:`timeline` places every block at
+the earliest unit time step at which its data dependencies are done (a result sent at step
+``t`` is usable at ``t + 1``); the runtime (:mod:`nnscaler_jax.pipeline.runtime`) executes
+exactly that table (``F`` / ``B`` only, so far).
 
 >>> s = one_f_one_b(2, 4)
 >>> print(format_schedule(s))
@@ -18,67 +22,41 @@ stage 1 | .  F0 B0 F1 B1 F2 B2 F3 B3 .
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Callable
+from typing import Any
 
 from nnscaler_jax.errors import PlanError
+from nnscaler_jax.pipeline.order import Block, ScheduleDraft
+from nnscaler_jax.pipeline.steps import (
+    Schedule,
+    Step,
+    peak_in_flight,
+    timeline,
+    validate,
+)
 
 __all__ = [
     "Schedule",
+    "ScheduleDraft",
     "Step",
     "build",
     "format_schedule",
+    "from_settings",
     "gpipe",
+    "interlaced",
     "interleaved",
+    "nf1b",
     "one_f_one_b",
     "peak_in_flight",
     "plot_gantt",
+    "require_runnable",
     "timeline",
     "validate",
 ]
 
-Kind = Literal["F", "B"]
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-
-
-@dataclass(frozen=True, slots=True)
-class Step:
-    """One unit of work: forward or backward of ``microbatch`` on virtual chunk ``virtual``."""
-
-    kind: Kind
-    microbatch: int
-    virtual: int = 0
-
-    def __str__(self) -> str:
-        v = f".{self.virtual}" if self.virtual else ""
-        return f"{self.kind}{self.microbatch}{v}"
-
-
-@dataclass(frozen=True, slots=True)
-class Schedule:
-    """Per-stage step orders.
-
-    Attributes:
-        name: ``'gpipe'``, ``'1f1b'``, ``'interleaved'`` or ``'custom'``.
-        stages: devices groups along the stage axis.
-        microbatches: micro-batches per training step.
-        virtual: model chunks per stage (interleaved 1F1B), 1 otherwise.
-        steps: ``steps[s]`` is stage ``s``'s ordered steps.
-    """
-
-    name: str
-    stages: int
-    microbatches: int
-    virtual: int
-    steps: tuple[tuple[Step, ...], ...]
-
-    @property
-    def chunks(self) -> int:
-        return self.stages * self.virtual
-
-    def to_lists(self) -> list[list[list]]:
-        """JSON-ready ``[[kind, m, v], ...]`` per stage."""
-        return [[[x.kind, x.microbatch, x.virtual] for x in row] for row in self.steps]
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "interlaced", "nf1b")
+RUNNABLE = ("1f1b", "gpipe", "interleaved")  # what the runtime executes (F / B blocks only)
+RECYCLES = 3  # nf1b's default no-grad passes ("3F1B")
 
 
 def _check_sizes(stages: int, microbatches: int, virtual: int = 1) -> None:
@@ -87,26 +65,36 @@ def _check_sizes(stages: int, microbatches: int, virtual: int = 1) -> None:
                         f"stages={stages}, microbatches={microbatches}, virtual={virtual}")
 
 
+def _from_rows(draft: ScheduleDraft, row: Callable[[int], list[Block]]) -> Schedule:
+    """``draft`` with stage ``s``'s blocks ``row(s)`` chained with ``op_order``, finished."""
+    for s in range(draft.stages):
+        draft.chain(*row(s))
+    return draft.finish()
+
+
+def _one_f_one_b_row(d: ScheduleDraft, s: int) -> list[Block]:
+    """1F1B on stage ``s``: ``stages - s - 1`` warm-up forwards, then F and B alternate."""
+    M = d.microbatches
+    warm = min(d.stages - s - 1, M)
+    row = [d.F(s, m) for m in range(warm)]
+    for i in range(M - warm):
+        row += [d.F(s, warm + i), d.B(s, i)]
+    return row + [d.B(s, m) for m in range(M - warm, M)]
+
+
 def gpipe(stages: int, microbatches: int) -> Schedule:
     """All forwards, then all backwards: every micro-batch is in flight on every stage."""
     _check_sizes(stages, microbatches)
-    row = tuple(Step("F", m) for m in range(microbatches)) + tuple(
-        Step("B", m) for m in range(microbatches))
-    return Schedule("gpipe", stages, microbatches, 1, (row,) * stages)
+    d = ScheduleDraft(stages, microbatches, name="gpipe")
+    M = microbatches
+    return _from_rows(d, lambda s: [d.F(s, m) for m in range(M)] + [d.B(s, m) for m in range(M)])
 
 
 def one_f_one_b(stages: int, microbatches: int) -> Schedule:
     """1F1B: stage ``s`` runs ``stages - s - 1`` warm-up forwards, then alternates F and B."""
     _check_sizes(stages, microbatches)
-    rows = []
-    for s in range(stages):
-        warm = min(stages - s - 1, microbatches)
-        row = [Step("F", m) for m in range(warm)]
-        for i in range(microbatches - warm):
-            row += [Step("F", warm + i), Step("B", i)]
-        row += [Step("B", m) for m in range(microbatches - warm, microbatches)]
-        rows.append(tuple(row))
-    return Schedule("1f1b", stages, microbatches, 1, tuple(rows))
+    d = ScheduleDraft(stages, microbatches, name="1f1b")
+    return _from_rows(d, lambda s: _one_f_one_b_row(d, s))
 
 
 def interleaved(stages: int, microbatches: int, virtual: int) -> Schedule:
@@ -122,148 +110,143 @@ def interleaved(stages: int, microbatches: int, virtual: int) -> Schedule:
                         f"a multiple of the stages; use "
                         f"microbatches={stages * max(1, microbatches // stages)}")
     total = microbatches * virtual
+    d = ScheduleDraft(stages, microbatches, virtual=virtual, name="interleaved")
 
-    def unit(i: int, backward: bool) -> tuple[int, int]:
+    def unit(s: int, i: int, backward: bool) -> Block:
         group, r = divmod(i, stages * virtual)
         v, k = divmod(r, stages)
-        return group * stages + k, (virtual - 1 - v) if backward else v
+        return (d.B if backward else d.F)(s, group * stages + k,
+                                          (virtual - 1 - v) if backward else v)
 
-    rows = []
-    for s in range(stages):
+    def row(s: int) -> list[Block]:
         warm = min((stages - s - 1) * 2 + (virtual - 1) * stages, total)
-        row = [Step("F", *unit(i, False)) for i in range(warm)]
+        out = [unit(s, i, False) for i in range(warm)]
         for i in range(total - warm):
-            row += [Step("F", *unit(warm + i, False)), Step("B", *unit(i, True))]
-        row += [Step("B", *unit(i, True)) for i in range(total - warm, total)]
-        rows.append(tuple(row))
-    return Schedule("interleaved", stages, microbatches, virtual, tuple(rows))
+            out += [unit(s, warm + i, False), unit(s, i, True)]
+        return out + [unit(s, i, True) for i in range(total - warm, total)]
+
+    return _from_rows(d, row)
 
 
-def build(name: str, stages: int, microbatches: int, virtual: int = 2) -> Schedule:
-    """The built-in schedule ``name`` (``'gpipe'``, ``'1f1b'``, ``'interleaved'``)."""
+def interlaced(stages: int, microbatches: int) -> Schedule:
+    """nnScaler's interlaced pipeline (its T5 plan): the pipelined stages with blocks that run on
+    all devices -- the vocabulary-split embedding and LM head + loss -- woven in between.
+
+    The step goes in rounds; round ``r`` runs the embedding forward ``E(r)`` on all devices, one
+    ``F`` per stage, the head ``H`` (forward, loss and backward, all devices), one ``B`` per
+    stage, and the embedding backward ``W``. Micro-batch ``m`` enters at round ``m``, runs
+    stage ``s``'s ``F`` at round ``m + s``, ``H`` at ``m + S - 1``, stage ``s``'s ``B`` at
+    ``m + 2S - 2 - s`` and ``W`` at ``m + 2S - 2``: in the steady state every device is busy
+    (one all-device slot for each of ``E`` / ``H`` / ``W``, one ``F`` and one ``B`` per round),
+    and stage ``s`` keeps at most ``2 (S - s) - 1`` micro-batches in flight.
+
+    >>> print(format_schedule(interlaced(2, 2)))
+    schedule interlaced: 2 stages x 2 micro-batches, 12 steps
+    stage 0 | E0 F0 E1 F1 H0 .  .  H1 B0 W0 B1 W1
+    stage 1 | E0 .  E1 F0 H0 B0 F1 H1 B1 W0 .  W1
+    """
+    _check_sizes(stages, microbatches)
+    S, M = stages, microbatches
+    d = ScheduleDraft(S, M, all_device=True, name="interlaced")
+
+    def row(s: int) -> list[Block]:
+        out: list[Block] = []
+        for r in range(M + 2 * S - 2):
+            for m, block in ((r, d.E), (r - s, lambda m: d.F(s, m)), (r - S + 1, d.H),
+                             (r - 2 * S + 2 + s, lambda m: d.B(s, m)), (r - 2 * S + 2, d.W)):
+                if 0 <= m < M:
+                    out.append(block(m))
+        return out
+
+    return _from_rows(d, row)
+
+
+def nf1b(stages: int, microbatches: int, recycles: int = RECYCLES) -> Schedule:
+    """NF1B (nnScaler's AlphaFold2 recycling, "3F1B" for 3): every micro-batch first runs
+    ``recycles`` forward passes without gradient through the whole pipeline (pass ``r + 1`` of
+    chunk 0 reads pass ``r``'s output of the last chunk), then 1F1B.
+
+    The no-grad passes go through in waves (pass 0 of every micro-batch, then pass 1, ...), like
+    GPipe forwards that keep no activations; then each stage runs its 1F1B order.
+    """
+    _check_sizes(stages, microbatches)
+    if recycles < 0:
+        raise PlanError(f"nf1b(recycles={recycles}): use recycles >= 0 no-grad passes")
+    d = ScheduleDraft(stages, microbatches, recycles=recycles, name="nf1b")
+    return _from_rows(d, lambda s: [d.N(s, m, r) for r in range(recycles)
+                                    for m in range(microbatches)] + _one_f_one_b_row(d, s))
+
+
+def build(name: str, stages: int, microbatches: int, virtual: int = 2,
+          recycles: int = RECYCLES) -> Schedule:
+    """The built-in schedule ``name`` (see :data:`SCHEDULES`); ``virtual`` for interleaved,
+    ``recycles`` for nf1b."""
     if name == "gpipe":
         return gpipe(stages, microbatches)
     if name == "1f1b":
         return one_f_one_b(stages, microbatches)
     if name == "interleaved":
         return interleaved(stages, microbatches, virtual)
-    raise PlanError(f"unknown schedule {name!r}; use one of {', '.join(SCHEDULES)}")
+    if name == "interlaced":
+        return interlaced(stages, microbatches)
+    if name == "nf1b":
+        return nf1b(stages, microbatches, recycles)
+    raise PlanError(f"unknown schedule {name!r}; use one of {', '.join(SCHEDULES)}, or write "
+                    "one with ScheduleDraft and op_order")
 
 
-def _deps(step: Step, stage: int, sched: Schedule) -> list[tuple[Step, int]]:
-    """Steps (with their stage) that must finish before ``step`` on ``stage`` starts."""
-    S, C = sched.stages, sched.chunks
-    c = step.virtual * S + stage
-    m = step.microbatch
-    at = lambda kind, c2: (Step(kind, m, c2 // S), c2 % S)
-    if step.kind == "F":
-        return [at("F", c - 1)] if c > 0 else []
-    deps = [at("F", c)]
-    if c < C - 1:
-        deps.append(at("B", c + 1))
-    return deps
+def from_settings(pipe: Any) -> Schedule:
+    """The schedule of a plan's pipeline settings (:class:`~nnscaler_jax.plan.plan.
+    PipelineSettings`): its saved per-stage orders (``steps``, a schedule written with
+    ``op_order``), else the built-in one it names."""
+    rows = getattr(pipe, "steps", ())
+    if rows:
+        return Schedule.from_lists(pipe.schedule, pipe.stages, pipe.microbatches, pipe.virtual,
+                                   rows)
+    return build(pipe.schedule, pipe.stages, pipe.microbatches, pipe.virtual)
 
 
-def timeline(sched: Schedule) -> list[list[Step | None]]:
-    """The step table: ``table[t][s]`` is what stage ``s`` does at time step ``t`` (or idle).
-
-    Each stage runs its steps in its order, each at the earliest step after its dependencies'
-    steps (unit time per step; results reach the neighbour for the next step).
-
-    Raises:
-        PlanError: the schedule is invalid (see :func:`validate`).
-    """
-    validate(sched, _table=False)
-    S = sched.stages
-    done: dict[tuple[Step, int], int] = {}
-    pos = [0] * S
-    table: list[list[Step | None]] = []
-    remaining = sum(len(r) for r in sched.steps)
-    t = 0
-    while remaining:
-        row: list[Step | None] = [None] * S
-        for s in range(S):
-            if pos[s] < len(sched.steps[s]):
-                st = sched.steps[s][pos[s]]
-                if all(done.get(d, t) < t for d in _deps(st, s, sched)):
-                    row[s] = st
-        if not any(row):
-            blocked = []
-            for s in range(S):
-                if pos[s] < len(sched.steps[s]):
-                    st = sched.steps[s][pos[s]]
-                    miss = [f"{d} on stage {ds}" for d, ds in _deps(st, s, sched)
-                            if (d, ds) not in done]
-                    blocked.append(f"stage {s} step {pos[s]} '{st}' waits for {', '.join(miss)}")
-            raise PlanError(f"schedule {sched.name!r} deadlocks at time step {t}: "
-                            + "; ".join(blocked)
-                            + ". Each stage's order must let every dependency run first: F of "
-                            "(m, chunk c) after F of (m, c-1); B of (m, c) after F of (m, c) and "
-                            "B of (m, c+1)")
-        for s, st in enumerate(row):
-            if st is not None:
-                done[(st, s)] = t
-                pos[s] += 1
-                remaining -= 1
-        table.append(row)
-        t += 1
-    return table
-
-
-def validate(sched: Schedule, *, _table: bool = True) -> None:
-    """Check that ``sched`` is a complete, executable schedule.
-
-    Every ``(F|B, microbatch, chunk)`` appears exactly once on the stage holding the chunk, and
-    the per-stage orders respect the data dependencies (F of ``(m, c)`` after F of
-    ``(m, c-1)``; B of ``(m, c)`` after F of ``(m, c)`` and B of ``(m, c+1)``).
+def require_runnable(sched: Schedule) -> Schedule:
+    """``sched`` itself when the pipeline runtime executes every block of it (``F`` / ``B``).
 
     Raises:
-        PlanError: naming the offending step and stage.
+        PlanError: it has no-grad forwards (``N``, ``nf1b``) or all-device blocks (``E`` /
+            ``H`` / ``W``, ``interlaced``), which the runtime does not execute yet.
     """
-    if len(sched.steps) != sched.stages:
-        raise PlanError(f"schedule {sched.name!r} lists {len(sched.steps)} stages, declares "
-                        f"{sched.stages}")
-    for s, row in enumerate(sched.steps):
-        seen: dict[Step, int] = {}
-        for i, st in enumerate(row):
-            if st.kind not in ("F", "B"):
-                raise PlanError(f"schedule {sched.name!r}: stage {s} step {i} has kind "
-                                f"{st.kind!r}; use 'F' or 'B'")
-            if not (0 <= st.microbatch < sched.microbatches and 0 <= st.virtual < sched.virtual):
-                raise PlanError(f"schedule {sched.name!r}: stage {s} step {i} '{st}' names "
-                                f"micro-batch {st.microbatch} / chunk {st.virtual}, outside "
-                                f"{sched.microbatches} micro-batches x {sched.virtual} chunks")
-            if st in seen:
-                raise PlanError(f"schedule {sched.name!r}: stage {s} runs '{st}' twice (steps "
-                                f"{seen[st]} and {i}); every (kind, micro-batch, chunk) runs "
-                                "exactly once")
-            seen[st] = i
-        for m in range(sched.microbatches):
-            for v in range(sched.virtual):
-                for k in ("F", "B"):
-                    if Step(k, m, v) not in seen:
-                        raise PlanError(f"schedule {sched.name!r}: stage {s} never runs "
-                                        f"'{Step(k, m, v)}' ({k} of micro-batch {m}, chunk {v})")
-        for i, st in enumerate(row):
-            if st.kind == "B" and seen[Step("F", st.microbatch, st.virtual)] > i:
-                raise PlanError(f"schedule {sched.name!r}: stage {s} step {i} '{st}' comes "
-                                f"before its forward 'F{st.microbatch}' (step "
-                                f"{seen[Step('F', st.microbatch, st.virtual)]})")
-    if _table:
-        timeline(sched)
+    kinds = {st.kind for row in sched.steps for st in row} - {"F", "B"}
+    if not kinds:
+        return sched
+    what = []
+    if "N" in kinds:
+        what.append("forwards without gradient ('N' blocks, recycling)")
+    if kinds & {"E", "H", "W"}:
+        what.append("blocks on all devices ('E' / 'H' / 'W': the vocabulary-split embedding "
+                    "and head)")
+    raise PlanError(
+        f"train_step: the pipeline runtime does not execute {' or '.join(what)} yet, which "
+        f"schedule {sched.name!r} has. Its step table validates, draws "
+        "(nnscaler_jax.pipeline.schedule.plot_gantt) and is priced (plan.cost), but it does not "
+        "train; use schedule='1f1b', 'gpipe', 'interleaved' or one written with op_order from "
+        "F / B blocks")
 
 
-def peak_in_flight(sched: Schedule) -> tuple[int, ...]:
-    """Per stage, the most micro-batch chunks forwarded but not yet backwarded at once (the
-    stage inputs a step keeps for its backward)."""
-    peaks = []
-    for row in sched.steps:
-        live = peak = 0
-        for st in row:
-            live += 1 if st.kind == "F" else -1
-            peak = max(peak, live)
-        peaks.append(peak)
-    return tuple(peaks)
+def settings_steps(sched: Any) -> tuple:
+    """What a plan's ``PipelineSettings.steps`` keeps of ``sched``: the per-stage orders of a
+    schedule that is not a built-in (hashable lists of :meth:`Schedule.to_lists`), else ``()``.
+    """
+    if not isinstance(sched, Schedule) or _is_builtin(sched):
+        return ()
+    return tuple(tuple(tuple(x) for x in row) for row in sched.to_lists())
+
+
+def _is_builtin(sched: Schedule) -> bool:
+    """``sched`` is what :func:`build` makes of its name (and sizes): the name is enough."""
+    if sched.name not in SCHEDULES:
+        return False
+    try:
+        return build(sched.name, sched.stages, sched.microbatches, sched.virtual) == sched
+    except PlanError:
+        return False
 
 
 def format_schedule(sched: Schedule) -> str:
@@ -280,28 +263,52 @@ def format_schedule(sched: Schedule) -> str:
 
 
 def plot_gantt(sched: Schedule, path: str) -> str:
-    """Write a PNG Gantt chart of the step table (stages down, time across) to ``path``."""
+    """Write a PNG Gantt chart of the step table (stages down, time across) to ``path``.
+
+    Colour: micro-batch; fill: block type -- forward solid, backward hatched ``//``, no-grad
+    forward dotted and pale, all-device blocks one grey bar across every stage (with a legend).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     table = timeline(sched)
-    fig, ax = plt.subplots(figsize=(max(6, len(table) * 0.35), 0.6 * sched.stages + 1.2))
-    cmap = plt.get_cmap("tab20")
+    S = sched.stages
+    fig, ax = plt.subplots(figsize=(max(6, len(table) * 0.35), 0.6 * S + 1.6))
+    cmap = plt.get_cmap("tab10")
+    style = {"F": (None, 1.0), "B": ("//", 1.0), "N": ("..", 0.45)}
     for t, row in enumerate(table):
         for s, st in enumerate(row):
-            if st is None:
+            if st is None or (st.all_device and s):
                 continue
-            color = cmap((st.microbatch * 2 + (st.kind == "B")) % 20)
-            ax.barh(s, 1, left=t, color=color, edgecolor="black",
-                    hatch="//" if st.kind == "B" else None)
-            ax.text(t + 0.5, s, str(st), ha="center", va="center", fontsize=7)
-    ax.set_yticks(range(sched.stages), [f"stage {s}" for s in range(sched.stages)])
+            if st.all_device:
+                ax.barh((S - 1) / 2, 1, height=S - 0.2, left=t, color="0.8",
+                        edgecolor="black", hatch="xx" if st.kind == "W" else None)
+                ax.text(t + 0.5, (S - 1) / 2, str(st), ha="center", va="center", fontsize=7,
+                        rotation=90 if S > 1 else 0)
+                continue
+            hatch, alpha = style[st.kind]
+            ax.barh(s, 1, left=t, color=cmap(st.microbatch % 10), alpha=alpha,
+                    edgecolor="black", hatch=hatch)
+            ax.text(t + 0.5, s, str(st), ha="center", va="center", fontsize=6)
+    kinds = {st.kind for row in sched.steps for st in row}
+    legend = [Patch(facecolor="white", edgecolor="black", hatch=h, alpha=a, label=lab)
+              for k, (h, a), lab in (("F", style["F"], "F forward"),
+                                     ("B", style["B"], "B backward"),
+                                     ("N", style["N"], "N no-grad forward")) if k in kinds]
+    if sched.all_device:
+        legend.append(Patch(facecolor="0.8", edgecolor="black",
+                            label="E / H / W all devices"))
+    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.25),
+              ncol=len(legend), fontsize=7, frameon=False)
+    ax.set_yticks(range(S), [f"stage {s}" for s in range(S)])
     ax.invert_yaxis()
-    ax.set_xlabel("time step")
-    ax.set_title(f"{sched.name}: {sched.stages} stages x {sched.microbatches} micro-batches"
-                 + (f" x {sched.virtual} chunks" if sched.virtual > 1 else ""))
+    ax.set_xlabel("time step (colour: micro-batch)")
+    ax.set_title(f"{sched.name}: {S} stages x {sched.microbatches} micro-batches"
+                 + (f" x {sched.virtual} chunks" if sched.virtual > 1 else "")
+                 + (f", {sched.recycles} no-grad passes" if sched.recycles else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -119,11 +119,15 @@ class PipelineSettings:
     Attributes:
         stages: pipeline stages (the stage axis's size).
         microbatches / schedule / virtual: the pipeline schedule (``'gpipe'``, ``'1f1b'``,
-            ``'interleaved'`` with ``virtual`` model chunks per stage; see
+            ``'interleaved'`` with ``virtual`` model chunks per stage, ``'interlaced'``,
+            ``'nf1b'``, or the name of one written with ``op_order``; see
             :mod:`nnscaler_jax.pipeline.schedule`).
         stage_of: ``(layer module path, stage)`` pairs (op_assign of layers to stages).
         report: why these settings (``pipeline_stages="auto"``: the stage DP's predicted step
             time and memory per candidate schedule / micro-batch count), or empty.
+        steps: a schedule written with ``op_order``: its per-stage block orders (``(kind, m, v)``
+            or ``(kind, m, v, it)`` per block, :meth:`nnscaler_jax.pipeline.steps.Schedule.
+            to_lists`), so a saved plan keeps it; empty for a built-in schedule.
     """
 
     stages: int
@@ -132,6 +136,7 @@ class PipelineSettings:
     virtual: int = 1
     stage_of: tuple[tuple[str, int], ...] = ()
     report: str = ""
+    steps: tuple[tuple[tuple[Any, ...], ...], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object under a plan's ``"pipeline"`` key."""
@@ -140,6 +145,8 @@ class PipelineSettings:
                              "stage_of": [list(x) for x in self.stage_of]}
         if self.report:
             d["report"] = self.report
+        if self.steps:
+            d["steps"] = [[list(x) for x in row] for row in self.steps]
         return d
 
     @classmethod
@@ -147,7 +154,9 @@ class PipelineSettings:
         return cls(stages=int(d.get("stages", 1)), microbatches=int(d.get("microbatches", 1)),
                    schedule=str(d.get("schedule", "")), virtual=int(d.get("virtual", 1)),
                    stage_of=tuple((str(n), int(st)) for n, st in d.get("stage_of", ())),
-                   report=str(d.get("report", "")))
+                   report=str(d.get("report", "")),
+                   steps=tuple(tuple((str(x[0]), *map(int, x[1:])) for x in row)
+                               for row in d.get("steps", ())))
 
     def lines(self) -> list[str]:
         """The plan text's pipeline section."""
@@ -156,7 +165,8 @@ class PipelineSettings:
             by.setdefault(st, []).append(name)
         lines = [f"pipeline: {self.stages} stages, {self.microbatches} micro-batches, "
                  f"schedule {self.schedule}" + (f" x {self.virtual} virtual"
-                                                if self.virtual > 1 else "")]
+                                                if self.virtual > 1 else "")
+                 + (" (written with op_order)" if self.steps else "")]
         lines += [f"  stage {st}: {', '.join(ns)}" for st, ns in sorted(by.items())]
         return lines + (self.report.splitlines() if self.report else [])
 

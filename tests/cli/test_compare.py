@@ -48,7 +48,10 @@ def test_the_cluster_memory_is_the_default_budget(capsys):
                         "--json")
     assert code == 0 and res["budget_bytes"] == 100 * 2**30 and res["budget"] == "--budget"
     assert res["planners"]["dp"]["fits"] is True
-    assert res["planners"]["dp"]["memory_bytes_per_device"] == dp["memory_bytes_per_device"]
+    # the whole batch at once; the smallest estimate without the budget was dp with gradient
+    # accumulation over the most micro-batches the batch allows, still over 28.8 GiB
+    assert res["planners"]["dp"]["memory_bytes_per_device"] > dp["memory_bytes_per_device"]
+    assert res["planners"]["dp"]["features"]["microbatches"] == 1
 
 
 def test_a_budget_nothing_fits_reports_the_smallest_estimate(capsys):

@@ -74,9 +74,10 @@ def test_init_leaves_the_wrappers_policy():
 def test_unsupported_model_and_mesh_errors():
     spec = models.get("mlp", "tiny")
     (x,) = spec.make_args()
-    mesh = make_mesh((2, 4), ("stage", "data"))
-    pm = auto_parallel(mesh, Constraints(pipeline_stages=2), policy="dp")(spec.module)
-    with pytest.raises(PlanError, match="no stack of repeated layers"):
+    # two modules (fc1 | fc2) cannot make 4 stages (any model pipelines now: pipeline/cut.py)
+    mesh = make_mesh((4, 2), ("stage", "data"))
+    pm = auto_parallel(mesh, Constraints(pipeline_stages=4), policy="dp")(spec.module)
+    with pytest.raises(PlanError, match="need 3 cut points"):
         pm.make_plan(x)
     gpt = models.get("gpt", "tiny")
     (tokens,) = gpt.make_args()
@@ -84,9 +85,6 @@ def test_unsupported_model_and_mesh_errors():
                         policy="dp")(gpt.module)
     with pytest.raises(PlanError, match="needs a mesh axis 'stage'"):
         bad.make_plan(tokens)
-    no_pipe = auto_parallel(mesh, policy="dp")(gpt.module)
-    with pytest.raises(PlanError, match="Constraints\\(pipeline_stages"):
-        no_pipe.train_step(gpt.loss_fn, optax.sgd(0.1))
 
 
 def test_train_step_refuses_what_it_would_silently_ignore():

@@ -1,0 +1,142 @@
+"""A traced training program cut into chunk sub-programs, and the flat vectors they travel in.
+
+:func:`cut_program` cuts the micro-batch loss program (``(params..., batch...) -> loss``) into
+contiguous equation ranges at given starts (:func:`nnscaler_jax.pipeline.cut.chunk_starts`):
+chunk ``c`` reads the values of boundary ``c - 1`` (every value made before it and read at or
+after it: activations, and values forwarded through it for later chunks, e.g. T5's encoder
+output for every decoder chunk) and makes boundary ``c``'s. Parameters read by one chunk are
+that chunk's; parameters read by several (tied embeddings) or none are *shared*.
+
+A :class:`Packing` places a list of arrays in one flat vector per dtype (parameters of a chunk,
+the values of a boundary), so that chunks of different shapes fit one buffer of the widest.
+
+>>> import jax.numpy as jnp, numpy as np
+>>> pk = packing([jnp.zeros((2, 3)), jnp.zeros(4, jnp.int32), jnp.zeros(2)])
+>>> pk.sizes
+{'float32': 8, 'int32': 4}
+>>> [x.shape for x in unpack(pack([jnp.ones((2, 3)), jnp.arange(4), jnp.ones(2)], pk,
+...                                {'float32': 10, 'int32': 4}), pk)]
+[(2, 3), (4,), (2,)]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jcore
+
+__all__ = ["Packing", "ProgramCut", "cut_program", "pack", "packing", "unpack", "widths"]
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Where each of a list of arrays lives in per-dtype flat vectors.
+
+    Attributes:
+        slots: per array ``(dtype name, offset, shape)``.
+        sizes: per dtype, the elements used.
+    """
+
+    slots: tuple[tuple[str, int, tuple[int, ...]], ...]
+    sizes: dict[str, int]
+
+
+def packing(avals: Sequence[Any]) -> Packing:
+    """The packing of arrays with these shapes and dtypes (anything with ``.shape``/``.dtype``)."""
+    sizes: dict[str, int] = {}
+    slots = []
+    for a in avals:
+        dt, shape = np.dtype(a.dtype).name, tuple(int(d) for d in a.shape)
+        slots.append((dt, sizes.get(dt, 0), shape))
+        sizes[dt] = sizes.get(dt, 0) + math.prod(shape)
+    return Packing(tuple(slots), dict(sorted(sizes.items())))
+
+
+def widths(packings: Sequence[Packing]) -> dict[str, int]:
+    """Per dtype, the widest of ``packings`` (at least 1 element)."""
+    out: dict[str, int] = {}
+    for p in packings:
+        for dt, n in p.sizes.items():
+            out[dt] = max(out.get(dt, 1), n)
+    return dict(sorted(out.items()))
+
+
+def pack(values: Sequence[Any], pk: Packing, width: dict[str, int]) -> dict[str, Any]:
+    """``values`` as one zero-padded vector of ``width[dtype]`` elements per dtype."""
+    parts: dict[str, list] = {dt: [] for dt in width}
+    for x, (dt, _, _) in zip(values, pk.slots, strict=True):
+        parts[dt].append(jnp.ravel(x).astype(dt))
+    out = {}
+    for dt, n in width.items():
+        used = pk.sizes.get(dt, 0)
+        pad = [jnp.zeros((n - used,), dt)] if n > used else []
+        out[dt] = jnp.concatenate(parts[dt] + pad) if parts[dt] or pad else jnp.zeros((0,), dt)
+    return out
+
+
+def unpack(vectors: dict[str, Any], pk: Packing) -> list[Any]:
+    """The arrays :func:`pack` put into ``vectors``."""
+    return [vectors[dt][off:off + math.prod(shape)].reshape(shape)
+            for dt, off, shape in pk.slots]
+
+
+@dataclass(frozen=True)
+class ProgramCut:
+    """A closed jaxpr cut into chunks.
+
+    Attributes:
+        jaxpr: the closed jaxpr ``(params..., batch...) -> loss``.
+        n_params: parameter leaves (the first invars).
+        segments: per chunk, its equations.
+        bounds: per boundary ``c`` (between chunks ``c`` and ``c + 1``), the values crossing it.
+        owned: per chunk, the parameter leaf indices only it reads.
+        shared: the parameter leaf indices read by several chunks or none.
+    """
+
+    jaxpr: Any
+    n_params: int
+    segments: tuple[tuple[Any, ...], ...]
+    bounds: tuple[tuple[Any, ...], ...]
+    owned: tuple[tuple[int, ...], ...]
+    shared: tuple[int, ...]
+
+    @property
+    def chunks(self) -> int:
+        return len(self.segments)
+
+
+def _vars(xs: Sequence[Any]) -> list[Any]:
+    return [v for v in xs if not isinstance(v, jcore.Literal)]
+
+
+def cut_program(closed: Any, n_params: int, starts: Sequence[int]) -> ProgramCut:
+    """Cut ``closed``'s equations at ``starts`` (``starts[0] == 0``) into chunks."""
+    jaxpr = closed.jaxpr
+    eqns = jaxpr.eqns
+    ends = list(starts[1:]) + [len(eqns)]
+    segments = tuple(tuple(eqns[a:b]) for a, b in zip(starts, ends, strict=True))
+    C = len(segments)
+    made: dict[Any, int] = {}
+    last: dict[Any, int] = {}
+    readers: dict[Any, set[int]] = {}
+    for c, seg in enumerate(segments):
+        for e in seg:
+            for v in _vars(e.invars):
+                last[v] = max(last.get(v, c), c)
+                readers.setdefault(v, set()).add(c)
+            made.update((v, c) for v in e.outvars)
+    for v in _vars(jaxpr.outvars):
+        last[v] = C
+    order = {v: i for i, v in enumerate(made)}
+    bounds = tuple(tuple(sorted((v for v, c0 in made.items() if c0 <= c < last.get(v, -1)),
+                                key=order.__getitem__)) for c in range(C - 1))
+    params = jaxpr.invars[:n_params]
+    users = [readers.get(v, set()) for v in params]
+    owned = tuple(tuple(j for j, u in enumerate(users) if u == {c}) for c in range(C))
+    shared = tuple(j for j, u in enumerate(users) if len(u) != 1)
+    return ProgramCut(closed, n_params, segments, bounds, owned, shared)

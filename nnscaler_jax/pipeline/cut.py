@@ -1,0 +1,267 @@
+"""Cutting any model into pipeline stages at module boundaries (heterogeneous stages).
+
+The identical-layer runtime (:mod:`nnscaler_jax.pipeline.runtime`) needs a GPT-like stack. Any
+other model (T5's encoder and decoder, Swin's stages of different widths, Evoformer's two
+tracks) is cut here into ``stages x virtual`` contiguous *chunks* of its program, each starting
+where a module starts (nnScaler's pipeline pivots):
+
+- the cut points are the starts of the modules ``Constraints(pipeline_pivots=(glob, ...))``
+  names (globs match whole path segments, :func:`nnscaler_jax.constraints.pivot_paths`), or
+  else of the top-level modules and the repeated blocks (:func:`nnscaler_jax.ir.layers.
+  block_paths`: ``encoder/block_3``, ``layers_1/blocks_0``; transformers' ``transformer/h/3``);
+- among them :func:`balance` picks the cuts that minimise the busiest chunk's compute (the cost
+  model's ``op_time``, forward + backward);
+- the plan records the cut as ``stage_of``: every cut point in program order with its stage
+  (:func:`chunk_starts` reads the chunk starts back, for the graph and the traced program
+  alike: chunk ``c`` begins at the first op of its first listed module).
+
+:func:`plan_cut` is what :mod:`nnscaler_jax.pipeline.configure` calls: the cut and a
+:class:`~nnscaler_jax.pipeline.pricing.RuntimeSetup` whose units are the chunks, so the stage
+DP prices the cut program (:mod:`nnscaler_jax.pipeline.hetero` runs it).
+
+>>> balance([1, 1, 1, 1, 4, 4], [1, 2, 4, 5], 2)
+(0, 4)
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from nnscaler_jax.constraints import Constraints, pivot_paths
+from nnscaler_jax.cost.model import CostModel, itemsize
+from nnscaler_jax.cost.residuals import residual_outputs
+from nnscaler_jax.errors import PlanError
+from nnscaler_jax.ir.graph import Graph, Op, Role
+from nnscaler_jax.ir.layers import block_paths, graph_layers
+from nnscaler_jax.mesh.axes import require_stage_axis
+from nnscaler_jax.pipeline.in_stage import tensor_axes
+from nnscaler_jax.pipeline.pricing import RuntimeSetup
+from nnscaler_jax.pipeline.units import Unit
+
+__all__ = ["Cut", "balance", "chunk_starts", "eqn_path", "first_positions", "plan_cut",
+           "tp_error"]
+
+
+def eqn_path(eqn: Any, root: str) -> str:
+    """The module path of a jaxpr equation, as :mod:`nnscaler_jax.capture.jaxpr` names ops
+    (root module and transform markers dropped, ``'attn/attn._split'`` -> ``'attn'``)."""
+    parts = [p.split(".")[0] for p in str(eqn.source_info.name_stack).split("/")
+             if p and not any(c in p for c in "(,>")]
+    if parts and root and parts[0] == root:
+        parts = parts[1:]
+    out: list[str] = []
+    for p in parts:
+        if not out or out[-1] != p:
+            out.append(p)
+    return "/".join(out)
+
+
+def first_positions(paths: Sequence[str]) -> dict[str, int]:
+    """Every module path (with its ancestors) -> the index of its first op in ``paths``."""
+    first: dict[str, int] = {}
+    for i, p in enumerate(paths):
+        parts = p.split("/") if p else []
+        for k in range(1, len(parts) + 1):
+            first.setdefault("/".join(parts[:k]), i)
+    return first
+
+
+def _candidates(paths: Sequence[str], pivots: tuple[str, ...]) -> list[tuple[int, str]]:
+    """``(position, module path)`` of the modules a chunk may start at, one per position (the
+    outermost), in program order."""
+    first = first_positions(paths)
+    if pivots:
+        names = []
+        for glob in pivots:
+            hit = pivot_paths(glob, list(first))
+            if not hit:
+                raise PlanError(f"pipeline_pivots: glob {glob!r} matches no module; top-level "
+                                f"modules are {sorted({p.split('/')[0] for p in first})[:12]}",
+                                module_path=glob)
+            names += hit
+    else:
+        names = [p for p in first if "/" not in p] + block_paths(list(paths))
+        names += [p for p in first if p.rsplit("/", 1)[-1].isdigit()  # transformers' h/0, h/1
+                  and any(q.startswith(p + "/") for q in first)]
+    best: dict[int, str] = {}
+    for n in names:
+        pos = first[n]
+        if pos not in best or n.count("/") < best[pos].count("/"):
+            best[pos] = n
+    return sorted(best.items())
+
+
+def balance(costs: Sequence[float], positions: Sequence[int], chunks: int) -> tuple[int, ...]:
+    """Chunk starts (``0`` and ``chunks - 1`` of ``positions``) minimising the largest chunk's
+    summed ``costs`` (a linear-partition DP over the allowed cut positions).
+
+    Raises:
+        PlanError: fewer allowed positions than cuts.
+    """
+    n = len(costs)
+    pos = sorted({p for p in positions if 0 < p < n})
+    if len(pos) < chunks - 1:
+        raise PlanError(f"pipeline: {chunks} chunks need {chunks - 1} cut points, the model "
+                        f"has {len(pos)} module starts to cut at; use fewer stages or more "
+                        "pipeline_pivots")
+    cum = [0.0]
+    for c in costs:
+        cum.append(cum[-1] + c)
+    pts = [0] + pos
+    K = len(pts)
+    inf = float("inf")
+    # best[j][i]: chunks 0..j with chunk j starting at pts[i] -> (max cost so far, prev index)
+    best = [[(inf, -1)] * K for _ in range(chunks)]
+    best[0][0] = (0.0, -1)
+    for j in range(1, chunks):
+        for i in range(1, K):
+            for k in range(i):
+                if best[j - 1][k][0] < inf:
+                    v = max(best[j - 1][k][0], cum[pts[i]] - cum[pts[k]])
+                    if v < best[j][i][0]:
+                        best[j][i] = (v, k)
+    tail = [max(best[chunks - 1][i][0], cum[n] - cum[pts[i]]) for i in range(K)]
+    i = min(range(K), key=lambda q: tail[q])
+    starts = []
+    for j in range(chunks - 1, -1, -1):
+        starts.append(pts[i])
+        i = best[j][i][1]
+    return tuple(reversed(starts))
+
+
+def chunk_starts(paths: Sequence[str], stage_of: Sequence[tuple[str, int]], stages: int,
+                 chunks: int) -> tuple[int, ...]:
+    """The op index each chunk starts at, read from a plan's ``stage_of`` (module paths in
+    program order with their stage; chunk ``c`` runs on stage ``c % stages`` and starts at the
+    first op of its first listed module; chunk 0 at op 0).
+
+    Raises:
+        PlanError: a listed module is not in the program, or the list does not describe
+            ``chunks`` contiguous chunks.
+    """
+    first = first_positions(paths)
+    runs: list[tuple[int, str]] = []
+    for name, st in stage_of:
+        if not runs or runs[-1][0] != st:
+            runs.append((st, name))
+    if runs and runs[0][0] != 0:
+        runs.insert(0, (0, ""))
+    missing = [n for _, n in runs[1:] if n not in first]
+    starts = [0] + [first.get(n, -1) for _, n in runs[1:]]
+    if (missing or len(runs) != chunks or any(st != c % stages for c, (st, _) in enumerate(runs))
+            or any(b <= a for a, b in itertools.pairwise(starts))):
+        raise PlanError(f"pipeline: the plan's stage split {list(stage_of)[:8]} does not cut "
+                        f"this program into {chunks} contiguous chunks over {stages} stages"
+                        + (f" (modules {missing} are not in it)" if missing else "")
+                        + "; re-plan for this model")
+    return tuple(starts)
+
+
+def tp_error(tensor: Sequence[str]) -> PlanError:
+    """Tensor parallelism asked inside heterogeneous stages."""
+    return PlanError(
+        f"pipeline: tensor parallelism inside heterogeneous stages (mesh axes {list(tensor)}) "
+        "is not supported: stages cut at module boundaries run data-parallel inside. Use "
+        "policy='dp' (or None), name the non-stage axes like data axes ('data', 'dp', ...), or "
+        "use a GPT-like stack of identical layers without pipeline_pivots")
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A model cut into chunks at module starts.
+
+    Attributes:
+        starts: the graph op index each chunk starts at.
+        stage_of: the cut points in program order with their stage (the plan's record).
+        setup: the runtime pricing setup, one unit per chunk.
+    """
+
+    starts: tuple[int, ...]
+    stage_of: tuple[tuple[str, int], ...]
+    setup: RuntimeSetup
+
+
+def _op_cost(model: CostModel, op: Op) -> float:
+    if not op.regions:
+        return model.op_time(op, ())
+    inner = sum(model.op_time(o, ()) for r in op.regions for o in r.walk() if not o.regions)
+    return inner * int(op.params.get("length", 1) or 1)
+
+
+def plan_cut(graph: Graph, mesh_axes: dict[str, int], constraints: Constraints, policy: Any,
+             virtual: int, model: CostModel | None = None) -> Cut | None:
+    """The cut of ``graph`` into ``stages x virtual`` chunks, or None when the model is a stack
+    of layers the identical-layer runtime runs (no pivots given).
+
+    Raises:
+        PlanError: a pivot matching nothing, too few cut points, or a tensor-parallel policy.
+    """
+    axis = require_stage_axis(mesh_axes)
+    S = mesh_axes[axis]
+    if not constraints.pipeline_pivots:
+        try:
+            stack = graph_layers(graph).stack
+        except PlanError:
+            stack = None
+        if stack is not None and stack.count % (S * virtual) == 0:
+            return None
+    tensor = tensor_axes(mesh_axes, axis, policy)
+    if tensor:
+        raise tp_error(tensor)
+    model = model or CostModel.for_axes(mesh_axes)
+    paths = [op.module_path for op in graph.ops]
+    cands = _candidates(paths, constraints.pipeline_pivots)
+    starts = balance([_op_cost(model, op) for op in graph.ops], [p for p, _ in cands],
+                     S * virtual)
+    chunk_of = lambda i: sum(1 for s in starts if s <= i) - 1
+    stage_of = tuple((n, chunk_of(p) % S) for p, n in cands)
+    data = tuple(a for a in mesh_axes if a != axis)
+    link = model.mesh.link
+    batch = next((t.shape[0] for t in graph.inputs if t.role is Role.INPUT and t.shape), 1)
+    setup = RuntimeSetup(_chunk_units(graph, starts, batch, model), axis, data, (), S,
+                         math.prod(mesh_axes[a] for a in data), 1, batch, link(axis),
+                         link(data[0]) if data else link(axis), link(axis))
+    return Cut(starts, stage_of, setup)
+
+
+def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
+                 model: CostModel) -> list[Unit]:
+    """``[shared params, chunk 0, ..., chunk C-1, empty]`` priced per sample: compute, kept
+    activations, owned parameter bytes and the bytes sent to the next chunk."""
+    ops, C = graph.ops, len(starts)
+    bounds = list(zip(starts, list(starts[1:]) + [len(ops)], strict=True))
+    chunk = [c for c, (a, b) in enumerate(bounds) for _ in range(a, b)]
+    variables = {t.id: t for t in graph.variables}
+    made: dict[int, int] = {}
+    readers: dict[int, set[int]] = {}
+    for i, op in enumerate(ops):
+        for t in op.inputs:
+            readers.setdefault(t.id, set()).add(chunk[i])
+        made.update((t.id, chunk[i]) for t in op.outputs)
+    for t in graph.outputs:
+        readers.setdefault(t.id, set()).add(C)
+    sizes = {t.id: math.prod(t.shape) * itemsize(t) for op in ops for t in op.outputs}
+    sent = [0.0] * C
+    for tid, c0 in made.items():
+        last = max(readers.get(tid, {c0}))
+        for c in range(c0, min(last, C - 1)):
+            sent[c] += sizes[tid]
+    owned, shared = [0.0] * C, 0.0
+    for tid, t in variables.items():
+        users = readers.get(tid, set())
+        if len(users) == 1:
+            owned[next(iter(users))] += t.nbytes
+        else:
+            shared += t.nbytes
+    saved = residual_outputs(graph)
+    units = [Unit("<shared>", 0.0, 0.0, shared, 0.0)]
+    for c, (a, b) in enumerate(bounds):
+        t = sum(_op_cost(model, op) for op in ops[a:b])
+        act = sum(model.activation_bytes(o, (), saved.get(o.id, ()))
+                  for op in ops[a:b] for o in [op] if not o.regions)
+        units.append(Unit(f"<chunk {c}>", t / batch, act / batch, owned[c], sent[c] / batch))
+    return units + [Unit("<end>", 0.0, 0.0, 0.0, 0.0)]
