@@ -47,7 +47,7 @@ from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.hetero import CutProgram
 from nnscaler_jax.pipeline.in_stage import InStagePlan, plan_in_stage, tensor_axes
 from nnscaler_jax.pipeline.loop_tables import loop_tables
-from nnscaler_jax.pipeline.split import split_program
+from nnscaler_jax.pipeline.split import NotALayerStack, split_program
 
 __all__ = ["PipelineProgram", "PipelineStep", "place_as"]
 
@@ -435,11 +435,16 @@ class PipelineStep:
         sched = sch.require_runnable(sch.from_settings(pipe))  # built-in or op_order-written
         args = (self.pm.module, self.loss_fn, self.pm.mesh, sched, params, tuple(batch))
         kw = {"policy": self.pm.policy, "rules": self.pm.constraints.rules}
-        try:  # a stack of identical layers, unless pivots ask for a cut at module boundaries
-            if self.pm.constraints.pipeline_pivots:
-                raise PlanError("pipeline_pivots given")
-            self.program = PipelineProgram(*args, **kw)
-        except PlanError as stack_error:  # any other model: heterogeneous stages (hetero.py)
+        # a stack of identical layers, unless pivots ask for a cut at module boundaries; any
+        # other model: heterogeneous stages (hetero.py). Other errors of the stacked program
+        # (an in-stage plan that splits nothing) are the user's to see, not a reason to cut.
+        stack_error: NotALayerStack | None = None
+        if not self.pm.constraints.pipeline_pivots:
+            try:
+                self.program = PipelineProgram(*args, **kw)
+            except NotALayerStack as e:
+                stack_error = e
+        if self.pm.constraints.pipeline_pivots or stack_error is not None:
             try:
                 self.program = CutProgram(*args, stage_of=pipe.stage_of, **kw)
             except PlanError as cut_error:

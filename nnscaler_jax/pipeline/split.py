@@ -15,11 +15,16 @@ from jax.extend import core as jcore
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.layers import LayerStack, numbered_layers, variable_top
 
-__all__ = ["ProgramSplit", "split_program"]
+__all__ = ["NotALayerStack", "ProgramSplit", "split_program"]
+
+
+class NotALayerStack(PlanError):
+    """Raised when the model is not a stack of identical layers (the pipelined step then cuts
+    it at module boundaries instead: :mod:`nnscaler_jax.pipeline.hetero`)."""
 
 
 def _unsupported(what: str) -> PlanError:
-    return PlanError(
+    return NotALayerStack(
         f"pipeline stages: {what}. Stage splitting supports GPT-like models: a prefix, then a "
         "stack of identical layers named '<prefix>_0', '<prefix>_1', ... (or one nn.scan over "
         "them), then a suffix, each layer taking exactly one activation from the previous one. "
