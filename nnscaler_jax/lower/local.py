@@ -14,7 +14,7 @@ from typing import Any
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Op
 
-__all__ = ["bind_eqn", "bind_local", "local_out_shapes"]
+__all__ = ["bind_eqn", "bind_local", "local_out_shapes", "runs_on_pieces"]
 
 # params that spell the (global) output shape
 _SHAPE_PARAMS = {"reshape": "new_sizes", "broadcast_in_dim": "shape", "iota": "shape"}
@@ -46,6 +46,37 @@ def local_out_shapes(op: Op, ways: Mapping[str, int]) -> list[tuple[int, ...]]:
     return out
 
 
+def runs_on_pieces(op: Op) -> bool:
+    """Whether a split ``op`` must run on each device's pieces (a ``shard_map``) instead of
+    under GSPMD: grouped convolutions, which XLA's SPMD partitioner gets wrong (jax 0.10: a
+    1-D conv with 2 feature groups split along the groups computes wrong outputs; its kernel
+    gradient, a ``batch_group_count`` conv, is all-reduced over every device when the batch is
+    split over one mesh axis and replicated over another (2x / 4x the gradient on a 2x2 / 2x4
+    mesh), and aborts the process (``new_input_batch_size % new_output_batch_size``) when the
+    batch is split down to one example per device)."""
+    return op.primitive == "conv_general_dilated" and (
+        op.params.get("feature_group_count", 1) > 1 or op.params.get("batch_group_count", 1) > 1)
+
+
+def _local_conv_params(op: Op, ways: Mapping[str, int]) -> dict[str, Any]:
+    """A grouped conv's group counts on pieces: splitting the group identifier (the first dim
+    of the lhs feature axis for feature groups, of the lhs batch axis for batch groups) ``n``
+    ways leaves ``1 / n`` of the groups on each piece."""
+    p = op.eqn.params
+    dn = p["dimension_numbers"]
+    lhs = op.annotation.inputs[0].axes
+    out = {}
+    for key, pos in (("feature_group_count", dn.lhs_spec[1]), ("batch_group_count",
+                                                                dn.lhs_spec[0])):
+        if p[key] > 1:
+            n = ways.get(lhs[pos].dims[0].name, 1)
+            if p[key] % n:
+                raise PlanError(f"op '{op.primitive}' at '{op.module_path or '<top>'}': "
+                                f"{key}={p[key]} does not split {n} ways")
+            out[key] = p[key] // n
+    return out
+
+
 def bind_local(op: Op, ins: Sequence[Any], ways: Mapping[str, int]) -> list[Any]:
     """Bind ``op``'s primitive on local pieces, rewriting shape params for the local shapes."""
     if not any(n > 1 for n in ways.values()):
@@ -55,6 +86,9 @@ def bind_local(op: Op, ins: Sequence[Any], ways: Mapping[str, int]) -> list[Any]
             f"op '{op.primitive}' at '{op.module_path or '<top>'}' (annotation '{op.anno}') "
             "cannot run on local pieces inside a shard_map region (its params spell global "
             "shapes). Leave it out of co-sharding / value-split chains.")
+    if runs_on_pieces(op):
+        return bind_eqn(op.eqn.replace(params={**op.eqn.params,
+                                               **_local_conv_params(op, ways)}), ins)
     key = _SHAPE_PARAMS.get(op.primitive)
     if key is None:
         return bind_eqn(op.eqn, ins)

@@ -19,14 +19,15 @@ from jax.sharding import PartitionSpec
 
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.anno import DimKind
-from nnscaler_jax.ir.graph import Op, Role
+from nnscaler_jax.ir.graph import Op, Role, Tensor
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.lower.local import bind_local
 from nnscaler_jax.plan.layouts import op_layouts
 from nnscaler_jax.plan.plan import VALUE, OpPlan
 from nnscaler_jax.rules.linear import VALUE_SPLIT_LINEAR
 
-__all__ = ["run_cosharded", "run_value_chain"]
+__all__ = ["chain_prefix", "run_cosharded", "run_sharded", "run_value_chain"]
+
 
 def _ways(plan: OpPlan, mesh_axes: dict[str, int]) -> dict[str, int]:
     ways: dict[str, int] = {}
@@ -94,63 +95,115 @@ def run_cosharded(lw: Any, op: Op, plan: OpPlan, ins: Sequence[Any],
     return list(fn(*local_ins))
 
 
-def run_value_chain(lw: Any, ops: Sequence[Op], env: dict[int, Any]) -> None:
-    """Run a chain of ops that keep partial sums, in one ``shard_map``; reduce at its exits."""
+def run_sharded(lw: Any, op: Op, plan: OpPlan, ins: Sequence[Any],
+                in_lays: Sequence[Layout], out_lays: Sequence[Layout]) -> list[Any]:
+    """Run ``op`` on each device's pieces in one ``shard_map`` (partial sums reduced there):
+    for ops XLA's SPMD partitioner does not partition correctly
+    (:func:`~nnscaler_jax.lower.local.runs_on_pieces`); the backward pass is the region's
+    transpose, local too."""
     mesh_axes = dict(zip(lw.mesh.axis_names, lw.mesh.devices.shape, strict=True))
-    produced = {t.id for op in ops for t in op.outputs}
-    ids = {op.id for op in ops}
-    ext, ext_lays, ext_splits = [], [], []
-    for op in ops:
-        ins, _ = op_layouts(op, lw.plan_of(op))
-        for t, lay in zip(op.inputs, ins, strict=True):
-            if t.id in produced or any(t.id == e.id for e in ext):
-                continue
-            if t.role is Role.CONST and t.ndim == 0:
-                continue
-            ext.append(t)
-            ext_lays.append(lay)
-            ext_splits.append(lw.plan_of(op).split)
-    exits = [t for op in ops for t in op.outputs
-             if any(c not in ids for c in lw.consumers(t.id)) or lw.is_output(t.id)]
-    exit_lays = []
-    for t in exits:
-        op = next(o for o in ops if any(x.id == t.id for x in o.outputs))
-        _, outs = op_layouts(op, lw.plan_of(op))
-        exit_lays.append(outs[[x.id for x in op.outputs].index(t.id)])
+    ways = _ways(plan, mesh_axes)
+    partial = tuple(sorted({a for lay in out_lays for a in lay.partial}))
 
     def body(*local):
-        vals = {t.id: x for t, x in zip(ext, local, strict=True)}
+        outs = bind_local(op, local, ways)
+        return [jax.lax.psum(o, partial) if partial else o for o in outs]
+
+    fn = jax.shard_map(body, mesh=lw.region_mesh(), in_specs=tuple(_spec(l) for l in in_lays),
+                       out_specs=[_spec(l) for l in out_lays], check_vma=False)
+    return list(fn(*[_as_array(x) for x in ins]))
+
+
+def chain_prefix(lw: Any, ops: Sequence[Op]) -> int:
+    """How many of ``ops`` (consecutive ops that keep or take partial sums) run as one region:
+    up to the first that reads a value made before it in the run in another layout than it
+    was made in (a region cannot move values between devices: that value leaves the region,
+    reduced, and the reader starts the next one, reading it along the priced path)."""
+    made: dict[int, Layout] = {}
+    for k, op in enumerate(ops):
+        ins, outs = op_layouts(op, lw.plan_of(op))
+        if k and any(t.id in made and made[t.id].dims != lay.dims
+                     for t, lay in zip(op.inputs, ins, strict=True)):
+            return k
+        made.update({t.id: lay for t, lay in zip(op.outputs, outs, strict=True)})
+    return len(ops)
+
+
+def run_value_chain(lw: Any, ops: Sequence[Op], env: dict[int, Any]) -> None:
+    """Run a chain of ops that keep partial sums, in one ``shard_map``; reduce at its exits.
+
+    A value the chain reads from outside enters once per layout its readers read it in (two
+    readers may split it differently); a value made inside is read in the layout it is made
+    in (:func:`chain_prefix` cuts a run of ops where it would not be).
+    """
+    mesh_axes = dict(zip(lw.mesh.axis_names, lw.mesh.devices.shape, strict=True))
+    ids = {op.id for op in ops}
+    in_lays = {op.id: op_layouts(op, lw.plan_of(op))[0] for op in ops}
+    made: dict[int, tuple[Op, Layout]] = {}
+    ext: dict[tuple[int, Layout], tuple[Tensor, Layout, tuple]] = {}
+    for op in ops:
+        for t, lay in zip(op.inputs, in_lays[op.id], strict=True):
+            if t.id in made:
+                _check_internal_edge(made[t.id], op, t, lay)
+            elif not (t.role is Role.CONST and t.ndim == 0):
+                ext.setdefault((t.id, Layout(lay.dims)), (t, lay, lw.plan_of(op).split))
+        for t, lay in zip(op.outputs, op_layouts(op, lw.plan_of(op))[1], strict=True):
+            made[t.id] = (op, lay)
+    keys = list(ext)
+    exits = [t for op in ops for t in op.outputs
+             if any(c not in ids for c in lw.consumers(t.id)) or lw.is_output(t.id)]
+    exit_lays = [made[t.id][1] for t in exits]
+
+    def body(*local):
+        outside = dict(zip(keys, local, strict=True))
+        vals: dict[int, Any] = {}
         part: dict[int, frozenset[str]] = {}
         for op in ops:
             plan = lw.plan_of(op)
-            args = [vals[t.id] if t.id in vals else t.value for t in op.inputs]
+            args = [vals[t.id] if t.id in vals else
+                    outside.get((t.id, Layout(lay.dims)), t.value)
+                    for t, lay in zip(op.inputs, in_lays[op.id], strict=True)]
             in_part = [part.get(t.id, frozenset()) for t in op.inputs]
             outs = bind_local(op, args, _ways(plan, mesh_axes))
-            out_part = set().union(*in_part) if in_part else set()
             _check_linear(op, in_part)
-            anno = op.annotation
-            kinds = anno.kinds()
-            out_names = {n for o in anno.outputs for n in o.names()}
-            for axis, name in plan.split:
-                if name != VALUE and kinds.get(name) is DimKind.REDUCE and name not in out_names:
-                    out_part.add(axis)
+            out_part = set().union(*in_part) | _reduced_axes(op, plan)
             for t, x in zip(op.outputs, outs, strict=True):
                 vals[t.id] = x
                 part[t.id] = frozenset(out_part)
-        res = []
-        for t in exits:
-            axes = tuple(sorted(part.get(t.id, ())))
-            res.append(jax.lax.psum(vals[t.id], axes) if axes else vals[t.id])
-        return res
+        return [jax.lax.psum(vals[t.id], tuple(sorted(part[t.id]))) if part[t.id]
+                else vals[t.id] for t in exits]
 
     # external inputs reach the region's layouts along the plan's paths (lower/relayout.py)
     args = [_as_array(lw.read_as(env, t, lay, split) if t.id in env else t.value)
-            for t, lay, split in zip(ext, ext_lays, ext_splits, strict=True)]
-    fn = jax.shard_map(body, mesh=lw.region_mesh(), in_specs=tuple(_spec(l) for l in ext_lays),
+            for t, lay, split in ext.values()]
+    fn = jax.shard_map(body, mesh=lw.region_mesh(),
+                       in_specs=tuple(_spec(lay) for _, lay, _ in ext.values()),
                        out_specs=[_spec(l) for l in exit_lays], check_vma=False)
     for t, x, lay in zip(exits, fn(*args), exit_lays, strict=True):
         env[t.id] = x
         lw.layouts[t.id] = Layout(lay.dims)
+
+
+def _reduced_axes(op: Op, plan: OpPlan) -> set[str]:
+    """The mesh axes over which ``op``'s plan splits a reduced dim (its outputs partial)."""
+    anno = op.annotation
+    kinds = anno.kinds()
+    out_names = {n for o in anno.outputs for n in o.names()}
+    return {axis for axis, name in plan.split if name != VALUE
+            and kinds.get(name) is DimKind.REDUCE and name not in out_names}
+
+
+def _check_internal_edge(made: tuple[Op, Layout], reader: Op, t: Tensor, lay: Layout) -> None:
+    """A value made inside a value-split chain is read there as it was made (a ``shard_map``
+    region holds each device's piece and cannot move it)."""
+    op, have = made
+    if have.dims != lay.dims:
+        raise PlanError(
+            f"value-split chain: op '{reader.primitive}' at '{reader.module_path or '<top>'}' "
+            f"reads {t} as {Layout(lay.dims)} but op '{op.primitive}' at "
+            f"'{op.module_path or '<top>'}' makes it as {Layout(have.dims)} inside the same "
+            "shard_map region. Split the chain's ops along the same dims over the same mesh "
+            "axes, or end the chain (do not value-split the reader).")
 
 
 def _check_linear(op: Op, in_part: list[frozenset[str]]) -> None:

@@ -27,8 +27,8 @@ from nnscaler_jax.cost.relayout import partial_grad_axes
 from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
 from nnscaler_jax.ir.remat import with_recompute
 from nnscaler_jax.layout import Layout
-from nnscaler_jax.lower.local import bind_eqn
-from nnscaler_jax.lower.regions import run_cosharded, run_value_chain
+from nnscaler_jax.lower.local import bind_eqn, runs_on_pieces
+from nnscaler_jax.lower.regions import chain_prefix, run_cosharded, run_sharded, run_value_chain
 from nnscaler_jax.lower.relayout import (
     backward_steps,
     constrain_along,
@@ -217,16 +217,24 @@ class Lowering:
                  zip(self.output_specs(), self.result_specs or [None] * len(self.graph.outputs),
                      strict=True)]
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
-            fn = jax.sharding.auto_axes(lambda *a: list(self._program(*a)), out_sharding=specs)
+            fn = jax.sharding.auto_axes(lambda *a: list(self._program(*a, results=specs)),
+                                        out_sharding=specs)
             return fn(*flat_inputs)
 
-    def _program(self, *flat_inputs: Any) -> list[Any]:
+    def _program(self, *flat_inputs: Any,
+                 results: Sequence[PartitionSpec] | None = None) -> list[Any]:
+        """The replay; ``results``: the specs the outputs leave in, reached along the priced
+        path (one constraint to a far layout makes XLA replicate the tensor first)."""
         env: dict[int, Any] = {}
         for t, x in zip(self.graph.inputs, flat_inputs, strict=True):
             if t.role is not Role.RNG:
                 x = self._constrain(x, t, self.input_layout(t))
             env[t.id] = x
-        return self._replay(self.graph, env)
+        outs = self._replay(self.graph, env)
+        if results is None:
+            return outs
+        return [self.read_as(env, t, Layout.from_pspec(spec, t.ndim)) for t, spec in
+                zip(self.graph.outputs, results, strict=True)]
 
     def _replay(self, graph: Graph, env: dict[int, Any]) -> list[Any]:
         for c in graph.consts:
@@ -256,11 +264,11 @@ class Lowering:
                 i = j
                 continue
             if self._in_chain(op):
-
                 j = i
                 while j < len(ops) and self._in_chain(ops[j]) and \
                         len(ops[j].boundary) == len(op.boundary):
                     j += 1
+                j = i + chain_prefix(self, ops[i:j])
                 run_value_chain(self, ops[i:j], env)
                 i = j
                 continue
@@ -301,22 +309,35 @@ class Lowering:
         split = plan.split if plan is not None else ()
         ins = [self.read_as(env, t, lay, split) for t, lay in zip(op.inputs, in_lays, strict=True)]
         if plan is not None and plan.chunks:
-
             outs = run_cosharded(self, op, plan, ins, in_lays, out_lays)
+        elif plan is not None and plan.split and runs_on_pieces(op):
+            outs = run_sharded(self, op, plan, ins, in_lays, out_lays)
         elif op.regions:
-            outs = self._region(op, ins)
+            outs = self._region(op, ins, in_lays, out_lays)
         else:
             outs = bind_eqn(op.eqn, ins)
         for t, x, lay in zip(op.outputs, outs, out_lays, strict=True):
             env[t.id] = self._constrain(x, t, self.resolve(t, lay))
 
-    def _body_fn(self, body: Graph):
+    def _body_fn(self, body: Graph, in_lays: Sequence[Layout] | None = None,
+                 out_lays: Sequence[Layout] | None = None):
+        """The body as a function; ``in_lays`` / ``out_lays``: the layouts its operands enter
+        in and its results leave in (a ``cond``'s branches must agree on both: the gradients
+        of the operands are the results of the backward pass's branches)."""
         def fn(*vals):
             env = {t.id: v for t, v in zip(body.inputs, vals, strict=True)}
-            return self._replay(body, env)
+            if in_lays is not None:
+                for t, lay in zip(body.inputs, in_lays, strict=True):
+                    env[t.id] = self._constrain(env[t.id], t, Layout(lay.dims))
+            outs = self._replay(body, env)
+            if out_lays is None:
+                return outs
+            return [self.read_as(env, t, Layout(lay.dims)) for t, lay in
+                    zip(body.outputs, out_lays, strict=True)]
         return fn
 
-    def _region(self, op: Op, ins: list[Any]) -> list[Any]:
+    def _region(self, op: Op, ins: list[Any], in_lays: Sequence[Layout],
+                out_lays: Sequence[Layout]) -> list[Any]:
         p = op.params
         if op.primitive == "scan":
             (body,) = op.regions
@@ -338,8 +359,9 @@ class Lowering:
             cf, bf = self._body_fn(cond), self._body_fn(body)
             return list(jax.lax.while_loop(lambda c: cf(*cc, *c)[0],
                                            lambda c: list(bf(*bc, *c)), list(init)))
-        # cond
-        branches = [self._body_fn(g) for g in op.regions]
+        # cond: every branch takes its operands in the cond's input layouts and leaves its
+        # results in its output layouts (XLA requires the branches to agree on them)
+        branches = [self._body_fn(g, in_lays[1:], out_lays) for g in op.regions]
         return list(jax.lax.switch(ins[0], [lambda *a, f=f: list(f(*a)) for f in branches],
                                    *ins[1:]))
 
