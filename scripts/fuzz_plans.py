@@ -43,7 +43,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
-import contextlib
 import itertools
 import json
 import random
@@ -66,6 +65,7 @@ from jax.sharding import PartitionSpec as P
 from nnscaler_jax import PlanError, auto_parallel, op_assign, op_order, op_trans
 from nnscaler_jax.ir.anno import DimKind
 from nnscaler_jax.ir.graph import Role
+from nnscaler_jax.lower.hlo import xla_stderr
 from nnscaler_jax.plan.plan import Plan
 from nnscaler_jax.rules.linear import VALUE_SPLIT_LINEAR
 
@@ -773,7 +773,7 @@ def run_cases(cases: list[dict], *, budget_s: float | None = None,
         if budget_s is not None and time.perf_counter() - start > budget_s:
             return
         t0 = time.perf_counter()
-        with warnings.catch_warnings(), _xla_stderr() as err:
+        with warnings.catch_warnings(), xla_stderr() as err:
             warnings.simplefilter("ignore")
             res = run_case(case, ref)
         res["full_remat"] = err[0].count(FALLBACK)
@@ -783,24 +783,6 @@ def run_cases(cases: list[dict], *, budget_s: float | None = None,
             log(f"case {case['index']:4d} {res['status']:9s} {time.perf_counter() - t0:5.1f}s "
                 f"{_case_line(case)}{remat} {first}")
         yield case, res
-
-
-@contextlib.contextmanager
-def _xla_stderr() -> Iterator[list[str]]:
-    """What the process writes to fd 2 in the block (XLA's C++ warnings), in ``out[0]``."""
-    out = [""]
-    with tempfile.TemporaryFile() as f:
-        sys.stderr.flush()
-        saved = os.dup(2)
-        os.dup2(f.fileno(), 2)
-        try:
-            yield out
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            f.seek(0)
-            out[0] = f.read().decode(errors="replace")
 
 
 def summarize(results: list[tuple[int, dict]], seconds: float, seed: int) -> dict:

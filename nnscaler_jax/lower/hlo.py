@@ -1,5 +1,8 @@
 """Check the compiled program, not only the numbers: collectives in HLO vs the plan's.
 
+``xla_stderr()`` collects what XLA's C++ side logs while compiling (e.g. "Involuntary full
+rematerialization", which never reaches Python's warnings).
+
 ``hlo_collectives(text, mesh)`` lists the collectives XLA put in a compiled module (kind, bytes of
 the result, the mesh axes its replica groups span); ``expected_collectives(graph, plan)`` lists
 the ones the plan implies between producer and consumer layouts (forward pass).
@@ -7,9 +10,14 @@ the ones the plan implies between producer and consumer layouts (forward pass).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import os
 import re
+import sys
+import tempfile
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,7 +27,29 @@ from nnscaler_jax.layout import Layout
 from nnscaler_jax.plan.layouts import plan_layouts, sole_read_variables
 from nnscaler_jax.plan.plan import Plan
 
-__all__ = ["HloCollective", "expected_collectives", "hlo_collectives", "summarize"]
+__all__ = ["HloCollective", "expected_collectives", "hlo_collectives", "summarize",
+           "xla_stderr"]
+
+
+@contextlib.contextmanager
+def xla_stderr(*, echo: bool = False) -> Iterator[list[str]]:
+    """What the process writes to fd 2 inside the block (XLA's C++ logging), in ``out[0]``;
+    ``echo``: write it to ``sys.stderr`` afterwards as well."""
+    out = [""]
+    with tempfile.TemporaryFile() as f:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(f.fileno(), 2)
+        try:
+            yield out
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            f.seek(0)
+            out[0] = f.read().decode(errors="replace")
+    if echo and out[0]:
+        sys.stderr.write(out[0])
 
 _KINDS = {"all-reduce": "all_reduce", "all-gather": "all_gather",
           "reduce-scatter": "reduce_scatter", "all-to-all": "all_to_all",

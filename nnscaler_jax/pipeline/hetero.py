@@ -46,6 +46,7 @@ from nnscaler_jax.pipeline.chunks import cut_program, pack, packing, unpack, wid
 from nnscaler_jax.pipeline.cut import chunk_starts, eqn_path, tp_error
 from nnscaler_jax.pipeline.in_stage import tensor_axes
 from nnscaler_jax.pipeline.loop_tables import loop_tables
+from nnscaler_jax.pipeline.update import initial_state, jitted_step
 
 __all__ = ["CutProgram"]
 
@@ -296,33 +297,10 @@ class CutProgram:
     def train_step(self, optimizer: Any, *, return_grads: bool = False) -> Callable:
         """A jitted ``step(state, batch) -> (state, metrics)`` (see
         :meth:`~nnscaler_jax.pipeline.runtime.PipelineProgram.train_step`)."""
-        import optax
-
-        def step(state, batch):
-            loss, g = self.grads(state["params"], tuple(batch))
-            updates, opt_state = optimizer.update(g, state["opt_state"], state["params"])
-            params = optax.apply_updates(state["params"], updates)
-            metrics = {"loss": loss, "grad_norm": optax.global_norm(g)}
-            if return_grads:
-                metrics["grads"] = g
-            return {"params": params, "opt_state": opt_state}, metrics
-
-        jitted = jax.jit(step, donate_argnums=(0,))
-        mesh = self.mesh
-
-        def run(state, batch):
-            with jax.set_mesh(mesh):
-                return jitted(state, batch)
-
-        def lower(state, batch):
-            with jax.set_mesh(mesh):
-                return jitted.lower(state, batch)
-
-        run.lower = lower
-        return run
+        return jitted_step(self.grads, optimizer, self.mesh,
+                           return_grads=return_grads)
 
     def init_state(self, params: Any, optimizer: Any) -> dict:
         """``{'params': to_pipeline(params), 'opt_state': optimizer.init(...)}``."""
         pp = self.to_pipeline(params)
-        with jax.set_mesh(self.mesh):
-            return {"params": pp, "opt_state": jax.jit(optimizer.init)(pp)}
+        return initial_state(pp, optimizer, self.mesh)

@@ -48,6 +48,7 @@ from nnscaler_jax.pipeline.hetero import CutProgram
 from nnscaler_jax.pipeline.in_stage import InStagePlan, plan_in_stage, tensor_axes
 from nnscaler_jax.pipeline.loop_tables import loop_tables
 from nnscaler_jax.pipeline.split import NotALayerStack, split_program
+from nnscaler_jax.pipeline.update import initial_state, jitted_step
 
 __all__ = ["PipelineProgram", "PipelineStep", "place_as"]
 
@@ -338,38 +339,13 @@ class PipelineProgram:
         ``state = {'params': pipeline params, 'opt_state': ...}`` (see :meth:`init_state`) and
         ``metrics = {'loss': mean loss, 'grad_norm': global gradient norm}`` (and ``'grads'``,
         pipeline layout, with ``return_grads``)."""
-        import optax
-
-        def step(state, batch):
-            loss, g = self.grads(state["params"], tuple(batch))
-            updates, opt_state = optimizer.update(g, state["opt_state"], state["params"])
-            opt_state = self._store(opt_state)
-            params = self._store(optax.apply_updates(state["params"], updates))
-            metrics = {"loss": loss, "grad_norm": optax.global_norm(g)}
-            if return_grads:
-                metrics["grads"] = g
-            return {"params": params, "opt_state": opt_state}, metrics
-
-        jitted = jax.jit(step, donate_argnums=(0,))
-        mesh = self.mesh
-
-        def run(state, batch):
-            with jax.set_mesh(mesh):
-                return jitted(state, batch)
-
-        def lower(state, batch):
-            with jax.set_mesh(mesh):
-                return jitted.lower(state, batch)
-
-        run.lower = lower
-        return run
+        return jitted_step(self.grads, optimizer, self.mesh, store=self._store,
+                           return_grads=return_grads)
 
     def init_state(self, params: Any, optimizer: Any) -> dict:
         """``{'params': to_pipeline(params), 'opt_state': optimizer.init(...)}``."""
         pp = self.to_pipeline(params)
-        with jax.set_mesh(self.mesh):
-            return {"params": pp,
-                    "opt_state": jax.jit(lambda p: self._store(optimizer.init(p)))(pp)}
+        return initial_state(pp, optimizer, self.mesh, store=self._store)
 
 
 class PipelineStep:

@@ -15,11 +15,8 @@
   device's pieces in a ``shard_map``.
 """
 
-import contextlib
-import os
 import subprocess
 import sys
-import tempfile
 import textwrap
 
 import flax.linen as nn
@@ -32,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from meshes import make_mesh
 
 from nnscaler_jax import auto_parallel, op_assign, op_trans
+from nnscaler_jax.lower.hlo import xla_stderr
 from nnscaler_jax.lower.verify import max_rel_diff
 
 pytestmark = pytest.mark.slow  # compiles and runs programs over the mesh
@@ -239,24 +237,6 @@ def test_value_chain_cut_where_a_value_is_read_in_another_layout_than_made():
     assert dot.keep_partial
 
 
-@contextlib.contextmanager
-def _xla_stderr():
-    """What the process writes to fd 2 (XLA's C++ warnings) inside the block, in ``out[0]``."""
-    out = [""]
-    with tempfile.TemporaryFile() as f:
-        sys.stderr.flush()
-        saved = os.dup(2)
-        os.dup2(f.fileno(), 2)
-        try:
-            yield out
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            f.seek(0)
-            out[0] = f.read().decode(errors="replace")
-
-
 def _features_over_both_axes(graph, mesh):
     """The last op's features split over 'model', then 'data' (8 ways)."""
     last = graph.ops[-1]
@@ -275,7 +255,7 @@ def test_explicit_results_leave_along_the_priced_path():
     x = jax.device_put(x_np, NamedSharding(mesh, P("model")))  # typed: batch over 'model'
     v = module.init(jax.random.key(1), x_np)
     pm = auto_parallel(mesh, policy=_features_over_both_axes)(module)
-    with _xla_stderr() as err:
+    with xla_stderr() as err:
         out = pm.apply(v, x)
         jax.block_until_ready(out)
     assert "Involuntary full rematerialization" not in err[0], err[0][-1500:]

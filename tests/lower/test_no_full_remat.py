@@ -19,10 +19,6 @@ canary relayout checks that XLA's warnings reach it (they do not under TF_CPP_MI
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
-import tempfile
 import warnings
 from collections import Counter
 
@@ -39,6 +35,7 @@ from nnscaler_jax import Constraints, auto_parallel, trace
 from nnscaler_jax.errors import NoFitError
 from nnscaler_jax.layout import Layout, comm_path
 from nnscaler_jax.layout.comm import _layout_graph
+from nnscaler_jax.lower import hlo
 from nnscaler_jax.lower.hlo import hlo_collectives
 from nnscaler_jax.lower.replay import Lowering
 from nnscaler_jax.mesh.topology import MeshSpec
@@ -50,24 +47,9 @@ SHAPE = (8, 8, 8)
 AXES = {"data": 2, "model": 4}
 
 
-@contextlib.contextmanager
 def xla_stderr():
-    """Collect what the process writes to fd 2 (XLA's C++ logging) into ``out[0]``."""
-    out = [""]
-    with tempfile.TemporaryFile() as f:
-        sys.stderr.flush()
-        saved = os.dup(2)
-        os.dup2(f.fileno(), 2)
-        try:
-            yield out
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            f.seek(0)
-            out[0] = f.read().decode(errors="replace")
-    if out[0]:
-        sys.stderr.write(out[0])  # still shown when the test fails
+    """XLA's C++ logging during the block (still shown when the test fails)."""
+    return hlo.xla_stderr(echo=True)
 
 
 def _fallbacks(text: str) -> list[str]:

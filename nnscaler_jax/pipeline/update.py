@@ -1,0 +1,53 @@
+"""The optax update around a pipelined program's gradients, shared by both runtimes
+(:class:`~nnscaler_jax.pipeline.runtime.PipelineProgram` for stacked identical layers,
+:class:`~nnscaler_jax.pipeline.hetero.CutProgram` for stages cut at module boundaries)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+__all__ = ["initial_state", "jitted_step"]
+
+
+def _same(tree: Any) -> Any:
+    return tree
+
+
+def jitted_step(grads: Callable, optimizer: Any, mesh: Any, *, store: Callable = _same,
+                return_grads: bool = False) -> Callable:
+    """A jitted, donated ``run(state, batch) -> (state, metrics)`` (``run.lower(state, batch)``
+    too) under ``mesh``: ``grads(params, batch) -> (loss, grads)``, then the optax update;
+    ``store`` lays the new parameters and optimizer state out as the program keeps them."""
+    import optax
+
+    def step(state, batch):
+        loss, g = grads(state["params"], tuple(batch))
+        updates, opt_state = optimizer.update(g, state["opt_state"], state["params"])
+        opt_state = store(opt_state)
+        params = store(optax.apply_updates(state["params"], updates))
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(g)}
+        if return_grads:
+            metrics["grads"] = g
+        return {"params": params, "opt_state": opt_state}, metrics
+
+    jitted = jax.jit(step, donate_argnums=(0,))
+
+    def run(state, batch):
+        with jax.set_mesh(mesh):
+            return jitted(state, batch)
+
+    def lower(state, batch):
+        with jax.set_mesh(mesh):
+            return jitted.lower(state, batch)
+
+    run.lower = lower
+    return run
+
+
+def initial_state(pp: Any, optimizer: Any, mesh: Any, *, store: Callable = _same) -> dict:
+    """``{'params': pp, 'opt_state': optimizer.init(pp)}`` (the state laid out by ``store``)."""
+    with jax.set_mesh(mesh):
+        return {"params": pp, "opt_state": jax.jit(lambda p: store(optimizer.init(p)))(pp)}
