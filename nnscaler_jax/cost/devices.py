@@ -85,6 +85,8 @@ class DeviceSpec:
             ``None``: ``flops_fp32``.
         bandwidth_efficiency: fraction of peak bandwidth a large copy reaches (H200: ~4.3/4.8).
         kind: ``jax.Device.device_kind`` of this device, the key of profiled times.
+        launch_s: the least seconds one kernel takes (launch and scheduling): the floor of a
+            small co-sharded chunk's time.
     """
 
     name: str
@@ -96,6 +98,7 @@ class DeviceSpec:
     flops_tf32: float | None = None
     bandwidth_efficiency: float = 0.9
     kind: str = ""
+    launch_s: float = 5e-6
 
     def peak(self, dtype: str, matmul: bool) -> float:
         """Peak FLOP/s for ``dtype`` (16-bit, or 32/64-bit) on matrix or vector units."""

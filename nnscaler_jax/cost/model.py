@@ -192,6 +192,15 @@ class CostModel:
         bandwidth = self.device.bandwidth * self.device.bandwidth_efficiency
         return max(op_flops(op) / peak, op_bytes(op) / bandwidth) / ways
 
+    def chunk_overhead(self, op: Op, split: Split, k: int) -> float:
+        """Extra seconds of running ``op`` as ``k`` sequential chunks (a co-sharded block):
+        each of its 3k kernels (forward, recomputed forward, backward) costs at least the
+        device's launch floor, so small chunks are priced by the floor, not the roofline."""
+        if op.primitive in FREE:
+            return 0.0
+        per = self.forward_time(op, split) / k
+        return 3 * k * max(0.0, self.device.launch_s - per)
+
     def _backward_ratio(self, op: Op, grads: tuple[bool, ...]) -> float:
         if not any(grads):
             return 0.0

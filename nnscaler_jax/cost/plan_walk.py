@@ -30,7 +30,7 @@ from nnscaler_jax.cost.relayout import (
 )
 from nnscaler_jax.cost.residuals import MASKED, residual_outputs, saved_operands
 from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
-from nnscaler_jax.ir.remat import with_recompute
+from nnscaler_jax.ir.coshard import chunks_of, with_boundaries
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.mesh.axes import data_axes
 from nnscaler_jax.plan.layouts import plan_layouts, sole_read_variables, unstack
@@ -146,7 +146,7 @@ def _partial_outputs(graph: Graph, layout: Mapping[int, Layout]) -> list[_Edge]:
 def analyze(model: Any, plan: Plan, graph: Graph) -> _Analysis:
     """Step time, bytes moved and per-device memory of ``plan`` (see the module docs); the
     plan's recompute groups are remat boundaries (:func:`nnscaler_jax.ir.remat.with_recompute`)."""
-    graph = with_recompute(graph, plan.recompute)
+    graph = with_boundaries(graph, plan.coshard, plan.recompute)
     zero = max(model.zero, plan.zero)
     grads = grad_tensors(graph, model.input_grads)
     out = _Analysis()
@@ -183,6 +183,7 @@ class _Walk:
         self.origin: dict[int, int] = {v.id: v.id for v in graph.variables}
         self.first_want: dict[int, Layout] = {}
         self.scans: list[tuple[Op, tuple[Layout, ...], int]] = []
+        self.chunks = chunks_of(graph)  # op id -> chunks of its co-sharded block
 
     def run(self) -> None:
         for op, mult in walk_weighted(self.graph):
@@ -223,8 +224,11 @@ class _Walk:
         out.compute += model._op_time(op, p.split, mask) * mult
         if op.primitive in MASKED and not op.boundary:
             _gathered_operands(model, op, mask, ins, self.layout, self.zero, mult, self.kept)
+        k = self.chunks.get(op.id, 1)  # a co-sharded block's op: one chunk is live at a time
         local = sum(model._local_bytes(t, lay) for t, lay in zip(op.outputs, outs, strict=True))
-        out.transient = max(out.transient, local)
+        out.transient = max(out.transient, local / k)
+        if k > 1:
+            out.compute += model.chunk_overhead(op, p.split, k) * mult
         remat = [b for b in op.boundary if self.kinds.get(b, ("",))[0] in REMAT_KINDS]
         if remat:  # recomputed in the backward: one more forward; while the block's backward
             # runs, its residuals are live again (the block's transient)
@@ -232,7 +236,7 @@ class _Walk:
             self.remat_inputs.setdefault(remat[0], mult)
             redo = 0 if op.primitive in FREE else sum(
                 model._local_bytes(op.outputs[k], outs[k]) for k in self.saved.get(op.id, ()))
-            self.remat_sum[remat[0]] = self.remat_sum.get(remat[0], 0.0) + redo * mult
+            self.remat_sum[remat[0]] = self.remat_sum.get(remat[0], 0.0) + redo * mult / k
         elif op.primitive not in FREE:
             for k in self.saved.get(op.id, ()):
                 self.kept[op.outputs[k].id] = model._local_bytes(op.outputs[k], outs[k]) * mult

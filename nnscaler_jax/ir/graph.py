@@ -76,9 +76,10 @@ class Tensor:
         return f"%{self.id}:{self.dtype}[{dims}]"
 
 
-#: Call primitives of ``jax.checkpoint`` (remat): their body keeps only its inputs and runs its
-#: forward again in the backward pass.
-REMAT_KINDS = frozenset({"checkpoint", "remat", "remat2"})
+#: Call primitives of ``jax.checkpoint`` (remat), and the plan's co-sharded blocks
+#: (``ir/coshard.py``): their body keeps only its inputs and runs its forward again in the
+#: backward pass.
+REMAT_KINDS = frozenset({"checkpoint", "remat", "remat2", "coshard"})
 
 
 @dataclass(frozen=True, slots=True)

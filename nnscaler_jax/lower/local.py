@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nnscaler_jax.errors import PlanError
+from nnscaler_jax.ir.coshard import PARAM_SHAPED
 from nnscaler_jax.ir.graph import Op
 
 __all__ = ["bind_eqn", "bind_local", "local_out_shapes", "runs_on_pieces"]
@@ -19,8 +20,7 @@ __all__ = ["bind_eqn", "bind_local", "local_out_shapes", "runs_on_pieces"]
 # params that spell the (global) output shape
 _SHAPE_PARAMS = {"reshape": "new_sizes", "broadcast_in_dim": "shape", "iota": "shape"}
 # params that depend on shapes in ways we do not rewrite
-_UNSUPPORTED = {"dynamic_slice", "slice", "pad", "gather", "scatter", "scatter-add",
-                "concatenate", "dynamic_update_slice", "rng_bit_generator", "random_bits"}
+_UNSUPPORTED = PARAM_SHAPED
 
 
 def bind_eqn(eqn: Any, ins: Sequence[Any]) -> list[Any]:

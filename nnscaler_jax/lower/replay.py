@@ -25,9 +25,11 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from nnscaler_jax.cost.relayout import partial_grad_axes
 from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
-from nnscaler_jax.ir.remat import with_recompute
+from nnscaler_jax.errors import PlanError
+from nnscaler_jax.ir.coshard import COSHARD, with_boundaries
 from nnscaler_jax.layout import Layout
-from nnscaler_jax.lower.local import bind_eqn, runs_on_pieces
+from nnscaler_jax.lower.coshard import run_coshard
+from nnscaler_jax.lower.local import bind_eqn, bind_local, runs_on_pieces
 from nnscaler_jax.lower.regions import chain_prefix, run_cosharded, run_sharded, run_value_chain
 from nnscaler_jax.lower.relayout import (
     backward_steps,
@@ -88,7 +90,8 @@ class Lowering:
         self.mesh_spec = self.mesh_spec or MeshSpec.from_mesh(self.mesh)
         # the layout each value was constrained to where it was made (the start of its relayouts)
         self.layouts: dict[int, Layout] = {}
-        self.graph = with_recompute(self.graph, self.plan.recompute)  # remat boundaries
+        # remat boundaries: recompute groups and co-sharded blocks
+        self.graph = with_boundaries(self.graph, self.plan.coshard, self.plan.recompute)
         self._plans = {p.op: p for p in self.plan.ops}
         self._sole = sole_read_variables(self.graph)
         self._consumer_layout: dict[int, Layout] = {}
@@ -276,6 +279,9 @@ class Lowering:
             i += 1
 
     def _boundary(self, ops, depth, env, b, boundaries) -> None:
+        if b.kind == COSHARD:
+            run_coshard(self, ops, env, b)
+            return
         ins = [self._read(env, t) for t in b.inputs]
         if b.kind in REMAT_KINDS:
             def body(*vals):  # relayouts made outside are not reused inside (recomputed)
@@ -303,12 +309,20 @@ class Lowering:
         for t, x in zip(b.outputs, outs, strict=True):
             env[t.id] = x
 
-    def _op(self, op: Op, env: dict) -> None:
+    def _op(self, op: Op, env: dict, ways: dict[str, int] | None = None) -> None:
+        """Run ``op`` on the values in ``env``; ``ways``: it runs on chunks of a co-sharded
+        block (identifier -> chunks)."""
         plan = self._plans.get(op.id)
         in_lays, out_lays = plan_layouts(op, self._plans, self._sole)
         split = plan.split if plan is not None else ()
         ins = [self.read_as(env, t, lay, split) for t, lay in zip(op.inputs, in_lays, strict=True)]
-        if plan is not None and plan.chunks:
+        if ways is not None:
+            if plan is not None and (plan.chunks or (plan.split and runs_on_pieces(op))):
+                raise PlanError(f"op '{op.primitive}' at '{op.module_path or '<top>'}' is in a "
+                                "co-sharded block and co-sharded (or run on pieces) itself: "
+                                "leave it out of one of the two")
+            outs = bind_local(op, ins, ways)
+        elif plan is not None and plan.chunks:
             outs = run_cosharded(self, op, plan, ins, in_lays, out_lays)
         elif plan is not None and plan.split and runs_on_pieces(op):
             outs = run_sharded(self, op, plan, ins, in_lays, out_lays)

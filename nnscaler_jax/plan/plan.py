@@ -197,6 +197,9 @@ class Plan:
         microbatches: gradient accumulation of an SPMD plan: the training step runs the batch
             as this many micro-batches (rows ``i::m``) and synchronises gradients once; the
             estimate keeps one micro-batch's activations (pipelines: ``pipeline.microbatches``).
+        coshard: co-sharded blocks, ``(seed op id, identifier, chunks)``: the block grown from
+            that op along that identifier of its annotation runs as ``chunks`` sequential,
+            recomputed chunks per device (:mod:`nnscaler_jax.ir.coshard`).
     """
 
     mesh: tuple[tuple[str, int], ...]
@@ -212,6 +215,7 @@ class Plan:
     recompute: tuple[str, ...] = ()
     precision: str | None = None
     microbatches: int = 1
+    coshard: tuple[tuple[int, str, int], ...] = ()
 
     @property
     def stages(self) -> int:
@@ -319,6 +323,8 @@ class Plan:
             d["precision"] = self.precision
         if self.microbatches > 1:
             d["microbatches"] = self.microbatches
+        if self.coshard:
+            d["coshard"] = [list(c) for c in self.coshard]
         if self.unsplit:
             d["unsplit"] = [dataclasses.asdict(u) for u in self.unsplit]
         return json.dumps(d, indent=1, sort_keys=True)
@@ -359,6 +365,7 @@ class Plan:
                 recompute=tuple(str(g) for g in d.get("recompute", ())),
                 precision=precision_name(d.get("precision")),
                 microbatches=int(d.get("microbatches", 1)),
+                coshard=tuple((int(i), str(n), int(k)) for i, n, k in d.get("coshard", ())),
             )
         except (ValueError, KeyError, TypeError, IndexError) as e:
             raise PlanFormatError(f"not a valid plan JSON ({type(e).__name__}: {e}); write it "

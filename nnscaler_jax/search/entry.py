@@ -5,7 +5,8 @@ in-stage plans: check the constraints, run the policy (a built-in, the search, o
 function) on a :class:`~nnscaler_jax.primitives.Draft`, record the ZeRO stage, price the result.
 Recompute groups forced by the constraints are remat boundaries of the graph every policy plans;
 the searches also add layers to them when no plan fits the budget otherwise
-(:mod:`nnscaler_jax.search.recompute`).
+(:mod:`nnscaler_jax.search.recompute`), and ours also tries co-sharding every layer's block
+with large intermediates (:mod:`nnscaler_jax.search.coshard`), keeping the faster plan.
 A search's plan lists the ops whose batch dim a data axis does not divide (``Plan.unsplit``, as
 the built-in policies record for every dim they could not split).
 The mesh may be a ``Mesh``, an ``AbstractMesh`` or ``{axis: size}``: no devices are needed, so
@@ -25,14 +26,15 @@ from typing import Any
 
 from nnscaler_jax.constraints import Constraints
 from nnscaler_jax.cost.model import CostModel
-from nnscaler_jax.errors import PlanError
+from nnscaler_jax.errors import NoFitError, PlanError
 from nnscaler_jax.ir.graph import Graph
-from nnscaler_jax.ir.remat import with_recompute
+from nnscaler_jax.ir.coshard import with_boundaries
 from nnscaler_jax.mesh.axes import mesh_axes
 from nnscaler_jax.plan.plan import Plan
 from nnscaler_jax.plan.policies import batch_unsplit, dp, megatron, zero3
 from nnscaler_jax.plan.zero import apply_zero
 from nnscaler_jax.primitives import Draft
+from nnscaler_jax.search.coshard import coshard_choice
 from nnscaler_jax.search.ilp import SearchReport, search_policy
 from nnscaler_jax.search.recompute import choose_recompute, recompute_candidates
 
@@ -108,8 +110,8 @@ def plan_spmd(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto"
     fn = resolve_policy(name, cost_model=cost_model, time_limit=time_limit)
     label = name if isinstance(name, str) else getattr(fn, "__name__", "custom")
 
-    def run(groups: tuple[str, ...]) -> tuple[Plan, Draft]:
-        draft = Draft(with_recompute(graph, groups), axes, constraints=constraints,
+    def run(groups: tuple[str, ...], blocks: tuple = ()) -> tuple[Plan, Draft]:
+        draft = Draft(with_boundaries(graph, blocks, groups), axes, constraints=constraints,
                       partitioning=partitioning or None)
         draft.policy = label
         result = fn(draft, mesh)
@@ -118,7 +120,7 @@ def plan_spmd(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto"
         if not isinstance(result, Plan):
             raise PlanError(f"policy {label!r} returned {type(result).__name__}, not a Plan: "
                             "end the policy with `return graph.finish()`")
-        return replace(result, recompute=groups), draft
+        return replace(result, recompute=groups, coshard=blocks), draft
 
     def finish(result: Plan) -> Plan:
         result = apply_zero(result, graph, constraints.zero)
@@ -127,16 +129,43 @@ def plan_spmd(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto"
         cm = cost_model or CostModel.for_axes(axes, zero=result.zero)
         return replace(result, cost=cm.plan_cost(result, graph))
 
-    def run_priced(groups: tuple[str, ...]) -> tuple[Plan, Draft]:
-        result, draft = run(groups)
+    def run_priced(groups: tuple[str, ...], blocks: tuple = ()) -> tuple[Plan, Draft]:
+        result, draft = run(groups, blocks)
         return finish(result), draft
 
     forced, forbidden = constraints.recompute_groups()
     if name in BASELINES:  # full recompute
         forced = forced + recompute_candidates(graph, forced, forbidden)
-    if name in SEARCHES:  # recompute is one of the searches' decisions
-        ours = (lambda r: r[0].cost.step_time_s) if name == "auto" else None
-        result, draft = choose_recompute(run_priced, graph, forced, forbidden, price=ours)
+    if name in SEARCHES:  # recompute (ours: and co-sharding) are the searches' decisions
+        blocks = coshard_choice(graph, axes, constraints.max_memory_per_device, forbidden) \
+            if name == "auto" else ()
+        result, draft = _choose(run_priced, graph, forced, forbidden, blocks, name == "auto")
     else:
         result, draft = run_priced(forced)
     return Planned(result, time.perf_counter() - t0, getattr(draft, "search_report", None))
+
+
+def _choose(run_priced: Callable, graph: Graph, forced: tuple[str, ...],
+            forbidden: tuple[str, ...], blocks: tuple, ours: bool) -> tuple[Plan, Draft]:
+    """The searches' recompute decision, and ours co-sharding: without co-sharding first; when
+    that needs memory back (recompute beyond the forced groups, or nothing fits), the same with
+    ``blocks`` co-sharded; the faster plan that fits."""
+    price = (lambda r: r[0].cost.step_time_s) if ours else None
+    try:
+        plain = choose_recompute(run_priced, graph, forced, forbidden, price=price)
+    except NoFitError as e:
+        plain, err = None, e
+    if not blocks or (plain is not None and plain[0].recompute == forced):
+        if plain is None:
+            raise err
+        return plain
+    try:
+        chunked = choose_recompute(lambda g: run_priced(g, blocks), graph, forced, forbidden,
+                                   price=price)
+    except NoFitError:
+        if plain is None:
+            raise err from None
+        return plain
+    if plain is None:
+        return chunked
+    return min((plain, chunked), key=price)

@@ -42,6 +42,7 @@ from nnscaler_jax.cost.compute import grad_tensors
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.cost.relayout import drop_partial, partial_grad_axes
 from nnscaler_jax.cost.residuals import residual_outputs
+from nnscaler_jax.ir.coshard import chunks_of
 from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.plan.layouts import lift, op_layouts, scan_stored_inputs, sole_read_variables
@@ -84,6 +85,7 @@ class _Builder(EdgePricing):
         self.memory = [np.zeros(k) for k in n]
         self.transient = [np.zeros(k) for k in n]
         self.remat = _remat_ops(self.graph)
+        self.chunks = chunks_of(self.graph)  # op id -> chunks of its co-sharded block
         self.saved = residual_outputs(self.graph)
         self.member_memo: dict[tuple, object] = {}  # ours only: per class of identical work
         self.top_inputs = {t.id for t in self.graph.inputs}
@@ -156,11 +158,12 @@ class _Builder(EdgePricing):
             op = self.by_id[op_id]
             if op.regions:
                 continue
-            key = (self.space.op_class.get(op_id), fg.split_ids[mi])
+            k = self.chunks.get(op_id, 1)  # a co-sharded block's op: one chunk at a time
+            key = (self.space.op_class.get(op_id), fg.split_ids[mi], k)
             local = self.member_memo.get(("tr",) + key) if self.space.shared else None
             if local is None:
                 local = np.array([sum(t.nbytes for t in op.outputs) / self.cm._ways(sp)
-                                  / self.cm.microbatches for sp in fg.splits[mi]])
+                                  / self.cm.microbatches / k for sp in fg.splits[mi]])
                 if self.space.shared:
                     self.member_memo[("tr",) + key] = local
             np.maximum(out, local, out=out)
@@ -172,7 +175,8 @@ class _Builder(EdgePricing):
             op = self.by_id[op_id]
             if self.space.shared:  # ours: identical members (same class, splits) priced once
                 key = ("u", self.space.op_class[op_id], fg.split_ids[mi], self.space.weights[op_id],
-                       op_id in self.remat, tuple(t.id in self.top_inputs for t in op.inputs),
+                       op_id in self.remat, self.chunks.get(op_id, 1),
+                       tuple(t.id in self.top_inputs for t in op.inputs),
                        self.saved.get(op_id, ()), self._stores(op_id))
                 parts = self.member_memo.get(key)
                 if parts is None:
@@ -191,12 +195,15 @@ class _Builder(EdgePricing):
         forward = getattr(cm, "forward_time", None)
         w = self.space.weights[op.id]
         remat = op.id in self.remat
+        k = self.chunks.get(op.id, 1)
         mask = tuple(t.id in self.grads for t in op.inputs)
         for i, split in enumerate(splits):
             if not op.regions:
                 c[i] += w * cm.op_time(op, split, mask)
                 if remat and forward is not None:
                     c[i] += w * forward(op, split)
+                if k > 1 and hasattr(cm, "chunk_overhead"):
+                    c[i] += w * cm.chunk_overhead(op, split, k)
             if not remat:
                 m[i] += w * cm.activation_bytes(op, split, self.saved.get(op.id, ()))
         for k, t in enumerate(op.inputs):

@@ -1,0 +1,439 @@
+"""Co-sharded blocks: a run of ops computed chunk by chunk along one dim, each chunk recomputed.
+
+nnScaler's co-sharding splits an operator into k x (devices) sub-operators and runs a device's k
+one after another; applied to a *block* of ops (window attention's scores, softmax and
+weighted sum; the MLP behind it) the block's large intermediates exist one chunk at a time and
+are recomputed in the backward pass, so the block costs the memory of its inputs plus one
+chunk's intermediates, and one more forward.
+
+A block is grown from a *seed* op and one identifier of its annotation (``q`` of the attention
+scores ``b h q d+, b h k d+ -> b h q k``): forward along the tensors it makes, an op joins when
+the axes it reads from the block all carry one of its identifiers, that identifier is spatial
+(not reduced, not frozen, leading its axis alone) and in every output. Inputs from outside the
+block that carry the identifier at the block's size are split into chunks as well; the rest
+(weights, keys and values) are read whole by every chunk. Ops stay inside the seed's repeated
+layer (:func:`nnscaler_jax.ir.layers.block_paths`); an op that reads something computed from the
+block by an op outside it leaves the block (it would have to run before and after the block).
+
+:func:`with_coshard` gives the graph with each block's ops moved next to each other (a valid
+topological order: ops of the span that do not depend on the block go before it, those that do
+go after) inside one ``"coshard"`` boundary whose equation records the chunk count and axes. The
+boundary is a remat kind, so the search tables and the cost model keep only its inputs and add
+its forward again, as for the plan's recompute groups; the transient of its ops is one chunk's
+(:data:`COSHARD`); the lowering runs it as a ``lax.scan`` over chunks of ``jax.checkpoint``-ed
+bodies (``lower/replay.py``).
+
+>>> import jax, jax.numpy as jnp, flax.linen as nn
+>>> from nnscaler_jax import trace
+>>> class Attn(nn.Module):
+...     @nn.compact
+...     def __call__(self, x):
+...         q, k, v = (nn.Dense(8, name=n)(x) for n in "qkv")
+...         p = jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", q, k), axis=-1)
+...         return nn.Dense(8, name="o")(jnp.einsum("bqk,bkd->bqd", p, v))
+>>> class Net(nn.Module):
+...     @nn.compact
+...     def __call__(self, x):
+...         return Attn(name="blk_1")(Attn(name="blk_0")(x))
+>>> g = trace(Net(), jnp.ones((2, 16, 8)))
+>>> [(c.layer, c.seed_path, c.dim, c.size) for c in coshard_candidates(g)]
+[('blk_0', 'blk_0', 'b0', 2), ('blk_1', 'blk_1', 'b0', 2)]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
+
+from nnscaler_jax.errors import PlanError
+from nnscaler_jax.ir.anno import DimKind
+from nnscaler_jax.ir.graph import Boundary, Graph, Op, Role, Tensor
+from nnscaler_jax.ir.layers import block_paths
+from nnscaler_jax.ir.remat import in_group, with_recompute
+
+__all__ = ["COSHARD", "PARAM_SHAPED", "Block", "Candidate", "block_of", "chunk_counts",
+           "chunks_of", "coshard_candidates", "with_boundaries", "with_coshard"]
+
+#: The boundary kind of a co-sharded block (also in ``ir.graph.REMAT_KINDS``).
+COSHARD = "coshard"
+
+#: Primitives whose params spell shapes in ways a piece or chunk cannot rewrite
+#: (``lower/local.py``); they never join a block, nor do iota and convolutions.
+PARAM_SHAPED = frozenset({"dynamic_slice", "slice", "pad", "gather", "scatter", "scatter-add",
+                          "concatenate", "dynamic_update_slice", "rng_bit_generator",
+                          "random_bits"})
+_OUTSIDE = PARAM_SHAPED | {"iota", "conv_general_dilated"}  # never in a block
+
+_INLINE = frozenset({"custom_jvp_call"})  # boundaries a block may contain whole (replayed)
+
+
+@dataclass(frozen=True)
+class Block:
+    """A co-sharded block of ``graph``.
+
+    Attributes:
+        seed / dim: the op it grew from and the identifier of the seed's annotation chunked.
+        ops: the block's op ids, in program order.
+        idents: ``(op id, identifier)``: what each op splits into chunks.
+        axes: ``(tensor id, axis)`` of every tensor the block reads or makes along the chunks.
+        size: the chunked dim's size.
+    """
+
+    seed: int
+    dim: str
+    ops: tuple[int, ...]
+    idents: tuple[tuple[int, str], ...]
+    axes: tuple[tuple[int, int], ...]
+    size: int
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A block worth co-sharding: its seed, dim, size and the bytes of its intermediates
+    (what it stops keeping for the backward pass)."""
+
+    seed: int
+    dim: str
+    size: int
+    internal_bytes: int
+    largest_bytes: int
+    seed_path: str
+    layer: str
+
+
+def _ident(op: Op, known: dict[int, int]) -> str | None:
+    """The identifier ``op`` would chunk given the chunked axes of the tensors it reads
+    (``known``), or None when it cannot join a block."""
+    if op.regions or op.primitive in _OUTSIDE:
+        return None
+    anno = op.annotation
+    names = set()
+    for j, t in enumerate(op.inputs):
+        if t.id in known:
+            axes = anno.inputs[j].axes
+            if axes is None or known[t.id] >= len(axes) or len(axes[known[t.id]].dims) != 1:
+                return None
+            names.add(axes[known[t.id]].dims[0].name)
+    if len(names) != 1:
+        return None
+    (name,) = names
+    return name if _chunkable(op, name) else None
+
+
+def _chunkable(op: Op, name: str) -> bool:
+    anno = op.annotation
+    if anno.kinds().get(name) is not DimKind.SPATIAL or name not in anno.splittable():
+        return False
+    size = op.dim_sizes()[name]
+    for operand in anno.outputs:
+        p = operand.axis_of(name)
+        if p is None or len(operand.axes[p].dims) != 1:
+            return False
+    for operand, t in zip(anno.inputs, op.inputs, strict=True):
+        p = operand.axis_of(name)
+        if p is not None and (len(operand.axes[p].dims) != 1 or t.shape[p] != size):
+            return False
+    return True
+
+
+def _axes_of(op: Op, name: str) -> list[tuple[int, int]]:
+    anno = op.annotation
+    out = [(t.id, operand.axis_of(name)) for operand, t in zip(anno.inputs, op.inputs,
+                                                                strict=True)]
+    out += [(t.id, operand.axis_of(name)) for operand, t in zip(anno.outputs, op.outputs,
+                                                                 strict=True)]
+    return [(t, p) for t, p in out if p is not None]
+
+
+def _boundary_kinds(graph: Graph) -> dict[int, str]:
+    return {b.id: b.kind for b in graph.boundaries}
+
+
+def block_of(graph: Graph, seed: int, dim: str, *, back: bool = True) -> Block:
+    """The block grown from op ``seed`` along its identifier ``dim`` (see the module docs);
+    ``back``: also backwards, to the producers of what it reads along the dim (dropped when
+    that leaves the seed outside a convex block).
+
+    Raises:
+        PlanError: no top-level op ``seed``, or ``dim`` is not a chunkable identifier of it.
+    """
+    index = {op.id: i for i, op in enumerate(graph.ops)}
+    if seed not in index:
+        raise PlanError(f"co-sharding: no top-level op {seed} in the graph")
+    root = graph.ops[index[seed]]
+    if root.regions or root.primitive in _OUTSIDE or root.boundary or \
+            not _chunkable(root, dim):
+        raise PlanError(f"co-sharding: op {seed} '{root.primitive}' at "
+                        f"'{root.module_path or '<top>'}' (annotation '{root.anno}') cannot run "
+                        f"in chunks along '{dim}' (a spatial identifier in every output)")
+    layer = _layer_of(graph, root.module_path)
+    kinds = _boundary_kinds(graph)
+    member = {seed: dim}
+    known = dict(_axes_of(root, dim))
+    if back:
+        _grow_back(graph, layer, kinds, member, known, index)
+    span = _span(graph, min(index[i] for i in member), layer)
+    for op in span:
+        if op.id in member or not any(t.id in known and _made_inside(graph, t, member)
+                                      for t in op.inputs):
+            continue
+        if any(kinds.get(b) not in _INLINE for b in op.boundary):
+            continue
+        name = _ident(op, known)
+        if name is None or not _fits(graph, op, name, member, known):
+            continue
+        member[op.id] = name
+        known.update(_axes_of(op, name))
+    member = _convex(graph, span, member)
+    member = _whole_boundaries(span, member)
+    member = _convex(graph, span, member)
+    if seed not in member:
+        if back:
+            return block_of(graph, seed, dim, back=False)
+        member = {seed: dim}
+    axes: dict[int, int] = {}
+    by_id = {op.id: op for op in span}
+    for i, name in member.items():
+        axes.update(_axes_of(by_id[i], name))
+    ordered = tuple(sorted(member, key=index.__getitem__))
+    return Block(seed, dim, ordered, tuple((i, member[i]) for i in ordered),
+                 tuple(sorted(axes.items())), root.dim_sizes()[dim])
+
+
+def _fits(graph: Graph, op: Op, name: str, member: dict[int, str],
+          known: dict[int, int]) -> bool:
+    """Whether ``op`` chunking ``name`` agrees with the block: every tensor the two share is
+    chunked along one axis by all its members, or read whole by all of them."""
+    axes = dict(_axes_of(op, name))
+    if any(known.get(t, p) != p for t, p in axes.items()):
+        return False
+    if any(t.id not in axes and t.id in known for t in op.inputs):
+        return False
+    for t in op.inputs + op.outputs:
+        for c in graph.consumers.get(t.id, ()):
+            if c.id in member and dict(_axes_of(c, member[c.id])).get(t.id) != axes.get(t.id):
+                return False
+    return True
+
+
+def _grow_back(graph: Graph, layer: str, kinds: dict[int, str], member: dict[int, str],
+               known: dict[int, int], index: dict[int, int]) -> None:
+    """Add to the block the producers (inside the layer, in no boundary) of the tensors it
+    reads along the chunked axis, as long as they run along it too (``q``'s projection and
+    the reshapes before window attention's scores)."""
+    changed = True
+    while changed:
+        changed = False
+        for tid, axis in list(known.items()):
+            op = graph.producer.get(tid)
+            if op is None or op.id in member or op.boundary or op.regions or \
+                    op.primitive in _OUTSIDE or (layer and not in_group(op.module_path, layer)):
+                continue
+            k = [t.id for t in op.outputs].index(tid)
+            axes = op.annotation.outputs[k].axes
+            if axes is None or axis >= len(axes) or len(axes[axis].dims) != 1:
+                continue
+            name = axes[axis].dims[0].name
+            if not _chunkable(op, name) or not _fits(graph, op, name, member, known):
+                continue
+            member[op.id] = name
+            known.update(_axes_of(op, name))
+            changed = True
+
+
+def _span(graph: Graph, start: int, layer: str) -> tuple[Op, ...]:
+    """The ops a block grown from ``graph.ops[start]`` may take: up to the layer's last."""
+    if not layer:
+        return graph.ops[start:]
+    end = start
+    for i in range(start, len(graph.ops)):
+        if in_group(graph.ops[i].module_path, layer):
+            end = i
+    return graph.ops[start:end + 1]
+
+
+def _made_inside(graph: Graph, t: Tensor, member: dict[int, str]) -> bool:
+    op = graph.producer.get(t.id)
+    return op is not None and op.id in member
+
+
+def _layer_of(graph: Graph, path: str) -> str:
+    for layer in _layers(graph):
+        if in_group(path, layer):
+            return layer
+    return ""
+
+
+def _layers(graph: Graph) -> list[str]:
+    """Repeated blocks, else top modules: where blocks are looked for and stay inside."""
+    return block_paths(op.module_path for op in graph.ops) or list(dict.fromkeys(
+        op.module_path.split("/")[0] for op in graph.ops if op.module_path))
+
+
+def _convex(graph: Graph, span: Sequence[Op], member: dict[int, str]) -> dict[int, str]:
+    """``member`` less the ops that read something computed from the block outside it."""
+    member = dict(member)
+    while True:
+        tainted: set[int] = set()  # tensors computed from the block by ops outside it
+        bad = []
+        for op in span:
+            if op.id in member:
+                if any(t.id in tainted for t in op.inputs):
+                    bad.append(op.id)
+            elif any(t.id in tainted or _made_inside(graph, t, member) for t in op.inputs):
+                tainted.update(t.id for t in op.outputs)
+        if not bad:
+            return member
+        for i in bad:
+            member.pop(i, None)
+
+
+def _whole_boundaries(span: Sequence[Op], member: dict[int, str]) -> dict[int, str]:
+    """``member`` less the ops of inline boundaries (``custom_jvp``) it holds only in part
+    (the seed stays: it is in no boundary)."""
+    inside: dict[int, list[int]] = {}
+    for op in span:
+        for b in op.boundary:
+            inside.setdefault(b, []).append(op.id)
+    out = dict(member)
+    for ids in inside.values():
+        if any(i in member for i in ids) and not all(i in member for i in ids):
+            for i in ids:
+                out.pop(i, None)
+    return out
+
+
+def coshard_candidates(graph: Graph, *, min_ratio: float = 2.0, seeds: int = 4,
+                       ways: int = 1, per_layer: int = 2) -> list[Candidate]:
+    """Blocks worth co-sharding, at most ``per_layer`` disjoint ones per repeated layer (else
+    per top module): grown from each of the layer's ``seeds`` ops with the largest outputs
+    along each of their chunkable identifiers, the blocks whose intermediates are largest
+    first (ties: the longer dim); kept when a block's largest intermediate is at least
+    ``min_ratio`` times its largest input (attention scores; a wide MLP). Only dims that split
+    ``ways`` ways and then into at least 2 chunks are tried."""
+    out = []
+    for layer in _layers(graph):
+        ops = [op for op in graph.ops if in_group(op.module_path, layer) and not op.regions
+               and not op.boundary and op.primitive not in _OUTSIDE]
+        ops.sort(key=lambda o: -sum(t.nbytes for t in o.outputs))
+        found = []
+        for seed in ops[:seeds]:
+            for name in seed.annotation.splittable():
+                if _chunkable(seed, name) and chunk_counts(seed.dim_sizes()[name], ways):
+                    cand = _candidate(graph, seed, name, layer)
+                    if cand is not None and cand[0].largest_bytes >= min_ratio * cand[1]:
+                        found.append(cand)
+        found.sort(key=lambda c: (-c[0].internal_bytes, -c[0].size))
+        taken: set[int] = set()
+        for cand, _, ids in found[:]:
+            if len([c for c in out if c.layer == layer]) < per_layer and not ids & taken:
+                out.append(cand)
+                taken |= ids
+    return out
+
+
+def _candidate(graph: Graph, seed: Op, name: str, layer: str
+               ) -> tuple[Candidate, int, set[int]] | None:
+    """The block of ``seed`` along ``name``: its candidate, largest input bytes and op ids."""
+    try:
+        block = block_of(graph, seed.id, name)
+    except PlanError:
+        return None
+    ids = set(block.ops)
+    made = {t.id for op in graph.ops if op.id in ids for t in op.outputs}
+    sizes = [t.nbytes for op in graph.ops if op.id in ids for t in op.outputs]
+    largest_in = max([t.nbytes for op in graph.ops if op.id in ids for t in op.inputs
+                      if t.id not in made and t.role is not Role.VARIABLE] or [1])
+    return (Candidate(seed.id, name, block.size, sum(sizes), max(sizes), seed.module_path,
+                      layer), largest_in, ids)
+
+
+def chunk_counts(size: int, ways: int, limit: int = 256) -> list[int]:
+    """Chunk counts ``k > 1`` with ``size`` divisible by ``k * ways`` (each device's part of
+    the dim splits into k equal chunks), ascending, at most ``limit``."""
+    return [k for k in range(2, min(limit, size) + 1) if size % (k * ways) == 0]
+
+
+def with_coshard(graph: Graph, blocks: Sequence[tuple[int, str, int]]) -> Graph:
+    """``graph`` with one ``"coshard"`` boundary per ``(seed op id, dim, chunks)``: the block's
+    ops contiguous (see the module docs), op ids, tensors and other boundaries unchanged; the
+    new boundary is the outermost of its ops. Blocks that overlap an earlier one are skipped."""
+    if not blocks:
+        return graph
+    next_id = max((b.id for b in graph.boundaries), default=-1) + 1
+    new: list[Boundary] = []
+    taken: set[int] = set()
+    for seed, dim, k in blocks:
+        block = block_of(graph, seed, dim)
+        if taken & set(block.ops) or k < 2:
+            continue
+        taken |= set(block.ops)
+        graph = _contiguous(graph, block)
+        b = _boundary(graph, block, k, next_id)
+        ops = tuple(replace(op, boundary=(next_id,) + op.boundary) if op.id in set(block.ops)
+                    else op for op in graph.ops)
+        graph = replace(graph, ops=ops)
+        new.append(b)
+        next_id += 1
+    return replace(graph, boundaries=graph.boundaries + tuple(new))
+
+
+def _contiguous(graph: Graph, block: Block) -> Graph:
+    ids = set(block.ops)
+    pos = [i for i, op in enumerate(graph.ops) if op.id in ids]
+    lo, hi = pos[0], pos[-1]
+    before, inside, after = [], [], []
+    made = set()
+    for op in graph.ops[lo:hi + 1]:
+        if op.id in ids:
+            inside.append(op)
+            made.update(t.id for t in op.outputs)
+        elif any(t.id in made for t in op.inputs):
+            after.append(op)
+            made.update(t.id for t in op.outputs)
+        else:
+            before.append(op)
+    ops = graph.ops[:lo] + tuple(before + inside + after) + graph.ops[hi + 1:]
+    return replace(graph, ops=ops)
+
+
+def _boundary(graph: Graph, block: Block, k: int, bid: int) -> Boundary:
+    ids = set(block.ops)
+    axes = dict(block.axes)
+    by_id = {op.id: op for op in graph.ops}
+    made = {t.id for i in block.ops for t in by_id[i].outputs}
+    ins: dict[int, Tensor] = {}
+    for i in block.ops:
+        for t in by_id[i].inputs:
+            if t.id not in made and (t.role is not Role.CONST or t.id in axes):
+                ins.setdefault(t.id, t)
+    outside = {t.id for op in graph.ops if op.id not in ids for t in op.inputs}
+    outside |= {t.id for t in graph.outputs}
+    outs = [t for i in block.ops for t in by_id[i].outputs if t.id in outside]
+    eqn = SimpleNamespace(
+        params={"chunks": k, "seed": block.seed, "idents": dict(block.idents),
+                "size": block.size,
+                "in_axes": tuple(axes.get(t.id) for t in ins.values()),
+                "out_axes": tuple(axes[t.id] for t in outs)},
+        primitive=SimpleNamespace(name=COSHARD))
+    return Boundary(bid, COSHARD, tuple(ins.values()), tuple(outs), eqn)
+
+
+def chunks_of(graph: Graph) -> dict[int, int]:
+    """op id -> the chunk count of the co-sharded block it runs in (ops of no block absent)."""
+    k = {b.id: b.eqn.params["chunks"] for b in graph.boundaries if b.kind == COSHARD}
+    return {op.id: k[b] for op in graph.walk() for b in op.boundary if b in k}
+
+
+def chunk_bytes(nbytes: Iterable[int], k: int) -> int:
+    """Bytes of one chunk of tensors of ``nbytes`` (rounded up)."""
+    return sum(math.ceil(n / k) for n in nbytes)
+
+
+def with_boundaries(graph: Graph, coshard: Sequence[tuple[int, str, int]],
+                    recompute: Sequence[str]) -> Graph:
+    """``graph`` with a plan's co-sharded blocks and recompute groups as boundaries (the
+    recompute boundaries outermost, a block nested inside its recomputed layer)."""
+    return with_recompute(with_coshard(graph, coshard), recompute)

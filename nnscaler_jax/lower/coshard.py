@@ -1,0 +1,86 @@
+"""Co-sharded blocks lowered: a ``lax.scan`` over chunks, each chunk under ``jax.checkpoint``.
+
+The block's inputs that carry the chunked dim are cut into k chunks, the rest are read whole by
+every chunk; each chunk replays the block's ops on chunk-sized values (shape params rewritten,
+:func:`~nnscaler_jax.lower.local.bind_local`) with the plan's layouts as sharding constraints,
+and the outputs are stitched back. The chunks interleave with the devices' parts: when the seed
+op splits the dim ``n`` ways over the mesh, chunk ``c`` holds rows ``c`` of every device's part
+(the dim viewed as ``(n, k, size / (n k))``), so a chunk keeps the plan's sharding and no
+device idles while another computes (the same permutation for every input and output, so the
+result does not depend on it). Custom-JVP calls inside a block (``jax.nn.softmax``) are replayed
+op by op: their derivative is that of the ops, as a custom JVP's must be.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from nnscaler_jax.errors import PlanError
+from nnscaler_jax.ir.graph import Boundary, Op
+from nnscaler_jax.plan.plan import VALUE
+
+__all__ = ["run_coshard"]
+
+
+def _split(x: Any, pos: int, k: int, n: int) -> Any:
+    """``x``'s axis ``pos`` as k chunks, leading: ``(k, ..., size / k, ...)``."""
+    shape = x.shape
+    c = shape[pos] // (n * k)
+    x = x.reshape(shape[:pos] + (n, k, c) + shape[pos + 1:])
+    x = jnp.moveaxis(x, pos + 1, 0)
+    return x.reshape((k,) + shape[:pos] + (n * c,) + shape[pos + 1:])
+
+
+def _merge(y: Any, pos: int, k: int, n: int) -> Any:
+    """The inverse of :func:`_split` (``y``: the chunks stacked on a leading axis)."""
+    shape = y.shape[1:]
+    c = shape[pos] // n
+    y = y.reshape((k,) + shape[:pos] + (n, c) + shape[pos + 1:])
+    y = jnp.moveaxis(y, 0, pos + 1)
+    return y.reshape(shape[:pos] + (n * k * c,) + shape[pos + 1:])
+
+
+def _seed_ways(lw: Any, seed: Op, ident: str) -> int:
+    plan = lw.plan_of(seed)
+    sizes = dict(zip(lw.mesh.axis_names, lw.mesh.devices.shape, strict=True))
+    return math.prod(sizes[a] for a, d in plan.split if d == ident and d != VALUE)
+
+
+def run_coshard(lw: Any, ops: Sequence[Op], env: dict, b: Boundary) -> None:
+    """Run the block ``ops`` (boundary ``b``) chunk by chunk; its outputs land in ``env``."""
+    p = b.eqn.params
+    k, idents = p["chunks"], p["idents"]
+    seed = next(op for op in ops if op.id == p["seed"])
+    n = _seed_ways(lw, seed, idents[seed.id])
+    if p["size"] % (n * k):
+        raise PlanError(
+            f"co-sharded block at '{seed.module_path or '<top>'}' ({len(ops)} ops around "
+            f"'{seed.primitive}'): its dim '{idents[seed.id]}' of size {p['size']} is split "
+            f"{n} ways over the mesh and cannot run as {k} chunks per device; use a chunk "
+            f"count dividing {p['size'] // n}")
+    ins = [lw._read(env, t) for t in b.inputs]
+    chunked = [_split(x, a, k, n) for x, a in zip(ins, p["in_axes"], strict=True)
+               if a is not None]
+    outer = {key: v for key, v in env.items() if not isinstance(key, tuple)}
+
+    @jax.checkpoint
+    def one(xs):
+        inner = dict(outer)  # relayouts made outside are not reused inside (recomputed)
+        it = iter(xs)
+        for t, a, x in zip(b.inputs, p["in_axes"], ins, strict=True):
+            inner[t.id] = next(it) if a is not None else x
+        for op in ops:
+            lw._op(op, inner, ways={idents[op.id]: k})
+        return [inner[t.id] for t in b.outputs]
+
+    _, ys = jax.lax.scan(lambda carry, xs: (carry, one(xs)), None, chunked, length=k)
+    for t, y, a in zip(b.outputs, ys, p["out_axes"], strict=True):
+        x = _merge(y, a, k, n)
+        lay = lw.layouts.get(t.id)
+        env[t.id] = jax.lax.with_sharding_constraint(x, lw.sharding(lay)) \
+            if lay is not None and t.ndim else x
