@@ -172,20 +172,15 @@ def block_of(graph: Graph, seed: int, dim: str, *, back: bool = True) -> Block:
     kinds = _boundary_kinds(graph)
     member = {seed: dim}
     known = dict(_axes_of(root, dim))
-    if back:
-        _grow_back(graph, layer, kinds, member, known, index)
-    span = _span(graph, min(index[i] for i in member), layer)
-    for op in span:
-        if op.id in member or not any(t.id in known and _made_inside(graph, t, member)
-                                      for t in op.inputs):
-            continue
-        if any(kinds.get(b) not in _INLINE for b in op.boundary):
-            continue
-        name = _ident(op, known)
-        if name is None or not _fits(graph, op, name, member, known):
-            continue
-        member[op.id] = name
-        known.update(_axes_of(op, name))
+    span: Sequence[Op] = ()
+    for _ in range(8):  # backward and forward until neither adds an op
+        size = len(member)
+        if back:
+            _grow_back(graph, layer, member, known)
+        span = _span(graph, min(index[i] for i in member), layer)
+        _grow_forward(graph, span, kinds, member, known)
+        if len(member) == size:
+            break
     member = _convex(graph, span, member)
     member = _whole_boundaries(span, member)
     member = _convex(graph, span, member)
@@ -218,11 +213,28 @@ def _fits(graph: Graph, op: Op, name: str, member: dict[int, str],
     return True
 
 
-def _grow_back(graph: Graph, layer: str, kinds: dict[int, str], member: dict[int, str],
-               known: dict[int, int], index: dict[int, int]) -> None:
+def _grow_forward(graph: Graph, span: Sequence[Op], kinds: dict[int, str],
+                  member: dict[int, str], known: dict[int, int]) -> None:
+    """Add the ops of ``span`` that read the block's tensors along the chunked axis."""
+    for op in span:
+        if op.id in member or not any(t.id in known and _made_inside(graph, t, member)
+                                      for t in op.inputs):
+            continue
+        if any(kinds.get(b) not in _INLINE for b in op.boundary):
+            continue
+        name = _ident(op, known)
+        if name is None or not _fits(graph, op, name, member, known):
+            continue
+        member[op.id] = name
+        known.update(_axes_of(op, name))
+
+
+def _grow_back(graph: Graph, layer: str, member: dict[int, str], known: dict[int, int]) -> None:
     """Add to the block the producers (inside the layer, in no boundary) of the tensors it
-    reads along the chunked axis, as long as they run along it too (``q``'s projection and
-    the reshapes before window attention's scores)."""
+    reads along the chunked axis whose results only the block reads, as long as they run
+    along the axis too: ``q``'s projection and the reshapes before window attention's
+    scores; a causal mask broadcast to the scores' shape (computed per chunk, never whole).
+    An iota stays outside (a chunk's would count from 0): its result is cut into chunks."""
     changed = True
     while changed:
         changed = False
@@ -230,6 +242,10 @@ def _grow_back(graph: Graph, layer: str, kinds: dict[int, str], member: dict[int
             op = graph.producer.get(tid)
             if op is None or op.id in member or op.boundary or op.regions or \
                     op.primitive in _OUTSIDE or (layer and not in_group(op.module_path, layer)):
+                continue
+            if any(c.id not in member for t in op.outputs
+                   for c in graph.consumers.get(t.id, ())) or \
+                    any(t.id in {o.id for o in graph.outputs} for t in op.outputs):
                 continue
             k = [t.id for t in op.outputs].index(tid)
             axes = op.annotation.outputs[k].axes

@@ -234,6 +234,13 @@ def feature_lines(plan: PlanLike) -> list[str]:
                 for p in chunked}
         lines.append(f"co-sharded ({len(chunked)} ops run as sequential chunks): "
                      + "; ".join(list(desc)[:6]) + (" ..." if len(desc) > 6 else ""))
+    if plan.coshard:
+        by_id = plan._by_id()
+        desc = {f"{by_id[i].module_path or '<top>'} x{k} along {d}" if i in by_id else
+                f"op {i} x{k} along {d}": 0 for i, d, k in plan.coshard}
+        lines.append(f"co-sharded blocks ({len(plan.coshard)}, each run as sequential "
+                     "recomputed chunks): " + "; ".join(list(desc)[:6])
+                     + (" ..." if len(desc) > 6 else ""))
     partial = sum(p.keep_partial for p in plan.ops)
     if partial:
         lines.append(f"value-split chains: {partial} ops keep partial sums")
