@@ -194,9 +194,10 @@ class CostModel:
 
     def chunk_overhead(self, op: Op, split: Split, k: int) -> float:
         """Extra seconds of running ``op`` as ``k`` sequential chunks (a co-sharded block):
-        each of its 3k kernels (forward, recomputed forward, backward) costs at least the
-        device's launch floor, so small chunks are priced by the floor, not the roofline."""
-        if op.primitive in FREE:
+        a matmul's or reduction's 3k kernels (forward, recomputed forward, backward) cost at
+        least the device's launch floor each, so small chunks are priced by the floor, not the
+        roofline (elementwise ops fuse into them)."""
+        if op.primitive not in MATMUL and not op.primitive.startswith(("reduce_", "argm")):
             return 0.0
         per = self.forward_time(op, split) / k
         return 3 * k * max(0.0, self.device.launch_s - per)

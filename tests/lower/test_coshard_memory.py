@@ -1,0 +1,48 @@
+"""A co-sharded plan's compiled program holds less: XLA's own memory analysis of the gradient
+program (CPU), with and without the attention blocks co-sharded."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+from meshes import make_mesh
+
+import models
+from nnscaler_jax import auto_parallel
+from nnscaler_jax.capture.trace import capture_spec
+from nnscaler_jax.cost import CostModel
+from nnscaler_jax.ir.coshard import coshard_candidates
+from nnscaler_jax.planner import make_plan
+
+AXES = {"data": 2, "model": 4}
+
+
+def _temp_bytes(spec, plan) -> int:
+    args = spec.make_args()
+    pm = auto_parallel(make_mesh((2, 4), ("data", "model")), plan=plan)(spec.module)
+    v = pm.init(jax.random.key(0), *args)
+    grad = jax.jit(jax.grad(lambda v: jnp.mean(pm.apply(v, *args) ** 2)))
+    return grad.lower(v).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.slow
+def test_cosharding_attention_shrinks_compiled_memory():
+    """GPT with 256 tokens: the scores dominate; co-sharding every layer's attention block in
+    4 chunks cuts XLA's temporary memory by more than half (measured 32.2 -> 11.5 MB), and the
+    cost model predicts a cut of the same sign and at least that size."""
+    spec = models.get("gpt", "tiny", seq_len=256, n_positions=256, d_model=64, n_heads=4,
+                      n_layers=2, vocab_size=128, batch_size=8)
+    graph = capture_spec(spec).graph
+    plain = make_plan(graph, AXES, policy="dp")
+    blocks = tuple((c.seed, c.dim, 4) for c in coshard_candidates(graph, ways=8))
+    assert len(blocks) == 2
+    chunked = dataclasses.replace(plain, coshard=blocks)
+    xla_plain, xla_chunked = _temp_bytes(spec, plain), _temp_bytes(spec, chunked)
+    assert xla_chunked < 0.5 * xla_plain
+    cm = CostModel.for_axes(AXES)
+    est = [sum(cm.memory_breakdown(p, graph)[k] for k in ("activations", "transient"))
+           for p in (plain, chunked)]
+    assert est[1] < 0.5 * est[0]
