@@ -15,8 +15,9 @@ import math
 import os
 from typing import Any
 
-from nnscaler_jax.errors import PlanFormatError
+from nnscaler_jax.errors import PlanError, PlanFormatError
 from nnscaler_jax.ir.anno import parse_anno
+from nnscaler_jax.ir.coshard import block_of
 from nnscaler_jax.ir.graph import Graph, Op, Role
 from nnscaler_jax.plan.plan import VALUE, OpPlan, Plan
 
@@ -37,6 +38,24 @@ def check_reuse(plan: Plan, graph: Graph, mesh_axes: dict[str, int]) -> None:
             _check_op(ops[p.op], p, mesh_axes)
     _check_variables(plan, graph, mesh_axes)
     _check_microbatches(plan, graph)
+    _check_coshard(plan, graph)
+
+
+def _check_coshard(plan: Plan, graph: Graph) -> None:
+    """Every co-sharded block grows from an op of this graph along a dim it can run in
+    chunks, and its chunk count divides that dim here."""
+    for seed, dim, k in plan.coshard:
+        try:
+            block = block_of(graph, seed, dim)
+        except PlanError as e:
+            raise _corrupted(str(e).removeprefix("co-sharding: ")) from None
+        if k < 2 or block.size % k:
+            op = next(o for o in graph.ops if o.id == seed)
+            raise PlanFormatError(
+                f"the plan co-shards the block at '{op.module_path or '<top>'}' (op {seed} "
+                f"'{op.primitive}') in {k} chunks along '{dim}', of size {block.size} in this "
+                f"graph: {k} does not divide it. {REPLAN[0].upper()}{REPLAN[1:]}",
+                op=op.primitive, module_path=op.module_path)
 
 
 def _corrupted(what: str, **fields: Any) -> PlanFormatError:

@@ -128,3 +128,20 @@ def test_cosharded_plan_matches_one_device(name, policy):
     ref = jax.grad(lambda v: loss(spec.module.apply, v))(jax.tree.map(np.asarray, v))
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_saved_plan_with_a_bad_block_is_refused(graph):
+    """check_reuse (auto_parallel(plan=...)) refuses blocks this graph cannot run: a seed that
+    is no op here, a dim the seed cannot chunk, a count that does not divide the dim."""
+    from nnscaler_jax.errors import PlanFormatError
+    from nnscaler_jax.plan.reuse import check_reuse
+
+    plan = make_plan(graph, {"data": 2}, policy="dp")
+    cand = coshard_candidates(graph)[0]
+    check_reuse(dataclasses.replace(plan, coshard=((cand.seed, cand.dim, 2),)), graph,
+                {"data": 2})
+    for bad, match in [((10**6, cand.dim, 2), "no top-level op"),
+                       ((cand.seed, "zz", 2), "cannot run in chunks along 'zz'"),
+                       ((cand.seed, cand.dim, 3), "3 does not divide it")]:
+        with pytest.raises(PlanFormatError, match=match):
+            check_reuse(dataclasses.replace(plan, coshard=(bad,)), graph, {"data": 2})
