@@ -23,11 +23,12 @@ forward again (``search/tables.py``, ``cost/plan_walk.py``), the lowering replay
 from __future__ import annotations
 
 import fnmatch
+import functools
 from collections.abc import Sequence
 from dataclasses import replace
 from types import SimpleNamespace
 
-from nnscaler_jax.ir.graph import Boundary, Graph, Op, Role
+from nnscaler_jax.ir.graph import Boundary, Graph, Role
 
 __all__ = ["RECOMPUTE_EQN", "in_group", "recompute_runs", "with_recompute"]
 
@@ -36,23 +37,28 @@ RECOMPUTE_EQN = SimpleNamespace(params={"prevent_cse": True, "policy": None},
                                 primitive=SimpleNamespace(name="checkpoint"))
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def in_group(path: str, group: str) -> bool:
-    """Whether module path ``path`` is ``group`` (a glob) or lies under it."""
+    """Whether module path ``path`` is ``group`` (a glob) or lies under it (memoised: a
+    model has few module paths, and the recompute search asks about each many times)."""
     return bool(path) and (fnmatch.fnmatchcase(path, group)
                            or fnmatch.fnmatchcase(path, group.rstrip("/") + "/*"))
 
 
-def _key(op: Op, groups: Sequence[str]) -> tuple[int, str] | None:
+def _key(path: str, groups: Sequence[str]) -> tuple[int, str] | None:
     for i, g in enumerate(groups):
-        if in_group(op.module_path, g):
-            return i, op.module_path.split("/")[0]
+        if in_group(path, g):
+            return i, path.split("/")[0]
     return None
 
 
 def recompute_runs(graph: Graph, groups: Sequence[str]) -> list[list[int]]:
     """Indices into ``graph.ops`` of each recomputed run: contiguous ops of one group and one
     top module; a run never cuts an existing boundary (its ops are left out instead)."""
-    keys = [_key(op, groups) for op in graph.ops]
+    by_path: dict[str, tuple[int, str] | None] = {}  # ops of one module share their key
+    keys = [by_path[op.module_path] if op.module_path in by_path else
+            by_path.setdefault(op.module_path, _key(op.module_path, groups))
+            for op in graph.ops]
     runs: list[list[int]] = []
     for i, k in enumerate(keys):
         if k is None:

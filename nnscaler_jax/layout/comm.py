@@ -39,7 +39,9 @@ constraint, at the first layout of the path without partial sums
 producer's block (after slicing it), never by gathering or exchanging partial values.
 
 The search is a Dijkstra shortest path (networkx) over the graph of all valid layouts; the graph is
-built once per (shape, itemsize, mesh) and every answer is memoised. Each edge weighs its time
+built once per (shape, itemsize, mesh), one single-source search per source layout answers every
+destination (a search only pays per source: a planner asks for thousands of pairs of few sources),
+and every answer is memoised. Each edge weighs its time
 plus :data:`HOP_PENALTY_S`, so among equally fast paths the one with fewer steps wins (it also
 makes local steps cost "tiny" rather than 0); reported times exclude the penalty.
 
@@ -270,19 +272,31 @@ def _layout_graph(shape: tuple[int, ...], itemsize: int, mesh: MeshSpec) -> nx.D
 
 
 @functools.lru_cache(maxsize=4096)
+def _paths_from(
+    src: Layout, shape: tuple[int, ...], itemsize: int, mesh: MeshSpec
+) -> dict[Layout, list[Layout]]:
+    """The cheapest path from ``src`` to every layout reachable from it (one single-source
+    Dijkstra; each path is the one a search for that destination alone finds: the search
+    stops at the destination, after which nothing changes its path)."""
+    graph = _layout_graph(shape, itemsize, mesh)
+    if src not in graph:
+        return {}
+    return nx.single_source_dijkstra_path(graph, src, weight="weight")
+
+
+@functools.lru_cache(maxsize=65536)
 def _cached_path(
     src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int, mesh: MeshSpec
 ) -> CommPath:
     if src == dst:
         return CommPath(steps=(), time_s=0.0, bytes=0)
-    graph = _layout_graph(shape, itemsize, mesh)
-    try:
-        nodes = nx.dijkstra_path(graph, src, dst, weight="weight")
-    except (nx.NetworkXNoPath, nx.NodeNotFound):
+    nodes = _paths_from(src, shape, itemsize, mesh).get(dst)
+    if nodes is None:
         raise PlanError(
             f"no sequence of collectives turns layout {src} into {dst} for tensor shape {shape} on "
             f"mesh axes {mesh.axis_names} (sizes {mesh.axis_sizes}); this is a bug, please report"
-        ) from None
+        )
+    graph = _layout_graph(shape, itemsize, mesh)
     steps = tuple(graph.edges[u, v]["step"] for u, v in itertools.pairwise(nodes))
     return CommPath(
         steps=steps, time_s=sum(s.time_s for s in steps), bytes=sum(s.bytes for s in steps)

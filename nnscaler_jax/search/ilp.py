@@ -11,6 +11,10 @@ Formulation (Alpa, OSDI'22, section 4.2), over the groups of a :class:`SearchSpa
 - minimise ``sum_g s_g . (compute_g + comm_g) + sum_uv e_uv . R_uv`` (seconds per step);
 - memory: ``sum_g s_g . m_g <= max_memory_per_device`` when given.
 
+Ours first minimises chain groups out exactly (:mod:`nnscaler_jax.search.reduce`); under a
+budget it checks that some choice fits (the exact least memory: no HiGHS run to prove that none
+does) and drops the strategies a no-costlier, no-larger one dominates before solving.
+
 :func:`search` returns the plan (through ``Draft.decide`` + ``finish``) and a
 :class:`SearchReport`.
 """
@@ -33,7 +37,12 @@ from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.errors import NoFitError, PlanError
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.plan.plan import OpPlan, Plan
-from nnscaler_jax.search.reduce import reduce_tables, solve_by_elimination
+from nnscaler_jax.search.reduce import (
+    least_memory,
+    prune_dominated,
+    reduce_tables,
+    solve_by_elimination,
+)
 from nnscaler_jax.search.space import SearchSpace, build_space
 from nnscaler_jax.search.tables import CostTables, build_tables
 
@@ -43,6 +52,7 @@ __all__ = ["GroupCost", "SearchReport", "fixed_decisions", "search", "search_pol
            "solve"]
 
 _SCALE = 1e6  # seconds -> microseconds inside the solver (HiGHS tolerances are absolute-ish)
+RESOLVE_FACTOR, RESOLVE_FLOOR_S = 10.0, 10.0  # a re-solve's time limit (see _meet_budget)
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,7 +210,7 @@ def solve(tables: CostTables, *, max_memory: float | None = None, time_limit: fl
                options={"time_limit": float(time_limit), "disp": False, "mip_rel_gap": 1e-6})
     if res.x is None:
         if max_memory is not None:
-            smallest = _smallest_memory(tables)
+            smallest = least_memory(tables)
             raise _memory_error(max_memory, smallest)
         raise PlanError(f"the search found no plan: {res.message}")
     choice = tuple(int(np.argmax(res.x[off[g]:off[g + 1]])) for g in range(len(n)))
@@ -256,17 +266,22 @@ def _memory_rows(lp: _Rows, tables: CostTables, off: np.ndarray, max_memory: flo
 def _solve_reduced(tables: CostTables, budget: float | None, limit: float,
                    planner: str) -> tuple[_Solution, int]:
     """Eliminate chain groups exactly, solve what is left, read the eliminated ones back."""
+    if budget is not None and all(len(c) for c in tables.compute) and \
+            (least := least_memory(tables)) > budget:
+        raise _memory_error(budget, least)  # no choice fits: HiGHS need not prove it
     red = reduce_tables(tables, memory_budget=budget is not None)
     n = len(tables.compute)
     rest = solve_by_elimination(red.tables) if budget is None else None
     if rest is not None:  # what is left is small enough to minimise out as well
         part, choice = None, red.expand(rest, n)
     else:
-        part = solve(red.tables, max_memory=budget, time_limit=limit, desc=f"{planner} ILP",
+        left, kept = prune_dominated(red.tables) if budget is not None else (red.tables, None)
+        part = solve(left, max_memory=budget, time_limit=limit, desc=f"{planner} ILP",
                      memory_offset=red.memory_offset, transient_floor=red.transient_floor)
-        choice = red.expand(part.choice, n)
+        choice = red.expand(part.choice if kept is None else
+                            [int(k[c]) for k, c in zip(kept, part.choice, strict=True)], n)
     if budget is not None and tables.memory_of(choice) > budget:
-        raise _memory_error(budget, _smallest_memory(tables))
+        raise _memory_error(budget, least_memory(tables))
     return _Solution(choice, tables.objective(choice), tables.memory_of(choice),
                      part.status if part else "solved by elimination",
                      part.optimal if part else True, part.variables if part else 0,
@@ -274,16 +289,22 @@ def _solve_reduced(tables: CostTables, budget: float | None, limit: float,
 
 
 def _meet_budget(plan: Plan, sol: _Solution, budget: float, solved, cm: CostModel,
-                 graph: Graph, make_plan) -> tuple[Plan, _Solution]:
+                 graph: Graph, make_plan, seconds: float) -> tuple[Plan, _Solution]:
     """The cost tables hold memory per group only; the plan's full pricing also keeps operands
     gathered by an edge's relayout (``cost.model._gathered_operands``). When that pushes the
-    plan over ``budget``, solve again under a budget lowered by the excess (a few rounds)."""
+    plan over ``budget``, solve again under a budget lowered by the excess (a few rounds).
+
+    ``solved(cap, limit)`` solves under ``cap`` within ``limit`` seconds; each round gets
+    :data:`RESOLVE_FACTOR` x ``seconds`` (the first solve's), at least :data:`RESOLVE_FLOOR_S`:
+    a budget lowered close to the least memory makes a far harder problem (minutes where the
+    first took a second), and HiGHS' best plan by then is what the round checks."""
     real = cm.plan_cost(plan, graph).memory_bytes_per_device
+    limit = max(RESOLVE_FLOOR_S, RESOLVE_FACTOR * seconds)
     for _ in range(3):
         if real <= budget:
             return plan, sol
         try:
-            sol = solved(budget - (real - sol.memory_bytes))[0]
+            sol = solved(budget - (real - sol.memory_bytes), limit)[0]
         except PlanError:
             break
         plan = make_plan(sol)
@@ -296,13 +317,6 @@ def _meet_budget(plan: Plan, sol: _Solution, budget: float, solved, cm: CostMode
         f"({real / 2**30:.2f} GiB) per device once relayout buffers kept for the backward (all-"
         "gathered matmul operands) are counted. Raise the budget, use Constraints(zero=3), or "
         "a larger mesh.", smallest_bytes=real, budget_bytes=budget)
-
-
-def _smallest_memory(tables: CostTables) -> float:
-    """The least kept + transient bytes over all choices (memory has no edge terms, so the
-    group-wise minimum of kept bytes is exact; the transient is added for that choice)."""
-    choice = [int(np.argmin(m)) for m in tables.memory]
-    return tables.memory_of(choice)
 
 
 def _memory_error(budget: float, smallest: float) -> NoFitError:
@@ -431,11 +445,12 @@ def _search(graph, mesh_axes, constraints, cost_model, planner, time_limit, draf
     limit = time_limit if time_limit is not None else (600.0 if planner == "alpa" else 60.0)
     budget = constraints.max_memory_per_device
 
-    def solved(cap: float | None) -> tuple[_Solution, int]:
+    def solved(cap: float | None, seconds: float = limit) -> tuple[_Solution, int]:
+        seconds = min(seconds, limit)
         if planner == "alpa":  # Alpa solves the whole ILP
-            return solve(tables, max_memory=cap, time_limit=limit, desc=f"{planner} ILP"), 0
+            return solve(tables, max_memory=cap, time_limit=seconds, desc=f"{planner} ILP"), 0
         # ours: exact elimination of chain groups first (search/reduce.py)
-        return _solve_reduced(tables, cap, limit, planner)
+        return _solve_reduced(tables, cap, seconds, planner)
 
     sol, eliminated = solved(budget)
     t2 = time.perf_counter()
@@ -443,7 +458,7 @@ def _search(graph, mesh_axes, constraints, cost_model, planner, time_limit, draf
     if budget is not None:
         plan, sol = _meet_budget(plan, sol, budget, solved, cm, graph,
                                  lambda s: _plan(graph, mesh_axes, space, s.choice, planner,
-                                                 zero, draft))
+                                                 zero, draft), t2 - t1)
     report = _report(planner, space, tables, sol, t1 - t0 + (time.perf_counter() - t2), t2 - t1,
                      eliminated)
     log.info("%s", report)

@@ -8,10 +8,14 @@ budget needs it:
 1. the groups the constraints force (``Rule(module=..., recompute=True)``), nothing else;
 2. if no plan fits, every candidate layer recomputed (Alpa's one global remat switch: the
    ``"alpa"`` planner stops here);
-3. ours (``"auto"``): bisection over how many layers (identical layers: which ones does not
-   matter, how many does), each step a full layout search; of the plans that fit, the fastest
-   (fewer recomputed layers save time, but the layouts the search can afford change with the
-   memory they free, so the fewest is not always the fastest).
+3. ours (``"auto"``): a search for the fewest layers that fit (identical layers: which ones
+   does not matter, how many does), each step a full layout search. Memory falls about
+   linearly with the count, so the next count interpolates the memory known on both sides of
+   the boundary to the budget (the smallest estimate of the count that did not fit, the plan of
+   the one that did), bisecting when that says nothing (a plan filling the budget) or does not
+   converge; of the plans that fit, the fastest (fewer recomputed layers save time, but the
+   layouts the search can afford change with the memory they free, so the fewest is not
+   always the fastest).
 
 Candidates are the model's repeated blocks at their finest level (``h_3``, Swin's
 ``layers_2/blocks_7``, T5's ``encoder/block_3``: :func:`nnscaler_jax.ir.layers.block_paths`),
@@ -20,6 +24,7 @@ else its top modules; a block any ``Rule(recompute=False)`` touches is never rec
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,6 +32,7 @@ from nnscaler_jax.errors import NoFitError
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.ir.layers import block_paths
 from nnscaler_jax.ir.remat import in_group
+from nnscaler_jax.plan.plan import Plan
 
 __all__ = ["choose_recompute", "recompute_candidates"]
 
@@ -35,11 +41,12 @@ def recompute_candidates(graph: Graph, forced: Sequence[str],
                          forbidden: Sequence[str]) -> tuple[str, ...]:
     """The groups the search may add: repeated blocks (or top modules) in program order, less
     those a forced group already covers and those a forbidden one touches."""
-    names = block_paths(op.module_path for op in graph.ops) or list(dict.fromkeys(
-        op.module_path.split("/")[0] for op in graph.ops if op.module_path))
+    modules = list(dict.fromkeys(op.module_path for op in graph.ops))
+    names = block_paths(modules) or list(dict.fromkeys(
+        p.split("/")[0] for p in modules if p))
     out = []
     for name in names:
-        paths = {op.module_path for op in graph.ops if in_group(op.module_path, name)}
+        paths = {p for p in modules if in_group(p, name)}
         if any(in_group(p, f) for p in paths for f in forbidden):
             continue
         if paths and all(any(in_group(p, f) for f in forced) for p in paths):
@@ -50,13 +57,17 @@ def recompute_candidates(graph: Graph, forced: Sequence[str],
 
 def choose_recompute(run: Callable[[tuple[str, ...]], Any], graph: Graph,
                      forced: Sequence[str], forbidden: Sequence[str], *,
-                     price: Callable[[Any], float] | None = None) -> Any:
+                     price: Callable[[Any], float] | None = None,
+                     memory: Callable[[Any], float | None] | None = None) -> Any:
     """``run(groups)`` for the recompute groups the budget needs (see the module docs).
 
     Args:
         run: plans with those groups recomputed; raises ``NoFitError`` when nothing fits.
-        price: a result's estimated step seconds: bisect over the number of layers and return
-            the fastest result that fits (ours); None: all or nothing (Alpa's switch).
+        price: a result's estimated step seconds: search the number of layers and return the
+            fastest result that fits (ours); None: all or nothing (Alpa's switch).
+        memory: a result's estimated bytes per device, which guides the search (default: the
+            ``cost`` of the :class:`~nnscaler_jax.plan.plan.Plan` the result is or starts with;
+            None when unknown: the search bisects).
 
     Raises:
         NoFitError: nothing fits even with every candidate layer recomputed.
@@ -64,10 +75,11 @@ def choose_recompute(run: Callable[[tuple[str, ...]], Any], graph: Graph,
     forced = tuple(forced)
     try:
         return run(forced)
-    except NoFitError:
+    except NoFitError as e:
         cands = recompute_candidates(graph, forced, forbidden)
         if not cands:
             raise
+        first = e
     results: dict[int, Any] = {}
     try:
         results[len(cands)] = run(forced + cands)
@@ -76,14 +88,65 @@ def choose_recompute(run: Callable[[tuple[str, ...]], Any], graph: Graph,
             f"{e} Recomputing every layer ({cands[0]} .. {cands[-1]}, {len(cands)} groups) does "
             "not fit either.", smallest_bytes=e.smallest_bytes,
             budget_bytes=e.budget_bytes) from None
-    lo, hi = 0, len(cands)
-    while price is not None and hi - lo > 1:
-        mid = (lo + hi) // 2
-        try:
-            results[mid] = run(forced + cands[:mid])
-            hi = mid
-        except NoFitError:
-            lo = mid
     if price is None:
         return results[len(cands)]
+    memory = memory or _plan_memory
+    search = _CountSearch(len(cands), first.budget_bytes, first.smallest_bytes,
+                          memory(results[len(cands)]))
+    while (k := search.next()) is not None:
+        try:
+            results[k] = run(forced + cands[:k])
+        except NoFitError as e:
+            search.failed(k, e.smallest_bytes)
+        else:
+            search.fitted(k, memory(results[k]))
     return min(results.values(), key=price)
+
+
+def _plan_memory(result: Any) -> float | None:
+    """The estimated bytes per device of a result that is (or starts with) a priced plan."""
+    plan = result[0] if isinstance(result, tuple) and result else result
+    cost = plan.cost if isinstance(plan, Plan) else None
+    return None if cost is None else float(cost.memory_bytes_per_device)
+
+
+class _CountSearch:
+    """The boundary between layer counts that do not fit (``lo``) and that fit (``hi``):
+    linear interpolation of the memory known at both ends to the budget (regula falsi), and
+    bisection when the ends do not say where (a missing estimate, a fitting plan within
+    :data:`FULL` of the budget: it filled the budget, its memory does not say how much less
+    recompute would need) or the last two probes did not halve the interval (the memory is far
+    from linear in the count: at most about twice the bisection's probes)."""
+
+    def __init__(self, n: int, budget: float | None, lo_bytes: float | None,
+                 hi_bytes: float | None) -> None:
+        self.lo, self.hi, self.budget = 0, n, budget
+        self.lo_bytes, self.hi_bytes = lo_bytes, hi_bytes
+        self.slow = 0  # probes in a row that did not halve the interval
+
+    def next(self) -> int | None:
+        """The next count to try, None when ``hi`` is the fewest that fits."""
+        lo, hi = self.lo, self.hi
+        if hi - lo <= 1:
+            return None
+        b, y_lo, y_hi = self.budget, self.lo_bytes, self.hi_bytes
+        if self.slow >= 2 or b is None or y_lo is None or y_hi is None or not \
+                y_hi <= b * (1 - FULL) < b < y_lo:
+            return (lo + hi) // 2
+        x = lo + (y_lo - b) / (y_lo - y_hi) * (hi - lo)
+        return min(max(math.ceil(x), lo + 1), hi - 1)
+
+    def failed(self, k: int, smallest: float | None) -> None:
+        self._moved(k - self.lo)
+        self.lo, self.lo_bytes = k, smallest
+
+    def fitted(self, k: int, used: float | None) -> None:
+        self._moved(self.hi - k)
+        self.hi, self.hi_bytes = k, used
+
+    def _moved(self, by: int) -> None:
+        self.slow = self.slow + 1 if 2 * by < self.hi - self.lo else 0
+
+
+FULL = 0.005
+"""A plan whose memory is within this fraction of the budget filled it (see ``_CountSearch``)."""

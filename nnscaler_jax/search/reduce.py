@@ -33,7 +33,8 @@ import numpy as np
 
 from nnscaler_jax.search.objective import CostTables, Edge, SyncSet
 
-__all__ = ["Reduced", "dead_end_elimination", "reduce_tables", "solve_by_elimination"]
+__all__ = ["Reduced", "dead_end_elimination", "least_memory", "prune_dominated",
+           "reduce_tables", "solve_by_elimination"]
 
 
 @dataclass(frozen=True)
@@ -282,3 +283,102 @@ def dead_end_elimination(unary: list[np.ndarray], pairs: list[tuple[int, int, np
                 alive[v] = idx[~drop]
                 changed = True
     return alive
+
+
+def prune_dominated(tables: CostTables) -> tuple[CostTables, list[np.ndarray]]:
+    """The tables without strategies no optimum under a memory budget picks: dead-end
+    elimination (as :func:`dead_end_elimination`) where strategy ``b`` replaces ``a`` only if
+    it keeps no more bytes and no larger transient, so swapping ``a`` for ``b`` in any choice
+    that fits still fits and costs less. A gradient sync a group reads into prices the swap at
+    its worst (``b``'s class newly paid, ``a``'s never saved). Exact: every optimum survives.
+
+    Returns:
+        ``(pruned tables, kept strategy indices per group)``; a choice ``c`` over the pruned
+        tables is ``kept[g][c[g]]`` over ``tables``.
+    """
+    n = len(tables.compute)
+    unary = [tables.unary(g).astype(float) for g in range(n)]
+    touching: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(n)]
+    for e in tables.edges:
+        full = e.full
+        touching[e.src].append((e.dst, full))
+        touching[e.dst].append((e.src, full.T))
+    reads: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(n)]
+    for ss in tables.syncs:
+        for g, cls in ss.readers:
+            reads[g].append((ss.cost, cls))
+    tr = tables.transient
+    alive = [np.arange(len(u)) for u in unary]
+    changed = True
+    while changed:
+        changed = False
+        for v in range(n):
+            idx = alive[v]
+            if len(idx) < 2:
+                continue
+            drop = _dominated(v, idx, unary[v], touching[v], reads[v], alive,
+                              tables.memory[v], None if tr is None else tr[v])
+            if drop.any():
+                alive[v] = idx[~drop]
+                changed = True
+    return _subset(tables, alive), alive
+
+
+def _dominated(v: int, idx: np.ndarray, unary: np.ndarray, touching, reads, alive,
+               memory: np.ndarray, transient: np.ndarray | None) -> np.ndarray:
+    """Which alive strategies ``idx`` of group ``v`` another alive one replaces (see
+    :func:`prune_dominated`): ``d[a, b] > 0`` when ``b`` is cheaper whatever the rest picks."""
+    cur = unary[idx]
+    d = cur[:, None] - cur[None, :]
+    scale = float(np.abs(cur).max())
+    for w, m in touching:
+        sub = m[np.ix_(idx, alive[w])]
+        d += (sub[:, None, :] - sub[None, :, :]).min(axis=2)
+        scale += float(np.abs(sub).max())
+    for cost, cls in reads:  # the swap may start paying b's class
+        c = cls[idx]
+        paid = np.where(c >= 0, cost[np.maximum(c, 0)], 0.0)
+        d -= np.where(c[None, :] != c[:, None], paid[None, :], 0.0)
+        scale += float(np.abs(cost).max(initial=0.0))
+    m = memory[idx]
+    fits = m[None, :] <= m[:, None]
+    if transient is not None:
+        t = transient[idx]
+        fits &= t[None, :] <= t[:, None]
+    d = np.where(fits, d, -np.inf)
+    np.fill_diagonal(d, -np.inf)
+    return (d > 64 * np.finfo(float).eps * scale).any(axis=1)
+
+
+def _subset(tables: CostTables, alive: list[np.ndarray]) -> CostTables:
+    """``tables`` over the strategies ``alive`` of each group only."""
+    tr = tables.transient
+    return CostTables(
+        [c[a] for c, a in zip(tables.compute, alive, strict=True)],
+        [c[a] for c, a in zip(tables.comm, alive, strict=True)],
+        [m[a] for m, a in zip(tables.memory, alive, strict=True)],
+        [Edge.compressed(e.src, e.dst, e.full[np.ix_(alive[e.src], alive[e.dst])])
+         for e in tables.edges],
+        [SyncSet(s.cost, tuple((g, cls[alive[g]]) for g, cls in s.readers))
+         for s in tables.syncs],
+        None if tr is None else [t[a] for t, a in zip(tr, alive, strict=True)])
+
+
+def least_memory(tables: CostTables) -> float:
+    """The least kept + largest transient bytes over all choices, exactly (memory has no edge
+    terms): for each candidate peak transient ``T``, every group keeps its fewest bytes among
+    the strategies whose transient stays within ``T``. The ILP under a budget is feasible
+    exactly when this fits."""
+    if not tables.memory:
+        return 0.0
+    tr = tables.transient
+    if not tr:
+        return float(sum(float(m.min()) for m in tables.memory))
+    peaks = np.unique(np.concatenate(tr))
+    total = peaks.astype(float).copy()
+    for m, t in zip(tables.memory, tr, strict=True):
+        order = np.argsort(t, kind="stable")
+        fewest = np.minimum.accumulate(m[order].astype(float))
+        at = np.searchsorted(t[order], peaks, side="right") - 1  # strategies within the peak
+        total += np.where(at >= 0, fewest[np.maximum(at, 0)], np.inf)
+    return float(total.min())

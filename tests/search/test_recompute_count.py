@@ -1,0 +1,137 @@
+"""How ours picks the number of recomputed layers (search/recompute.py) against a stand-in for
+the layout search: memory falling with the count, a result per count that fits. It finds the
+fewest layers that fit in fewer searches than a bisection when memory is linear in the count,
+bisects when the plans fill the budget, and finds the boundary of any monotone memory curve."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nnscaler_jax.capture.trace import trace
+from nnscaler_jax.errors import NoFitError
+from nnscaler_jax.search.recompute import _plan_memory, choose_recompute
+
+LAYERS = 40
+BUDGET = 100.0
+
+
+class Layer(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return jnp.tanh(nn.Dense(4)(x))
+
+
+class Stack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for i in range(LAYERS):
+            x = Layer(name=f"l_{i}")(x)
+        return x
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return trace(Stack(), jax.ShapeDtypeStruct((2, 4), jnp.float32))
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    layers: int
+    step_s: float
+    bytes: float
+
+
+def _search(need, plan_bytes=None):
+    """``run(groups)`` with ``need(k)`` bytes at ``k`` layers (NoFitError over the budget), the
+    fitting plan's bytes ``plan_bytes(k)`` (default ``need(k)``); records the counts run."""
+    tried: list[int] = []
+
+    def run(groups):
+        k = len(groups)
+        tried.append(k)
+        if need(k) > BUDGET:
+            raise NoFitError("over", smallest_bytes=need(k), budget_bytes=BUDGET)
+        used = need(k) if plan_bytes is None else plan_bytes(k)
+        return Result(k, 1.0 + 0.01 * k, used)
+
+    return run, tried
+
+
+def _choose(graph, run):
+    return choose_recompute(run, graph, (), (), price=lambda r: r.step_s,
+                            memory=lambda r: r.bytes)
+
+
+def _bisection_runs(boundary: int) -> int:
+    """Searches of the plain bisection: none, all, then halving (0, LAYERS)."""
+    lo, hi, runs = 0, LAYERS, 2
+    while hi - lo > 1:
+        mid, runs = (lo + hi) // 2, runs + 1
+        lo, hi = (lo, mid) if mid >= boundary else (mid, hi)
+    return runs
+
+
+@pytest.mark.parametrize("boundary", [3, 11, 26, 38])
+def test_linear_memory_needs_fewer_searches_than_bisection(graph, boundary):
+    per = 5.0
+    run, tried = _search(lambda k: BUDGET + per * (boundary - k) - per / 2)
+    got = _choose(graph, run)
+    assert got.layers == boundary
+    assert len(tried) <= 5 and len(tried) < _bisection_runs(boundary), tried
+    assert tried[:2] == [0, LAYERS]  # none, then all (Alpa's switch: the error if it fails)
+
+
+def test_plans_that_fill_the_budget_make_it_bisect(graph):
+    run, tried = _search(lambda k: BUDGET + 5.0 * (30 - k) - 1, plan_bytes=lambda k: BUDGET)
+    assert _choose(graph, run).layers == 30
+    lo, hi, want = 0, LAYERS, [0, LAYERS]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        want.append(mid)
+        lo, hi = (lo, mid) if mid >= 30 else (mid, hi)
+    assert tried == want
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_any_monotone_memory_finds_the_boundary(graph, seed):
+    """Random decreasing memory curves (steps, plateaus, cliffs): the fewest layers that fit,
+    within about twice the bisection's searches."""
+    rng = np.random.default_rng(seed)
+    drops = rng.exponential(1.0, LAYERS) * (rng.random(LAYERS) < 0.6)
+    drops[rng.integers(0, LAYERS)] += rng.uniform(0, 200)
+    curve = 300.0 - np.concatenate([[0.0], np.cumsum(drops)])
+    curve = BUDGET + (curve - curve[-1]) * rng.uniform(0.1, 3.0) - rng.uniform(0.5, 5.0)
+    boundary = int(np.argmax(curve <= BUDGET))
+    run, tried = _search(lambda k: float(curve[k]))
+    got = _choose(graph, run)
+    assert got.layers == boundary
+    assert len(tried) <= 2 * _bisection_runs(boundary) + 1, tried
+
+
+def test_the_fastest_that_fits_wins_and_alpa_stops_at_all(graph):
+    run, tried = _search(lambda k: BUDGET + 5.0 * (20 - k) - 2)
+    step = {LAYERS: 0.5}  # all recomputed happens to be the fastest plan here
+
+    def price(r):
+        return step.get(r.layers, r.step_s)
+
+    assert choose_recompute(run, graph, (), (), price=price,
+                            memory=lambda r: r.bytes).layers == LAYERS
+    run, tried = _search(lambda k: BUDGET + 5.0 * (20 - k) - 2)
+    assert choose_recompute(run, graph, (), ()).layers == LAYERS and tried == [0, LAYERS]
+
+
+def test_default_memory_reads_the_priced_plan():
+    from nnscaler_jax import Plan
+
+    cost = type("Cost", (), {"memory_bytes_per_device": 123})()
+    plan = dataclasses.replace(Plan(mesh=(("data", 2),), ops=(), fingerprint=""), cost=cost)
+    assert _plan_memory((plan, object())) == 123.0
+    assert _plan_memory(plan) == 123.0
+    assert _plan_memory(("not a plan",)) is None
