@@ -147,8 +147,38 @@ def _axes_of(op: Op, name: str) -> list[tuple[int, int]]:
     return [(t, p) for t, p in out if p is not None]
 
 
-def _boundary_kinds(graph: Graph) -> dict[int, str]:
-    return {b.id: b.kind for b in graph.boundaries}
+class _Index:
+    """What block growth asks of a graph again and again, computed once per graph."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.index = {op.id: i for i, op in enumerate(graph.ops)}
+        self.kinds = {b.id: b.kind for b in graph.boundaries}
+        self.outputs = {t.id for t in graph.outputs}
+        self.layers = block_paths(op.module_path for op in graph.ops) or list(dict.fromkeys(
+            op.module_path.split("/")[0] for op in graph.ops if op.module_path))
+        self.layer_of: dict[str, str] = {}
+        self.last: dict[str, int] = {}  # layer -> index of its last op
+        for i, op in enumerate(graph.ops):
+            layer = self.layer(op.module_path)
+            if layer:
+                self.last[layer] = i
+
+    def layer(self, path: str) -> str:
+        """The repeated layer (else top module) ``path`` lies in, '' for none."""
+        out = self.layer_of.get(path)
+        if out is None:
+            out = self.layer_of[path] = next((x for x in self.layers if in_group(path, x)), "")
+        return out
+
+
+_LAST: list[_Index] = []  # the last graph's index (planning asks about one graph at a time)
+
+
+def _indexed(graph: Graph) -> _Index:
+    if not _LAST or _LAST[0].graph is not graph:
+        _LAST[:] = [_Index(graph)]
+    return _LAST[0]
 
 
 def block_of(graph: Graph, seed: int, dim: str, *, back: bool = True) -> Block:
@@ -159,7 +189,8 @@ def block_of(graph: Graph, seed: int, dim: str, *, back: bool = True) -> Block:
     Raises:
         PlanError: no top-level op ``seed``, or ``dim`` is not a chunkable identifier of it.
     """
-    index = {op.id: i for i, op in enumerate(graph.ops)}
+    ix = _indexed(graph)
+    index = ix.index
     if seed not in index:
         raise PlanError(f"co-sharding: no top-level op {seed} in the graph")
     root = graph.ops[index[seed]]
@@ -168,8 +199,8 @@ def block_of(graph: Graph, seed: int, dim: str, *, back: bool = True) -> Block:
         raise PlanError(f"co-sharding: op {seed} '{root.primitive}' at "
                         f"'{root.module_path or '<top>'}' (annotation '{root.anno}') cannot run "
                         f"in chunks along '{dim}' (a spatial identifier in every output)")
-    layer = _layer_of(graph, root.module_path)
-    kinds = _boundary_kinds(graph)
+    layer = ix.layer(root.module_path)
+    kinds = ix.kinds
     member = {seed: dim}
     known = dict(_axes_of(root, dim))
     span: Sequence[Op] = ()
@@ -177,7 +208,8 @@ def block_of(graph: Graph, seed: int, dim: str, *, back: bool = True) -> Block:
         size = len(member)
         if back:
             _grow_back(graph, layer, member, known)
-        span = _span(graph, min(index[i] for i in member), layer)
+        start = min(index[i] for i in member)
+        span = graph.ops[start:ix.last[layer] + 1] if layer else graph.ops[start:]
         _grow_forward(graph, span, kinds, member, known)
         if len(member) == size:
             break
@@ -245,7 +277,7 @@ def _grow_back(graph: Graph, layer: str, member: dict[int, str], known: dict[int
                 continue
             if any(c.id not in member for t in op.outputs
                    for c in graph.consumers.get(t.id, ())) or \
-                    any(t.id in {o.id for o in graph.outputs} for t in op.outputs):
+                    any(t.id in _indexed(graph).outputs for t in op.outputs):
                 continue
             k = [t.id for t in op.outputs].index(tid)
             axes = op.annotation.outputs[k].axes
@@ -259,33 +291,9 @@ def _grow_back(graph: Graph, layer: str, member: dict[int, str], known: dict[int
             changed = True
 
 
-def _span(graph: Graph, start: int, layer: str) -> tuple[Op, ...]:
-    """The ops a block grown from ``graph.ops[start]`` may take: up to the layer's last."""
-    if not layer:
-        return graph.ops[start:]
-    end = start
-    for i in range(start, len(graph.ops)):
-        if in_group(graph.ops[i].module_path, layer):
-            end = i
-    return graph.ops[start:end + 1]
-
-
 def _made_inside(graph: Graph, t: Tensor, member: dict[int, str]) -> bool:
     op = graph.producer.get(t.id)
     return op is not None and op.id in member
-
-
-def _layer_of(graph: Graph, path: str) -> str:
-    for layer in _layers(graph):
-        if in_group(path, layer):
-            return layer
-    return ""
-
-
-def _layers(graph: Graph) -> list[str]:
-    """Repeated blocks, else top modules: where blocks are looked for and stay inside."""
-    return block_paths(op.module_path for op in graph.ops) or list(dict.fromkeys(
-        op.module_path.split("/")[0] for op in graph.ops if op.module_path))
 
 
 def _convex(graph: Graph, span: Sequence[Op], member: dict[int, str]) -> dict[int, str]:
@@ -329,10 +337,14 @@ def coshard_candidates(graph: Graph, *, min_ratio: float = 2.0, seeds: int = 4,
     first (ties: the longer dim); kept when a block's largest intermediate is at least
     ``min_ratio`` times its largest input (attention scores; a wide MLP). Only dims that split
     ``ways`` ways and then into at least 2 chunks are tried."""
+    ix = _indexed(graph)
+    by_layer: dict[str, list[Op]] = {}
+    for op in graph.ops:
+        if not op.regions and not op.boundary and op.primitive not in _OUTSIDE:
+            by_layer.setdefault(ix.layer(op.module_path), []).append(op)
     out = []
-    for layer in _layers(graph):
-        ops = [op for op in graph.ops if in_group(op.module_path, layer) and not op.regions
-               and not op.boundary and op.primitive not in _OUTSIDE]
+    for layer in ix.layers:
+        ops = by_layer.get(layer, [])
         ops.sort(key=lambda o: -sum(t.nbytes for t in o.outputs))
         found = []
         for seed in ops[:seeds]:
@@ -358,9 +370,10 @@ def _candidate(graph: Graph, seed: Op, name: str, layer: str
     except PlanError:
         return None
     ids = set(block.ops)
-    made = {t.id for op in graph.ops if op.id in ids for t in op.outputs}
-    sizes = [t.nbytes for op in graph.ops if op.id in ids for t in op.outputs]
-    largest_in = max([t.nbytes for op in graph.ops if op.id in ids for t in op.inputs
+    ops = [graph.ops[i] for i in sorted(_indexed(graph).index[j] for j in ids)]
+    made = {t.id for op in ops for t in op.outputs}
+    sizes = [t.nbytes for op in ops for t in op.outputs]
+    largest_in = max([t.nbytes for op in ops for t in op.inputs
                       if t.id not in made and t.role is not Role.VARIABLE] or [1])
     return (Candidate(seed.id, name, block.size, sum(sizes), max(sizes), seed.module_path,
                       layer), largest_in, ids)

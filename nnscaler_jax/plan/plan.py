@@ -216,6 +216,9 @@ class Plan:
     precision: str | None = None
     microbatches: int = 1
     coshard: tuple[tuple[int, str, int], ...] = ()
+    # lookups built once per plan (op id -> OpPlan, variable -> spec); not a field of the plan
+    _memo: dict = field(default_factory=dict, init=False, compare=False, repr=False,
+                        hash=False)
 
     @property
     def stages(self) -> int:
@@ -226,10 +229,16 @@ class Plan:
         return self._by_id().get(op_id)
 
     def _by_id(self) -> dict[int, OpPlan]:
-        return {p.op: p for p in self.ops}
+        out = self._memo.get("ops")
+        if out is None:
+            out = self._memo["ops"] = {p.op: p for p in self.ops}
+        return out
 
     def variable_spec(self, name: str) -> tuple[Any, ...] | None:
-        return dict(self.variables).get(name)
+        specs = self._memo.get("variables")
+        if specs is None:
+            specs = self._memo["variables"] = dict(self.variables)
+        return specs.get(name)
 
     def __str__(self) -> str:
         axes = [a for a, _ in self.mesh]
