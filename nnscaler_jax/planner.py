@@ -91,7 +91,9 @@ def _plan_microbatched(graph: Graph, mesh: Any, policy: Any, constraints: Constr
     """The SPMD plan: with ``Constraints(microbatches=m)`` priced as m micro-batches; else
     the plan of the whole batch if one fits the budget, otherwise of the fewest micro-batches
     (gradient accumulation) with which one does (each count searched with the cost model's
-    ``microbatches``, so splits and recompute are chosen for one micro-batch's memory).
+    ``microbatches``, so splits and recompute are chosen for one micro-batch's memory). When
+    ours (``"auto"``) fits the whole batch only by co-sharding, the fewest fitting micro-batches
+    are planned as well and the faster plan is kept.
 
     Raises:
         NoFitError: no count fits (the error of the largest count tried, its smallest
@@ -112,12 +114,25 @@ def _plan_microbatched(graph: Graph, mesh: Any, policy: Any, constraints: Constr
 
     if constraints.microbatches:
         return attempt(constraints.microbatches)
+    counts = microbatch_candidates(graph, mesh) if budget is not None else []
     try:
-        return attempt(1)
+        whole = attempt(1)
     except NoFitError:
-        counts = microbatch_candidates(graph, mesh) if budget is not None else []
         if not counts:
             raise
+        return _fewest_microbatches(attempt, counts)
+    if policy == "auto" and whole.plan.coshard and counts:
+        # ours gave memory back by co-sharding: gradient accumulation may give it back faster
+        try:
+            micro = _fewest_microbatches(attempt, counts)
+        except NoFitError:
+            return whole
+        return min((whole, micro), key=lambda p: p.plan.cost.step_time_s)
+    return whole
+
+
+def _fewest_microbatches(attempt: Callable[[int], Planned], counts: list[int]) -> Planned:
+    """``attempt(m)`` for the fewest of ``counts`` (ascending) that fits."""
     try:  # the most micro-batches: if that does not fit, nothing does
         best = attempt(counts[-1])
     except NoFitError as e:
