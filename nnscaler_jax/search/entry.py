@@ -160,8 +160,9 @@ def _choose(run_priced: Callable, graph: Graph, forced: tuple[str, ...],
             raise err
         return plain
     try:
+        most = len(plain[0].recompute) - len(forced) if plain is not None else None
         chunked = choose_recompute(lambda g: run_priced(g, blocks), graph, forced, forbidden,
-                                   price=price)
+                                   price=price, most=most)
     except NoFitError:
         if plain is None:
             raise err from None
