@@ -371,6 +371,13 @@ def _():
     _plan(plan=json.dumps(d))
 
 
+@trigger("plan-coshard-not-chunkable")
+def _():
+    d = json.loads(_dp_plan_json())
+    d["coshard"] = [[d["ops"][0]["op"], "zz", 2]]
+    _plan(plan=json.dumps(d))
+
+
 @trigger("plan-of-another-model")
 def _():
     pm = auto_parallel(_mesh(), plan=_dp_plan_json())(nn.Dense(4))
