@@ -388,25 +388,37 @@ def chunk_counts(size: int, ways: int, limit: int = 256) -> list[int]:
 def with_coshard(graph: Graph, blocks: Sequence[tuple[int, str, int]]) -> Graph:
     """``graph`` with one ``"coshard"`` boundary per ``(seed op id, dim, chunks)``: the block's
     ops contiguous (see the module docs), op ids, tensors and other boundaries unchanged; the
-    new boundary is the outermost of its ops. Blocks that overlap an earlier one are skipped."""
+    new boundary is the outermost of its ops. Blocks are grown on ``graph`` as given; one that
+    overlaps an earlier one is skipped. The last few results are kept (the search and the cost
+    model ask for the same blocks of the same graph many times)."""
+    blocks = tuple(blocks)
     if not blocks:
         return graph
+    for g0, b0, out in _MADE:
+        if g0 is graph and b0 == blocks:
+            return out
+    grown = [(block_of(graph, seed, dim), k) for seed, dim, k in blocks]
+    result = graph
     next_id = max((b.id for b in graph.boundaries), default=-1) + 1
     new: list[Boundary] = []
     taken: set[int] = set()
-    for seed, dim, k in blocks:
-        block = block_of(graph, seed, dim)
-        if taken & set(block.ops) or k < 2:
+    for block, k in grown:
+        ids = set(block.ops)
+        if taken & ids or k < 2:
             continue
-        taken |= set(block.ops)
-        graph = _contiguous(graph, block)
-        b = _boundary(graph, block, k, next_id)
-        ops = tuple(replace(op, boundary=(next_id,) + op.boundary) if op.id in set(block.ops)
-                    else op for op in graph.ops)
-        graph = replace(graph, ops=ops)
-        new.append(b)
+        taken |= ids
+        result = _contiguous(result, block)
+        new.append(_boundary(result, block, k, next_id))
+        result = replace(result, ops=tuple(
+            replace(op, boundary=(next_id,) + op.boundary) if op.id in ids else op
+            for op in result.ops))
         next_id += 1
-    return replace(graph, boundaries=graph.boundaries + tuple(new))
+    result = replace(result, boundaries=result.boundaries + tuple(new))
+    _MADE[:] = [(graph, blocks, result)] + _MADE[:3]
+    return result
+
+
+_MADE: list[tuple[Graph, tuple, Graph]] = []
 
 
 def _contiguous(graph: Graph, block: Block) -> Graph:
