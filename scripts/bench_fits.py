@@ -17,6 +17,7 @@ with other planners or cases is merged into it) and ``results/bench_fits.md``. R
 
     .venv/bin/python scripts/bench_fits.py [--only swin-8gpu,t5-8gpu] [--planners auto,alpa]
         [--clusters v100-32g-8x] [--time-limit 120]
+    .venv/bin/python scripts/bench_fits.py --long   # Llama-3-8B at 128K tokens, 8 x H100
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ CASES += [("af2-initial", "evoformer", "af2-initial", MESHES[8]),
           ("af2-finetune-384", "evoformer", "af2-finetune-384", MESHES[8])]
 PLANNERS = ["auto", "alpa", "megatron-lm", "deepspeed"]
 CLUSTERS = ["v100-32g-8x", "a100-80g-8x"]
+# nnScaler's long-sequence run: Llama-3-8B at 128K tokens on 8 x H100, bf16, 41.1 s per step,
+# 41% MFU (as nnScaler counts it); planned here on its own cluster with --long
+LONG = ("llama3-8b-128k", "llama", "llama3-8b-128k", MESHES[8])
+LONG_CLUSTER, LONG_PRECISION, LONG_SEED_STEP_S = "h100-80g-8x", "bfloat16", 41.1
 
 
 def _entry(graph, axes, planner: str, cluster: str, time_limit: float) -> dict:
@@ -70,6 +75,39 @@ def _entry(graph, axes, planner: str, cluster: str, time_limit: float) -> dict:
             "search_s": planned.seconds, "features": plan_features(planned.plan)}
 
 
+def _mfu(name: str, preset: str, entry: dict, cluster: str, devices: int) -> None:
+    """Add ``model_flops`` / ``mfu`` (model FLOPs over the predicted step at the cluster's
+    16-bit peak) to a fitting entry."""
+    if not entry.get("fits"):
+        return
+    spec = models.get(name, preset)
+    units = int(spec.make_args()[0].shape[0]) * (
+        int(spec.make_args()[0].shape[1]) if models.flops_unit(name) == "token" else 1)
+    flops = models.flops_per_token(name, preset) * units
+    peak = cluster_preset(cluster).device.flops * devices
+    entry["model_flops"], entry["mfu"] = flops, flops / (entry["step_time_s"] * peak)
+
+
+def _long(planners: list[str], time_limit: float) -> dict:
+    key, name, preset, axes = LONG
+    spec = models.get(name, preset)
+    graph = capture_spec(spec, precision=LONG_PRECISION).graph
+    row = {p: _entry(graph, axes, p, LONG_CLUSTER, time_limit) for p in planners}
+    devices = 1
+    for n in axes.values():
+        devices *= n
+    for e in row.values():
+        _mfu(name, preset, e, LONG_CLUSTER, devices)
+    seed = {"step_time_s": LONG_SEED_STEP_S, "mfu_reported": 0.41, "fits": True}
+    _mfu(name, preset, seed, LONG_CLUSTER, devices)
+    print(key, LONG_CLUSTER, {p: (e.get("fits"), round(e.get("step_time_s") or 0, 2),
+                                   round(e.get("mfu") or 0, 3), round(e["search_s"], 1))
+                               for p, e in row.items()}, flush=True)
+    return {"cluster": LONG_CLUSTER, "precision": LONG_PRECISION,
+            "mesh": "x".join(str(v) for v in axes.values()), "planners": row,
+            "nnscaler": seed}
+
+
 def _ratios(row: dict) -> dict:
     """Predicted step of each fitting baseline over ours (> 1: ours is faster)."""
     ours = row.get("auto", {})
@@ -81,8 +119,10 @@ def _ratios(row: dict) -> dict:
 
 def _markdown(results: dict) -> str:
     lines = ["# Plans that fit: nnScaler's workloads on V100-32GB and A100-80GB clusters", "",
-             "Predicted step (s) / memory per device (GiB) / search (s); `no (X GiB)`: nothing "
-             "fits, X the smallest estimate. Ratio: baseline step / ours (> 1: ours faster).", ""]
+             "Predicted step (s) / memory per device (GiB) / search (s); rc: recomputed layers, "
+             "cs: co-sharded blocks; `no (X GiB)`: nothing fits, X the smallest estimate. "
+             "Ratio: baseline step / ours (> 1: ours faster). Rows are from the run that last "
+             "planned them (see docs/benchmarks.md).", ""]
     for cluster, cases in results["clusters"].items():
         lines += [f"## {cluster} (budget {cases['budget_gib']:.1f} GiB per device)", "",
                   "| case | mesh | " + " | ".join(results["planners"]) + " | ratios |",
@@ -93,9 +133,11 @@ def _markdown(results: dict) -> str:
                 e = row["planners"].get(p) or {}
                 if e.get("fits"):
                     rc = len(e["features"]["recompute"])
+                    cs = len(e["features"].get("cosharded", ()))
+                    extra = ", ".join(([f"rc {rc}"] if rc else []) + ([f"cs {cs}"] if cs else []))
                     cells.append(f"{e['step_time_s']:.3g} / "
                                  f"{e['memory_bytes_per_device'] / 2**30:.1f} / "
-                                 f"{e['search_s']:.0f}" + (f" (rc {rc})" if rc else ""))
+                                 f"{e['search_s']:.0f}" + (f" ({extra})" if extra else ""))
                 elif e.get("fits") is False and e.get("memory_bytes_per_device"):
                     cells.append(f"no ({e['memory_bytes_per_device'] / 2**30:.0f} GiB)")
                 else:
@@ -103,6 +145,22 @@ def _markdown(results: dict) -> str:
             ratios = ", ".join(f"{p} {r:.2f}x" for p, r in row["ratios"].items())
             lines.append(f"| {key} | {row['mesh']} | " + " | ".join(cells) + f" | {ratios} |")
         lines.append("")
+    long = results.get("long")
+    if long:
+        seed = long["nnscaler"]
+        lines += [f"## {LONG[0]} on {long['cluster']} ({long['precision']}, mesh {long['mesh']})",
+                  "", "| planner | fits | step (s) | memory (GiB) | search (s) | MFU | "
+                  "co-sharded blocks | recompute |", "|---|---|---|---|---|---|---|---|"]
+        for p, e in long["planners"].items():
+            f = e.get("features", {})
+            lines.append(
+                f"| {p} | {e.get('fits')} | {e.get('step_time_s', 0):.1f} | "
+                f"{(e.get('memory_bytes_per_device') or 0) / 2**30:.1f} | {e['search_s']:.0f} | "
+                f"{e.get('mfu', 0):.1%} | {len(f.get('cosharded', []))} | "
+                f"{len(f.get('recompute', []))} |")
+        lines += [f"| nnScaler (reported) | True | {seed['step_time_s']} | - | - | "
+                  f"{seed['mfu']:.1%} (ours' count; reported {seed['mfu_reported']:.0%}) "
+                  "| - | - |", ""]
     return "\n".join(lines)
 
 
@@ -113,6 +171,8 @@ def main() -> None:
     ap.add_argument("--clusters", default=",".join(CLUSTERS))
     ap.add_argument("--time-limit", type=float, default=120.0,
                     help="each search's solver budget in seconds")
+    ap.add_argument("--long", action="store_true",
+                    help=f"plan {LONG[0]} on {LONG_CLUSTER} instead of the cases above")
     ap.add_argument("--precision", default=None,
                     help="compute precision of every planner (e.g. float16, as the artifact "
                          "ran on V100); results are kept under '<cluster> <precision>'")
@@ -122,6 +182,11 @@ def main() -> None:
     clusters = [c for c in args.clusters.split(",") if c]
     # merged into earlier results: a run with other planners or cases adds to them
     results: dict = json.loads(OUT.read_text()) if OUT.exists() else {"clusters": {}}
+    if args.long:
+        results["long"] = _long(planners, args.time_limit)
+        OUT.write_text(json.dumps(results, indent=1))
+        OUT.with_suffix(".md").write_text(_markdown(results))
+        return
     results["planners"] = list(dict.fromkeys(results.get("planners", []) + planners))
     results["time_limit_s"] = args.time_limit
     label = {c: f"{c} {args.precision}" if args.precision else c for c in clusters}
