@@ -29,8 +29,8 @@ from nnscaler_jax.cost.relayout import (
     storage_layout,
 )
 from nnscaler_jax.cost.residuals import MASKED, residual_outputs, saved_operands
-from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
 from nnscaler_jax.ir.coshard import chunks_of, with_boundaries
+from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.mesh.axes import data_axes
 from nnscaler_jax.plan.layouts import plan_layouts, sole_read_variables, unstack

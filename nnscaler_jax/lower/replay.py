@@ -24,9 +24,9 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from nnscaler_jax.cost.relayout import partial_grad_axes
-from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.coshard import COSHARD, with_boundaries
+from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.lower.coshard import run_coshard
 from nnscaler_jax.lower.local import bind_eqn, bind_local, runs_on_pieces

@@ -27,8 +27,8 @@ from typing import Any
 from nnscaler_jax.constraints import Constraints
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.errors import NoFitError, PlanError
-from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.ir.coshard import with_boundaries
+from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.mesh.axes import mesh_axes
 from nnscaler_jax.plan.plan import Plan
 from nnscaler_jax.plan.policies import batch_unsplit, dp, megatron, zero3
