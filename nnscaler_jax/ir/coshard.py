@@ -9,7 +9,9 @@ chunk's intermediates, and one more forward.
 A block is grown from a *seed* op and one identifier of its annotation (``q`` of the attention
 scores ``b h q d+, b h k d+ -> b h q k``): forward along the tensors it makes, an op joins when
 the axes it reads from the block all carry one of its identifiers, that identifier is spatial
-(not reduced, not frozen, leading its axis alone) and in every output. Inputs from outside the
+(not reduced, not frozen, leading its axis alone) and in every output; backward, the producers
+of what it reads along the dim join when only the block reads their results (q's projection, a
+causal mask broadcast to the scores' shape). Inputs from outside the
 block that carry the identifier at the block's size are split into chunks as well; the rest
 (weights, keys and values) are read whole by every chunk. Ops stay inside the seed's repeated
 layer (:func:`nnscaler_jax.ir.layers.block_paths`); an op that reads something computed from the
@@ -21,7 +23,7 @@ go after) inside one ``"coshard"`` boundary whose equation records the chunk cou
 boundary is a remat kind, so the search tables and the cost model keep only its inputs and add
 its forward again, as for the plan's recompute groups; the transient of its ops is one chunk's
 (:data:`COSHARD`); the lowering runs it as a ``lax.scan`` over chunks of ``jax.checkpoint``-ed
-bodies (``lower/replay.py``).
+bodies (``lower/coshard.py``).
 
 >>> import jax, jax.numpy as jnp, flax.linen as nn
 >>> from nnscaler_jax import trace
