@@ -8,9 +8,9 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from meshes import make_mesh
+from one_device import assert_like_one_device
 
 import models
 from nnscaler_jax import Plan, auto_parallel
@@ -120,16 +120,7 @@ def test_cosharded_plan_matches_one_device(name, policy):
                        plan=dataclasses.replace(plan, coshard=blocks))(spec.module)
     v = pm.init(jax.random.key(0), *args)
     assert str(jax.make_jaxpr(pm.apply)(v, *args)).count("scan") >= len(blocks)
-    np.testing.assert_allclose(pm.apply(v, *args), spec.module.apply(v, *args),
-                               rtol=1e-5, atol=1e-6)
-
-    def loss(apply, v):
-        return jnp.mean(apply(v, *args) ** 2)
-
-    g = jax.jit(jax.grad(lambda v: loss(pm.apply, v)))(v)
-    ref = jax.grad(lambda v: loss(spec.module.apply, v))(jax.tree.map(np.asarray, v))
-    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert_like_one_device(pm, spec.module, v, args)
 
 
 def test_a_saved_plan_with_a_bad_block_is_refused(graph):

@@ -5,10 +5,9 @@ runs and matches one device (forward and gradients)."""
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 from meshes import make_mesh
+from one_device import assert_like_one_device
 
 import models
 from nnscaler_jax import Constraints, auto_parallel
@@ -48,13 +47,4 @@ def test_cosharding_fits_where_alpa_cannot(name, share):
     pm = auto_parallel(make_mesh((2, 4), ("data", "model")), cons)(spec.module)
     v = pm.init(jax.random.key(0), *args)
     assert pm.plan.coshard == ours.coshard
-    np.testing.assert_allclose(pm.apply(v, *args), spec.module.apply(v, *args),
-                               rtol=1e-5, atol=1e-6)
-
-    def loss(apply, v):
-        return jnp.mean(apply(v, *args) ** 2)
-
-    g = jax.jit(jax.grad(lambda v: loss(pm.apply, v)))(v)
-    ref = jax.grad(lambda v: loss(spec.module.apply, v))(jax.tree.map(np.asarray, v))
-    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert_like_one_device(pm, spec.module, v, args)

@@ -1,0 +1,22 @@
+"""Checks a wrapped module against the plain one on one device: forward and gradients."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def assert_like_one_device(pm, module, variables, args, rtol=1e-5, atol=1e-6) -> None:
+    """``pm.apply`` equals ``module.apply`` on ``args``, and so does the gradient of the mean
+    square of the output (jitted over the mesh vs eager on one device)."""
+    np.testing.assert_allclose(pm.apply(variables, *args), module.apply(variables, *args),
+                               rtol=rtol, atol=atol)
+
+    def loss(apply, v):
+        return jnp.mean(apply(v, *args) ** 2)
+
+    g = jax.jit(jax.grad(lambda v: loss(pm.apply, v)))(variables)
+    ref = jax.grad(lambda v: loss(module.apply, v))(jax.tree.map(np.asarray, variables))
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
