@@ -320,9 +320,10 @@ class AutoParallel:
         ``step.params(state)`` gives the module's params tree.
 
         Without pipeline stages: a :class:`~nnscaler_jax.train.step.SpmdStep` (the plan's ZeRO
-        stage, micro-batches as gradient accumulation, precision; ``options``: ``inputs``,
-        ``module_kwargs``, ``rng_streams``). With ``Constraints(pipeline_stages=...)``: a
-        :class:`~nnscaler_jax.pipeline.runtime.PipelineStep`.
+        stage, micro-batches as gradient accumulation, precision). With
+        ``Constraints(pipeline_stages=...)``: a :class:`~nnscaler_jax.pipeline.runtime.
+        PipelineStep`. Both take the ``options`` ``inputs``, ``module_kwargs`` (``train=True``)
+        and ``rng_streams`` (``'dropout'``: a key per micro-batch with ``init(..., rng=key)``).
 
         Args:
             loss_fn: ``loss_fn(module_output, *batch) -> scalar`` (mean over the batch).
@@ -333,10 +334,7 @@ class AutoParallel:
         pipelined = (c is not None and c.pipeline_stages not in (None, 1)) or (
             self.fixed_plan is not None and self.fixed_plan.pipeline is not None)
         if pipelined:
-            if options:
-                raise PlanError(f"train_step: options {sorted(options)} apply to steps "
-                                "without pipeline stages; the pipelined step takes none yet")
-            return PipelineStep(self, loss_fn, optimizer, return_grads=return_grads)
+            return PipelineStep(self, loss_fn, optimizer, return_grads=return_grads, **options)
         return SpmdStep(self, loss_fn, optimizer, return_grads=return_grads, **options)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -393,11 +391,12 @@ class NnxAutoParallel(nnx.Module):
                    return_grads: bool = False, **options: Any) -> Any:
         """One jitted training step (see :meth:`AutoParallel.train_step`): ``loss_fn(self(*inputs),
         *batch)``; ``state = step.init(None, *batch)`` takes the module's state (or the
-        ``nnx.State`` given), ``step.update(state)`` writes the trained state back into it."""
+        ``nnx.State`` given), ``step.update(state)`` writes the trained state back into it
+        (pipelined: its parameters; dropout keys from its own rng streams)."""
         c = self._core.constraints
         if c is not None and c.pipeline_stages not in (None, 1):
-            raise PlanError("train_step: pipelined steps run linen modules only so far; drop "
-                            "Constraints(pipeline_stages=...) for an nnx module")
+            return PipelineStep(self._core, loss_fn, optimizer, return_grads=return_grads,
+                                **options)
         return SpmdStep(self, loss_fn, optimizer, return_grads=return_grads, **options)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -20,3 +20,12 @@ def assert_like_one_device(pm, module, variables, args, rtol=1e-5, atol=1e-6) ->
     ref = jax.grad(lambda v: loss(module.apply, v))(jax.tree.map(np.asarray, variables))
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
+
+
+def assert_same_params(got, want, rtol: float, atol: float) -> None:
+    """Two parameter trees of one structure are equal leaf by leaf (the failing leaf's path)."""
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want),
+                            strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol,
+                                   err_msg=jax.tree_util.keystr(path))

@@ -455,6 +455,27 @@ def _():
     step.init({}, *spec.make_args(batch_size=8, abstract=True))
 
 
+def _pipelined_gpt(preset: str, **options):
+    import models
+
+    spec = models.get("gpt", preset, batch_size=8)
+    pm = auto_parallel(_mesh((2, 4), ("stage", "data")),
+                       Constraints(pipeline_stages=2, microbatches=2))(spec.module)
+    return spec, pm.train_step(spec.loss_fn, optax.sgd(0.1), **options)
+
+
+@trigger("pipelined-step-mutable-collection")
+def _():
+    spec, step = _pipelined_gpt("tiny")
+    step.init({"params": {}, "batch_stats": {}}, *spec.make_args())
+
+
+@trigger("pipelined-step-dropout-without-key")
+def _():
+    spec, step = _pipelined_gpt("tiny-dropout", module_kwargs={"deterministic": False})
+    step.init(spec.init(jax.random.key(0)), *spec.make_args())
+
+
 def _checkpoint(state) -> str:
     from nnscaler_jax.train.checkpoint import Checkpointer
 

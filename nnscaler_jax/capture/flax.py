@@ -25,7 +25,8 @@ from nnscaler_jax.capture.precision import Cast
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Role
 
-__all__ = ["CallArgs", "Traceable", "linen_traceable", "nnx_traceable", "original_calls", "path_str"]
+__all__ = ["CallArgs", "Traceable", "linen_traceable", "nnx_call_scopes", "nnx_traceable",
+           "original_calls", "path_str"]
 
 _TRACING = threading.local()
 
@@ -272,6 +273,14 @@ def _nnx_named_scopes(root: Any):
     finally:
         for cls, orig in originals.items():
             setattr(cls, "__call__", orig)
+
+
+@contextlib.contextmanager
+def nnx_call_scopes(module: Any):
+    """Calls of ``module`` as :func:`nnx_traceable` traces them: each sub-module's under its
+    path's name scope, a class decorated by ``auto_parallel`` running its original code."""
+    with _nnx_named_scopes(module), _original():
+        yield
 
 
 def nnx_traceable(module: nnx.Module, args: Sequence[Any], kwargs: dict, *,

@@ -114,14 +114,20 @@ def _vars(xs: Sequence[Any]) -> list[Any]:
     return [v for v in xs if not isinstance(v, jcore.Literal)]
 
 
-def cut_program(closed: Any, n_params: int, starts: Sequence[int]) -> ProgramCut:
-    """Cut ``closed``'s equations at ``starts`` (``starts[0] == 0``) into chunks."""
+def cut_program(closed: Any, n_params: int, starts: Sequence[int],
+                made_first: Sequence[Any] = ()) -> ProgramCut:
+    """Cut ``closed``'s equations at ``starts`` (``starts[0] == 0``) into chunks.
+
+    ``made_first``: input variables chunk 0 provides (a recycling program's module inputs,
+    which chunk 0 reads from the batch or from the last pass): later chunks get them through
+    the boundaries instead of reading them directly.
+    """
     jaxpr = closed.jaxpr
     eqns = jaxpr.eqns
     ends = list(starts[1:]) + [len(eqns)]
     segments = tuple(tuple(eqns[a:b]) for a, b in zip(starts, ends, strict=True))
     C = len(segments)
-    made: dict[Any, int] = {}
+    made: dict[Any, int] = dict.fromkeys(made_first, 0)
     last: dict[Any, int] = {}
     readers: dict[Any, set[int]] = {}
     for c, seg in enumerate(segments):

@@ -43,7 +43,7 @@ from nnscaler_jax.pipeline.pricing import RuntimeSetup
 from nnscaler_jax.pipeline.units import Unit
 
 __all__ = ["Cut", "balance", "chunk_starts", "eqn_path", "first_positions", "plan_cut",
-           "tp_error"]
+           "segment_starts", "tp_error"]
 
 
 def eqn_path(eqn: Any, root: str) -> str:
@@ -159,6 +159,49 @@ def chunk_starts(paths: Sequence[str], stage_of: Sequence[tuple[str, int]], stag
                         + (f" (modules {missing} are not in it)" if missing else "")
                         + "; re-plan for this model")
     return tuple(starts)
+
+
+def _pipelined(paths: Sequence[str], stage_of: Sequence[tuple[str, int]]) -> list[str]:
+    """The modules a pipeline cuts between: the repeated blocks, else the recorded cut points."""
+    return block_paths(list(paths)) or [n for n, _ in stage_of]
+
+
+def segment_starts(paths: Sequence[str], stage_of: Sequence[tuple[str, int]], stages: int,
+                   chunks: int, *, all_device: bool = False) -> tuple[int, ...]:
+    """The op index each segment of the cut program starts at: the ``chunks`` pipelined
+    chunks (:func:`chunk_starts`; without a recorded cut, equal runs of the repeated blocks),
+    and with ``all_device`` (``interlaced``) an embedding segment before them (the ops before
+    the first pipelined module: the repeated blocks, else the recorded cut points) and a head
+    segment after them (the ops after the last pipelined module's last op).
+
+    Raises:
+        PlanError: no pipelined modules, or a recorded cut that does not fit between them.
+    """
+    names = _pipelined(paths, stage_of)
+    if not stage_of:  # a stack the identical-layer runtime would run: equal runs of blocks
+        if len(names) % chunks:
+            raise PlanError(f"pipeline: {len(names)} repeated blocks do not split into "
+                            f"{chunks} equal chunks; use a stage count dividing it, or "
+                            "Constraints(pipeline_pivots=...)")
+        k = len(names) // chunks
+        stage_of = tuple((n, i // k % stages) for i, n in enumerate(names))
+    starts = chunk_starts(paths, stage_of, stages, chunks)
+    if not all_device:
+        return starts
+    if not names:
+        raise PlanError("pipeline: a schedule with all-device blocks (interlaced) runs the "
+                        "ops before the first repeated block on all devices and the ops after "
+                        "the last one too; this model has no repeated blocks: name the "
+                        "pipelined modules with Constraints(pipeline_pivots=(...))")
+    first = first_positions(paths)
+    inside = lambda p: any(p == n or p.startswith(n + "/") for n in names)
+    e = min(first[n] for n in names)
+    h = 1 + max(i for i, p in enumerate(paths) if inside(p))
+    if (len(starts) > 1 and starts[1] <= e) or starts[-1] >= h:
+        raise PlanError(f"pipeline: the stage split {list(stage_of)[:6]} does not leave the "
+                        f"embedding (ops 0..{e - 1}) and the head (ops {h}..) outside the "
+                        "pipelined chunks; re-plan with schedule='interlaced'")
+    return (0, e) + tuple(starts[1:]) + (h,)
 
 
 def tp_error(tensor: Sequence[str]) -> PlanError:

@@ -1,11 +1,18 @@
 """The schedule's step table as the tables the pipeline runtime's loop reads.
 
-:class:`~nnscaler_jax.pipeline.runtime.PipelineProgram` runs one ``lax.fori_loop`` over time
-steps; at step ``t`` a device of stage ``s`` reads row ``[t, s]`` of each table: what to do
-(idle / forward / backward), which micro-batch and virtual chunk, which buffer slot holds its
-input (and, in a backward, its cotangent), and into which slot the activation / cotangent the
-neighbours send after the step goes. Slots are reused as soon as a backward frees them, so the
-input buffer holds the schedule's peak in-flight micro-batches.
+:class:`~nnscaler_jax.pipeline.runtime.PipelineProgram` and :class:`~nnscaler_jax.pipeline.
+hetero.CutProgram` run one ``lax.fori_loop`` over time steps; at step ``t`` a device of stage
+``s`` reads row ``[t, s]`` of each table: what to do (:data:`CODES`), which micro-batch, virtual
+chunk and recycling pass, which buffer slot holds its input (and, in a backward, its cotangent),
+into which slot the activation / cotangent the neighbours send after the step goes, and into
+which slot it keeps its own result (a value that stays on the device: the last chunk's output
+for the head ``H``, the head's cotangent, chunk 0's input cotangent for the embedding backward
+``W``). Slots are reused as soon as a block frees them, so the input buffer holds the
+schedule's peak in-flight micro-batches.
+
+All-device blocks (``E`` / ``H`` / ``W``) run where their data is: ``E`` and ``W`` on stage 0
+(chunk 0's input and its cotangent live there), ``H`` on the last chunk's stage; the other
+stages wait for that time step, as the table places the block on every stage at once.
 
 >>> t = loop_tables(sch.one_f_one_b(2, 4))
 >>> t.kind.shape, t.n_in
@@ -20,7 +27,9 @@ import numpy as np
 
 from nnscaler_jax.pipeline import schedule as sch
 
-__all__ = ["LoopTables", "loop_tables"]
+__all__ = ["CODES", "LoopTables", "loop_tables"]
+
+CODES = {None: 0, "F": 1, "B": 2, "N": 3, "E": 4, "H": 5, "W": 6}  # table value per block kind
 
 
 @dataclass(frozen=True)
@@ -31,67 +40,109 @@ class LoopTables:
         n_in / n_g: input / cotangent buffer slots per stage (at least 1).
     """
 
-    kind: np.ndarray      # 0 idle, 1 forward, 2 backward
+    kind: np.ndarray      # CODES: 0 idle, 1 forward, 2 backward, 3 no-grad, 4 E, 5 H, 6 W
     mb: np.ndarray        # micro-batch
     virt: np.ndarray      # virtual chunk on the stage
     in_slot: np.ndarray   # input-buffer slot the step reads
-    g_slot: np.ndarray    # cotangent-buffer slot a backward reads
+    g_slot: np.ndarray    # cotangent-buffer slot a backward (B, W) reads
     rf_slot: np.ndarray   # slot to store the activation received after the step (-1: none)
     rb_slot: np.ndarray   # slot to store the cotangent received after the step (-1: none)
     n_in: int
     n_g: int
+    it: np.ndarray | None = None      # recycling pass of an 'N' block
+    keep_f: np.ndarray | None = None  # input slot to keep the step's own output in (-1: none)
+    keep_b: np.ndarray | None = None  # cotangent slot to keep its own cotangent in (-1: none)
+
+    @property
+    def sends(self) -> np.ndarray:
+        """``[T, 2]`` bool: at step ``t`` some stage receives an activation (``[:, 0]``) / a
+        cotangent (``[:, 1]``) from a neighbour; the runtime skips the other ``ppermute``s."""
+        return np.stack([self.rf_slot.max(axis=1) >= 0, self.rb_slot.max(axis=1) >= 0], 1)
 
 
-def loop_tables(sched: sch.Schedule) -> LoopTables:
+def loop_tables(sched: sch.Schedule, kinds: str = "FB") -> LoopTables:
     """The tables of ``sched``'s step table (:func:`~nnscaler_jax.pipeline.schedule.timeline`):
     what each stage does at each time step and which buffer slots it reads and fills.
 
-    Raises:
-        PlanError: the schedule has blocks the runtime does not execute yet (no-grad forwards
-            ``N``, all-device blocks ``E`` / ``H`` / ``W``).
-    """
-    sch.require_runnable(sched)
-    table = sch.timeline(sched)
-    T, S, C = len(table), sched.stages, sched.chunks
-    z = lambda fill=0: np.full((T, S), fill, np.int32)
-    kind, mb, virt, in_slot, g_slot, rf, rb = z(), z(), z(), z(), z(), z(-1), z(-1)
-    free_in: list[list[int]] = [[] for _ in range(S)]
-    free_g: list[list[int]] = [[] for _ in range(S)]
-    used_in, used_g = [0] * S, [0] * S
-    slot_in: list[dict] = [{} for _ in range(S)]
-    slot_g: list[dict] = [{} for _ in range(S)]
+    Args:
+        kinds: the block kinds the calling runtime executes (``'FB'``: the identical-layer
+            runtime; ``'FBNEHW'``: the cut-program runtime).
 
-    def alloc(free, used, s):
-        if free[s]:
-            return free[s].pop()
-        used[s] += 1
-        return used[s] - 1
+    Raises:
+        PlanError: the schedule has blocks the calling runtime does not execute.
+    """
+    sch.require_runnable(sched, kinds)
+    table = sch.timeline(sched)
+    T, S, C, V = len(table), sched.stages, sched.chunks, sched.virtual
+    z = lambda fill=0: np.full((T, S), fill, np.int32)
+    kind, mb, virt, it, in_slot, g_slot = z(), z(), z(), z(), z(), z()
+    rf, rb, keep_f, keep_b = z(-1), z(-1), z(-1), z(-1)
+    last = (C - 1) % S
+    bufs = {"in": _Slots(S), "g": _Slots(S)}
 
     for t, row in enumerate(table):
+        done = []  # (stage, step) each stage runs at t
         for s, st in enumerate(row):
             if st is None:
                 continue
-            kind[t, s] = 1 if st.kind == "F" else 2
-            mb[t, s], virt[t, s] = st.microbatch, st.virtual
-            key = (st.microbatch, st.virtual)
-            in_slot[t, s] = slot_in[s].get(key, 0)
-            if st.kind == "B":
-                if key in slot_in[s]:
-                    free_in[s].append(slot_in[s].pop(key))
-                if key in slot_g[s]:
-                    g_slot[t, s] = slot_g[s][key]
-                    free_g[s].append(slot_g[s].pop(key))
-        # after the step: what arrives from the neighbours
-        for s, st in enumerate(row):
-            if st is None:
-                continue
-            c = st.virtual * S + s
-            if st.kind == "F" and c + 1 < C:
-                d, key = (c + 1) % S, (st.microbatch, (c + 1) // S)
-                slot_in[d][key] = rf[t, d] = alloc(free_in, used_in, d)
+            if st.all_device and s != {"E": 0, "H": last, "W": 0}[st.kind]:
+                continue  # runs on the stage holding its data; the others wait
+            done.append((s, st))
+            kind[t, s] = CODES[st.kind]
+            m, v = st.microbatch, st.virtual
+            mb[t, s], virt[t, s], it[t, s] = m, v, st.it
+            read_in = {"F": ("F", m, v), "B": ("F", m, v), "N": ("N", m, v, st.it),
+                       "H": ("H", m)}.get(st.kind)
+            if read_in is not None:
+                in_slot[t, s] = bufs["in"].read(s, read_in, free=st.kind != "F")
+            read_g = {"B": ("B", m, v), "W": ("W", m)}.get(st.kind)
+            if read_g is not None:
+                g_slot[t, s] = bufs["g"].read(s, read_g, free=True)
+        for s, st in done:  # after the step: what arrives from the neighbours, what is kept
+            m, c = st.microbatch, st.virtual * S + s
+            if st.kind in "FN" and c + 1 < C:
+                d, key = (c + 1) % S, (st.kind, m, (c + 1) // S) + ((st.it,) * (st.kind == "N"))
+                rf[t, d] = bufs["in"].put(d, key)
+            elif st.kind == "N":  # last chunk: the recycled state goes to chunk 0 (stage 0)
+                nxt = ("N", m, 0, st.it + 1) if st.it + 1 < sched.recycles else ("F", m, 0)
+                rf[t, 0] = bufs["in"].put(0, nxt)
+            elif st.kind == "F" and sched.all_device:  # last chunk: its output feeds H here
+                keep_f[t, s] = bufs["in"].put(s, ("H", m))
+            elif st.kind == "E":
+                keep_f[t, s] = bufs["in"].put(s, ("F", m, 0))
             if st.kind == "B" and c > 0:
-                d, key = (c - 1) % S, (st.microbatch, (c - 1) // S)
-                slot_g[d][key] = rb[t, d] = alloc(free_g, used_g, d)
-    return LoopTables(kind, mb, virt, in_slot, g_slot, rf, rb, max(max(used_in), 1),
-                   max(max(used_g), 1))
+                d = (c - 1) % S
+                rb[t, d] = bufs["g"].put(d, ("B", m, (c - 1) // S))
+            elif st.kind == "B" and sched.all_device:
+                keep_b[t, s] = bufs["g"].put(s, ("W", m))
+            elif st.kind == "H":
+                keep_b[t, s] = bufs["g"].put(s, ("B", m, V - 1))
+    return LoopTables(kind, mb, virt, in_slot, g_slot, rf, rb, bufs["in"].size,
+                      bufs["g"].size, it, keep_f, keep_b)
 
+
+class _Slots:
+    """Per stage, buffer slots by key: allocated when a value arrives, freed when read."""
+
+    def __init__(self, stages: int):
+        self.free: list[list[int]] = [[] for _ in range(stages)]
+        self.used = [0] * stages
+        self.at: list[dict] = [{} for _ in range(stages)]
+
+    def put(self, s: int, key: tuple) -> int:
+        slot = self.free[s].pop() if self.free[s] else self.used[s]
+        self.used[s] = max(self.used[s], slot + 1)
+        self.at[s][key] = slot
+        return slot
+
+    def read(self, s: int, key: tuple, *, free: bool) -> int:
+        if key not in self.at[s]:
+            return 0  # chunk 0's fresh input (the batch) or a cotangent the loss seeds
+        slot = self.at[s].pop(key) if free else self.at[s][key]
+        if free:
+            self.free[s].append(slot)
+        return slot
+
+    @property
+    def size(self) -> int:
+        return max(max(self.used), 1)

@@ -1,7 +1,8 @@
 """Pipelined training step: stages over a mesh axis, a schedule's step table in ``shard_map``.
 
 The training program ``loss_fn(module.apply({'params': p}, *batch), *batch)`` is traced once on
-one micro-batch and cut by module path into a *prefix* (e.g. the embeddings), a stack of
+one micro-batch (:mod:`nnscaler_jax.pipeline.program`: the step's options, rng keys, nnx
+modules) and cut by module path into a *prefix* (e.g. the embeddings), a stack of
 identical *layers* (``h_0 .. h_{L-1}``, or one ``nn.scan`` ``h`` over a leading layer axis) and a
 *suffix* (e.g. final norm, head and loss). The layers are split into ``stages x virtual``
 contiguous chunks; chunk ``c = v * stages + s`` lives on stage ``s`` (its parameters stacked along
@@ -30,23 +31,33 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import flax.errors
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax import lax
 from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnscaler_jax.capture.flax import path_str
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.lower.eqns import NO_CONSTRAINTS
-from nnscaler_jax.lower.replay import auto_view, explicitly_typed
+from nnscaler_jax.lower.replay import auto_view
 from nnscaler_jax.mesh.axes import require_stage_axis
 from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.hetero import CutProgram
 from nnscaler_jax.pipeline.in_stage import InStagePlan, plan_in_stage, tensor_axes
 from nnscaler_jax.pipeline.loop_tables import loop_tables
+from nnscaler_jax.pipeline.program import (
+    ModuleCall,
+    StepOptions,
+    micro_leaves,
+    microbatch_rngs,
+    rng_error,
+    trace_micro,
+    typed_key,
+)
 from nnscaler_jax.pipeline.split import NotALayerStack, split_program
 from nnscaler_jax.pipeline.update import initial_state, jitted_step
 
@@ -75,7 +86,8 @@ class PipelineProgram:
     """
 
     def __init__(self, module: Any, loss_fn: Callable, mesh: Any, sched: sch.Schedule,
-                 params: Any, batch: tuple, *, policy: Any = None, rules: tuple = ()):
+                 params: Any, batch: tuple, *, policy: Any = None, rules: tuple = (),
+                 call: ModuleCall | None = None):
         self.module, self.loss_fn, self.mesh, self.schedule = module, loss_fn, mesh, sched
         axes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
         self.axis = require_stage_axis(axes)
@@ -95,20 +107,9 @@ class PipelineProgram:
                             f"data-parallel shards ({self.data_axes}); use a batch size that is a "
                             f"multiple of {M * self.dp}")
         self.mb_size = B // (M * self.dp)
-        flat, self.params_tree = jax.tree_util.tree_flatten_with_path(params)
-        paths = [path_str(p) for p, _ in flat]
-        mb_batch = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct((self.mb_size,) + tuple(x.shape[1:]), x.dtype), batch)
-        self.batch_tree = jax.tree.structure(mb_batch)
-        n_params = len(flat)
-
-        def program(*leaves):
-            p = jax.tree.unflatten(self.params_tree, leaves[:n_params])
-            b = jax.tree.unflatten(self.batch_tree, leaves[n_params:])
-            return loss_fn(module.apply({"params": p}, *b), *b)
-
-        abstract = [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for _, x in flat]
-        closed = jax.make_jaxpr(program)(*abstract, *jax.tree.leaves(mb_batch))
+        call = call or ModuleCall.plain(module, params)
+        closed, abstract = trace_micro(self, params, batch, call)
+        paths, n_params = self.param_paths, len(abstract)
         self.split = split_program(closed, paths, type(module).__name__)
         self.stage_plan: InStagePlan | None = None
         self._eval = NO_CONSTRAINTS.evaluate
@@ -282,15 +283,11 @@ class PipelineProgram:
             loss = lax.pmean(loss, self.data_axes)
         return loss, g_shared, [g[None] for g in g_layers]
 
-    def grads(self, pp: dict, batch: tuple) -> tuple[jax.Array, dict]:
-        """Mean loss over the batch and its gradients in the pipeline layout (traceable)."""
-        M, D = self.schedule.microbatches, self.dp
-        leaves = jax.tree.leaves(batch)
+    def grads(self, pp: dict, batch: tuple, key: Any = None) -> tuple[jax.Array, dict]:
+        """Mean loss over the batch and its gradients in the pipeline layout (traceable);
+        ``key``: the step's key, when the program was traced with rng streams."""
         data = self.data_axes if self.data_axes else None
-        # (a batch typed on an Explicit mesh says where the micro-batches go)
-        shaped = [jnp.reshape(x, (M, D, self.mb_size) + x.shape[1:],
-                              **({"out_sharding": P(None, data)} if explicitly_typed(x) else {}))
-                  for x in leaves]
+        shaped = micro_leaves(self, batch, key)
         shared_spec = [P()] * len(pp["shared"])
         layer_spec = [P(self.axis)] * len(pp["layers"])
         batch_spec = [P(None, data)] * len(shaped)
@@ -363,6 +360,13 @@ class PipelineStep:
     >>> # state, metrics = step(state, tokens)        # one jitted step: M micro-batches + update
     >>> # params = step.params(state)                 # back to the module's params tree
 
+    Options (as the SPMD step's, :class:`~nnscaler_jax.pipeline.program.StepOptions`):
+    ``inputs``, ``module_kwargs`` (``{'deterministic': False}``) and ``rng_streams``; with
+    ``step.init(variables, *batch, rng=key)`` (nnx: its own streams' key unless given) each
+    micro-batch and data-parallel shard gets its own keys
+    (:func:`~nnscaler_jax.pipeline.program.microbatch_rngs`). An nnx module trains its
+    ``nnx.Param``; ``step.update(state)`` writes them back into it.
+
     Attributes:
         program: the :class:`PipelineProgram` (after :meth:`init`).
         jitted: the jitted ``step(state, batch)`` (after :meth:`init`), e.g. for
@@ -376,7 +380,9 @@ class PipelineStep:
         sp = self.program.stage_plan if self.program is not None else None
         return sp.plan if sp is not None else None
 
-    def __init__(self, pm: Any, loss_fn: Callable, optimizer: Any, *, return_grads: bool = False):
+    def __init__(self, pm: Any, loss_fn: Callable, optimizer: Any, *, return_grads: bool = False,
+                 **options: Any):
+        self.options = StepOptions.of(options)
         c = pm.constraints
         if c is None or c.pipeline_stages in (None, 1):
             raise PlanError("train_step builds a pipelined step: wrap the module with "
@@ -397,36 +403,59 @@ class PipelineStep:
         self.return_grads = return_grads
         self.program: PipelineProgram | CutProgram | None = None
         self.jitted: Callable | None = None
+        self.call: ModuleCall | None = None
 
-    def init(self, variables: Any, *batch: Any) -> dict:
-        """Plan, build the program for ``batch``'s shapes and lay out the training state."""
-        params = variables.get("params", variables)
-        # checks + records the stages; policy None: stages data-parallel inside (the planner
-        # plans 'dp' for a pipelined wrapper without a policy); the wrapper is left as it is
-        plan = self.pm.make_plan(*batch, variables={"params": params})
+    def init(self, variables: Any, *batch: Any, rng: Any = None) -> dict:
+        """Plan, build the program for ``batch``'s shapes and lay out the training state
+        (``{'params', 'opt_state'}``, and ``'rng'`` with rng streams)."""
+        self.call = call = ModuleCall(self.pm.module, variables, self.options, rng)
+        self.program = None
+        params, opts = call.params, self.options
+        rng = rng if rng is not None else call.default_rng
+        args = opts.args(batch)
+        if call.nnx:  # planned on the module's own state (rng streams included)
+            plan = self.pm.make_plan(*args, **dict(opts.module_kwargs))
+        else:  # checks + records the stages; policy None: stages data-parallel inside
+            rngs = microbatch_rngs(typed_key(rng), 0, opts.rng_streams) if call.slots else None
+            try:
+                plan = self.pm.make_plan(*args, variables={"params": params}, rngs=rngs,
+                                         **dict(opts.module_kwargs))
+            except PlanError as e:  # (the wrapper's tracing error, caused by flax's)
+                if not isinstance(e.__cause__, flax.errors.InvalidRngError):
+                    raise
+                raise rng_error(e.__cause__, opts.rng_streams) from e
         pipe = plan.pipeline
         if pipe is None:
             raise PlanError("train_step: the plan has no pipeline settings (a saved plan made "
                             "without Constraints(pipeline_stages=...)); re-plan with them")
         sched = sch.require_runnable(sch.from_settings(pipe))  # built-in or op_order-written
+        if call.slots and sched.recycles:
+            raise PlanError(f"train_step: schedule {sched.name!r} runs its recycling passes "
+                            "without rng streams; drop rng= (nnx: rng_streams=()), or use "
+                            "schedule='1f1b'")
         args = (self.pm.module, self.loss_fn, self.pm.mesh, sched, params, tuple(batch))
-        kw = {"policy": self.pm.policy, "rules": self.pm.constraints.rules}
+        kw = {"policy": self.pm.policy, "rules": self.pm.constraints.rules, "call": call}
         # a stack of identical layers, unless pivots ask for a cut at module boundaries; any
         # other model: heterogeneous stages (hetero.py). Other errors of the stacked program
         # (an in-stage plan that splits nothing) are the user's to see, not a reason to cut.
         stack_error: NotALayerStack | None = None
-        if not self.pm.constraints.pipeline_pivots:
+        # (recycling and all-device blocks run in the cut runtime only)
+        if not (self.pm.constraints.pipeline_pivots or sched.recycles or sched.all_device):
             try:
                 self.program = PipelineProgram(*args, **kw)
             except NotALayerStack as e:
                 stack_error = e
-        if self.pm.constraints.pipeline_pivots or stack_error is not None:
+        if self.program is None:
             try:
                 self.program = CutProgram(*args, stage_of=pipe.stage_of, **kw)
             except PlanError as cut_error:
                 raise cut_error from stack_error
         self.jitted = self.program.train_step(self.optimizer, return_grads=self.return_grads)
-        return self.program.init_state(params, self.optimizer)
+        state = self.program.init_state(params, self.optimizer)
+        if call.slots:
+            rep = self.program.shardings()[0]  # a copy: the step donates its state
+            state["rng"] = jax.jit(jnp.copy, out_shardings=rep)(typed_key(rng))
+        return state
 
     def _batch(self, batch: tuple) -> tuple:
         if self.jitted is None:
@@ -457,5 +486,12 @@ class PipelineStep:
                 "optimizer": first(state["opt_state"])}
 
     def params(self, state: dict) -> Any:
-        """The module's params tree of ``state``."""
-        return self.program.from_pipeline(state["params"])
+        """The module's params tree of ``state`` (nnx: an ``nnx.State`` of its ``nnx.Param``)."""
+        return self.call.module_params(self.program.from_pipeline(state["params"]))
+
+    def update(self, state: dict) -> None:
+        """nnx: write the state's parameters back into the module."""
+        if self.call is None or not self.call.nnx:
+            raise PlanError("step.update(state) writes an nnx module's parameters; for linen "
+                            "use step.params(state) with apply")
+        nnx.update(self.pm.module, self.params(state))

@@ -9,7 +9,7 @@ interleaved), ``'N'`` no-grad forwards (``nf1b``) and the all-device blocks ``'E
 ``op_order`` -- the mechanism users write their own with. :func:`timeline` places every block at
 the earliest unit time step at which its data dependencies are done (a result sent at step
 ``t`` is usable at ``t + 1``); the runtime (:mod:`nnscaler_jax.pipeline.runtime`) executes
-exactly that table (``F`` / ``B`` only, so far).
+exactly that table (every block kind: :mod:`nnscaler_jax.pipeline.cut_blocks`).
 
 >>> s = one_f_one_b(2, 4)
 >>> print(format_schedule(s))
@@ -55,7 +55,7 @@ __all__ = [
 ]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "interlaced", "nf1b")
-RUNNABLE = ("1f1b", "gpipe", "interleaved")  # what the runtime executes (F / B blocks only)
+RUNNABLE = ("1f1b", "gpipe", "interleaved")  # what the stage DP picks among by default
 RECYCLES = 3  # nf1b's default no-grad passes ("3F1B")
 
 
@@ -206,28 +206,25 @@ def from_settings(pipe: Any) -> Schedule:
     return build(pipe.schedule, pipe.stages, pipe.microbatches, pipe.virtual)
 
 
-def require_runnable(sched: Schedule) -> Schedule:
-    """``sched`` itself when the pipeline runtime executes every block of it (``F`` / ``B``).
+def require_runnable(sched: Schedule, kinds: str = "FBNEHW") -> Schedule:
+    """``sched`` itself when a runtime executing block kinds ``kinds`` runs every block of it.
+
+    :class:`~nnscaler_jax.pipeline.hetero.CutProgram` runs every kind; the identical-layer
+    :class:`~nnscaler_jax.pipeline.runtime.PipelineProgram` runs ``F`` / ``B`` only
+    (``pm.train_step`` picks the cut program for the others).
 
     Raises:
-        PlanError: it has no-grad forwards (``N``, ``nf1b``) or all-device blocks (``E`` /
-            ``H`` / ``W``, ``interlaced``), which the runtime does not execute yet.
+        PlanError: the schedule is invalid, or has blocks outside ``kinds``.
     """
-    kinds = {st.kind for row in sched.steps for st in row} - {"F", "B"}
-    if not kinds:
+    validate(sched)
+    extra = sorted({st.kind for row in sched.steps for st in row} - set(kinds))
+    if not extra:
         return sched
-    what = []
-    if "N" in kinds:
-        what.append("forwards without gradient ('N' blocks, recycling)")
-    if kinds & {"E", "H", "W"}:
-        what.append("blocks on all devices ('E' / 'H' / 'W': the vocabulary-split embedding "
-                    "and head)")
     raise PlanError(
-        f"train_step: the pipeline runtime does not execute {' or '.join(what)} yet, which "
-        f"schedule {sched.name!r} has. Its step table validates, draws "
-        "(nnscaler_jax.pipeline.schedule.plot_gantt) and is priced (plan.cost), but it does not "
-        "train; use schedule='1f1b', 'gpipe', 'interleaved' or one written with op_order from "
-        "F / B blocks")
+        f"schedule {sched.name!r} has blocks {extra} ('N': forwards without gradient, "
+        "recycling; 'E' / 'H' / 'W': blocks on all devices) that the identical-layer pipeline "
+        "runtime does not execute; pm.train_step runs them with the cut program "
+        "(nnscaler_jax.pipeline.hetero.CutProgram)")
 
 
 def settings_steps(sched: Any) -> tuple:

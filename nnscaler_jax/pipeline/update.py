@@ -19,19 +19,23 @@ def _same(tree: Any) -> Any:
 def jitted_step(grads: Callable, optimizer: Any, mesh: Any, *, store: Callable = _same,
                 return_grads: bool = False) -> Callable:
     """A jitted, donated ``run(state, batch) -> (state, metrics)`` (``run.lower(state, batch)``
-    too) under ``mesh``: ``grads(params, batch) -> (loss, grads)``, then the optax update;
+    too) under ``mesh``: ``grads(params, batch, key) -> (loss, grads)`` (``key`` split off
+    ``state['rng']`` when the state has one, else None), then the optax update;
     ``store`` lays the new parameters and optimizer state out as the program keeps them."""
     import optax
 
     def step(state, batch):
-        loss, g = grads(state["params"], tuple(batch))
+        state, key = dict(state), None
+        if "rng" in state:  # a new key per step, as the SPMD step (micro-batches fold it in)
+            state["rng"], key = jax.random.split(state["rng"])
+        loss, g = grads(state["params"], tuple(batch), key)
         updates, opt_state = optimizer.update(g, state["opt_state"], state["params"])
         opt_state = store(opt_state)
         params = store(optax.apply_updates(state["params"], updates))
         metrics = {"loss": loss, "grad_norm": optax.global_norm(g)}
         if return_grads:
             metrics["grads"] = g
-        return {"params": params, "opt_state": opt_state}, metrics
+        return {**state, "params": params, "opt_state": opt_state}, metrics
 
     jitted = jax.jit(step, donate_argnums=(0,))
 

@@ -1,0 +1,217 @@
+"""The blocks of a cut pipeline program and the per-device loop that runs its step table.
+
+:class:`~nnscaler_jax.pipeline.hetero.CutProgram` traces the micro-batch program and cuts it
+into *segments*: the pipelined chunks ``0 .. C-1`` and, for schedules with all-device blocks
+(``interlaced``), an embedding segment before chunk 0 and a head segment (head + loss) after
+the last chunk. :func:`local_step` is the body of its ``jax.shard_map``: a ``lax.fori_loop``
+over the step table (:func:`~nnscaler_jax.pipeline.loop_tables.loop_tables`) in which each
+device runs, by ``lax.switch`` on the table's block code, one of
+
+- ``F``: its chunk's forward (the last chunk adds the loss unless a head segment follows);
+- ``B``: ``jax.vjp`` of the chunk recomputed from its saved input: parameter gradients and the
+  cotangent of its input, seeded by the next chunk's (or the head's, or the loss's);
+- ``N``: a forward without gradient (recycling, ``nf1b``): the model's outputs of the last
+  chunk go back to chunk 0 as its inputs for the next pass (pass 0 reads the batch; ``F`` reads
+  the last pass's), nothing is kept for a backward;
+- ``E`` / ``H`` / ``W``: the embedding forward, the head's forward + loss + backward, the
+  embedding backward, each on the stage holding its data (stage 0; the last chunk's stage;
+  stage 0).
+
+After each step the activations go to the next stage and the cotangents to the previous one
+with ``lax.ppermute``, each only at the steps where some stage receives one (the tables say
+which), so a step without transfers in one direction does not wait on that collective.
+
+Gradients of parameters several segments read (tied embeddings) are summed over the stages,
+the loss is counted on the stage that computes it, both averaged over the data axes.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend import core as jcore
+
+from nnscaler_jax.lower.eqns import NO_CONSTRAINTS
+from nnscaler_jax.pipeline.chunks import pack, unpack
+
+__all__ = ["local_step", "run_segment"]
+
+
+def _value(env: dict, v: Any) -> Any:
+    return v.val if isinstance(v, jcore.Literal) else env[v]
+
+
+def run_segment(prog: Any, seg: int, pvec: dict, shared: list, cin: dict, batch: list,
+                fresh: Any = True) -> tuple[dict, Any]:
+    """Segment ``seg``'s forward: ``(packed values it passes on, loss or 0)``.
+
+    The last segment passes on the model's outputs packed for recycling (``prog.r_pack``) or
+    zeros. Chunk 0 of a recycling program reads the module inputs from the batch when
+    ``fresh`` (a bool, traced or not), else unpacked from ``cin`` (the last pass's outputs).
+    """
+    cut = prog.cut
+    cj = cut.jaxpr
+    env = dict(zip(cj.jaxpr.constvars, cj.consts, strict=True))
+    env.update((cj.jaxpr.invars[j], x) for j, x in zip(prog.shared, shared, strict=True))
+    n_x = len(prog.x_vars)
+    b_vars = cj.jaxpr.invars[cut.n_params + n_x:]
+    env.update(zip(b_vars, batch, strict=True))
+    c = seg - prog.seg0
+    if 0 <= c < prog.schedule.chunks:
+        env.update((cj.jaxpr.invars[j], x)
+                   for j, x in zip(prog.owned[c], unpack(pvec, prog.p_pack[c]), strict=True))
+    if seg > 0:
+        env.update(zip(cut.bounds[seg - 1], unpack(cin, prog.c_pack[seg - 1]), strict=True))
+    elif n_x:  # the module's inputs: the batch (first pass) or the recycled outputs
+        prev, first = unpack(cin, prog.r_pack), batch[:n_x]  # (the module's leading inputs)
+        if isinstance(fresh, bool):
+            xs = first if fresh else prev
+        else:
+            xs = [jnp.where(fresh, b, p) for b, p in zip(first, prev, strict=True)]
+        env.update(zip(prog.x_vars, xs, strict=True))
+    NO_CONSTRAINTS.evaluate(cut.segments[seg], env)
+    if seg < cut.chunks - 1:
+        out = pack([env[v] for v in cut.bounds[seg]], prog.c_pack[seg], prog.c_width)
+        return out, jnp.zeros((), jnp.float32)
+    loss, *outs = cj.jaxpr.outvars
+    if n_x:
+        out = pack([_value(env, v) for v in outs], prog.r_pack, prog.c_width)
+    else:
+        out = {dt: jnp.zeros((n,), dt) for dt, n in prog.c_width.items()}
+    return out, jnp.asarray(_value(env, loss), jnp.float32)
+
+
+def _floats(prog: Any, vec: dict) -> list[str]:
+    return [k for k in vec if k in prog.g_width]
+
+
+def _vjp(prog: Any, seg: int, pvec: dict, shared: list, cin: dict, gout: dict, batch: list,
+         seeded: bool, fresh: bool) -> tuple:
+    """``(param grads, shared grads, cotangent of the packed input, loss / M)`` of segment
+    ``seg``, seeded by the loss (``seeded``: it computes the loss) or by ``gout``."""
+    fl = _floats(prog, cin)
+    rest = {k: x for k, x in cin.items() if k not in fl}
+
+    def f(pv, sh, cf):
+        out, loss = run_segment(prog, seg, pv, sh, {**rest, **cf}, batch, fresh)
+        return {k: out[k] for k in fl}, loss
+
+    (_, loss), vjp = jax.vjp(f, pvec, shared, {k: cin[k] for k in fl})
+    M = prog.schedule.microbatches
+    gy = {k: jnp.zeros_like(cin[k]) if seeded else gout[k] for k in fl}
+    gp, gsh, gc = vjp((gy, jnp.asarray(1.0 / M if seeded else 0.0, jnp.float32)))
+    gc = {k: gc.get(k, jnp.zeros((n,), k)) for k, n in prog.g_width.items()}
+    return gp, gsh, gc, loss / M
+
+
+def _send(needed: Any, vec: dict, axis: str, perm: list) -> dict:
+    """``vec`` sent along ``perm`` when some stage receives it at this step (``needed`` is the
+    same on every device, so all take one branch of the ``cond`` around the collective)."""
+    return lax.cond(needed, lambda v: jax.tree.map(lambda x: lax.ppermute(x, axis, perm), v),
+                    lambda v: v, vec)
+
+
+def _zeros(width: dict) -> dict:
+    return {k: jnp.zeros((n,), k) for k, n in width.items()}
+
+
+def _zl() -> Any:
+    return jnp.zeros((), jnp.float32)
+
+
+def _branches(prog: Any, c: Any, it: Any, args: tuple) -> list:
+    """The ``lax.switch`` branches of one time step, indexed by
+    :data:`~nnscaler_jax.pipeline.loop_tables.CODES`: each returns ``(activation to send,
+    cotangent to send, stage param grads, shared grads, loss)`` for the device's chunk ``c``
+    (``args = (chunk params, shared params, packed input, packed cotangent, micro-batch)``)."""
+    C, M = prog.schedule.chunks, prog.schedule.microbatches
+    last_seg, seg0, recycling = prog.cut.chunks - 1, prog.seg0, bool(prog.x_vars)
+    pv, shared, cin, gout, bm = args
+    no_p, no_sh = jax.tree.map(jnp.zeros_like, pv), jax.tree.map(jnp.zeros_like, shared)
+    fresh = lambda c: c > 0 or not recycling  # chunk 0 of recycling reads the last pass
+    fwds = [partial(lambda c, *a: run_segment(prog, c + seg0, *a[:3], a[4], fresh(c)), c)
+            for c in range(C)]
+    bwds = [partial(lambda c, *a: _vjp(prog, c + seg0, *a, c + seg0 == last_seg, fresh(c)), c)
+            for c in range(C)]
+    nfwds = [partial(lambda c, *a: run_segment(prog, c + seg0, *a[:3], a[4],
+                                               (it == 0) if c == 0 else True)[0], c)
+             for c in range(C)]
+
+    def idle():
+        return _zeros(prog.c_width), _zeros(prog.g_width), no_p, no_sh, _zl()
+
+    def fwd():
+        out, loss = lax.switch(c, fwds, *args)
+        return out, _zeros(prog.g_width), no_p, no_sh, loss / M
+
+    def bwd():
+        gp, gsh, gc, _ = lax.switch(c, bwds, *args)
+        return _zeros(prog.c_width), gc, gp, gsh, _zl()
+
+    def nograd():  # recycling pass `it`: chunk 0 reads the batch on pass 0
+        return lax.switch(c, nfwds, *args), _zeros(prog.g_width), no_p, no_sh, _zl()
+
+    def embed():
+        out, _ = run_segment(prog, 0, pv, shared, cin, bm)
+        return out, _zeros(prog.g_width), no_p, no_sh, _zl()
+
+    def head():
+        _, gsh, gc, loss = _vjp(prog, last_seg, pv, shared, cin, gout, bm, True, True)
+        return _zeros(prog.c_width), gc, no_p, gsh, loss
+
+    def embed_bwd():
+        _, gsh, _, _ = _vjp(prog, 0, pv, shared, cin, gout, bm, False, True)
+        return _zeros(prog.c_width), _zeros(prog.g_width), no_p, gsh, _zl()
+
+    out = [idle, fwd, bwd] + [nograd] * recycling
+    if seg0:
+        out += [idle] * (4 - len(out)) + [embed, head, embed_bwd]
+    return out
+
+
+def local_step(prog: Any, shared: list, stages: dict, batch: list) -> tuple:
+    """Per-device body of the cut program's shard_map: run the step table, return
+    ``(loss, shared grads, stage grads)``."""
+    S, tb = prog.schedule.stages, prog.tables
+    s = lax.axis_index(prog.axis)
+    stages = {k: x[0] for k, x in stages.items()}                 # [V, width]
+    batch = [x[:, 0] for x in batch]                             # [M, b, ...]
+    tabs = [jnp.asarray(a) for a in (tb.kind, tb.mb, tb.virt, tb.it, tb.in_slot, tb.g_slot,
+                                     tb.rf_slot, tb.rb_slot, tb.keep_f, tb.keep_b)]
+    f_perm = [(i, (i + 1) % S) for i in range(S)]
+    b_perm = [(i, (i - 1) % S) for i in range(S)]
+    sends = jnp.asarray(tb.sends)
+
+    def body(t, carry):
+        inbuf, gbuf, g_st, g_sh, loss_acc = carry
+        code, m, v, it, isl, gsl, rf, rb, kf, kb = [a[t, s] for a in tabs]
+        args = ({k: lax.dynamic_index_in_dim(x, v, keepdims=False) for k, x in stages.items()},
+                shared, {k: b[isl] for k, b in inbuf.items()},
+                {k: b[gsl] for k, b in gbuf.items()},
+                [lax.dynamic_index_in_dim(x, m, keepdims=False) for x in batch])
+        out_f, out_b, dp, dsh, loss = lax.switch(code, _branches(prog, v * S + s, it, args))
+        g_st = {k: g.at[v].add(dp[k]) for k, g in g_st.items()}
+        g_sh = [g + d for g, d in zip(g_sh, dsh, strict=True)]
+        recv_f = _send(sends[t, 0], out_f, prog.axis, f_perm)
+        recv_b = _send(sends[t, 1], out_b, prog.axis, b_perm)
+        put = lambda slot, buf, new: lax.cond(
+            slot >= 0, lambda b: {k: b[k].at[slot].set(new[k]) for k in b}, lambda b: b, buf)
+        inbuf = put(kf, put(rf, inbuf, recv_f), out_f)
+        gbuf = put(kb, put(rb, gbuf, recv_b), out_b)
+        return inbuf, gbuf, g_st, g_sh, loss_acc + loss
+
+    carry = ({k: jnp.zeros((tb.n_in, n), k) for k, n in prog.c_width.items()},
+             {k: jnp.zeros((tb.n_g, n), k) for k, n in prog.g_width.items()},
+             jax.tree.map(jnp.zeros_like, stages), jax.tree.map(jnp.zeros_like, shared), _zl())
+    _, _, g_st, g_sh, loss = lax.fori_loop(0, tb.kind.shape[0], body, carry)
+    g_sh = [lax.psum(g, prog.axis) for g in g_sh]
+    loss = lax.psum(loss, prog.axis)
+    if prog.data_axes:
+        g_sh = [lax.pmean(g, prog.data_axes) for g in g_sh]
+        g_st = {k: lax.pmean(g, prog.data_axes) for k, g in g_st.items()}
+        loss = lax.pmean(loss, prog.data_axes)
+    return loss, g_sh, {k: g[None] for k, g in g_st.items()}

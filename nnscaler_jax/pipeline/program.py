@@ -1,0 +1,261 @@
+"""The micro-batch program of a pipelined step, traced once for both runtimes.
+
+Both pipelined programs (:class:`~nnscaler_jax.pipeline.runtime.PipelineProgram`, identical
+layers, and :class:`~nnscaler_jax.pipeline.hetero.CutProgram`, any model) cut the same traced
+program ``(params..., batch..., keys...) -> loss``::
+
+    loss_fn(module(*batch[:inputs], **module_kwargs, rngs=keys), *batch)
+
+on one micro-batch. The step's options say how the module is called, as the SPMD step's do
+(:class:`~nnscaler_jax.train.step.SpmdStep`): ``inputs`` (how many leading batch arrays the
+module takes), ``module_kwargs`` (static flags such as ``train=True`` or
+``deterministic=False``) and ``rng_streams`` (``'dropout'``).
+
+**Keys.** A step with rng streams carries ``state['rng']``; each step splits it, and the
+micro-batch holding rows ``[g * b, (g + 1) * b)`` of the batch (``g = m * D + d`` for micro-batch
+``m`` of data-parallel shard ``d``) gets :func:`microbatch_rngs` ``(key, g, streams)`` (the SPMD
+step's derivation for its micro-batch ``g``). The keys are inputs of the traced program, one per
+stream (linen) or per ``nnx.RngStream`` (nnx: the ``i``-th stream named ``s`` gets
+``fold_in(rngs[s], i)``, what ``nnx.reseed(model, s=rngs[s])`` sets; besides ``rng_streams``,
+the ``'default'`` stream of an ``nnx.Rngs(0)`` is keyed, as the last stream), sliced per
+micro-batch in the step loop like the batch (:func:`micro_leaves`). They are read where a module
+makes its rng (``Dropout``), so no key crosses a stage boundary.
+
+**nnx.** An nnx module is called through ``nnx.merge`` of its graph definition with the
+parameters (an ``nnx.State`` of its ``nnx.Param`` as a pure dict) and the rest of its state, its
+sub-modules' calls under their paths' name scopes, as the wrapper traces it; ``nnx.BatchNorm``
+statistics are refused (:func:`collections_error`), like linen collections besides ``params``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import flax.errors
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from nnscaler_jax.capture.flax import nnx_call_scopes, path_str
+from nnscaler_jax.errors import PlanError
+from nnscaler_jax.lower.replay import explicitly_typed
+
+__all__ = ["ModuleCall", "StepOptions", "collections_error", "micro_leaves", "micro_setup",
+           "microbatch_rngs", "rng_error", "trace_micro", "typed_key"]
+
+
+def microbatch_rngs(key: Any, index: Any, streams: Sequence[str]) -> dict:
+    """The rng streams of micro-batch ``index`` for a step's ``key``: ``{s: fold_in(fold_in(key,
+    index), j)}`` for the ``j``-th stream ``s`` (what the SPMD step passes its micro-batches)."""
+    key = jax.random.fold_in(key, index)
+    return {s: jax.random.fold_in(key, j) for j, s in enumerate(streams)}
+
+
+def typed_key(key: Any) -> Any:
+    """``key`` as a typed key array (raw ``uint32[2]`` ``PRNGKey`` data is wrapped)."""
+    if jnp.issubdtype(jnp.result_type(key), jax.dtypes.prng_key):
+        return key
+    return jax.random.wrap_key_data(key)
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """The options of a pipelined ``train_step`` (as :class:`~nnscaler_jax.train.step.SpmdStep`'s).
+
+    Attributes:
+        inputs: how many leading batch arrays the module takes (None: all).
+        module_kwargs: static keyword arguments of the module call, as sorted items.
+        rng_streams: the rng streams each micro-batch gets a key for (with ``init(..., rng=)``,
+            or an nnx module's own streams of these names).
+    """
+
+    inputs: int | None = None
+    module_kwargs: tuple[tuple[str, Any], ...] = ()
+    rng_streams: tuple[str, ...] = ("dropout",)
+
+    @classmethod
+    def of(cls, options: dict) -> StepOptions:
+        """Validated options (PlanError naming the bad one and the fix)."""
+        known = {"inputs", "module_kwargs", "rng_streams"}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise PlanError(f"train_step: the pipelined step takes the options {sorted(known)} "
+                            f"(and return_grads), not {unknown}; drop them")
+        inputs = options.get("inputs")
+        if inputs is not None and (not isinstance(inputs, int) or isinstance(inputs, bool)
+                                   or inputs < 1):
+            raise PlanError(f"train_step: inputs={inputs!r} must be a positive int (how many "
+                            "leading batch arrays the module takes), e.g. inputs=1 for "
+                            "(images, labels) with module(images)")
+        kwargs = options.get("module_kwargs") or {}
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+            raise PlanError(f"train_step: module_kwargs={kwargs!r} must be a dict of keyword "
+                            "arguments, e.g. module_kwargs={'train': True}")
+        arrays = sorted(k for k, v in kwargs.items()
+                        if any(isinstance(x, (jax.Array, np.ndarray)) for x in jax.tree.leaves(v)))
+        if arrays:
+            raise PlanError(f"train_step: module_kwargs {arrays} are arrays; module_kwargs are "
+                            "static flags (train=True). Pass arrays in the batch and the "
+                            "module's number of them as inputs=")
+        streams = options.get("rng_streams", ("dropout",))
+        if isinstance(streams, str) or not all(isinstance(s, str) for s in streams):
+            raise PlanError(f"train_step: rng_streams={streams!r} must be a sequence of stream "
+                            "names, e.g. rng_streams=('dropout',)")
+        return cls(inputs, tuple(sorted(kwargs.items())), tuple(streams))
+
+    def args(self, batch: Sequence[Any]) -> tuple:
+        """The module's arguments of ``batch`` (its first ``inputs`` arrays)."""
+        if self.inputs is not None and self.inputs > len(batch):
+            raise PlanError(f"train_step: inputs={self.inputs} but the batch has {len(batch)} "
+                            f"arrays; use inputs <= {len(batch)}")
+        return tuple(batch) if self.inputs is None else tuple(batch[:self.inputs])
+
+
+def collections_error(where: str, names: Sequence[str]) -> PlanError:
+    return PlanError(
+        f"train_step: the pipelined step trains parameters only; {where} holds the mutable "
+        f"collection(s) {sorted(names)} (BatchNorm statistics), which the micro-batches of its "
+        "stages would update out of order. Fix: normalise with LayerNorm / GroupNorm (or "
+        "BatchNorm(use_running_average=True) without the collection), or drop "
+        "Constraints(pipeline_stages=...) for the SPMD step, which carries collections")
+
+
+def rng_error(e: Exception, streams: Sequence[str]) -> PlanError:
+    return PlanError(f"train_step: {e}. Give the step a key, step.init(variables, *batch, "
+                     f"rng=jax.random.key(0)), with the stream named in rng_streams (now "
+                     f"{tuple(streams)}); or call the module deterministically (module_kwargs)")
+
+
+def _rng_streams(module: Any, names: Sequence[str]) -> list:
+    """The ``nnx.RngStream`` s of ``module`` named in ``names``, in graph order (nnx.reseed's)."""
+    return [s for _, s in nnx.iter_graph(module)
+            if isinstance(s, nnx.RngStream) and s.key.tag in names]
+
+
+class ModuleCall:
+    """How the micro-batch program calls a linen or nnx module (see the module docstring).
+
+    Attributes:
+        params: the parameters as a plain tree (the pipeline lays out its leaves).
+        streams: the stream names keys derive from (:func:`microbatch_rngs`): ``rng_streams``,
+            for nnx then ``'default'`` (the stream of an ``nnx.Rngs(0)``).
+        slots: per key input of the traced program, ``(stream, index)``: the key is
+            ``microbatch_rngs(...)[stream]``, folded with ``index`` (nnx) unless None.
+        default_rng: the step key when ``init`` got none (nnx: its first stream's key).
+    """
+
+    def __init__(self, module: Any, variables: Any, options: StepOptions, rng: Any):
+        self.module, self.options = module, options
+        self.nnx = isinstance(module, nnx.Module)
+        # the streams the keys derive from; nnx also keys a `Rngs(0)`'s 'default' stream
+        self.streams = streams = options.rng_streams + (
+            ("default",) if self.nnx and "default" not in options.rng_streams else ())
+        self.default_rng = None
+        if not self.nnx:
+            variables = dict(variables)
+            others = [c for c in variables if c != "params"]
+            if "params" in variables and others:
+                raise collections_error("variables", others)
+            self.params = variables.get("params", variables)
+            self.slots = tuple((s, None) for s in streams) if rng is not None else ()
+            return
+        if variables is not None:
+            nnx.update(module, variables)
+        self.graphdef, self.template, self.rest = nnx.split(module, nnx.Param, ...)
+        mutable = {type(v).__name__ for _, v in nnx.iter_graph(module)
+                   if isinstance(v, (nnx.BatchStat, nnx.Cache))}
+        if mutable:
+            raise collections_error(f"the nnx module {type(module).__name__}", mutable)
+        self.params = self.template.to_pure_dict()
+        found = _rng_streams(module, streams)
+        tags = [s.key.tag for s in found]  # the i-th stream of a tag: (tag, i)
+        self.slots = tuple((t, tags[:i].count(t)) for i, t in enumerate(tags))
+        if found:
+            self.default_rng = jnp.copy(found[0].key[...])
+
+    @classmethod
+    def plain(cls, module: Any, params: Any) -> ModuleCall:
+        """The call of a program built without step options: ``module.apply({'params': p},
+        *batch)`` (nnx: the module's own state besides its parameters)."""
+        variables = None if isinstance(module, nnx.Module) else {"params": params}
+        return cls(module, variables, StepOptions(), None)
+
+    def module_params(self, params: Any) -> Any:
+        """``params`` (plain tree) as the module takes them: linen the tree, nnx an
+        ``nnx.State`` of its ``nnx.Param``."""
+        if not self.nnx:
+            return params
+        state = jax.tree.map(lambda x: x, self.template)
+        nnx.replace_by_pure_dict(state, params)
+        return state
+
+    def __call__(self, params: Any, args: tuple, keys: Sequence[Any]) -> Any:
+        kw = dict(self.options.module_kwargs)
+        if not self.nnx:
+            rngs = {s: k for (s, _), k in zip(self.slots, keys, strict=True)} or None
+            try:
+                return self.module.apply({"params": params}, *args, rngs=rngs, **kw)
+            except flax.errors.InvalidRngError as e:
+                raise rng_error(e, self.options.rng_streams) from e
+        m = nnx.merge(self.graphdef, self.module_params(params), self.rest, copy=True)
+        found = _rng_streams(m, self.streams) if keys else []
+        for s, k in zip(found, keys, strict=True):
+            s.key.set_value(k)
+            s.count.set_value(jnp.zeros((), jnp.uint32))  # (numpy: updated in place)
+        with nnx_call_scopes(m):
+            return m(*args, **kw)
+
+
+def micro_setup(prog: Any, params: Any, batch: tuple, call: ModuleCall) -> tuple[list, Any]:
+    """``(parameter avals, the batch's micro-batch avals)``; sets ``prog.params_tree``,
+    ``param_paths``, ``batch_tree``, ``key_slots`` and ``key_streams`` (what a traced
+    micro-batch program's runtime reads)."""
+    flat, prog.params_tree = jax.tree_util.tree_flatten_with_path(params)
+    prog.param_paths = [path_str(p) for p, _ in flat]
+    mb_batch = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((prog.mb_size,) + tuple(x.shape[1:]), x.dtype), batch)
+    prog.batch_tree = jax.tree.structure(mb_batch)
+    prog.key_slots, prog.key_streams = call.slots, call.streams
+    return [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for _, x in flat], mb_batch
+
+
+def trace_micro(prog: Any, params: Any, batch: tuple, call: ModuleCall) -> tuple[Any, list]:
+    """``(closed jaxpr (params..., batch..., keys...) -> loss, parameter avals)`` of one
+    micro-batch (``prog.mb_size`` rows) of ``prog`` (either pipelined program); sets
+    ``prog.params_tree``, ``param_paths``, ``batch_tree``, ``key_slots`` and ``key_streams``."""
+    abstract, mb_batch = micro_setup(prog, params, batch, call)
+    n, nb = len(abstract), len(jax.tree.leaves(mb_batch))
+
+    def program(*leaves):
+        p = jax.tree.unflatten(prog.params_tree, leaves[:n])
+        b = jax.tree.unflatten(prog.batch_tree, leaves[n:n + nb])
+        out = call(p, call.options.args(b), leaves[n + nb:])
+        return prog.loss_fn(out, *b)
+
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    closed = jax.make_jaxpr(program)(*abstract, *jax.tree.leaves(mb_batch),
+                                     *[key] * len(call.slots))
+    return closed, abstract
+
+
+def micro_leaves(prog: Any, batch: tuple, key: Any = None) -> list:
+    """The batch leaves as ``[M, D, b, ...]`` (micro-batch, data shard, rows), then (``key``
+    given) one ``[M, D]`` key array per key slot of ``prog``'s traced program."""
+    M, D, b = prog.schedule.microbatches, prog.dp, prog.mb_size
+    data = prog.data_axes if prog.data_axes else None
+    # (a batch typed on an Explicit mesh says where the micro-batches go)
+    out = [jnp.reshape(x, (M, D, b) + x.shape[1:],
+                       **({"out_sharding": P(None, data)} if explicitly_typed(x) else {}))
+           for x in jax.tree.leaves(batch)]
+    if key is None or not prog.key_slots:
+        return out
+    def keys(g):
+        rngs = microbatch_rngs(key, g, prog.key_streams)
+        return [rngs[s] if i is None else jax.random.fold_in(rngs[s], i)
+                for s, i in prog.key_slots]
+
+    return out + [k.reshape(M, D) for k in jax.vmap(keys)(jnp.arange(M * D))]
