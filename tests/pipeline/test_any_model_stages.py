@@ -26,15 +26,16 @@ RTOL, ATOL = 1e-4, 1e-6   # float32; ATOL for entries whose true value is ~0
 slow = pytest.mark.slow   # compiles and runs programs over the mesh
 
 
-def _check_one_step(module, loss_fn, params, args, constraints, mesh=None):
+def _check_one_step(module, loss_fn, params, args, constraints, mesh=None, module_kwargs=None):
     """Train one SGD step pipelined and compare with ``jax.grad`` on one device."""
     mesh = mesh or make_mesh((2, 4), ("stage", "data"))
     opt = optax.sgd(0.1)
     pm = auto_parallel(mesh, constraints)(module)
-    step = pm.train_step(loss_fn, opt)
+    kw = module_kwargs or {}
+    step = pm.train_step(loss_fn, opt, **({"module_kwargs": kw} if kw else {}))
     state = step.init({"params": params}, *args)
     state, metrics = step(state, *args)
-    full = lambda p: loss_fn(module.apply({"params": p}, *args), *args)
+    full = lambda p: loss_fn(module.apply({"params": p}, *args, **kw), *args)
     loss, grads = jax.jit(jax.value_and_grad(full))(params)
     want = optax.apply_updates(params, opt.update(grads, opt.init(params), params)[0])
     np.testing.assert_allclose(metrics["loss"], loss, rtol=RTOL)
@@ -93,6 +94,27 @@ def test_transformers_gpt2_pipelines():
                             Constraints(pipeline_stages=2, microbatches=4, schedule="1f1b"))
     # found automatically: the numbered blocks transformer/h/0, h/1, one per stage
     assert ("transformer/h/1", 1) in pm.plan.pipeline.stage_of
+
+
+@slow
+def test_transformers_bert_pipelines():
+    """FlaxBertForMaskedLM: its required head_mask argument goes in module_kwargs."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                  intermediate_size=64, vocab_size=100,
+                                  max_position_embeddings=32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.FlaxBertForMaskedLM(cfg, _do_init=True)
+    batch, seq = 16, 8
+    ids = (jnp.arange(batch * seq).reshape(batch, seq) % 100).astype(jnp.int32)
+    args = (ids, jnp.ones_like(ids), jnp.zeros_like(ids),
+            jnp.broadcast_to(jnp.arange(seq)[None], (batch, seq)))
+    pm, _ = _check_one_step(model.module, lambda out, *a: jnp.mean(out[0] ** 2), model.params,
+                            args, Constraints(pipeline_stages=2, microbatches=4,
+                                              schedule="1f1b"),
+                            module_kwargs={"head_mask": None})
+    assert ("bert/encoder/layer/1", 1) in pm.plan.pipeline.stage_of
 
 
 @slow
