@@ -38,7 +38,7 @@ from jax.extend import core as jcore
 from nnscaler_jax.lower.eqns import NO_CONSTRAINTS
 from nnscaler_jax.pipeline.chunks import pack, unpack
 
-__all__ = ["local_step", "run_segment"]
+__all__ = ["local_step", "run_segment", "send_if"]
 
 
 def _value(env: dict, v: Any) -> Any:
@@ -108,7 +108,7 @@ def _vjp(prog: Any, seg: int, pvec: dict, shared: list, cin: dict, gout: dict, b
     return gp, gsh, gc, loss / M
 
 
-def _send(needed: Any, vec: dict, axis: str, perm: list) -> dict:
+def send_if(needed: Any, vec: dict, axis: str, perm: list) -> dict:
     """``vec`` sent along ``perm`` when some stage receives it at this step (``needed`` is the
     same on every device, so all take one branch of the ``cond`` around the collective)."""
     return lax.cond(needed, lambda v: jax.tree.map(lambda x: lax.ppermute(x, axis, perm), v),
@@ -196,8 +196,8 @@ def local_step(prog: Any, shared: list, stages: dict, batch: list) -> tuple:
         out_f, out_b, dp, dsh, loss = lax.switch(code, _branches(prog, v * S + s, it, args))
         g_st = {k: g.at[v].add(dp[k]) for k, g in g_st.items()}
         g_sh = [g + d for g, d in zip(g_sh, dsh, strict=True)]
-        recv_f = _send(sends[t, 0], out_f, prog.axis, f_perm)
-        recv_b = _send(sends[t, 1], out_b, prog.axis, b_perm)
+        recv_f = send_if(sends[t, 0], out_f, prog.axis, f_perm)
+        recv_b = send_if(sends[t, 1], out_b, prog.axis, b_perm)
         put = lambda slot, buf, new: lax.cond(
             slot >= 0, lambda b: {k: b[k].at[slot].set(new[k]) for k in b}, lambda b: b, buf)
         inbuf = put(kf, put(rf, inbuf, recv_f), out_f)

@@ -15,7 +15,8 @@ Inside one ``jax.shard_map`` over the whole mesh (stage axis + data-parallel axe
 each device reads what it does at step ``t`` from the table at its ``lax.axis_index`` — forward of
 micro-batch ``m``, backward of ``m`` (``jax.vjp`` of the chunk recomputed from its saved input:
 activations are kept only as chunk inputs, in a buffer of the schedule's in-flight size), or
-nothing; activations and cotangents move to the neighbours with ``lax.ppermute`` after every step.
+nothing; activations and cotangents move to the neighbours with ``lax.ppermute`` after a step
+where some stage receives one.
 Gradients are accumulated over micro-batches (loss = mean over micro-batches), averaged over the
 data-parallel axes, and the optax update runs in the same jitted step.
 
@@ -46,6 +47,7 @@ from nnscaler_jax.lower.eqns import NO_CONSTRAINTS
 from nnscaler_jax.lower.replay import auto_view
 from nnscaler_jax.mesh.axes import require_stage_axis
 from nnscaler_jax.pipeline import schedule as sch
+from nnscaler_jax.pipeline.cut_blocks import send_if
 from nnscaler_jax.pipeline.hetero import CutProgram
 from nnscaler_jax.pipeline.in_stage import InStagePlan, plan_in_stage, tensor_axes
 from nnscaler_jax.pipeline.loop_tables import loop_tables
@@ -236,7 +238,7 @@ class PipelineProgram:
         T = tb.kind.shape[0]
         tabs = [jnp.asarray(a) for a in (tb.kind, tb.mb, tb.virt, tb.in_slot, tb.g_slot,
                                          tb.rf_slot, tb.rb_slot)]
-        zeros_like = lambda t: [jnp.zeros_like(x) for x in t]
+        sends, zeros_like = jnp.asarray(tb.sends), lambda t: [jnp.zeros_like(x) for x in t]
 
         def body(t, carry):
             inbuf, gbuf, g_layers, g_shared, loss_acc = carry
@@ -265,8 +267,8 @@ class PipelineProgram:
             send_f, send_b, dp, dsh, loss = lax.switch(kind, [idle, fwd, bwd])
             g_layers = [g.at[v].add(d) for g, d in zip(g_layers, dp, strict=True)]
             g_shared = [g + d for g, d in zip(g_shared, dsh, strict=True)]
-            recv_f = lax.ppermute(send_f, self.axis, [(i, (i + 1) % S) for i in range(S)])
-            recv_b = lax.ppermute(send_b, self.axis, [(i, (i - 1) % S) for i in range(S)])
+            recv_f = send_if(sends[t, 0], send_f, self.axis, [(i, (i + 1) % S) for i in range(S)])
+            recv_b = send_if(sends[t, 1], send_b, self.axis, [(i, (i - 1) % S) for i in range(S)])
             inbuf = lax.cond(rf >= 0, lambda b: b.at[rf].set(recv_f), lambda b: b, inbuf)
             gbuf = lax.cond(rb >= 0, lambda b: b.at[rb].set(recv_b), lambda b: b, gbuf)
             return inbuf, gbuf, g_layers, g_shared, loss_acc + loss
