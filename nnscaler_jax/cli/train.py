@@ -183,14 +183,11 @@ def _job(args: argparse.Namespace) -> _Job:
 
     over = {} if args.batch_size is None else {"batch_size": args.batch_size}
     spec = model_spec(args.model, args.preset, **over)
-    if spec.kind == "nnx" and args.pipeline:
-        raise UsageError(f"{args.model} is an nnx model: pipelined steps run linen modules "
-                         "only so far; drop --pipeline or use its linen twin (e.g. gpt)")
     mesh = parse_mesh(args.mesh, args.axes)
     policy = check_policy(args.policy)
     pm = auto_parallel(mesh, _constraints(args), policy=policy)(spec.module)
-    options = {} if args.pipeline else {"rng_streams": spec.rng_streams or ("dropout",)}
-    step = pm.train_step(spec.loss_fn, optax.adamw(args.lr), **options)
+    step = pm.train_step(spec.loss_fn, optax.adamw(args.lr),
+                         rng_streams=spec.rng_streams or ("dropout",))
     init_key, data_key = jax.random.split(jax.random.key(args.seed))
     return _Job(args, spec, mesh, pm, step, policy, data_key, init_key,
                 jax.process_index() == 0)
@@ -236,11 +233,12 @@ def _init_state(job: _Job, batch: tuple[Any, ...]) -> Any:
     streams = job.spec.rng_streams
     keys = jax.random.split(job.init_key, 2 + len(streams))
     rngs = {"params": keys[0], **{s: keys[2 + j] for j, s in enumerate(streams)}}
+    if job.spec.kind == "nnx":  # the module holds its own state (the zoo's nnx.Rngs)
+        return job.step.init(None, *(_host_batch(job, 0) if job.args.pipeline else batch))
     if job.args.pipeline:
         host = _host_batch(job, 0)
-        return job.step.init(job.spec.init(keys[0], *host), *host)
-    if job.spec.kind == "nnx":  # the module holds its own state (the zoo's nnx.Rngs)
-        return job.step.init(None, *batch)
+        return job.step.init(job.spec.init(keys[0], *host), *host,
+                             rng=keys[1] if streams else None)
     variables = job.pm.init(rngs, *batch)
     return job.step.init(variables, *batch, rng=keys[1] if streams else None)
 

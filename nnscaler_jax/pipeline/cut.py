@@ -295,7 +295,7 @@ def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
             sent[c] += sizes[tid]
     owned, shared = [0.0] * C, 0.0
     for tid, t in variables.items():
-        users = readers.get(tid, set())
+        users = readers.get(tid, set()) - {C}  # (an output that is a variable: nnx state)
         if len(users) == 1:
             owned[next(iter(users))] += t.nbytes
         else:

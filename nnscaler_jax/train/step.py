@@ -43,6 +43,7 @@ from nnscaler_jax.errors import PlanError
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.lower.replay import auto_view, explicitly_typed
 from nnscaler_jax.mesh.axes import data_axes
+from nnscaler_jax.pipeline.program import microbatch_rngs
 from nnscaler_jax.pipeline.runtime import place_as
 from nnscaler_jax.plan.zero import zero3_layout
 
@@ -237,10 +238,7 @@ class SpmdStep:
         return m
 
     def _rngs(self, key: Any, i: Any) -> dict | None:
-        if key is None:
-            return None
-        key = jax.random.fold_in(key, i)
-        return {s: jax.random.fold_in(key, j) for j, s in enumerate(self.rng_streams)}
+        return None if key is None else microbatch_rngs(key, i, self.rng_streams)
 
     def init(self, variables: Any, *batch: Any, rng: Any = None) -> dict:
         """Plan the whole batch's call, lay out the state and build the jitted step.
