@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-__all__ = ["Packing", "ProgramCut", "cut_program", "pack", "packing", "unpack", "widths"]
+__all__ = ["Packing", "ProgramCut", "cut_program", "pack", "packing", "param_casts", "unpack",
+           "widths"]
 
 
 @dataclass(frozen=True)
@@ -110,22 +111,51 @@ class ProgramCut:
         return len(self.segments)
 
 
+def _with_casts(seg: Sequence[Any], casts: dict, extra: Sequence[Any] = ()) -> tuple:
+    """``seg`` after the casts it reads (those of ``extra`` too), each once."""
+    if not casts:
+        return tuple(seg)
+    need = {v: None for e in seg for v in e.invars if not isinstance(v, jcore.Literal)
+            and v in casts}
+    need.update((v, None) for v in extra if not isinstance(v, jcore.Literal) and v in casts)
+    return tuple(casts[v] for v in need) + tuple(seg)
+
+
 def _vars(xs: Sequence[Any]) -> list[Any]:
     return [v for v in xs if not isinstance(v, jcore.Literal)]
 
 
+def param_casts(closed: Any, n_params: int) -> tuple[list[Any], dict[Any, Any]]:
+    """``closed``'s equations without the casts of parameters (a compute precision casts every
+    float parameter on entry), and those casts by the variable they make."""
+    params = set(closed.jaxpr.invars[:n_params])
+    casts, rest = {}, []
+    for e in closed.jaxpr.eqns:
+        if (e.primitive.name == "convert_element_type" and len(e.invars) == 1
+                and not isinstance(e.invars[0], jcore.Literal) and e.invars[0] in params):
+            casts[e.outvars[0]] = e
+        else:
+            rest.append(e)
+    return rest, casts
+
+
 def cut_program(closed: Any, n_params: int, starts: Sequence[int],
                 made_first: Sequence[Any] = ()) -> ProgramCut:
-    """Cut ``closed``'s equations at ``starts`` (``starts[0] == 0``) into chunks.
+    """Cut ``closed``'s equations at ``starts`` (``starts[0] == 0``; positions in the
+    equations without parameter casts, :func:`param_casts`) into chunks.
 
     ``made_first``: input variables chunk 0 provides (a recycling program's module inputs,
     which chunk 0 reads from the batch or from the last pass): later chunks get them through
-    the boundaries instead of reading them directly.
+    the boundaries instead of reading them directly. A parameter's cast (compute precision) is
+    made again by every chunk reading it, first thing, so the chunk reads the parameter itself
+    (it owns it) and no 16-bit copy crosses a boundary.
     """
     jaxpr = closed.jaxpr
-    eqns = jaxpr.eqns
+    eqns, casts = param_casts(closed, n_params)
     ends = list(starts[1:]) + [len(eqns)]
-    segments = tuple(tuple(eqns[a:b]) for a, b in zip(starts, ends, strict=True))
+    segments = tuple(_with_casts(eqns[a:b], casts) for a, b in zip(starts, ends, strict=True))
+    if any(v in casts for v in jaxpr.outvars):  # (a program returning a cast parameter)
+        segments = segments[:-1] + (_with_casts(segments[-1], casts, jaxpr.outvars),)
     C = len(segments)
     made: dict[Any, int] = dict.fromkeys(made_first, 0)
     last: dict[Any, int] = {}
@@ -136,6 +166,8 @@ def cut_program(closed: Any, n_params: int, starts: Sequence[int],
                 last[v] = max(last.get(v, c), c)
                 readers.setdefault(v, set()).add(c)
             made.update((v, c) for v in e.outvars)
+    for v in casts:
+        made.pop(v, None)  # made where read, never sent
     for v in _vars(jaxpr.outvars):
         last[v] = C
     order = {v: i for i, v in enumerate(made)}

@@ -256,7 +256,8 @@ def plan_cut(graph: Graph, mesh_axes: dict[str, int], constraints: Constraints, 
     if tensor:
         raise tp_error(tensor)
     model = model or CostModel.for_axes(mesh_axes)
-    paths = [op.module_path for op in graph.ops]
+    casts = _param_casts(graph)  # (they come first; the runtime makes them where read)
+    paths = ["" if op.id in casts else op.module_path for op in graph.ops]
     cands = _candidates(paths, constraints.pipeline_pivots)
     starts = balance([_op_cost(model, op) for op in graph.ops], [p for p, _ in cands],
                      S * virtual)
@@ -271,19 +272,32 @@ def plan_cut(graph: Graph, mesh_axes: dict[str, int], constraints: Constraints, 
     return Cut(starts, stage_of, setup)
 
 
+def _param_casts(graph: Graph) -> dict[int, int]:
+    """Op id -> variable id of the ops casting a variable to the compute precision."""
+    var_ids = {t.id for t in graph.variables}
+    return {op.id: op.inputs[0].id for op in graph.ops
+            if op.primitive == "convert_element_type" and len(op.inputs) == 1
+            and op.inputs[0].id in var_ids}
+
+
 def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
                  model: CostModel) -> list[Unit]:
     """``[shared params, chunk 0, ..., chunk C-1, empty]`` priced per sample: compute, kept
-    activations, owned parameter bytes and the bytes sent to the next chunk."""
+    activations, owned parameter bytes and the bytes sent to the next chunk. A parameter's
+    cast to the compute precision is made by each chunk reading it (not sent, not kept)."""
     ops, C = graph.ops, len(starts)
     bounds = list(zip(starts, list(starts[1:]) + [len(ops)], strict=True))
     chunk = [c for c, (a, b) in enumerate(bounds) for _ in range(a, b)]
     variables = {t.id: t for t in graph.variables}
+    casts = _param_casts(graph)
+    alias = {op.outputs[0].id: casts[op.id] for op in ops if op.id in casts}
     made: dict[int, int] = {}
     readers: dict[int, set[int]] = {}
     for i, op in enumerate(ops):
+        if op.id in casts:
+            continue
         for t in op.inputs:
-            readers.setdefault(t.id, set()).add(chunk[i])
+            readers.setdefault(alias.get(t.id, t.id), set()).add(chunk[i])
         made.update((t.id, chunk[i]) for t in op.outputs)
     for t in graph.outputs:
         readers.setdefault(t.id, set()).add(C)
@@ -305,6 +319,6 @@ def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
     for c, (a, b) in enumerate(bounds):
         t = sum(_op_cost(model, op) for op in ops[a:b])
         act = sum(model.activation_bytes(o, (), saved.get(o.id, ()))
-                  for op in ops[a:b] for o in [op] if not o.regions)
+                  for o in ops[a:b] if not o.regions and o.id not in casts)
         units.append(Unit(f"<chunk {c}>", t / batch, act / batch, owned[c], sent[c] / batch))
     return units + [Unit("<end>", 0.0, 0.0, 0.0, 0.0)]

@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.mesh.axes import require_stage_axis
 from nnscaler_jax.pipeline import schedule as sch
-from nnscaler_jax.pipeline.chunks import cut_program, packing, widths
+from nnscaler_jax.pipeline.chunks import cut_program, packing, param_casts, widths
 from nnscaler_jax.pipeline.cut import eqn_path, segment_starts, tp_error
 from nnscaler_jax.pipeline.cut_blocks import local_step
 from nnscaler_jax.pipeline.in_stage import tensor_axes
@@ -105,7 +105,8 @@ class CutProgram:
             self.x_vars = ()
         root = type(module).__name__
         self.seg0 = int(sched.all_device)  # the embedding segment comes first (interlaced)
-        starts = segment_starts([eqn_path(e, root) for e in closed.jaxpr.eqns], stage_of, S,
+        eqns, _ = param_casts(closed, len(abstract))  # (casts go where they are read)
+        starts = segment_starts([eqn_path(e, root) for e in eqns], stage_of, S,
                                 sched.chunks, all_device=sched.all_device)
         self.cut = cut_program(closed, len(abstract), starts, made_first=self.x_vars)
         C, cut = sched.chunks, self.cut

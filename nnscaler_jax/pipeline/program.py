@@ -41,6 +41,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from nnscaler_jax.capture.flax import nnx_call_scopes, path_str
+from nnscaler_jax.capture.precision import Cast
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.lower.replay import explicitly_typed
 
@@ -76,6 +77,7 @@ class StepOptions:
     inputs: int | None = None
     module_kwargs: tuple[tuple[str, Any], ...] = ()
     rng_streams: tuple[str, ...] = ("dropout",)
+    precision: str | None = None  # the plan's compute precision (Constraints, not an option)
 
     @classmethod
     def of(cls, options: dict) -> StepOptions:
@@ -194,6 +196,18 @@ class ModuleCall:
         return state
 
     def __call__(self, params: Any, args: tuple, keys: Sequence[Any]) -> Any:
+        """The module's output; with a compute precision, float parameters and arguments are
+        cast to it on entry and 16-bit results back to float32 (capture/precision.py)."""
+        cast = Cast.of(self.options.precision)
+        if cast is None:
+            return self._call(params, args, keys)
+        flat, tree = jax.tree.flatten(params)
+        params = jax.tree.unflatten(tree, cast.inputs(flat, [True] * len(flat))[0])
+        flat, tree = jax.tree.flatten(args)
+        args = jax.tree.unflatten(tree, cast.inputs(flat, [True] * len(flat))[0])
+        return cast.results(self._call(params, args, keys))
+
+    def _call(self, params: Any, args: tuple, keys: Sequence[Any]) -> Any:
         kw = dict(self.options.module_kwargs)
         if not self.nnx:
             rngs = {s: k for (s, _), k in zip(self.slots, keys, strict=True)} or None

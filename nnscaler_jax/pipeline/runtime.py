@@ -16,9 +16,8 @@ each device reads what it does at step ``t`` from the table at its ``lax.axis_in
 micro-batch ``m``, backward of ``m`` (``jax.vjp`` of the chunk recomputed from its saved input:
 activations are kept only as chunk inputs, in a buffer of the schedule's in-flight size), or
 nothing; activations and cotangents move to the neighbours with ``lax.ppermute`` after a step
-where some stage receives one.
-Gradients are accumulated over micro-batches (loss = mean over micro-batches), averaged over the
-data-parallel axes, and the optax update runs in the same jitted step.
+where some stage receives one. Gradients are accumulated over micro-batches (loss = mean over
+micro-batches), averaged over the data axes; the optax update runs in the same jitted step.
 
 Tensor parallelism inside stages (a policy other than ``'dp'``, e.g. ``'megatron'``): the mesh
 axes not named like data axes (e.g. ``'model'``) are left out of the manual axes of the
@@ -29,6 +28,7 @@ constraints, with layer parameters stored split as that plan says
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -367,12 +367,12 @@ class PipelineStep:
     ``step.init(variables, *batch, rng=key)`` (nnx: its own streams' key unless given) each
     micro-batch and data-parallel shard gets its own keys
     (:func:`~nnscaler_jax.pipeline.program.microbatch_rngs`). An nnx module trains its
-    ``nnx.Param``; ``step.update(state)`` writes them back into it.
+    ``nnx.Param``; ``step.update(state)`` writes them back into it. ``Constraints(precision=
+    'bfloat16')``: float32 master weights cast where each chunk reads them (the cut program).
 
     Attributes:
-        program: the :class:`PipelineProgram` (after :meth:`init`).
-        jitted: the jitted ``step(state, batch)`` (after :meth:`init`), e.g. for
-            ``step.jitted.lower(state, batch).compile().memory_analysis()``.
+        program: the :class:`PipelineProgram` / :class:`CutProgram` (after :meth:`init`).
+        jitted: the jitted ``step(state, batch)`` (after :meth:`init`): ``.lower(...)``.
     """
 
     @property
@@ -391,16 +391,16 @@ class PipelineStep:
                             "auto_parallel(mesh, Constraints(pipeline_stages=4, microbatches=8, "
                             "schedule='1f1b')); without stages use pm.apply inside your own "
                             "jax.jit(jax.grad(...))")
-        unsupported = [f"{name}={value!r}" for name, value in (
-            ("precision", c.precision),
-            ("recompute rules", [str(r) for r in c.rules if r.recompute is not None] or None))
-            if value]
-        if unsupported:  # would run float32 / with its own recompute while the plan says not
-            raise PlanError(f"train_step runs the pipeline in the model's own dtypes, "
-                            f"recomputing every stage: it does not apply Constraints "
-                            f"{', '.join(unsupported)} yet. Drop them for the pipelined step, "
-                            "or use pm.apply inside your own jax.jit(jax.grad(...)) without "
-                            "pipeline stages")
+        rules = [str(r) for r in c.rules if r.recompute is not None]
+        if rules:  # would run with its own recompute while the plan says not
+            raise PlanError(f"train_step recomputes every pipeline stage: it does not apply "
+                            f"Constraints recompute rules {rules} yet. Drop them for the "
+                            "pipelined step, or use the SPMD step without pipeline stages")
+        if pm.precision == "float16":
+            raise PlanError("train_step: the pipelined step has no loss scaling for float16; "
+                            "use Constraints(precision='bfloat16'), or the SPMD step (no "
+                            "pipeline stages), which scales the loss")
+        self.options = dataclasses.replace(self.options, precision=pm.precision)
         self.pm, self.loss_fn, self.optimizer = pm, loss_fn, optimizer
         self.return_grads = return_grads
         self.program: PipelineProgram | CutProgram | None = None
@@ -442,7 +442,8 @@ class PipelineStep:
         # (an in-stage plan that splits nothing) are the user's to see, not a reason to cut.
         stack_error: NotALayerStack | None = None
         # (recycling and all-device blocks run in the cut runtime only)
-        if not (self.pm.constraints.pipeline_pivots or sched.recycles or sched.all_device):
+        if not (self.pm.constraints.pipeline_pivots or sched.recycles or sched.all_device
+                or self.options.precision):  # (casts: made where read, cut program)
             try:
                 self.program = PipelineProgram(*args, **kw)
             except NotALayerStack as e:
