@@ -4,6 +4,12 @@
 activations, buffers and scratch; ``argument`` = params, optimizer state and batch) for GPT
 (8 layers, d 128, seq 128) on a (stage 4, data 2) mesh of 8 CPU devices at 8 micro-batches.
 
+``--t5``: T5 ``t5-nnscaler-8gpu`` (11.6B, abstract) on the ``v100-32g-8x`` cluster preset, cut
+at module boundaries (:func:`~nnscaler_jax.pipeline.cut.plan_cut`) on 8 devices as (stage, data)
+= (2, 4), (4, 2), (8, 1), global batch 32: each schedule's best priced row (interlaced, 1F1B,
+GPipe, interleaved; :mod:`nnscaler_jax.pipeline.pricing`) and the runtime-restricted stage DP's
+own choice (what ``pipeline_stages="auto"`` picks: fitting first, then fastest).
+
 ``--search``: GPT-3 175B (unrolled, abstract, micro-batch 1) on 64 abstract H100s (8 per
 node, the ``h100-80g-8x`` cluster preset of :mod:`nnscaler_jax.cost.devices`): our stage DP (:func:`search_stages`), the Alpa-style inter-op DP
 (:func:`alpa_pipeline_search`) and a Megatron-style 3-D plan (8-way TP x 8 stages), each
@@ -11,7 +17,7 @@ stage priced by the same pricer (:func:`price_stage`: its intra-op plan by our I
 Alpa-style ILP / the megatron policy, the cost model at the micro-batch, recompute) and the same
 objective ``sum t + (B - 1) max t + max sync``. Writes results/bench_pipeline.json (+ .md).
 
-    .venv/bin/python scripts/bench_pipeline.py [--search [--layers 8] [--alpa-limit 600]]
+    .venv/bin/python scripts/bench_pipeline.py [--t5] [--search [--layers 8] [--alpa-limit 600]]
 """
 
 import json
@@ -46,6 +52,7 @@ def measure(schedule: str, stages: int = 4, micro: int = 8, mb_size: int = 4) ->
                                          schedule=schedule))(spec.module)
     step = pm.train_step(spec.loss_fn, optax.adam(1e-3))
     state = step.init({"params": params}, tokens)
+    predicted = step.plan.cost.memory_bytes_per_device
     t0 = time.perf_counter()
     compiled = step.lower(state, tokens).compile()
     compile_s = time.perf_counter() - t0
@@ -61,7 +68,8 @@ def measure(schedule: str, stages: int = 4, micro: int = 8, mb_size: int = 4) ->
         "schedule": schedule, "stages": stages, "microbatches": micro, "data": dp,
         "microbatch_size": mb_size, "time_steps": int(prog.tables.kind.shape[0]),
         "peak_in_flight": list(sch.peak_in_flight(prog.schedule)),
-        "input_buffer_slots": prog.tables.n_in, "stage_input_bytes": act,
+        "input_buffer_slots": prog.tables.n_in, "cotangent_buffer_slots": prog.tables.n_g,
+        "stage_input_bytes": act, "predicted_bytes": int(predicted),
         "temp_bytes": int(mem.temp_size_in_bytes),
         "argument_bytes": int(mem.argument_size_in_bytes),
         "output_bytes": int(mem.output_size_in_bytes),
@@ -78,7 +86,7 @@ OUT = os.path.join(os.path.dirname(__file__), "..", "results", "bench_pipeline.j
 
 def _unit_starts(graph) -> list[int]:
     """Op index where each stage-DP unit (prefix, layers, suffix) starts, + len(ops)."""
-    from nnscaler_jax.pipeline.stages import graph_layers
+    from nnscaler_jax.ir.layers import graph_layers
 
     where = graph_layers(graph)
     return [0] + [a for a, _ in where.bounds] + [where.end, len(graph.ops)]
@@ -169,25 +177,172 @@ def run(layers: int, alpa_limit: float, global_batch: int) -> dict:
         "step_time_s": r.step_time_s, "memory_gib": [m / 2**30 for m in r.memory_bytes],
         "capped": r.capped}
     print(str(r), flush=True)
-    md = os.path.splitext(OUT)[0] + ".md"
-    rows = [("ours (stage DP + our ILP per stage)", ours.get("search_plus_stage_ilps_s", dp_s),
-             ours.get("step_time_s", float("nan")),
-             f"{best.stages} stages x tp {best.tp} x dp {best.dp}, M {best.microbatches}"),
-            ("Alpa-style inter-op DP", r.search_s, r.step_time_s,
-             f"{len(r.stages)} stages, M {r.microbatches}, L {layers}"
-             + (" (capped)" if r.capped else "")),
-            ("Megatron 3-D (hand)", 0.0, mega["step_time_s"],
-             f"8 stages x tp 8, M {global_batch}")]
-    with open(md, "w") as f:
-        f.write(f"# Stage search on GPT-3 175B, {N} H100 ({per_node} per node), "
-                f"{mem / 1e9:.0f} GB, global batch "
-                f"{global_batch} (predicted)\n\n| planner | search s | step s | plan |\n"
-                "|---|---|---|---|\n")
-        f.writelines(f"| {name} | {s_:.1f} | {t:.2f} | {desc} |\n" for name, s_, t, desc in rows)
-        f.write(f"\nOur stage DP alone: {dp_s:.2f} s (its own unit model predicts "
-                f"{best.step_time_s:.2f} s). Alpa: {r.profiles[0]} stage ILPs for "
-                f"{r.profiles[1]} profile requests; {r.capped or 'not capped'}.\n")
     return out
+
+
+# ---- T5 (nnScaler's 8-GPU artifact) on V100s: schedules of the cut program, priced ----------
+
+T5_CLUSTER = "v100-32g-8x"
+T5_MESHES = [{"stage": 2, "data": 4}, {"stage": 4, "data": 2}, {"stage": 8}]
+T5_SCHEDULES = ["interlaced", "1f1b", "gpipe", "interleaved"]
+
+
+def _row(r) -> dict:
+    return {"schedule": r.schedule, "virtual": r.virtual, "microbatches": r.microbatches,
+            "microbatch_size": r.microbatch_size, "step_time_s": r.step_time_s,
+            "bubble_s": r.bubble_s, "compute_s": r.compute_s, "comm_s": r.comm_s,
+            "memory_gib": [m / 2**30 for m in r.memory_bytes],
+            "peak_gib": max(r.memory_bytes) / 2**30, "fits": r.fits}
+
+
+def t5(global_batch: int = 32) -> dict:
+    """Each schedule's best row and the stage DP's choice per mesh (see the module doc)."""
+    from nnscaler_jax.capture.trace import capture_spec
+    from nnscaler_jax.constraints import Constraints
+    from nnscaler_jax.cost.devices import default_budget
+    from nnscaler_jax.cost.model import CostModel
+    from nnscaler_jax.errors import PlanError
+    from nnscaler_jax.pipeline.cut import plan_cut
+
+    cluster = cluster_preset(T5_CLUSTER)
+    graph = capture_spec(models.get("t5", "t5-nnscaler-8gpu", batch_size=global_batch)).graph
+    out = {"model": "t5-nnscaler-8gpu (11.6B, vocab 1,024,000 tied, seq 1024 / 1024), fp32 "
+           "params + Adam", "cluster": T5_CLUSTER, "global_batch": global_batch, "meshes": []}
+    for axes in T5_MESHES:
+        cm = CostModel.for_cluster(cluster, axes)
+        budget = default_budget(axes, cluster)
+        entry = {"mesh": axes, "budget_gib": budget / 2**30, "schedules": {}}
+        for name in T5_SCHEDULES:
+            try:
+                cut = plan_cut(graph, axes, Constraints(pipeline_stages=axes["stage"],
+                                                        schedule=name),
+                               None, 2 if name == "interleaved" else 1, cm)
+                rows = cut.setup.choices(budget, schedule=name)
+            except PlanError as e:
+                entry["schedules"][name] = {"error": str(e).splitlines()[0][:200]}
+                continue
+            entry["schedules"][name] = _row(rows[0])
+            if name == "1f1b":  # the runtime-restricted stage DP (pipeline_stages="auto")
+                entry["dp_choice"] = _row(cut.setup.choices(budget)[0])
+                entry["units"] = [{"name": u.name, "time_s": u.time_s,
+                                   "param_gib": u.param_bytes / 2**30,
+                                   "act_gib_per_sample": u.act_bytes / 2**30,
+                                   "out_mib_per_sample": u.out_bytes / 2**20}
+                                  for u in cut.setup.units]
+        out["meshes"].append(entry)
+        print(axes, {k: (round(v.get("step_time_s", 0), 2), round(v.get("peak_gib", 0), 1),
+                         v.get("microbatches")) for k, v in entry["schedules"].items()},
+              flush=True)
+    return out
+
+
+# ---- results/bench_pipeline.md from the JSON ------------------------------------------------
+
+
+def _memory_md(rows: list[dict]) -> list[str]:
+    mib = lambda b: f"{b / 2**20:.2f}"
+    r0 = rows[0]
+    lines = ["## Measured: XLA compiled memory of the pipelined step (CPU, 8 devices)", "",
+             (f"GPT (8 layers, d 128, seq 128), stage {r0['stages']} x data {r0['data']}, "
+             f"{r0['microbatches']} micro-batches of {r0['microbatch_size']}, Adam; per device, "
+             "MiB. `predicted`: the plan's `cost.memory_bytes_per_device`; step times are CPU "
+             "(devices share 2 cores), not meaningful for speed."), "",
+             ("| schedule | time steps | input / cotangent slots | peak in flight | predicted | "
+             "XLA temp | XLA argument | compile s | step s |"), "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['schedule']} | {r['time_steps']} | {r['input_buffer_slots']} / "
+                     f"{r.get('cotangent_buffer_slots', '-')} | {r['peak_in_flight']} | "
+                     f"{mib(r['predicted_bytes']) if 'predicted_bytes' in r else '-'} | "
+                     f"{mib(r['temp_bytes'])} | {mib(r['argument_bytes'])} | "
+                     f"{r['compile_s']} | {r['step_s']} |")
+    by = {r["schedule"]: r for r in rows}
+    if all("predicted_bytes" in r for r in rows) and {"gpipe", "1f1b"} <= set(by):
+        g, o = by["gpipe"], by["1f1b"]
+        meas = (g["temp_bytes"] + g["argument_bytes"]) - (o["temp_bytes"] + o["argument_bytes"])
+        lines += ["", (f"GPipe - 1F1B: predicted "
+                  f"{mib(g['predicted_bytes'] - o['predicted_bytes'])} MiB, measured (temp + "
+                  f"argument) {mib(meas)} MiB. The absolute predictions are below XLA's: the "
+                  "schedule-independent terms (one chunk's recomputed activations, the step's "
+                  "gradient / update temporaries) are under-priced; see "
+                  "results/bench_pipeline_memory.md.")]
+    return lines + [""]
+
+
+def _t5_md(t: dict) -> list[str]:
+    lines = [(f"## T5 {t['model']} on {t['cluster']}, global batch {t['global_batch']} "
+             "(predicted)"), "",
+             ("Cut at module boundaries (the cut-program runtime). Per schedule its best row "
+             "(fitting first, then fastest); `DP choice`: the runtime-restricted stage DP "
+             "(`pipeline_stages=\"auto\"`, schedules gpipe / 1f1b). Step s / peak GiB per device "
+             "/ micro-batches x size."), "",
+             "| mesh | budget GiB | " + " | ".join(T5_SCHEDULES) + " | DP choice |",
+             "|---" * (len(T5_SCHEDULES) + 3) + "|"]
+    mesh_of = lambda e: " x ".join(f"{k} {v}" for k, v in e["mesh"].items())
+    cell = lambda r: ("-" if r is None or "error" in r else
+                      f"{r['step_time_s']:.1f} / {r['peak_gib']:.1f} / {r['microbatches']} x "
+                      f"{r['microbatch_size']}" + ("" if r["fits"] else " (over)"))
+    for e in t["meshes"]:
+        mesh = mesh_of(e)
+        dp = e.get("dp_choice")
+        lines.append(f"| {mesh} | {e['budget_gib']:.1f} | "
+                     + " | ".join(cell(e["schedules"].get(s)) for s in T5_SCHEDULES)
+                     + f" | {dp['schedule'] + ' ' + cell(dp) if dp else '-'} |")
+    e = t["meshes"][0]
+    g, o = e["schedules"]["gpipe"], e["schedules"]["1f1b"]
+    shared = e["units"][0]["param_gib"]
+    lines += ["", (
+        f"1F1B slower than GPipe at about the same memory ({mesh_of(e)}: {o['step_time_s']:.1f} s "
+        f"vs {g['step_time_s']:.1f} s, {o['peak_gib']:.2f} vs {g['peak_gib']:.2f} GiB) is the "
+        "runtime, not a pricing error: the runtime walks the step table in lock step (each "
+        "time step ends with both `ppermute`s, so it lasts as long as its slowest block), and "
+        "1F1B's table puts one stage's forward beside another's backward in every steady-state "
+        "step, each then lasting a backward (recomputed forward + backward, about 3 forwards); "
+        "GPipe's table pairs forwards with forwards and backwards with backwards. The memory "
+        "is nearly equal because stages keep only their input per in-flight micro-batch "
+        "(recompute): 1F1B saves a few input slots of tens of MiB, while every stage holds "
+        f"the replicated tied embedding ({shared:.1f} GiB, x4 with gradient and Adam state) "
+        "and one chunk's recomputed activations. Interlaced's table pairs like blocks too "
+        "(GPipe's time at 1F1B's memory); on this cut its E / H / W blocks are priced empty "
+        "(the cut's first and last chunks hold the embedding and head).")]
+    return lines + [""]
+
+
+def _search_md(d: dict) -> list[str]:
+    ours, a, mega = d["ours"], d["alpa_interop"], d["megatron_3d"]
+    rows = [("ours (stage DP + our ILP per stage)",
+             ours.get("search_plus_stage_ilps_s", ours["search_s"]),
+             ours.get("step_time_s", float("nan")),
+             (f"{ours['stages']} stages x tp {ours['tp']} x dp {ours['dp']}, "
+             f"M {ours['microbatches']}")),
+            ("Alpa-style inter-op DP", a["search_s"], a["step_time_s"],
+             f"{len(a['stages'])} stages, M {a['microbatches']}, L {a['layers']}"
+             + (" (capped)" if a["capped"] else "")),
+            ("Megatron 3-D (hand)", 0.0, mega["step_time_s"],
+             f"8 stages x tp 8, M {d['global_batch']}")]
+    lines = [(f"## Stage search on GPT-3 175B, {d['devices']} H100 ({d['per_node']} per node), "
+             f"{d['memory_per_device_gib'] * 2**30 / 1e9:.0f} GB, global batch {d['global_batch']} "
+             "(predicted)"), "", "| planner | search s | step s | plan |", "|---|---|---|---|"]
+    lines += [f"| {n} | {s_:.1f} | {t:.2f} | {desc} |" for n, s_, t, desc in rows]
+    lines += ["", f"Our stage DP alone: {ours['search_s']:.2f} s (its own unit model predicts "
+              f"{ours['own_prediction_s']:.2f} s). Alpa: {a['ilps']} stage ILPs for "
+              f"{a['profile_requests']} profile requests; {a['capped'] or 'not capped'}."
+              + (f" {d['note']}" if d.get("note") else ""), ""]
+    return lines
+
+
+def _write(data: dict) -> None:
+    with open(OUT, "w") as f:
+        json.dump(data, f, indent=1)
+    lines = ["# Pipelines", "", ("Written by scripts/bench_pipeline.py from "
+             "results/bench_pipeline.json."), ""]
+    if "rows" in data:
+        lines += _memory_md(data["rows"])
+    if "t5" in data:
+        lines += _t5_md(data["t5"])
+    if "search_175b" in data:
+        lines += _search_md(data["search_175b"])
+    with open(os.path.splitext(OUT)[0] + ".md", "w") as f:
+        f.write("\n".join(lines))
 
 
 def _load() -> dict:
@@ -202,19 +357,24 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8, help="Alpa's layer clustering L")
     ap.add_argument("--alpa-limit", type=float, default=600.0, help="Alpa profiling seconds")
     ap.add_argument("--global-batch", type=int, default=1536)
+    ap.add_argument("--t5", action="store_true", help="T5 schedules on v100-32g-8x (priced)")
     args = ap.parse_args()
+    data = _load()
+    if args.t5:
+        data["t5"] = t5()
+        _write(data)
+        return
     if args.search:
-        data = _load()
         data["search_175b"] = run(args.layers, args.alpa_limit, args.global_batch)
-        with open(OUT, "w") as f:
-            json.dump(data, f, indent=1)
+        if args.alpa_limit < 600:
+            data["search_175b"]["note"] = (f"Reduced run: Alpa's profiling capped at "
+                                           f"{args.alpa_limit:.0f} s (default 600 s).")
+        _write(data)
         return
     rows = [measure(s) for s in ("gpipe", "1f1b", "interleaved")]
-    data = _load()
     data.update({"note": "XLA compiled memory_analysis per device of the jitted pipelined "
                  "train step (CPU, 8 virtual devices)", "rows": rows})
-    with open(OUT, "w") as f:
-        json.dump(data, f, indent=1)
+    _write(data)
     for r in rows:
         print(f"{r['schedule']:>12}: temp {r['temp_bytes'] / 2**20:8.2f} MiB, slots "
               f"{r['input_buffer_slots']}, peak in flight {r['peak_in_flight']}, "

@@ -5,8 +5,9 @@ virtual`` equal contiguous chunks and walks a schedule's step table in lock step
 prices every (schedule, micro-batch count) it can run from the model's units
 (:func:`nnscaler_jax.pipeline.units.layer_units`) with the cost model's links: per time step the
 slowest stage's work plus both ``ppermute``\\ s, then the gradient syncs; memory per stage with
-the schedule's in-flight stage inputs. :func:`runtime_setup` splits a mesh as the runtime does
-(stage axis, data-parallel and tensor-parallel axes) and prices a graph's units on it.
+the buffer slots the runtime's loop keeps stage inputs and cotangents in. :func:`runtime_setup`
+splits a mesh as the runtime does (stage axis, data-parallel and tensor-parallel axes) and
+prices a graph's units on it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from nnscaler_jax.mesh.axes import require_stage_axis
 from nnscaler_jax.mesh.topology import LinkCost, all_reduce_time, ppermute_time
 from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.in_stage import tensor_axes
+from nnscaler_jax.pipeline.loop_tables import loop_tables
 from nnscaler_jax.pipeline.units import Unit, layer_units
 
 __all__ = ["RuntimeChoice", "RuntimeSetup", "runtime_choices", "runtime_setup", "runtime_time"]
@@ -38,8 +40,8 @@ class RuntimeChoice:
             both ``ppermute``\\ s, + gradient sync.
         bubble_s: the schedule table's time (without gradient sync) minus the busiest stage's
             work.
-        memory_bytes: per stage (params + grads + optimizer + in-flight stage inputs + one
-            chunk's activations).
+        memory_bytes: per stage (params + grads + optimizer + the runtime's activation and
+            cotangent buffer slots + one chunk's activations).
         fits: within the memory budget.
         compute_s: the busiest stage's compute seconds over the step (forward, recomputed
             forward, backward of all its micro-batches).
@@ -76,10 +78,13 @@ def runtime_time(sched, fwd: list[float], bwd: list[float], p2p: float,
 
     The runtime walks the table in lock step: time step ``t`` lasts as long as the slowest
     stage's work at ``t`` (``fwd[c]`` / ``bwd[c]`` of chunk ``c``; a no-grad forward ``N`` costs
-    ``fwd[c]``; an all-device block ``all_device[kind]``) and then both ``ppermute``\\ s
-    (``p2p`` seconds together). ``table``: ``sch.timeline(sched)`` when already made.
+    ``fwd[c]``; an all-device block ``all_device[kind]``, run by the stage holding its data,
+    ``E`` / ``W`` stage 0 and ``H`` the last chunk's stage, while the others wait) and then both
+    ``ppermute``\\ s (``p2p`` seconds together). ``table``: ``sch.timeline(sched)`` when
+    already made.
     """
     S, extra = sched.stages, all_device or {}
+    runs = {"E": 0, "W": 0, "H": (sched.chunks - 1) % S}
     total, busy = 0.0, [0.0] * S
     for row in sch.timeline(sched) if table is None else table:
         dur = 0.0
@@ -89,7 +94,8 @@ def runtime_time(sched, fwd: list[float], bwd: list[float], p2p: float,
             c = st.virtual * S + s
             w = (extra.get(st.kind, 0.0) if st.all_device
                  else bwd[c] if st.kind == "B" else fwd[c])
-            busy[s] += w
+            if not st.all_device or runs.get(st.kind, s) == s:
+                busy[s] += w
             dur = max(dur, w)
         total += dur + p2p
     return total, total - max(busy)
@@ -117,16 +123,17 @@ def runtime_choices(units: list[Unit], stages: int, dp: int, batch: int,
     :class:`~nnscaler_jax.pipeline.steps.Schedule` (written with ``op_order``: its own
     micro-batch count).
 
-    ``'interlaced'`` (all-device blocks): the prefix (embedding) and suffix (head + loss) run on
-    every stage, split ``stages`` ways (vocabulary-split: compute and parameters / ``stages``,
-    plus an all-reduce of their activation over the stage link), not with chunk 0 / the last
-    chunk. ``'nf1b'``: each no-grad pass costs a chunk's forward.
+    ``'interlaced'`` (all-device blocks): the prefix (embedding, ``E`` / ``W``) and suffix (head
+    + loss, ``H``) run as their own blocks, not with chunk 0 / the last chunk, each on the one
+    stage holding its data while the others wait (as the cut runtime executes them, not
+    vocabulary-split as in nnScaler); their parameters replicated on every stage. ``'nf1b'``:
+    each no-grad pass costs a chunk's forward.
 
     ``tp`` > 1: stages are also tensor-parallel inside (:mod:`nnscaler_jax.pipeline.in_stage`),
     priced as Megatron, like :func:`~nnscaler_jax.pipeline.stage_dp.search_stages`: unit compute
     and parameters / ``tp``, each unit's ``tp_collectives`` all-reduces of its output activation
     over ``tp_link`` (half in the forward, half in the backward; the recomputed forward repeats
-    its half), one chunk's activations / ``tp``; the in-flight stage inputs and the
+    its half), one chunk's activations / ``tp``; the buffered stage inputs and the
     ``ppermute``\\ d activations stay whole (replicated over the tensor-parallel axes).
 
     Raises:
@@ -220,67 +227,78 @@ def _price(w: _Ways, name: str | sch.Schedule, V: int, M: int) -> RuntimeChoice:
     units, S, dp, tp = w.units, w.stages, w.dp, w.tp
     n, C = len(units), S * V
     sched = name if isinstance(name, sch.Schedule) else sch.build(name, S, M, V)
-    split = S if sched.all_device else 1  # interlaced: prefix / suffix on every stage
     bounds = _chunk_bounds(n, n - 2, C)
-    if split > 1:
+    if sched.all_device:  # interlaced: prefix / suffix in their own blocks
         bounds = [(max(a, 1), min(b, n - 1)) for a, b in bounds]
     mb = w.batch // (M * dp)
     work = _chunk_work(w, bounds, mb)
     msg = max(units[b - 1].out_bytes * mb for a, b in bounds)
     p2p = 2 * ppermute_time(w.stage_link, S, msg) if S > 1 else 0.0
-    alld, alld_compute = _all_device_work(w, mb) if split > 1 else ({}, 0.0)
+    alld, alld_compute = _all_device_work(w, mb) if sched.all_device else ({}, [0.0] * S)
     table = sch.timeline(sched)
     step, bubble = runtime_time(sched, work.fwd, work.bwd, p2p, alld, table=table)
     params = [sum(sum(u.param_bytes for u in units[max(a, 1):min(b, n - 1)])
                   for c, (a, b) in enumerate(bounds) if c % S == s) / tp
               for s in range(S)]
     mine = [[c for c in range(C) if c % S == s] for s in range(S)]
-    top = max(range(S), key=lambda s: sum(work.fwd[c] + work.bwd[c] for c in mine[s]))
-    shared_grad = w.shared / (1 + w.optimizer_bytes) / split
+    top = max(range(S), key=lambda s: sum(work.fwd[c] + work.bwd[c] for c in mine[s])
+              + alld_compute[s])
+    shared_grad = w.shared / (1 + w.optimizer_bytes)
     grad = params[top] + shared_grad
     dsync = max(all_reduce_time(w.data_link, dp, p + shared_grad)
                 for p in params) if dp > 1 else 0.0
-    ssync = all_reduce_time(w.stage_link, S, shared_grad) if S > 1 and split == 1 else 0.0
+    ssync = all_reduce_time(w.stage_link, S, shared_grad) if S > 1 else 0.0
     step = step + dsync + ssync
     steps = len(table)
     compute = M * (sum(work.compute[c] * (4 + sched.recycles) / 3 for c in mine[top])
-                   + alld_compute)
+                   + alld_compute[top])
     comm = steps * p2p + M * sum(3 * work.ar[c] for c in mine[top]) + dsync + ssync
     sent = (steps * 2 * msg if S > 1 else 0.0) \
         + M * sum(3 * work.ar_bytes[c] for c in mine[top]) + _wire(dp, grad) \
         + _wire(S, shared_grad)
-    mem = _stage_memory(w, bounds, mine, params, sch.peak_in_flight(sched), mb,
-                        w.shared / split)
+    tables = loop_tables(sched, "FBNEHW")
+    mem = _stage_memory(w, bounds, mine, params, tables.n_in + tables.n_g, mb,
+                        sched.all_device)
     fits = w.budget is None or max(mem) <= w.budget
     return RuntimeChoice(sched.name, V, M, mb, step, bubble, tuple(mem), fits, compute, comm,
                          sent)
 
 
-def _all_device_work(w: _Ways, mb: int) -> tuple[dict[str, float], float]:
-    """Seconds of the all-device blocks (interlaced): ``E`` the prefix's forward, ``H`` the
-    suffix's forward + backward, ``W`` the prefix's backward, each split over the stages, with
-    an all-reduce of the activation they exchange over the stage link; and their compute
-    seconds per micro-batch."""
+def _all_device_work(w: _Ways, mb: int) -> tuple[dict[str, float], list[float]]:
+    """Seconds of the all-device blocks (interlaced), each on one stage (the cut runtime's
+    ``embed`` / ``head`` / ``embed_bwd``): ``E`` the prefix's forward, ``H`` the suffix's
+    forward + backward (one ``vjp``), ``W`` the prefix's backward (a ``vjp`` recomputing its
+    forward); and per stage the compute seconds per micro-batch they put on it."""
     pre, post, S = w.units[0], w.units[-1], w.stages
-    t = lambda u: u.time_s * mb / (w.tp * S)
-    ar = lambda u: all_reduce_time(w.stage_link, S, u.out_bytes * mb) if S > 1 else 0.0
-    hidden = w.units[-2]
-    work = {"E": t(pre) / 3 + ar(pre), "H": t(post) * 4 / 3 + ar(hidden),
-            "W": t(pre) * 2 / 3}
-    return work, t(pre) * 4 / 3 + t(post) * 4 / 3
+    t = lambda u: u.time_s * mb / w.tp
+    work = {"E": t(pre) / 3, "H": t(post), "W": t(pre)}
+    per_stage = [0.0] * S
+    per_stage[0] += work["E"] + work["W"]
+    per_stage[-1] += work["H"]  # the last chunk's stage (interlaced: one chunk per stage)
+    return work, per_stage
 
 
 def _stage_memory(w: _Ways, bounds: list[tuple[int, int]], mine: list[list[int]],
-                  params: list[float], peaks: tuple[int, ...], mb: int,
-                  shared: float) -> list[float]:
+                  params: list[float], slots: int, mb: int, all_device: bool) -> list[float]:
     """Per stage: its parameters with gradients and optimizer state, the prefix / suffix
-    (``shared`` bytes), its in-flight stage inputs and one chunk's activations."""
+    (replicated), the runtime's activation and cotangent buffers and one chunk's activations
+    (the backward recomputes the chunk from its saved input; ``all_device``: or the prefix's /
+    suffix's on the stage running their blocks, if larger).
+
+    The buffers are the loop's carry (:func:`~nnscaler_jax.pipeline.loop_tables.loop_tables`:
+    ``n_in + n_g`` = ``slots``), allocated alike on every device of the SPMD program, each slot
+    as wide as the widest chunk input (the cut runtime packs every boundary to the widest); not
+    the stage's own in-flight count: a slot is taken when the activation arrives, before the
+    stage's forward, and stage 0 keeps the others' count though its chunk-0 input is the batch.
+    """
     units, mem = w.units, []
+    inp = max(units[max(a - 1, 0)].out_bytes * mb for a, _ in bounds)
     for s in range(w.stages):
-        inp = max(units[max(bounds[c][0] - 1, 0)].out_bytes * mb for c in mine[s])
-        act = max(sum(u.act_bytes for u in units[bounds[c][0]:bounds[c][1]]) * mb / w.tp
-                  for c in mine[s])
-        mem.append(params[s] * (1 + w.optimizer_bytes) + shared + peaks[s] * inp + act)
+        acts = [sum(u.act_bytes for u in units[a:b]) for a, b in (bounds[c] for c in mine[s])]
+        if all_device:
+            acts += [units[0].act_bytes] * (s == 0) + [units[-1].act_bytes] * (s == w.stages - 1)
+        act = max(acts) * mb / w.tp
+        mem.append(params[s] * (1 + w.optimizer_bytes) + w.shared + slots * inp + act)
     return mem
 
 

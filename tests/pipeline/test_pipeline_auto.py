@@ -115,9 +115,10 @@ def test_runtime_tensor_parallel_closed_form():
     b = 6.0 / 2 * 2 / 3 + 2 * 1.0 + f   # backward + 2 all-reduces + recomputed forward
     assert row.step_time_s == pytest.approx(3 * (f + b))
     assert row.compute_s == pytest.approx(2 * 6.0 / 2 * 4 / 3) and row.comm_s == 2 * 6 * 1.0
-    # params / tp (layer + replicated prefix / suffix) x (1 + Adam's 3), 2 GPipe inputs in
-    # flight (whole: replicated over the tensor axis), one chunk's activations / tp
-    assert row.memory_bytes == (pytest.approx((16 + 16) / 2 * 4 + 2 * 4.0 + 10 / 2),) * 2
+    # params / tp (layer + replicated prefix / suffix) x (1 + Adam's 3), the runtime's 2 input
+    # + 1 cotangent buffer slots (whole: replicated over the tensor axis), one chunk's
+    # activations / tp
+    assert row.memory_bytes == (pytest.approx((16 + 16) / 2 * 4 + 3 * 4.0 + 10 / 2),) * 2
     one, = runtime_choices(units, 2, 1, 2, microbatches=2, schedule="gpipe", stage_link=free)
     assert one.step_time_s == pytest.approx(3 * (2.0 + 4.0 + 2.0))  # tp = 1: no all-reduces
 

@@ -1,0 +1,110 @@
+"""1F1B vs GPipe: XLA's compiled memory of the pipelined step against the pipeline pricing.
+
+GPT (4 layers, d 64, seq 1024, vocab 64: activations dominate, parameters are small) on a
+(stage 2, data 4) mesh of 8 CPU devices at 8 micro-batches of 1 sample. For each schedule the
+public API plans (``auto_parallel(mesh, Constraints(pipeline_stages=2, microbatches=8,
+schedule=...))``), ``step.plan.cost.memory_bytes_per_device`` is what the pricing
+(:mod:`nnscaler_jax.pipeline.pricing`) predicts, and ``step.lower(...).compile()
+.memory_analysis()`` what XLA allocates per device (``temp`` = activations, buffers and scratch;
+``argument`` = parameters, optimizer state and batch). The criterion (issue 16): the measured
+GPipe - 1F1B difference is within 15% of the predicted one. Writes
+results/bench_pipeline_memory.json (+ .md).
+
+    .venv/bin/python scripts/bench_pipeline_memory.py
+"""
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import jax
+import optax
+
+import models
+from nnscaler_jax import Constraints, auto_parallel
+
+CONFIG = {"n_layers": 4, "d_model": 64, "n_heads": 2, "seq_len": 1024, "n_positions": 1024,
+          "vocab_size": 64}
+STAGES, DATA, MICRO, MB_SIZE = 2, 4, 8, 1
+TOLERANCE = 0.15
+OUT = os.path.join(os.path.dirname(__file__), "..", "results", "bench_pipeline_memory.json")
+
+
+def measure(schedule: str, config: dict = CONFIG, stages: int = STAGES, data: int = DATA,
+            micro: int = MICRO, mb_size: int = MB_SIZE) -> dict:
+    """One schedule: the plan's predicted bytes per device and XLA's compiled memory."""
+    spec = models.get("gpt", "tiny", batch_size=micro * data * mb_size, **config)
+    (tokens,) = spec.make_args()
+    variables = spec.init(jax.random.PRNGKey(0))
+    mesh = jax.make_mesh((stages, data), ("stage", "data"), devices=jax.devices()[:8])
+    pm = auto_parallel(mesh, Constraints(pipeline_stages=stages, microbatches=micro,
+                                         schedule=schedule))(spec.module)
+    step = pm.train_step(spec.loss_fn, optax.sgd(1e-3))
+    state = step.init(variables, tokens)
+    mem = step.lower(state, tokens).compile().memory_analysis()
+    tables = step.program.tables
+    return {"schedule": schedule, "predicted_bytes": int(step.plan.cost.memory_bytes_per_device),
+            "temp_bytes": int(mem.temp_size_in_bytes),
+            "argument_bytes": int(mem.argument_size_in_bytes),
+            "output_bytes": int(mem.output_size_in_bytes),
+            "input_slots": tables.n_in, "cotangent_slots": tables.n_g,
+            "stage_input_bytes": mb_size * spec.config.seq_len * spec.config.d_model * 4}
+
+
+def compare(rows: dict[str, dict]) -> dict:
+    """GPipe - 1F1B: predicted and measured (``temp + argument``) differences and their ratio."""
+    g, o = rows["gpipe"], rows["1f1b"]
+    total = lambda r: r["temp_bytes"] + r["argument_bytes"]
+    predicted = g["predicted_bytes"] - o["predicted_bytes"]
+    measured = total(g) - total(o)
+    ratio = measured / predicted if predicted else float("nan")
+    return {"predicted_diff_bytes": predicted, "measured_diff_bytes": measured,
+            "temp_diff_bytes": g["temp_bytes"] - o["temp_bytes"], "ratio": ratio,
+            "within_tolerance": abs(ratio - 1) <= TOLERANCE}
+
+
+def main() -> None:
+    rows = {s: measure(s) for s in ("gpipe", "1f1b")}
+    cmp = compare(rows)
+    out = {"model": f"gpt {CONFIG}", "mesh": f"stage {STAGES} x data {DATA}",
+           "microbatches": MICRO, "microbatch_size": MB_SIZE, "tolerance": TOLERANCE,
+           "rows": list(rows.values()), "comparison": cmp}
+    with open(OUT, "w") as f:
+        json.dump(out, f, indent=1)
+    mib = lambda b: f"{b / 2**20:.3f}"
+    lines = ["# Pipeline memory: 1F1B vs GPipe, XLA compiled vs predicted", "",
+             (f"GPT {CONFIG}, stage {STAGES} x data {DATA} (8 CPU devices), {MICRO} micro-batches "
+             f"of {MB_SIZE}; per device, MiB. measured = XLA temp + argument."), "",
+             ("| schedule | predicted | XLA temp | XLA argument | measured | input slots | "
+             "cotangent slots |"), "|---|---|---|---|---|---|---|"]
+    for r in rows.values():
+        lines.append(f"| {r['schedule']} | {mib(r['predicted_bytes'])} | {mib(r['temp_bytes'])} "
+                     f"| {mib(r['argument_bytes'])} | "
+                     f"{mib(r['temp_bytes'] + r['argument_bytes'])} | {r['input_slots']} | "
+                     f"{r['cotangent_slots']} |")
+    lines += ["", (f"GPipe - 1F1B: predicted {mib(cmp['predicted_diff_bytes'])} MiB, measured "
+              f"{mib(cmp['measured_diff_bytes'])} MiB (temp alone "
+              f"{mib(cmp['temp_diff_bytes'])}), measured / predicted = {cmp['ratio']:.3f} "
+              f"({'within' if cmp['within_tolerance'] else 'OUTSIDE'} "
+              f"{TOLERANCE:.0%})."), "",
+              ("The schedule-dependent term is the runtime's loop carry: `input slots + cotangent "
+               "slots` stage inputs on every device (loop_tables' `n_in + n_g`), priced so since "
+               "issue 16; it was each stage's own in-flight count (`peak_in_flight`: GPipe 8 / 8, "
+               "1F1B 2 / 1), which misses a slot taken on arrival before the forward and prices "
+               "the last stage with one input where the device holds `n_in`. The absolute "
+               "predictions are below XLA's: the schedule-independent terms (one chunk's "
+               "recomputed activations, gradient accumulators and update temporaries, the "
+               "`ppermute` send / receive buffers) are under-priced; they cancel in the "
+               "difference."), ""]
+    with open(os.path.splitext(OUT)[0] + ".md", "w") as f:
+        f.write("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
