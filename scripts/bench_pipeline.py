@@ -301,9 +301,12 @@ def _t5_md(t: dict) -> list[str]:
         "is nearly equal because stages keep only their input per in-flight micro-batch "
         "(recompute): 1F1B saves a few input slots of tens of MiB, while every stage holds "
         f"the replicated tied embedding ({shared:.1f} GiB, x4 with gradient and Adam state) "
-        "and one chunk's recomputed activations. Interlaced's table pairs like blocks too "
-        "(GPipe's time at 1F1B's memory); on this cut its E / H / W blocks are priced empty "
-        "(the cut's first and last chunks hold the embedding and head).")]
+        "and one chunk's recomputed activations. Interlaced's table pairs like blocks too, "
+        "but its E / H / W blocks (the ops before the first and after the last repeated "
+        "block: the embedding, and the final norm + LM head + loss over the 1,024,000-word "
+        "vocabulary) run whole on one stage each while the others wait, as the runtime runs "
+        "them (not vocabulary-split over all devices as in nnScaler), so it is slower than "
+        "GPipe here; nnScaler's interlaced gain comes from that split, which we do not have.")]
     return lines + [""]
 
 

@@ -266,7 +266,8 @@ def plan_cut(graph: Graph, mesh_axes: dict[str, int], constraints: Constraints, 
     data = tuple(a for a in mesh_axes if a != axis)
     link = model.mesh.link
     batch = next((t.shape[0] for t in graph.inputs if t.role is Role.INPUT and t.shape), 1)
-    setup = RuntimeSetup(_chunk_units(graph, starts, batch, model), axis, data, (), S,
+    ends = _outside(paths, stage_of, starts)
+    setup = RuntimeSetup(_chunk_units(graph, starts, batch, model, ends), axis, data, (), S,
                          math.prod(mesh_axes[a] for a in data), 1, batch, link(axis),
                          link(data[0]) if data else link(axis), link(axis))
     return Cut(starts, stage_of, setup)
@@ -280,12 +281,32 @@ def _param_casts(graph: Graph) -> dict[int, int]:
             and op.inputs[0].id in var_ids}
 
 
+def _outside(paths: list[str], stage_of: tuple, starts: tuple[int, ...]) -> tuple[int, int]:
+    """``(e, h)``: the ops before ``e`` (embedding) and from ``h`` (head, loss) are outside the
+    pipelined modules, as the runtime's :func:`segment_starts` cuts them for interlaced;
+    ``(0, len(paths))`` when the chunk starts leave no room for them."""
+    names = _pipelined(paths, stage_of)
+    if not names:
+        return 0, len(paths)
+    first = first_positions(paths)
+    e = min(first[n] for n in names)
+    h = 1 + max(i for i, p in enumerate(paths) if any(p == n or p.startswith(n + "/")
+                                                       for n in names))
+    if (len(starts) > 1 and starts[1] <= e) or starts[-1] >= h:
+        return 0, len(paths)
+    return e, h
+
+
 def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
-                 model: CostModel) -> list[Unit]:
-    """``[shared params, chunk 0, ..., chunk C-1, empty]`` priced per sample: compute, kept
-    activations, owned parameter bytes and the bytes sent to the next chunk. A parameter's
-    cast to the compute precision is made by each chunk reading it (not sent, not kept)."""
+                 model: CostModel, ends: tuple[int, int] | None = None) -> list[Unit]:
+    """``[prefix, chunk 0, ..., chunk C-1, suffix]`` priced per sample: compute, kept
+    activations, owned parameter bytes and the bytes sent to the next chunk. The prefix / suffix
+    are the ops before / from ``ends`` (the embedding and the head + loss: interlaced runs them
+    as its all-device blocks, the other schedules in the first / last chunk); the prefix
+    carries the shared parameters. A parameter's cast to the compute precision is made by each
+    chunk reading it (not sent, not kept)."""
     ops, C = graph.ops, len(starts)
+    e, h = ends or (0, len(ops))
     bounds = list(zip(starts, list(starts[1:]) + [len(ops)], strict=True))
     chunk = [c for c, (a, b) in enumerate(bounds) for _ in range(a, b)]
     variables = {t.id: t for t in graph.variables}
@@ -315,10 +336,21 @@ def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
         else:
             shared += t.nbytes
     saved = residual_outputs(graph)
-    units = [Unit("<shared>", 0.0, 0.0, shared, 0.0)]
-    for c, (a, b) in enumerate(bounds):
+
+    def priced(a: int, b: int) -> tuple[float, float]:
         t = sum(_op_cost(model, op) for op in ops[a:b])
         act = sum(model.activation_bytes(o, (), saved.get(o.id, ()))
                   for o in ops[a:b] if not o.regions and o.id not in casts)
-        units.append(Unit(f"<chunk {c}>", t / batch, act / batch, owned[c], sent[c] / batch))
-    return units + [Unit("<end>", 0.0, 0.0, 0.0, 0.0)]
+        return t / batch, act / batch
+
+    last_read: dict[int, int] = {}
+    for i, op in enumerate(ops):
+        for t in op.inputs:
+            last_read[t.id] = i
+    pre_out = sum(sizes[t.id] for op in ops[:e] if op.id not in casts for t in op.outputs
+                  if last_read.get(t.id, -1) >= e)
+    units = [Unit("<prefix>", *priced(0, e), shared, pre_out / batch)]
+    for c, (a, b) in enumerate(bounds):
+        units.append(Unit(f"<chunk {c}>", *priced(max(a, e), min(b, h)), owned[c],
+                          sent[c] / batch))
+    return units + [Unit("<suffix>", *priced(h, len(ops)), 0.0, 0.0)]

@@ -114,3 +114,27 @@ def test_user_written_schedule_with_no_grad_blocks():
     d.chain(d.N(1, 0), d.N(1, 1), d.F(1, 0), d.B(1, 0), d.F(1, 1), d.B(1, 1))
     t = loop_tables(d.finish(), "FBNEHW")
     assert sorted(set(t.kind.ravel().tolist())) == [0, 1, 2, 3]
+
+
+def test_cut_pricing_splits_out_the_embedding_and_the_head():
+    """The planner's cut prices the ops before the first repeated block and after the last one
+    as the prefix / suffix units (interlaced's E / H / W blocks; the other schedules add them to
+    the first / last chunk), as the runtime cuts them; the units still sum to the whole."""
+    from nnscaler_jax.capture.trace import capture_spec
+    from nnscaler_jax.cost.model import CostModel
+    from nnscaler_jax.pipeline.cut import _op_cost, plan_cut
+
+    spec = models.get("t5", "tiny", batch_size=16)
+    graph = capture_spec(spec).graph
+    axes = {"stage": 2, "data": 4}
+    cut = plan_cut(graph, axes, Constraints(pipeline_stages=2, schedule="interlaced"), None, 1)
+    units = cut.setup.units
+    pre, post = units[0], units[-1]
+    assert pre.time_s > 0 and post.time_s > 0 and pre.out_bytes > 0
+    paths = [op.module_path for op in graph.ops]
+    first_block = paths.index("encoder/block_0/ln_self")
+    model = CostModel.for_axes(axes)
+    want = sum(_op_cost(model, op) for op in graph.ops[:first_block]) / 16
+    assert pre.time_s == pytest.approx(want)
+    total = sum(_op_cost(model, op) for op in graph.ops) / 16
+    assert sum(u.time_s for u in units) == pytest.approx(total)
