@@ -42,7 +42,7 @@ def configure_pipeline(plan: Plan, graph: Graph, constraints: Constraints,
                    else getattr(constraints.schedule, "virtual", 1), model)
     setup = cut.setup if cut else runtime_setup(graph, mesh_axes, plan.policy or None, model)
     if constraints.pipeline_stages == "auto":
-        choice, report = _auto_choice(setup, constraints)
+        choice, report = _auto_choice(setup, constraints, cut is not None)
     else:
         asked = constraints.schedule or "1f1b"
         virtual = 2 if asked == "interleaved" else getattr(asked, "virtual", 1)
@@ -74,8 +74,10 @@ def _cost(r: RuntimeChoice) -> PlanCost:
                     comm_time_s=r.comm_s)
 
 
-def _auto_choice(setup: RuntimeSetup, constraints: Constraints) -> tuple[RuntimeChoice, str]:
-    """The runtime-restricted stage DP's choice and its report."""
+def _auto_choice(setup: RuntimeSetup, constraints: Constraints,
+                 cut: bool = False) -> tuple[RuntimeChoice, str]:
+    """The runtime-restricted stage DP's choice and its report (``cut``: the model is cut at
+    module boundaries, one unit per chunk)."""
     S, dp, tp, batch = setup.stages, setup.dp, setup.tp, setup.batch
     budget = constraints.max_memory_per_device
     rows = setup.choices(budget, microbatches=constraints.microbatches,
@@ -91,8 +93,9 @@ def _auto_choice(setup: RuntimeSetup, constraints: Constraints) -> tuple[Runtime
             f"{S} stages x {par}; the smallest estimate is "
             f"{low / 2**20:.2f} MiB. Use more stages or devices, a smaller batch, or more "
             "memory")
-    head = (f"stage DP (runtime: {len(setup.units) - 2} layers in equal chunks over {S} "
-            f"stages x {par}, batch {batch}"
+    what = (f"{len(setup.units) - 2} chunks cut at module boundaries" if cut else
+            f"{len(setup.units) - 2} layers in equal chunks")
+    head = (f"stage DP (runtime: {what} over {S} stages x {par}, batch {batch}"
             + (f", budget {budget / 2**20:.2f} MiB" if budget else "") + "): chose "
             f"{best.schedule} x {best.microbatches} micro-batches of {best.microbatch_size}, "
             f"predicted {best.step_time_s * 1e3:.3f} ms/step (bubble "

@@ -118,8 +118,9 @@ def runtime_choices(units: list[Unit], stages: int, dp: int, batch: int,
     on every stage), stages data-parallel inside (``dp`` ways), ``batch`` split into
     ``microbatches x dp``, interleaved only with 2 chunks per stage and micro-batches a multiple
     of the stages. Sorted: fitting first, then by step time, then memory. ``schedule``: a
-    name (None: the ones the runtime executes, ``'gpipe'``, ``'1f1b'``, ``'interleaved'``;
-    ``'interlaced'`` / ``'nf1b'`` are priced when named) or a
+    name (None: the ones the runtime executes, ``'gpipe'``, ``'1f1b'``, ``'interleaved'``, and
+    ``'interlaced'`` when ``tp`` is 1 (it runs on the cut program, whose stages are
+    data-parallel inside); ``'nf1b'`` is priced when named) or a
     :class:`~nnscaler_jax.pipeline.steps.Schedule` (written with ``op_order``: its own
     micro-batch count).
 
@@ -145,7 +146,7 @@ def runtime_choices(units: list[Unit], stages: int, dp: int, batch: int,
             raise PlanError(f"pipeline: the schedule {schedule.name!r} has {schedule.stages} "
                             f"stages, the mesh's stage axis {S}")
         microbatches = microbatches or schedule.microbatches
-    names = sch.RUNNABLE if schedule is None else (schedule,)
+    names = (sch.RUNNABLE + ("interlaced",) * (tp == 1)) if schedule is None else (schedule,)
     kinds = [(s, 2 if s == "interleaved" else getattr(s, "virtual", 1)) for s in names]
     kinds = [(s, v) for s, v in kinds if L % (S * v) == 0]
     ms = [m for m in range(1, batch // dp + 1) if batch % (m * dp) == 0

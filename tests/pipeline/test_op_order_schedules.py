@@ -206,6 +206,13 @@ def test_pricing_new_and_custom_schedules():
         runtime_choices(units, 2, 1, 8, schedule=sch.one_f_one_b(4, 4))
 
 
+def test_stage_dp_weighs_interlaced_only_where_it_runs():
+    # interlaced runs on the cut program (stages data-parallel inside): a candidate when tp == 1
+    names = lambda tp: {r.schedule for r in runtime_choices(_units(), 2, 1, 8, tp=tp)}
+    assert names(1) == {"gpipe", "1f1b", "interleaved", "interlaced"}
+    assert names(2) == {"gpipe", "1f1b", "interleaved"}
+
+
 @pytest.fixture(scope="module")
 def gpt():
     spec = models.get("gpt", "tiny", n_layers=4, batch_size=16)
