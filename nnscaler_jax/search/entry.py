@@ -19,8 +19,10 @@ benchmarks plan for 512 devices on a laptop. Pipelined plans add stages on top o
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -123,11 +125,15 @@ def plan_spmd(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto"
         return replace(result, recompute=groups, coshard=blocks), draft
 
     def finish(result: Plan) -> Plan:
+        # a budgeted search priced its plan on the same graph (the draft's boundaries are the
+        # plan's recompute / co-sharding) and cost model; ZeRO-3 storage changes the plan
+        priced = result.cost if cost_model is not None and name in SEARCHES and \
+            constraints.zero != 3 else None
         result = apply_zero(result, graph, constraints.zero)
         if name in SEARCHES:  # the search offers only splits that divide: say what it could not
             result = replace(result, unsplit=result.unsplit + batch_unsplit(graph, result, axes))
         cm = cost_model or CostModel.for_axes(axes, zero=result.zero)
-        return replace(result, cost=cm.plan_cost(result, graph))
+        return replace(result, cost=priced or cm.plan_cost(result, graph))
 
     def run_priced(groups: tuple[str, ...], blocks: tuple = ()) -> tuple[Plan, Draft]:
         result, draft = run(groups, blocks)
@@ -147,26 +153,44 @@ def plan_spmd(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto"
 
 def _choose(run_priced: Callable, graph: Graph, forced: tuple[str, ...],
             forbidden: tuple[str, ...], blocks: tuple, ours: bool) -> tuple[Plan, Draft]:
-    """The searches' recompute decision, and ours co-sharding: without co-sharding first; when
-    that needs memory back (recompute beyond the forced groups, or nothing fits), the same with
-    ``blocks`` co-sharded; the faster plan that fits."""
+    """The searches' recompute decision, and ours co-sharding: the forced groups alone first;
+    when that does not fit, the count of recomputed layers is searched without co-sharding and
+    with ``blocks`` co-sharded, the two at once (HiGHS releases the GIL: its solves, most of a
+    probe's time, run on two cores), and the faster plan that fits is kept. The co-sharded
+    search bisects: its fitting plans spend the memory co-sharding frees on faster layouts, so
+    their memory does not say how many layers fewer would fit (Swin at its 8-GPU preset on
+    V100s: interpolating took 9 probes where bisecting takes 7)."""
     price = (lambda r: r[0].cost.step_time_s) if ours else None
+    if not blocks:
+        return choose_recompute(run_priced, graph, forced, forbidden, price=price)
     try:
-        plain = choose_recompute(run_priced, graph, forced, forbidden, price=price)
+        return run_priced(forced)  # fits as asked: no recompute or co-sharding to add
     except NoFitError as e:
-        plain, err = None, e
-    if not blocks or (plain is not None and plain[0].recompute == forced):
-        if plain is None:
-            raise err
-        return plain
-    try:
-        most = len(plain[0].recompute) - len(forced) if plain is not None else None
-        chunked = choose_recompute(lambda g: run_priced(g, blocks), graph, forced, forbidden,
-                                   price=price, most=most)
-    except NoFitError:
-        if plain is None:
-            raise err from None
-        return plain
-    if plain is None:
-        return chunked
-    return min((plain, chunked), key=price)
+        first = e
+
+    def plain_run(groups: tuple[str, ...]) -> tuple[Plan, Draft]:
+        if groups == forced:  # (tried above)
+            raise first
+        return run_priced(groups)
+
+    def search(run: Callable, memory: Callable | None) -> tuple[Any, NoFitError | None]:
+        try:
+            return choose_recompute(run, graph, forced, forbidden, price=price,
+                                    memory=memory), None
+        except NoFitError as e:
+            return None, e
+
+    workers = 2 if (os.cpu_count() or 1) > 1 else 1
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="nnscaler-search") as pool:
+        plain_f = pool.submit(search, plain_run, None)
+        chunked_f = pool.submit(search, lambda g: run_priced(g, blocks), _bisect)
+        (plain, err), (chunked, _) = plain_f.result(), chunked_f.result()
+    found = [r for r in (plain, chunked) if r is not None]
+    if not found:
+        raise err
+    return min(found, key=price)
+
+
+def _bisect(result: Any) -> None:
+    """No memory signal: :func:`choose_recompute` bisects the count."""
+    return None

@@ -58,8 +58,7 @@ def recompute_candidates(graph: Graph, forced: Sequence[str],
 def choose_recompute(run: Callable[[tuple[str, ...]], Any], graph: Graph,
                      forced: Sequence[str], forbidden: Sequence[str], *,
                      price: Callable[[Any], float] | None = None,
-                     memory: Callable[[Any], float | None] | None = None,
-                     most: int | None = None) -> Any:
+                     memory: Callable[[Any], float | None] | None = None) -> Any:
     """``run(groups)`` for the recompute groups the budget needs (see the module docs).
 
     Args:
@@ -69,8 +68,6 @@ def choose_recompute(run: Callable[[tuple[str, ...]], Any], graph: Graph,
         memory: a result's estimated bytes per device, which guides the search (default: the
             ``cost`` of the :class:`~nnscaler_jax.plan.plan.Plan` the result is or starts with;
             None when unknown: the search bisects).
-        most: a count of layers likely to fit (ours with co-sharding: as many as without
-            it): tried instead of every layer, which is tried only when that count fails.
 
     Raises:
         NoFitError: nothing fits even with every candidate layer recomputed.
@@ -84,15 +81,9 @@ def choose_recompute(run: Callable[[tuple[str, ...]], Any], graph: Graph,
             raise
         first = e
     results: dict[int, Any] = {}
-    n = len(cands) if most is None or price is None else max(1, min(most, len(cands)))
-    if n < len(cands):
-        try:
-            results[n] = run(forced + cands[:n])
-        except NoFitError:
-            n = len(cands)
+    n = len(cands)
     try:
-        if n not in results:
-            results[n] = run(forced + cands)
+        results[n] = run(forced + cands)
     except NoFitError as e:
         raise NoFitError(
             f"{e} Recomputing every layer ({cands[0]} .. {cands[-1]}, {len(cands)} groups) does "

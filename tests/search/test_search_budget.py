@@ -3,6 +3,7 @@ dominated strategies dropped before the ILP (search/reduce.py), checked by brute
 random tables with memory, transients and gradient syncs."""
 
 import itertools
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -122,8 +123,37 @@ def test_re_solves_under_a_lowered_budget_get_a_bounded_time_limit():
         calls.append((cap, limit))
         return SimpleNamespace(memory_bytes=cap), 0
 
+    @dataclass(frozen=True)
+    class FakePlan:
+        name: str
+        cost: object = None
+
     first = SimpleNamespace(memory_bytes=8.0)
-    plan, sol = _meet_budget("plan", first, 10.0, solved, cm, None, lambda s: "again", 3.0)
-    assert plan == "again" and sol.memory_bytes == calls[-1][0]
+    plan, sol = _meet_budget(FakePlan("plan"), first, 10.0, solved, cm, None,
+                             lambda s: FakePlan("again"), 3.0)
+    assert plan.name == "again" and sol.memory_bytes == calls[-1][0]
+    assert plan.cost.memory_bytes_per_device == 9.0  # the full pricing travels with the plan
     assert [c for c, _ in calls] == [6.0, 5.0]  # lowered by each round's excess
     assert {t for _, t in calls} == {max(RESOLVE_FLOOR_S, RESOLVE_FACTOR * 3.0)}
+
+
+@pytest.mark.parametrize("share", [0.7, 0.45])
+def test_a_budgeted_plan_carries_its_own_full_pricing(share):
+    """The budgeted search prices its plan in full (to check the budget); that price is the
+    plan's cost, the same as pricing the finished plan again (recompute groups included)."""
+    import models
+    from nnscaler_jax import Constraints
+    from nnscaler_jax.capture.trace import capture_spec
+    from nnscaler_jax.cost.model import CostModel
+    from nnscaler_jax.search.entry import plan_spmd
+
+    axes = {"data": 2, "model": 4}
+    graph = capture_spec(models.get("gpt", "tiny")).graph
+    cm = CostModel.for_axes(axes)
+    free = plan_spmd(graph, axes, cost_model=cm).plan.cost.memory_bytes_per_device
+    cons = Constraints(max_memory_per_device=int(free * share))
+    plan = plan_spmd(graph, axes, constraints=cons, cost_model=cm).plan
+    assert plan.cost.memory_bytes_per_device <= free * share
+    assert plan.cost == cm.plan_cost(plan, graph)
+    if share < 0.5:
+        assert plan.recompute or plan.coshard  # the budget needs memory back
