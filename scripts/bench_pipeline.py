@@ -273,7 +273,7 @@ def _t5_md(t: dict) -> list[str]:
              "(predicted)"), "",
              ("Cut at module boundaries (the cut-program runtime). Per schedule its best row "
              "(fitting first, then fastest); `DP choice`: the runtime-restricted stage DP "
-             "(`pipeline_stages=\"auto\"`, schedules gpipe / 1f1b). Step s / peak GiB per device "
+             "(`pipeline_stages=\"auto\"`, schedules gpipe / 1f1b / interleaved / interlaced). Step s / peak GiB per device "
              "/ micro-batches x size."), "",
              "| mesh | budget GiB | " + " | ".join(T5_SCHEDULES) + " | DP choice |",
              "|---" * (len(T5_SCHEDULES) + 3) + "|"]
