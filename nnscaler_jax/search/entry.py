@@ -32,7 +32,7 @@ from nnscaler_jax.errors import NoFitError, PlanError
 from nnscaler_jax.ir.coshard import with_boundaries
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.mesh.axes import mesh_axes
-from nnscaler_jax.plan.plan import Plan
+from nnscaler_jax.plan.plan import Plan, graph_fingerprint
 from nnscaler_jax.plan.policies import batch_unsplit, dp, megatron, zero3
 from nnscaler_jax.plan.zero import apply_zero
 from nnscaler_jax.primitives import Draft
@@ -122,7 +122,9 @@ def plan_spmd(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto"
         if not isinstance(result, Plan):
             raise PlanError(f"policy {label!r} returned {type(result).__name__}, not a Plan: "
                             "end the policy with `return graph.finish()`")
-        return replace(result, recompute=groups, coshard=blocks), draft
+        # the draft's graph has the boundaries; the plan is for the model's graph (reuse)
+        return replace(result, recompute=groups, coshard=blocks,
+                       fingerprint=graph_fingerprint(graph)), draft
 
     def finish(result: Plan) -> Plan:
         # a budgeted search priced its plan on the same graph (the draft's boundaries are the
@@ -193,4 +195,3 @@ def _choose(run_priced: Callable, graph: Graph, forced: tuple[str, ...],
 
 def _bisect(result: Any) -> None:
     """No memory signal: :func:`choose_recompute` bisects the count."""
-    return None

@@ -145,6 +145,7 @@ def test_a_budgeted_plan_carries_its_own_full_pricing(share):
     from nnscaler_jax import Constraints
     from nnscaler_jax.capture.trace import capture_spec
     from nnscaler_jax.cost.model import CostModel
+    from nnscaler_jax.plan.plan import Plan
     from nnscaler_jax.search.entry import plan_spmd
 
     axes = {"data": 2, "model": 4}
@@ -157,3 +158,6 @@ def test_a_budgeted_plan_carries_its_own_full_pricing(share):
     assert plan.cost == cm.plan_cost(plan, graph)
     if share < 0.5:
         assert plan.recompute or plan.coshard  # the budget needs memory back
+    # made for the model's graph (the search's draft has the boundaries): a saved copy of it
+    # runs on the same model (was refused as "made for another model")
+    Plan.from_json(plan.to_json()).check_graph(graph, axes)
