@@ -52,7 +52,11 @@ def plan_and_report(graph: Graph, mesh: Any, *, policy: str | Callable | None = 
         policy = "dp"   # a pipeline without a policy: stages data-parallel inside
     try:
         if constraints.pipeline_stages not in (None, 1):
-            planned = plan_spmd(graph, mesh, policy=policy, constraints=constraints,
+            # the budget is the pipeline's (priced per stage by configure_pipeline): the
+            # whole model on the mesh need not fit, and the runtime recomputes every stage
+            # (the searches' recompute / co-sharding for the whole model would not run)
+            whole = replace(constraints, max_memory_per_device=None)
+            planned = plan_spmd(graph, mesh, policy=policy, constraints=whole,
                                 partitioning=partitioning, cost_model=cost_model,
                                 time_limit=time_limit)
             planned = Planned(configure_pipeline(planned.plan, graph, constraints, cost_model),

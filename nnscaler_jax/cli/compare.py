@@ -142,18 +142,23 @@ def _cluster(args: argparse.Namespace) -> Any:
     return cluster_preset(args.cluster)
 
 
-def _one(name: str, graph: Any, mesh: Any, cluster: Any, budget: int | None) -> tuple[Any, dict]:
+def _one(name: str, graph: Any, mesh: Any, cluster: Any, budget: int | None,
+         pipelined: bool = False) -> tuple[Any, dict]:
     """Plan with one planner: (the plan or None, its JSON entry). ``budget``: the user's
-    (``--budget``); None leaves the default to the planner (which says where it came from)."""
+    (``--budget``); None leaves the default to the planner (which says where it came from).
+    ``pipelined``: ``mesh`` (``{axis: size}``) has a stage axis; the stage DP picks schedule,
+    micro-batches and cuts (``Constraints(pipeline_stages="auto")``)."""
     from nnscaler_jax.constraints import Constraints
     from nnscaler_jax.cost.model import CostModel
     from nnscaler_jax.errors import NoFitError, PlanError
+    from nnscaler_jax.mesh.axes import mesh_axes
     from nnscaler_jax.planner import plan_and_report
 
     cm = None
     if cluster is not None:
-        cm = CostModel.for_cluster(cluster, dict(mesh.shape), zero=3 if name == "zero3" else 0)
-    cons = Constraints(max_memory_per_device=budget) if budget is not None else None
+        cm = CostModel.for_cluster(cluster, mesh_axes(mesh), zero=3 if name == "zero3" else 0)
+    cons = Constraints(max_memory_per_device=budget,
+                       pipeline_stages="auto" if pipelined else None)
     none = {"step_time_s": None, "comm_bytes": None, "features": None}
     t0 = time.perf_counter()
     try:
@@ -170,6 +175,45 @@ def _one(name: str, graph: Any, mesh: Any, cluster: Any, budget: int | None) -> 
                   "memory_bytes_per_device": c.memory_bytes_per_device,
                   "comm_bytes": c.comm_bytes, "search_s": planned.seconds,
                   "features": plan_features(plan)}
+
+
+PIPELINED = ("auto", "alpa")  # the searches; --pipelines lets them use stage x data x model
+
+
+def best_over_meshes(name: str, graph: Any, mesh: Any, cluster: Any,
+                     budget: int | None) -> tuple[Any, dict]:
+    """``--pipelines``: the planner on the flat mesh and on every pipelined shape of its devices
+    (:func:`~nnscaler_jax.pipeline.stage_dp.stage_meshes`; stages cut and scheduled by the stage
+    DP under the same budget), the fastest that fits kept (none fitting: the smallest
+    estimate). The entry gains ``mesh`` (the shape chosen) and ``candidates`` (per shape:
+    ``mesh``, ``fits``, ``step_time_s``, ``memory_bytes_per_device``, ``error``); the plan
+    returned is the chosen one's (None when none fits), for a mesh of that shape. Planners
+    other than :data:`PIPELINED` plan the flat mesh only. Pipelined shapes are priced by the
+    stage DP, which prices tensor parallelism inside stages as Megatron's, whatever the
+    planner: with stages, ours and the Alpa-style planner differ only in the flat plan.
+    """
+    from nnscaler_jax.mesh.axes import mesh_axes
+    from nnscaler_jax.pipeline.stage_dp import stage_meshes
+
+    flat = mesh_axes(mesh)
+    tried = [(flat, *_one(name, graph, mesh, cluster, budget))]
+    if name in PIPELINED:
+        tried += [(axes, *_one(name, graph, axes, cluster, budget, pipelined=True))
+                  for axes in stage_meshes(flat)]
+
+    def rank(t: tuple) -> tuple:
+        r = t[2]
+        order = {True: 0, False: 1, None: 2}[r["fits"]]
+        value = r["step_time_s"] if r["fits"] else (r["memory_bytes_per_device"] or float("inf"))
+        return order, value
+
+    axes, plan, entry = min(tried, key=rank)
+    entry = dict(entry, mesh=axes, search_s=sum(t[2]["search_s"] for t in tried),
+                 candidates=[{"mesh": a, "fits": r["fits"], "step_time_s": r["step_time_s"],
+                              "memory_bytes_per_device": r["memory_bytes_per_device"],
+                              **({"error": r["error"]} if "error" in r else {})}
+                             for a, _, r in tried])
+    return plan, entry
 
 
 def _features_text(f: dict[str, Any] | None) -> str:
@@ -191,7 +235,14 @@ def _row(name: str, r: dict[str, Any]) -> list[str]:
             "-" if r["comm_bytes"] is None else mib(r["comm_bytes"]),
             mib(r["compiled_memory_bytes"]) if "compiled_memory_bytes" in r else "-",
             mib(r["hlo_comm_bytes"]) if "hlo_comm_bytes" in r else "-",
-            _features_text(r["features"]), r.get("error", "")[:60]]
+            _features_text(r["features"]) + _shape_text(r.get("mesh")), r.get("error", "")[:60]]
+
+
+def _shape_text(axes: dict[str, int] | None) -> str:
+    """`` on stage 2 x data 4`` for a pipelined shape chosen by --pipelines, else empty."""
+    if not axes or "stage" not in axes:
+        return ""
+    return " on " + " x ".join(f"{a} {k}" for a, k in axes.items())
 
 
 def _precision(args: argparse.Namespace) -> str | None:
@@ -233,8 +284,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
         args.preset.startswith("tiny")
     results: dict[str, dict[str, Any]] = {}
     for name in planners:
-        plan, results[name] = _one(name, graph, mesh, cluster, explicit)
-        if plan is not None and compile_here:
+        if getattr(args, "pipelines", False):
+            plan, results[name] = best_over_meshes(name, graph, mesh, cluster, explicit)
+        else:
+            plan, results[name] = _one(name, graph, mesh, cluster, explicit)
+        if plan is not None and compile_here and plan.pipeline is None:
             results[name].update(_compiled_figures(spec, mesh, plan))
     obj = {"model": args.model, "preset": args.preset, "mesh": args.mesh,
            "cluster": args.cluster, "budget_bytes": budget, "budget": source,

@@ -103,6 +103,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="compute precision of every planner's plan: bfloat16, float16 or float32 "
                         "(params and inputs cast on entry; float32 master weights and optimizer "
                         "state); default: the model's own dtypes")
+    c.add_argument("--pipelines", action="store_true",
+                   help="let the searches (auto, alpa) also use the mesh's devices as pipeline "
+                        "stages x data x model (the stage DP picks schedule, micro-batches and "
+                        "cuts under the same budget); each entry gains 'mesh' and 'candidates'")
     c.add_argument("--plot", default=None, metavar="PNG",
                    help="write a PNG of per-planner bars: step time, memory per device (the "
                         "budget as a line), communication")

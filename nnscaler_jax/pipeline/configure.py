@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from nnscaler_jax.constraints import Constraints
 from nnscaler_jax.cost.model import CostModel
-from nnscaler_jax.errors import PlanError
+from nnscaler_jax.errors import NoFitError, PlanError
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.ir.layers import graph_layers
 from nnscaler_jax.mesh.axes import require_stage_axis
@@ -87,12 +87,12 @@ def _auto_choice(setup: RuntimeSetup, constraints: Constraints,
     best = rows[0]
     if not best.fits:
         low = min(max(r.memory_bytes) for r in rows)
-        raise PlanError(
+        raise NoFitError(
             f"Constraints(pipeline_stages='auto', max_memory_per_device={budget}): no "
             f"schedule x micro-batch count fits {budget / 2**20:.2f} MiB per device on "
             f"{S} stages x {par}; the smallest estimate is "
             f"{low / 2**20:.2f} MiB. Use more stages or devices, a smaller batch, or more "
-            "memory")
+            "memory", smallest_bytes=low, budget_bytes=budget)
     what = (f"{len(setup.units) - 2} chunks cut at module boundaries" if cut else
             f"{len(setup.units) - 2} layers in equal chunks")
     head = (f"stage DP (runtime: {what} over {S} stages x {par}, batch {batch}"

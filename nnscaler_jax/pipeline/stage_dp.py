@@ -27,10 +27,11 @@ import numpy as np
 
 from nnscaler_jax.cost.devices import IB_NDR, NVLINK_H100
 from nnscaler_jax.errors import PlanError
+from nnscaler_jax.mesh.axes import model_axes, stage_axis
 from nnscaler_jax.mesh.topology import LinkCost, all_reduce_time
 from nnscaler_jax.pipeline.units import Unit
 
-__all__ = ["StageChoice", "evaluate", "search_stages"]
+__all__ = ["StageChoice", "evaluate", "search_stages", "stage_meshes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,3 +209,32 @@ def search_stages(units: list[Unit], devices: int, global_batch: int, memory_per
                         f"the smallest estimate is ~{smallest / 2**30:.1f} GiB. Use more devices, "
                         "a smaller global batch, or more memory")
     return best
+
+
+def stage_meshes(axes: dict[str, int]) -> list[dict[str, int]]:
+    """The pipelined shapes of a flat mesh's devices a planner may use instead: ``{'stage': S,
+    <data axis>: d, <model axis>: t}`` for every stage count ``S > 1`` dividing the device count,
+    with the mesh's tensor-parallel size ``t`` (its axes named like ``'model'``; the product when
+    several) kept when ``S`` leaves room for it, and without tensor parallelism (``t = 1``).
+    Axis names are the mesh's own (its first data axis, else ``'data'``; its first model axis);
+    an axis of size 1 is left out. A mesh that already has a stage axis gives none.
+
+    >>> stage_meshes({"data": 2, "model": 4})
+    [{'stage': 2, 'model': 4}, {'stage': 2, 'data': 4}, {'stage': 4, 'data': 2}, {'stage': 8}]
+    """
+    if stage_axis(axes) is not None:
+        return []
+    n = math.prod(axes.values())
+    tensor = model_axes(axes)
+    t_mesh = math.prod(axes[a] for a in tensor)
+    data_name = next((a for a in axes if a not in tensor), "data")
+    out = []
+    for S in (s for s in range(2, n + 1) if n % s == 0):
+        for t in dict.fromkeys((t_mesh, 1)):
+            if (n // S) % t:
+                continue
+            shape = {"stage": S, data_name: n // (S * t)}
+            if t > 1:
+                shape[tensor[0]] = t
+            out.append({a: k for a, k in shape.items() if k > 1 or a == "stage"})
+    return out

@@ -10,8 +10,10 @@ import json
 
 import pytest
 
+import models
+from nnscaler_jax.capture.trace import capture_spec
 from nnscaler_jax.cli import main
-from nnscaler_jax.cli.compare import plan_features, smallest_estimate
+from nnscaler_jax.cli.compare import best_over_meshes, plan_features, smallest_estimate
 from nnscaler_jax.cost.devices import DEFAULT_RESERVE_FRACTION
 from nnscaler_jax.errors import NoFitError
 from nnscaler_jax.plan.plan import OpPlan, PipelineSettings, Plan
@@ -118,3 +120,42 @@ def test_smallest_estimate_from_the_exception_or_the_message():
     assert smallest_estimate(ValueError("policy 'dp': the plan needs an estimated 1.50 MiB per "
                                         "device")) == int(1.5 * 2**20)
     assert smallest_estimate(ValueError("unrelated")) is None
+
+
+@pytest.fixture(scope="module")
+def gpt16():
+    return capture_spec(models.get("gpt", "tiny", batch_size=16)).graph
+
+
+def test_pipelines_let_the_search_use_stages_when_they_are_faster_within_the_budget(gpt16):
+    """--pipelines: the flat 2x4 mesh and every stage x data (x model) shape of its 8 devices
+    under one budget; at 380 kB per device the flat search fits only by recomputing / micro-
+    batching, and 2 stages x 4 data-parallel ways is the fastest fitting shape. Shapes the
+    runtime cannot run (8 stages of a 2-layer GPT) are candidates with an error, not a crash."""
+    plan, e = best_over_meshes("auto", gpt16, {"data": 2, "model": 4}, None, 380_000)
+    by_mesh = {tuple(c["mesh"].items()): c for c in e["candidates"]}
+    assert set(by_mesh) == {(("data", 2), ("model", 4)), (("stage", 2), ("model", 4)),
+                            (("stage", 2), ("data", 4)), (("stage", 4), ("data", 2)),
+                            (("stage", 8),)}
+    fitting = [c for c in e["candidates"] if c["fits"]]
+    fastest = min(fitting, key=lambda c: c["step_time_s"])
+    assert e["fits"] is True and e["mesh"] == fastest["mesh"] == {"stage": 2, "data": 4}
+    flat = by_mesh[(("data", 2), ("model", 4))]
+    assert flat["fits"] is True and flat["step_time_s"] > e["step_time_s"]
+    assert e["memory_bytes_per_device"] <= 380_000 and e["features"]["stages"] == 2
+    assert plan.pipeline is not None and plan.stages == 2 and dict(plan.mesh) == e["mesh"]
+    assert "cut points" in by_mesh[(("stage", 8),)]["error"]
+    # nothing fits: the smallest estimate over every shape (the flat search's, here)
+    _, none = best_over_meshes("auto", gpt16, {"data": 2, "model": 4}, None, 1000)
+    assert none["fits"] is False and none["memory_bytes_per_device"] == min(
+        c["memory_bytes_per_device"] for c in none["candidates"] if c["fits"] is False)
+
+
+def test_pipelines_flag_in_the_json_and_the_table(capsys):
+    """Planners other than the searches plan the flat mesh only; the entry says which mesh."""
+    code, _, res = _run(capsys, "--model", "mlp", "--mesh", "2x4", "--planners", "dp",
+                        "--pipelines", "--json")
+    assert code == 0
+    dp = res["planners"]["dp"]
+    assert dp["mesh"] == {"data": 2, "model": 4} and len(dp["candidates"]) == 1
+    assert set(dp) >= KEYS
