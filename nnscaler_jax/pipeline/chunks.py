@@ -5,7 +5,9 @@ contiguous equation ranges at given starts (:func:`nnscaler_jax.pipeline.cut.chu
 chunk ``c`` reads the values of boundary ``c - 1`` (every value made before it and read at or
 after it: activations, and values forwarded through it for later chunks, e.g. T5's encoder
 output for every decoder chunk) and makes boundary ``c``'s. Parameters read by one chunk are
-that chunk's; parameters read by several (tied embeddings) or none are *shared*.
+that chunk's; parameters read by several (tied embeddings) or none are *shared*. A *carried*
+input (a mutable collection, passed like the parameters) is owned the same way, and the program
+output holding its new value is emitted by its owner: it crosses boundaries only up to it.
 
 A :class:`Packing` places a list of arrays in one flat vector per dtype (parameters of a chunk,
 the values of a boundary), so that chunks of different shapes fit one buffer of the widest.
@@ -97,6 +99,7 @@ class ProgramCut:
         bounds: per boundary ``c`` (between chunks ``c`` and ``c + 1``), the values crossing it.
         owned: per chunk, the parameter leaf indices only it reads.
         shared: the parameter leaf indices read by several chunks or none.
+        out_made: per program output, the chunk making it (-1: an input or a literal).
     """
 
     jaxpr: Any
@@ -105,6 +108,7 @@ class ProgramCut:
     bounds: tuple[tuple[Any, ...], ...]
     owned: tuple[tuple[int, ...], ...]
     shared: tuple[int, ...]
+    out_made: tuple[int, ...] = ()
 
     @property
     def chunks(self) -> int:
@@ -140,7 +144,8 @@ def param_casts(closed: Any, n_params: int) -> tuple[list[Any], dict[Any, Any]]:
 
 
 def cut_program(closed: Any, n_params: int, starts: Sequence[int],
-                made_first: Sequence[Any] = ()) -> ProgramCut:
+                made_first: Sequence[Any] = (),
+                carried: Sequence[tuple[int, int]] = ()) -> ProgramCut:
     """Cut ``closed``'s equations at ``starts`` (``starts[0] == 0``; positions in the
     equations without parameter casts, :func:`param_casts`) into chunks.
 
@@ -149,6 +154,10 @@ def cut_program(closed: Any, n_params: int, starts: Sequence[int],
     the boundaries instead of reading them directly. A parameter's cast (compute precision) is
     made again by every chunk reading it, first thing, so the chunk reads the parameter itself
     (it owns it) and no 16-bit copy crosses a boundary.
+
+    ``carried``: ``(input, output)`` index pairs: output ``output`` is the new value of the
+    parameter-like input ``input`` (both among the first ``n_params``); it is needed up to the
+    chunk owning that input (other outputs: up to the last chunk).
     """
     jaxpr = closed.jaxpr
     eqns, casts = param_casts(closed, n_params)
@@ -168,13 +177,17 @@ def cut_program(closed: Any, n_params: int, starts: Sequence[int],
             made.update((v, c) for v in e.outvars)
     for v in casts:
         made.pop(v, None)  # made where read, never sent
-    for v in _vars(jaxpr.outvars):
-        last[v] = C
+    params = jaxpr.invars[:n_params]
+    users = [readers.get(v, set()) for v in params]
+    emit = {o: min(users[j]) for j, o in carried if len(users[j]) == 1}
+    for o, v in enumerate(jaxpr.outvars):
+        if not isinstance(v, jcore.Literal):
+            last[v] = max(last.get(v, -1), emit.get(o, C))
     order = {v: i for i, v in enumerate(made)}
     bounds = tuple(tuple(sorted((v for v, c0 in made.items() if c0 <= c < last.get(v, -1)),
                                 key=order.__getitem__)) for c in range(C - 1))
-    params = jaxpr.invars[:n_params]
-    users = [readers.get(v, set()) for v in params]
     owned = tuple(tuple(j for j, u in enumerate(users) if u == {c}) for c in range(C))
     shared = tuple(j for j, u in enumerate(users) if len(u) != 1)
-    return ProgramCut(closed, n_params, segments, bounds, owned, shared)
+    out_made = tuple(-1 if isinstance(v, jcore.Literal) else made.get(v, -1)
+                     for v in jaxpr.outvars)
+    return ProgramCut(closed, n_params, segments, bounds, owned, shared, out_made)

@@ -23,6 +23,11 @@ which), so a step without transfers in one direction does not wait on that colle
 
 Gradients of parameters several segments read (tied embeddings) are summed over the stages,
 the loss is counted on the stage that computes it, both averaged over the data axes.
+
+Collections (:mod:`nnscaler_jax.pipeline.mutable`): the loop carries the stage's packed
+collections ``[virtual, width]``; ``F`` reads its chunk's and replaces them with the new values
+its segment returns, keeping the ones it read for its ``B`` (``[virtual, M, width]``), which
+reads those and drops what it makes; the other blocks leave them alone.
 """
 
 from __future__ import annotations
@@ -36,7 +41,9 @@ from jax import lax
 from jax.extend import core as jcore
 
 from nnscaler_jax.lower.eqns import NO_CONSTRAINTS
-from nnscaler_jax.pipeline.chunks import pack, unpack
+from nnscaler_jax.pipeline.chunks import pack, packing, unpack
+from nnscaler_jax.pipeline.loop_tables import CODES
+from nnscaler_jax.pipeline.mutable import average
 
 __all__ = ["local_step", "run_segment", "send_if"]
 
@@ -46,8 +53,9 @@ def _value(env: dict, v: Any) -> Any:
 
 
 def run_segment(prog: Any, seg: int, pvec: dict, shared: list, cin: dict, batch: list,
-                fresh: Any = True) -> tuple[dict, Any]:
-    """Segment ``seg``'s forward: ``(packed values it passes on, loss or 0)``.
+                fresh: Any = True, kvec: dict | None = None) -> tuple[dict, Any, dict]:
+    """Segment ``seg``'s forward: ``(packed values it passes on, loss or 0, its chunk's new
+    collections)`` (``kvec``: the chunk's packed collections, ``prog.coll_pack``).
 
     The last segment passes on the model's outputs packed for recycling (``prog.r_pack``) or
     zeros. Chunk 0 of a recycling program reads the module inputs from the batch when
@@ -61,9 +69,13 @@ def run_segment(prog: Any, seg: int, pvec: dict, shared: list, cin: dict, batch:
     b_vars = cj.jaxpr.invars[cut.n_params + n_x:]
     env.update(zip(b_vars, batch, strict=True))
     c = seg - prog.seg0
-    if 0 <= c < prog.schedule.chunks:
+    chunk = 0 <= c < prog.schedule.chunks
+    own = prog.coll_owned[c] if chunk else ()
+    if chunk:
         env.update((cj.jaxpr.invars[j], x)
                    for j, x in zip(prog.owned[c], unpack(pvec, prog.p_pack[c]), strict=True))
+        env.update(zip([prog.coll_in[k] for k in own], unpack(kvec or {}, prog.coll_pack[c]),
+                       strict=True))
     if seg > 0:
         env.update(zip(cut.bounds[seg - 1], unpack(cin, prog.c_pack[seg - 1]), strict=True))
     elif n_x:  # the module's inputs: the batch (first pass) or the recycled outputs
@@ -74,15 +86,17 @@ def run_segment(prog: Any, seg: int, pvec: dict, shared: list, cin: dict, batch:
             xs = [jnp.where(fresh, b, p) for b, p in zip(first, prev, strict=True)]
         env.update(zip(prog.x_vars, xs, strict=True))
     NO_CONSTRAINTS.evaluate(cut.segments[seg], env)
+    new = pack([_value(env, prog.coll_out[k]) for k in own],
+               prog.coll_pack[c] if chunk else packing([]), prog.coll_width)
     if seg < cut.chunks - 1:
         out = pack([env[v] for v in cut.bounds[seg]], prog.c_pack[seg], prog.c_width)
-        return out, jnp.zeros((), jnp.float32)
+        return out, jnp.zeros((), jnp.float32), new
     loss, *outs = cj.jaxpr.outvars
     if n_x:
         out = pack([_value(env, v) for v in outs], prog.r_pack, prog.c_width)
     else:
         out = {dt: jnp.zeros((n,), dt) for dt, n in prog.c_width.items()}
-    return out, jnp.asarray(_value(env, loss), jnp.float32)
+    return out, jnp.asarray(_value(env, loss), jnp.float32), new
 
 
 def _floats(prog: Any, vec: dict) -> list[str]:
@@ -90,14 +104,15 @@ def _floats(prog: Any, vec: dict) -> list[str]:
 
 
 def _vjp(prog: Any, seg: int, pvec: dict, shared: list, cin: dict, gout: dict, batch: list,
-         seeded: bool, fresh: bool) -> tuple:
+         seeded: bool, fresh: bool, kvec: dict) -> tuple:
     """``(param grads, shared grads, cotangent of the packed input, loss / M)`` of segment
-    ``seg``, seeded by the loss (``seeded``: it computes the loss) or by ``gout``."""
+    ``seg``, seeded by the loss (``seeded``: it computes the loss) or by ``gout``; the segment
+    reads the collections ``kvec`` and its new ones are dropped."""
     fl = _floats(prog, cin)
     rest = {k: x for k, x in cin.items() if k not in fl}
 
     def f(pv, sh, cf):
-        out, loss = run_segment(prog, seg, pv, sh, {**rest, **cf}, batch, fresh)
+        out, loss, _ = run_segment(prog, seg, pv, sh, {**rest, **cf}, batch, fresh, kvec)
         return {k: out[k] for k in fl}, loss
 
     (_, loss), vjp = jax.vjp(f, pvec, shared, {k: cin[k] for k in fl})
@@ -126,46 +141,48 @@ def _zl() -> Any:
 def _branches(prog: Any, c: Any, it: Any, args: tuple) -> list:
     """The ``lax.switch`` branches of one time step, indexed by
     :data:`~nnscaler_jax.pipeline.loop_tables.CODES`: each returns ``(activation to send,
-    cotangent to send, stage param grads, shared grads, loss)`` for the device's chunk ``c``
-    (``args = (chunk params, shared params, packed input, packed cotangent, micro-batch)``)."""
+    cotangent to send, stage param grads, shared grads, loss, new collections)`` for the
+    device's chunk ``c`` (``args = (chunk params, shared params, packed input, packed
+    cotangent, micro-batch, chunk collections)``); only ``F`` changes the collections."""
     C, M = prog.schedule.chunks, prog.schedule.microbatches
     last_seg, seg0, recycling = prog.cut.chunks - 1, prog.seg0, bool(prog.x_vars)
-    pv, shared, cin, gout, bm = args
+    pv, shared, cin, gout, bm, kv = args
     no_p, no_sh = jax.tree.map(jnp.zeros_like, pv), jax.tree.map(jnp.zeros_like, shared)
     fresh = lambda c: c > 0 or not recycling  # chunk 0 of recycling reads the last pass
-    fwds = [partial(lambda c, *a: run_segment(prog, c + seg0, *a[:3], a[4], fresh(c)), c)
+    fwds = [partial(lambda c, *a: run_segment(prog, c + seg0, *a[:3], a[4], fresh(c), a[5]), c)
             for c in range(C)]
-    bwds = [partial(lambda c, *a: _vjp(prog, c + seg0, *a, c + seg0 == last_seg, fresh(c)), c)
+    bwds = [partial(lambda c, *a: _vjp(prog, c + seg0, *a[:5], c + seg0 == last_seg,
+                                       fresh(c), a[5]), c)
             for c in range(C)]
     nfwds = [partial(lambda c, *a: run_segment(prog, c + seg0, *a[:3], a[4],
-                                               (it == 0) if c == 0 else True)[0], c)
+                                               (it == 0) if c == 0 else True, a[5])[0], c)
              for c in range(C)]
 
     def idle():
-        return _zeros(prog.c_width), _zeros(prog.g_width), no_p, no_sh, _zl()
+        return _zeros(prog.c_width), _zeros(prog.g_width), no_p, no_sh, _zl(), kv
 
     def fwd():
-        out, loss = lax.switch(c, fwds, *args)
-        return out, _zeros(prog.g_width), no_p, no_sh, loss / M
+        out, loss, new = lax.switch(c, fwds, *args)
+        return out, _zeros(prog.g_width), no_p, no_sh, loss / M, new
 
     def bwd():
         gp, gsh, gc, _ = lax.switch(c, bwds, *args)
-        return _zeros(prog.c_width), gc, gp, gsh, _zl()
+        return _zeros(prog.c_width), gc, gp, gsh, _zl(), kv
 
     def nograd():  # recycling pass `it`: chunk 0 reads the batch on pass 0
-        return lax.switch(c, nfwds, *args), _zeros(prog.g_width), no_p, no_sh, _zl()
+        return lax.switch(c, nfwds, *args), _zeros(prog.g_width), no_p, no_sh, _zl(), kv
 
     def embed():
-        out, _ = run_segment(prog, 0, pv, shared, cin, bm)
-        return out, _zeros(prog.g_width), no_p, no_sh, _zl()
+        out, _, _ = run_segment(prog, 0, pv, shared, cin, bm)
+        return out, _zeros(prog.g_width), no_p, no_sh, _zl(), kv
 
     def head():
-        _, gsh, gc, loss = _vjp(prog, last_seg, pv, shared, cin, gout, bm, True, True)
-        return _zeros(prog.c_width), gc, no_p, gsh, loss
+        _, gsh, gc, loss = _vjp(prog, last_seg, pv, shared, cin, gout, bm, True, True, {})
+        return _zeros(prog.c_width), gc, no_p, gsh, loss, kv
 
     def embed_bwd():
-        _, gsh, _, _ = _vjp(prog, 0, pv, shared, cin, gout, bm, False, True)
-        return _zeros(prog.c_width), _zeros(prog.g_width), no_p, gsh, _zl()
+        _, gsh, _, _ = _vjp(prog, 0, pv, shared, cin, gout, bm, False, True, {})
+        return _zeros(prog.c_width), _zeros(prog.g_width), no_p, gsh, _zl(), kv
 
     out = [idle, fwd, bwd] + [nograd] * recycling
     if seg0:
@@ -173,27 +190,35 @@ def _branches(prog: Any, c: Any, it: Any, args: tuple) -> list:
     return out
 
 
-def local_step(prog: Any, shared: list, stages: dict, batch: list) -> tuple:
+def local_step(prog: Any, shared: list, stages: dict, batch: list, colls: dict) -> tuple:
     """Per-device body of the cut program's shard_map: run the step table, return
-    ``(loss, shared grads, stage grads)``."""
-    S, tb = prog.schedule.stages, prog.tables
+    ``(loss, shared grads, stage grads, new stage collections)``."""
+    S, M, tb = prog.schedule.stages, prog.schedule.microbatches, prog.tables
     s = lax.axis_index(prog.axis)
     stages = {k: x[0] for k, x in stages.items()}                 # [V, width]
+    colls = {k: x[0] for k, x in colls.items()}                   # [V, width]
     batch = [x[:, 0] for x in batch]                             # [M, b, ...]
     tabs = [jnp.asarray(a) for a in (tb.kind, tb.mb, tb.virt, tb.it, tb.in_slot, tb.g_slot,
                                      tb.rf_slot, tb.rb_slot, tb.keep_f, tb.keep_b)]
     f_perm = [(i, (i + 1) % S) for i in range(S)]
     b_perm = [(i, (i - 1) % S) for i in range(S)]
     sends = jnp.asarray(tb.sends)
+    pick = lambda tree, i: {k: lax.dynamic_index_in_dim(x, i, keepdims=False)
+                            for k, x in tree.items()}
 
     def body(t, carry):
-        inbuf, gbuf, g_st, g_sh, loss_acc = carry
+        inbuf, gbuf, g_st, g_sh, loss_acc, cst, snap = carry
         code, m, v, it, isl, gsl, rf, rb, kf, kb = [a[t, s] for a in tabs]
-        args = ({k: lax.dynamic_index_in_dim(x, v, keepdims=False) for k, x in stages.items()},
-                shared, {k: b[isl] for k, b in inbuf.items()},
+        now, saved = pick(cst, v), pick(pick(snap, v), m)  # B reads what its F read
+        is_f, is_b = code == CODES["F"], code == CODES["B"]
+        args = (pick(stages, v), shared, {k: b[isl] for k, b in inbuf.items()},
                 {k: b[gsl] for k, b in gbuf.items()},
-                [lax.dynamic_index_in_dim(x, m, keepdims=False) for x in batch])
-        out_f, out_b, dp, dsh, loss = lax.switch(code, _branches(prog, v * S + s, it, args))
+                [lax.dynamic_index_in_dim(x, m, keepdims=False) for x in batch],
+                {k: jnp.where(is_b, saved[k], x) for k, x in now.items()})
+        out_f, out_b, dp, dsh, loss, new = lax.switch(code,
+                                                      _branches(prog, v * S + s, it, args))
+        cst = {k: x.at[v].set(jnp.where(is_f, new[k], now[k])) for k, x in cst.items()}
+        snap = {k: x.at[v, m].set(jnp.where(is_f, now[k], saved[k])) for k, x in snap.items()}
         g_st = {k: g.at[v].add(dp[k]) for k, g in g_st.items()}
         g_sh = [g + d for g, d in zip(g_sh, dsh, strict=True)]
         recv_f = send_if(sends[t, 0], out_f, prog.axis, f_perm)
@@ -202,16 +227,20 @@ def local_step(prog: Any, shared: list, stages: dict, batch: list) -> tuple:
             slot >= 0, lambda b: {k: b[k].at[slot].set(new[k]) for k in b}, lambda b: b, buf)
         inbuf = put(kf, put(rf, inbuf, recv_f), out_f)
         gbuf = put(kb, put(rb, gbuf, recv_b), out_b)
-        return inbuf, gbuf, g_st, g_sh, loss_acc + loss
+        return inbuf, gbuf, g_st, g_sh, loss_acc + loss, cst, snap
 
     carry = ({k: jnp.zeros((tb.n_in, n), k) for k, n in prog.c_width.items()},
              {k: jnp.zeros((tb.n_g, n), k) for k, n in prog.g_width.items()},
-             jax.tree.map(jnp.zeros_like, stages), jax.tree.map(jnp.zeros_like, shared), _zl())
-    _, _, g_st, g_sh, loss = lax.fori_loop(0, tb.kind.shape[0], body, carry)
+             jax.tree.map(jnp.zeros_like, stages), jax.tree.map(jnp.zeros_like, shared), _zl(),
+             colls, {k: jnp.zeros((x.shape[0], M) + x.shape[1:], x.dtype)
+                     for k, x in colls.items()})
+    _, _, g_st, g_sh, loss, colls, _ = lax.fori_loop(0, tb.kind.shape[0], body, carry)
     g_sh = [lax.psum(g, prog.axis) for g in g_sh]
     loss = lax.psum(loss, prog.axis)
     if prog.data_axes:
         g_sh = [lax.pmean(g, prog.data_axes) for g in g_sh]
         g_st = {k: lax.pmean(g, prog.data_axes) for k, g in g_st.items()}
         loss = lax.pmean(loss, prog.data_axes)
-    return loss, g_sh, {k: g[None] for k, g in g_st.items()}
+    colls = average(colls, prog.data_axes)
+    add_stage = lambda tree: {k: x[None] for k, x in tree.items()}
+    return loss, g_sh, add_stage(g_st), add_stage(colls)

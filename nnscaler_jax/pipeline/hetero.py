@@ -20,6 +20,10 @@ intermediate chunks to a later one).
   neighbours. Gradients are averaged over the data axes and the optax update runs in the same
   jitted step. Stages are data-parallel inside (tensor parallelism: :func:`~nnscaler_jax.
   pipeline.cut.tp_error`).
+- **Collections** (BatchNorm statistics): each leaf is laid out like the parameters of the
+  chunk reading it (``state['collections']``), updated by that chunk's forwards in micro-batch
+  order and averaged over the data axes at the end of the step (:mod:`nnscaler_jax.pipeline.
+  mutable`).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from nnscaler_jax.pipeline.cut import eqn_path, segment_starts, tp_error
 from nnscaler_jax.pipeline.cut_blocks import local_step
 from nnscaler_jax.pipeline.in_stage import tensor_axes
 from nnscaler_jax.pipeline.loop_tables import loop_tables
+from nnscaler_jax.pipeline.mutable import require_forward_order, schedule_error, shared_error
 from nnscaler_jax.pipeline.program import ModuleCall, micro_leaves, trace_micro
 from nnscaler_jax.pipeline.recycle import recycling_program
 from nnscaler_jax.pipeline.update import initial_state, jitted_step
@@ -97,37 +102,56 @@ class CutProgram:
             raise PlanError(f"schedule {sched.name!r} has both recycling passes ('N') and "
                             "all-device blocks ('E' / 'H' / 'W'); the runtime runs one or the "
                             "other: use nf1b or interlaced")
+        call = call or ModuleCall.plain(module, params)
         if sched.recycles:  # nf1b: the module's outputs are its next pass's inputs
-            closed, abstract, self.x_vars = recycling_program(
-                self, params, batch, call or ModuleCall.plain(module, params))
+            if call.collections:
+                raise schedule_error(sched, list(call.collections))
+            closed, abstract, self.x_vars = recycling_program(self, params, batch, call)
         else:
-            closed, abstract = self._trace(params, batch, call)
+            closed, abstract = trace_micro(self, params, batch, call)
             self.x_vars = ()
-        root = type(module).__name__
-        self.seg0 = int(sched.all_device)  # the embedding segment comes first (interlaced)
-        eqns, _ = param_casts(closed, len(abstract))  # (casts go where they are read)
-        starts = segment_starts([eqn_path(e, root) for e in eqns], stage_of, S,
-                                sched.chunks, all_device=sched.all_device)
-        self.cut = cut_program(closed, len(abstract), starts, made_first=self.x_vars)
-        C, cut = sched.chunks, self.cut
-        # chunk c is segment c + seg0; the embedding / head segments' parameters are shared
-        self.owned = cut.owned[self.seg0:self.seg0 + C]
-        outside = [j for k, own in enumerate(cut.owned)
-                   if not self.seg0 <= k < self.seg0 + C for j in own]
-        self.shared = tuple(sorted(cut.shared + tuple(outside)))
-        self.param_avals = abstract
-        self.p_pack = [packing([abstract[j] for j in own]) for own in self.owned]
-        self.p_width = widths(self.p_pack)
-        self.c_pack = [packing([v.aval for v in b]) for b in cut.bounds]
-        self.r_pack = packing([v.aval for v in cut.jaxpr.jaxpr.outvars[1:]]) \
-            if self.x_vars else None
-        self.c_width = widths(self.c_pack + [self.r_pack] * bool(self.x_vars)) or {"float32": 1}
+        if self.coll_avals:
+            if sched.all_device:
+                raise schedule_error(sched, self.coll_paths)
+            require_forward_order(sched)
+        self._cut(closed, abstract, stage_of)
         self.g_width = {k: n for k, n in self.c_width.items() if _floating(k)} or {"float32": 1}
         self.tables = loop_tables(sched, "FBNEHW")
 
-    def _trace(self, params: Any, batch: tuple, call: ModuleCall | None) -> tuple[Any, list]:
-        """The micro-batch program (:func:`~nnscaler_jax.pipeline.program.trace_micro`)."""
-        return trace_micro(self, params, batch, call or ModuleCall.plain(self.module, params))
+    def _cut(self, closed: Any, abstract: list, stage_of: tuple) -> None:
+        """Cut the traced program at ``stage_of``'s segments and lay out what each chunk owns:
+        parameters (``owned``, ``p_pack``; the rest ``shared``), collections (``coll_owned``,
+        ``coll_pack``) and the values crossing boundaries (``c_pack``)."""
+        sched, C = self.schedule, self.schedule.chunks
+        np_, nc = len(abstract), len(self.coll_avals)
+        self.seg0 = int(sched.all_device)  # the embedding segment comes first (interlaced)
+        eqns, _ = param_casts(closed, np_ + nc)  # (casts go where they are read)
+        starts = segment_starts([eqn_path(e, type(self.module).__name__) for e in eqns],
+                                stage_of, sched.stages, C, all_device=sched.all_device)
+        self.cut = cut = cut_program(closed, np_ + nc, starts, made_first=self.x_vars,
+                                     carried=[(np_ + k, 1 + k) for k in range(nc)])
+        # chunk c is segment c + seg0; the embedding / head segments' parameters are shared
+        owned = cut.owned[self.seg0:self.seg0 + C]
+        self.owned = tuple(tuple(j for j in own if j < np_) for own in owned)
+        self.coll_owned = tuple(tuple(j - np_ for j in own if j >= np_) for own in owned)
+        outside = [j for k, own in enumerate(cut.owned)
+                   if not self.seg0 <= k < self.seg0 + C for j in own]
+        self.shared = tuple(sorted(cut.shared + tuple(outside)))
+        late = [k for c, own in enumerate(self.coll_owned) for k in own
+                if cut.out_made[1 + k] > c + self.seg0]
+        bad = [j - np_ for j in self.shared if j >= np_] + late
+        if bad:
+            raise shared_error([self.coll_paths[k] for k in bad])
+        self.param_avals = abstract
+        self.p_pack = [packing([abstract[j] for j in own]) for own in self.owned]
+        self.p_width = widths(self.p_pack)
+        self.coll_pack = [packing([self.coll_avals[k] for k in own]) for own in self.coll_owned]
+        self.coll_width = widths(self.coll_pack)
+        jx = cut.jaxpr.jaxpr
+        self.coll_in, self.coll_out = jx.invars[np_:np_ + nc], jx.outvars[1:1 + nc]
+        self.c_pack = [packing([v.aval for v in b]) for b in cut.bounds]
+        self.r_pack = packing([v.aval for v in jx.outvars[1:]]) if self.x_vars else None
+        self.c_width = widths(self.c_pack + [self.r_pack] * bool(self.x_vars)) or {"float32": 1}
 
     # ---- parameter layout --------------------------------------------------------------------
 
@@ -136,30 +160,52 @@ class CutProgram:
 
     def to_pipeline(self, params: Any) -> dict:
         """Module params -> ``{'shared': [...], 'stages': {dtype: [S, V, width]}}`` on the mesh."""
-        leaves = [np.asarray(x) for x in jax.tree.leaves(params)]
+        return self._stack(jax.tree.leaves(params), self.owned, self.p_pack, self.p_width,
+                           self.shared)
+
+    def from_pipeline(self, pp: dict) -> Any:
+        """The inverse of :meth:`to_pipeline` (a module params tree)."""
+        out = self._unstack(pp, self.owned, self.p_pack, self.shared, len(self.param_avals))
+        return jax.tree.unflatten(self.params_tree, out)
+
+    def collections_to_pipeline(self, colls: Any) -> dict:
+        """The collections' plain tree -> ``{'shared': [], 'stages': {dtype: [S, V, width]}}``:
+        each leaf where the chunk reading it keeps its parameters."""
+        return self._stack(jax.tree.leaves(colls), self.coll_owned, self.coll_pack,
+                           self.coll_width, ())
+
+    def collections_from_pipeline(self, pc: dict) -> Any:
+        """The inverse of :meth:`collections_to_pipeline`."""
+        out = self._unstack(pc, self.coll_owned, self.coll_pack, (), len(self.coll_avals))
+        return jax.tree.unflatten(self.coll_tree, out)
+
+    def _stack(self, leaves: list, owned: tuple, packs: list, width: dict,
+               shared: tuple) -> dict:
+        """``leaves[owned[c]]`` packed into chunk ``c``'s row, ``leaves[shared]`` replicated."""
+        leaves = [np.asarray(x) for x in leaves]
         S, V = self.schedule.stages, self.schedule.virtual
-        stages = {dt: np.zeros((S, V, n), dt) for dt, n in self.p_width.items()}
-        for c, (own, pk) in enumerate(zip(self.owned, self.p_pack, strict=True)):
+        stages = {dt: np.zeros((S, V, n), dt) for dt, n in width.items()}
+        for c, (own, pk) in enumerate(zip(owned, packs, strict=True)):
             s, v = self._where(c)
             for j, (dt, off, shape) in zip(own, pk.slots, strict=True):
                 stages[dt][s, v, off:off + int(np.prod(shape, dtype=np.int64))] = \
                     leaves[j].ravel()
         rep, st = self.shardings()
-        return {"shared": [jax.device_put(leaves[j], rep) for j in self.shared],
+        return {"shared": [jax.device_put(leaves[j], rep) for j in shared],
                 "stages": {dt: jax.device_put(x, st) for dt, x in stages.items()}}
 
-    def from_pipeline(self, pp: dict) -> Any:
-        """The inverse of :meth:`to_pipeline` (a module params tree)."""
-        out: list[Any] = [None] * self.cut.n_params
-        for j, x in zip(self.shared, pp["shared"], strict=True):
+    def _unstack(self, pp: dict, owned: tuple, packs: list, shared: tuple, n: int) -> list:
+        """The leaves :meth:`_stack` laid out in ``pp``."""
+        out: list[Any] = [None] * n
+        for j, x in zip(shared, pp["shared"], strict=True):
             out[j] = jnp.asarray(x)
         stages = {dt: np.asarray(x) for dt, x in pp["stages"].items()}
-        for c, (own, pk) in enumerate(zip(self.owned, self.p_pack, strict=True)):
+        for c, (own, pk) in enumerate(zip(owned, packs, strict=True)):
             s, v = self._where(c)
             for j, (dt, off, shape) in zip(own, pk.slots, strict=True):
                 size = int(np.prod(shape, dtype=np.int64))
                 out[j] = jnp.asarray(stages[dt][s, v, off:off + size].reshape(shape))
-        return jax.tree.unflatten(self.params_tree, out)
+        return out
 
     def shardings(self) -> tuple[NamedSharding, NamedSharding]:
         """Replicated, and split over the stage axis (leading dim)."""
@@ -176,36 +222,48 @@ class CutProgram:
 
     # ---- the step ----------------------------------------------------------------------------
 
-    def _local(self, shared: list, stages: dict, batch: list) -> tuple:
+    def _local(self, shared: list, stages: dict, batch: list, colls: dict) -> tuple:
         """Per-device body of the shard_map (:func:`~nnscaler_jax.pipeline.cut_blocks.
         local_step`)."""
-        return local_step(self, shared, stages, batch)
+        return local_step(self, shared, stages, batch, colls)
 
-    def grads(self, pp: dict, batch: tuple, key: Any = None) -> tuple[jax.Array, dict]:
+    def grads(self, pp: dict, batch: tuple, key: Any = None,
+              colls: dict | None = None) -> tuple:
         """Mean loss over the batch and its gradients in the pipeline layout (traceable);
-        ``key``: the step's key, when the program was traced with rng streams."""
+        ``key``: the step's key, when the program was traced with rng streams; ``colls``: the
+        collections in the pipeline layout (:meth:`collections_to_pipeline`), when the
+        program has any: then also their new values, ``(loss, grads, new collections)``."""
         data = self.data_axes if self.data_axes else None
         shaped = micro_leaves(self, batch, key)  # [M, D, b, ...] (+ keys [M, D])
+        cst = {} if colls is None else colls["stages"]
         shared_spec = [P()] * len(pp["shared"])
         stage_spec = {k: P(self.axis) for k in pp["stages"]}
+        coll_spec = {k: P(self.axis) for k in cst}
         batch_spec = [P(None, data)] * len(shaped)
         fn = jax.shard_map(self._local, mesh=self.mesh,
-                           in_specs=(shared_spec, stage_spec, batch_spec),
-                           out_specs=(P(), shared_spec, stage_spec), check_vma=False)
+                           in_specs=(shared_spec, stage_spec, batch_spec, coll_spec),
+                           out_specs=(P(), shared_spec, stage_spec, coll_spec), check_vma=False)
         rep, st = self.shardings()
-        loss, gs, gst = fn([_place(x, rep) for x in pp["shared"]],
-                           {k: _place(x, st) for k, x in pp["stages"].items()},
-                           [_place(x, NamedSharding(self.mesh, sp))
-                            for x, sp in zip(shaped, batch_spec, strict=True)])
-        return loss, {"shared": gs, "stages": gst}
+        loss, gs, gst, new = fn([_place(x, rep) for x in pp["shared"]],
+                                {k: _place(x, st) for k, x in pp["stages"].items()},
+                                [_place(x, NamedSharding(self.mesh, sp))
+                                 for x, sp in zip(shaped, batch_spec, strict=True)],
+                                {k: _place(x, st) for k, x in cst.items()})
+        grads = {"shared": gs, "stages": gst}
+        if colls is None:
+            return loss, grads
+        return loss, grads, {"shared": [], "stages": new}
 
     def train_step(self, optimizer: Any, *, return_grads: bool = False) -> Callable:
         """A jitted ``step(state, batch) -> (state, metrics)`` (see
-        :meth:`~nnscaler_jax.pipeline.runtime.PipelineProgram.train_step`)."""
+        :meth:`~nnscaler_jax.pipeline.runtime.PipelineProgram.train_step`); a state with
+        ``'collections'`` gets them updated."""
         return jitted_step(self.grads, optimizer, self.mesh,
                            return_grads=return_grads)
 
-    def init_state(self, params: Any, optimizer: Any) -> dict:
-        """``{'params': to_pipeline(params), 'opt_state': optimizer.init(...)}``."""
+    def init_state(self, params: Any, optimizer: Any, collections: Any = None) -> dict:
+        """``{'params': to_pipeline(params), 'opt_state': optimizer.init(...)}``, and
+        ``'collections'`` (:meth:`collections_to_pipeline`) when the program has any."""
         pp = self.to_pipeline(params)
-        return initial_state(pp, optimizer, self.mesh)
+        pc = self.collections_to_pipeline(collections) if self.coll_avals else None
+        return initial_state(pp, optimizer, self.mesh, collections=pc)

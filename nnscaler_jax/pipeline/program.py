@@ -2,7 +2,7 @@
 
 Both pipelined programs (:class:`~nnscaler_jax.pipeline.runtime.PipelineProgram`, identical
 layers, and :class:`~nnscaler_jax.pipeline.hetero.CutProgram`, any model) cut the same traced
-program ``(params..., batch..., keys...) -> loss``::
+program ``(params..., collections..., batch..., keys...) -> (loss, new collections...)``::
 
     loss_fn(module(*batch[:inputs], **module_kwargs, rngs=keys), *batch)
 
@@ -21,10 +21,16 @@ the ``'default'`` stream of an ``nnx.Rngs(0)`` is keyed, as the last stream), sl
 micro-batch in the step loop like the batch (:func:`micro_leaves`). They are read where a module
 makes its rng (``Dropout``), so no key crosses a stage boundary.
 
+**Collections.** Mutable collections (BatchNorm statistics: linen's variables besides
+``params``, called with ``mutable=[...]``; an nnx module's ``nnx.BatchStat``) are inputs of the
+traced program after the parameters, their new values its outputs after the loss (none without
+collections: the program returns the loss alone). How the pipeline carries them:
+:mod:`nnscaler_jax.pipeline.mutable`.
+
 **nnx.** An nnx module is called through ``nnx.merge`` of its graph definition with the
-parameters (an ``nnx.State`` of its ``nnx.Param`` as a pure dict) and the rest of its state, its
-sub-modules' calls under their paths' name scopes, as the wrapper traces it; ``nnx.BatchNorm``
-statistics are refused (:func:`collections_error`), like linen collections besides ``params``.
+parameters (an ``nnx.State`` of its ``nnx.Param`` as a pure dict), its ``nnx.BatchStat`` (the
+same) and the rest of its state, its sub-modules' calls under their paths' name scopes, as the
+wrapper traces it; ``nnx.Cache`` (decoding caches) is refused (:func:`collections_error`).
 """
 
 from __future__ import annotations
@@ -45,8 +51,9 @@ from nnscaler_jax.capture.precision import Cast
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.lower.replay import explicitly_typed
 
-__all__ = ["ModuleCall", "StepOptions", "collections_error", "micro_leaves", "micro_setup",
-           "microbatch_rngs", "rng_error", "trace_micro", "typed_key"]
+__all__ = ["ModuleCall", "StepOptions", "collections_error", "empty_collection_error",
+           "micro_leaves", "micro_setup", "microbatch_rngs", "rng_error", "trace_micro",
+           "typed_key"]
 
 
 def microbatch_rngs(key: Any, index: Any, streams: Sequence[str]) -> dict:
@@ -119,11 +126,17 @@ class StepOptions:
 
 def collections_error(where: str, names: Sequence[str]) -> PlanError:
     return PlanError(
-        f"train_step: the pipelined step trains parameters only; {where} holds the mutable "
-        f"collection(s) {sorted(names)} (BatchNorm statistics), which the micro-batches of its "
-        "stages would update out of order. Fix: normalise with LayerNorm / GroupNorm (or "
-        "BatchNorm(use_running_average=True) without the collection), or drop "
-        "Constraints(pipeline_stages=...) for the SPMD step, which carries collections")
+        f"train_step: the pipelined step carries BatchNorm statistics (linen collections, "
+        f"nnx.BatchStat); {where} holds {sorted(names)}, which it does not carry. Fix: drop "
+        "them from the module for training (decoding caches), or drop "
+        "Constraints(pipeline_stages=...) for the SPMD step, which carries every collection")
+
+
+def empty_collection_error(names: Sequence[str]) -> PlanError:
+    return PlanError(
+        f"train_step: the variables' collection(s) {sorted(names)} hold no arrays; pass the "
+        "variables module.init returned, e.g. step.init(module.init(key, x), x) (with "
+        "{'params': ..., 'batch_stats': ...}), or leave the empty collections out")
 
 
 def rng_error(e: Exception, streams: Sequence[str]) -> PlanError:
@@ -143,6 +156,9 @@ class ModuleCall:
 
     Attributes:
         params: the parameters as a plain tree (the pipeline lays out its leaves).
+        collections: the mutable collections as a plain tree (linen: ``{name: tree}`` of the
+            variables besides ``params``; nnx: the pure dict of its ``nnx.BatchStat``), ``{}``
+            without any.
         streams: the stream names keys derive from (:func:`microbatch_rngs`): ``rng_streams``,
             for nnx then ``'default'`` (the stream of an ``nnx.Rngs(0)``).
         slots: per key input of the traced program, ``(stream, index)``: the key is
@@ -159,20 +175,23 @@ class ModuleCall:
         self.default_rng = None
         if not self.nnx:
             variables = dict(variables)
-            others = [c for c in variables if c != "params"]
-            if "params" in variables and others:
-                raise collections_error("variables", others)
             self.params = variables.get("params", variables)
+            self.collections = {c: x for c, x in variables.items() if c != "params"} \
+                if "params" in variables else {}
+            empty = [c for c, x in self.collections.items() if not jax.tree.leaves(x)]
+            if empty:
+                raise empty_collection_error(empty)
             self.slots = tuple((s, None) for s in streams) if rng is not None else ()
             return
         if variables is not None:
             nnx.update(module, variables)
-        self.graphdef, self.template, self.rest = nnx.split(module, nnx.Param, ...)
-        mutable = {type(v).__name__ for _, v in nnx.iter_graph(module)
-                   if isinstance(v, (nnx.BatchStat, nnx.Cache))}
-        if mutable:
-            raise collections_error(f"the nnx module {type(module).__name__}", mutable)
+        caches = {type(v).__name__ for _, v in nnx.iter_graph(module) if isinstance(v, nnx.Cache)}
+        if caches:
+            raise collections_error(f"the nnx module {type(module).__name__}", caches)
+        self.graphdef, self.template, self.stats, self.rest = nnx.split(
+            module, nnx.Param, nnx.BatchStat, ...)
         self.params = self.template.to_pure_dict()
+        self.collections = self.stats.to_pure_dict()
         found = _rng_streams(module, streams)
         tags = [s.key.tag for s in found]  # the i-th stream of a tag: (tag, i)
         self.slots = tuple((t, tags[:i].count(t)) for i, t in enumerate(tags))
@@ -186,72 +205,124 @@ class ModuleCall:
         variables = None if isinstance(module, nnx.Module) else {"params": params}
         return cls(module, variables, StepOptions(), None)
 
+    def make_plan(self, pm: Any, args: tuple, rng: Any) -> Any:
+        """The wrapper ``pm``'s plan of the module's call on ``args`` (the whole batch's), as
+        the step calls it (rng streams keyed by ``rng``, collections mutable)."""
+        kw = dict(self.options.module_kwargs)
+        if self.nnx:  # planned on the module's own state (rng streams included)
+            return pm.make_plan(*args, **kw)
+        # checks + records the stages; policy None: stages data-parallel inside
+        streams = self.options.rng_streams
+        rngs = microbatch_rngs(typed_key(rng), 0, streams) if self.slots else None
+        try:
+            return pm.make_plan(*args, variables={"params": self.params, **self.collections},
+                                rngs=rngs, mutable=list(self.collections) or False, **kw)
+        except PlanError as e:  # (the wrapper's tracing error, caused by flax's)
+            if not isinstance(e.__cause__, flax.errors.InvalidRngError):
+                raise
+            raise rng_error(e.__cause__, streams) from e
+
     def module_params(self, params: Any) -> Any:
         """``params`` (plain tree) as the module takes them: linen the tree, nnx an
         ``nnx.State`` of its ``nnx.Param``."""
+        return self._as_state(self.template, params) if self.nnx else params
+
+    def variables(self, params: Any, collections: Any) -> Any:
+        """Plain trees of parameters and collections as the module takes its variables:
+        linen ``{'params': ..., **collections}``, nnx one ``nnx.State`` (``nnx.update``)."""
         if not self.nnx:
-            return params
-        state = jax.tree.map(lambda x: x, self.template)
-        nnx.replace_by_pure_dict(state, params)
+            return {"params": params, **collections}
+        return nnx.merge_state(self.module_params(params),
+                               self._as_state(self.stats, collections))
+
+    @staticmethod
+    def _as_state(template: Any, tree: Any) -> Any:
+        state = jax.tree.map(lambda x: x, template)
+        nnx.replace_by_pure_dict(state, tree)
         return state
 
-    def __call__(self, params: Any, args: tuple, keys: Sequence[Any]) -> Any:
-        """The module's output; with a compute precision, float parameters and arguments are
-        cast to it on entry and 16-bit results back to float32 (capture/precision.py)."""
+    def __call__(self, params: Any, args: tuple, keys: Sequence[Any],
+                 collections: Any = None) -> tuple[Any, Any]:
+        """``(the module's output, the new collections)`` (``collections`` None: the call's
+        own, ``{}`` without any); with a compute precision, float parameters and arguments are
+        cast to it on entry and 16-bit results back to float32 (capture/precision.py), the
+        new collections back to their dtypes."""
+        colls = self.collections if collections is None else collections
         cast = Cast.of(self.options.precision)
         if cast is None:
-            return self._call(params, args, keys)
+            return self._call(params, colls, args, keys)
         flat, tree = jax.tree.flatten(params)
         params = jax.tree.unflatten(tree, cast.inputs(flat, [True] * len(flat))[0])
         flat, tree = jax.tree.flatten(args)
         args = jax.tree.unflatten(tree, cast.inputs(flat, [True] * len(flat))[0])
-        return cast.results(self._call(params, args, keys))
+        out, new = self._call(params, colls, args, keys)
+        return cast.results(out), jax.tree.map(lambda n, o: n.astype(o.dtype), new, colls)
 
-    def _call(self, params: Any, args: tuple, keys: Sequence[Any]) -> Any:
+    def _call(self, params: Any, colls: Any, args: tuple, keys: Sequence[Any]) -> tuple:
         kw = dict(self.options.module_kwargs)
         if not self.nnx:
             rngs = {s: k for (s, _), k in zip(self.slots, keys, strict=True)} or None
             try:
-                return self.module.apply({"params": params}, *args, rngs=rngs, **kw)
+                out = self.module.apply({"params": params, **colls}, *args, rngs=rngs,
+                                        mutable=list(colls) or False, **kw)
             except flax.errors.InvalidRngError as e:
                 raise rng_error(e, self.options.rng_streams) from e
-        m = nnx.merge(self.graphdef, self.module_params(params), self.rest, copy=True)
+            return out if colls else (out, {})
+        m = nnx.merge(self.graphdef, self.module_params(params),
+                      self._as_state(self.stats, colls), self.rest, copy=True)
         found = _rng_streams(m, self.streams) if keys else []
         for s, k in zip(found, keys, strict=True):
             s.key.set_value(k)
             s.count.set_value(jnp.zeros((), jnp.uint32))  # (numpy: updated in place)
         with nnx_call_scopes(m):
-            return m(*args, **kw)
+            out = m(*args, **kw)
+        return out, nnx.state(m, nnx.BatchStat).to_pure_dict() if colls else {}
 
 
 def micro_setup(prog: Any, params: Any, batch: tuple, call: ModuleCall) -> tuple[list, Any]:
     """``(parameter avals, the batch's micro-batch avals)``; sets ``prog.params_tree``,
-    ``param_paths``, ``batch_tree``, ``key_slots`` and ``key_streams`` (what a traced
-    micro-batch program's runtime reads)."""
+    ``param_paths``, ``coll_tree``, ``coll_paths``, ``coll_avals``, ``batch_tree``,
+    ``key_slots`` and ``key_streams`` (what a traced micro-batch program's runtime reads)."""
     flat, prog.params_tree = jax.tree_util.tree_flatten_with_path(params)
     prog.param_paths = [path_str(p) for p, _ in flat]
+    colls, prog.coll_tree = jax.tree_util.tree_flatten_with_path(call.collections)
+    prog.coll_paths = [path_str(p) for p, _ in colls]
+    aval = lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
+    prog.coll_avals = [aval(x) for _, x in colls]
     mb_batch = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((prog.mb_size,) + tuple(x.shape[1:]), x.dtype), batch)
     prog.batch_tree = jax.tree.structure(mb_batch)
     prog.key_slots, prog.key_streams = call.slots, call.streams
-    return [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for _, x in flat], mb_batch
+    return [aval(x) for _, x in flat], mb_batch
 
 
 def trace_micro(prog: Any, params: Any, batch: tuple, call: ModuleCall) -> tuple[Any, list]:
-    """``(closed jaxpr (params..., batch..., keys...) -> loss, parameter avals)`` of one
-    micro-batch (``prog.mb_size`` rows) of ``prog`` (either pipelined program); sets
-    ``prog.params_tree``, ``param_paths``, ``batch_tree``, ``key_slots`` and ``key_streams``."""
+    """``(closed jaxpr (params..., collections..., batch..., keys...) -> (loss, new
+    collections...), parameter avals)`` of one micro-batch (``prog.mb_size`` rows) of ``prog``
+    (either pipelined program; without collections the program returns the loss alone); sets
+    what :func:`micro_setup` sets.
+
+    Raises:
+        PlanError: the call returns collections other than those it was given.
+    """
     abstract, mb_batch = micro_setup(prog, params, batch, call)
-    n, nb = len(abstract), len(jax.tree.leaves(mb_batch))
+    n, nc, nb = len(abstract), len(prog.coll_avals), len(jax.tree.leaves(mb_batch))
 
     def program(*leaves):
         p = jax.tree.unflatten(prog.params_tree, leaves[:n])
-        b = jax.tree.unflatten(prog.batch_tree, leaves[n:n + nb])
-        out = call(p, call.options.args(b), leaves[n + nb:])
-        return prog.loss_fn(out, *b)
+        c = jax.tree.unflatten(prog.coll_tree, leaves[n:n + nc])
+        b = jax.tree.unflatten(prog.batch_tree, leaves[n + nc:n + nc + nb])
+        out, new = call(p, call.options.args(b), leaves[n + nc + nb:], c)
+        if jax.tree.structure(new) != prog.coll_tree:
+            raise PlanError(f"train_step: {type(prog.module).__name__} returns the collections "
+                            f"{jax.tree.structure(new)} for {prog.coll_tree}; the pipelined "
+                            "step carries the collections it is given: pass every collection "
+                            "module.init returned")
+        loss = prog.loss_fn(out, *b)
+        return (loss, *jax.tree.leaves(new)) if nc else loss
 
     key = jax.eval_shape(lambda: jax.random.key(0))
-    closed = jax.make_jaxpr(program)(*abstract, *jax.tree.leaves(mb_batch),
+    closed = jax.make_jaxpr(program)(*abstract, *prog.coll_avals, *jax.tree.leaves(mb_batch),
                                      *[key] * len(call.slots))
     return closed, abstract
 

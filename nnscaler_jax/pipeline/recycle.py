@@ -61,7 +61,7 @@ def recycling_program(prog: Any, params: Any, batch: tuple,
         p = jax.tree.unflatten(prog.params_tree, leaves[:n])
         x = jax.tree.unflatten(args_tree, leaves[n:n + nx])
         b = jax.tree.unflatten(prog.batch_tree, leaves[n + nx:n + nx + nb])
-        out = call(p, x, leaves[n + nx + nb:])
+        out, _ = call(p, x, leaves[n + nx + nb:])
         out_tree.append(jax.tree.structure(out))
         return (prog.loss_fn(out, *b), *jax.tree.leaves(out))
 

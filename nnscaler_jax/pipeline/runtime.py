@@ -32,7 +32,6 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-import flax.errors
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -55,8 +54,6 @@ from nnscaler_jax.pipeline.program import (
     ModuleCall,
     StepOptions,
     micro_leaves,
-    microbatch_rngs,
-    rng_error,
     trace_micro,
     typed_key,
 )
@@ -369,6 +366,9 @@ class PipelineStep:
     (:func:`~nnscaler_jax.pipeline.program.microbatch_rngs`). An nnx module trains its
     ``nnx.Param``; ``step.update(state)`` writes them back into it. ``Constraints(precision=
     'bfloat16')``: float32 master weights cast where each chunk reads them (the cut program).
+    Mutable collections (linen ``{'params', 'batch_stats'}`` with ``module_kwargs={'train':
+    True}``, nnx ``BatchStat``) run in the cut program and live in ``state['collections']``
+    (:mod:`~nnscaler_jax.pipeline.mutable`); ``step.variables(state)`` gives them back.
 
     Attributes:
         program: the :class:`PipelineProgram` / :class:`CutProgram` (after :meth:`init`).
@@ -409,24 +409,12 @@ class PipelineStep:
 
     def init(self, variables: Any, *batch: Any, rng: Any = None) -> dict:
         """Plan, build the program for ``batch``'s shapes and lay out the training state
-        (``{'params', 'opt_state'}``, and ``'rng'`` with rng streams)."""
+        (``{'params', 'opt_state'}``, ``'collections'`` with any, ``'rng'`` with rng streams)."""
         self.call = call = ModuleCall(self.pm.module, variables, self.options, rng)
         self.program = None
-        params, opts = call.params, self.options
-        rng = rng if rng is not None else call.default_rng
-        args = opts.args(batch)
-        if call.nnx:  # planned on the module's own state (rng streams included)
-            plan = self.pm.make_plan(*args, **dict(opts.module_kwargs))
-        else:  # checks + records the stages; policy None: stages data-parallel inside
-            rngs = microbatch_rngs(typed_key(rng), 0, opts.rng_streams) if call.slots else None
-            try:
-                plan = self.pm.make_plan(*args, variables={"params": params}, rngs=rngs,
-                                         **dict(opts.module_kwargs))
-            except PlanError as e:  # (the wrapper's tracing error, caused by flax's)
-                if not isinstance(e.__cause__, flax.errors.InvalidRngError):
-                    raise
-                raise rng_error(e.__cause__, opts.rng_streams) from e
-        pipe = plan.pipeline
+        params, rng = call.params, rng if rng is not None else call.default_rng
+        args = self.options.args(batch)
+        pipe = call.make_plan(self.pm, args, rng).pipeline
         if pipe is None:
             raise PlanError("train_step: the plan has no pipeline settings (a saved plan made "
                             "without Constraints(pipeline_stages=...)); re-plan with them")
@@ -443,7 +431,8 @@ class PipelineStep:
         stack_error: NotALayerStack | None = None
         # (recycling and all-device blocks run in the cut runtime only)
         if not (self.pm.constraints.pipeline_pivots or sched.recycles or sched.all_device
-                or self.options.precision):  # (casts: made where read, cut program)
+                or self.options.precision  # (casts: made where read, cut program)
+                or call.collections):  # (carried by the cut program, mutable.py)
             try:
                 self.program = PipelineProgram(*args, **kw)
             except NotALayerStack as e:
@@ -454,7 +443,9 @@ class PipelineStep:
             except PlanError as cut_error:
                 raise cut_error from stack_error
         self.jitted = self.program.train_step(self.optimizer, return_grads=self.return_grads)
-        state = self.program.init_state(params, self.optimizer)
+        state = self.program.init_state(
+            params, self.optimizer, **({"collections": call.collections} if call.collections
+                                       else {}))
         if call.slots:
             rep = self.program.shardings()[0]  # a copy: the step donates its state
             state["rng"] = jax.jit(jnp.copy, out_shardings=rep)(typed_key(rng))
@@ -492,9 +483,16 @@ class PipelineStep:
         """The module's params tree of ``state`` (nnx: an ``nnx.State`` of its ``nnx.Param``)."""
         return self.call.module_params(self.program.from_pipeline(state["params"]))
 
+    def variables(self, state: dict) -> Any:
+        """The module's variables of ``state``: linen ``{'params': ..., **collections}`` (as
+        ``module.apply`` takes them), nnx an ``nnx.State`` of its parameters and statistics."""
+        colls = state.get("collections")
+        colls = {} if colls is None else self.program.collections_from_pipeline(colls)
+        return self.call.variables(self.program.from_pipeline(state["params"]), colls)
+
     def update(self, state: dict) -> None:
-        """nnx: write the state's parameters back into the module."""
+        """nnx: write the state's parameters and ``nnx.BatchStat`` back into the module."""
         if self.call is None or not self.call.nnx:
-            raise PlanError("step.update(state) writes an nnx module's parameters; for linen "
-                            "use step.params(state) with apply")
-        nnx.update(self.pm.module, self.params(state))
+            raise PlanError("step.update(state) writes an nnx module's state; for linen use "
+                            "step.variables(state) (or step.params(state)) with apply")
+        nnx.update(self.pm.module, self.variables(state))

@@ -21,14 +21,20 @@ def jitted_step(grads: Callable, optimizer: Any, mesh: Any, *, store: Callable =
     """A jitted, donated ``run(state, batch) -> (state, metrics)`` (``run.lower(state, batch)``
     too) under ``mesh``: ``grads(params, batch, key) -> (loss, grads)`` (``key`` split off
     ``state['rng']`` when the state has one, else None), then the optax update;
-    ``store`` lays the new parameters and optimizer state out as the program keeps them."""
+    ``store`` lays the new parameters and optimizer state out as the program keeps them.
+    A state with ``'collections'`` calls ``grads(params, batch, key, collections) -> (loss,
+    grads, new collections)`` and keeps the new ones."""
     import optax
 
     def step(state, batch):
         state, key = dict(state), None
         if "rng" in state:  # a new key per step, as the SPMD step (micro-batches fold it in)
             state["rng"], key = jax.random.split(state["rng"])
-        loss, g = grads(state["params"], tuple(batch), key)
+        if "collections" in state:
+            loss, g, state["collections"] = grads(state["params"], tuple(batch), key,
+                                                  state["collections"])
+        else:
+            loss, g = grads(state["params"], tuple(batch), key)
         updates, opt_state = optimizer.update(g, state["opt_state"], state["params"])
         opt_state = store(opt_state)
         params = store(optax.apply_updates(state["params"], updates))
@@ -51,7 +57,12 @@ def jitted_step(grads: Callable, optimizer: Any, mesh: Any, *, store: Callable =
     return run
 
 
-def initial_state(pp: Any, optimizer: Any, mesh: Any, *, store: Callable = _same) -> dict:
-    """``{'params': pp, 'opt_state': optimizer.init(pp)}`` (the state laid out by ``store``)."""
+def initial_state(pp: Any, optimizer: Any, mesh: Any, *, store: Callable = _same,
+                  collections: Any = None) -> dict:
+    """``{'params': pp, 'opt_state': optimizer.init(pp)}`` (the state laid out by ``store``),
+    and ``'collections'`` when given."""
     with jax.set_mesh(mesh):
-        return {"params": pp, "opt_state": jax.jit(lambda p: store(optimizer.init(p)))(pp)}
+        state = {"params": pp, "opt_state": jax.jit(lambda p: store(optimizer.init(p)))(pp)}
+    if collections is not None:
+        state["collections"] = collections
+    return state
