@@ -105,7 +105,8 @@ class CutProgram:
         call = call or ModuleCall.plain(module, params)
         if sched.recycles:  # nf1b: the module's outputs are its next pass's inputs
             if call.collections:
-                raise schedule_error(sched, list(call.collections))
+                raise schedule_error(sched, [jax.tree_util.keystr(k) for k, _ in
+                                             jax.tree_util.tree_leaves_with_path(call.collections)])
             closed, abstract, self.x_vars = recycling_program(self, params, batch, call)
         else:
             closed, abstract = trace_micro(self, params, batch, call)

@@ -19,9 +19,10 @@ a stack of identical layers included) carries them as follows:
   in order, as in the SPMD step. The backward ``B`` recomputes the forward from its saved input
   with the collection values that forward read (kept per micro-batch and chunk: ``M x virtual``
   copies of the stage's collections, small for BatchNorm) and discards the values it makes, so
-  nothing is updated twice; in train mode BatchNorm's output does not depend on the running
-  statistics, a module whose output reads them gets the same gradient as its forward's output.
-  Gradients do not flow through the collections (the SPMD step's rule).
+  nothing is updated twice. In train mode BatchNorm's output does not depend on the running
+  statistics, so the values a backward reads only matter for a module whose output reads them:
+  it is differentiated at the output its forward computed. Gradients do not flow through the
+  collections (the SPMD step's rule: they are constants of each micro-batch's gradient).
 - **End of step.** The updated collections are averaged over the data axes (``pmean``;
   integer leaves, counters, are the same on every shard and kept) and stored in the new state.
 

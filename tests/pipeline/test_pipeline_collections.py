@@ -99,23 +99,28 @@ class _Block(nn.Module):
 
 
 class _Stack(nn.Module):
-    """Two identical layers and a head: a layer stack, run by the cut program because of
-    its collections."""
+    """Identical layers and a head: a layer stack, run by the cut program because of its
+    collections."""
+
+    layers: int = 2
 
     @nn.compact
     def __call__(self, x, train=False):
-        for i in range(2):
+        for i in range(self.layers):
             x = _Block(name=f"h_{i}")(x, train)
         return nn.Dense(4, name="head")(x)
 
 
-def test_linen_batch_stats_carried_in_microbatch_order_then_averaged():
-    module, (x, y) = _Stack(), _batch()
+@pytest.mark.parametrize("schedule,layers", [("1f1b", 2), ("interleaved", 4)])
+def test_linen_batch_stats_carried_in_microbatch_order_then_averaged(schedule, layers):
+    module, (x, y) = _Stack(layers), _batch()
     variables = module.init(jax.random.key(0), x)
     params, stats = variables["params"], variables["batch_stats"]
-    step = _pm(module).train_step(_mse, optax.sgd(LR), inputs=1, module_kwargs={"train": True})
+    step = _pm(module, schedule).train_step(_mse, optax.sgd(LR), inputs=1,
+                                            module_kwargs={"train": True})
     state = step.init(variables, x, y)
     assert type(step.program).__name__ == "CutProgram"
+    assert step.program.schedule.virtual == layers // 2  # (interleaved: 2 chunks a stage)
     assert set(state) == {"params", "opt_state", "collections"}
 
     def block_loss(p, s, rows):
