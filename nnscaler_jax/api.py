@@ -120,6 +120,14 @@ class AutoParallel:
         return self.constraints.precision if self.constraints is not None else None
 
     @property
+    def pipelined(self) -> bool:
+        """Whether calls train through pipeline stages: ``Constraints(pipeline_stages=...)``, or
+        a saved plan with pipeline settings."""
+        c = self.constraints
+        return (c is not None and c.pipeline_stages not in (None, 1)) or (
+            self.fixed_plan is not None and self.fixed_plan.pipeline is not None)
+
+    @property
     def plan(self) -> Plan:
         if self._last is None:
             raise PlanError("no plan yet: call init/apply first, or make_plan(*args)")
@@ -330,10 +338,7 @@ class AutoParallel:
             optimizer: an ``optax.GradientTransformation``.
             return_grads: also return the gradients in the metrics.
         """
-        c = self.constraints
-        pipelined = (c is not None and c.pipeline_stages not in (None, 1)) or (
-            self.fixed_plan is not None and self.fixed_plan.pipeline is not None)
-        if pipelined:
+        if self.pipelined:
             return PipelineStep(self, loss_fn, optimizer, return_grads=return_grads, **options)
         return SpmdStep(self, loss_fn, optimizer, return_grads=return_grads, **options)
 
@@ -393,8 +398,7 @@ class NnxAutoParallel(nnx.Module):
         *batch)``; ``state = step.init(None, *batch)`` takes the module's state (or the
         ``nnx.State`` given), ``step.update(state)`` writes the trained state back into it
         (pipelined: its parameters; dropout keys from its own rng streams)."""
-        c = self._core.constraints
-        if c is not None and c.pipeline_stages not in (None, 1):
+        if self._core.pipelined:
             return PipelineStep(self._core, loss_fn, optimizer, return_grads=return_grads,
                                 **options)
         return SpmdStep(self, loss_fn, optimizer, return_grads=return_grads, **options)

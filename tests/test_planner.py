@@ -14,7 +14,7 @@ import models
 from nnscaler_jax import Constraints, trace
 from nnscaler_jax.capture.trace import capture_spec
 from nnscaler_jax.cost.model import CostModel
-from nnscaler_jax.errors import NoFitError, PlanFormatError
+from nnscaler_jax.errors import NoFitError, PlanError, PlanFormatError
 from nnscaler_jax.mesh.topology import LinkCost
 from nnscaler_jax.planner import make_plan, plan_and_report
 
@@ -135,3 +135,19 @@ def test_a_pipelined_plan_is_held_to_the_budget_per_stage_not_as_a_whole():
         make_plan(graph, mesh, policy="auto", constraints=Constraints(
             pipeline_stages="auto", max_memory_per_device=200_000))
     assert e.value.smallest_bytes > 200_000 and "no schedule x micro-batch count" in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["swin", "evoformer"])
+def test_numbered_layers_the_stack_runtime_cannot_run_are_priced_as_a_cut(name):
+    """Swin's stages (different widths) and Evoformer's blocks (two tracks in) are numbered
+    like a layer stack, but the identical-layer runtime refuses them and the step cuts them at
+    module boundaries, data-parallel inside: planning says so for a tensor-parallel policy
+    (it priced them as a Megatron stack, a plan the step then refused), and prices the cut
+    program otherwise."""
+    graph = capture_spec(models.get(name, "tiny", batch_size=8)).graph
+    mesh = {"stage": 2, "data": 2, "model": 2}
+    with pytest.raises(PlanError, match="heterogeneous stages"):
+        make_plan(graph, mesh, policy="megatron",
+                  constraints=Constraints(pipeline_stages="auto"))
+    plan = make_plan(graph, mesh, policy="dp", constraints=Constraints(pipeline_stages="auto"))
+    assert "cut at module boundaries" in plan.pipeline.report

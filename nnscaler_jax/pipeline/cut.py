@@ -42,8 +42,8 @@ from nnscaler_jax.pipeline.in_stage import tensor_axes
 from nnscaler_jax.pipeline.pricing import RuntimeSetup
 from nnscaler_jax.pipeline.units import Unit
 
-__all__ = ["Cut", "balance", "chunk_starts", "eqn_path", "first_positions", "plan_cut",
-           "segment_starts", "tp_error"]
+__all__ = ["Cut", "balance", "chunk_starts", "eqn_path", "first_positions", "identical_layers",
+           "plan_cut", "segment_starts", "tp_error"]
 
 
 def eqn_path(eqn: Any, root: str) -> str:
@@ -204,6 +204,24 @@ def segment_starts(paths: Sequence[str], stage_of: Sequence[tuple[str, int]], st
     return (0, e) + tuple(starts[1:]) + (h,)
 
 
+def identical_layers(graph: Graph, bounds: Sequence[tuple[int, int]]) -> bool:
+    """Whether the layers at these op ranges are what the identical-layer runtime runs
+    (:func:`~nnscaler_jax.pipeline.split.split_program`): the same primitives on the same
+    shapes and dtypes, each reading one activation made before it (besides variables and
+    constants). Swin's stages ``layers_0 .. layers_3`` are numbered like a stack but differ in
+    width, Evoformer's blocks read the MSA and the pair tracks: both are cut at module
+    boundaries by the runtime, and priced so."""
+    def signature(a: int, b: int) -> tuple:
+        return tuple((op.primitive, tuple((t.shape, t.dtype) for t in op.inputs),
+                      tuple((t.shape, t.dtype) for t in op.outputs)) for op in graph.ops[a:b])
+
+    a, b = bounds[0]
+    made = {t.id for op in graph.ops[a:b] for t in op.outputs}
+    reads = {t.id for op in graph.ops[a:b] for t in op.inputs
+             if t.id not in made and t.role in (Role.VALUE, Role.INPUT)}
+    return len(reads) == 1 and len({signature(a, b) for a, b in bounds}) == 1
+
+
 def tp_error(tensor: Sequence[str]) -> PlanError:
     """Tensor parallelism asked inside heterogeneous stages."""
     return PlanError(
@@ -247,10 +265,11 @@ def plan_cut(graph: Graph, mesh_axes: dict[str, int], constraints: Constraints, 
     S = mesh_axes[axis]
     if not constraints.pipeline_pivots:
         try:
-            stack = graph_layers(graph).stack
+            layers = graph_layers(graph)
         except PlanError:
-            stack = None
-        if stack is not None and stack.count % (S * virtual) == 0:
+            layers = None
+        if (layers is not None and layers.stack.count % (S * virtual) == 0
+                and identical_layers(graph, layers.bounds)):
             return None
     tensor = tensor_axes(mesh_axes, axis, policy)
     if tensor:

@@ -41,6 +41,7 @@ from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nnscaler_jax.constraints import Constraints
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.lower.eqns import NO_CONSTRAINTS
 from nnscaler_jax.lower.replay import auto_view
@@ -385,8 +386,8 @@ class PipelineStep:
     def __init__(self, pm: Any, loss_fn: Callable, optimizer: Any, *, return_grads: bool = False,
                  **options: Any):
         self.options = StepOptions.of(options)
-        c = pm.constraints
-        if c is None or c.pipeline_stages in (None, 1):
+        c = pm.constraints or Constraints()
+        if not pm.pipelined:  # (pipeline_stages, or a saved plan with pipeline settings)
             raise PlanError("train_step builds a pipelined step: wrap the module with "
                             "auto_parallel(mesh, Constraints(pipeline_stages=4, microbatches=8, "
                             "schedule='1f1b')); without stages use pm.apply inside your own "
@@ -404,8 +405,7 @@ class PipelineStep:
         self.pm, self.loss_fn, self.optimizer = pm, loss_fn, optimizer
         self.return_grads = return_grads
         self.program: PipelineProgram | CutProgram | None = None
-        self.jitted: Callable | None = None
-        self.call: ModuleCall | None = None
+        self.jitted, self.call = None, None  # (after init: the jitted step, the ModuleCall)
 
     def init(self, variables: Any, *batch: Any, rng: Any = None) -> dict:
         """Plan, build the program for ``batch``'s shapes and lay out the training state
@@ -414,7 +414,8 @@ class PipelineStep:
         self.program = None
         params, rng = call.params, rng if rng is not None else call.default_rng
         args = self.options.args(batch)
-        pipe = call.make_plan(self.pm, args, rng).pipeline
+        plan = call.make_plan(self.pm, args, rng)
+        pipe, c = plan.pipeline, self.pm.constraints or Constraints()
         if pipe is None:
             raise PlanError("train_step: the plan has no pipeline settings (a saved plan made "
                             "without Constraints(pipeline_stages=...)); re-plan with them")
@@ -424,13 +425,14 @@ class PipelineStep:
                             "without rng streams; drop rng= (nnx: rng_streams=()), or use "
                             "schedule='1f1b'")
         args = (self.pm.module, self.loss_fn, self.pm.mesh, sched, params, tuple(batch))
-        kw = {"policy": self.pm.policy, "rules": self.pm.constraints.rules, "call": call}
+        policy = self.pm.policy if self.pm.policy is not None else plan.policy or None  # (saved)
+        kw = {"policy": policy, "rules": c.rules, "call": call}
         # a stack of identical layers, unless pivots ask for a cut at module boundaries; any
         # other model: heterogeneous stages (hetero.py). Other errors of the stacked program
         # (an in-stage plan that splits nothing) are the user's to see, not a reason to cut.
         stack_error: NotALayerStack | None = None
         # (recycling and all-device blocks run in the cut runtime only)
-        if not (self.pm.constraints.pipeline_pivots or sched.recycles or sched.all_device
+        if not (c.pipeline_pivots or sched.recycles or sched.all_device
                 or self.options.precision  # (casts: made where read, cut program)
                 or call.collections):  # (carried by the cut program, mutable.py)
             try:

@@ -8,9 +8,14 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import jax
+import numpy as np
+import optax
 import pytest
+from meshes import make_mesh
 
 import models
+from nnscaler_jax import auto_parallel
 from nnscaler_jax.capture.trace import capture_spec
 from nnscaler_jax.cli import main
 from nnscaler_jax.cli.compare import best_over_meshes, plan_features, smallest_estimate
@@ -159,3 +164,30 @@ def test_pipelines_flag_in_the_json_and_the_table(capsys):
     dp = res["planners"]["dp"]
     assert dp["mesh"] == {"data": 2, "model": 4} and len(dp["candidates"]) == 1
     assert set(dp) >= KEYS
+
+
+@pytest.mark.slow
+def test_the_pipelined_plan_it_chooses_trains_like_one_device(gpt16):
+    """The chosen shape is a plan a user runs: saved, passed as ``plan=`` on a mesh of that
+    shape, its pipelined train_step (no Constraints needed) equals one SGD step on one device
+    (float32, rtol 1e-4). A saved pipelined plan was refused by train_step before."""
+    plan, e = best_over_meshes("auto", gpt16, {"data": 2, "model": 4}, None, 380_000)
+    mesh = make_mesh(tuple(e["mesh"].values()), tuple(e["mesh"]))
+    spec = models.get("gpt", "tiny", batch_size=16)
+    (tokens,) = spec.make_args(rng=jax.random.key(1))
+    params = spec.module.init(jax.random.key(0), tokens)["params"]
+    pm = auto_parallel(mesh, plan=Plan.from_json(plan.to_json()))(spec.module)
+    step = pm.train_step(spec.loss_fn, optax.sgd(0.1))
+    state, metrics = step(step.init({"params": params}, tokens), tokens)
+    assert step.plan.pipeline == plan.pipeline and step.plan.stages == 2
+
+    def loss(p):
+        return spec.loss_fn(spec.module.apply({"params": p}, tokens), tokens)
+
+    value, grads = jax.value_and_grad(loss)(params)
+    np.testing.assert_allclose(metrics["loss"], value, rtol=1e-4)
+    want = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    for (path, got), ref in zip(jax.tree_util.tree_flatten_with_path(step.params(state))[0],
+                                jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-6,
+                                   err_msg=jax.tree_util.keystr(path))
