@@ -464,7 +464,7 @@ def _pipelined_gpt(preset: str, **options):
     return spec, pm.train_step(spec.loss_fn, optax.sgd(0.1), **options)
 
 
-@trigger("pipelined-step-mutable-collection")
+@trigger("pipelined-step-empty-collection")
 def _():
     spec, step = _pipelined_gpt("tiny")
     step.init({"params": {}, "batch_stats": {}}, *spec.make_args())
