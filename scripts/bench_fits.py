@@ -18,6 +18,13 @@ with other planners or cases is merged into it) and ``results/bench_fits.md``. R
     .venv/bin/python scripts/bench_fits.py [--only swin-8gpu,t5-8gpu] [--planners auto,alpa]
         [--clusters v100-32g-8x] [--time-limit 120]
     .venv/bin/python scripts/bench_fits.py --long   # Llama-3-8B at 128K tokens, 8 x H100
+    .venv/bin/python scripts/bench_fits.py --batch 8 --pipelines --planners auto,alpa \
+        --clusters v100-32g-8x --only swin-8gpu,t5-8gpu,af2-initial
+
+``--batch B --pipelines``: every case at global batch B (the flat plans accumulate gradients
+over micro-batches where the whole batch does not fit), ours and the Alpa-style planner also
+planned on every stage x data (x model) shape of the 8 devices
+(:func:`nnscaler_jax.cli.compare.best_over_meshes`), the fastest fitting shape kept.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import models
 from nnscaler_jax.capture.trace import capture_spec
-from nnscaler_jax.cli.compare import plan_features
+from nnscaler_jax.cli.compare import best_over_meshes, plan_features
 from nnscaler_jax.cost import cluster_preset
 from nnscaler_jax.cost.devices import memory_reserve
 from nnscaler_jax.cost.model import CostModel
@@ -57,7 +64,10 @@ LONG = ("llama3-8b-128k", "llama", "llama3-8b-128k", MESHES[8])
 LONG_CLUSTER, LONG_PRECISION, LONG_SEED_STEP_S = "h100-80g-8x", "bfloat16", 41.1
 
 
-def _entry(graph, axes, planner: str, cluster: str, time_limit: float) -> dict:
+def _entry(graph, axes, planner: str, cluster: str, time_limit: float,
+           pipelines: bool = False) -> dict:
+    if pipelines:  # the flat mesh and every stage x data (x model) shape, the best kept
+        return best_over_meshes(planner, graph, axes, cluster_preset(cluster), None)[1]
     cm = CostModel.for_cluster(cluster_preset(cluster), axes)
     t0 = time.perf_counter()
     try:
@@ -117,6 +127,23 @@ def _ratios(row: dict) -> dict:
             if p != "auto" and e.get("fits")}
 
 
+def _shapes(cases: dict) -> list[str]:
+    """``--pipelines``: every shape each planner tried, with its step or smallest estimate."""
+    rows = [f"| {key} | {p} | " + " x ".join(f"{a} {k}" for a, k in c["mesh"].items())
+            + " | " + ("yes" if c["fits"] else "no" if c["fits"] is False else "-") + " | "
+            + (f"{c['step_time_s']:.3g}" if c["fits"] else "-") + " | "
+            + (f"{c['memory_bytes_per_device'] / 2**30:.1f}"
+               if c["memory_bytes_per_device"] else "-") + " | "
+            + (c.get("error", "")[:90] if c["fits"] is None else "") + " |"
+            for key, row in cases.items() for p, e in row["planners"].items()
+            for c in e.get("candidates", ())]
+    if not rows:
+        return []
+    return ["Shapes tried (memory: the estimate, or the smallest when nothing fits):", "",
+            "| case | planner | shape | fits | step (s) | memory (GiB) | why not run |",
+            "|---|---|---|---|---|---|---|"] + rows + [""]
+
+
 def _markdown(results: dict) -> str:
     lines = ["# Plans that fit: nnScaler's workloads on V100-32GB and A100-80GB clusters", "",
              "Predicted step (s) / memory per device (GiB) / search (s); rc: recomputed layers, "
@@ -134,7 +161,11 @@ def _markdown(results: dict) -> str:
                 if e.get("fits"):
                     rc = len(e["features"]["recompute"])
                     cs = len(e["features"].get("cosharded", ()))
-                    extra = ", ".join(([f"rc {rc}"] if rc else []) + ([f"cs {cs}"] if cs else []))
+                    st = e["features"]["stages"]
+                    extra = ", ".join(([f"rc {rc}"] if rc else []) + ([f"cs {cs}"] if cs else [])
+                                      + ([f"{st} stages x " + " x ".join(
+                                          f"{a} {k}" for a, k in e["mesh"].items()
+                                          if a != "stage")] if st > 1 else []))
                     cells.append(f"{e['step_time_s']:.3g} / "
                                  f"{e['memory_bytes_per_device'] / 2**30:.1f} / "
                                  f"{e['search_s']:.0f}" + (f" ({extra})" if extra else ""))
@@ -145,6 +176,7 @@ def _markdown(results: dict) -> str:
             ratios = ", ".join(f"{p} {r:.2f}x" for p, r in row["ratios"].items())
             lines.append(f"| {key} | {row['mesh']} | " + " | ".join(cells) + f" | {ratios} |")
         lines.append("")
+        lines += _shapes(cases["cases"])
     long = results.get("long")
     if long:
         seed = long["nnscaler"]
@@ -176,6 +208,13 @@ def main() -> None:
     ap.add_argument("--precision", default=None,
                     help="compute precision of every planner (e.g. float16, as the artifact "
                          "ran on V100); results are kept under '<cluster> <precision>'")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="global batch of every case (default: the preset's); with "
+                         "micro-batches the flat plans accumulate gradients")
+    ap.add_argument("--pipelines", action="store_true",
+                    help="let ours and the Alpa-style planner also use the 8 devices as "
+                         "stages x data x model (compare --pipelines); results are kept under "
+                         "'<cluster> batch B pipelines'")
     args = ap.parse_args()
     only = {k for k in args.only.split(",") if k}
     planners = [p for p in args.planners.split(",") if p]
@@ -189,7 +228,10 @@ def main() -> None:
         return
     results["planners"] = list(dict.fromkeys(results.get("planners", []) + planners))
     results["time_limit_s"] = args.time_limit
-    label = {c: f"{c} {args.precision}" if args.precision else c for c in clusters}
+    suffix = "".join([f" {args.precision}" if args.precision else "",
+                      f" batch {args.batch}" if args.batch else "",
+                      " pipelines" if args.pipelines else ""])
+    label = {c: c + suffix for c in clusters}
     for cluster in clusters:
         device = cluster_preset(cluster).device
         budget = device.memory_bytes - memory_reserve(device.memory_bytes)
@@ -198,14 +240,15 @@ def main() -> None:
     for key, name, preset, axes in CASES:
         if only and key not in only:
             continue
-        spec = models.get(name, preset)
+        spec = models.get(name, preset, **({"batch_size": args.batch} if args.batch else {}))
         graph = capture_spec(spec, precision=args.precision,
                              mutable=list(spec.mutable) or None).graph
         for cluster in clusters:
             case = results["clusters"][label[cluster]]["cases"].setdefault(key,
                                                                            {"planners": {}})
             case["mesh"] = "x".join(str(v) for v in axes.values())
-            row = {p: _entry(graph, axes, p, cluster, args.time_limit) for p in planners}
+            row = {p: _entry(graph, axes, p, cluster, args.time_limit, args.pipelines)
+                   for p in planners}
             case["planners"].update(row)
             case["ratios"] = _ratios(case["planners"])
             print(key, cluster, {p: (e.get("fits"), round(e.get("step_time_s") or 0, 4),
