@@ -34,7 +34,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -49,16 +48,9 @@ from nnscaler_jax.pipeline.loop_tables import loop_tables
 from nnscaler_jax.pipeline.mutable import require_forward_order, schedule_error, shared_error
 from nnscaler_jax.pipeline.program import ModuleCall, micro_leaves, trace_micro
 from nnscaler_jax.pipeline.recycle import recycling_program
-from nnscaler_jax.pipeline.update import initial_state, jitted_step
+from nnscaler_jax.pipeline.update import initial_state, jitted_step, place_as
 
 __all__ = ["CutProgram"]
-
-
-def _place(x: Any, sharding: NamedSharding) -> Any:
-    """Lay ``x`` out as ``sharding`` inside jit (Explicit mesh axes: reshard; Auto: constraint)."""
-    if any(t == jax.sharding.AxisType.Explicit for t in getattr(sharding.mesh, "axis_types", ())):
-        return jax.sharding.reshard(x, sharding)
-    return lax.with_sharding_constraint(x, sharding)
 
 
 def _floating(dt: str) -> bool:
@@ -245,11 +237,11 @@ class CutProgram:
                            in_specs=(shared_spec, stage_spec, batch_spec, coll_spec),
                            out_specs=(P(), shared_spec, stage_spec, coll_spec), check_vma=False)
         rep, st = self.shardings()
-        loss, gs, gst, new = fn([_place(x, rep) for x in pp["shared"]],
-                                {k: _place(x, st) for k, x in pp["stages"].items()},
-                                [_place(x, NamedSharding(self.mesh, sp))
+        loss, gs, gst, new = fn([place_as(x, rep) for x in pp["shared"]],
+                                {k: place_as(x, st) for k, x in pp["stages"].items()},
+                                [place_as(x, NamedSharding(self.mesh, sp))
                                  for x, sp in zip(shaped, batch_spec, strict=True)],
-                                {k: _place(x, st) for k, x in cst.items()})
+                                {k: place_as(x, st) for k, x in cst.items()})
         grads = {"shared": gs, "stages": gst}
         if colls is None:
             return loss, grads

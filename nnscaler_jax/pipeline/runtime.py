@@ -59,18 +59,9 @@ from nnscaler_jax.pipeline.program import (
     typed_key,
 )
 from nnscaler_jax.pipeline.split import NotALayerStack, split_program
-from nnscaler_jax.pipeline.update import initial_state, jitted_step
+from nnscaler_jax.pipeline.update import initial_state, jitted_step, place_as
 
-__all__ = ["PipelineProgram", "PipelineStep", "place_as"]
-
-
-def place_as(x: Any, sharding: NamedSharding) -> Any:
-    """Lay ``x`` out as ``sharding`` inside jit (Explicit mesh axes: reshard; Auto: constraint)."""
-    explicit = any(t == jax.sharding.AxisType.Explicit
-                   for t in getattr(sharding.mesh, "axis_types", ()))
-    if explicit:
-        return jax.sharding.reshard(x, sharding)
-    return lax.with_sharding_constraint(x, sharding)
+__all__ = ["PipelineProgram", "PipelineStep"]
 
 
 # ---- the pipelined program -----------------------------------------------------------------

@@ -8,8 +8,17 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax import lax
+from jax.sharding import NamedSharding
 
-__all__ = ["initial_state", "jitted_step"]
+__all__ = ["initial_state", "jitted_step", "place_as"]
+
+
+def place_as(x: Any, sharding: NamedSharding) -> Any:
+    """Lay ``x`` out as ``sharding`` inside jit (Explicit mesh axes: reshard; Auto: constraint)."""
+    if any(t == jax.sharding.AxisType.Explicit for t in getattr(sharding.mesh, "axis_types", ())):
+        return jax.sharding.reshard(x, sharding)
+    return lax.with_sharding_constraint(x, sharding)
 
 
 def _same(tree: Any) -> Any:

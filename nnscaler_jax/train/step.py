@@ -44,7 +44,7 @@ from nnscaler_jax.layout import Layout
 from nnscaler_jax.lower.replay import auto_view, explicitly_typed
 from nnscaler_jax.mesh.axes import data_axes
 from nnscaler_jax.pipeline.program import microbatch_rngs
-from nnscaler_jax.pipeline.runtime import place_as
+from nnscaler_jax.pipeline.update import place_as
 from nnscaler_jax.plan.zero import zero3_layout
 
 __all__ = ["SpmdStep", "per_device_bytes", "zero_specs"]
