@@ -127,24 +127,35 @@ class _Builder(EdgePricing):
 
     # ---- unary ---------------------------------------------------------------------------------
 
+    def _copy_key(self, fg) -> tuple | None:
+        """The memo key of a follower group: its layer-isomorphism key with whether each op is
+        recomputed and in how many chunks it runs (copies of a layer that differ in those,
+        e.g. recomputed and kept layers, cost differently); None when it has no copies."""
+        if fg.key is None:
+            return None
+        return (fg.key, tuple(o in self.remat for o in fg.ops),
+                tuple(self.chunks.get(o, 1) for o in fg.ops))
+
     def unary(self) -> None:
         memo: dict[tuple, tuple[np.ndarray, ...]] = {}
         shared = self.space.shared
         for gi, group in enumerate(self.space.groups):
             fgs = group.fgroups
-            if shared and len(fgs) > 1 and fgs[0].key is not None and \
-                    all(fg.key == fgs[0].key for fg in fgs):
+            first = self._copy_key(fgs[0])
+            if shared and len(fgs) > 1 and first is not None and \
+                    all(self._copy_key(fg) == first for fg in fgs):
                 items = [(fgs[0], len(fgs))]  # copies of one layer: price one, times copies
             else:
                 items = [(fg, 1) for fg in fgs]
             for fg, copies in items:
-                if fg.key is not None and fg.key in memo:
-                    c, x, m, tr = memo[fg.key]
+                key = self._copy_key(fg)
+                if key is not None and key in memo:
+                    c, x, m, tr = memo[key]
                 else:
                     c, x, m = self._fgroup_unary(fg)
                     tr = self._transient(fg) if shared else None
-                    if fg.key is not None:
-                        memo[fg.key] = (c, x, m, tr)
+                    if key is not None:
+                        memo[key] = (c, x, m, tr)
                 if tr is None:
                     tr = self._transient(fg)
                 self.compute[gi] += copies * c if copies > 1 else c
