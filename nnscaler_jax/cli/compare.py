@@ -240,7 +240,9 @@ def _row(name: str, r: dict[str, Any]) -> list[str]:
 
 def _shape_text(axes: dict[str, int] | None) -> str:
     """`` on stage 2 x data 4`` for a pipelined shape chosen by --pipelines, else empty."""
-    if not axes or "stage" not in axes:
+    from nnscaler_jax.mesh.axes import stage_axis
+
+    if not axes or stage_axis(axes) is None:
         return ""
     return " on " + " x ".join(f"{a} {k}" for a, k in axes.items())
 

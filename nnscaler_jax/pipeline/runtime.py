@@ -377,7 +377,7 @@ class PipelineStep:
     def __init__(self, pm: Any, loss_fn: Callable, optimizer: Any, *, return_grads: bool = False,
                  **options: Any):
         self.options = StepOptions.of(options)
-        c = pm.constraints or Constraints()
+        self.constraints = c = pm.constraints or Constraints()  # (none with a saved plan)
         if not pm.pipelined:  # (pipeline_stages, or a saved plan with pipeline settings)
             raise PlanError("train_step builds a pipelined step: wrap the module with "
                             "auto_parallel(mesh, Constraints(pipeline_stages=4, microbatches=8, "
@@ -406,7 +406,7 @@ class PipelineStep:
         params, rng = call.params, rng if rng is not None else call.default_rng
         args = self.options.args(batch)
         plan = call.make_plan(self.pm, args, rng)
-        pipe, c = plan.pipeline, self.pm.constraints or Constraints()
+        pipe, c = plan.pipeline, self.constraints
         if pipe is None:
             raise PlanError("train_step: the plan has no pipeline settings (a saved plan made "
                             "without Constraints(pipeline_stages=...)); re-plan with them")
