@@ -28,9 +28,10 @@ import pathlib
 import time
 from dataclasses import replace
 
+from nnscaler_jax.mesh.cpu import cpu_xla_flags  # starts no JAX backend
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8").strip()
+os.environ["XLA_FLAGS"] = cpu_xla_flags(os.environ.get("XLA_FLAGS", ""))
 
 import jax
 

@@ -35,11 +35,12 @@ from __future__ import annotations
 import os
 import tempfile
 
+from nnscaler_jax.mesh.cpu import cpu_xla_flags  # starts no JAX backend
+
 # XLA dumps the grad step's buffer live ranges: what is live at its memory peak (by fusion kind)
 DUMP = tempfile.mkdtemp(prefix="bench_predict_xla_")
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8"
-                           + f" --xla_dump_to={DUMP} --xla_dump_hlo_module_re=jit_loss").strip()
+os.environ["XLA_FLAGS"] = cpu_xla_flags(os.environ.get("XLA_FLAGS", "")
+                                        + f" --xla_dump_to={DUMP} --xla_dump_hlo_module_re=jit_loss")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse

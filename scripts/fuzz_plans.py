@@ -37,9 +37,10 @@ from __future__ import annotations
 
 import os
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
+from nnscaler_jax.mesh.cpu import COUNT_FLAG, cpu_xla_flags  # starts no JAX backend
+
+_flags = os.environ.get("XLA_FLAGS", "")
+os.environ["XLA_FLAGS"] = cpu_xla_flags(_flags, None if COUNT_FLAG in _flags else 8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse

@@ -12,10 +12,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from nnscaler_jax.mesh.cpu import COUNT_FLAG, cpu_xla_flags
+
 DEFAULT_DEVICES = 8
 DEFAULT_AXES = {1: ("data",), 2: ("data", "model"), 3: ("data", "fsdp", "model")}
 DEFAULT_PLANNERS = "dp,zero3,megatron,auto,alpa"
-COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
 class UsageError(Exception):
@@ -37,17 +38,15 @@ def backends_started() -> bool:
 
 
 def request_devices(n: int | None) -> None:
-    """Ask XLA for ``n`` virtual CPU devices (default 8 if the flags name no count), unless JAX's
-    backends are already running (XLA_FLAGS is read when they start, not at ``import jax``)."""
+    """Ask XLA for ``n`` virtual CPU devices (default 8 if the flags name no count), with
+    recompute kept (:func:`nnscaler_jax.mesh.cpu.cpu_xla_flags`), unless JAX's backends are
+    already running (XLA_FLAGS is read when they start, not at ``import jax``)."""
     if backends_started():
         return
     flags = os.environ.get("XLA_FLAGS", "")
-    if n is None:
-        if COUNT_FLAG in flags:
-            return
+    if n is None and COUNT_FLAG not in flags:
         n = DEFAULT_DEVICES
-    flags = re.sub(rf"{COUNT_FLAG}=\S*", "", flags)
-    os.environ["XLA_FLAGS"] = f"{flags} {COUNT_FLAG}={n}".strip()
+    os.environ["XLA_FLAGS"] = cpu_xla_flags(flags, n)
 
 
 # ---- small helpers -------------------------------------------------------------------------------
