@@ -166,8 +166,9 @@ def markdown(rows: list[dict]) -> str:
     c = control()
     note = ("Control, plain JAX (no nnscaler_jax): an 8-layer MLP's gradient, XLA temp "
             f"bytes without / with `jax.checkpoint` on every layer: {c['plain']:,} / "
-            f"{c['checkpoint']:,}. This backend's buffer assignment does not show what "
-            "recompute saves, so only co-sharding (a scan over chunks) can show a saving here.")
+            f"{c['checkpoint']:,}, with XLA:CPU's `cse_barrier_expander` disabled "
+            "(`nnscaler_jax.mesh.cpu.cpu_xla_flags`; by default that pass lets CSE merge the "
+            "recomputation back into the forward and recompute shows no saving).")
     saving = ("Saving on the free plan: the budgeted plan's, and co-sharding's alone (the "
               "budgeted plan without its recompute groups).")
     head = ("| model | saving predicted | saving measured | ratio | co-sharding alone: "
