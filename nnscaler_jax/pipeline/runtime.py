@@ -464,13 +464,14 @@ class PipelineStep:
         return self.pm.plan
 
     def memory(self, state: dict) -> dict[str, int]:
-        """Per-device bytes measured from the arrays (the first device of each):
-        ``params`` and ``optimizer`` (the gradients are laid out like the parameters)."""
+        """Per-device bytes measured from the arrays (the first device of each): ``params``,
+        ``optimizer`` (the gradients are laid out like the parameters) and ``collections``."""
         first = lambda tree: sum(x.addressable_shards[0].data.nbytes
                                  for x in jax.tree_util.tree_leaves(tree)
                                  if isinstance(x, jax.Array))
         return {"params": first(state["params"]), "grads": first(state["params"]),
-                "optimizer": first(state["opt_state"])}
+                "optimizer": first(state["opt_state"]),
+                "collections": first(state.get("collections", {}))}
 
     def params(self, state: dict) -> Any:
         """The module's params tree of ``state`` (nnx: an ``nnx.State`` of its ``nnx.Param``)."""

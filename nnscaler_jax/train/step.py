@@ -385,13 +385,15 @@ class SpmdStep:
         nnx.update(self.pm, self.variables(state))
 
     def memory(self, state: dict) -> dict[str, int]:
-        """Per-device bytes measured from the arrays: ``params``, ``optimizer``, and ``grads``
-        (from the stored layout of the gradients)."""
+        """Per-device bytes measured from the arrays: ``params``, ``optimizer``, ``grads``
+        (from the stored layout of the gradients) and ``collections`` (BatchNorm statistics and
+        other mutable collections; 0 without)."""
         g = jax.tree.map(lambda p, s: math.prod(s.shard_shape(p.shape)) * p.dtype.itemsize,
                          state["params"], self._shardings["grads"])
         return {"params": per_device_bytes(state["params"]),
                 "grads": int(np.sum(jax.tree_util.tree_leaves(g))),
-                "optimizer": per_device_bytes(state["opt_state"])}
+                "optimizer": per_device_bytes(state["opt_state"]),
+                "collections": per_device_bytes(state.get("collections", {}))}
 
     def predicted_memory(self) -> dict[str, int]:
         """The plan's per-device estimate by kind (``params``, ``grads``, ``optimizer``,

@@ -137,6 +137,9 @@ def test_linen_batch_stats_carried_in_microbatch_order_then_averaged(schedule, l
         _close(got["params"], params)
         _close(got["batch_stats"], stats)
     _close(step.params(state), params)
+    # each device holds its stage's blocks' statistics (identical blocks: half of them)
+    whole = sum(a.nbytes for a in jax.tree.leaves(stats))
+    assert step.memory(state)["collections"] == whole // 2
 
 
 class _NnxBlock(nnx.Module):

@@ -158,6 +158,8 @@ def test_train_flag_batch_stats_and_dropout_match_the_plain_loop(mesh):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
                  step.variables(state)["batch_stats"], stats)
     assert not np.allclose(ref[0], ref[1])  # the model trains (and dropout keys change)
+    # the statistics are replicated: every device holds them whole
+    assert step.memory(state)["collections"] == sum(a.nbytes for a in jax.tree.leaves(stats))
 
 
 def test_bfloat16_trains_like_float32_with_float32_master_weights(gpt, mesh):
