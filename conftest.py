@@ -1,11 +1,10 @@
 """Pytest configuration shared by tests/ and the doctests of nnscaler_jax/ and models/: 8 virtual
-CPU devices and recompute kept by XLA:CPU (:mod:`nnscaler_jax.mesh.cpu`), requested before JAX
-starts its backends."""
+CPU devices, requested before jax is imported."""
 import os
 
-from nnscaler_jax.mesh.cpu import cpu_xla_flags  # imports jax, starts no backend
-
-os.environ["XLA_FLAGS"] = cpu_xla_flags(os.environ.get("XLA_FLAGS", ""))
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 collect_ignore = ["nnscaler_jax/__main__.py", "scripts", "docs"]

@@ -31,7 +31,8 @@ from dataclasses import replace
 from nnscaler_jax.mesh.cpu import cpu_xla_flags  # starts no JAX backend
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = cpu_xla_flags(os.environ.get("XLA_FLAGS", ""))
+# recompute kept by XLA:CPU (nnscaler_jax/mesh/cpu.py), or it would show no saving
+os.environ["XLA_FLAGS"] = cpu_xla_flags(os.environ.get("XLA_FLAGS", ""), keep_remat=True)
 
 import jax
 

@@ -38,9 +38,8 @@ def backends_started() -> bool:
 
 
 def request_devices(n: int | None) -> None:
-    """Ask XLA for ``n`` virtual CPU devices (default 8 if the flags name no count), with
-    recompute kept (:func:`nnscaler_jax.mesh.cpu.cpu_xla_flags`), unless JAX's backends are
-    already running (XLA_FLAGS is read when they start, not at ``import jax``)."""
+    """Ask XLA for ``n`` virtual CPU devices (default 8 if the flags name no count), unless JAX's
+    backends are already running (XLA_FLAGS is read when they start, not at ``import jax``)."""
     if backends_started():
         return
     flags = os.environ.get("XLA_FLAGS", "")

@@ -12,6 +12,7 @@ import pytest
 import models
 from nnscaler_jax.cli import common
 from nnscaler_jax.cli.common import (
+    COUNT_FLAG,
     UsageError,
     available_models,
     check_policy,
@@ -24,7 +25,6 @@ from nnscaler_jax.cli.common import (
     request_devices,
     table,
 )
-from nnscaler_jax.mesh.cpu import COUNT_FLAG, DISABLE_FLAG, KEEP_REMAT_PASS
 
 
 @pytest.fixture
@@ -38,16 +38,15 @@ def cold(monkeypatch):
 def test_request_devices_sets_the_flag_once(cold):
     import os
 
-    keep = f"{DISABLE_FLAG}={KEEP_REMAT_PASS}"  # recompute kept by XLA:CPU, added once
     request_devices(None)
-    assert os.environ["XLA_FLAGS"].split() == [f"{COUNT_FLAG}=8", keep]
+    assert os.environ["XLA_FLAGS"] == f"{COUNT_FLAG}=8"
     request_devices(None)  # a count already named: kept
-    assert os.environ["XLA_FLAGS"].split() == [f"{COUNT_FLAG}=8", keep]
+    assert os.environ["XLA_FLAGS"] == f"{COUNT_FLAG}=8"
     request_devices(4)     # an explicit count replaces it
-    assert os.environ["XLA_FLAGS"].split() == [keep, f"{COUNT_FLAG}=4"]
+    assert os.environ["XLA_FLAGS"] == f"{COUNT_FLAG}=4"
     cold.setenv("XLA_FLAGS", f"--xla_dump_to=/tmp/x {COUNT_FLAG}=8")
     request_devices(4)     # other flags kept
-    assert os.environ["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/x", f"{COUNT_FLAG}=4", keep]
+    assert os.environ["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/x", f"{COUNT_FLAG}=4"]
 
 
 def test_request_devices_is_a_no_op_once_backends_run(monkeypatch):
