@@ -42,6 +42,7 @@ from nnscaler_jax.cli.common import (
     spec_rng_names,
     table,
 )
+from nnscaler_jax.mesh.axes import stage_axis
 
 __all__ = ["cmd_compare", "plan_features", "smallest_estimate"]
 
@@ -240,8 +241,6 @@ def _row(name: str, r: dict[str, Any]) -> list[str]:
 
 def _shape_text(axes: dict[str, int] | None) -> str:
     """`` on stage 2 x data 4`` for a pipelined shape chosen by --pipelines, else empty."""
-    from nnscaler_jax.mesh.axes import stage_axis
-
     if not axes or stage_axis(axes) is None:
         return ""
     return " on " + " x ".join(f"{a} {k}" for a, k in axes.items())

@@ -59,7 +59,7 @@ from nnscaler_jax.pipeline.program import (
     typed_key,
 )
 from nnscaler_jax.pipeline.split import NotALayerStack, split_program
-from nnscaler_jax.pipeline.update import initial_state, jitted_step, place_as
+from nnscaler_jax.pipeline.update import initial_state, jitted_step, per_device_bytes, place_as
 
 __all__ = ["PipelineProgram", "PipelineStep"]
 
@@ -466,12 +466,10 @@ class PipelineStep:
     def memory(self, state: dict) -> dict[str, int]:
         """Per-device bytes measured from the arrays (the first device of each): ``params``,
         ``optimizer`` (the gradients are laid out like the parameters) and ``collections``."""
-        first = lambda tree: sum(x.addressable_shards[0].data.nbytes
-                                 for x in jax.tree_util.tree_leaves(tree)
-                                 if isinstance(x, jax.Array))
-        return {"params": first(state["params"]), "grads": first(state["params"]),
-                "optimizer": first(state["opt_state"]),
-                "collections": first(state.get("collections", {}))}
+        params = per_device_bytes(state["params"])
+        return {"params": params, "grads": params,
+                "optimizer": per_device_bytes(state["opt_state"]),
+                "collections": per_device_bytes(state.get("collections", {}))}
 
     def params(self, state: dict) -> Any:
         """The module's params tree of ``state`` (nnx: an ``nnx.State`` of its ``nnx.Param``)."""

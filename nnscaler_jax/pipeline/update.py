@@ -11,7 +11,13 @@ import jax
 from jax import lax
 from jax.sharding import NamedSharding
 
-__all__ = ["initial_state", "jitted_step", "place_as"]
+__all__ = ["initial_state", "jitted_step", "per_device_bytes", "place_as"]
+
+
+def per_device_bytes(tree: Any) -> int:
+    """Bytes one device (the first of each array's devices) holds of the arrays in ``tree``."""
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree_util.tree_leaves(tree)
+               if isinstance(x, jax.Array))
 
 
 def place_as(x: Any, sharding: NamedSharding) -> Any:

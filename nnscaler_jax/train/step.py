@@ -44,21 +44,12 @@ from nnscaler_jax.layout import Layout
 from nnscaler_jax.lower.replay import auto_view, explicitly_typed
 from nnscaler_jax.mesh.axes import data_axes
 from nnscaler_jax.pipeline.program import microbatch_rngs
-from nnscaler_jax.pipeline.update import place_as
+from nnscaler_jax.pipeline.update import per_device_bytes, place_as
 from nnscaler_jax.plan.zero import zero3_layout
 
 __all__ = ["SpmdStep", "per_device_bytes", "zero_specs"]
 
 INITIAL_LOSS_SCALE = 2.0 ** 15
-
-
-def per_device_bytes(tree: Any) -> int:
-    """Bytes one device (the first of each array's devices) holds of the arrays in ``tree``."""
-    total = 0
-    for x in jax.tree_util.tree_leaves(tree):
-        if isinstance(x, jax.Array):
-            total += x.addressable_shards[0].data.nbytes
-    return total
 
 
 def zero_specs(params: Any, shardings: Any, mesh: Any, zero: int) -> Any:
