@@ -6,8 +6,11 @@ stacked)``: ``"out"`` an op's output, ``"in"`` an op's input, ``"var"`` a variab
 first reader reads it; ZeRO-3 shards it, :func:`~nnscaler_jax.plan.zero.zero3_layout`), ``"fin"`` /
 ``"ffw"`` a folded read (the edge also prices the gradient's whole way back / only the forward,
 see ``tables`` module docs). Its cost is ``reshard_time`` of each strategy pair, memoised per class
-of identical work (ours) or per layer copy (Alpa). Pairs within one group are its diagonal (a
-unary cost); edges whose costs separate into two unary terms become those.
+of identical work (ours) or per layer copy (Alpa). An operand a matmul / convolution (or max)
+saves for its transpose that reaches it through a relayout growing it (an all-gather) is kept
+gathered for the backward, next to the original (``cost.plan_walk._gathered_operands``): the
+edge's memory term, bytes per strategy pair. Pairs within one group are its diagonal (a unary
+cost); edges whose costs and memory separate into two unary terms become those.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from functools import lru_cache
 
 import numpy as np
 
+from nnscaler_jax.cost.compute import is_float
 from nnscaler_jax.cost.relayout import partial_grad_axes
+from nnscaler_jax.cost.residuals import MASKED, saved_operands
 from nnscaler_jax.ir.graph import Op, Role, Tensor
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.layout.rvd import interned
@@ -46,11 +51,14 @@ class EdgePricing:
     """The edge half of the tables' builder (``tables._Builder`` mixes it in): reads the
     builder's ``graph``, ``space``, ``cm``, ``zero``, ``by_id``, ``uses``, ``grads``, ``lays``,
     ``readers``, ``body_first``, ``member_memo``, ``comm`` and ``fgroup``; keeps its own state
-    (:meth:`start_edges`): ``pairs`` (group pair -> cost matrix), ``memo``, ``reshard_memo``
-    and ``folded`` (reads whose edge prices their gradient; the sync sets skip them)."""
+    (:meth:`start_edges`): ``pairs`` (group pair -> cost matrix), ``kept`` (group pair -> bytes
+    matrix), ``memo``, ``reshard_memo`` and ``folded`` (reads whose edge prices their gradient;
+    the sync sets skip them); adds the diagonals' bytes to the builder's ``memory``."""
 
     def start_edges(self) -> None:
         self.pairs: dict[tuple[int, int], np.ndarray] = {}
+        self.kept: dict[tuple[int, int], np.ndarray] = {}
+        self.saves: dict[int, tuple[int, int] | None] = {}  # tensor -> its first keeping read
         self.memo: dict[tuple, np.ndarray] = {}
         self.reshard_memo: dict[tuple, dict[tuple, float]] = {}  # tensor kind -> pair -> s
         # values read once, by an op of their producer's graph: the edge prices the gradient's
@@ -171,57 +179,116 @@ class EdgePricing:
             out.append(v)
         return out
 
+    def _keeps_gathered(self, t: Tensor, dst: tuple) -> bool:
+        """Whether the reader ``dst`` keeps ``t`` as it reads it for its transpose, so a
+        relayout growing it keeps the grown copy (``plan_walk._gathered_operands``). Only the
+        first such reader of ``t`` is charged: ``plan_cost`` keeps one copy per layout, and
+        readers of one tensor mostly read it alike (WRN's conv and its shortcut conv); a later
+        reader gathering it to another layout is left to the plan's full pricing."""
+        if dst[0] not in ("in", "fin") or not t.ndim or not is_float(t) or (
+                t.role is Role.VARIABLE and self.zero >= 3):
+            return False
+        if t.id not in self.saves:
+            self.saves[t.id] = next(((o.id, k) for o, k in self.readers.get(t.id, ())
+                                     if self._saves_operand(o, k)), None)
+        return self.saves[t.id] == (dst[1], dst[2])
+
+    def _saves_operand(self, op: Op, j: int) -> bool:
+        if op.primitive not in MASKED or op.boundary:
+            return False
+        mask = tuple(x.id in self.grads for x in op.inputs)
+        return j in saved_operands(op, mask)[0]
+
+    def _holds_input(self, t: Tensor, src: tuple, dst: tuple) -> bool:
+        """Whether ``dst`` is the first read of a value a recomputed block reads from outside
+        that its producer does not keep anyway: the block keeps it, in the smaller of the two
+        layouts (``plan_walk``)."""
+        reads = self.readers.get(t.id)
+        if t.id not in self.block_inputs or src[0] != "out" or not reads or \
+                (reads[0][0].id, reads[0][1]) != (dst[1], dst[2]):
+            return False
+        return src[1] in self.remat or src[2] not in self.saved.get(src[1], ())
+
+    def _kept_bytes(self, t: Tensor, pairs, keeps: tuple[bool, bool]) -> list[float]:
+        """Bytes kept per ``(src, dst)`` relayout of ``t``: grown to a reader keeping it
+        gathered, and / or held as a recomputed block's input (``keeps``)."""
+        out = []
+        for src, dst in pairs:
+            want = dst if isinstance(dst, Layout) else dst[0]
+            grown, have = self.cm._local_bytes(t, want), self.cm._local_bytes(t, src)
+            out.append((float(grown) if keeps[0] and src != want and grown > have else 0.0)
+                       + (float(min(grown, have)) if keeps[1] else 0.0))
+        return out
+
+    def _priced(self, t: Tensor, w: float, keeps: tuple[bool, bool],
+                pairs) -> tuple[np.ndarray, ...]:
+        """(seconds, kept bytes or None) of each pair."""
+        secs = w * np.array(self._reshards(t, pairs))
+        if not any(keeps):
+            return secs, None
+        return secs, w / self.cm.microbatches * np.array(self._kept_bytes(t, pairs, keeps))
+
     def edge(self, t: Tensor, w: float, src: tuple, dst: tuple) -> None:
         gs, _fs, ms, fgs = self.fgroup(src[1])
         gd, _fd, md, fgd = self.fgroup(dst[1])
+        keeps = (self._keeps_gathered(t, dst), self._holds_input(t, src, dst))
         sig = None
         if self.space.shared:  # ours: one pricing per (producer, consumer, shapes) pattern
             cls = self.space.op_class
             sig = ("e", cls[src[1]], src[0], src[2], src[3], fgs.split_ids[ms], cls[dst[1]],
-                   dst[0], dst[2], dst[3], fgd.split_ids[md], w, t.role, t.collection)
+                   dst[0], dst[2], dst[3], fgd.split_ids[md], w, t.role, t.collection, keeps)
         elif fgs.key is not None and fgd.key is not None:
-            sig = (fgs.key, ms, src[0], src[2], src[3], fgd.key, md, dst[0], dst[2], dst[3], w)
+            sig = (fgs.key, ms, src[0], src[2], src[3], fgd.key, md, dst[0], dst[2], dst[3], w,
+                   keeps)
         if gs == gd:  # one decision: only equal strategy indices meet (the diagonal)
             dsig = None if sig is None else ("diag",) + sig
-            vec = self.memo.get(dsig) if dsig is not None else None
-            if vec is None:
+            got = self.memo.get(dsig) if dsig is not None else None
+            if got is None:
                 ua, ia = self._unique_layouts(src, fgs, ms)
                 ub, ib = self._unique_layouts(dst, fgd, md)
-                vec = w * np.array(self._reshards(t, [(ua[a], ub[b]) for a, b in
-                                                       zip(ia, ib, strict=True)]))
+                got = self._priced(t, w, keeps, [(ua[a], ub[b]) for a, b in
+                                                 zip(ia, ib, strict=True)])
                 if dsig is not None:
-                    self.memo[dsig] = vec
-            self.comm[gs] += vec
+                    self.memo[dsig] = got
+            self.comm[gs] += got[0]
+            if got[1] is not None:
+                self.memory[gs] += got[1]
             return
-        mat = self.memo.get(sig) if sig is not None else None
-        if mat is None:
+        got = self.memo.get(sig) if sig is not None else None
+        if got is None:
             ua, ia = self._unique_layouts(src, fgs, ms)
             ub, ib = self._unique_layouts(dst, fgd, md)
-            small = np.array(self._reshards(t, [(x, y) for x in ua for y in ub])
-                             ).reshape(len(ua), len(ub))
-            mat = w * small[np.ix_(ia, ib)]
+            small = self._priced(t, w, keeps, [(x, y) for x in ua for y in ub])
+            got = tuple(None if m is None else m.reshape(len(ua), len(ub))[np.ix_(ia, ib)]
+                        for m in small)
             if sig is not None:
-                self.memo[sig] = mat
+                self.memo[sig] = got
         key = (gs, gd) if gs < gd else (gd, gs)
-        mat = mat if gs < gd else mat.T
-        if key in self.pairs:
-            self.pairs[key] = self.pairs[key] + mat
-        else:
-            self.pairs[key] = mat
+        for into, mat in ((self.pairs, got[0]), (self.kept, got[1])):
+            if mat is None:
+                continue
+            mat = mat if gs < gd else mat.T
+            into[key] = into[key] + mat if key in into else mat
 
     def finish(self) -> list[Edge]:
         out = []
         for (gs, gd), mat in self.pairs.items():
-            if not np.any(mat):
+            kept = self.kept.get((gs, gd))
+            if not np.any(mat) and (kept is None or not np.any(kept)):
                 continue
             if not np.all(np.isfinite(mat)):
                 mat = np.where(np.isfinite(mat), mat, 1e6)  # unreachable relayouts: forbidden
-            e = Edge.compressed(gs, gd, mat)
-            c = e.cost
-            sep = c[:, :1] + c[:1, :] - c[0, 0]
-            if np.allclose(c, sep, rtol=1e-12, atol=1e-15):
-                self.comm[gs] += c[e.rows, 0]
-                self.comm[gd] += c[0, e.cols] - c[0, 0]
+            e = Edge.compressed(gs, gd, mat, kept)
+            if not (_separable(e.cost) and (e.memory is None or _separable(e.memory))):
+                out.append(e)
                 continue
-            out.append(e)
+            for into, m in ((self.comm, e.cost), (self.memory, e.memory)):
+                if m is not None:
+                    into[gs] += m[e.rows, 0]
+                    into[gd] += m[0, e.cols] - m[0, 0]
         return out
+
+
+def _separable(c: np.ndarray) -> bool:
+    """Whether ``c[x, y] == c[x, 0] + c[0, y] - c[0, 0]`` (two unary terms)."""
+    return bool(np.allclose(c, c[:, :1] + c[:1, :] - c[0, 0], rtol=1e-12, atol=1e-15))

@@ -9,7 +9,9 @@ Formulation (Alpa, OSDI'22, section 4.2), over the groups of a :class:`SearchSpa
   one-hot of the chosen pair (Alpa's ``e_uv = s_u s_v^T`` linearised with row / column sums;
   strategies with equal layouts on the edge share a row, which changes nothing but the size);
 - minimise ``sum_g s_g . (compute_g + comm_g) + sum_uv e_uv . R_uv`` (seconds per step);
-- memory: ``sum_g s_g . m_g <= max_memory_per_device`` when given.
+- memory: ``sum_g s_g . m_g + sum_uv e_uv . M_uv + T <= max_memory_per_device`` when given
+  (``M_uv``: operands an edge's relayout gathers and the consumer keeps for the backward; ``T``
+  at least each group's transient ``t_g . s_g`` and each recomputed block's residuals).
 
 Ours first minimises chain groups out exactly (:mod:`nnscaler_jax.search.reduce`); under a
 budget it checks that some choice fits (the exact least memory: no HiGHS run to prove that none
@@ -43,6 +45,7 @@ from nnscaler_jax.search.reduce import (
     reduce_tables,
     solve_by_elimination,
 )
+from nnscaler_jax.search.rows import SCALE, Rows, edge_rows, memory_rows, sync_rows
 from nnscaler_jax.search.space import SearchSpace, build_space
 from nnscaler_jax.search.tables import CostTables, build_tables
 
@@ -51,7 +54,6 @@ log = logging.getLogger(__name__)
 __all__ = ["GroupCost", "SearchReport", "fixed_decisions", "search", "search_policy",
            "solve"]
 
-_SCALE = 1e6  # seconds -> microseconds inside the solver (HiGHS tolerances are absolute-ish)
 RESOLVE_FACTOR, RESOLVE_FLOOR_S = 10.0, 10.0  # a re-solve's time limit (see _meet_budget)
 MIP_GAP = 1e-4
 """HiGHS stops at a plan within this fraction of the optimum's objective (0.01%: far below
@@ -141,44 +143,6 @@ class _Solution:
     constraints: int
 
 
-def _progress(iterable, total: int, desc: str):
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover - tqdm ships with the dev environment
-        return iterable
-    return tqdm(iterable, total=total, desc=desc, disable=None, leave=False)
-
-
-class _Rows:
-    """The ILP's constraint matrix in COO form, one row at a time, and its variables' costs."""
-
-    def __init__(self, nv: int) -> None:
-        self.nv = nv  # variables so far
-        self.r = 0  # rows so far
-        self.rows: list[int] = []
-        self.cols: list = []
-        self.vals: list = []
-        self.lb: list[float] = []
-        self.ub: list[float] = []
-        self.c_parts: list[np.ndarray] = []
-
-    def add(self, cols: list, vals: list, lo: float, hi: float) -> None:
-        """One constraint ``lo <= sum(vals * x[cols]) <= hi``."""
-        self.rows += [self.r] * len(cols)
-        self.cols += cols
-        self.vals += vals
-        self.lb.append(lo)
-        self.ub.append(hi)
-        self.r += 1
-
-    def variables(self, cost: np.ndarray) -> int:
-        """New continuous variables costing ``cost`` (microseconds); the index of the first."""
-        base = self.nv
-        self.nv += len(cost)
-        self.c_parts.append(cost)
-        return base
-
-
 def solve(tables: CostTables, *, max_memory: float | None = None, time_limit: float = 60.0,
           desc: str = "ILP", memory_offset: float = 0.0,
           transient_floor: float = 0.0) -> _Solution:
@@ -191,13 +155,13 @@ def solve(tables: CostTables, *, max_memory: float | None = None, time_limit: fl
     if any(k == 0 for k in n):
         raise PlanError("a group has no strategy left (rules removed them all)")
     off = np.concatenate([[0], np.cumsum(n)]).astype(np.int64)
-    lp = _Rows(int(off[-1]))
-    lp.c_parts += [(tables.unary(g) * _SCALE) for g in range(len(n))]
+    lp = Rows(int(off[-1]))
+    lp.c_parts += [(tables.unary(g) * SCALE) for g in range(len(n))]
     for g, k in enumerate(n):  # one strategy per group
         lp.add(list(range(off[g], off[g] + k)), [1.0] * k, 1.0, 1.0)
-    _edge_rows(lp, tables, off, desc)
-    _sync_rows(lp, tables, off)
-    scale = _memory_rows(lp, tables, off, max_memory, memory_offset) \
+    pair_vars = edge_rows(lp, tables, off, desc)
+    sync_rows(lp, tables, off)
+    scale = memory_rows(lp, tables, off, max_memory, memory_offset, pair_vars) \
         if max_memory is not None else 1.0
     nv = lp.nv
     a = sparse.csr_array((lp.vals, (lp.rows, lp.cols)), shape=(lp.r, nv))
@@ -219,51 +183,6 @@ def solve(tables: CostTables, *, max_memory: float | None = None, time_limit: fl
     choice = tuple(int(np.argmax(res.x[off[g]:off[g + 1]])) for g in range(len(n)))
     return _Solution(choice, tables.objective(choice), tables.memory_of(choice),
                      str(res.message), res.status == 0, nv, lp.r)
-
-
-def _edge_rows(lp: _Rows, tables: CostTables, off: np.ndarray, desc: str) -> None:
-    """Per edge a pair variable per (layout class, layout class), tied to both ends: each row x
-    sums to the source strategies in class x, each column y to the destination strategies in
-    class y (the last column is implied)."""
-    for e in _progress(tables.edges, len(tables.edges), desc):
-        nr, nc = e.cost.shape
-        base = lp.variables(e.cost.ravel() * _SCALE)
-        idx = base + np.arange(nr * nc).reshape(nr, nc)
-        ties = [(idx[x], np.nonzero(e.rows == x)[0] + off[e.src]) for x in range(nr)]
-        ties += [(idx[:, y], np.nonzero(e.cols == y)[0] + off[e.dst]) for y in range(nc - 1)]
-        for pair_vars, members in ties:
-            lp.add(list(pair_vars) + members.tolist(),
-                   [1.0] * len(pair_vars) + [-1.0] * len(members), 0.0, 0.0)
-
-
-def _sync_rows(lp: _Rows, tables: CostTables, off: np.ndarray) -> None:
-    """Per shared gradient sync, ``z_c >= sum of a reader's strategies handing back class c``."""
-    for ss in tables.syncs:
-        base = lp.variables(ss.cost * _SCALE)
-        for g, cls in ss.readers:
-            for c in np.unique(cls[cls >= 0]):
-                members = np.nonzero(cls == c)[0] + off[g]
-                lp.add([base + int(c)] + members.tolist(), [1.0] + [-1.0] * len(members),
-                       0.0, np.inf)
-
-
-def _memory_rows(lp: _Rows, tables: CostTables, off: np.ndarray, max_memory: float,
-                 memory_offset: float) -> float:
-    """Kept bytes + T <= M, T (the last variable) >= the chosen transient of each group; the
-    bytes are scaled by the largest kept bytes (returned)."""
-    n = [len(c) for c in tables.compute]
-    mem = np.concatenate(tables.memory) if n else np.zeros(0)
-    scale = max(float(mem.max(initial=0.0)), 1.0)
-    tvar = lp.variables(np.zeros(1))
-    lp.add(list(range(int(off[-1]))) + [tvar], (mem / scale).tolist() + [1.0],
-           -np.inf, (max_memory - memory_offset) / scale)
-    for g, k in enumerate(n):
-        tr = tables.transient[g] if tables.transient else np.zeros(k)
-        if not np.any(tr):
-            continue
-        lp.add([tvar] + list(range(off[g], off[g] + k)), [1.0] + (-tr / scale).tolist(),
-               0.0, np.inf)
-    return scale
 
 
 def _solve_reduced(tables: CostTables, budget: float | None, limit: float,

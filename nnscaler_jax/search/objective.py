@@ -7,7 +7,7 @@ and :mod:`nnscaler_jax.search.reduce`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -17,26 +17,46 @@ __all__ = ["CostTables", "Edge", "SyncSet"]
 @dataclass(frozen=True)
 class Edge:
     """Resharding between two groups: ``cost[rows[a], cols[b]]`` seconds when group ``src``
-    takes strategy ``a`` and group ``dst`` strategy ``b`` (rows / cols: layout classes)."""
+    takes strategy ``a`` and group ``dst`` strategy ``b`` (rows / cols: layout classes), and
+    ``memory[rows[a], cols[b]]`` bytes the pair keeps for the backward (an operand gathered
+    on its way to a matmul that saves it; None: none)."""
 
     src: int
     dst: int
     rows: np.ndarray
     cols: np.ndarray
     cost: np.ndarray
+    memory: np.ndarray | None = None
 
     @property
     def full(self) -> np.ndarray:
         """Costs indexed [strategy of src, strategy of dst]."""
         return self.cost[np.ix_(self.rows, self.cols)]
 
+    @property
+    def full_memory(self) -> np.ndarray | None:
+        """Bytes indexed [strategy of src, strategy of dst] (None: none)."""
+        return None if self.memory is None else self.memory[np.ix_(self.rows, self.cols)]
+
     @classmethod
-    def compressed(cls, src: int, dst: int, mat: np.ndarray) -> Edge:
-        """The edge of a full (strategies of ``src``) x (strategies of ``dst``) cost matrix,
-        strategies with equal rows / columns sharing one layout class."""
-        rows_u, rows = _unique_rows(mat)
-        cols_u, cols = _unique_rows(rows_u.T)
-        return cls(src, dst, rows, cols, np.ascontiguousarray(cols_u.T))
+    def compressed(cls, src: int, dst: int, mat: np.ndarray,
+                   memory: np.ndarray | None = None) -> Edge:
+        """The edge of a full (strategies of ``src``) x (strategies of ``dst``) cost matrix
+        (and bytes matrix), strategies with equal rows / columns sharing one layout class."""
+        if memory is not None and not np.any(memory):
+            memory = None
+        k = mat.shape[1]
+        rows_u, rows = _unique_rows(mat if memory is None else np.hstack([mat, memory]))
+        nr = len(rows_u)
+        stacked = rows_u if memory is None else np.vstack([rows_u[:, :k], rows_u[:, k:]])
+        cols_u, cols = _unique_rows(stacked.T)
+        both = np.ascontiguousarray(cols_u.T)
+        return cls(src, dst, rows, cols, both[:nr],
+                   None if memory is None else np.ascontiguousarray(both[nr:]))
+
+    def memory_at(self, a: int, b: int) -> float:
+        """Bytes kept when ``src`` takes strategy ``a`` and ``dst`` strategy ``b``."""
+        return 0.0 if self.memory is None else float(self.memory[self.rows[a], self.cols[b]])
 
 
 def _unique_rows(mat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -78,14 +98,24 @@ class CostTables:
     edges: list[Edge]
     syncs: list[SyncSet]
     transient: list[np.ndarray] | None = None  # per group: largest output of a member
+    # per recomputed block: (group, residual bytes per strategy) of its ops, live at once
+    remat: list[tuple[tuple[int, np.ndarray], ...]] = field(default_factory=list)
+
+    def block_transient(self, choice) -> float:
+        """The largest recomputed block's residual bytes under ``choice`` (0: none)."""
+        return max((sum(float(v[choice[g]]) for g, v in blk) for blk in self.remat),
+                   default=0.0)
 
     def memory_of(self, choice) -> float:
-        """Kept bytes plus the largest transient (as ``plan_cost``'s peak)."""
+        """Kept bytes (groups' and edges') plus the largest transient (as ``plan_cost``'s
+        peak)."""
         kept = sum(float(self.memory[g][c]) for g, c in enumerate(choice))
-        if not self.transient:
-            return kept
-        return kept + max((float(self.transient[g][c]) for g, c in enumerate(choice)),
-                          default=0.0)
+        kept += sum(e.memory_at(choice[e.src], choice[e.dst]) for e in self.edges)
+        peak = self.block_transient(choice)
+        if self.transient:
+            peak = max(peak, max((float(self.transient[g][c]) for g, c in enumerate(choice)),
+                                 default=0.0))
+        return kept + peak
 
     def unary(self, g: int) -> np.ndarray:
         return self.compute[g] + self.comm[g]

@@ -112,8 +112,11 @@ def _plan_memory(result: Any) -> float | None:
 
 class _CountSearch:
     """The boundary between layer counts that do not fit (``lo``) and that fit (``hi``):
-    linear interpolation of the memory known at both ends to the budget (regula falsi), and
-    bisection when the ends do not say where (a missing estimate, a fitting plan within
+    linear interpolation of the memory known at both ends to the budget (regula falsi); when
+    the failing end's estimate is no guide (a lower bound under the budget: the search's
+    tables cannot tell how much more a choice keeps), the line through the two fewest counts
+    that fit, extended to the budget; bisection when the ends do not say where (a missing
+    estimate, a fitting plan within
     :data:`FULL` of the budget: it filled the budget, its memory does not say how much less
     recompute would need) or the last two probes did not halve the interval (the memory is far
     from linear in the count: at most about twice the bisection's probes)."""
@@ -123,6 +126,7 @@ class _CountSearch:
         self.lo, self.hi, self.budget = 0, n, budget
         self.lo_bytes, self.hi_bytes = lo_bytes, hi_bytes
         self.slow = 0  # probes in a row that did not halve the interval
+        self.fits: dict[int, float] = {} if hi_bytes is None else {n: hi_bytes}
 
     def next(self) -> int | None:
         """The next count to try, None when ``hi`` is the fewest that fits."""
@@ -130,10 +134,17 @@ class _CountSearch:
         if hi - lo <= 1:
             return None
         b, y_lo, y_hi = self.budget, self.lo_bytes, self.hi_bytes
-        if self.slow >= 2 or b is None or y_lo is None or y_hi is None or not \
-                y_hi <= b * (1 - FULL) < b < y_lo:
+        x = None
+        if self.slow >= 2 or b is None or y_hi is None or not y_hi <= b * (1 - FULL):
+            pass
+        elif y_lo is not None and b < y_lo:
+            x = lo + (y_lo - b) / (y_lo - y_hi) * (hi - lo)
+        elif len(self.fits) >= 2:  # the failing end says nothing: extend the fitting side
+            (k1, m1), (k2, m2) = sorted(self.fits.items())[:2]
+            if m1 > m2:
+                x = k1 - (b - m1) / (m1 - m2) * (k2 - k1)
+        if x is None:
             return (lo + hi) // 2
-        x = lo + (y_lo - b) / (y_lo - y_hi) * (hi - lo)
         return min(max(math.ceil(x), lo + 1), hi - 1)
 
     def failed(self, k: int, smallest: float | None) -> None:
@@ -143,6 +154,8 @@ class _CountSearch:
     def fitted(self, k: int, used: float | None) -> None:
         self._moved(self.hi - k)
         self.hi, self.hi_bytes = k, used
+        if used is not None:
+            self.fits[k] = used
 
     def _moved(self, by: int) -> None:
         self.slow = self.slow + 1 if 2 * by < self.hi - self.lo else 0

@@ -15,7 +15,8 @@ norms, projections) to the few groups that meet three or more others; the ILP so
 and the eliminated groups are read back in reverse order. The optimum is unchanged. A gradient
 sync shared by readers in two groups is a pairwise term (an edge) too; groups that other terms
 couple are never eliminated: readers of a sync shared by three or more groups, and, under a
-memory budget, groups whose memory or transient differs between strategies.
+memory budget, groups whose memory or transient differs between strategies and the two ends of
+an edge that keeps bytes (its memory term stays as it is).
 
 What is left (cycles: attention's q / k / v meeting again, MoE's gates) has only unary and
 pairwise terms unless a gradient sync couples three groups; :func:`solve_by_elimination` then
@@ -85,14 +86,23 @@ def reduce_tables(tables: CostTables, *, memory_budget: bool = False) -> Reduced
     n = len(tables.compute)
     unary, pair, syncs = _pairwise(tables)
     protected = {g for s in syncs for g, _ in s.readers}
+    held: dict[tuple[int, int], np.ndarray] = {}  # (u < v) -> bytes of the edges that keep some
     if memory_budget:
         tr = tables.transient
         protected |= {g for g in range(n) if not _constant(tables.memory[g])
                       or (tr is not None and not _constant(tr[g]))}
+        protected |= {g for blk in tables.remat for g, _ in blk}
+        for e in tables.edges:
+            if e.memory is not None:
+                protected |= {e.src, e.dst}
+                u, v, m = (e.src, e.dst, e.full_memory) if e.src < e.dst else \
+                    (e.dst, e.src, e.full_memory.T)
+                held[(u, v)] = held[(u, v)] + m if (u, v) in held else m
     steps, alive = _eliminate(unary, pair, protected)
     kept = tuple(g for g in range(n) if alive[g])
     index = {g: i for i, g in enumerate(kept)}
-    edges = [Edge.compressed(index[u], index[v], mat) for (u, v), mat in pair.items()]
+    edges = [Edge.compressed(index[u], index[v], mat, held.get((u, v)))
+             for (u, v), mat in pair.items()]
     syncs = [SyncSet(s.cost, tuple((index[g], cls) for g, cls in s.readers)) for s in syncs]
     gone = [g for g in range(n) if not alive[g]]
     offset = floor = 0.0
@@ -103,7 +113,8 @@ def reduce_tables(tables: CostTables, *, memory_budget: bool = False) -> Reduced
     reduced = CostTables(
         [unary[g] for g in kept], [np.zeros_like(unary[g]) for g in kept],
         [tables.memory[g] for g in kept], edges, syncs,
-        None if tables.transient is None else [tables.transient[g] for g in kept])
+        None if tables.transient is None else [tables.transient[g] for g in kept],
+        [tuple((index[g], v) for g, v in blk) for blk in tables.remat] if memory_budget else [])
     return Reduced(reduced, kept, tuple(steps), offset, floor)
 
 
@@ -298,16 +309,20 @@ def prune_dominated(tables: CostTables) -> tuple[CostTables, list[np.ndarray]]:
     """
     n = len(tables.compute)
     unary = [tables.unary(g).astype(float) for g in range(n)]
-    touching: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(n)]
+    touching: list[list[tuple[int, np.ndarray, np.ndarray | None]]] = [[] for _ in range(n)]
     for e in tables.edges:
-        full = e.full
-        touching[e.src].append((e.dst, full))
-        touching[e.dst].append((e.src, full.T))
+        full, mem = e.full, e.full_memory
+        touching[e.src].append((e.dst, full, mem))
+        touching[e.dst].append((e.src, full.T, None if mem is None else mem.T))
     reads: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(n)]
     for ss in tables.syncs:
         for g, cls in ss.readers:
             reads[g].append((ss.cost, cls))
     tr = tables.transient
+    residuals: list[list[np.ndarray]] = [[] for _ in range(n)]  # per group: its blocks' bytes
+    for blk in tables.remat:
+        for g, r in blk:
+            residuals[g].append(r)
     alive = [np.arange(len(u)) for u in unary]
     changed = True
     while changed:
@@ -317,7 +332,7 @@ def prune_dominated(tables: CostTables) -> tuple[CostTables, list[np.ndarray]]:
             if len(idx) < 2:
                 continue
             drop = _dominated(v, idx, unary[v], touching[v], reads[v], alive,
-                              tables.memory[v], None if tr is None else tr[v])
+                              tables.memory[v], None if tr is None else tr[v], residuals[v])
             if drop.any():
                 alive[v] = idx[~drop]
                 changed = True
@@ -325,25 +340,30 @@ def prune_dominated(tables: CostTables) -> tuple[CostTables, list[np.ndarray]]:
 
 
 def _dominated(v: int, idx: np.ndarray, unary: np.ndarray, touching, reads, alive,
-               memory: np.ndarray, transient: np.ndarray | None) -> np.ndarray:
+               memory: np.ndarray, transient: np.ndarray | None, residuals) -> np.ndarray:
     """Which alive strategies ``idx`` of group ``v`` another alive one replaces (see
-    :func:`prune_dominated`): ``d[a, b] > 0`` when ``b`` is cheaper whatever the rest picks."""
+    :func:`prune_dominated`): ``d[a, b] > 0`` when ``b`` is cheaper whatever the rest picks
+    and keeps no more bytes whatever the rest picks (its edges' bytes at their worst)."""
     cur = unary[idx]
     d = cur[:, None] - cur[None, :]
     scale = float(np.abs(cur).max())
-    for w, m in touching:
-        sub = m[np.ix_(idx, alive[w])]
+    m = memory[idx].astype(float)
+    more = np.zeros((len(idx), len(idx)))  # [a, b]: b's edges keep at most this much more
+    for w, cost, kept in touching:
+        sub = cost[np.ix_(idx, alive[w])]
         d += (sub[:, None, :] - sub[None, :, :]).min(axis=2)
         scale += float(np.abs(sub).max())
+        if kept is not None:
+            k = kept[np.ix_(idx, alive[w])]
+            more += (k[None, :, :] - k[:, None, :]).max(axis=2)
     for cost, cls in reads:  # the swap may start paying b's class
         c = cls[idx]
         paid = np.where(c >= 0, cost[np.maximum(c, 0)], 0.0)
         d -= np.where(c[None, :] != c[:, None], paid[None, :], 0.0)
         scale += float(np.abs(cost).max(initial=0.0))
-    m = memory[idx]
-    fits = m[None, :] <= m[:, None]
-    if transient is not None:
-        t = transient[idx]
+    fits = m[None, :] + more <= m[:, None]
+    for t in ([] if transient is None else [transient]) + residuals:
+        t = t[idx]
         fits &= t[None, :] <= t[:, None]
     d = np.where(fits, d, -np.inf)
     np.fill_diagonal(d, -np.inf)
@@ -357,25 +377,33 @@ def _subset(tables: CostTables, alive: list[np.ndarray]) -> CostTables:
         [c[a] for c, a in zip(tables.compute, alive, strict=True)],
         [c[a] for c, a in zip(tables.comm, alive, strict=True)],
         [m[a] for m, a in zip(tables.memory, alive, strict=True)],
-        [Edge.compressed(e.src, e.dst, e.full[np.ix_(alive[e.src], alive[e.dst])])
+        [Edge.compressed(e.src, e.dst, e.full[np.ix_(alive[e.src], alive[e.dst])],
+                         None if e.memory is None else
+                         e.full_memory[np.ix_(alive[e.src], alive[e.dst])])
          for e in tables.edges],
         [SyncSet(s.cost, tuple((g, cls[alive[g]]) for g, cls in s.readers))
          for s in tables.syncs],
-        None if tr is None else [t[a] for t, a in zip(tr, alive, strict=True)])
+        None if tr is None else [t[a] for t, a in zip(tr, alive, strict=True)],
+        [tuple((g, v[alive[g]]) for g, v in blk) for blk in tables.remat])
 
 
 def least_memory(tables: CostTables) -> float:
-    """The least kept + largest transient bytes over all choices, exactly (memory has no edge
-    terms): for each candidate peak transient ``T``, every group keeps its fewest bytes among
-    the strategies whose transient stays within ``T``. The ILP under a budget is feasible
-    exactly when this fits."""
+    """A lower bound of the kept + largest transient bytes over all choices, exact when no edge
+    keeps bytes and nothing is recomputed: for each candidate peak transient ``T`` (at least a
+    recomputed block's fewest residual bytes), every group keeps its fewest bytes among the
+    strategies whose transient stays within ``T``, every edge its fewest. No choice
+    fits a budget below it (the ILP need not prove that); when edges keep bytes, one above it
+    may still fit none."""
     if not tables.memory:
         return 0.0
+    edges = sum(float(e.memory.min()) for e in tables.edges if e.memory is not None)
+    block = max((sum(float(v.min()) for _, v in blk) for blk in tables.remat), default=0.0)
     tr = tables.transient
     if not tr:
-        return float(sum(float(m.min()) for m in tables.memory))
-    peaks = np.unique(np.concatenate(tr))
-    total = peaks.astype(float).copy()
+        return block + edges + float(sum(float(m.min()) for m in tables.memory))
+    peaks = np.unique(np.concatenate([*tr, [block]]))
+    peaks = peaks[peaks >= block]  # no choice's transient is below its blocks' residuals
+    total = peaks.astype(float) + edges
     for m, t in zip(tables.memory, tr, strict=True):
         order = np.argsort(t, kind="stable")
         fewest = np.minimum.accumulate(m[order].astype(float))

@@ -25,7 +25,10 @@ and the relayouts between a ``scan`` op and its body):
   producing it (linear; the relayout after the reduction is still priced per reader edge: up to
   ~1.5% over ``plan_cost`` on Llama / MoE, which pays it once per gradient layout).
 
-Ops inside a remat (``checkpoint``) boundary keep no activations and run their forward twice.
+Ops inside a remat (``checkpoint``) boundary keep no activations and run their forward twice;
+while a recomputed block's backward runs, its ops' residuals are live again at once: per block,
+the sum of its groups' residual bytes bounds the peak's transient from below
+(``CostTables.remat``), as ``plan_cost`` takes the block's transient.
 
 Copies of a layer have equal costs; they are computed once (memoized by isomorphism key), for
 the Alpa-style planner too, so the two planners differ only in their ILPs.
@@ -38,7 +41,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from nnscaler_jax.cost.compute import grad_tensors
+from nnscaler_jax.cost.compute import FREE, grad_tensors
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.cost.relayout import drop_partial, partial_grad_axes
 from nnscaler_jax.cost.residuals import residual_outputs
@@ -85,6 +88,7 @@ class _Builder(EdgePricing):
         self.memory = [np.zeros(k) for k in n]
         self.transient = [np.zeros(k) for k in n]
         self.remat = _remat_ops(self.graph)
+        self.block_inputs = _block_inputs(self.graph, self.remat)
         self.chunks = chunks_of(self.graph)  # op id -> chunks of its co-sharded block
         self.saved = residual_outputs(self.graph)
         self.member_memo: dict[tuple, object] = {}  # ours only: per class of identical work
@@ -238,6 +242,21 @@ class _Builder(EdgePricing):
                 x[i] += secs
         return c, x, m
 
+    def held_inputs(self) -> None:
+        """Example inputs a recomputed block reads, kept for its backward as their first
+        reader reads them (the values are the edges' memory terms)."""
+        for tid in self.block_inputs:
+            reads = self.readers.get(tid)
+            if not reads or reads[0][0].inputs[reads[0][1]].role is not Role.INPUT:
+                continue
+            op, j = reads[0]
+            t = op.inputs[j]
+            g, _f, m, fg = self.fgroup(op.id)
+            w = self.space.weights[op.id] / self.cm.microbatches
+            whole = self.cm._local_bytes(t, Layout.replicated(t.ndim))
+            self.memory[g] += np.array([w * min(whole, self.cm._local_bytes(
+                t, self.lays[op.id, split][0][j])) for split in fg.splits[m]])
+
     def _storage(self, v: Tensor, want: Layout, split: Split) -> tuple[float, float]:
         """(bytes, seconds) of storing variable ``v`` for its first reader, which reads it as
         ``want`` under ``split``: the state bytes and the reader's relayout from storage."""
@@ -247,6 +266,37 @@ class _Builder(EdgePricing):
         stored = self.cm.variable_bytes(v, want, dp) if self.zero else \
             self.cm.variable_bytes(v, want)
         return stored, self.cm.reshard_time(v, have, want, backward=v.id in self.grads)
+
+    # ---- recomputed blocks ---------------------------------------------------------------------
+
+    def remat_sums(self) -> list[tuple[tuple[int, np.ndarray], ...]]:
+        """Per recomputed block (identical ones once), per group the residual bytes of its
+        ops in the block by strategy: while the block's backward runs they are all live again
+        (``plan_walk``'s recompute transient), so the peak's transient is at least their sum."""
+        blocks: dict[int, dict[int, np.ndarray]] = {}
+        for op_id, b in self.remat.items():
+            op = self.by_id[op_id]
+            saved = self.saved.get(op_id, ())
+            if op.primitive in FREE or op.regions or not saved:
+                continue
+            g, _f, mi, fg = self.fgroup(op_id)
+            k, w = self.chunks.get(op_id, 1), self.space.weights[op_id]
+            key = ("rs", self.space.op_class.get(op_id), fg.split_ids[mi], k, w, saved)
+            vec = self.member_memo.get(key) if self.space.shared else None
+            if vec is None:
+                vec = np.array([sum(self.cm._local_bytes(op.outputs[j],
+                                                         self.lays[op_id, sp][1][j])
+                                    for j in saved) for sp in fg.splits[mi]],
+                               dtype=float) * w / k / self.cm.microbatches
+                if self.space.shared:
+                    self.member_memo[key] = vec
+            d = blocks.setdefault(b, {})
+            d[g] = d[g] + vec if g in d else vec
+        out: dict[tuple, tuple[tuple[int, np.ndarray], ...]] = {}
+        for d in blocks.values():
+            items = tuple(sorted(d.items()))
+            out.setdefault(tuple((g, v.tobytes()) for g, v in items), items)
+        return list(out.values())
 
     # ---- gradient syncs ------------------------------------------------------------------------
 
@@ -352,8 +402,27 @@ class _Builder(EdgePricing):
                 if lay.partial:
                     self.comm[g][i] += self.cm.reshard_time(t, lay, drop_partial(lay), backward=False)
 
-def _remat_ops(graph: Graph) -> set[int]:
-    """Ids of ops inside a remat (``checkpoint``) boundary, region bodies included."""
+def _block_inputs(graph: Graph, remat: Mapping[int, int]) -> set[int]:
+    """Ids of the values and example inputs a recomputed block reads from outside: the block
+    keeps them for its backward (``plan_walk`` keeps them at the end of its walk)."""
+    used = set(remat.values())
+    out: set[int] = set()
+
+    def collect(g: Graph) -> None:
+        for b in g.boundaries:
+            if b.id in used:
+                out.update(t.id for t in b.inputs if t.role in (Role.VALUE, Role.INPUT))
+        for op in g.ops:
+            for region in op.regions:
+                collect(region)
+
+    collect(graph)
+    return out
+
+
+def _remat_ops(graph: Graph) -> dict[int, int]:
+    """Ops inside a remat (``checkpoint``) boundary, region bodies included: op id -> its
+    (first) remat boundary's id."""
     kinds: dict[int, str] = {}
 
     def collect(g: Graph) -> None:
@@ -363,18 +432,24 @@ def _remat_ops(graph: Graph) -> set[int]:
                 collect(region)
 
     collect(graph)
-    return {op.id for op in graph.walk()
-            if any(kinds.get(b) in REMAT_KINDS for b in op.boundary)}
+    out = {}
+    for op in graph.walk():
+        remat = [b for b in op.boundary if kinds.get(b) in REMAT_KINDS]
+        if remat:
+            out[op.id] = remat[0]
+    return out
 
 
 def build_tables(space: SearchSpace, cm: CostModel, zero: int = 0) -> CostTables:
     """Price every group's strategies and every edge's strategy pairs."""
     b = _Builder(space, cm, zero)
     b.unary()
+    b.held_inputs()
     b.outputs()
     b.edges()
     syncs = b.syncs()
     edges = b.finish()
+    remat = b.remat_sums()
     log.info("cost tables: %d groups, %d edges (%d strategy-pair classes), %d shared gradient "
              "syncs", len(space.groups), len(edges), sum(e.cost.size for e in edges), len(syncs))
-    return CostTables(b.compute, b.comm, b.memory, edges, syncs, b.transient)
+    return CostTables(b.compute, b.comm, b.memory, edges, syncs, b.transient, remat)

@@ -30,9 +30,9 @@ def test_no_budget_no_cosharding():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,share", [("swin", 0.4)])
+@pytest.mark.parametrize("name,share", [("swin", 0.26)])
 def test_cosharding_fits_where_alpa_cannot(name, share):
-    """Swin tiny at 40% of the unconstrained plan's memory: ours (planned by auto_parallel
+    """Swin tiny at 26% of the unconstrained plan's memory: ours (planned by auto_parallel
     under that budget) co-shards every layer's block and fits, runs, and equals the plain
     module; recomputing every layer (Alpa's switch) does not fit. (The Evoformer tiny at 30%
     behaves alike, measured once: 95 s, too slow for the suite; see
