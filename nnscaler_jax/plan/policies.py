@@ -12,6 +12,7 @@ together (column- then row-parallel), and so do the heads of the q / k / v / out
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 from nnscaler_jax.errors import PlanError
@@ -185,24 +186,38 @@ def megatron(graph: Draft, mesh: Any) -> Plan:
     return graph.finish()
 
 
+_BATCH_DIMS: dict[int, tuple[weakref.ref, tuple[tuple[Op, str, int], ...]]] = {}
+
+
+def _batch_dims(graph: Graph) -> tuple[tuple[Op, str, int], ...]:
+    """Each op with a batch dim, that dim's name and size (the plan does not change them:
+    computed once per graph, as a search prices many plans of one graph)."""
+    hit = _BATCH_DIMS.get(id(graph))
+    if hit is not None and hit[0]() is graph:
+        return hit[1]
+    classes = graph_dim_classes(graph)
+    batch = _batch_classes(graph, classes)
+    out = []
+    for op in graph.walk() if batch else ():
+        idents = _ident_classes(op, classes) if op.annotated else {}
+        dim = next((n for n in parse_anno(op.anno).splittable() if idents.get(n) in batch),
+                   None) if idents else None
+        if dim is not None:
+            out.append((op, dim, op.dim_sizes()[dim]))
+    _BATCH_DIMS[id(graph)] = (weakref.ref(graph), tuple(out))
+    return tuple(out)
+
+
 def batch_unsplit(graph: Graph, plan: Plan, axes: dict[str, int]) -> tuple[Unsplit, ...]:
     """The ops whose batch dim (the class of axis 0 of the example arguments) ``plan`` leaves
     unsplit over a data axis (of size > 1, unused by the op) that does not divide it (its
     per-shard size when other axes split it): what a search could not offer. Nothing without
     data axes."""
     data = [a for a in data_axes(axes) if axes[a] > 1]
-    classes = graph_dim_classes(graph) if data else None
-    batch = _batch_classes(graph, classes) if classes is not None else set()
     by_id = {p.op: p for p in plan.ops}
     out: list[Unsplit] = []
-    for op in graph.walk() if batch else ():
-        idents = _ident_classes(op, classes) if op.annotated else {}
-        dim = next((n for n in parse_anno(op.anno).splittable() if idents.get(n) in batch),
-                   None) if idents else None
-        if dim is None:
-            continue
+    for op, dim, size in _batch_dims(graph) if data else ():
         split = by_id[op.id].split if op.id in by_id else ()
-        size = op.dim_sizes()[dim]
         ways = math.prod(axes[a] for a, d in split if d == dim)
         for a in data:
             if all(x != a for x, _ in split) and (size // ways) % axes[a]:

@@ -145,26 +145,26 @@ def plan_spmd(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto"
     if name in BASELINES:  # full recompute
         forced = forced + recompute_candidates(graph, forced, forbidden)
     if name in SEARCHES:  # recompute (ours: and co-sharding) are the searches' decisions
-        blocks = coshard_choice(graph, axes, constraints.max_memory_per_device, forbidden) \
-            if name == "auto" else ()
-        result, draft = _choose(run_priced, graph, forced, forbidden, blocks, name == "auto")
+        blocks = (lambda: coshard_choice(graph, axes, constraints.max_memory_per_device,
+                                         forbidden)) if name == "auto" else None
+        result, draft = _choose(run_priced, graph, forced, forbidden, blocks)
     else:
         result, draft = run_priced(forced)
     return Planned(result, time.perf_counter() - t0, getattr(draft, "search_report", None))
 
 
 def _choose(run_priced: Callable, graph: Graph, forced: tuple[str, ...],
-            forbidden: tuple[str, ...], blocks: tuple, ours: bool) -> tuple[Plan, Draft]:
-    """The searches' recompute decision, and ours co-sharding: the forced groups alone first;
-    when that does not fit, the count of recomputed layers is searched without co-sharding and
-    with ``blocks`` co-sharded, the two at once (HiGHS releases the GIL: its solves, most of a
-    probe's time, run on two cores), and the faster plan that fits is kept. The co-sharded
-    search bisects: its fitting plans spend the memory co-sharding frees on faster layouts, so
-    their memory does not say how many layers fewer would fit (Swin at its 8-GPU preset on
-    V100s: interpolating took 9 probes where bisecting takes 7)."""
-    price = (lambda r: r[0].cost.step_time_s) if ours else None
-    if not blocks:
-        return choose_recompute(run_priced, graph, forced, forbidden, price=price)
+            forbidden: tuple[str, ...], blocks_of: Callable[[], tuple] | None
+            ) -> tuple[Plan, Draft]:
+    """The searches' recompute decision, and ours (``blocks_of``: the blocks to co-shard)
+    co-sharding: the forced groups alone first; when that does not fit, the count of recomputed
+    layers is searched without co-sharding and with the blocks co-sharded, the two at once
+    (HiGHS releases the GIL: its solves, most of a probe's time, run on two cores; the blocks
+    are found while the first search starts), and the faster plan that fits is kept. The
+    co-sharded search bisects: its fitting plans spend the memory co-sharding frees on faster
+    layouts, so their memory does not say how many layers fewer would fit (Swin at its 8-GPU
+    preset on V100s: interpolating took 9 probes where bisecting takes 7)."""
+    price = (lambda r: r[0].cost.step_time_s) if blocks_of is not None else None
     try:
         return run_priced(forced)  # fits as asked: no recompute or co-sharding to add
     except NoFitError as e:
@@ -182,11 +182,15 @@ def _choose(run_priced: Callable, graph: Graph, forced: tuple[str, ...],
         except NoFitError as e:
             return None, e
 
+    if blocks_of is None:
+        return choose_recompute(plain_run, graph, forced, forbidden, price=price)
     workers = 2 if (os.cpu_count() or 1) > 1 else 1
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="nnscaler-search") as pool:
         plain_f = pool.submit(search, plain_run, None)
-        chunked_f = pool.submit(search, lambda g: run_priced(g, blocks), _bisect)
-        (plain, err), (chunked, _) = plain_f.result(), chunked_f.result()
+        blocks = blocks_of()
+        chunked_f = pool.submit(search, lambda g: run_priced(g, blocks), _bisect) \
+            if blocks else None
+        (plain, err), chunked = plain_f.result(), chunked_f.result()[0] if chunked_f else None
     found = [r for r in (plain, chunked) if r is not None]
     if not found:
         raise err
