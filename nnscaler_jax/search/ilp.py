@@ -176,9 +176,13 @@ def solve(tables: CostTables, *, max_memory: float | None = None, time_limit: fl
                bounds=bounds,
                options={"time_limit": float(time_limit), "disp": False, "mip_rel_gap": MIP_GAP})
     if res.x is None:
+        if max_memory is not None and res.status == 1:  # time limit, no plan found yet
+            raise NoFitError(
+                f"the search's solver found no plan within max_memory_per_device="
+                f"{int(max_memory):,} bytes in its time limit ({time_limit:g} s). Raise "
+                "time_limit or the budget.", smallest_bytes=None, budget_bytes=max_memory)
         if max_memory is not None:
-            smallest = least_memory(tables)
-            raise _memory_error(max_memory, smallest)
+            raise _memory_error(max_memory, least_memory(tables))
         raise PlanError(f"the search found no plan: {res.message}")
     choice = tuple(int(np.argmax(res.x[off[g]:off[g + 1]])) for g in range(len(n)))
     return _Solution(choice, tables.objective(choice), tables.memory_of(choice),
@@ -244,6 +248,13 @@ def _meet_budget(plan: Plan, sol: _Solution, budget: float, solved, cm: CostMode
 
 
 def _memory_error(budget: float, smallest: float) -> NoFitError:
+    if smallest <= budget:  # the lower bound fits; the solver proved that no choice does
+        return NoFitError(
+            f"no plan fits max_memory_per_device={int(budget):,} bytes ({budget / 2**30:.2f} "
+            f"GiB): every choice keeps more (a lower bound, {int(smallest):,} bytes, fits, but "
+            "not once the operands relayouts gather for matmuls and recomputed blocks' "
+            "residuals are counted together). Raise the budget, use Constraints(zero=3), or "
+            "a larger mesh.", smallest_bytes=None, budget_bytes=budget)
     return NoFitError(
         f"no plan fits max_memory_per_device={int(budget):,} bytes ({budget / 2**30:.2f} GiB): "
         f"the smallest estimate found is {int(smallest):,} bytes ({smallest / 2**30:.2f} GiB) "
