@@ -40,8 +40,10 @@ def partial_grad_axes(want: Layout, split: Split) -> tuple[str, ...]:
     return tuple(dict.fromkeys(a for a, d in split if d != VALUE and a not in used))
 
 
+@lru_cache(maxsize=65536)
 def grad_source(want: Layout, split: Split) -> Layout:
-    """The layout of the gradient a consumer hands back for an operand it read as ``want``."""
+    """The layout of the gradient a consumer hands back for an operand it read as ``want``
+    (memoised: the whole-plan pricing asks for it per edge and per gradient, every probe)."""
     return Layout(want.dims, partial_grad_axes(want, split))
 
 
