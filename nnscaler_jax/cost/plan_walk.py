@@ -36,7 +36,7 @@ from nnscaler_jax.mesh.axes import data_axes
 from nnscaler_jax.plan.layouts import plan_layouts, sole_read_variables, unstack
 from nnscaler_jax.plan.plan import OpPlan, Plan
 
-__all__ = ["analyze"]
+__all__ = ["analyze", "boundary_kinds"]
 
 
 @dataclass
@@ -65,11 +65,12 @@ class _Analysis:
         return self.params + self.grads + self.optimizer + self.activations + self.transient
 
 
-def _boundary_kinds(graph: Graph) -> dict[int, tuple[str, tuple[Tensor, ...]]]:
+def boundary_kinds(graph: Graph) -> dict[int, tuple[str, tuple[Tensor, ...]]]:
+    """Boundary id -> (kind, the tensors it reads from outside), region bodies included."""
     out = {b.id: (b.kind, b.inputs) for b in graph.boundaries}
     for op in graph.ops:
         for region in op.regions:
-            out.update(_boundary_kinds(region))
+            out.update(boundary_kinds(region))
     return out
 
 
@@ -168,7 +169,7 @@ class _Walk:
         self.model, self.graph, self.grads, self.zero, self.out = model, graph, grads, zero, out
         self.plans = plan._by_id()
         self.saved = residual_outputs(graph, grads if model.input_grads else None)
-        self.kinds = _boundary_kinds(graph)
+        self.kinds = boundary_kinds(graph)
         self.sole = sole_read_variables(graph)
         self.layout: dict[int, Layout] = {}
         for t in graph.inputs:

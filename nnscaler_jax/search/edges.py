@@ -58,7 +58,7 @@ class EdgePricing:
     def start_edges(self) -> None:
         self.pairs: dict[tuple[int, int], np.ndarray] = {}
         self.kept: dict[tuple[int, int], np.ndarray] = {}
-        self.saves: dict[int, tuple[int, int] | None] = {}  # tensor -> its first keeping read
+        self.first_keeper: dict[int, tuple[int, int] | None] = {}  # tensor -> (op id, index)
         self.memo: dict[tuple, np.ndarray] = {}
         self.reshard_memo: dict[tuple, dict[tuple, float]] = {}  # tensor kind -> pair -> s
         # values read once, by an op of their producer's graph: the edge prices the gradient's
@@ -188,10 +188,10 @@ class EdgePricing:
         if dst[0] not in ("in", "fin") or not t.ndim or not is_float(t) or (
                 t.role is Role.VARIABLE and self.zero >= 3):
             return False
-        if t.id not in self.saves:
-            self.saves[t.id] = next(((o.id, k) for o, k in self.readers.get(t.id, ())
+        if t.id not in self.first_keeper:
+            self.first_keeper[t.id] = next(((o.id, k) for o, k in self.readers.get(t.id, ())
                                      if self._saves_operand(o, k)), None)
-        return self.saves[t.id] == (dst[1], dst[2])
+        return self.first_keeper[t.id] == (dst[1], dst[2])
 
     def _saves_operand(self, op: Op, j: int) -> bool:
         if op.primitive not in MASKED or op.boundary:

@@ -216,9 +216,10 @@ def _solve_reduced(tables: CostTables, budget: float | None, limit: float,
 
 def _meet_budget(plan: Plan, sol: _Solution, budget: float, solved, cm: CostModel,
                  graph: Graph, make_plan, seconds: float) -> tuple[Plan, _Solution]:
-    """The cost tables hold memory per group only; the plan's full pricing also keeps operands
-    gathered by an edge's relayout (``cost.model._gathered_operands``). When that pushes the
-    plan over ``budget``, solve again under a budget lowered by the excess (a few rounds).
+    """The cost tables price the memory ``plan_cost`` does but for a tensor gathered by a later
+    reader to another layout than its first keeping reader's (``search.edges``); the plan's full
+    pricing checks it. When that pushes the plan over ``budget``, solve again under a budget
+    lowered by the excess (a few rounds).
 
     ``solved(cap, limit)`` solves under ``cap`` within ``limit`` seconds; each round gets
     :data:`RESOLVE_FACTOR` x ``seconds`` (the first solve's), at least :data:`RESOLVE_FLOOR_S`:

@@ -43,6 +43,7 @@ import numpy as np
 
 from nnscaler_jax.cost.compute import FREE, grad_tensors
 from nnscaler_jax.cost.model import CostModel
+from nnscaler_jax.cost.plan_walk import boundary_kinds
 from nnscaler_jax.cost.relayout import drop_partial, partial_grad_axes
 from nnscaler_jax.cost.residuals import residual_outputs
 from nnscaler_jax.ir.coshard import chunks_of
@@ -87,8 +88,9 @@ class _Builder(EdgePricing):
         self.comm = [np.zeros(k) for k in n]
         self.memory = [np.zeros(k) for k in n]
         self.transient = [np.zeros(k) for k in n]
-        self.remat = _remat_ops(self.graph)
-        self.block_inputs = _block_inputs(self.graph, self.remat)
+        kinds = boundary_kinds(self.graph)
+        self.remat = _remat_ops(kinds, self.graph)
+        self.block_inputs = _block_inputs(kinds, self.remat)
         self.chunks = chunks_of(self.graph)  # op id -> chunks of its co-sharded block
         self.saved = residual_outputs(self.graph)
         self.member_memo: dict[tuple, object] = {}  # ours only: per class of identical work
@@ -246,11 +248,10 @@ class _Builder(EdgePricing):
         """Example inputs a recomputed block reads, kept for its backward as their first
         reader reads them (the values are the edges' memory terms)."""
         for tid in self.block_inputs:
-            reads = self.readers.get(tid)
-            if not reads or reads[0][0].inputs[reads[0][1]].role is not Role.INPUT:
+            op, j = self.readers.get(tid, [(None, 0)])[0]
+            t = op.inputs[j] if op is not None else None
+            if t is None or t.role is not Role.INPUT:
                 continue
-            op, j = reads[0]
-            t = op.inputs[j]
             g, _f, m, fg = self.fgroup(op.id)
             w = self.space.weights[op.id] / self.cm.microbatches
             whole = self.cm._local_bytes(t, Layout.replicated(t.ndim))
@@ -402,42 +403,24 @@ class _Builder(EdgePricing):
                 if lay.partial:
                     self.comm[g][i] += self.cm.reshard_time(t, lay, drop_partial(lay), backward=False)
 
-def _block_inputs(graph: Graph, remat: Mapping[int, int]) -> set[int]:
-    """Ids of the values and example inputs a recomputed block reads from outside: the block
-    keeps them for its backward (``plan_walk`` keeps them at the end of its walk)."""
-    used = set(remat.values())
-    out: set[int] = set()
-
-    def collect(g: Graph) -> None:
-        for b in g.boundaries:
-            if b.id in used:
-                out.update(t.id for t in b.inputs if t.role in (Role.VALUE, Role.INPUT))
-        for op in g.ops:
-            for region in op.regions:
-                collect(region)
-
-    collect(graph)
-    return out
-
-
-def _remat_ops(graph: Graph) -> dict[int, int]:
+def _remat_ops(kinds: Mapping[int, tuple[str, tuple[Tensor, ...]]],
+               graph: Graph) -> dict[int, int]:
     """Ops inside a remat (``checkpoint``) boundary, region bodies included: op id -> its
-    (first) remat boundary's id."""
-    kinds: dict[int, str] = {}
-
-    def collect(g: Graph) -> None:
-        kinds.update({b.id: b.kind for b in g.boundaries})
-        for op in g.ops:
-            for region in op.regions:
-                collect(region)
-
-    collect(graph)
+    (first) remat boundary's id (``kinds``: :func:`~nnscaler_jax.cost.plan_walk.boundary_kinds`)."""
     out = {}
     for op in graph.walk():
-        remat = [b for b in op.boundary if kinds.get(b) in REMAT_KINDS]
+        remat = [b for b in op.boundary if kinds.get(b, ("",))[0] in REMAT_KINDS]
         if remat:
             out[op.id] = remat[0]
     return out
+
+
+def _block_inputs(kinds: Mapping[int, tuple[str, tuple[Tensor, ...]]],
+                  remat: Mapping[int, int]) -> set[int]:
+    """Ids of the values and example inputs a recomputed block reads from outside: the block
+    keeps them for its backward (``plan_walk`` keeps them at the end of its walk)."""
+    return {t.id for b in set(remat.values()) for t in kinds[b][1]
+            if t.role in (Role.VALUE, Role.INPUT)}
 
 
 def build_tables(space: SearchSpace, cm: CostModel, zero: int = 0) -> CostTables:

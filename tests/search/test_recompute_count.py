@@ -87,6 +87,28 @@ def test_linear_memory_needs_fewer_searches_than_bisection(graph, boundary):
     assert tried[:2] == [0, LAYERS]  # none, then all (Alpa's switch: the error if it fails)
 
 
+@pytest.mark.parametrize("boundary", [11, 26])
+def test_failing_counts_without_a_figure_extend_the_fitting_side(graph, boundary):
+    """A count that does not fit may say nothing of how far it is (the search proved no choice
+    fits though the tables' lower bound does: ``smallest_bytes`` None); the line through the
+    two fewest counts that fit, extended to the budget, still beats bisection."""
+    per = 5.0
+
+    def need(k):
+        return BUDGET + per * (boundary - k) - per / 2
+
+    run, tried = _search(need)
+
+    def quiet(groups):  # the failures carry no estimate
+        try:
+            return run(groups)
+        except NoFitError:
+            raise NoFitError("over", smallest_bytes=None, budget_bytes=BUDGET) from None
+
+    assert _choose(graph, quiet).layers == boundary
+    assert len(tried) < _bisection_runs(boundary), tried
+
+
 def test_plans_that_fill_the_budget_make_it_bisect(graph):
     run, tried = _search(lambda k: BUDGET + 5.0 * (30 - k) - 1, plan_bytes=lambda k: BUDGET)
     assert _choose(graph, run).layers == 30
