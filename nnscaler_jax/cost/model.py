@@ -258,6 +258,13 @@ class CostModel:
         return list(partial_grad_axes(layout, split))
 
     def _local_bytes(self, t: Tensor, layout: Layout) -> int:
+        key = ("bytes", t.shape, t.dtype, layout)
+        out = self._cache.get(key)
+        if out is None:
+            out = self._cache[key] = self._block_bytes(t, layout)
+        return out
+
+    def _block_bytes(self, t: Tensor, layout: Layout) -> int:
         if t.ndim == 0:
             return itemsize(t)
         try:

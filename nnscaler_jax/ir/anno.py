@@ -31,7 +31,7 @@ import functools
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nnscaler_jax.errors import AnnotationError
 
@@ -119,6 +119,9 @@ class Anno:
 
     inputs: tuple[Operand, ...]
     outputs: tuple[Operand, ...]
+    # kinds() / splittable() of this (immutable) annotation, computed once: planning asks for
+    # them per op many times, and parse_anno shares one Anno among ops of equal annotations
+    _memo: dict = field(default_factory=dict, init=False, compare=False, hash=False, repr=False)
 
     def __str__(self) -> str:
         text = f"{', '.join(map(str, self.inputs))} -> {', '.join(map(str, self.outputs))}"
@@ -130,6 +133,12 @@ class Anno:
 
     def kinds(self) -> dict[str, DimKind]:
         """Every identifier (not fixed sizes) and its kind, in order of first appearance."""
+        memo = self._memo.get("kinds")
+        if memo is None:
+            memo = self._memo["kinds"] = self._kinds()
+        return dict(memo)
+
+    def _kinds(self) -> dict[str, DimKind]:
         out: dict[str, DimKind] = {}
         for op in self.operands:
             for ax in op.axes or ():
@@ -140,6 +149,12 @@ class Anno:
 
     def splittable(self) -> list[str]:
         """Identifiers that may be split: not frozen, and first in every group holding them."""
+        memo = self._memo.get("splittable")
+        if memo is None:
+            memo = self._memo["splittable"] = tuple(self._splittable())
+        return list(memo)
+
+    def _splittable(self) -> list[str]:
         names = []
         for name, kind in self.kinds().items():
             if kind is DimKind.FROZEN:

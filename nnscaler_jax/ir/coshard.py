@@ -45,7 +45,7 @@ bodies (``lower/coshard.py``).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
@@ -54,6 +54,7 @@ from nnscaler_jax.ir.anno import DimKind
 from nnscaler_jax.ir.graph import Boundary, Graph, Op, Role, Tensor
 from nnscaler_jax.ir.layers import block_paths
 from nnscaler_jax.ir.remat import in_group, with_recompute
+from nnscaler_jax.ir.repeats import span_key
 
 __all__ = ["COSHARD", "PARAM_SHAPED", "Block", "Candidate", "block_of", "chunk_counts",
            "chunks_of", "coshard_candidates", "with_boundaries", "with_coshard"]
@@ -160,10 +161,12 @@ class _Index:
         self.layers = block_paths(op.module_path for op in graph.ops) or list(dict.fromkeys(
             op.module_path.split("/")[0] for op in graph.ops if op.module_path))
         self.layer_of: dict[str, str] = {}
+        self.first: dict[str, int] = {}  # layer -> index of its first op
         self.last: dict[str, int] = {}  # layer -> index of its last op
         for i, op in enumerate(graph.ops):
             layer = self.layer(op.module_path)
             if layer:
+                self.first.setdefault(layer, i)
                 self.last[layer] = i
 
     def layer(self, path: str) -> str:
@@ -304,7 +307,8 @@ def _convex(graph: Graph, span: Sequence[Op], member: dict[int, str]) -> dict[in
     while True:
         tainted: set[int] = set()  # tensors computed from the block by ops outside it
         bad = []
-        for op in span:
+        at = [i for i, op in enumerate(span) if op.id in member]
+        for op in span[at[0]:at[-1] + 1] if at else ():  # nothing outside can taint a member
             if op.id in member:
                 if any(t.id in tainted for t in op.inputs):
                     bad.append(op.id)
@@ -338,14 +342,25 @@ def coshard_candidates(graph: Graph, *, min_ratio: float = 2.0, seeds: int = 4,
     along each of their chunkable identifiers, the blocks whose intermediates are largest
     first (ties: the longer dim); kept when a block's largest intermediate is at least
     ``min_ratio`` times its largest input (attention scores; a wide MLP). Only dims that split
-    ``ways`` ways and then into at least 2 chunks are tried."""
+    ``ways`` ways and then into at least 2 chunks are tried. A layer that is a copy of an earlier
+    one (:func:`~nnscaler_jax.ir.repeats.span_key`) takes the earlier one's, moved."""
     ix = _indexed(graph)
     by_layer: dict[str, list[Op]] = {}
     for op in graph.ops:
         if not op.regions and not op.boundary and op.primitive not in _OUTSIDE:
             by_layer.setdefault(ix.layer(op.module_path), []).append(op)
-    out = []
+    out: list[Candidate] = []
+    copies: dict[Hashable, str] = {}  # a layer's span key -> the first layer with it
     for layer in ix.layers:
+        if layer in ix.first:  # a copy of an earlier layer: its candidates, moved
+            key = span_key(graph, ix.first[layer], ix.last[layer], layer)
+            if key in copies:
+                shift = ix.first[layer] - ix.first[copies[key]]
+                for c in [c for c in out if c.layer == copies[key]]:
+                    op = graph.ops[ix.index[c.seed] + shift]
+                    out.append(replace(c, seed=op.id, seed_path=op.module_path, layer=layer))
+                continue
+            copies[key] = layer
         ops = by_layer.get(layer, [])
         ops.sort(key=lambda o: -sum(t.nbytes for t in o.outputs))
         found = []

@@ -100,6 +100,11 @@ class Boundary:
     eqn: Any = field(compare=False, hash=False, repr=False)
 
 
+# Op.dim_sizes by (annotation, input shapes, output shapes): the repeated layers of a model
+# bind the same annotations to the same shapes, and planning asks for every op's sizes often
+_BOUND: dict[tuple, dict[str, int]] = {}
+
+
 @dataclass(frozen=True, slots=True)
 class Op:
     """One operator (vertex).
@@ -149,9 +154,16 @@ class Op:
             AnnotationError: the annotation does not bind; the message names this op and its
                 module path.
         """
-        return self.annotation.bind([t.shape for t in self.inputs],
-                                    [t.shape for t in self.outputs],
-                                    op=self.primitive, module_path=self.module_path)
+        key = (self.anno, tuple(t.shape for t in self.inputs),
+               tuple(t.shape for t in self.outputs))
+        sizes = _BOUND.get(key)
+        if sizes is None:
+            sizes = self.annotation.bind(key[1], key[2], op=self.primitive,
+                                         module_path=self.module_path)
+            if len(_BOUND) >= 1 << 16:
+                _BOUND.clear()
+            _BOUND[key] = sizes
+        return dict(sizes)
 
     @property
     def params(self) -> Mapping[str, Any]:

@@ -18,6 +18,7 @@ from nnscaler_jax.capture.trace import capture_spec, trace
 from nnscaler_jax.cost import CostModel
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.coshard import block_of, chunk_counts, coshard_candidates, with_coshard
+from nnscaler_jax.ir.repeats import span_key
 from nnscaler_jax.planner import make_plan
 
 B, S, D = 4, 32, 8
@@ -59,6 +60,33 @@ def test_block_takes_the_scores_and_what_follows(graph):
     assert sorted(ids) == sorted(op.id for op in graph.ops)  # a permutation
     pos = [ids.index(i) for i in block.ops]
     assert pos == list(range(pos[0], pos[0] + len(pos)))  # contiguous
+
+
+class Wider(nn.Module):
+    @nn.compact
+    def __call__(self, x):  # blk_1 differs from blk_0 (a wider hidden layer): no copy
+        x = Attn(name="blk_0")(x)
+        return x + nn.Dense(D, name="blk_1/out")(nn.Dense(4 * D, name="blk_1/hid")(x))
+
+
+@pytest.mark.parametrize("model", [Net, Wider])
+def test_a_copy_of_a_layer_takes_its_candidates_moved(model, monkeypatch):
+    """A layer that runs the same program as an earlier one gets the earlier one's blocks at
+    the same positions, exactly what growing them again finds; a layer that differs is grown."""
+    g = trace(model(), jax.ShapeDtypeStruct((B, S, D), jnp.float32))
+    keys = {layer: span_key(g, *_span(g, layer), layer) for layer in ("blk_0", "blk_1")}
+    assert (keys["blk_0"] == keys["blk_1"]) == (model is Net)
+    moved = coshard_candidates(g, ways=2)
+    fresh = iter(range(10**6))  # no two spans alike: every layer grown
+    monkeypatch.setattr("nnscaler_jax.ir.coshard.span_key", lambda *a: next(fresh))
+    assert moved == coshard_candidates(g, ways=2)
+    assert [c.layer for c in moved] == ["blk_0", "blk_1"]  # Wider: its MLP's block
+
+
+def _span(g, layer):
+    at = [i for i, op in enumerate(g.ops)
+          if op.module_path == layer or op.module_path.startswith(layer + "/")]
+    return at[0], at[-1]
 
 
 def test_chunk_counts():
