@@ -80,9 +80,13 @@ def _entry(graph, axes, planner: str, cluster: str, time_limit: float,
         return {"fits": None, "search_s": time.perf_counter() - t0,
                 "error": str(e).splitlines()[0][:300]}
     c = planned.plan.cost
-    return {"fits": True, "step_time_s": c.step_time_s,
-            "memory_bytes_per_device": c.memory_bytes_per_device, "comm_bytes": c.comm_bytes,
-            "search_s": planned.seconds, "features": plan_features(planned.plan)}
+    out = {"fits": True, "step_time_s": c.step_time_s,
+           "memory_bytes_per_device": c.memory_bytes_per_device, "comm_bytes": c.comm_bytes,
+           "search_s": planned.seconds, "features": plan_features(planned.plan)}
+    if planned.report is not None:  # the kept plan's ILP: did the time limit stop it?
+        out["ilp"] = {"optimal": planned.report.optimal, "solve_s": planned.report.solve_s,
+                      "variables": planned.report.variables}
+    return out
 
 
 def _mfu(name: str, preset: str, entry: dict, cluster: str, devices: int) -> None:
