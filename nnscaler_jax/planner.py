@@ -109,7 +109,7 @@ def _plan_microbatched(graph: Graph, mesh: Any, policy: Any, constraints: Constr
         cm = cost_model
         if m > 1:
             base = cost_model or CostModel.for_axes(mesh_axes(mesh))
-            cm = replace(base, microbatches=m, _cache={})
+            cm = replace(base, microbatches=m)
         planned = plan_spmd(graph, mesh, policy=policy, constraints=constraints,
                             partitioning=partitioning, cost_model=cm, time_limit=time_limit)
         plan = replace(planned.plan, microbatches=m)

@@ -130,7 +130,10 @@ class CostModel:
     input_grads: bool = False
     microbatches: int = 1
     profile: ProfileDB | None = field(default=None, compare=False, hash=False)
-    _cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+    # memoised prices (op times, split ways, per-layout block bytes); not an __init__ argument,
+    # so a dataclasses.replace copy (another mesh, micro-batch count) starts with its own
+    _cache: dict = field(default_factory=dict, init=False, compare=False, hash=False,
+                         repr=False)
 
     @classmethod
     def for_axes(cls, axes: Mapping[str, int], *,

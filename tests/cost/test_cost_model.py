@@ -360,3 +360,19 @@ def test_an_output_left_as_partial_sums_costs_one_all_reduce(axes):
     hlo = jax.jit(pm.apply).lower(variables, x).compile().as_text()
     cols = [c for c in hlo_collectives(hlo, mesh) if c.kind == "all_reduce"]
     assert [(c.bytes, set(c.axes)) for c in cols] == [(out, set(axes))]
+
+
+def test_a_copy_of_the_model_keeps_its_own_memo():
+    """Prices are memoised on the model; a ``dataclasses.replace`` copy on another mesh prices
+    by its own mesh, not by what the original memoised."""
+    import dataclasses
+
+    from nnscaler_jax.ir.graph import Tensor
+    from nnscaler_jax.layout import Layout
+
+    t, lay = Tensor(0, (8, 4), "float32"), Layout.of(2, {0: "data"})
+    two = CostModel.for_axes({"data": 2})
+    assert two._local_bytes(t, lay) == 4 * 4 * 4
+    four = dataclasses.replace(two, mesh=CostModel.for_axes({"data": 4}).mesh)
+    assert four._local_bytes(t, lay) == 2 * 4 * 4
+    assert two._local_bytes(t, lay) == 4 * 4 * 4
