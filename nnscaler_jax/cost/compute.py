@@ -27,7 +27,7 @@ from functools import lru_cache
 import jax.numpy as jnp
 
 from nnscaler_jax.ir.anno import parse_anno
-from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor, dtype_itemsize
+from nnscaler_jax.ir.graph import DataflowMemo, Graph, Op, Role, Tensor, dtype_itemsize
 
 __all__ = ["FREE", "MATMUL", "TRAINABLE", "grad_sources", "grad_tensors", "is_float", "itemsize",
            "op_bytes", "op_flops", "region_length", "walk_weighted"]
@@ -124,7 +124,15 @@ def needs_grad_locally(t: Tensor, input_grads: bool) -> bool:
 def grad_sources(graph: Graph) -> dict[int, int]:
     """Tensor id -> where its gradient would come from: bit 1 if it is (computed from) a
     trainable variable, bit 2 if from an example input; floating point only (an integer breaks
-    the chain: top-k indices, their one-hot masks), region bodies included."""
+    the chain: top-k indices, their one-hot masks), region bodies included. Memoised per
+    :attr:`~nnscaler_jax.ir.graph.Graph.dataflow`: do not change the result."""
+    return _SOURCES.get(graph, None, lambda: _grad_sources(graph))
+
+
+_SOURCES = DataflowMemo()
+
+
+def _grad_sources(graph: Graph) -> dict[int, int]:
     src: dict[int, int] = {}
     for t in graph.inputs:
         if is_float(t) and t.role is Role.VARIABLE and t.collection in TRAINABLE:
@@ -144,13 +152,15 @@ def grad_sources(graph: Graph) -> dict[int, int]:
 
 
 def grad_tensors(graph: Graph, input_grads: bool = False,
-                 sources: dict[int, int] | None = None) -> set[int]:
+                 sources: dict[int, int] | None = None) -> frozenset[int]:
     """Ids of tensors that need a gradient: trainable variables (+ example inputs with
     ``input_grads``) and every floating-point value computed from them, region bodies included
-    (``sources``: :func:`grad_sources` of ``graph`` when already computed)."""
+    (``sources``: :func:`grad_sources` of ``graph`` when already computed; it is the same
+    whichever way it comes, so the result is memoised per dataflow all the same)."""
     want = 3 if input_grads else 1
-    return {t for t, m in (sources if sources is not None else grad_sources(graph)).items()
-            if m & want}
+    return _SOURCES.get(graph, want, lambda: frozenset(
+        t for t, m in (sources if sources is not None else grad_sources(graph)).items()
+        if m & want))
 
 
 def walk_weighted(graph: Graph, mult: int = 1) -> Iterator[tuple[Op, int]]:

@@ -30,11 +30,10 @@ handled by the cost model (their boundary's inputs are kept instead).
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping
 
 from nnscaler_jax.cost.compute import MATMUL, grad_tensors, is_float
-from nnscaler_jax.ir.graph import Graph, Op
+from nnscaler_jax.ir.graph import DataflowMemo, Graph, Op
 
 __all__ = ["CHEAP", "residual_outputs", "saved_operands"]
 
@@ -98,19 +97,15 @@ def saved_operands(op: Op, needs_grad: tuple[bool, ...]) -> tuple[list[int], lis
     return list(range(n)), []  # log, pow, erf, sin, max, sort...: their inputs
 
 
-_CACHE: dict[int, tuple[weakref.ref, dict[int, tuple[int, ...]]]] = {}
+_MEMO = DataflowMemo()
 
 
 def residual_outputs(graph: Graph, grads: set[int] | None = None) -> Mapping[int, tuple[int, ...]]:
     """op id -> indices of its outputs materialised for the backward pass (roots of residuals,
     see the module docstring), region bodies included. ``grads``: ids of tensors that need a
     gradient (default: trainable-variable descendants, as ``CostModel`` computes them)."""
-    cache = grads is None
-    hit = _CACHE.get(id(graph)) if cache else None
-    if hit is not None and hit[0]() is graph:
-        return hit[1]
-    if grads is None:
-        grads = grad_tensors(graph)
+    if grads is None:  # (boundaries and op order change nothing: once per dataflow)
+        return _MEMO.get(graph, None, lambda: residual_outputs(graph, grad_tensors(graph)))
     producer: dict[int, tuple[Op, int]] = {}
     ops = list(graph.walk())
     for op in ops:
@@ -145,7 +140,4 @@ def residual_outputs(graph: Graph, grads: set[int] | None = None) -> Mapping[int
             keep(op.inputs[j].id, through)
         for k in outs:
             keep(op.outputs[k].id, through)
-    result = {i: tuple(sorted(ks)) for i, ks in out.items()}
-    if cache:
-        _CACHE[id(graph)] = (weakref.ref(graph), result)
-    return result
+    return {i: tuple(sorted(ks)) for i, ks in out.items()}

@@ -415,7 +415,12 @@ def with_coshard(graph: Graph, blocks: Sequence[tuple[int, str, int]]) -> Graph:
         if g0 is graph and b0 == blocks:
             return out
     grown = [(block_of(graph, seed, dim), k) for seed, dim, k in blocks]
-    result = graph
+    ops = list(graph.ops)
+    pos = {op.id: i for i, op in enumerate(ops)}
+    readers: dict[int, set[int]] = {t.id: {-1} for t in graph.outputs}  # -1: the caller
+    for op in ops:  # tensor id -> ids of the (top-level) ops reading it
+        for t in op.inputs:
+            readers.setdefault(t.id, set()).add(op.id)
     next_id = max((b.id for b in graph.boundaries), default=-1) + 1
     new: list[Boundary] = []
     taken: set[int] = set()
@@ -424,13 +429,12 @@ def with_coshard(graph: Graph, blocks: Sequence[tuple[int, str, int]]) -> Graph:
         if taken & ids or k < 2:
             continue
         taken |= ids
-        result = _contiguous(result, block)
-        new.append(_boundary(result, block, k, next_id))
-        result = replace(result, ops=tuple(
-            replace(op, boundary=(next_id,) + op.boundary) if op.id in ids else op
-            for op in result.ops))
+        _contiguous(ops, pos, ids)
+        new.append(_boundary(ops, pos, readers, block, k, next_id))
+        for i in ids:
+            ops[pos[i]] = replace(ops[pos[i]], boundary=(next_id,) + ops[pos[i]].boundary)
         next_id += 1
-    result = replace(result, boundaries=result.boundaries + tuple(new))
+    result = graph.derive(tuple(ops), graph.boundaries + tuple(new))
     _MADE[:] = [(graph, blocks, result)] + _MADE[:3]
     return result
 
@@ -438,13 +442,12 @@ def with_coshard(graph: Graph, blocks: Sequence[tuple[int, str, int]]) -> Graph:
 _MADE: list[tuple[Graph, tuple, Graph]] = []
 
 
-def _contiguous(graph: Graph, block: Block) -> Graph:
-    ids = set(block.ops)
-    pos = [i for i, op in enumerate(graph.ops) if op.id in ids]
-    lo, hi = pos[0], pos[-1]
+def _contiguous(ops: list[Op], pos: dict[int, int], ids: set[int]) -> None:
+    """Make block ``ids`` contiguous in ``ops`` (its readers after it; ``pos`` kept)."""
+    lo, hi = min(pos[i] for i in ids), max(pos[i] for i in ids)
     before, inside, after = [], [], []
     made = set()
-    for op in graph.ops[lo:hi + 1]:
+    for op in ops[lo:hi + 1]:
         if op.id in ids:
             inside.append(op)
             made.update(t.id for t in op.outputs)
@@ -453,23 +456,23 @@ def _contiguous(graph: Graph, block: Block) -> Graph:
             made.update(t.id for t in op.outputs)
         else:
             before.append(op)
-    ops = graph.ops[:lo] + tuple(before + inside + after) + graph.ops[hi + 1:]
-    return replace(graph, ops=ops)
+    ops[lo:hi + 1] = before + inside + after
+    for i in range(lo, hi + 1):
+        pos[ops[i].id] = i
 
 
-def _boundary(graph: Graph, block: Block, k: int, bid: int) -> Boundary:
+def _boundary(ops: list[Op], pos: dict[int, int], readers: dict[int, set[int]], block: Block,
+              k: int, bid: int) -> Boundary:
     ids = set(block.ops)
     axes = dict(block.axes)
-    by_id = {op.id: op for op in graph.ops}
-    made = {t.id for i in block.ops for t in by_id[i].outputs}
+    members = [ops[pos[i]] for i in block.ops]
+    made = {t.id for op in members for t in op.outputs}
     ins: dict[int, Tensor] = {}
-    for i in block.ops:
-        for t in by_id[i].inputs:
+    for op in members:
+        for t in op.inputs:
             if t.id not in made and (t.role is not Role.CONST or t.id in axes):
                 ins.setdefault(t.id, t)
-    outside = {t.id for op in graph.ops if op.id not in ids for t in op.inputs}
-    outside |= {t.id for t in graph.outputs}
-    outs = [t for i in block.ops for t in by_id[i].outputs if t.id in outside]
+    outs = [t for op in members for t in op.outputs if not readers.get(t.id, set()) <= ids]
     eqn = SimpleNamespace(
         params={"chunks": k, "seed": block.seed, "idents": dict(block.idents),
                 "size": block.size,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import enum
 import math
+import threading
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
@@ -19,7 +21,7 @@ import numpy as np
 
 from nnscaler_jax.ir.anno import Anno, AnnoSyntaxError, parse_anno
 
-__all__ = ["Boundary", "Graph", "Op", "Role", "Tensor"]
+__all__ = ["Boundary", "DataflowMemo", "Graph", "Op", "Role", "Tensor"]
 
 
 class Role(enum.Enum):
@@ -198,6 +200,9 @@ class Graph:
         outputs: graph outputs, flattened.
         boundaries: inlined calls by id.
         meta: capture details used for lowering (trees, the ClosedJaxpr); not compared.
+        dataflow: the graph this one was derived from by :meth:`derive` (the same ops and
+            tensors, other boundaries, perhaps another topological order), else itself:
+            analyses that read neither may memoise on it, once for every derived graph.
     """
 
     ops: tuple[Op, ...]
@@ -206,6 +211,20 @@ class Graph:
     boundaries: tuple[Boundary, ...] = ()
     consts: tuple[Tensor, ...] = ()
     meta: Any = field(default=None, compare=False, hash=False, repr=False)
+    # not an __init__ field: dataclasses.replace (any other change) starts a new dataflow
+    _origin: Graph | None = field(default=None, init=False, compare=False, hash=False,
+                                  repr=False)
+
+    @property
+    def dataflow(self) -> Graph:
+        return self._origin if self._origin is not None else self
+
+    def derive(self, ops: tuple[Op, ...], boundaries: tuple[Boundary, ...]) -> Graph:
+        """This graph with ``ops`` (the same ops, in another topological order or with other
+        boundaries) and ``boundaries``; it keeps this graph's :attr:`dataflow`."""
+        out = Graph(ops, self.inputs, self.outputs, boundaries, self.consts, self.meta)
+        object.__setattr__(out, "_origin", self.dataflow)
+        return out
 
     def walk(self) -> Iterator[Op]:
         """All ops, including those inside regions (depth first, program order)."""
@@ -281,3 +300,26 @@ def _print_graph(g: Graph, indent: str) -> str:
             lines.append(_print_graph(region, indent + "    "))
     lines.append(f"{indent}output " + ", ".join(map(str, g.outputs)))
     return "\n".join(lines)
+
+
+class DataflowMemo:
+    """The last few results of an analysis per :attr:`Graph.dataflow` and key: graphs derived
+    by adding boundaries (the search's recompute probes) share one result. For analyses that
+    read neither boundaries nor, unless ``key`` holds it, the op order."""
+
+    def __init__(self, size: int = 4) -> None:
+        self.size = size
+        self._items: list[tuple[weakref.ref, Any, Any]] = []
+        self._lock = threading.Lock()
+
+    def get(self, graph: Graph, key: Any, make: Any) -> Any:
+        """The result for ``(graph.dataflow, key)``, made by ``make()`` on a miss."""
+        root = graph.dataflow
+        with self._lock:
+            for ref, k, value in self._items:
+                if ref() is root and k == key:
+                    return value
+        value = make()
+        with self._lock:
+            self._items = [(weakref.ref(root), key, value)] + self._items[: self.size - 1]
+        return value

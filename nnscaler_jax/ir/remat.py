@@ -118,4 +118,4 @@ def with_recompute(graph: Graph, groups: Sequence[str]) -> Graph:
         for i in run:
             ops[i] = replace(ops[i], boundary=(next_id,) + ops[i].boundary)
         next_id += 1
-    return replace(graph, ops=tuple(ops), boundaries=graph.boundaries + tuple(new))
+    return graph.derive(tuple(ops), graph.boundaries + tuple(new))

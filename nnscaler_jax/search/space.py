@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from nnscaler_jax.constraints import Rule
 from nnscaler_jax.cost.compute import grad_sources
-from nnscaler_jax.ir.graph import Graph, Op
+from nnscaler_jax.ir.graph import DataflowMemo, Graph, Op
 from nnscaler_jax.search.sharing import follower_groups, layer_keys, op_classes, shared_buckets
 from nnscaler_jax.search.strategies import (
     Split,
@@ -177,6 +177,21 @@ def build_space(graph: Graph, mesh_axes: Mapping[str, int], rules: Sequence[Rule
     fixed = {k: tuple(v) for k, v in (fixed or {}).items()}
     rules = tuple(rules)
     check_rules(graph, mesh_axes, rules)
+    # the space reads no boundaries: the recompute probes of one graph share it (op order is
+    # in the key: the first reader of a variable, the order of a layer's ops)
+    key = (tuple(op.id for op in graph.walk()), tuple(mesh_axes.items()), rules, followers,
+           share_layers, tuple(fixed.items()), tuple((pinned or {}).items()))
+    space = _SPACES.get(graph, key, lambda: _build(graph, mesh_axes, rules, followers,
+                                                   share_layers, fixed, pinned))
+    return space if space.graph is graph else replace(space, graph=graph)
+
+
+_SPACES = DataflowMemo(size=2)
+
+
+def _build(graph: Graph, mesh_axes: dict[str, int], rules: tuple[Rule, ...], followers: bool,
+           share_layers: bool, fixed: dict[int, Split], pinned: Mapping[int, tuple] | None
+           ) -> SearchSpace:
     ops = list(graph.walk())
     by_id = {op.id: op for op in ops}
     uses = first_uses(graph)

@@ -180,3 +180,22 @@ def test_baselines_recompute_every_block(gpt_graph):
     plain = make_plan(gpt_graph, AXES, policy="zero3").cost
     assert ds.cost.memory_bytes_per_device < plain.memory_bytes_per_device
     assert ds.cost.step_time_s > plain.step_time_s
+
+
+def test_recompute_probes_share_what_ignores_boundaries(gpt_graph):
+    """A graph with recompute boundaries added keeps its model graph's dataflow: the search
+    space and the residuals are computed once for all the probes; a graph changed any other
+    way (``dataclasses.replace``) gets its own."""
+    from nnscaler_jax.cost.residuals import residual_outputs
+    from nnscaler_jax.search.space import build_space
+
+    probe = with_recompute(gpt_graph, ("h_0", "h_2"))
+    assert probe.dataflow is gpt_graph and probe.boundaries != gpt_graph.boundaries
+    base, shared = build_space(gpt_graph, AXES), build_space(probe, AXES)
+    assert shared.graph is probe and shared.groups is base.groups
+    assert residual_outputs(probe) is residual_outputs(gpt_graph)
+    other = dataclasses.replace(gpt_graph)
+    assert other.dataflow is other
+    fresh = build_space(other, AXES)
+    assert fresh.groups is not base.groups and fresh.groups == base.groups
+    assert fresh.where == shared.where and residual_outputs(other) == residual_outputs(probe)
