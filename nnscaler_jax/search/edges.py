@@ -67,6 +67,28 @@ class EdgePricing:
 
 
     def edges(self) -> None:
+        """Price every edge. Edges alike (same group pair and pricing signature, the same
+        kept bytes) are priced once and counted: copies of a layer repeat every edge."""
+        ends, self.folded = _ENDS.get(self.space, self._ends)
+        alike: dict[tuple, list] = {}  # (group pair, signature, keeps) -> [count, edge, keeps]
+        for i, edge in enumerate(ends):  # (in the order of their first edges, as the ILP was)
+            t, _w, src, dst, pair, sig = edge
+            keeps = (self._keeps_gathered(t, dst), self._holds_input(t, src, dst))
+            key = (pair, sig, keeps) if sig is not None else (i,)
+            hit = alike.get(key)
+            if hit is None:
+                alike[key] = [1, edge, keeps]
+            else:
+                hit[0] += 1
+        for count, edge, keeps in alike.values():
+            self.edge(edge, keeps, count)
+
+    def _ends(self) -> tuple[list[tuple], set[tuple[int, int]]]:
+        """Every edge ``(tensor, weight, src end, dst end, group pair, signature or None)``
+        and the folded reads: what the space and the graph's dataflow decide alone (the
+        recompute probes of one graph share them, :data:`_ENDS`)."""
+        self.folded = set()
+        out: list[tuple] = []
         for g, w, owner in walk_graphs(self.graph):
             producer = g.producer
             body_in: dict[int, tuple[int, bool]] = {}
@@ -78,8 +100,8 @@ class EdgePricing:
                     if t.id in producer:
                         prod = producer[t.id]
                         kp = [o.id for o in prod.outputs].index(t.id)
-                        self.edge(t, w, ("out", prod.id, kp, False),
-                                  ("out", owner.id, k, k >= p["num_carry"]))
+                        out.append(self._end(t, w, ("out", prod.id, kp, False),
+                                             ("out", owner.id, k, k >= p["num_carry"])))
             for op in g.ops:
                 for j, t in enumerate(op.inputs):
                     dst = ("in", op.id, j, False)
@@ -103,7 +125,20 @@ class EdgePricing:
                         src = ("in", owner.id, k, stacked)
                     else:
                         continue
-                    self.edge(t, w, src, dst)
+                    out.append(self._end(t, w, src, dst))
+        return out, self.folded
+
+    def _end(self, t: Tensor, w: float, src: tuple, dst: tuple) -> tuple:
+        gs, _fs, ms, fgs = self.fgroup(src[1])
+        gd, _fd, md, fgd = self.fgroup(dst[1])
+        sig = None
+        if self.space.shared:  # ours: one pricing per (producer, consumer, shapes) pattern
+            cls = self.space.op_class
+            sig = ("e", cls[src[1]], src[0], src[2], src[3], fgs.split_ids[ms], cls[dst[1]],
+                   dst[0], dst[2], dst[3], fgd.split_ids[md], w, t.role, t.collection)
+        elif fgs.key is not None and fgd.key is not None:
+            sig = (fgs.key, ms, src[0], src[2], src[3], fgd.key, md, dst[0], dst[2], dst[3], w)
+        return t, w, src, dst, (gs, gd), sig
 
     def _fold(self, t: Tensor, op: Op, j: int) -> str:
         """How a read of value ``t`` prices its gradient's way back on its edge: ``"fin"`` the
@@ -228,18 +263,12 @@ class EdgePricing:
             return secs, None
         return secs, w / self.cm.microbatches * np.array(self._kept_bytes(t, pairs, keeps))
 
-    def edge(self, t: Tensor, w: float, src: tuple, dst: tuple) -> None:
-        gs, _fs, ms, fgs = self.fgroup(src[1])
-        gd, _fd, md, fgd = self.fgroup(dst[1])
-        keeps = (self._keeps_gathered(t, dst), self._holds_input(t, src, dst))
-        sig = None
-        if self.space.shared:  # ours: one pricing per (producer, consumer, shapes) pattern
-            cls = self.space.op_class
-            sig = ("e", cls[src[1]], src[0], src[2], src[3], fgs.split_ids[ms], cls[dst[1]],
-                   dst[0], dst[2], dst[3], fgd.split_ids[md], w, t.role, t.collection, keeps)
-        elif fgs.key is not None and fgd.key is not None:
-            sig = (fgs.key, ms, src[0], src[2], src[3], fgd.key, md, dst[0], dst[2], dst[3], w,
-                   keeps)
+    def edge(self, edge: tuple, keeps: tuple[bool, bool], count: int) -> None:
+        """Add ``count`` x one edge's prices (see :meth:`_ends`) to the tables."""
+        t, w, src, dst, (gs, gd), sig = edge
+        _gs, _fs, ms, fgs = self.fgroup(src[1])
+        _gd, _fd, md, fgd = self.fgroup(dst[1])
+        sig = None if sig is None else sig + (keeps,)
         if gs == gd:  # one decision: only equal strategy indices meet (the diagonal)
             dsig = None if sig is None else ("diag",) + sig
             got = self.memo.get(dsig) if dsig is not None else None
@@ -250,9 +279,9 @@ class EdgePricing:
                                                  zip(ia, ib, strict=True)])
                 if dsig is not None:
                     self.memo[dsig] = got
-            self.comm[gs] += got[0]
+            self.comm[gs] += got[0] if count == 1 else count * got[0]
             if got[1] is not None:
-                self.memory[gs] += got[1]
+                self.memory[gs] += got[1] if count == 1 else count * got[1]
             return
         got = self.memo.get(sig) if sig is not None else None
         if got is None:
@@ -267,7 +296,8 @@ class EdgePricing:
         for into, mat in ((self.pairs, got[0]), (self.kept, got[1])):
             if mat is None:
                 continue
-            mat = mat if gs < gd else mat.T
+            mat = (mat if gs < gd else mat.T) * count if count > 1 else \
+                (mat if gs < gd else mat.T)
             into[key] = into[key] + mat if key in into else mat
 
     def finish(self) -> list[Edge]:
@@ -287,6 +317,26 @@ class EdgePricing:
                     into[gs] += m[e.rows, 0]
                     into[gd] += m[0, e.cols] - m[0, 0]
         return out
+
+
+class _SpaceMemo:
+    """The last few results per search space, known by its groups (the spaces of one graph's
+    recompute probes share them: :func:`~nnscaler_jax.search.space.build_space`)."""
+
+    def __init__(self, size: int = 2) -> None:
+        self.size, self.items = size, []
+
+    def get(self, space, make):
+        for groups, value in self.items:
+            if groups is space.groups:
+                return value
+        value = make()
+        self.items = [(space.groups, value)] + self.items[: self.size - 1]
+        return value
+
+
+#: per search space: its edges and folded reads
+_ENDS = _SpaceMemo()
 
 
 def _separable(c: np.ndarray) -> bool:
