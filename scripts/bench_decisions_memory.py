@@ -45,7 +45,10 @@ from nnscaler_jax.planner import make_plan
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "results" / "bench_decisions_memory.json"
 AXES = {"data": 2, "model": 4}
-CASES = {"swin": ("swin", {}, 0.26), "evoformer": ("evoformer", {}, 0.3)}
+# budget shares: the largest that make ours recompute (Evoformer at 0.3 met its budget with
+# layouts alone); Evoformer at 0.12 left the Alpa-style check in HiGHS for minutes
+CASES = {"swin": ("swin", {}, 0.26), "evoformer": ("evoformer", {}, 0.2)}
+ALPA_TIME_LIMIT_S = 120.0  # as bench_fits: the Alpa-style check answers in bounded time
 TOLERANCE = 0.15
 PLANS = ("free", "budgeted", "budgeted, recompute dropped")
 
@@ -117,7 +120,8 @@ def run(name: str, share: float | None) -> dict:
     cons = Constraints(max_memory_per_device=budget)
     pm, variables, search_s = _planned(spec, mesh, cons)
     try:
-        make_plan(pm.graph, AXES, policy="alpa", constraints=cons)
+        make_plan(pm.graph, AXES, policy="alpa", constraints=cons,
+                  time_limit=ALPA_TIME_LIMIT_S)
         alpa = "fits"
     except NoFitError as e:
         alpa = f"no plan fits (smallest estimate {e.smallest_bytes:,.0f} B)"
