@@ -69,7 +69,9 @@ class EdgePricing:
     def edges(self) -> None:
         """Price every edge. Edges alike (same group pair and pricing signature, the same
         kept bytes) are priced once and counted: copies of a layer repeat every edge."""
-        ends, self.folded = _ENDS.get(self.space, self._ends)
+        if "ends" not in self.space.derived:
+            self.space.derived["ends"] = self._ends()
+        ends, self.folded = self.space.derived["ends"]
         alike: dict[tuple, list] = {}  # (group pair, signature, keeps) -> [count, edge, keeps]
         for i, edge in enumerate(ends):  # (in the order of their first edges, as the ILP was)
             t, _w, src, dst, pair, sig = edge
@@ -86,7 +88,7 @@ class EdgePricing:
     def _ends(self) -> tuple[list[tuple], set[tuple[int, int]]]:
         """Every edge ``(tensor, weight, src end, dst end, group pair, signature or None)``
         and the folded reads: what the space and the graph's dataflow decide alone (the
-        recompute probes of one graph share them, :data:`_ENDS`)."""
+        recompute probes of one graph share them: ``SearchSpace.derived``)."""
         self.folded = set()
         out: list[tuple] = []
         for g, w, owner in walk_graphs(self.graph):
@@ -279,9 +281,9 @@ class EdgePricing:
                                                  zip(ia, ib, strict=True)])
                 if dsig is not None:
                     self.memo[dsig] = got
-            self.comm[gs] += got[0] if count == 1 else count * got[0]
+            self.comm[gs] += count * got[0]
             if got[1] is not None:
-                self.memory[gs] += got[1] if count == 1 else count * got[1]
+                self.memory[gs] += count * got[1]
             return
         got = self.memo.get(sig) if sig is not None else None
         if got is None:
@@ -296,8 +298,7 @@ class EdgePricing:
         for into, mat in ((self.pairs, got[0]), (self.kept, got[1])):
             if mat is None:
                 continue
-            mat = (mat if gs < gd else mat.T) * count if count > 1 else \
-                (mat if gs < gd else mat.T)
+            mat = count * (mat if gs < gd else mat.T)
             into[key] = into[key] + mat if key in into else mat
 
     def finish(self) -> list[Edge]:
@@ -317,26 +318,6 @@ class EdgePricing:
                     into[gs] += m[e.rows, 0]
                     into[gd] += m[0, e.cols] - m[0, 0]
         return out
-
-
-class _SpaceMemo:
-    """The last few results per search space, known by its groups (the spaces of one graph's
-    recompute probes share them: :func:`~nnscaler_jax.search.space.build_space`)."""
-
-    def __init__(self, size: int = 2) -> None:
-        self.size, self.items = size, []
-
-    def get(self, space, make):
-        for groups, value in self.items:
-            if groups is space.groups:
-                return value
-        value = make()
-        self.items = [(space.groups, value)] + self.items[: self.size - 1]
-        return value
-
-
-#: per search space: its edges and folded reads
-_ENDS = _SpaceMemo()
 
 
 def _separable(c: np.ndarray) -> bool:

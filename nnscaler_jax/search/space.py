@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from nnscaler_jax.constraints import Rule
 from nnscaler_jax.cost.compute import grad_sources
@@ -98,6 +99,8 @@ class SearchSpace:
             representative per class of identical work instead of every op.
         fixed: op id -> the split a policy fixed by hand before the search (kept).
         grad_sources: tensor id -> :func:`~nnscaler_jax.cost.compute.grad_sources` bits.
+        derived: what is computed from the space alone (the cost tables' edge list), shared
+            by its copies for the recompute probes of one graph (see :func:`build_space`).
     """
 
     graph: Graph = field(repr=False)
@@ -112,6 +115,7 @@ class SearchSpace:
     shared: bool = False
     fixed: dict[int, Split] = field(default_factory=dict, repr=False)
     grad_sources: dict[int, int] = field(default_factory=dict, repr=False)
+    derived: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def log10_size(self) -> float:
