@@ -28,7 +28,7 @@ Nothing here is in Alpa's formulation (it solves the full ILP), so only our plan
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -95,6 +95,8 @@ def reduce_tables(tables: CostTables, *, memory_budget: bool = False) -> Reduced
         for e in tables.edges:
             if e.memory is not None:
                 protected |= {e.src, e.dst}
+                if e.block >= 0:  # a recomputed block's term: stays as it is (below)
+                    continue
                 u, v, m = (e.src, e.dst, e.full_memory) if e.src < e.dst else \
                     (e.dst, e.src, e.full_memory.T)
                 held[(u, v)] = held[(u, v)] + m if (u, v) in held else m
@@ -103,6 +105,9 @@ def reduce_tables(tables: CostTables, *, memory_budget: bool = False) -> Reduced
     index = {g: i for i, g in enumerate(kept)}
     edges = [Edge.compressed(index[u], index[v], mat, held.get((u, v)))
              for (u, v), mat in pair.items()]
+    if memory_budget:
+        edges += [replace(e, src=index[e.src], dst=index[e.dst]) for e in tables.edges
+                  if e.block >= 0 and e.memory is not None]
     syncs = [SyncSet(s.cost, tuple((index[g], cls) for g, cls in s.readers)) for s in syncs]
     gone = [g for g in range(n) if not alive[g]]
     offset = floor = 0.0
@@ -127,6 +132,8 @@ def _pairwise(tables: CostTables) -> tuple[list[np.ndarray], dict[tuple[int, int
     unary = [tables.unary(g).astype(float) for g in range(n)]
     pair: dict[tuple[int, int], np.ndarray] = {}
     for e in tables.edges:
+        if e.block >= 0:  # memory only (a recomputed block's gathered operand)
+            continue
         full = e.full
         u, v, mat = (e.src, e.dst, full) if e.src < e.dst else (e.dst, e.src, full.T)
         pair[(u, v)] = pair[(u, v)] + mat if (u, v) in pair else mat
@@ -379,7 +386,7 @@ def _subset(tables: CostTables, alive: list[np.ndarray]) -> CostTables:
         [m[a] for m, a in zip(tables.memory, alive, strict=True)],
         [Edge.compressed(e.src, e.dst, e.full[np.ix_(alive[e.src], alive[e.dst])],
                          None if e.memory is None else
-                         e.full_memory[np.ix_(alive[e.src], alive[e.dst])])
+                         e.full_memory[np.ix_(alive[e.src], alive[e.dst])], e.block)
          for e in tables.edges],
         [SyncSet(s.cost, tuple((g, cls[alive[g]]) for g, cls in s.readers))
          for s in tables.syncs],
@@ -396,8 +403,13 @@ def least_memory(tables: CostTables) -> float:
     may still fit none."""
     if not tables.memory:
         return 0.0
-    edges = sum(float(e.memory.min()) for e in tables.edges if e.memory is not None)
-    block = max((sum(float(v.min()) for _, v in blk) for blk in tables.remat), default=0.0)
+    edges = sum(float(e.memory.min()) for e in tables.edges
+                if e.memory is not None and e.block < 0)
+    per = [sum(float(v.min()) for _, v in blk) for blk in tables.remat]
+    for e in tables.edges:
+        if e.memory is not None and e.block >= 0:
+            per[e.block] += float(e.memory.min())
+    block = max(per, default=0.0)
     tr = tables.transient
     if not tr:
         return block + edges + float(sum(float(m.min()) for m in tables.memory))

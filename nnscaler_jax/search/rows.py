@@ -89,8 +89,13 @@ def memory_rows(lp: Rows, tables: CostTables, off: np.ndarray, max_memory: float
     by the largest kept bytes (returned)."""
     n = [len(c) for c in tables.compute]
     cols, vals = list(range(int(off[-1]))), [np.concatenate(tables.memory) if n else np.zeros(0)]
+    regathered: list[list[tuple[int, np.ndarray]]] = [[] for _ in tables.remat]
     for e, base in zip(tables.edges, pair_vars, strict=True):
-        if e.memory is not None:
+        if e.memory is None:
+            continue
+        if e.block >= 0:  # part of a recomputed block's transient, not kept
+            regathered[e.block].append((base, e.memory.ravel()))
+        else:
             cols += range(base, base + e.memory.size)
             vals.append(e.memory.ravel())
     mem = np.concatenate(vals)
@@ -99,9 +104,12 @@ def memory_rows(lp: Rows, tables: CostTables, off: np.ndarray, max_memory: float
     lp.add(cols + [tvar], (mem / scale).tolist() + [1.0],
            -np.inf, (max_memory - memory_offset) / scale)
     terms = [((g, tables.transient[g]),) for g in range(len(n))] if tables.transient else []
-    for blk in terms + list(tables.remat):  # T >= a group's transient, a block's residuals
+    pairs = [[]] * len(terms) + regathered
+    for blk, held in zip(terms + list(tables.remat), pairs, strict=True):
+        # T >= a group's transient; a block's residuals and the operands it gathers again
         cols = [int(off[g]) + i for g, v in blk for i in range(len(v))]
-        if any(np.any(v) for _, v in blk):
-            lp.add([tvar] + cols, [1.0] + (-np.concatenate([v for _, v in blk]) / scale).tolist(),
-                   0.0, np.inf)
+        cols += [base + i for base, m in held for i in range(len(m))]
+        vals = [v for _, v in blk] + [m for _, m in held]
+        if any(np.any(v) for v in vals):
+            lp.add([tvar] + cols, [1.0] + (-np.concatenate(vals) / scale).tolist(), 0.0, np.inf)
     return scale
