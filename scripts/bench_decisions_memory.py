@@ -124,7 +124,9 @@ def run(name: str, share: float | None) -> dict:
                   time_limit=ALPA_TIME_LIMIT_S)
         alpa = "fits"
     except NoFitError as e:
-        alpa = f"no plan fits (smallest estimate {e.smallest_bytes:,.0f} B)"
+        alpa = (f"no plan fits (smallest estimate {e.smallest_bytes:,.0f} B)"
+                if e.smallest_bytes is not None else
+                f"no plan found in its {ALPA_TIME_LIMIT_S:g} s limit")
     # the same plan without its recompute groups: what co-sharding alone does
     pm_cs, v_cs, _ = _planned(spec, mesh, None, plan=replace(pm.plan, recompute=()))
     row = {"model": name, "share": share, "budget": budget, "plan_init_s": search_s,
