@@ -59,6 +59,9 @@ def edge_rows(lp: Rows, tables: CostTables, off: np.ndarray, desc: str) -> list[
     class y (the last column is implied). Returns each edge's first pair variable."""
     bases = []
     for e in _progress(tables.edges, len(tables.edges), desc):
+        if e.block >= 0:  # memory only: bounded through its ends (memory_rows)
+            bases.append(-1)
+            continue
         nr, nc = e.cost.shape
         base = lp.variables(e.cost.ravel() * SCALE)
         bases.append(base)
@@ -89,27 +92,45 @@ def memory_rows(lp: Rows, tables: CostTables, off: np.ndarray, max_memory: float
     by the largest kept bytes (returned)."""
     n = [len(c) for c in tables.compute]
     cols, vals = list(range(int(off[-1]))), [np.concatenate(tables.memory) if n else np.zeros(0)]
-    regathered: list[list[tuple[int, np.ndarray]]] = [[] for _ in tables.remat]
+    regathered: list[list[tuple[int, float]]] = [[] for _ in tables.remat]
     for e, base in zip(tables.edges, pair_vars, strict=True):
-        if e.memory is None:
-            continue
-        if e.block >= 0:  # part of a recomputed block's transient, not kept
-            regathered[e.block].append((base, e.memory.ravel()))
-        else:
+        if e.memory is not None and e.block < 0:
             cols += range(base, base + e.memory.size)
             vals.append(e.memory.ravel())
     mem = np.concatenate(vals)
     scale = max(float(np.abs(mem).max(initial=0.0)), 1.0)
+    for e in tables.edges:  # a block's regathered bytes: z >= its bytes at the ends' choices
+        if e.memory is not None and e.block >= 0:
+            regathered[e.block].append(_block_bytes(lp, e, off, scale))
     tvar = lp.variables(np.zeros(1))
     lp.add(cols + [tvar], (mem / scale).tolist() + [1.0],
            -np.inf, (max_memory - memory_offset) / scale)
     terms = [((g, tables.transient[g]),) for g in range(len(n))] if tables.transient else []
-    pairs = [[]] * len(terms) + regathered
-    for blk, held in zip(terms + list(tables.remat), pairs, strict=True):
+    zs = [[]] * len(terms) + regathered
+    for blk, held in zip(terms + list(tables.remat), zs, strict=True):
         # T >= a group's transient; a block's residuals and the operands it gathers again
         cols = [int(off[g]) + i for g, v in blk for i in range(len(v))]
-        cols += [base + i for base, m in held for i in range(len(m))]
-        vals = [v for _, v in blk] + [m for _, m in held]
-        if any(np.any(v) for v in vals):
-            lp.add([tvar] + cols, [1.0] + (-np.concatenate(vals) / scale).tolist(), 0.0, np.inf)
+        vals = [v for _, v in blk]
+        if held or any(np.any(v) for v in vals):
+            lp.add([tvar] + cols + [z for z, _ in held],
+                   [1.0] + (-np.concatenate(vals or [np.zeros(0)]) / scale).tolist()
+                   + [-top for _, top in held], 0.0, np.inf)
     return scale
+
+
+def _block_bytes(lp: Rows, e, off: np.ndarray, scale: float) -> tuple[int, float]:
+    """``(z, top)``: ``top . z >= e``'s bytes (scaled) at its ends' strategies, without pair
+    variables: per class ``y`` of the destination, ``top . z >= sum_a M[a, y] s_src,a -
+    max_a M[a, y] (1 - sum_{b in y} s_dst,b)`` (exact at integer choices; ``z`` costs nothing,
+    so it sits at the bound; in [0, 1] as the solver bounds every variable but ``T``)."""
+    z = lp.variables(np.zeros(1))
+    top_all = max(float(e.memory.max()) / scale, 1e-12)
+    full = e.memory[e.rows] / scale / top_all  # [src strategy, dst class], at most 1
+    for y in range(full.shape[1]):
+        col, top = full[:, y], float(full[:, y].max())
+        if top <= 0:
+            continue
+        members = np.nonzero(e.cols == y)[0] + off[e.dst]
+        lp.add([z] + (off[e.src] + np.arange(len(col))).tolist() + members.tolist(),
+               [1.0] + (-col).tolist() + [-top] * len(members), -top, np.inf)
+    return z, top_all
