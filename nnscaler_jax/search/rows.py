@@ -133,4 +133,12 @@ def _block_bytes(lp: Rows, e, off: np.ndarray, scale: float) -> tuple[int, float
         members = np.nonzero(e.cols == y)[0] + off[e.dst]
         lp.add([z] + (off[e.src] + np.arange(len(col))).tolist() + members.tolist(),
                [1.0] + (-col).tolist() + [-top] * len(members), -top, np.inf)
+    rows = e.memory[:, e.cols] / scale / top_all  # [src class, dst strategy]
+    for x in range(rows.shape[0]):  # and per class of the source (a tighter relaxation)
+        row, top = rows[x], float(rows[x].max())
+        if top <= 0:
+            continue
+        members = np.nonzero(e.rows == x)[0] + off[e.src]
+        lp.add([z] + (off[e.dst] + np.arange(len(row))).tolist() + members.tolist(),
+               [1.0] + (-row).tolist() + [-top] * len(members), -top, np.inf)
     return z, top_all
