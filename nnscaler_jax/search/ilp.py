@@ -154,6 +154,15 @@ def solve(tables: CostTables, *, max_memory: float | None = None, time_limit: fl
     n = [len(c) for c in tables.compute]
     if any(k == 0 for k in n):
         raise PlanError("a group has no strategy left (rules removed them all)")
+    if max_memory is not None and any(e.block >= 0 for e in tables.edges):
+        # the operands recomputed blocks gather again (their rows slow HiGHS down) bind only
+        # when such a block's transient is the peak: solve without them first; a choice that
+        # fits with them too is the optimum (the problem without them is a relaxation)
+        plain = replace(tables, edges=[e for e in tables.edges if e.block < 0])
+        sol = solve(plain, max_memory=max_memory, time_limit=time_limit, desc=desc,
+                    memory_offset=memory_offset, transient_floor=transient_floor)
+        if _fits(tables, sol.choice, max_memory - memory_offset, transient_floor):
+            return replace(sol, memory_bytes=tables.memory_of(sol.choice))
     off = np.concatenate([[0], np.cumsum(n)]).astype(np.int64)
     lp = Rows(int(off[-1]))
     lp.c_parts += [(tables.unary(g) * SCALE) for g in range(len(n))]
@@ -187,6 +196,16 @@ def solve(tables: CostTables, *, max_memory: float | None = None, time_limit: fl
     choice = tuple(int(np.argmax(res.x[off[g]:off[g + 1]])) for g in range(len(n)))
     return _Solution(choice, tables.objective(choice), tables.memory_of(choice),
                      str(res.message), res.status == 0, nv, lp.r)
+
+
+def _fits(tables: CostTables, choice, cap: float, floor: float) -> bool:
+    """Whether ``choice`` keeps at most ``cap`` bytes with its largest transient at least
+    ``floor`` (the eliminated groups' largest, as the ILP's ``T`` is bounded)."""
+    peak = tables.memory_of(choice)
+    kept = peak - max(tables.block_transient(choice), max(
+        (float(t[c]) for t, c in zip(tables.transient or [], choice, strict=False)),
+        default=0.0))
+    return max(peak, kept + floor) <= cap * (1 + 1e-9)
 
 
 def _solve_reduced(tables: CostTables, budget: float | None, limit: float,
