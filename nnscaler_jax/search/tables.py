@@ -28,7 +28,8 @@ and the relayouts between a ``scan`` op and its body):
 Ops inside a remat (``checkpoint``) boundary keep no activations and run their forward twice;
 while a recomputed block's backward runs, its ops' residuals are live again at once: per block,
 the sum of its groups' residual bytes bounds the peak's transient from below
-(``CostTables.remat``), as ``plan_cost`` takes the block's transient.
+(``CostTables.remat``), as ``plan_cost`` takes the block's transient, with the operands its
+matmuls gather again when its forward reruns (edges whose ``block`` is the block's index).
 
 Copies of a layer have equal costs; they are computed once (memoized by isomorphism key), for
 the Alpa-style planner too, so the two planners differ only in their ILPs.
