@@ -10,6 +10,7 @@ import pytest
 
 from nnscaler_jax.errors import NoFitError
 from nnscaler_jax.search.ilp import _solve_reduced, solve
+from nnscaler_jax.search.recompute import Outpriced
 from nnscaler_jax.search.reduce import least_memory, prune_dominated
 from nnscaler_jax.search.tables import CostTables, Edge, SyncSet
 
@@ -178,3 +179,25 @@ def test_a_budgeted_plan_carries_its_own_full_pricing(share):
     # made for the model's graph (the search's draft has the boundaries): a saved copy of it
     # runs on the same model (was refused as "made for another model")
     Plan.from_json(plan.to_json()).check_graph(graph, axes)
+
+
+def test_a_bound_to_beat_stops_only_solves_that_cannot_beat_it():
+    """``solve(beat=)`` under a budget with recomputed blocks: it gives up (Outpriced) only
+    when the brute-force optimum is no faster than ``beat`` (the relaxation without the blocks'
+    rows is a lower bound), and otherwise returns the optimum; some solves do give up."""
+    gave_up = 0
+    for seed in range(4):
+        tables = _tables(seed, blocks=True)
+        pruned, _ = prune_dominated(tables)
+        every = sorted(tables.memory_of(c) for c in _choices(tables))
+        for budget in np.quantile(every, [0.05, 0.3, 0.6]):
+            want = _best_under(tables, budget)
+            for beat in (want * 0.9, want, want * 1.1):
+                try:
+                    got = solve(pruned, max_memory=float(budget), beat=float(beat))
+                except Outpriced:
+                    gave_up += 1
+                    assert want >= beat * (1 - 1e-9)
+                else:
+                    assert got.objective_s == pytest.approx(want, rel=1e-9)
+    assert gave_up
