@@ -174,9 +174,9 @@ def solve(tables: CostTables, *, max_memory: float | None = None, time_limit: fl
     lp.c_parts += [(tables.unary(g) * SCALE) for g in range(len(n))]
     for g, k in enumerate(n):  # one strategy per group
         lp.add(list(range(off[g], off[g] + k)), [1.0] * k, 1.0, 1.0)
-    pair_vars = edge_rows(lp, tables, off, desc)
+    pairs = edge_rows(lp, tables, off, desc)
     sync_rows(lp, tables, off)
-    scale = memory_rows(lp, tables, off, max_memory, memory_offset, pair_vars) \
+    scale = memory_rows(lp, tables, off, max_memory, memory_offset, pairs) \
         if max_memory is not None else 1.0
     nv = lp.nv
     a = sparse.csr_array((lp.vals, (lp.rows, lp.cols)), shape=(lp.r, nv))
