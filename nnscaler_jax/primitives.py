@@ -88,6 +88,7 @@ class Draft:
     zero: int = 0
     constraints: Any = None  # the user's Constraints, for policies that search
     partitioning: Any = None  # {variable path: mesh axes per dim} from Flax metadata
+    beat_s: float | None = None  # a search may give up once its plan cannot be this fast
     decisions: dict[int, OpPlan] = field(default_factory=dict)
     variables: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     order: list[tuple[int, int]] = field(default_factory=list)

@@ -180,6 +180,7 @@ class _Walk:
         self.kept: dict[int, float] = {}
         self.remat_inputs: dict[int, int] = {}  # boundary id -> multiplicity
         self.remat_sum: dict[int, float] = {}
+        self.regathered: dict[int, dict] = {}  # block -> its gathered matmul operands' bytes
         # the variable a tensor is computed from alone (reshapes, casts; region body inputs)
         self.origin: dict[int, int] = {v.id: v.id for v in graph.variables}
         self.first_want: dict[int, Layout] = {}
@@ -200,7 +201,8 @@ class _Walk:
                     self.kept.setdefault(t.id, min(model._local_bytes(t, lay)
                                                    for lay in lays) * mult)
         out.activations = sum(self.kept.values())
-        out.transient = max([out.transient, *self.remat_sum.values()])
+        out.transient = max([out.transient, *(s + sum(self.regathered.get(b, {}).values())
+                                               for b, s in self.remat_sum.items())])
 
     def op(self, op: Op, mult: int) -> None:
         model, out, origin = self.model, self.out, self.origin
@@ -223,14 +225,17 @@ class _Walk:
             origin.update({t.id: next(iter(srcs)) for t in op.outputs})  # a weight, reshaped
         mask = tuple(t.id in self.grads for t in op.inputs)
         out.compute += model._op_time(op, p.split, mask) * mult
-        if op.primitive in MASKED and not op.boundary:
-            _gathered_operands(model, op, mask, ins, self.layout, self.zero, mult, self.kept)
         k = self.chunks.get(op.id, 1)  # a co-sharded block's op: one chunk is live at a time
+        remat = [b for b in op.boundary if self.kinds.get(b, ("",))[0] in REMAT_KINDS]
+        if op.primitive in MASKED and (remat or not op.boundary):
+            # recomputed: the gathered copy is rebuilt with the block's residuals, live with
+            # them during its backward (one chunk's at a time)
+            _gathered_operands(model, op, mask, ins, self.layout, self.zero, mult / k,
+                               self.regathered.setdefault(remat[0], {}) if remat else self.kept)
         local = sum(model._local_bytes(t, lay) for t, lay in zip(op.outputs, outs, strict=True))
         out.transient = max(out.transient, local / k)
         if k > 1:
             out.compute += model.chunk_overhead(op, p.split, k) * mult
-        remat = [b for b in op.boundary if self.kinds.get(b, ("",))[0] in REMAT_KINDS]
         if remat:  # recomputed in the backward: one more forward; while the block's backward
             # runs, its residuals are live again (the block's transient)
             out.compute += model.forward_time(op, p.split) * mult

@@ -58,6 +58,9 @@ class EdgePricing:
     def start_edges(self) -> None:
         self.pairs: dict[tuple[int, int], np.ndarray] = {}
         self.kept: dict[tuple[int, int], np.ndarray] = {}
+        # recomputed block -> group pair (or group) -> bytes its matmuls gather again
+        self.regathered: dict[int, dict[tuple[int, int] | int, np.ndarray]] = {}
+        self.block_keeper: dict[tuple[int, int], tuple[int, int] | None] = {}
         self.first_keeper: dict[int, tuple[int, int] | None] = {}  # tensor -> (op id, index)
         self.memo: dict[tuple, np.ndarray] = {}
         self.reshard_memo: dict[tuple, dict[tuple, float]] = {}  # tensor kind -> pair -> s
@@ -75,7 +78,8 @@ class EdgePricing:
         alike: dict[tuple, list] = {}  # (group pair, signature, keeps) -> [count, edge, keeps]
         for i, edge in enumerate(ends):  # (in the order of their first edges, as the ILP was)
             t, _w, src, dst, pair, sig = edge
-            keeps = (self._keeps_gathered(t, dst), self._holds_input(t, src, dst))
+            keeps = (self._keeps_gathered(t, dst), self._holds_input(t, src, dst),
+                     self._regathers(t, dst))
             key = (pair, sig, keeps) if sig is not None else (i,)
             hit = alike.get(key)
             if hit is None:
@@ -236,6 +240,21 @@ class EdgePricing:
         mask = tuple(x.id in self.grads for x in op.inputs)
         return j in saved_operands(op, mask)[0]
 
+    def _regathers(self, t: Tensor, dst: tuple) -> int:
+        """The recomputed block whose matmul ``dst`` saves ``t`` as it reads it, so a relayout
+        growing it is part of the block's transient (``plan_walk``); -1: none. Only the block's
+        first such reader of ``t`` is charged (``plan_walk`` keeps one copy per layout)."""
+        b = self.remat.get(dst[1], -1)
+        if b < 0 or dst[0] not in ("in", "fin") or not t.ndim or not is_float(t) or (
+                t.role is Role.VARIABLE and self.zero >= 3):
+            return -1
+        if (t.id, b) not in self.block_keeper:
+            self.block_keeper[t.id, b] = next(
+                ((o.id, k) for o, k in self.readers.get(t.id, ())
+                 if self.remat.get(o.id) == b and o.primitive in MASKED and k in saved_operands(
+                     o, tuple(x.id in self.grads for x in o.inputs))[0]), None)
+        return b if self.block_keeper[t.id, b] == (dst[1], dst[2]) else -1
+
     def _holds_input(self, t: Tensor, src: tuple, dst: tuple) -> bool:
         """Whether ``dst`` is the first read of a value a recomputed block reads from outside
         that its producer does not keep anyway: the block keeps it, in the smaller of the two
@@ -246,56 +265,65 @@ class EdgePricing:
             return False
         return src[1] in self.remat or src[2] not in self.saved.get(src[1], ())
 
-    def _kept_bytes(self, t: Tensor, pairs, keeps: tuple[bool, bool]) -> list[float]:
-        """Bytes kept per ``(src, dst)`` relayout of ``t``: grown to a reader keeping it
-        gathered, and / or held as a recomputed block's input (``keeps``)."""
+    def _kept_bytes(self, t: Tensor, pairs, gathered: bool, held: bool) -> list[float]:
+        """Bytes per ``(src, dst)`` relayout of ``t``: grown to a reader keeping it gathered,
+        and / or held as a recomputed block's input."""
         out = []
         for src, dst in pairs:
             want = dst if isinstance(dst, Layout) else dst[0]
             grown, have = self.cm._local_bytes(t, want), self.cm._local_bytes(t, src)
-            out.append((float(grown) if keeps[0] and src != want and grown > have else 0.0)
-                       + (float(min(grown, have)) if keeps[1] else 0.0))
+            out.append((float(grown) if gathered and src != want and grown > have else 0.0)
+                       + (float(min(grown, have)) if held else 0.0))
         return out
 
-    def _priced(self, t: Tensor, w: float, keeps: tuple[bool, bool],
+    def _priced(self, t: Tensor, w: float, keeps: tuple, dst_op: int,
                 pairs) -> tuple[np.ndarray, ...]:
-        """(seconds, kept bytes or None) of each pair."""
+        """(seconds, kept bytes or None, bytes gathered again in a recomputed block or None)
+        of each pair."""
         secs = w * np.array(self._reshards(t, pairs))
-        if not any(keeps):
-            return secs, None
-        return secs, w / self.cm.microbatches * np.array(self._kept_bytes(t, pairs, keeps))
+        w = w / self.cm.microbatches
+        kept = w * np.array(self._kept_bytes(t, pairs, keeps[0], keeps[1])) \
+            if keeps[0] or keeps[1] else None
+        again = w / self.chunks.get(dst_op, 1) * np.array(self._kept_bytes(
+            t, pairs, True, False)) if keeps[2] >= 0 else None  # one chunk's at a time
+        return secs, kept, again
 
     def edge(self, edge: tuple, keeps: tuple[bool, bool], count: int) -> None:
         """Add ``count`` x one edge's prices (see :meth:`_ends`) to the tables."""
         t, w, src, dst, (gs, gd), sig = edge
         _gs, _fs, ms, fgs = self.fgroup(src[1])
         _gd, _fd, md, fgd = self.fgroup(dst[1])
-        sig = None if sig is None else sig + (keeps,)
+        sig = None if sig is None else sig + (
+            keeps[:2], self.chunks.get(dst[1], 1) if keeps[2] >= 0 else 0)
         if gs == gd:  # one decision: only equal strategy indices meet (the diagonal)
             dsig = None if sig is None else ("diag",) + sig
             got = self.memo.get(dsig) if dsig is not None else None
             if got is None:
                 ua, ia = self._unique_layouts(src, fgs, ms)
                 ub, ib = self._unique_layouts(dst, fgd, md)
-                got = self._priced(t, w, keeps, [(ua[a], ub[b]) for a, b in
-                                                 zip(ia, ib, strict=True)])
+                got = self._priced(t, w, keeps, dst[1], [(ua[a], ub[b]) for a, b in
+                                                         zip(ia, ib, strict=True)])
                 if dsig is not None:
                     self.memo[dsig] = got
             self.comm[gs] += count * got[0]
             if got[1] is not None:
                 self.memory[gs] += count * got[1]
+            if got[2] is not None:
+                into = self.regathered.setdefault(keeps[2], {})
+                into[gs] = into[gs] + count * got[2] if gs in into else count * got[2]
             return
         got = self.memo.get(sig) if sig is not None else None
         if got is None:
             ua, ia = self._unique_layouts(src, fgs, ms)
             ub, ib = self._unique_layouts(dst, fgd, md)
-            small = self._priced(t, w, keeps, [(x, y) for x in ua for y in ub])
+            small = self._priced(t, w, keeps, dst[1], [(x, y) for x in ua for y in ub])
             got = tuple(None if m is None else m.reshape(len(ua), len(ub))[np.ix_(ia, ib)]
                         for m in small)
             if sig is not None:
                 self.memo[sig] = got
         key = (gs, gd) if gs < gd else (gd, gs)
-        for into, mat in ((self.pairs, got[0]), (self.kept, got[1])):
+        again = self.regathered.setdefault(keeps[2], {}) if got[2] is not None else None
+        for into, mat in ((self.pairs, got[0]), (self.kept, got[1]), (again, got[2])):
             if mat is None:
                 continue
             mat = count * (mat if gs < gd else mat.T)

@@ -114,9 +114,10 @@ def plan_spmd(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto"
     fn = resolve_policy(name, cost_model=cost_model, time_limit=time_limit)
     label = name if isinstance(name, str) else getattr(fn, "__name__", "custom")
 
-    def run(groups: tuple[str, ...], blocks: tuple = ()) -> tuple[Plan, Draft]:
+    def run(groups: tuple[str, ...], blocks: tuple = (), beat: float | None = None
+            ) -> tuple[Plan, Draft]:
         draft = Draft(with_boundaries(graph, blocks, groups), axes, constraints=constraints,
-                      partitioning=partitioning or None)
+                      partitioning=partitioning or None, beat_s=beat)
         draft.policy = label
         result = fn(draft, mesh)
         if isinstance(result, Draft):
@@ -137,8 +138,9 @@ def plan_spmd(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto"
         cm = cost_model or CostModel.for_axes(axes, zero=result.zero)
         return replace(result, cost=priced or cm.plan_cost(result, graph))
 
-    def run_priced(groups: tuple[str, ...], blocks: tuple = ()) -> tuple[Plan, Draft]:
-        result, draft = run(groups, blocks)
+    def run_priced(groups: tuple[str, ...], blocks: tuple = (), beat: float | None = None
+                   ) -> tuple[Plan, Draft]:
+        result, draft = run(groups, blocks, beat)
         return finish(result), draft
 
     forced, forbidden = constraints.recompute_groups()
@@ -174,10 +176,10 @@ def _choose(run_priced: Callable, graph: Graph, forced: tuple[str, ...],
     except NoFitError as e:
         first = e
 
-    def plain_run(groups: tuple[str, ...]) -> tuple[Plan, Draft]:
+    def plain_run(groups: tuple[str, ...], beat: float | None = None) -> tuple[Plan, Draft]:
         if groups == forced:  # (tried above)
             raise first
-        return run_priced(groups)
+        return run_priced(groups, beat=beat)
 
     def search(run: Callable, memory: Callable | None) -> tuple[Any, NoFitError | None]:
         try:
@@ -192,7 +194,8 @@ def _choose(run_priced: Callable, graph: Graph, forced: tuple[str, ...],
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="nnscaler-search") as pool:
         plain_f = pool.submit(search, plain_run, None)
         blocks = blocks_of()
-        chunked_f = pool.submit(search, lambda g: run_priced(g, blocks), _bisect) \
+        chunked_f = pool.submit(search, lambda g, beat=None: run_priced(g, blocks, beat),
+                                _bisect) \
             if blocks else None
         (plain, err), chunked = plain_f.result(), chunked_f.result()[0] if chunked_f else None
     found = [r for r in (plain, chunked) if r is not None]

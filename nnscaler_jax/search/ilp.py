@@ -39,6 +39,7 @@ from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.errors import NoFitError, PlanError
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.plan.plan import OpPlan, Plan
+from nnscaler_jax.search.recompute import Outpriced
 from nnscaler_jax.search.reduce import (
     least_memory,
     prune_dominated,
@@ -145,23 +146,37 @@ class _Solution:
 
 def solve(tables: CostTables, *, max_memory: float | None = None, time_limit: float = 60.0,
           desc: str = "ILP", memory_offset: float = 0.0,
-          transient_floor: float = 0.0) -> _Solution:
+          transient_floor: float = 0.0, beat: float | None = None) -> _Solution:
     """Solve the ILP of ``tables``.
 
     Raises:
         PlanError: no choice fits ``max_memory`` (says the smallest estimate).
+        Outpriced: ``beat`` is given and the relaxation solved first (below) proves no choice
+            takes fewer than ``beat`` seconds.
     """
     n = [len(c) for c in tables.compute]
     if any(k == 0 for k in n):
         raise PlanError("a group has no strategy left (rules removed them all)")
+    if max_memory is not None and any(e.block >= 0 for e in tables.edges):
+        # the operands recomputed blocks gather again (their rows slow HiGHS down) bind only
+        # when such a block's transient is the peak: solve without them first; a choice that
+        # fits with them too is the optimum (the problem without them is a relaxation)
+        plain = replace(tables, edges=[e for e in tables.edges if e.block < 0])
+        sol = solve(plain, max_memory=max_memory, time_limit=time_limit, desc=desc,
+                    memory_offset=memory_offset, transient_floor=transient_floor)
+        if _fits(tables, sol.choice, max_memory - memory_offset, transient_floor):
+            return replace(sol, memory_bytes=tables.memory_of(sol.choice))
+        if beat is not None and sol.optimal and sol.objective_s * (1 - MIP_GAP) >= beat:
+            # (HiGHS' optimum is within MIP_GAP of the relaxation's: a lower bound)
+            raise Outpriced(f"{desc}: no plan faster than {sol.objective_s:.4g} s >= {beat:.4g} s")
     off = np.concatenate([[0], np.cumsum(n)]).astype(np.int64)
     lp = Rows(int(off[-1]))
     lp.c_parts += [(tables.unary(g) * SCALE) for g in range(len(n))]
     for g, k in enumerate(n):  # one strategy per group
         lp.add(list(range(off[g], off[g] + k)), [1.0] * k, 1.0, 1.0)
-    pair_vars = edge_rows(lp, tables, off, desc)
+    pairs = edge_rows(lp, tables, off, desc)
     sync_rows(lp, tables, off)
-    scale = memory_rows(lp, tables, off, max_memory, memory_offset, pair_vars) \
+    scale = memory_rows(lp, tables, off, max_memory, memory_offset, pairs) \
         if max_memory is not None else 1.0
     nv = lp.nv
     a = sparse.csr_array((lp.vals, (lp.rows, lp.cols)), shape=(lp.r, nv))
@@ -189,8 +204,18 @@ def solve(tables: CostTables, *, max_memory: float | None = None, time_limit: fl
                      str(res.message), res.status == 0, nv, lp.r)
 
 
+def _fits(tables: CostTables, choice, cap: float, floor: float) -> bool:
+    """Whether ``choice`` keeps at most ``cap`` bytes with its largest transient at least
+    ``floor`` (the eliminated groups' largest, as the ILP's ``T`` is bounded)."""
+    peak = tables.memory_of(choice)
+    kept = peak - max(tables.block_transient(choice), max(
+        (float(t[c]) for t, c in zip(tables.transient or [], choice, strict=False)),
+        default=0.0))
+    return max(peak, kept + floor) <= cap * (1 + 1e-9)
+
+
 def _solve_reduced(tables: CostTables, budget: float | None, limit: float,
-                   planner: str) -> tuple[_Solution, int]:
+                   planner: str, beat: float | None = None) -> tuple[_Solution, int]:
     """Eliminate chain groups exactly, solve what is left, read the eliminated ones back."""
     _bound_fits(tables, budget)
     red = reduce_tables(tables, memory_budget=budget is not None)
@@ -201,7 +226,8 @@ def _solve_reduced(tables: CostTables, budget: float | None, limit: float,
     else:
         left, kept = prune_dominated(red.tables) if budget is not None else (red.tables, None)
         part = solve(left, max_memory=budget, time_limit=limit, desc=f"{planner} ILP",
-                     memory_offset=red.memory_offset, transient_floor=red.transient_floor)
+                     memory_offset=red.memory_offset, transient_floor=red.transient_floor,
+                     beat=beat)
         choice = red.expand(part.choice if kept is None else
                             [int(k[c]) for k, c in zip(kept, part.choice, strict=True)], n)
     if budget is not None and tables.memory_of(choice) > budget:
@@ -346,7 +372,8 @@ def search(graph: Graph, mesh_axes: Mapping[str, int], constraints: Constraints 
         time_limit: HiGHS time budget in seconds (default 60 ours, 600 Alpa's).
         draft: a policy's draft to record the decisions in (keeps its policy name). Ops the
             policy already decided (``draft.decide``, ``op_trans`` + ``op_assign``) keep their
-            decision: the search fills in the rest (a partial plan by hand).
+            decision: the search fills in the rest (a partial plan by hand). Its ``beat_s``:
+            under a budget, give up (``Outpriced``) once no plan can be faster.
         partitioning: Flax partitioning metadata honoured as constraints: boxed linen variables
             (``nn.with_partitioning`` / ``nn.with_logical_partitioning``), an nnx module with
             ``nnx.with_partitioning`` params, or ``{variable path: spec}``; a variable whose
@@ -394,7 +421,7 @@ def _search(graph, mesh_axes, constraints, cost_model, planner, time_limit, draf
             _bound_fits(tables, cap)
             return solve(tables, max_memory=cap, time_limit=seconds, desc=f"{planner} ILP"), 0
         # ours: exact elimination of chain groups first (search/reduce.py)
-        return _solve_reduced(tables, cap, seconds, planner)
+        return _solve_reduced(tables, cap, seconds, planner, beat=getattr(draft, "beat_s", None))
 
     sol, eliminated = solved(budget)
     t2 = time.perf_counter()

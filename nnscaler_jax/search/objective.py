@@ -19,7 +19,10 @@ class Edge:
     """Resharding between two groups: ``cost[rows[a], cols[b]]`` seconds when group ``src``
     takes strategy ``a`` and group ``dst`` strategy ``b`` (rows / cols: layout classes), and
     ``memory[rows[a], cols[b]]`` bytes the pair keeps for the backward (an operand gathered
-    on its way to a matmul that saves it; None: none)."""
+    on its way to a matmul that saves it; None: none). ``block >= 0``: the bytes are instead
+    part of recomputed block ``CostTables.remat[block]``'s transient (the matmul is in the
+    block: the gathered copy is rebuilt when its forward runs again); such an edge costs
+    nothing (its relayout's seconds are on the edge the pricing keeps)."""
 
     src: int
     dst: int
@@ -27,6 +30,7 @@ class Edge:
     cols: np.ndarray
     cost: np.ndarray
     memory: np.ndarray | None = None
+    block: int = -1
 
     @property
     def full(self) -> np.ndarray:
@@ -40,7 +44,7 @@ class Edge:
 
     @classmethod
     def compressed(cls, src: int, dst: int, mat: np.ndarray,
-                   memory: np.ndarray | None = None) -> Edge:
+                   memory: np.ndarray | None = None, block: int = -1) -> Edge:
         """The edge of a full (strategies of ``src``) x (strategies of ``dst``) cost matrix
         (and bytes matrix), strategies with equal rows / columns sharing one layout class."""
         if memory is not None and not np.any(memory):
@@ -52,7 +56,7 @@ class Edge:
         cols_u, cols = _unique_rows(stacked.T)
         both = np.ascontiguousarray(cols_u.T)
         return cls(src, dst, rows, cols, both[:nr],
-                   None if memory is None else np.ascontiguousarray(both[nr:]))
+                   None if memory is None else np.ascontiguousarray(both[nr:]), block)
 
     def memory_at(self, a: int, b: int) -> float:
         """Bytes kept when ``src`` takes strategy ``a`` and ``dst`` strategy ``b``."""
@@ -99,18 +103,23 @@ class CostTables:
     syncs: list[SyncSet]
     transient: list[np.ndarray] | None = None  # per group: largest output of a member
     # per recomputed block: (group, residual bytes per strategy) of its ops, live at once
+    # (and the edges whose ``block`` is its index: operands its matmuls gather)
     remat: list[tuple[tuple[int, np.ndarray], ...]] = field(default_factory=list)
 
     def block_transient(self, choice) -> float:
         """The largest recomputed block's residual bytes under ``choice`` (0: none)."""
-        return max((sum(float(v[choice[g]]) for g, v in blk) for blk in self.remat),
-                   default=0.0)
+        per = [sum(float(v[choice[g]]) for g, v in blk) for blk in self.remat]
+        for e in self.edges:
+            if e.block >= 0:
+                per[e.block] += e.memory_at(choice[e.src], choice[e.dst])
+        return max(per, default=0.0)
 
     def memory_of(self, choice) -> float:
         """Kept bytes (groups' and edges') plus the largest transient (as ``plan_cost``'s
         peak)."""
         kept = sum(float(self.memory[g][c]) for g, c in enumerate(choice))
-        kept += sum(e.memory_at(choice[e.src], choice[e.dst]) for e in self.edges)
+        kept += sum(e.memory_at(choice[e.src], choice[e.dst]) for e in self.edges
+                    if e.block < 0)
         peak = self.block_transient(choice)
         if self.transient:
             peak = max(peak, max((float(self.transient[g][c]) for g, c in enumerate(choice)),

@@ -28,7 +28,7 @@ Nothing here is in Alpa's formulation (it solves the full ILP), so only our plan
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -95,6 +95,8 @@ def reduce_tables(tables: CostTables, *, memory_budget: bool = False) -> Reduced
         for e in tables.edges:
             if e.memory is not None:
                 protected |= {e.src, e.dst}
+                if e.block >= 0:  # a recomputed block's term: stays as it is (below)
+                    continue
                 u, v, m = (e.src, e.dst, e.full_memory) if e.src < e.dst else \
                     (e.dst, e.src, e.full_memory.T)
                 held[(u, v)] = held[(u, v)] + m if (u, v) in held else m
@@ -103,6 +105,9 @@ def reduce_tables(tables: CostTables, *, memory_budget: bool = False) -> Reduced
     index = {g: i for i, g in enumerate(kept)}
     edges = [Edge.compressed(index[u], index[v], mat, held.get((u, v)))
              for (u, v), mat in pair.items()]
+    if memory_budget:
+        edges += [replace(e, src=index[e.src], dst=index[e.dst]) for e in tables.edges
+                  if e.block >= 0 and e.memory is not None]
     syncs = [SyncSet(s.cost, tuple((index[g], cls) for g, cls in s.readers)) for s in syncs]
     gone = [g for g in range(n) if not alive[g]]
     offset = floor = 0.0
@@ -127,6 +132,8 @@ def _pairwise(tables: CostTables) -> tuple[list[np.ndarray], dict[tuple[int, int
     unary = [tables.unary(g).astype(float) for g in range(n)]
     pair: dict[tuple[int, int], np.ndarray] = {}
     for e in tables.edges:
+        if e.block >= 0:  # memory only (a recomputed block's gathered operand)
+            continue
         full = e.full
         u, v, mat = (e.src, e.dst, full) if e.src < e.dst else (e.dst, e.src, full.T)
         pair[(u, v)] = pair[(u, v)] + mat if (u, v) in pair else mat
@@ -299,8 +306,10 @@ def dead_end_elimination(unary: list[np.ndarray], pairs: list[tuple[int, int, np
 def prune_dominated(tables: CostTables) -> tuple[CostTables, list[np.ndarray]]:
     """The tables without strategies no optimum under a memory budget picks: dead-end
     elimination (as :func:`dead_end_elimination`) where strategy ``b`` replaces ``a`` only if
-    it keeps no more bytes and no larger transient, so swapping ``a`` for ``b`` in any choice
-    that fits still fits and costs less. A gradient sync a group reads into prices the swap at
+    the bytes it keeps more, plus the most any transient grows (a group's, a recomputed
+    block's: its residuals and the operands it gathers again), are at most zero, so swapping
+    ``a`` for ``b`` in any choice that fits still fits (the peak is the kept bytes plus the
+    largest transient) and costs less. A gradient sync a group reads into prices the swap at
     its worst (``b``'s class newly paid, ``a``'s never saved). Exact: every optimum survives.
 
     Returns:
@@ -309,20 +318,20 @@ def prune_dominated(tables: CostTables) -> tuple[CostTables, list[np.ndarray]]:
     """
     n = len(tables.compute)
     unary = [tables.unary(g).astype(float) for g in range(n)]
-    touching: list[list[tuple[int, np.ndarray, np.ndarray | None]]] = [[] for _ in range(n)]
+    touching: list[list[tuple]] = [[] for _ in range(n)]  # (other end, cost, bytes, block)
     for e in tables.edges:
         full, mem = e.full, e.full_memory
-        touching[e.src].append((e.dst, full, mem))
-        touching[e.dst].append((e.src, full.T, None if mem is None else mem.T))
+        touching[e.src].append((e.dst, full, mem, e.block))
+        touching[e.dst].append((e.src, full.T, None if mem is None else mem.T, e.block))
     reads: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(n)]
     for ss in tables.syncs:
         for g, cls in ss.readers:
             reads[g].append((ss.cost, cls))
     tr = tables.transient
-    residuals: list[list[np.ndarray]] = [[] for _ in range(n)]  # per group: its blocks' bytes
-    for blk in tables.remat:
+    residuals: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(n)]  # (block, bytes)
+    for i, blk in enumerate(tables.remat):
         for g, r in blk:
-            residuals[g].append(r)
+            residuals[g].append((i, r))
     alive = [np.arange(len(u)) for u in unary]
     changed = True
     while changed:
@@ -349,22 +358,32 @@ def _dominated(v: int, idx: np.ndarray, unary: np.ndarray, touching, reads, aliv
     scale = float(np.abs(cur).max())
     m = memory[idx].astype(float)
     more = np.zeros((len(idx), len(idx)))  # [a, b]: b's edges keep at most this much more
-    for w, cost, kept in touching:
+    grow: dict[int, np.ndarray] = {}  # block -> [a, b]: its transient grows at most this much
+    for w, cost, kept, blk in touching:
         sub = cost[np.ix_(idx, alive[w])]
         d += (sub[:, None, :] - sub[None, :, :]).min(axis=2)
         scale += float(np.abs(sub).max())
         if kept is not None:
             k = kept[np.ix_(idx, alive[w])]
-            more += (k[None, :, :] - k[:, None, :]).max(axis=2)
+            worst = (k[None, :, :] - k[:, None, :]).max(axis=2)
+            if blk < 0:
+                more += worst
+            else:
+                grow[blk] = grow[blk] + worst if blk in grow else worst
     for cost, cls in reads:  # the swap may start paying b's class
         c = cls[idx]
         paid = np.where(c >= 0, cost[np.maximum(c, 0)], 0.0)
         d -= np.where(c[None, :] != c[:, None], paid[None, :], 0.0)
         scale += float(np.abs(cost).max(initial=0.0))
-    fits = m[None, :] + more <= m[:, None]
-    for t in ([] if transient is None else [transient]) + residuals:
-        t = t[idx]
-        fits &= t[None, :] <= t[:, None]
+    for blk, r in residuals:
+        r = r[idx]
+        grow[blk] = grow[blk] + (r[None, :] - r[:, None]) if blk in grow else \
+            r[None, :] - r[:, None]
+    rise = np.zeros_like(more)  # the largest transient grows at most by the most one does
+    for t in ([] if transient is None else [transient[idx][None, :] - transient[idx][:, None]]) \
+            + list(grow.values()):
+        np.maximum(rise, t, out=rise)
+    fits = m[None, :] + more + rise <= m[:, None]
     d = np.where(fits, d, -np.inf)
     np.fill_diagonal(d, -np.inf)
     return (d > 64 * np.finfo(float).eps * scale).any(axis=1)
@@ -379,7 +398,7 @@ def _subset(tables: CostTables, alive: list[np.ndarray]) -> CostTables:
         [m[a] for m, a in zip(tables.memory, alive, strict=True)],
         [Edge.compressed(e.src, e.dst, e.full[np.ix_(alive[e.src], alive[e.dst])],
                          None if e.memory is None else
-                         e.full_memory[np.ix_(alive[e.src], alive[e.dst])])
+                         e.full_memory[np.ix_(alive[e.src], alive[e.dst])], e.block)
          for e in tables.edges],
         [SyncSet(s.cost, tuple((g, cls[alive[g]]) for g, cls in s.readers))
          for s in tables.syncs],
@@ -396,8 +415,13 @@ def least_memory(tables: CostTables) -> float:
     may still fit none."""
     if not tables.memory:
         return 0.0
-    edges = sum(float(e.memory.min()) for e in tables.edges if e.memory is not None)
-    block = max((sum(float(v.min()) for _, v in blk) for blk in tables.remat), default=0.0)
+    edges = sum(float(e.memory.min()) for e in tables.edges
+                if e.memory is not None and e.block < 0)
+    per = [sum(float(v.min()) for _, v in blk) for blk in tables.remat]
+    for e in tables.edges:
+        if e.memory is not None and e.block >= 0:
+            per[e.block] += float(e.memory.min())
+    block = max(per, default=0.0)
     tr = tables.transient
     if not tr:
         return block + edges + float(sum(float(m.min()) for m in tables.memory))

@@ -28,7 +28,8 @@ and the relayouts between a ``scan`` op and its body):
 Ops inside a remat (``checkpoint``) boundary keep no activations and run their forward twice;
 while a recomputed block's backward runs, its ops' residuals are live again at once: per block,
 the sum of its groups' residual bytes bounds the peak's transient from below
-(``CostTables.remat``), as ``plan_cost`` takes the block's transient.
+(``CostTables.remat``), as ``plan_cost`` takes the block's transient, with the operands its
+matmuls gather again when its forward reruns (edges whose ``block`` is the block's index).
 
 Copies of a layer have equal costs; they are computed once (memoized by isomorphism key), for
 the Alpa-style planner too, so the two planners differ only in their ILPs.
@@ -270,10 +271,12 @@ class _Builder(EdgePricing):
 
     # ---- recomputed blocks ---------------------------------------------------------------------
 
-    def remat_sums(self) -> list[tuple[tuple[int, np.ndarray], ...]]:
+    def remat_sums(self) -> tuple[list[tuple[tuple[int, np.ndarray], ...]], list[Edge]]:
         """Per recomputed block (identical ones once), per group the residual bytes of its
         ops in the block by strategy: while the block's backward runs they are all live again
-        (``plan_walk``'s recompute transient), so the peak's transient is at least their sum."""
+        (``plan_walk``'s recompute transient), so the peak's transient is at least their sum;
+        with them the operands its matmuls gather again (edges whose ``block`` is its
+        index)."""
         blocks: dict[int, dict[int, np.ndarray]] = {}
         for op_id, b in self.remat.items():
             op = self.by_id[op_id]
@@ -293,11 +296,26 @@ class _Builder(EdgePricing):
                     self.member_memo[key] = vec
             d = blocks.setdefault(b, {})
             d[g] = d[g] + vec if g in d else vec
-        out: dict[tuple, tuple[tuple[int, np.ndarray], ...]] = {}
-        for d in blocks.values():
+        out: dict[tuple, tuple[tuple[tuple[int, np.ndarray], ...], list]] = {}
+        for b in blocks.keys() | self.regathered.keys():
+            d = dict(blocks.get(b, {}))
+            pairs = []  # the operands its matmuls gather again: per group, or group pair
+            for key, m in self.regathered.get(b, {}).items():
+                if isinstance(key, tuple):
+                    pairs.append((key, m))
+                else:
+                    d[key] = d[key] + m if key in d else m
             items = tuple(sorted(d.items()))
-            out.setdefault(tuple((g, v.tobytes()) for g, v in items), items)
-        return list(out.values())
+            pairs.sort(key=lambda p: p[0])
+            sig = (tuple((g, v.tobytes()) for g, v in items),
+                   tuple((k, m.tobytes()) for k, m in pairs))
+            out.setdefault(sig, (items, pairs))  # identical blocks once
+        remat, edges = [], []
+        for i, (items, pairs) in enumerate(out.values()):
+            remat.append(items)
+            edges += [Edge.compressed(u, v, np.zeros_like(m), m, block=i)
+                      for (u, v), m in pairs if np.any(m)]
+        return remat, edges
 
     # ---- gradient syncs ------------------------------------------------------------------------
 
@@ -432,7 +450,8 @@ def build_tables(space: SearchSpace, cm: CostModel, zero: int = 0) -> CostTables
     b.edges()
     syncs = b.syncs()
     edges = b.finish()
-    remat = b.remat_sums()
+    remat, again = b.remat_sums()
+    edges += again
     log.info("cost tables: %d groups, %d edges (%d strategy-pair classes), %d shared gradient "
              "syncs", len(space.groups), len(edges), sum(e.cost.size for e in edges), len(syncs))
     return CostTables(b.compute, b.comm, b.memory, edges, syncs, b.transient, remat)

@@ -15,7 +15,7 @@ import pytest
 
 from nnscaler_jax.capture.trace import trace
 from nnscaler_jax.errors import NoFitError
-from nnscaler_jax.search.recompute import _plan_memory, choose_recompute
+from nnscaler_jax.search.recompute import Outpriced, _plan_memory, choose_recompute
 
 LAYERS = 40
 BUDGET = 100.0
@@ -47,18 +47,23 @@ class Result:
     bytes: float
 
 
-def _search(need, plan_bytes=None):
+def _search(need, plan_bytes=None, step=lambda k: 1.0 + 0.01 * k, beats=None):
     """``run(groups)`` with ``need(k)`` bytes at ``k`` layers (NoFitError over the budget), the
-    fitting plan's bytes ``plan_bytes(k)`` (default ``need(k)``); records the counts run."""
+    fitting plan's bytes ``plan_bytes(k)`` (default ``need(k)``) and step ``step(k)`` (given
+    ``beat=``, Outpriced when not faster); records the counts run (and ``beats``)."""
     tried: list[int] = []
 
-    def run(groups):
+    def run(groups, beat=None):
         k = len(groups)
         tried.append(k)
+        if beats is not None:
+            beats.append(beat)
         if need(k) > BUDGET:
             raise NoFitError("over", smallest_bytes=need(k), budget_bytes=BUDGET)
+        if beat is not None and step(k) >= beat:
+            raise Outpriced(f"{step(k)} >= {beat}")
         used = need(k) if plan_bytes is None else plan_bytes(k)
-        return Result(k, 1.0 + 0.01 * k, used)
+        return Result(k, step(k), used)
 
     return run, tried
 
@@ -99,9 +104,9 @@ def test_failing_counts_without_a_figure_extend_the_fitting_side(graph, boundary
 
     run, tried = _search(need)
 
-    def quiet(groups):  # the failures carry no estimate
+    def quiet(groups, **kw):  # the failures carry no estimate
         try:
-            return run(groups)
+            return run(groups, **kw)
         except NoFitError:
             raise NoFitError("over", smallest_bytes=None, budget_bytes=BUDGET) from None
 
@@ -147,6 +152,23 @@ def test_the_fastest_that_fits_wins_and_alpa_stops_at_all(graph):
                             memory=lambda r: r.bytes).layers == LAYERS
     run, tried = _search(lambda k: BUDGET + 5.0 * (20 - k) - 2)
     assert choose_recompute(run, graph, (), ()).layers == LAYERS and tried == [0, LAYERS]
+
+
+def test_the_last_probe_only_has_to_beat_the_best(graph):
+    """The probe no later probe depends on (the interval is two wide) gets ``beat=`` the best
+    step found, and a run that cannot beat it (Outpriced) ends the search on the best plan;
+    the probes before it get no bound (their fit steers the search)."""
+    beats: list = []
+    run, tried = _search(lambda k: BUDGET + 5.0 * (26 - k) - 1, plan_bytes=lambda k: BUDGET,
+                         step=lambda k: 2.0 + 0.01 * (k - 27) ** 2, beats=beats)
+    got = _choose(graph, run)
+    assert tried[-1] == 26 and got.layers == 27  # 26 fits but is slower: outpriced
+    assert beats[-1] == pytest.approx(2.0) and not any(beats[:-1]), beats
+    # a faster last probe is kept
+    beats.clear()
+    run, tried = _search(lambda k: BUDGET + 5.0 * (26 - k) - 1, plan_bytes=lambda k: BUDGET,
+                         beats=beats)
+    assert _choose(graph, run).layers == 26 and beats[-1] == pytest.approx(1.27)
 
 
 def test_default_memory_reads_the_priced_plan():

@@ -10,14 +10,17 @@ import pytest
 
 from nnscaler_jax.errors import NoFitError
 from nnscaler_jax.search.ilp import _solve_reduced, solve
+from nnscaler_jax.search.recompute import Outpriced
 from nnscaler_jax.search.reduce import least_memory, prune_dominated
 from nnscaler_jax.search.tables import CostTables, Edge, SyncSet
 
 
-def _tables(seed: int, n: int = 7) -> CostTables:
+def _tables(seed: int, n: int = 7, blocks: bool = False) -> CostTables:
     """Random groups (a tree plus one cycle) with memory and transients; every group gets a
     copy of its strategy 0 that costs more time, keeps more bytes and has a larger transient
-    (dominated), and group 1 one that costs more time but keeps fewer bytes (not dominated)."""
+    (dominated), and group 1 one that costs more time but keeps fewer bytes (not dominated).
+    ``blocks``: two recomputed blocks too, each with residuals and an edge whose bytes are
+    the block's (an operand its matmul gathers again)."""
     rng = np.random.default_rng(seed)
     sizes = [int(k) for k in rng.integers(2, 4, n)]
     unary = [rng.uniform(0, 10, k) for k in sizes]
@@ -47,7 +50,14 @@ def _tables(seed: int, n: int = 7) -> CostTables:
         cls[-1] = cls[0]
         readers.append((g, cls))
     syncs = [SyncSet(np.array([2.0, 3.0]), tuple(readers))]
-    return CostTables(unary, [np.zeros(j) for j in k], mem, edges, syncs, tr)
+    remat = []
+    if blocks:
+        remat = [((1, rng.uniform(0, 4, k[1])), (3, rng.uniform(0, 4, k[3]))),
+                 ((2, rng.uniform(0, 4, k[2])),)]
+        for u, v, b in ((1, 3, 0), (0, 2, 1)):
+            edges.append(Edge.compressed(u, v, np.zeros((k[u], k[v])),
+                                         rng.uniform(0, 3, (k[u], k[v])), block=b))
+    return CostTables(unary, [np.zeros(j) for j in k], mem, edges, syncs, tr, remat)
 
 
 def _choices(tables: CostTables):
@@ -64,13 +74,21 @@ def test_least_memory_is_the_brute_force_minimum(seed):
     tables = _tables(seed)
     assert least_memory(tables) == pytest.approx(min(tables.memory_of(c)
                                                      for c in _choices(tables)), rel=1e-12)
+    # with recomputed blocks (residuals, operands gathered again) a lower bound
+    blocks = _tables(seed, blocks=True)
+    assert least_memory(blocks) <= min(blocks.memory_of(c) for c in _choices(blocks))
 
 
+@pytest.mark.parametrize("blocks", [False, True])
 @pytest.mark.parametrize("seed", range(6))
-def test_pruning_keeps_the_optimum_under_every_budget(seed):
-    tables = _tables(seed)
+def test_pruning_keeps_the_optimum_under_every_budget(seed, blocks):
+    """Exact under every budget: the reduction, the dominance pruning and the ILP's memory
+    rows (with ``blocks``: a recomputed block's residuals and the edge bytes it gathers
+    again, in its transient row) give the brute-force optimum."""
+    tables = _tables(seed, blocks=blocks)
     pruned, kept = prune_dominated(tables)
-    assert sum(map(len, kept)) <= sum(map(len, tables.compute)) - len(tables.compute)
+    if not blocks:  # (the blocks' random bytes need not make the copies dominated)
+        assert sum(map(len, kept)) <= sum(map(len, tables.compute)) - len(tables.compute)
     every = sorted(tables.memory_of(c) for c in _choices(tables))
     for budget in np.quantile(every, [0.05, 0.3, 0.6, 1.0]):
         want = _best_under(tables, budget)
@@ -161,3 +179,25 @@ def test_a_budgeted_plan_carries_its_own_full_pricing(share):
     # made for the model's graph (the search's draft has the boundaries): a saved copy of it
     # runs on the same model (was refused as "made for another model")
     Plan.from_json(plan.to_json()).check_graph(graph, axes)
+
+
+def test_a_bound_to_beat_stops_only_solves_that_cannot_beat_it():
+    """``solve(beat=)`` under a budget with recomputed blocks: it gives up (Outpriced) only
+    when the brute-force optimum is no faster than ``beat`` (the relaxation without the blocks'
+    rows is a lower bound), and otherwise returns the optimum; some solves do give up."""
+    gave_up = 0
+    for seed in range(4):
+        tables = _tables(seed, blocks=True)
+        pruned, _ = prune_dominated(tables)
+        every = sorted(tables.memory_of(c) for c in _choices(tables))
+        for budget in np.quantile(every, [0.05, 0.3, 0.6]):
+            want = _best_under(tables, budget)
+            for beat in (want * 0.9, want, want * 1.1):
+                try:
+                    got = solve(pruned, max_memory=float(budget), beat=float(beat))
+                except Outpriced:
+                    gave_up += 1
+                    assert want >= beat * (1 - 1e-9)
+                else:
+                    assert got.objective_s == pytest.approx(want, rel=1e-9)
+    assert gave_up
