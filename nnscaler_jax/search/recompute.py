@@ -70,10 +70,11 @@ def choose_recompute(run: Callable[[tuple[str, ...]], Any], graph: Graph,
     """``run(groups)`` for the recompute groups the budget needs (see the module docs).
 
     Args:
-        run: plans with those groups recomputed; raises ``NoFitError`` when nothing fits. With
-            ``price``, the last probe (the one no later probe depends on) is run with
-            ``beat=`` the best step found, and may raise :class:`Outpriced` when it cannot beat
-            it (the search's ILP under a budget knows a lower bound early: its relaxation).
+        run: ``run(groups, beat=None)`` plans with those groups recomputed; raises
+            ``NoFitError`` when nothing fits. With ``price``, the last probe (the one no later
+            probe depends on) gets ``beat=`` the best step found, and may raise
+            :class:`Outpriced` when it cannot beat it (the search's ILP under a budget knows a
+            lower bound early: its relaxation).
         price: a result's estimated step seconds: search the number of layers and return the
             fastest result that fits (ours); None: all or nothing (Alpa's switch).
         memory: a result's estimated bytes per device, which guides the search (default: the
@@ -106,10 +107,9 @@ def choose_recompute(run: Callable[[tuple[str, ...]], Any], graph: Graph,
     search = _CountSearch(n, first.budget_bytes, first.smallest_bytes, memory(results[n]))
     while (k := search.next()) is not None:
         try:
-            if search.hi - search.lo == 2:  # the last probe: it only matters if it is faster
-                results[k] = run(forced + cands[:k], beat=min(map(price, results.values())))
-            else:
-                results[k] = run(forced + cands[:k])
+            last = search.hi - search.lo == 2  # the last probe: it only matters if faster
+            results[k] = run(forced + cands[:k],
+                             beat=min(map(price, results.values())) if last else None)
         except Outpriced:
             break
         except NoFitError as e:

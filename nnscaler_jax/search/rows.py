@@ -98,9 +98,9 @@ def _on_pairs(e, shared: dict) -> tuple[int, np.ndarray] | None:
         return None
     r, base = hit
     full = e.full_memory.T if flip else e.full_memory  # [r.src strategy, r.dst strategy]
-    first_r = np.array([np.argmax(r.rows == x) for x in range(r.cost.shape[0])])
-    first_c = np.array([np.argmax(r.cols == y) for y in range(r.cost.shape[1])])
-    by_class = full[np.ix_(first_r, first_c)]
+    # each class's first strategy (classes are numbered 0.. in order of first appearance)
+    by_class = full[np.ix_(np.unique(r.rows, return_index=True)[1],
+                           np.unique(r.cols, return_index=True)[1])]
     if not np.array_equal(by_class[np.ix_(r.rows, r.cols)], full):
         return None
     return base, by_class
