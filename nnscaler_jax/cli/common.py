@@ -88,8 +88,10 @@ def available_models() -> list[str]:
     return out
 
 
-def model_spec(name: str, preset: str, **overrides: Any) -> Any:
-    """``models.get`` with the user's mistakes turned into one-line ``UsageError``s."""
+def model_spec(name: str, preset: str, precision: str | None = None, **overrides: Any) -> Any:
+    """``models.get`` with the user's mistakes turned into one-line ``UsageError``s; with a
+    ``precision`` (a name such as ``'bfloat16'``) the zoo config's ``dtype``, where it has one,
+    is set to it, so the layers compute at that precision instead of their float32 default."""
     import models
 
     if name not in models.names():
@@ -103,6 +105,11 @@ def model_spec(name: str, preset: str, **overrides: Any) -> Any:
     if preset not in presets:
         raise UsageError(f"model {name!r} has no preset {preset!r}; choose one of: "
                          f"{', '.join(presets)}")
+    if precision is not None and getattr(models.preset_info(name, preset).config, "dtype",
+                                         None) is not None:
+        import jax.numpy as jnp
+
+        overrides = {"dtype": jnp.dtype(precision), **overrides}
     return models.get(name, preset, **overrides)
 
 

@@ -257,21 +257,11 @@ def _precision(args: argparse.Namespace) -> str | None:
                          "float32 (default: the model's own dtypes)") from None
 
 
-def _spec(args: argparse.Namespace, precision: str | None) -> Any:
-    """The zoo spec, its layers computing at ``precision`` (the config's ``dtype``)."""
-    spec = model_spec(args.model, args.preset)
-    if precision is not None and getattr(spec.config, "dtype", None) is not None:
-        import jax.numpy as jnp
-
-        spec = model_spec(args.model, args.preset, dtype=jnp.dtype(precision))
-    return spec
-
-
 def cmd_compare(args: argparse.Namespace) -> int:
     import jax
 
     precision = _precision(args)
-    spec = _spec(args, precision)
+    spec = model_spec(args.model, args.preset, precision)
     mesh = _mesh(args)
     planners = [p.strip() if p.strip() == "alpa" else check_policy(p.strip())
                 for p in args.planners.split(",") if p.strip()]

@@ -18,7 +18,8 @@ at), ``step_time_s`` (median of the measured steps after the first; null with fe
 ``tokens_per_s`` or ``samples_per_s``, ``flops_per_step`` (``models.flops_per_token`` x units),
 ``mfu`` (null where no peak FLOP/s of the device is known, as on CPU; ``mfu_basis`` says which
 peak), ``memory`` (``{"measured", "predicted"}`` per-device bytes of params / grads /
-optimizer), ``plan`` (policy, zero, microbatches, precision, stages, recompute, cosharded) and
+optimizer, the plan's ``predicted['peak']``, and ``device_peak``: the allocator's peak bytes on
+a device, null on CPU, where the runtime keeps no statistics), ``plan`` (policy, zero, microbatches, precision, stages, recompute, cosharded) and
 ``checkpoint`` (``{"dir", "last_saved_step", "resumed_from"}`` or null). Errors a user causes
 (unknown model, bad mesh, ``--resume`` without a checkpoint, a checkpoint of another model):
 one line, exit code 2.
@@ -182,10 +183,11 @@ def _job(args: argparse.Namespace) -> _Job:
     from nnscaler_jax.api import auto_parallel
 
     over = {} if args.batch_size is None else {"batch_size": args.batch_size}
-    spec = model_spec(args.model, args.preset, **over)
+    constraints = _constraints(args)
+    spec = model_spec(args.model, args.preset, constraints.precision, **over)
     mesh = parse_mesh(args.mesh, args.axes)
     policy = check_policy(args.policy)
-    pm = auto_parallel(mesh, _constraints(args), policy=policy)(spec.module)
+    pm = auto_parallel(mesh, constraints, policy=policy)(spec.module)
     step = pm.train_step(spec.loss_fn, optax.adamw(args.lr),
                          rng_streams=spec.rng_streams or ("dropout",))
     init_key, data_key = jax.random.split(jax.random.key(args.seed))
@@ -444,6 +446,18 @@ def _header(job: _Job, rates: _Rates, start: int) -> str:
             f"{rates.flops_per_step:.3g} FLOPs per step; MFU basis: {rates.basis}")
 
 
+def _device_peak(mesh: Any) -> int | None:
+    """The most bytes the runtime's allocator held at once on any of this process's devices of
+    ``mesh`` (``memory_stats()['peak_bytes_in_use']``: GPUs and TPUs; None where the backend
+    keeps no statistics, as on CPU)."""
+    import jax
+
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in mesh.devices.flat
+             if d.process_index == jax.process_index()]
+    peaks = [int(p) for p in peaks if p is not None]
+    return max(peaks) if peaks else None
+
+
 def _summary(job: _Job, rates: _Rates, state: Any, start: int, losses: list[float],
              times: list[float], last: int | None) -> dict[str, Any]:
     import jax
@@ -456,7 +470,8 @@ def _summary(job: _Job, rates: _Rates, state: Any, start: int, losses: list[floa
     memory = None  # per-device bytes: from the state's arrays, and the plan's estimate
     if hasattr(job.step, "predicted_memory"):  # the pipelined step has neither yet
         memory = {"measured": {k: int(v) for k, v in job.step.memory(state).items()},
-                  "predicted": {k: int(v) for k, v in job.step.predicted_memory().items()}}
+                  "predicted": {k: int(v) for k, v in job.step.predicted_memory().items()},
+                  "device_peak": _device_peak(job.mesh)}
     features.update(policy=job.policy, zero=getattr(plan, "zero", None),
                     precision=getattr(plan, "precision", None))
     return {
@@ -488,6 +503,9 @@ def _summary_text(obj: dict[str, Any], rates: _Rates) -> str:
         lines.append("memory per device, measured / predicted: " + ", ".join(
             f"{k} {mib(v)} / {mib(mem['predicted'].get(k, 0))}"
             for k, v in mem["measured"].items()))
+        if mem.get("device_peak") is not None:
+            lines.append(f"device memory peak (allocator) {mib(mem['device_peak'])} / predicted "
+                         f"peak {mib(mem['predicted'].get('peak', 0))}")
     lines.append(f"plan: policy {p['policy']}, zero {p['zero']}, {p.get('microbatches', 1)} "
                  f"micro-batch(es), precision {p['precision'] or 'of the model'}, "
                  f"{p.get('stages', 1)} stage(s)")

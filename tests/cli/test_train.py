@@ -66,6 +66,23 @@ def test_json_fields(six_steps):
     assert res["checkpoint"] is None and res["processes"] == 1 and res["devices"] == 8
 
 
+def test_precision_sets_the_zoo_layers_dtype():
+    """``--precision bf16`` on the zoo's GPT (whose layers default to ``dtype=float32``): the
+    layers compute in bfloat16 (no float32-matmul warning), the plan records it, and the JSON
+    carries the allocator's peak (null on CPU, which keeps no statistics)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        code, out, err = _run([*GPT, "--mesh", "2x4", "--steps", "2", "--precision", "bf16",
+                               "--json"])
+    assert code == 0, err
+    assert not [w for w in seen if "still compute in float32" in str(w.message)]
+    res = _last_json(out)
+    assert res["plan"]["precision"] == "bfloat16" and all(np.isfinite(res["losses"]))
+    assert res["memory"]["device_peak"] is None
+
+
 # ---- checkpoint, then resume onto another mesh ----------------------------------------------------
 
 
