@@ -43,7 +43,8 @@ def run_job(model: str, preset: str, extra: list[str], limit: float, steps: int)
     env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": ".95"}
     t0 = time.perf_counter()
     try:
-        r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit)
+        r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit,
+                           check=False)
     except subprocess.TimeoutExpired:
         return {"ok": False, "error": f"over its {limit:.0f} s limit", "wall_s": limit}
     wall = time.perf_counter() - t0
@@ -85,14 +86,14 @@ def _fmt(x: float | None, spec: str) -> str:
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
-    lines = [f"# Predicted against measured on one GPU ({meta['device']})", "",
-             f"jax {meta['jax']}, one-device mesh, `nnscaler-jax train` with the plan's "
+    about = (f"jax {meta['jax']}, one-device mesh, `nnscaler-jax train` with the plan's "
              "default budget (the allocator's limit at XLA_PYTHON_CLIENT_MEM_FRACTION=.95, less "
              "its reserve). Step: median after the first. MFU: analytic model FLOPs (recompute "
              "not counted) / step / dense peak at the plan's precision. Memory: the allocator's "
-             "peak bytes in use against the plan's predicted peak.", "",
-             "| job | plan | step pred (ms) | step measured (ms) | measured / pred | MFU | "
-             "peak pred (GiB) | peak device (GiB) | device / pred |",
+             "peak bytes in use against the plan's predicted peak.")
+    head = ("| job | plan | step pred (ms) | step measured (ms) | measured / pred | MFU | "
+            "peak pred (GiB) | peak device (GiB) | device / pred |")
+    lines = [f"# Predicted against measured on one GPU ({meta['device']})", "", about, "", head,
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if not r["ok"]:
@@ -101,7 +102,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         p = r["plan"]
         plan = (f"{p.get('precision') or 'fp32'}, {len(p.get('recompute') or [])} recomputed, "
                 f"{p.get('microbatches', 1)} micro-batch(es)")
-        gib = lambda b: None if b is None else b / 2**30  # noqa: E731
+        gib = lambda b: None if b is None else b / 2**30
         lines.append(
             f"| {r['job']} | {plan} | {_fmt(r['predicted_step_s'] * 1e3, '.1f')} | "
             f"{_fmt(r['step_time_s'] and r['step_time_s'] * 1e3, '.1f')} | "
