@@ -33,6 +33,10 @@ JOBS = [
     ("gpt3-1.3b-bf16", "gpt", "gpt3-1.3b", ["--precision", "bf16"], 300),
     ("gpt3-1.3b-bf16-b16", "gpt", "gpt3-1.3b", ["--batch-size", "16", "--precision", "bf16"],
      300),
+    ("swin-b-bf16", "swin", "swin-b", ["--precision", "bf16"], 90),
+    ("t5-base-bf16", "t5", "t5-base", ["--precision", "bf16"], 90),
+    # AlphaFold2's initial training size on one card: the search recomputes and co-shards
+    ("af2-initial-bf16", "evoformer", "af2-initial", ["--precision", "bf16"], 240),
 ]
 
 
