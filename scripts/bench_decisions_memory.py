@@ -46,8 +46,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "results" / "bench_decisions_memory.json"
 AXES = {"data": 2, "model": 4}
 # budget shares: the largest that make ours recompute (Evoformer at 0.3 met its budget with
-# layouts alone); Evoformer at 0.12 left the Alpa-style check in HiGHS for minutes
-CASES = {"swin": ("swin", {}, 0.3), "evoformer": ("evoformer", {}, 0.2)}
+# layouts alone); Evoformer at 0.12 left the Alpa-style check in HiGHS for minutes; Swin at
+# 0.3 fits nothing since softmax's row max keeps no scores (a smaller free estimate), at 0.32
+# ours co-shards
+CASES = {"swin": ("swin", {}, 0.32), "evoformer": ("evoformer", {}, 0.2)}
 ALPA_TIME_LIMIT_S = 120.0  # as bench_fits: the Alpa-style check answers in bounded time
 TOLERANCE = 0.15
 PLANS = ("free", "budgeted", "budgeted, recompute dropped")

@@ -103,3 +103,22 @@ def test_nothing_is_saved_without_gradients_and_results_are_cached():
     assert residual_outputs(g, grads=set()) == {}
     first = residual_outputs(g)
     assert residual_outputs(g) is first  # memoised per graph object
+
+
+class Softmax(nn.Module):
+    """fc1 -> jax.nn.softmax -> fc2: softmax subtracts ``stop_gradient(max(h))``."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(8, use_bias=False, name="fc1")(x)
+        return nn.Dense(4, use_bias=False, name="fc2")(jax.nn.softmax(h))
+
+
+def test_ops_reaching_the_loss_only_through_stop_gradient_save_nothing():
+    # exp saves its output; the division by the row sum reads the sum (and exp's output);
+    # fc2 reads the division's output. The row max reaches the output only through
+    # stop_gradient: no cotangent reaches it, so its saved input (fc1's output) and output are
+    # not kept. JAX's own jax.ad_checkpoint.print_saved_residuals lists the same three (exp,
+    # the broadcast row sum, div) and neither fc1's output nor the max.
+    assert _saved_prims(Softmax(), (2, 16)) == [("div", "", (0,)), ("exp", "", (0,)),
+                                                ("reduce_sum", "", (0,))]
