@@ -15,9 +15,13 @@ budget needs it:
    the one that did), bisecting when that says nothing (a plan filling the budget) or does not
    converge; of the plans that fit, the fastest (fewer recomputed layers save time, but the
    layouts the search can afford change with the memory they free, so the fewest is not
-   always the fastest). The last probe (no later one depends on its answer) only has to beat
-   the fastest found: its run may stop early with :class:`Outpriced` (the ILP's relaxation is
-   a lower bound on its step; Swin's 8-GPU preset: its 26-layer probe 3 s instead of 9 s).
+   always the fastest). Every probe only has to beat the fastest found: its run may stop early
+   with :class:`Outpriced` (the ILP's relaxation is a lower bound on its step; Swin's 8-GPU
+   preset: its 26-layer probe 3 s instead of 9 s). A count that cannot beat it steers the
+   search like one that does not fit: fewer recomputed layers free less memory, so their
+   layouts cost at least as much (a heuristic; the last probe's stop is exact). Swin's 8-GPU
+   preset, since softmax's row max keeps no scores: a 22-layer probe that took 120 s to find a
+   slower plan (7.26 s against 7.14 s) stops in seconds.
 
 Candidates are the model's repeated blocks at their finest level (``h_3``, Swin's
 ``layers_2/blocks_7``, T5's ``encoder/block_3``: :func:`nnscaler_jax.ir.layers.block_paths`),
@@ -71,10 +75,10 @@ def choose_recompute(run: Callable[[tuple[str, ...]], Any], graph: Graph,
 
     Args:
         run: ``run(groups, beat=None)`` plans with those groups recomputed; raises
-            ``NoFitError`` when nothing fits. With ``price``, the last probe (the one no later
-            probe depends on) gets ``beat=`` the best step found, and may raise
-            :class:`Outpriced` when it cannot beat it (the search's ILP under a budget knows a
-            lower bound early: its relaxation).
+            ``NoFitError`` when nothing fits. With ``price``, each probe of the count search
+            gets ``beat=`` the best step found, and may raise :class:`Outpriced` when it cannot
+            beat it (the search's ILP under a budget knows a lower bound early: its
+            relaxation); the search then goes on above that count, or ends after the last.
         price: a result's estimated step seconds: search the number of layers and return the
             fastest result that fits (ours); None: all or nothing (Alpa's switch).
         memory: a result's estimated bytes per device, which guides the search (default: the
@@ -107,11 +111,9 @@ def choose_recompute(run: Callable[[tuple[str, ...]], Any], graph: Graph,
     search = _CountSearch(n, first.budget_bytes, first.smallest_bytes, memory(results[n]))
     while (k := search.next()) is not None:
         try:
-            last = search.hi - search.lo == 2  # the last probe: it only matters if faster
-            results[k] = run(forced + cands[:k],
-                             beat=min(map(price, results.values())) if last else None)
+            results[k] = run(forced + cands[:k], beat=min(map(price, results.values())))
         except Outpriced:
-            break
+            search.failed(k, None)  # fewer layers would not beat it either (the docs)
         except NoFitError as e:
             search.failed(k, e.smallest_bytes)
         else:

@@ -154,17 +154,23 @@ def test_the_fastest_that_fits_wins_and_alpa_stops_at_all(graph):
     assert choose_recompute(run, graph, (), ()).layers == LAYERS and tried == [0, LAYERS]
 
 
-def test_the_last_probe_only_has_to_beat_the_best(graph):
-    """The probe no later probe depends on (the interval is two wide) gets ``beat=`` the best
-    step found, and a run that cannot beat it (Outpriced) ends the search on the best plan;
-    the probes before it get no bound (their fit steers the search)."""
+def test_every_probe_only_has_to_beat_the_best(graph):
+    """Each probe of the count search gets ``beat=`` the best step found so far. A count that
+    fits but cannot beat it (Outpriced) steers the search above it, as one that does not fit
+    does, and the search ends on the best plan."""
     beats: list = []
+    step = lambda k: 2.0 + 0.01 * (k - 30) ** 2  # fastest at 30; 26..29 fit but are slower
     run, tried = _search(lambda k: BUDGET + 5.0 * (26 - k) - 1, plan_bytes=lambda k: BUDGET,
-                         step=lambda k: 2.0 + 0.01 * (k - 27) ** 2, beats=beats)
+                         step=step, beats=beats)
     got = _choose(graph, run)
-    assert tried[-1] == 26 and got.layers == 27  # 26 fits but is slower: outpriced
-    assert beats[-1] == pytest.approx(2.0) and not any(beats[:-1]), beats
-    # a faster last probe is kept
+    assert got.layers == 30
+    assert beats[:2] == [None, None] and None not in beats[2:], beats  # none, all; then probes
+    outpriced = [k for k, b in zip(tried, beats, strict=True)
+                 if b is not None and 26 <= k and step(k) >= b]
+    assert outpriced, tried
+    after = tried[tried.index(outpriced[0]) + 1:]
+    assert after and all(k > outpriced[0] for k in after), tried
+    # a faster probe is kept
     beats.clear()
     run, tried = _search(lambda k: BUDGET + 5.0 * (26 - k) - 1, plan_bytes=lambda k: BUDGET,
                          beats=beats)
