@@ -19,8 +19,8 @@ at), ``step_time_s`` (median of the measured steps after the first; null with fe
 ``mfu`` (null where no peak FLOP/s of the device is known, as on CPU; ``mfu_basis`` says which
 peak), ``memory`` (``{"measured", "predicted"}`` per-device bytes of params / grads /
 optimizer, the plan's ``predicted['peak']``, and ``device_peak``: the allocator's peak bytes on
-a device, null on CPU, where the runtime keeps no statistics), ``plan`` (policy, zero, microbatches, precision, stages, recompute, cosharded) and
-``checkpoint`` (``{"dir", "last_saved_step", "resumed_from"}`` or null). Errors a user causes
+a device, null on CPU, where the runtime keeps no statistics), ``plan`` (policy, zero,
+microbatches, precision, stages, recompute, cosharded) and ``checkpoint`` (``{"dir", "last_saved_step", "resumed_from"}`` or null). Errors a user causes
 (unknown model, bad mesh, ``--resume`` without a checkpoint, a checkpoint of another model):
 one line, exit code 2.
 """
