@@ -68,6 +68,18 @@ def mib(n: float) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
+def device_peak(mesh: Any) -> int | None:
+    """The most bytes the runtime's allocator held at once on any of this process's devices of
+    ``mesh`` (``memory_stats()['peak_bytes_in_use']``: GPUs and TPUs; None where the backend
+    keeps no statistics, as on CPU)."""
+    import jax
+
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in mesh.devices.flat
+             if d.process_index == jax.process_index()]
+    peaks = [int(p) for p in peaks if p is not None]
+    return max(peaks) if peaks else None
+
+
 def emit(args: argparse.Namespace, text: str, obj: dict[str, Any]) -> None:
     if text:
         print(text)

@@ -10,19 +10,17 @@ dropout key), the plan JSON and ``meta`` (model, preset, seed, every loss so far
 run's mesh and plan (any ``--mesh``) and goes on from its step. ``--processes K``: K local
 processes of ``mesh size / K`` CPU devices (``launch_local``); only process 0 prints.
 
-``--json`` prints one object on the last line: ``losses`` (one per step run by *this*
-invocation, in order), ``start_step`` (0, or the restored step), ``steps`` (the step it ended
-at), ``step_time_s`` (median of the measured steps after the first; null with fewer than two),
-``first_step_s`` (compilation included), ``predicted_step_s`` (the step plan's
-``cost.step_time_s``), ``unit``, ``units_per_step``, ``units_per_s`` and
-``tokens_per_s`` or ``samples_per_s``, ``flops_per_step`` (``models.flops_per_token`` x units),
-``mfu`` (null where no peak FLOP/s of the device is known, as on CPU; ``mfu_basis`` says which
-peak), ``memory`` (``{"measured", "predicted"}`` per-device bytes of params / grads /
-optimizer, the plan's ``predicted['peak']``, and ``device_peak``: the allocator's peak bytes on
-a device, null on CPU, where the runtime keeps no statistics), ``plan`` (policy, zero,
-microbatches, precision, stages, recompute, cosharded) and ``checkpoint`` (``{"dir", "last_saved_step", "resumed_from"}`` or null). Errors a user causes
-(unknown model, bad mesh, ``--resume`` without a checkpoint, a checkpoint of another model):
-one line, exit code 2.
+``--json`` prints one object on the last line: ``losses`` (one per step this run made, in order),
+``start_step`` (0, or the restored step), ``steps`` (the step it ended at), ``step_time_s`` (median
+of the steps after the first; null with fewer than two), ``first_step_s`` (with compilation),
+``predicted_step_s`` (the plan's ``cost.step_time_s``), ``unit``, ``units_per_step``,
+``units_per_s`` and ``tokens_per_s`` or ``samples_per_s``, ``flops_per_step``
+(``models.flops_per_token`` x units), ``mfu`` (null where no peak FLOP/s of the device is known, as
+on CPU; ``mfu_basis``: which peak), ``memory`` (``{"measured", "predicted"}`` per-device bytes of
+params / grads / optimizer, predicted ``peak``; ``device_peak``: the allocator's peak, null on
+CPU), ``plan`` (policy, zero, microbatches, precision, stages, recompute, cosharded) and
+``checkpoint`` (``{"dir", "last_saved_step", "resumed_from"}`` or null). User errors (unknown
+model, bad mesh, ``--resume`` without a checkpoint, another model's checkpoint): one line, exit 2.
 """
 
 from __future__ import annotations
@@ -40,6 +38,7 @@ from typing import Any
 from nnscaler_jax.cli.common import (
     UsageError,
     check_policy,
+    device_peak,
     emit,
     mib,
     model_spec,
@@ -446,18 +445,6 @@ def _header(job: _Job, rates: _Rates, start: int) -> str:
             f"{rates.flops_per_step:.3g} FLOPs per step; MFU basis: {rates.basis}")
 
 
-def _device_peak(mesh: Any) -> int | None:
-    """The most bytes the runtime's allocator held at once on any of this process's devices of
-    ``mesh`` (``memory_stats()['peak_bytes_in_use']``: GPUs and TPUs; None where the backend
-    keeps no statistics, as on CPU)."""
-    import jax
-
-    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in mesh.devices.flat
-             if d.process_index == jax.process_index()]
-    peaks = [int(p) for p in peaks if p is not None]
-    return max(peaks) if peaks else None
-
-
 def _summary(job: _Job, rates: _Rates, state: Any, start: int, losses: list[float],
              times: list[float], last: int | None) -> dict[str, Any]:
     import jax
@@ -471,7 +458,7 @@ def _summary(job: _Job, rates: _Rates, state: Any, start: int, losses: list[floa
     if hasattr(job.step, "predicted_memory"):  # the pipelined step has neither yet
         memory = {"measured": {k: int(v) for k, v in job.step.memory(state).items()},
                   "predicted": {k: int(v) for k, v in job.step.predicted_memory().items()},
-                  "device_peak": _device_peak(job.mesh)}
+                  "device_peak": device_peak(job.mesh)}
     features.update(policy=job.policy, zero=getattr(plan, "zero", None),
                     precision=getattr(plan, "precision", None))
     return {
@@ -503,9 +490,8 @@ def _summary_text(obj: dict[str, Any], rates: _Rates) -> str:
         lines.append("memory per device, measured / predicted: " + ", ".join(
             f"{k} {mib(v)} / {mib(mem['predicted'].get(k, 0))}"
             for k, v in mem["measured"].items()))
-        if mem.get("device_peak") is not None:
-            lines.append(f"device memory peak (allocator) {mib(mem['device_peak'])} / predicted "
-                         f"peak {mib(mem['predicted'].get('peak', 0))}")
+        if (peak := mem.get("device_peak")) is not None:
+            lines.append(f"allocator peak {mib(peak)} / predicted {mib(mem['predicted']['peak'])}")
     lines.append(f"plan: policy {p['policy']}, zero {p['zero']}, {p.get('microbatches', 1)} "
                  f"micro-batch(es), precision {p['precision'] or 'of the model'}, "
                  f"{p.get('stages', 1)} stage(s)")
