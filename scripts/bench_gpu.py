@@ -86,8 +86,9 @@ def row(name: str, res: dict) -> dict:
     }
 
 
-def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
+def _fmt(x: float | None, spec: str, scale: float = 1.0) -> str:
+    """``x * scale`` formatted, or ``-`` when there is no figure."""
+    return "-" if x is None else format(x * scale, spec)
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
@@ -107,13 +108,12 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         p = r["plan"]
         plan = (f"{p.get('precision') or 'fp32'}, {len(p.get('recompute') or [])} recomputed, "
                 f"{p.get('microbatches', 1)} micro-batch(es)")
-        gib = lambda b: None if b is None else b / 2**30
         lines.append(
-            f"| {r['job']} | {plan} | {_fmt(r['predicted_step_s'] * 1e3, '.1f')} | "
-            f"{_fmt(r['step_time_s'] and r['step_time_s'] * 1e3, '.1f')} | "
+            f"| {r['job']} | {plan} | {_fmt(r['predicted_step_s'], '.1f', 1e3)} | "
+            f"{_fmt(r['step_time_s'], '.1f', 1e3)} | "
             f"{_fmt(r['measured_over_predicted'], '.2f')} | {_fmt(r['mfu'], '.1%')} | "
-            f"{_fmt(gib(r['predicted_peak_bytes']), '.2f')} | "
-            f"{_fmt(gib(r['device_peak_bytes']), '.2f')} | "
+            f"{_fmt(r['predicted_peak_bytes'], '.2f', 2**-30)} | "
+            f"{_fmt(r['device_peak_bytes'], '.2f', 2**-30)} | "
             f"{_fmt(r['device_over_predicted_peak'], '.2f')} |")
     return "\n".join(lines) + "\n"
 
