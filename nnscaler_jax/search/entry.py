@@ -40,7 +40,12 @@ from nnscaler_jax.plan.zero import apply_zero
 from nnscaler_jax.primitives import Draft
 from nnscaler_jax.search.coshard import coshard_choice
 from nnscaler_jax.search.ilp import SearchReport, search_policy
-from nnscaler_jax.search.recompute import choose_recompute, recompute_candidates
+from nnscaler_jax.search.recompute import (
+    Best,
+    Outpriced,
+    choose_recompute,
+    recompute_candidates,
+)
 
 __all__ = ["POLICIES", "Planned", "plan_spmd", "resolve_policy"]
 
@@ -166,7 +171,9 @@ def _choose(run_priced: Callable, graph: Graph, forced: tuple[str, ...],
     co-sharding: the forced groups alone first; when that does not fit, the count of recomputed
     layers is searched without co-sharding and with the blocks co-sharded, the two at once
     (HiGHS releases the GIL: its solves, most of a probe's time, run on two cores; the blocks
-    are found while the first search starts), and the faster plan that fits is kept. The
+    are found while the first search starts), each probe of either only has to beat the
+    faster plan found by both (:class:`~nnscaler_jax.search.recompute.Best`), and the faster
+    plan that fits is kept. The
     co-sharded search bisects: its fitting plans spend the memory co-sharding frees on faster
     layouts, so their memory does not say how many layers fewer would fit (Swin at its 8-GPU
     preset on V100s: interpolating took 9 probes where bisecting takes 7)."""
@@ -181,12 +188,16 @@ def _choose(run_priced: Callable, graph: Graph, forced: tuple[str, ...],
             raise first
         return run_priced(groups, beat=beat)
 
+    best = Best()  # both searches' probes have to beat the faster plan of the two
+
     def search(run: Callable, memory: Callable | None) -> tuple[Any, NoFitError | None]:
         try:
             return choose_recompute(run, graph, forced, forbidden, price=price,
-                                    memory=memory), None
+                                    memory=memory, best=best), None
         except NoFitError as e:
             return None, e
+        except Outpriced:  # the other search's plan is faster than any of this one's
+            return None, None
 
     if blocks_of is None:
         return choose_recompute(plain_run, graph, forced, forbidden, price=price)
@@ -199,7 +210,7 @@ def _choose(run_priced: Callable, graph: Graph, forced: tuple[str, ...],
             if blocks else None
         (plain, err), chunked = plain_f.result(), chunked_f.result()[0] if chunked_f else None
     found = [r for r in (plain, chunked) if r is not None]
-    if not found:
+    if not found:  # (a search is outpriced only by the other's plan)
         raise err
     return min(found, key=price)
 

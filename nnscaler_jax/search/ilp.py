@@ -151,8 +151,9 @@ def solve(tables: CostTables, *, max_memory: float | None = None, time_limit: fl
 
     Raises:
         PlanError: no choice fits ``max_memory`` (says the smallest estimate).
-        Outpriced: ``beat`` is given and the relaxation solved first (below) proves no choice
-            takes fewer than ``beat`` seconds.
+        Outpriced: ``beat`` is given and no choice that fits takes fewer than ``beat``
+            seconds: the objective is a row bounded by ``beat`` (a cutoff: HiGHS prunes every
+            branch whose bound reaches it, and an infeasible problem is the proof).
     """
     n = [len(c) for c in tables.compute]
     if any(k == 0 for k in n):
@@ -163,12 +164,9 @@ def solve(tables: CostTables, *, max_memory: float | None = None, time_limit: fl
         # fits with them too is the optimum (the problem without them is a relaxation)
         plain = replace(tables, edges=[e for e in tables.edges if e.block < 0])
         sol = solve(plain, max_memory=max_memory, time_limit=time_limit, desc=desc,
-                    memory_offset=memory_offset, transient_floor=transient_floor)
+                    memory_offset=memory_offset, transient_floor=transient_floor, beat=beat)
         if _fits(tables, sol.choice, max_memory - memory_offset, transient_floor):
             return replace(sol, memory_bytes=tables.memory_of(sol.choice))
-        if beat is not None and sol.optimal and sol.objective_s * (1 - MIP_GAP) >= beat:
-            # (HiGHS' optimum is within MIP_GAP of the relaxation's: a lower bound)
-            raise Outpriced(f"{desc}: no plan faster than {sol.objective_s:.4g} s >= {beat:.4g} s")
     off = np.concatenate([[0], np.cumsum(n)]).astype(np.int64)
     lp = Rows(int(off[-1]))
     lp.c_parts += [(tables.unary(g) * SCALE) for g in range(len(n))]
@@ -178,9 +176,12 @@ def solve(tables: CostTables, *, max_memory: float | None = None, time_limit: fl
     sync_rows(lp, tables, off)
     scale = memory_rows(lp, tables, off, max_memory, memory_offset, pairs) \
         if max_memory is not None else 1.0
+    c = np.concatenate(lp.c_parts)
+    if beat is not None:  # the cutoff: only choices faster than the best found so far
+        cols = np.flatnonzero(c)
+        lp.add(list(cols), list(c[cols]), -np.inf, beat * SCALE)
     nv = lp.nv
     a = sparse.csr_array((lp.vals, (lp.rows, lp.cols)), shape=(lp.r, nv))
-    c = np.concatenate(lp.c_parts)
     last = np.arange(nv) == nv - 1
     bounds = Bounds(np.where(last, transient_floor / scale, 0.0), np.where(last, np.inf, 1.0)) \
         if max_memory is not None else Bounds(0.0, 1.0)
@@ -196,6 +197,8 @@ def solve(tables: CostTables, *, max_memory: float | None = None, time_limit: fl
                 f"the search's solver found no plan within max_memory_per_device="
                 f"{int(max_memory):,} bytes in its time limit ({time_limit:g} s). Raise "
                 "time_limit or the budget.", smallest_bytes=None, budget_bytes=max_memory)
+        if beat is not None and res.status == 2:  # (the budget or the cutoff: either way)
+            raise Outpriced(f"{desc}: no plan within the budget is faster than {beat:.4g} s")
         if max_memory is not None:
             raise _memory_error(max_memory, least_memory(tables))
         raise PlanError(f"the search found no plan: {res.message}")

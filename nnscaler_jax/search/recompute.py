@@ -15,13 +15,13 @@ budget needs it:
    the one that did), bisecting when that says nothing (a plan filling the budget) or does not
    converge; of the plans that fit, the fastest (fewer recomputed layers save time, but the
    layouts the search can afford change with the memory they free, so the fewest is not
-   always the fastest). Every probe only has to beat the fastest found: its run may stop early
-   with :class:`Outpriced` (the ILP's relaxation is a lower bound on its step; Swin's 8-GPU
-   preset: its 26-layer probe 3 s instead of 9 s). A count that cannot beat it steers the
-   search like one that does not fit: fewer recomputed layers free less memory, so their
-   layouts cost at least as much (a heuristic; the last probe's stop is exact). Swin's 8-GPU
-   preset, since softmax's row max keeps no scores: a 22-layer probe that took 120 s to find a
-   slower plan (7.26 s against 7.14 s) stops in seconds.
+   always the fastest). Every probe only has to beat the fastest found, by this search or one
+   running beside it (:class:`Best`): its run may stop early with :class:`Outpriced` (the
+   ILP's objective is bounded by it, and HiGHS proves quickly that nothing is faster: Swin's
+   8-GPU preset, a 22-layer co-sharded probe 0.8 s instead of 23.7 s). A count that cannot
+   beat it steers the search like one that does not fit: fewer recomputed layers free less
+   memory, so their layouts cost at least as much (a heuristic; the last probe's stop is
+   exact). Swin's 8-GPU preset on V100s: 20.9 s instead of 38.7 s, the same plan.
 
 Candidates are the model's repeated blocks at their finest level (``h_3``, Swin's
 ``layers_2/blocks_7``, T5's ``encoder/block_3``: :func:`nnscaler_jax.ir.layers.block_paths`),
@@ -31,6 +31,7 @@ else its top modules; a block any ``Rule(recompute=False)`` touches is never rec
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,13 +41,28 @@ from nnscaler_jax.ir.layers import block_paths
 from nnscaler_jax.ir.remat import in_group
 from nnscaler_jax.plan.plan import Plan
 
-__all__ = ["Outpriced", "choose_recompute", "recompute_candidates"]
+__all__ = ["Best", "Outpriced", "choose_recompute", "recompute_candidates"]
 
 
 class Outpriced(Exception):
     """A probe's plan cannot beat ``beat``, the best step found so far (see
     :func:`choose_recompute`): raised by its run once a lower bound on its step says so, before
     the rest of its search."""
+
+
+class Best:
+    """The fastest step found so far, shared by count searches that run at once (ours: with
+    and without co-sharding, :func:`nnscaler_jax.search.entry.plan_spmd`), so that each
+    probe only has to beat the best plan of either."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.step_s: float | None = None
+
+    def offer(self, step_s: float) -> None:
+        with self._lock:
+            if self.step_s is None or step_s < self.step_s:
+                self.step_s = step_s
 
 
 def recompute_candidates(graph: Graph, forced: Sequence[str],
@@ -70,7 +86,8 @@ def recompute_candidates(graph: Graph, forced: Sequence[str],
 def choose_recompute(run: Callable[[tuple[str, ...]], Any], graph: Graph,
                      forced: Sequence[str], forbidden: Sequence[str], *,
                      price: Callable[[Any], float] | None = None,
-                     memory: Callable[[Any], float | None] | None = None) -> Any:
+                     memory: Callable[[Any], float | None] | None = None,
+                     best: Best | None = None) -> Any:
     """``run(groups)`` for the recompute groups the budget needs (see the module docs).
 
     Args:
@@ -84,9 +101,12 @@ def choose_recompute(run: Callable[[tuple[str, ...]], Any], graph: Graph,
         memory: a result's estimated bytes per device, which guides the search (default: the
             ``cost`` of the :class:`~nnscaler_jax.plan.plan.Plan` the result is or starts with;
             None when unknown: the search bisects).
+        best: the best step shared with other searches (with ``price``): every probe,
+            every layer recomputed included, has to beat it.
 
     Raises:
         NoFitError: nothing fits even with every candidate layer recomputed.
+        Outpriced: (with ``best``) every layer recomputed cannot beat another search's plan.
     """
     forced = tuple(forced)
     try:
@@ -98,8 +118,10 @@ def choose_recompute(run: Callable[[tuple[str, ...]], Any], graph: Graph,
         first = e
     results: dict[int, Any] = {}
     n = len(cands)
+    best = best or Best()
+    shared = {"beat": best.step_s} if price is not None and best.step_s is not None else {}
     try:
-        results[n] = run(forced + cands)
+        results[n] = run(forced + cands, **shared)
     except NoFitError as e:
         raise NoFitError(
             f"{e} Recomputing every layer ({cands[0]} .. {cands[-1]}, {len(cands)} groups) does "
@@ -108,10 +130,12 @@ def choose_recompute(run: Callable[[tuple[str, ...]], Any], graph: Graph,
     if price is None:
         return results[len(cands)]
     memory = memory or _plan_memory
+    best.offer(price(results[n]))
     search = _CountSearch(n, first.budget_bytes, first.smallest_bytes, memory(results[n]))
     while (k := search.next()) is not None:
         try:
-            results[k] = run(forced + cands[:k], beat=min(map(price, results.values())))
+            results[k] = run(forced + cands[:k], beat=best.step_s)
+            best.offer(price(results[k]))
         except Outpriced:
             search.failed(k, None)  # fewer layers would not beat it either (the docs)
         except NoFitError as e:

@@ -15,7 +15,7 @@ import pytest
 
 from nnscaler_jax.capture.trace import trace
 from nnscaler_jax.errors import NoFitError
-from nnscaler_jax.search.recompute import Outpriced, _plan_memory, choose_recompute
+from nnscaler_jax.search.recompute import Best, Outpriced, _plan_memory, choose_recompute
 
 LAYERS = 40
 BUDGET = 100.0
@@ -175,6 +175,30 @@ def test_every_probe_only_has_to_beat_the_best(graph):
     run, tried = _search(lambda k: BUDGET + 5.0 * (26 - k) - 1, plan_bytes=lambda k: BUDGET,
                          beats=beats)
     assert _choose(graph, run).layers == 26 and beats[-1] == pytest.approx(1.27)
+
+
+def test_searches_sharing_a_best_only_have_to_beat_each_others_plans(graph):
+    """Two count searches (ours: with and without co-sharding, at once) share one
+    :class:`Best`: the second's probes, every layer recomputed included, get ``beat=`` the
+    first's plan, so a search that cannot beat it ends Outpriced after one probe (Swin at its
+    8-GPU preset on V100s: the plain search's probes stopped in seconds, the search took
+    20.9 s instead of 38.7 s)."""
+    best = Best()
+    run, _ = _search(lambda k: BUDGET + 5.0 * (26 - k) - 1, step=lambda k: 1.0 + 0.001 * k)
+    fast = choose_recompute(run, graph, (), (), price=lambda r: r.step_s,
+                            memory=lambda r: r.bytes, best=best)
+    assert fast.layers == 26 and best.step_s == fast.step_s
+    beats: list = []
+    run, tried = _search(lambda k: BUDGET + 5.0 * (26 - k) - 1, beats=beats)  # 1.26 s and up
+    with pytest.raises(Outpriced):
+        choose_recompute(run, graph, (), (), price=lambda r: r.step_s,
+                         memory=lambda r: r.bytes, best=best)
+    assert tried == [0, LAYERS] and beats == [None, fast.step_s]
+    # a search that can beat it does, and lowers the shared best
+    run, _ = _search(lambda k: BUDGET + 5.0 * (26 - k) - 1, step=lambda k: 0.5 + 0.001 * k)
+    assert choose_recompute(run, graph, (), (), price=lambda r: r.step_s,
+                            memory=lambda r: r.bytes, best=best).layers == 26
+    assert best.step_s == pytest.approx(0.526)
 
 
 def test_default_memory_reads_the_priced_plan():
