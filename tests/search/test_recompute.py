@@ -9,9 +9,9 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from meshes import make_mesh
+from one_device import assert_like_one_device
 
 import models
 from nnscaler_jax import Constraints, Plan, auto_parallel
@@ -91,7 +91,11 @@ def test_recompute_runs_never_cut_the_users_remat(gpt_graph):
             assert op.boundary[0] in {b.id for b in new}
 
 
-def test_the_search_recomputes_only_when_the_budget_needs_it(gpt_graph):
+def test_the_search_recomputes_only_when_the_budget_needs_it():
+    """Ours recomputes the fewest layers that fit, the Alpa-style planner all of them; neither
+    does when the budget does not need it. (Three layers: the test takes 10 s; with four, the
+    Alpa-style ILP, one variable per op, took 92 s to prove its optimum under the budget.)"""
+    gpt_graph = capture_spec(_gpt(n_layers=3)).graph
     free = make_plan(gpt_graph, AXES)
     assert free.recompute == ()
     roomy = make_plan(gpt_graph, AXES, constraints=Constraints(
@@ -102,7 +106,7 @@ def test_the_search_recomputes_only_when_the_budget_needs_it(gpt_graph):
     alpa = make_plan(gpt_graph, AXES, policy="alpa",
                      constraints=Constraints(max_memory_per_device=budget))
     assert ours.recompute  # the fastest of the layer counts that fit
-    assert alpa.recompute == ("h_0", "h_1", "h_2", "h_3")  # Alpa's one global switch
+    assert alpa.recompute == ("h_0", "h_1", "h_2")  # Alpa's one global switch
     for p in (ours, alpa):
         assert p.cost.memory_bytes_per_device <= budget
         assert p.cost.step_time_s > free.cost.step_time_s
@@ -155,16 +159,7 @@ def test_a_recomputing_plan_runs_and_matches_one_device(remat):
     assert pm.plan.recompute
     n_user = str(jax.make_jaxpr(spec.module.apply)(v, tokens)).count("remat")
     assert str(jax.make_jaxpr(pm.apply)(v, tokens)).count("remat") > n_user
-    np.testing.assert_allclose(pm.apply(v, tokens), spec.module.apply(v, tokens),
-                               rtol=1e-5, atol=1e-6)
-
-    def loss(apply, v):
-        return jnp.mean(apply(v, tokens) ** 2)
-
-    g = jax.jit(jax.grad(lambda v: loss(pm.apply, v)))(v)
-    ref = jax.grad(lambda v: loss(spec.module.apply, v))(jax.tree.map(np.asarray, v))
-    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert_like_one_device(pm, spec.module, v, (tokens,))
 
 
 def test_baselines_recompute_every_block(gpt_graph):
