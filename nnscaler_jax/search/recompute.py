@@ -94,8 +94,8 @@ def choose_recompute(run: Callable[[tuple[str, ...]], Any], graph: Graph,
         run: ``run(groups, beat=None)`` plans with those groups recomputed; raises
             ``NoFitError`` when nothing fits. With ``price``, each probe of the count search
             gets ``beat=`` the best step found, and may raise :class:`Outpriced` when it cannot
-            beat it (the search's ILP under a budget knows a lower bound early: its
-            relaxation); the search then goes on above that count, or ends after the last.
+            beat it (the search's ILP bounds its objective by ``beat``: an infeasible problem
+            proves it); the search then goes on above that count, or ends after the last.
         price: a result's estimated step seconds: search the number of layers and return the
             fastest result that fits (ours); None: all or nothing (Alpa's switch).
         memory: a result's estimated bytes per device, which guides the search (default: the
