@@ -118,10 +118,9 @@ def choose_recompute(run: Callable[[tuple[str, ...]], Any], graph: Graph,
         first = e
     results: dict[int, Any] = {}
     n = len(cands)
-    best = best or Best()
-    shared = {"beat": best.step_s} if price is not None and best.step_s is not None else {}
+    best = best or Best()  # (offered to only with price: Alpa's switch runs with beat=None)
     try:
-        results[n] = run(forced + cands, **shared)
+        results[n] = run(forced + cands, beat=best.step_s)
     except NoFitError as e:
         raise NoFitError(
             f"{e} Recomputing every layer ({cands[0]} .. {cands[-1]}, {len(cands)} groups) does "
