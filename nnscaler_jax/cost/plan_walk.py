@@ -28,7 +28,12 @@ from nnscaler_jax.cost.relayout import (
     relayout_price,
     storage_layout,
 )
-from nnscaler_jax.cost.residuals import MASKED, residual_outputs, saved_operands
+from nnscaler_jax.cost.residuals import (
+    MASKED,
+    REGATHERED_COPIES,
+    residual_outputs,
+    saved_operands,
+)
 from nnscaler_jax.ir.coshard import chunks_of, with_boundaries
 from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout
@@ -229,8 +234,9 @@ class _Walk:
         remat = [b for b in op.boundary if self.kinds.get(b, ("",))[0] in REMAT_KINDS]
         if op.primitive in MASKED and (remat or not op.boundary):
             # recomputed: the gathered copy is rebuilt with the block's residuals, live with
-            # them during its backward (one chunk's at a time)
-            _gathered_operands(model, op, mask, ins, self.layout, self.zero, mult / k,
+            # them and its cotangent during the block's backward (one chunk's at a time)
+            _gathered_operands(model, op, mask, ins, self.layout, self.zero,
+                               mult / k * (REGATHERED_COPIES if remat else 1),
                                self.regathered.setdefault(remat[0], {}) if remat else self.kept)
         local = sum(model._local_bytes(t, lay) for t, lay in zip(op.outputs, outs, strict=True))
         out.transient = max(out.transient, local / k)

@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from nnscaler_jax.cost.compute import MATMUL, grad_tensors, is_float
 from nnscaler_jax.ir.graph import DataflowMemo, Graph, Op
 
-__all__ = ["CHEAP", "residual_outputs", "saved_operands"]
+__all__ = ["CHEAP", "REGATHERED_COPIES", "residual_outputs", "saved_operands"]
 
 
 def _names(text: str) -> frozenset[str]:
@@ -74,6 +74,12 @@ and or not xor square integer_pow floor ceil round iota stop_gradient
 
 #: Transposes that read their saved operands as materialised buffers (see residual_outputs).
 MASKED = MATMUL | {"max", "min"}
+
+#: Copies of an operand a recomputed block's matmul gathers on its way in that are live in the
+#: block's backward: the gathered copy rebuilt by the block's forward, and the operand's
+#: cotangent, a partial sum as large until it is reduced back to the operand's layout
+#: (measured: XLA:CPU's live set at the peak of a recomputed Swin block's backward).
+REGATHERED_COPIES = 2
 
 #: Layout ops that are bitcasts in XLA (fold into any consumer, even a matmul operand).
 BITCAST = _names("reshape squeeze expand_dims")

@@ -21,7 +21,7 @@ import numpy as np
 
 from nnscaler_jax.cost.compute import is_float
 from nnscaler_jax.cost.relayout import partial_grad_axes
-from nnscaler_jax.cost.residuals import MASKED, saved_operands
+from nnscaler_jax.cost.residuals import MASKED, REGATHERED_COPIES, saved_operands
 from nnscaler_jax.ir.graph import Op, Role, Tensor
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.layout.rvd import interned
@@ -284,7 +284,7 @@ class EdgePricing:
         w = w / self.cm.microbatches
         kept = w * np.array(self._kept_bytes(t, pairs, keeps[0], keeps[1])) \
             if keeps[0] or keeps[1] else None
-        again = w / self.chunks.get(dst_op, 1) * np.array(self._kept_bytes(
+        again = REGATHERED_COPIES * w / self.chunks.get(dst_op, 1) * np.array(self._kept_bytes(
             t, pairs, True, False)) if keeps[2] >= 0 else None  # one chunk's at a time
         return secs, kept, again
 

@@ -101,7 +101,10 @@ def test_the_search_recomputes_only_when_the_budget_needs_it():
     roomy = make_plan(gpt_graph, AXES, constraints=Constraints(
         max_memory_per_device=free.cost.memory_bytes_per_device))
     assert roomy.recompute == ()
-    budget = int(_smallest_without_recompute(gpt_graph) * 0.95)
+    # just under the least memory without recompute (at 0.95 the Alpa-style plan that
+    # recomputes every layer keeps too much once its blocks' gathered operands and their
+    # cotangents are counted; ours co-shards there instead)
+    budget = int(_smallest_without_recompute(gpt_graph) * 0.99)
     ours = make_plan(gpt_graph, AXES, constraints=Constraints(max_memory_per_device=budget))
     alpa = make_plan(gpt_graph, AXES, policy="alpa",
                      constraints=Constraints(max_memory_per_device=budget))
