@@ -25,14 +25,20 @@ import argparse
 import json
 import os
 import pathlib
+import tempfile
 import time
 from dataclasses import replace
+
+from _xla_live import dump_flags, peak_kinds
 
 from nnscaler_jax.mesh.cpu import cpu_xla_flags  # starts no JAX backend
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# recompute kept by XLA:CPU (nnscaler_jax/mesh/cpu.py), or it would show no saving
-os.environ["XLA_FLAGS"] = cpu_xla_flags(os.environ.get("XLA_FLAGS", ""), keep_remat=True)
+# recompute kept by XLA:CPU (nnscaler_jax/mesh/cpu.py), or it would show no saving; XLA dumps
+# the gradient step's live ranges (its live peak, next to memory_analysis)
+DUMP = tempfile.mkdtemp(prefix="bench_decisions_memory_xla_")
+os.environ["XLA_FLAGS"] = cpu_xla_flags(os.environ.get("XLA_FLAGS", "") + dump_flags(DUMP),
+                                        keep_remat=True)
 
 import jax
 
@@ -108,11 +114,15 @@ def _entry(spec, pm, variables) -> dict:
            "total": (m.argument_size_in_bytes + m.output_size_in_bytes
                      + m.temp_size_in_bytes - m.alias_size_in_bytes),
            "compile_s": time.perf_counter() - t0}
+    kinds = peak_kinds(DUMP)
+    xla["live_peak"] = sum(kinds.values()) or None
+    xla["live_peak_by_kind"] = kinds
     bd = CostModel.for_axes(AXES, zero=plan.zero).memory_breakdown(plan, graph)
     pred = bd["peak"] - bd["optimizer"]
     return {"recompute": len(plan.recompute), "cosharded": len(plan.coshard),
             "microbatches": int(plan.microbatches or 1), "step_time_s": plan.cost.step_time_s,
-            "breakdown": bd, "predicted": pred, "xla": xla, "ratio": pred / xla["total"]}
+            "breakdown": bd, "predicted": pred, "xla": xla, "ratio": pred / xla["total"],
+            "live_ratio": pred / xla["live_peak"] if xla["live_peak"] else None}
 
 
 def run(name: str, share: float | None) -> dict:
@@ -159,22 +169,33 @@ def _ok(r: float | None) -> str:
     return "-" if r is None else f"{r:.3f} " + ("ok" if abs(r - 1) <= TOLERANCE else "OFF")
 
 
+def _live(e: dict) -> str:
+    live = e["xla"].get("live_peak")
+    if not live:
+        return "- | - | -"
+    return f"{live:,} | {_ok(e['live_ratio'])} | {e['xla']['total'] / live:.3f}"
+
+
 def markdown(rows: list[dict]) -> str:
     intro = ("Gradient step, bytes per device: the plan's `memory_breakdown` peak less the "
              "optimizer state vs XLA's argument + output + temp - alias. `free`: ours without a "
              "budget; `budgeted`: ours under the budget (a share of the free plan's estimate), "
              f"which recomputes / co-shards. Goal: ratios and the saving within "
-             f"{TOLERANCE:.0%}. Written by scripts/bench_decisions_memory.py.")
+             f"{TOLERANCE:.0%}. `live peak`: the most bytes XLA has live at once (its live-range "
+             "dump, constants left out); `XLA` packs the temporaries into one buffer, which can "
+             "be larger (`packing`: XLA / live peak). Written by "
+             "scripts/bench_decisions_memory.py.")
     lines = ["# Recompute and co-sharding under a budget: estimate vs XLA (CPU, 2x4 mesh)", "",
              intro, "",
-             "| model | budget (share) | plan | recompute / co-sharded | estimate | XLA | ratio |",
-             "|---|---|---|---|---|---|---|"]
+             ("| model | budget (share) | plan | recompute / co-sharded | estimate | XLA | ratio "
+              "| XLA live peak | ratio to it | packing |"),
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for key in PLANS:
             e = r[key]
             lines.append(f"| {r['model']} | {r['budget']:,} ({r['share']:.0%}) | {key} | "
                          f"{e['recompute']} / {e['cosharded']} | {e['predicted']:,} | "
-                         f"{e['xla']['total']:,} | {_ok(e['ratio'])} |")
+                         f"{e['xla']['total']:,} | {_ok(e['ratio'])} | {_live(e)} |")
     c = control()
     note = ("Control, plain JAX (no nnscaler_jax): an 8-layer MLP's gradient, XLA temp "
             f"bytes without / with `jax.checkpoint` on every layer: {c['plain']:,} / "

@@ -35,18 +35,18 @@ from __future__ import annotations
 import os
 import tempfile
 
+from _xla_live import dump_flags, peak_kinds
+
 from nnscaler_jax.mesh.cpu import cpu_xla_flags  # starts no JAX backend
 
 # XLA dumps the grad step's buffer live ranges: what is live at its memory peak (by fusion kind)
 DUMP = tempfile.mkdtemp(prefix="bench_predict_xla_")
-os.environ["XLA_FLAGS"] = cpu_xla_flags(os.environ.get("XLA_FLAGS", "")
-                                        + f" --xla_dump_to={DUMP} --xla_dump_hlo_module_re=jit_loss")
+os.environ["XLA_FLAGS"] = cpu_xla_flags(os.environ.get("XLA_FLAGS", "") + dump_flags(DUMP))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
 import json
 import math
-import re
 import sys
 import time
 import warnings
@@ -117,24 +117,6 @@ def plan_wire_bytes(cm: CostModel, plan, graph) -> float:
         cmod.relayout_price = saved
 
 
-def xla_peak_kinds() -> dict[str, int]:
-    """Bytes live at the memory peak of the last compiled grad step, by buffer kind (the HLO
-    instruction name without its number: ``transpose_copy_fusion``, ``param``...), from XLA's
-    live-range dump; empty when XLA wrote none."""
-    files = sorted(Path(DUMP).glob("*jit_loss*live-range.txt"), key=lambda f: f.stat().st_mtime)
-    if not files:
-        return {}
-    text = files[-1].read_text()
-    at = text.find("(peak):")
-    kinds: Counter = Counter()
-    for m in re.finditer(r"^\s+([\w.\-]+)\{[^}]*\}: (\d+) bytes", text[at:], re.M):
-        kinds[re.sub(r"\.\d+$", "", m.group(1))] += int(m.group(2))
-    for f in Path(DUMP).iterdir():  # the next case's dump starts clean
-        if f.is_file():
-            f.unlink()
-    return dict(kinds.most_common())
-
-
 def ratio(pred: float, meas: float) -> float | None:
     return None if not meas else pred / meas
 
@@ -157,7 +139,7 @@ def run_case(name: str, batch: int, policy: str, mesh, with_adam: bool) -> dict:
 
     compiled = jax.jit(jax.value_and_grad(loss)).lower(variables).compile()
     m = compiled.memory_analysis()
-    peak_kinds = xla_peak_kinds()
+    peak = peak_kinds(DUMP)
     measured_mem = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
                     - m.alias_size_in_bytes)
     text = compiled.as_text()
@@ -183,7 +165,7 @@ def run_case(name: str, batch: int, policy: str, mesh, with_adam: bool) -> dict:
         "comm_pred_wire": plan_wire_bytes(cm, plan, graph), "comm_hlo_wire": hlo_wire,
         "comm_wire_ratio": ratio(plan_wire_bytes(cm, plan, graph), hlo_wire),
         "hlo_collectives": dict(kinds), "hlo_collectives_missed_by_parser": missed,
-        "xla_peak_live_by_kind": peak_kinds,
+        "xla_peak_live_by_kind": peak,
     }
     if with_adam:
         opt = optax.adam(1e-3)
