@@ -242,7 +242,8 @@ class EdgePricing:
 
     def _regathers(self, t: Tensor, dst: tuple) -> int:
         """The recomputed block whose matmul ``dst`` saves ``t`` as it reads it, so a relayout
-        growing it is part of the block's transient (``plan_walk``); -1: none. Only the block's
+        growing it is part of the block's transient, with its cotangent (``plan_walk``,
+        ``REGATHERED_COPIES``); -1: none. Only the block's
         first such reader of ``t`` is charged (``plan_walk`` keeps one copy per layout)."""
         b = self.remat.get(dst[1], -1)
         if b < 0 or dst[0] not in ("in", "fin") or not t.ndim or not is_float(t) or (

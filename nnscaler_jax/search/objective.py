@@ -21,7 +21,8 @@ class Edge:
     ``memory[rows[a], cols[b]]`` bytes the pair keeps for the backward (an operand gathered
     on its way to a matmul that saves it; None: none). ``block >= 0``: the bytes are instead
     part of recomputed block ``CostTables.remat[block]``'s transient (the matmul is in the
-    block: the gathered copy is rebuilt when its forward runs again); such an edge costs
+    block: the gathered copy is rebuilt when its forward runs again and lives next to its
+    cotangent, ``cost.residuals.REGATHERED_COPIES`` x the copy's bytes); such an edge costs
     nothing (its relayout's seconds are on the edge the pricing keeps)."""
 
     src: int
