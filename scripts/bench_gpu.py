@@ -11,7 +11,8 @@ plan's precision, and the allocator's peak bytes against the plan's predicted pe
 
 Writes ``results/bench_gpu.json`` and ``results/bench_gpu.md`` (``--out`` for another folder),
 after every job, so a run cut short keeps what it measured.
-Usage: ``python scripts/bench_gpu.py [--only NAME,...] [--out DIR]`` on a machine with a GPU.
+Usage: ``python scripts/bench_gpu.py [--only NAME,...] [--out DIR] [--cap S]`` on a machine with a
+GPU.
 """
 
 from __future__ import annotations
@@ -134,6 +135,8 @@ def main() -> int:
     ap.add_argument("--only", default=None, help="comma-separated job names")
     ap.add_argument("--out", default=str(ROOT / "results"))
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--cap", type=float, default=None,
+                    help="at most this many seconds per job (a short device lease)")
     args = ap.parse_args()
     import jax
 
@@ -147,7 +150,7 @@ def main() -> int:
     for name, model, preset, extra, limit in JOBS:
         if wanted is not None and name not in wanted:
             continue
-        res = run_job(model, preset, extra, limit, args.steps)
+        res = run_job(model, preset, extra, min(limit, args.cap or limit), args.steps)
         rows.append(row(name, res))
         print(name, json.dumps(rows[-1])[:600], flush=True)
         both = kept + rows

@@ -180,12 +180,17 @@ class CostModel:
         t = self.profile.lookup_op(op, kind)
         return None if t is None else t / ways
 
-    def forward_time(self, op: Op, split: Split = ()) -> float:
-        """Forward seconds of one device's part of ``op`` (region ops: their bodies)."""
+    def forward_time(self, op: Op, split: Split = (),
+                     traffic: Mapping[int, float] | None = None) -> float:
+        """Forward seconds of one device's part of ``op`` (region ops: their bodies).
+
+        ``traffic``: op id -> the bytes its fusion reads and writes
+        (:func:`~nnscaler_jax.cost.fusion.fused_bytes` of the graph); without it, or for an op it
+        does not hold, every operand and result is read or written once (no fusion)."""
         ways = self._ways(split)
         if op.regions:
-            body = sum(self.forward_time(o) * m for g in op.regions for o, m in walk_weighted(g)
-                       if not o.regions)
+            body = sum(self.forward_time(o, (), traffic) * m for g in op.regions
+                       for o, m in walk_weighted(g) if not o.regions)
             return body * region_length(op) / ways
         if self.profile is not None and self.device.kind:
             t = self._profiled(op, split, ways)
@@ -193,16 +198,18 @@ class CostModel:
                 return t
         peak = self.device.peak(compute_dtype(op), op.primitive in MATMUL) * self.device.efficiency
         bandwidth = self.device.bandwidth * self.device.bandwidth_efficiency
-        return max(op_flops(op) / peak, op_bytes(op) / bandwidth) / ways
+        io = op_bytes(op) if traffic is None else traffic.get(op.id, op_bytes(op))
+        return max(op_flops(op) / peak, io / bandwidth) / ways
 
-    def chunk_overhead(self, op: Op, split: Split, k: int) -> float:
+    def chunk_overhead(self, op: Op, split: Split, k: int,
+                       traffic: Mapping[int, float] | None = None) -> float:
         """Extra seconds of running ``op`` as ``k`` sequential chunks (a co-sharded block):
         a matmul's or reduction's 3k kernels (forward, recomputed forward, backward) cost at
         least the device's launch floor each, so small chunks are priced by the floor, not the
         roofline (elementwise ops fuse into them)."""
         if op.primitive not in MATMUL and not op.primitive.startswith(("reduce_", "argm")):
             return 0.0
-        per = self.forward_time(op, split) / k
+        per = self.forward_time(op, split, traffic) / k
         return 3 * k * max(0.0, self.device.launch_s - per)
 
     def _backward_ratio(self, op: Op, grads: tuple[bool, ...]) -> float:
@@ -212,27 +219,32 @@ class CostModel:
             return self.backward_factor * sum(grads) / max(len(grads), 1)
         return self.elementwise_backward_factor
 
-    def _op_time(self, op: Op, split: Split, grads: tuple[bool, ...]) -> float:
-        key = ("op", op.id, op.primitive, tuple(t.shape for t in op.inputs), split, grads)
+    def _op_time(self, op: Op, split: Split, grads: tuple[bool, ...],
+                 traffic: Mapping[int, float] | None = None) -> float:
+        io = None if traffic is None else traffic.get(op.id)
+        key = ("op", op.id, op.primitive, tuple(t.shape for t in op.inputs), split, grads, io)
         if key not in self._cache:
             if op.regions:
-                t = sum(self.op_time(o) * m for g in op.regions for o, m in walk_weighted(g)
-                        if not o.regions) * region_length(op) / self._ways(split)
+                t = sum(self.op_time(o, (), None, traffic) * m for g in op.regions
+                        for o, m in walk_weighted(g) if not o.regions
+                        ) * region_length(op) / self._ways(split)
             else:
-                t = self.forward_time(op, split) * (1.0 + self._backward_ratio(op, grads))
+                t = self.forward_time(op, split, traffic) * (1.0 + self._backward_ratio(op, grads))
             self._cache[key] = t
         return self._cache[key]
 
-    def op_time(self, op: Op, split: Split = (), grads: tuple[bool, ...] | None = None) -> float:
+    def op_time(self, op: Op, split: Split = (), grads: tuple[bool, ...] | None = None,
+                traffic: Mapping[int, float] | None = None) -> float:
         """Forward + backward seconds of one device's part of ``op``.
 
         ``grads``: which operands need a gradient (``plan_cost`` and the search know it from
         :func:`~nnscaler_jax.cost.compute.grad_tensors`); default a local guess (floating
-        point, not a constant, not an example input unless ``input_grads``).
+        point, not a constant, not an example input unless ``input_grads``). ``traffic``: as
+        for :meth:`forward_time`.
         """
         if grads is None:
             grads = tuple(needs_grad_locally(t, self.input_grads) for t in op.inputs)
-        return self._op_time(op, split, grads)
+        return self._op_time(op, split, grads, traffic)
 
     # ---- communication -------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from nnscaler_jax.cost.compute import (
     region_length,
     walk_weighted,
 )
+from nnscaler_jax.cost.fusion import fused_bytes
 from nnscaler_jax.cost.relayout import (
     Split,
     drop_partial,
@@ -174,6 +175,7 @@ class _Walk:
         self.model, self.graph, self.grads, self.zero, self.out = model, graph, grads, zero, out
         self.plans = plan._by_id()
         self.saved = residual_outputs(graph, grads if model.input_grads else None)
+        self.traffic = fused_bytes(graph)  # what each op's fusion reads and writes
         self.kinds = boundary_kinds(graph)
         self.sole = sole_read_variables(graph)
         self.layout: dict[int, Layout] = {}
@@ -229,7 +231,7 @@ class _Walk:
         if len(srcs) == 1 and all(t.id in origin or t.role is Role.CONST for t in op.inputs):
             origin.update({t.id: next(iter(srcs)) for t in op.outputs})  # a weight, reshaped
         mask = tuple(t.id in self.grads for t in op.inputs)
-        out.compute += model._op_time(op, p.split, mask) * mult
+        out.compute += model._op_time(op, p.split, mask, self.traffic) * mult
         k = self.chunks.get(op.id, 1)  # a co-sharded block's op: one chunk is live at a time
         remat = [b for b in op.boundary if self.kinds.get(b, ("",))[0] in REMAT_KINDS]
         if op.primitive in MASKED and (remat or not op.boundary):
@@ -241,10 +243,10 @@ class _Walk:
         local = sum(model._local_bytes(t, lay) for t, lay in zip(op.outputs, outs, strict=True))
         out.transient = max(out.transient, local / k)
         if k > 1:
-            out.compute += model.chunk_overhead(op, p.split, k) * mult
+            out.compute += model.chunk_overhead(op, p.split, k, self.traffic) * mult
         if remat:  # recomputed in the backward: one more forward; while the block's backward
             # runs, its residuals are live again (the block's transient)
-            out.compute += model.forward_time(op, p.split) * mult
+            out.compute += model.forward_time(op, p.split, self.traffic) * mult
             self.remat_inputs.setdefault(remat[0], mult)
             redo = 0 if op.primitive in FREE else sum(
                 model._local_bytes(op.outputs[k], outs[k]) for k in self.saved.get(op.id, ()))

@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from nnscaler_jax.constraints import Constraints, pivot_paths
+from nnscaler_jax.cost.fusion import fused_bytes
 from nnscaler_jax.cost.model import CostModel, itemsize
 from nnscaler_jax.cost.residuals import residual_outputs
 from nnscaler_jax.errors import PlanError
@@ -246,10 +247,11 @@ class Cut:
     setup: RuntimeSetup
 
 
-def _op_cost(model: CostModel, op: Op) -> float:
+def _op_cost(model: CostModel, op: Op, traffic: Mapping[int, float]) -> float:
     if not op.regions:
-        return model.op_time(op, ())
-    inner = sum(model.op_time(o, ()) for r in op.regions for o in r.walk() if not o.regions)
+        return model.op_time(op, (), None, traffic)
+    inner = sum(model.op_time(o, (), None, traffic) for r in op.regions for o in r.walk()
+                if not o.regions)
     return inner * int(op.params.get("length", 1) or 1)
 
 
@@ -278,7 +280,8 @@ def plan_cut(graph: Graph, mesh_axes: dict[str, int], constraints: Constraints, 
     casts = _param_casts(graph)  # (they come first; the runtime makes them where read)
     paths = ["" if op.id in casts else op.module_path for op in graph.ops]
     cands = _candidates(paths, constraints.pipeline_pivots)
-    starts = balance([_op_cost(model, op) for op in graph.ops], [p for p, _ in cands],
+    traffic = fused_bytes(graph)
+    starts = balance([_op_cost(model, op, traffic) for op in graph.ops], [p for p, _ in cands],
                      S * virtual)
     chunk_of = lambda i: sum(1 for s in starts if s <= i) - 1
     stage_of = tuple((n, chunk_of(p) % S) for p, n in cands)
@@ -354,10 +357,10 @@ def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
             owned[next(iter(users))] += t.nbytes
         else:
             shared += t.nbytes
-    saved = residual_outputs(graph)
+    saved, traffic = residual_outputs(graph), fused_bytes(graph)
 
     def priced(a: int, b: int) -> tuple[float, float]:
-        t = sum(_op_cost(model, op) for op in ops[a:b])
+        t = sum(_op_cost(model, op, traffic) for op in ops[a:b])
         act = sum(model.activation_bytes(o, (), saved.get(o.id, ()))
                   for o in ops[a:b] if not o.regions and o.id not in casts)
         return t / batch, act / batch

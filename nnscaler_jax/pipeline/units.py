@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 
 from nnscaler_jax.cost.devices import H100_80G
+from nnscaler_jax.cost.fusion import fused_bytes
 from nnscaler_jax.cost.model import CostModel, itemsize
 from nnscaler_jax.cost.residuals import residual_outputs
 from nnscaler_jax.errors import PlanError
@@ -68,6 +69,7 @@ def layer_units(graph: Graph, batch: int = 1, model: CostModel | None = None) ->
     except PlanError as e:
         raise PlanError(f"stage search: {e}") from None
     saved = residual_outputs(graph)  # the activations autodiff keeps, after fusion
+    traffic = fused_bytes(graph)
     var_bytes = {t.id: math.prod(t.shape) * itemsize(t) for t in graph.variables}
 
     def params_of(ops) -> float:
@@ -76,7 +78,7 @@ def layer_units(graph: Graph, batch: int = 1, model: CostModel | None = None) ->
 
     def unit(name, ops, tp_coll=0, param_bytes=None) -> Unit:
         flat = [o for o in ops if not o.regions]
-        t = sum(model.op_time(o, ()) for o in flat) / batch
+        t = sum(model.op_time(o, (), None, traffic) for o in flat) / batch
         act = sum(model.activation_bytes(o, (), saved.get(o.id, ())) for o in flat) / batch
         out = flat[-1].outputs[0] if flat and flat[-1].outputs else None
         ob = (math.prod(out.shape) * itemsize(out) / batch) if out is not None else 0.0

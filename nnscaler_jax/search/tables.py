@@ -43,6 +43,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from nnscaler_jax.cost.compute import FREE, grad_tensors
+from nnscaler_jax.cost.fusion import fused_bytes
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.cost.plan_walk import boundary_kinds
 from nnscaler_jax.cost.relayout import drop_partial, partial_grad_axes
@@ -94,6 +95,7 @@ class _Builder(EdgePricing):
         self.block_inputs = _block_inputs(kinds, self.remat)
         self.chunks = chunks_of(self.graph)  # op id -> chunks of its co-sharded block
         self.saved = residual_outputs(self.graph)
+        self.traffic = fused_bytes(self.graph)  # what each op's fusion reads and writes
         self.member_memo: dict[tuple, object] = {}  # ours only: per class of identical work
         self.top_inputs = {t.id for t in self.graph.inputs}
         # which tensors get a gradient, exactly as plan_cost knows it (not the local guess: a
@@ -195,7 +197,7 @@ class _Builder(EdgePricing):
                 key = ("u", self.space.op_class[op_id], fg.split_ids[mi], self.space.weights[op_id],
                        op_id in self.remat, self.chunks.get(op_id, 1),
                        tuple(t.id in self.top_inputs for t in op.inputs),
-                       self.saved.get(op_id, ()), self._stores(op_id))
+                       self.saved.get(op_id, ()), self._stores(op_id), self.traffic.get(op_id))
                 parts = self.member_memo.get(key)
                 if parts is None:
                     parts = self.member_memo[key] = self._member_unary(op, fg.splits[mi])
@@ -217,11 +219,11 @@ class _Builder(EdgePricing):
         mask = tuple(t.id in self.grads for t in op.inputs)
         for i, split in enumerate(splits):
             if not op.regions:
-                c[i] += w * cm.op_time(op, split, mask)
+                c[i] += w * cm.op_time(op, split, mask, self.traffic)
                 if remat and forward is not None:
-                    c[i] += w * forward(op, split)
+                    c[i] += w * forward(op, split, self.traffic)
                 if k > 1 and hasattr(cm, "chunk_overhead"):
-                    c[i] += w * cm.chunk_overhead(op, split, k)
+                    c[i] += w * cm.chunk_overhead(op, split, k, self.traffic)
             if not remat:
                 m[i] += w * cm.activation_bytes(op, split, self.saved.get(op.id, ()))
         for k, t in enumerate(op.inputs):

@@ -22,6 +22,7 @@ from nnscaler_jax.cost import (
 )
 from nnscaler_jax.cost.devices import H100_80G, IB_NDR, NVLINK_H100
 from nnscaler_jax.cost.model import CostModel
+from nnscaler_jax.cost.fusion import fused_bytes
 from nnscaler_jax.cost.residuals import residual_outputs
 from nnscaler_jax.errors import PlanError
 
@@ -255,8 +256,9 @@ def test_per_op_terms_add_up_to_the_plan(mlp_graph):
     saved = residual_outputs(graph)
     assert mem["activations"] == sum(
         model.activation_bytes(op, splits.get(op.id, ()), saved.get(op.id, ())) for op in ops)
+    traffic = fused_bytes(graph)  # each op's reads and writes after XLA's fusion
     assert model.plan_cost(plan, graph).compute_time_s == pytest.approx(
-        sum(model.op_time(op, splits.get(op.id, ())) for op in ops))
+        sum(model.op_time(op, splits.get(op.id, ()), None, traffic) for op in ops))
 
 
 @pytest.mark.parametrize("groups", [1, 4])

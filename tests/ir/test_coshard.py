@@ -16,6 +16,7 @@ import models
 from nnscaler_jax import Plan, auto_parallel
 from nnscaler_jax.capture.trace import capture_spec, trace
 from nnscaler_jax.cost import CostModel
+from nnscaler_jax.cost.fusion import fused_bytes
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.coshard import block_of, chunk_counts, coshard_candidates, with_coshard
 from nnscaler_jax.ir.repeats import span_key
@@ -110,9 +111,10 @@ def test_closed_form_memory_and_time(graph):
     plain, two, four = (cm.memory_breakdown(p, graph) for p in (plan, chunked(2), chunked(4)))
     assert two["activations"] == four["activations"] < plain["activations"] / 4
     assert two["transient"] == 2 * four["transient"] > plain["transient"]
-    forward = sum(cm.forward_time(by_id[i], plan.op_plan(i).split) for b in blocks
+    io = fused_bytes(graph)  # each op's reads and writes after XLA's fusion
+    forward = sum(cm.forward_time(by_id[i], plan.op_plan(i).split, io) for b in blocks
                   for i in b.ops)
-    over = sum(cm.chunk_overhead(by_id[i], plan.op_plan(i).split, 2) for b in blocks
+    over = sum(cm.chunk_overhead(by_id[i], plan.op_plan(i).split, 2, io) for b in blocks
                for i in b.ops)
     assert over > 0  # CPU nominal: tiny chunks are priced by the launch floor
     assert cm.plan_cost(chunked(2), graph).compute_time_s == pytest.approx(

@@ -122,6 +122,7 @@ def test_cut_pricing_splits_out_the_embedding_and_the_head():
     the first / last chunk), as the runtime cuts them; the units still sum to the whole."""
     from nnscaler_jax.capture.trace import capture_spec
     from nnscaler_jax.cost.model import CostModel
+    from nnscaler_jax.cost.fusion import fused_bytes
     from nnscaler_jax.pipeline.cut import _op_cost, plan_cut
 
     spec = models.get("t5", "tiny", batch_size=16)
@@ -134,7 +135,8 @@ def test_cut_pricing_splits_out_the_embedding_and_the_head():
     paths = [op.module_path for op in graph.ops]
     first_block = paths.index("encoder/block_0/ln_self")
     model = CostModel.for_axes(axes)
-    want = sum(_op_cost(model, op) for op in graph.ops[:first_block]) / 16
+    traffic = fused_bytes(graph)
+    want = sum(_op_cost(model, op, traffic) for op in graph.ops[:first_block]) / 16
     assert pre.time_s == pytest.approx(want)
-    total = sum(_op_cost(model, op) for op in graph.ops) / 16
+    total = sum(_op_cost(model, op, traffic) for op in graph.ops) / 16
     assert sum(u.time_s for u in units) == pytest.approx(total)

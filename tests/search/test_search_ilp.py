@@ -190,15 +190,17 @@ def test_alpa_objective_matches_its_plan_cost():
 
 
 def test_scan_stack_plans_as_well_as_its_unrolled_twin():
-    """The same GPT as an nn.scan stack and unrolled: the search's plans cost the same within
-    3% (the scan's stacked weights are stored, priced and synced as the body reads their block;
-    once they were priced replicated and the scan plan was 1.5x slower)."""
+    """The same GPT as an nn.scan stack and unrolled: the search's plans communicate and keep
+    the same within 3% (the scan's stacked weights are stored, priced and synced as the body
+    reads their block; once they were priced replicated and the scan plan was 1.5x slower).
+    Compute is not compared: the loop writes and reads its carry every iteration, where the
+    unrolled stack fuses the residual adds into their readers (``cost.fusion``)."""
     cost = {}
     for scan in (False, True):
         graph = capture_spec(models.get("gpt", "tiny", scan_layers=scan)).graph
         plan, _ = search(graph, AXES)
         cost[scan] = CostModel.for_axes(AXES).plan_cost(plan, graph)
-    assert cost[True].step_time_s <= cost[False].step_time_s * 1.03, cost
+    assert cost[True].comm_time_s <= cost[False].comm_time_s * 1.03, cost
     assert cost[True].memory_bytes_per_device <= cost[False].memory_bytes_per_device * 1.03
 
 
