@@ -56,8 +56,10 @@ AXES = {"data": 2, "model": 4}
 # 0.3 fits nothing since softmax's row max keeps no scores (a smaller free estimate), nor at
 # 0.32 since a recomputed block's gathered operands count twice (the copy and its cotangent);
 # at 0.34 ours co-shards. swin-64: Swin at 64 px, embed 32 (8x the activations), a size where
-# activations rather than XLA's small buffers make the peak
-CASES = {"swin": ("swin", {}, 0.34), "swin-64": ("swin", {"image_size": 64, "embed_dim": 32}, 0.32),
+# activations rather than XLA's small buffers make the peak; its share 0.4 since elementwise ops
+# are priced by their fused traffic (the free plan's estimate fell 2.70 -> 1.80 MB and nothing
+# fits at 0.32)
+CASES = {"swin": ("swin", {}, 0.34), "swin-64": ("swin", {"image_size": 64, "embed_dim": 32}, 0.4),
          "evoformer": ("evoformer", {}, 0.2)}
 ALPA_TIME_LIMIT_S = 120.0  # as bench_fits: the Alpa-style check answers in bounded time
 TOLERANCE = 0.15
