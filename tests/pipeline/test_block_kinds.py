@@ -121,8 +121,8 @@ def test_cut_pricing_splits_out_the_embedding_and_the_head():
     as the prefix / suffix units (interlaced's E / H / W blocks; the other schedules add them to
     the first / last chunk), as the runtime cuts them; the units still sum to the whole."""
     from nnscaler_jax.capture.trace import capture_spec
-    from nnscaler_jax.cost.model import CostModel
     from nnscaler_jax.cost.fusion import fused_bytes
+    from nnscaler_jax.cost.model import CostModel
     from nnscaler_jax.pipeline.cut import _op_cost, plan_cut
 
     spec = models.get("t5", "tiny", batch_size=16)
