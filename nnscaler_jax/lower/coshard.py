@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from nnscaler_jax.errors import PlanError
-from nnscaler_jax.ir.graph import Boundary, Op
+from nnscaler_jax.ir.graph import Boundary, Op, Tensor
+from nnscaler_jax.layout import Layout
 from nnscaler_jax.plan.plan import VALUE
 
 __all__ = ["run_coshard"]
@@ -45,6 +46,20 @@ def _merge(y: Any, pos: int, k: int, n: int) -> Any:
     return y.reshape(shape[:pos] + (n * k * c,) + shape[pos + 1:])
 
 
+def _stacked(lw: Any, t: Tensor, x: Any, pos: int) -> Any:
+    """The chunks of input ``t`` laid out as ``t`` is, chunk axis unsplit: left to GSPMD, the
+    reshapes of :func:`_split` can carry a split onto the chunk axis, and the loop's slice of
+    one chunk then replicates the whole stack on every device (XLA's "involuntary full
+    rematerialization"; seen on a Swin at 64 px)."""
+    lay = lw.layouts.get(t.id)
+    if lay is None or lay.partial or not t.ndim:
+        return x
+    sizes = dict(zip(lw.mesh.axis_names, lw.mesh.devices.shape, strict=True))
+    if x.shape[pos + 1] % math.prod(sizes[a] for a in lay.dims[pos]):
+        return x  # the chunk does not divide over the axes that split the dim
+    return jax.lax.with_sharding_constraint(x, lw.sharding(Layout(((),) + lay.dims)))
+
+
 def _seed_ways(lw: Any, seed: Op, ident: str) -> int:
     plan = lw.plan_of(seed)
     sizes = dict(zip(lw.mesh.axis_names, lw.mesh.devices.shape, strict=True))
@@ -64,8 +79,8 @@ def run_coshard(lw: Any, ops: Sequence[Op], env: dict, b: Boundary) -> None:
             f"{n} ways over the mesh and cannot run as {k} chunks per device; use a chunk "
             f"count dividing {p['size'] // n}")
     ins = [lw._read(env, t) for t in b.inputs]
-    chunked = [_split(x, a, k, n) for x, a in zip(ins, p["in_axes"], strict=True)
-               if a is not None]
+    chunked = [_stacked(lw, t, _split(x, a, k, n), a) for t, x, a
+               in zip(b.inputs, ins, p["in_axes"], strict=True) if a is not None]
     outer = {key: v for key, v in env.items() if not isinstance(key, tuple)}
 
     @jax.checkpoint
