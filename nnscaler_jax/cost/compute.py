@@ -29,8 +29,8 @@ import jax.numpy as jnp
 from nnscaler_jax.ir.anno import parse_anno
 from nnscaler_jax.ir.graph import DataflowMemo, Graph, Op, Role, Tensor, dtype_itemsize
 
-__all__ = ["FREE", "MATMUL", "TRAINABLE", "grad_sources", "grad_tensors", "is_float", "itemsize",
-           "op_bytes", "op_flops", "region_length", "walk_weighted"]
+__all__ = ["FREE", "MATMUL", "TRAINABLE", "grad_sources", "grad_tensors", "is_float",
+           "is_reduction", "itemsize", "op_bytes", "op_flops", "region_length", "walk_weighted"]
 
 MATMUL = frozenset({"dot_general", "conv_general_dilated"})
 TRAINABLE = (None, "params", "param")  # variable collections that get gradients
@@ -55,6 +55,11 @@ def _is_float(dtype: str) -> bool:
         return bool(jnp.issubdtype(dtype, jnp.inexact))
     except TypeError:
         return False
+
+
+def is_reduction(op: Op) -> bool:
+    """A reduction (``reduce_*``, ``argmax`` / ``argmin``): one kernel that writes its result."""
+    return op.primitive.startswith(("reduce_", "argm"))
 
 
 def numel(t: Tensor) -> int:

@@ -37,10 +37,9 @@ The model here follows XLA's fusion rules closely enough for a roofline:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
-from nnscaler_jax.cost.compute import FREE, MATMUL, itemsize
+from nnscaler_jax.cost.compute import FREE, MATMUL, is_reduction
 from nnscaler_jax.cost.residuals import CHEAP, residual_outputs
 from nnscaler_jax.ir.graph import DataflowMemo, Graph, Op
 
@@ -57,14 +56,10 @@ rng_bit_generator threefry2x32 custom_call fft cholesky triangular_solve eigh lu
 _MEMO = DataflowMemo()
 
 
-def _reduction(op: Op) -> bool:
-    return op.primitive.startswith(("reduce_", "argm"))
-
-
 def fusible(op: Op) -> bool:
     """Whether XLA can fuse ``op`` into its consumers (an elementwise or layout op)."""
     return not (op.regions or op.primitive in MATMUL or op.primitive in BARRIER
-                or _reduction(op))
+                or is_reduction(op))
 
 
 def fused_bytes(graph: Graph) -> Mapping[int, float]:
@@ -93,7 +88,7 @@ def _level(graph: Graph, saved: Mapping[int, tuple[int, ...]], out: dict[int, fl
     for op in reversed(graph.ops):  # consumers first: a free op passes its need back
         if op.primitive in FREE and any(t.id in needed for t in op.outputs):
             needed.update(t.id for t in op.inputs)
-        if not (fusible(op) or _reduction(op)):  # a matmul, region or barrier reads buffers
+        if not (fusible(op) or is_reduction(op)):  # a matmul, region or barrier reads buffers
             needed.update(t.id for t in op.inputs)
         needed.update(op.outputs[k].id for k in saved.get(op.id, ()))
         if fusible(op) and op.primitive not in CHEAP | FREE:  # not duplicated into readers
@@ -114,14 +109,10 @@ def _level(graph: Graph, saved: Mapping[int, tuple[int, ...]], out: dict[int, fl
         if op.primitive in FREE:
             out[op.id] = 0.0
             continue
-        ins = sum(_nbytes(t) for t in op.inputs if t.ndim and in_memory(t.id))  # (a scalar is
-        # a kernel argument); a cheap op fused into several readers is computed in each
-        dup = max((len(readers.get(t.id, ())) for t in op.outputs if t.id not in needed),
-                  default=1) if fusible(op) else 1
-        ins *= max(dup, 1)
-        outs = sum(_nbytes(t) for t in op.outputs if not fusible(op) or t.id in needed)
+        ins = sum(t.nbytes for t in op.inputs if t.ndim and in_memory(t.id))  # (a scalar is a
+        # kernel argument); a cheap op fused into several readers is computed in each
+        if fusible(op):
+            ins *= max([1, *(len(readers.get(t.id, ())) for t in op.outputs
+                             if t.id not in needed)])
+        outs = sum(t.nbytes for t in op.outputs if not fusible(op) or t.id in needed)
         out[op.id] = float(ins + outs)
-
-
-def _nbytes(t) -> int:
-    return math.prod(t.shape) * itemsize(t)

@@ -62,6 +62,7 @@ from nnscaler_jax.cost.compute import (
     TRAINABLE,
     compute_dtype,
     is_float,
+    is_reduction,
     itemsize,
     needs_grad_locally,
     op_bytes,
@@ -207,7 +208,7 @@ class CostModel:
         a matmul's or reduction's 3k kernels (forward, recomputed forward, backward) cost at
         least the device's launch floor each, so small chunks are priced by the floor, not the
         roofline (elementwise ops fuse into them)."""
-        if op.primitive not in MATMUL and not op.primitive.startswith(("reduce_", "argm")):
+        if op.primitive not in MATMUL and not is_reduction(op):
             return 0.0
         per = self.forward_time(op, split, traffic) / k
         return 3 * k * max(0.0, self.device.launch_s - per)
