@@ -34,11 +34,12 @@ from _xla_live import dump_flags, peak_kinds
 from nnscaler_jax.mesh.cpu import cpu_xla_flags  # starts no JAX backend
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# recompute kept by XLA:CPU (nnscaler_jax/mesh/cpu.py), or it would show no saving; XLA dumps
-# the gradient step's live ranges (its live peak, next to memory_analysis)
+# recompute kept by XLA:CPU (nnscaler_jax/mesh/cpu.py), or it would show no saving; reductions
+# fused as on a GPU rather than handed to YNNPACK with their inputs materialised; XLA dumps the
+# gradient step's live ranges (its live peak, next to memory_analysis)
 DUMP = tempfile.mkdtemp(prefix="bench_decisions_memory_xla_")
 os.environ["XLA_FLAGS"] = cpu_xla_flags(os.environ.get("XLA_FLAGS", "") + dump_flags(DUMP),
-                                        keep_remat=True)
+                                        keep_remat=True, gpu_fusion=True)
 
 import jax
 
