@@ -24,11 +24,10 @@ canary relayout checks that XLA's warnings reach it (they do not under TF_CPP_MI
 
 from __future__ import annotations
 
-import warnings
-from collections import Counter
-
 import os
 import pathlib
+import warnings
+from collections import Counter
 
 import flax.linen as nn
 import jax
