@@ -35,14 +35,14 @@ from nnscaler_jax.cost.residuals import (
     residual_outputs,
     saved_operands,
 )
-from nnscaler_jax.ir.coshard import chunks_of, with_boundaries
+from nnscaler_jax.ir.coshard import COSHARD, chunks_of, with_boundaries
 from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.mesh.axes import data_axes
 from nnscaler_jax.plan.layouts import plan_layouts, sole_read_variables, unstack
 from nnscaler_jax.plan.plan import OpPlan, Plan
 
-__all__ = ["analyze", "boundary_kinds"]
+__all__ = ["analyze", "boundary_kinds", "loop_stacks"]
 
 
 @dataclass
@@ -80,6 +80,32 @@ def boundary_kinds(graph: Graph) -> dict[int, tuple[str, tuple[Tensor, ...]]]:
     return out
 
 
+
+
+def loop_stacks(graph: Graph) -> dict[int, tuple[int, tuple[tuple[Tensor, int], ...]]]:
+    """Co-sharded block id -> (the remat boundary whose backward runs it: its recompute group,
+    else the block itself; ``(tensor, copies)``: what the block's chunk loop holds besides the
+    block's own transient while its backward runs). The loop (``lower/coshard.py``) scans over
+    its chunked inputs stacked (a transposed copy, built again in a recomputed layer) and
+    writes the inputs' cotangent stacked before transposing it back; the outputs' cotangent is
+    stacked to be scanned over: each chunked input once (twice recomputed), each output once.
+    Measured on XLA:CPU (Swin at 64 px, ``scripts/bench_decisions_memory.py``)."""
+    kinds = {b.id: b.kind for b in graph.boundaries}
+    outer: dict[int, int] = {}
+    for op in graph.ops:
+        remat = [b for b in op.boundary if kinds.get(b) in REMAT_KINDS]
+        for b in op.boundary:
+            if kinds.get(b) == COSHARD:
+                outer.setdefault(b, remat[0])
+    out = {}
+    for b in graph.boundaries:
+        if b.id not in outer:
+            continue
+        again = 2 if outer[b.id] != b.id else 1
+        ins = tuple((t, again) for t, a in zip(b.inputs, b.eqn.params["in_axes"], strict=True)
+                    if a is not None and t.ndim)
+        out[b.id] = (outer[b.id], ins + tuple((t, 1) for t in b.outputs if t.ndim))
+    return out
 
 
 def _region_layouts(op: Op, ins: tuple[Layout, ...], layout: dict[int, Layout],
@@ -208,6 +234,9 @@ class _Walk:
                     self.kept.setdefault(t.id, min(model._local_bytes(t, lay)
                                                    for lay in lays) * mult)
         out.activations = sum(self.kept.values())
+        for outer, held in loop_stacks(self.graph).values():  # co-sharded blocks' loops
+            self.remat_sum[outer] = self.remat_sum.get(outer, 0.0) + sum(
+                model._local_bytes(t, layout[t.id]) * copies for t, copies in held)
         out.transient = max([out.transient, *(s + sum(self.regathered.get(b, {}).values())
                                                for b, s in self.remat_sum.items())])
 

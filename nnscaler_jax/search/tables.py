@@ -45,7 +45,7 @@ import numpy as np
 from nnscaler_jax.cost.compute import FREE, grad_tensors
 from nnscaler_jax.cost.fusion import fused_bytes
 from nnscaler_jax.cost.model import CostModel
-from nnscaler_jax.cost.plan_walk import boundary_kinds
+from nnscaler_jax.cost.plan_walk import boundary_kinds, loop_stacks
 from nnscaler_jax.cost.relayout import drop_partial, partial_grad_axes
 from nnscaler_jax.cost.residuals import residual_outputs
 from nnscaler_jax.ir.coshard import chunks_of
@@ -298,6 +298,7 @@ class _Builder(EdgePricing):
                     self.member_memo[key] = vec
             d = blocks.setdefault(b, {})
             d[g] = d[g] + vec if g in d else vec
+        self._loop_stacks(blocks)
         out: dict[tuple, tuple[tuple[tuple[int, np.ndarray], ...], list]] = {}
         for b in blocks.keys() | self.regathered.keys():
             d = dict(blocks.get(b, {}))
@@ -318,6 +319,26 @@ class _Builder(EdgePricing):
             edges += [Edge.compressed(u, v, np.zeros_like(m), m, block=i)
                       for (u, v), m in pairs if np.any(m)]
         return remat, edges
+
+    def _loop_stacks(self, blocks: dict[int, dict[int, np.ndarray]]) -> None:
+        """Adds to ``blocks`` what co-sharded blocks' chunk loops hold during their backward
+        (``plan_walk.loop_stacks``), by the strategy of each stacked tensor's producer (an
+        example input, produced by none, at its replicated bytes)."""
+        producer = self.graph.producer
+        for outer, held in loop_stacks(self.graph).values():
+            d, fixed, last = blocks.setdefault(outer, {}), 0.0, None
+            for t, copies in held:
+                op = producer.get(t.id)
+                if op is None or op.id not in self.space.where:
+                    fixed += t.nbytes * copies / self.cm.microbatches
+                    continue
+                g, _f, mi, fg = last = self.fgroup(op.id)
+                j = [o.id for o in op.outputs].index(t.id)
+                vec = np.array([self.cm._local_bytes(t, self.lays[op.id, sp][1][j])
+                                for sp in fg.splits[mi]]) * copies / self.cm.microbatches
+                d[g] = d[g] + vec if g in d else vec
+            if fixed and last is not None:  # (its outputs are produced inside it)
+                d[last[0]] = d[last[0]] + fixed
 
     # ---- gradient syncs ------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ import models
 from nnscaler_jax import Constraints, auto_parallel
 from nnscaler_jax.capture.trace import capture_spec
 from nnscaler_jax.errors import NoFitError
-from nnscaler_jax.planner import make_plan
+from nnscaler_jax.planner import make_plan, plan_and_report
 
 AXES = {"data": 2, "model": 4}
 
@@ -51,3 +51,17 @@ def test_cosharding_fits_where_alpa_cannot(name, share):
     with pytest.raises(NoFitError):
         make_plan(graph, AXES, policy="alpa", constraints=cons, time_limit=10)
     assert_like_one_device(pm, spec.module, v, args)
+
+
+@pytest.mark.slow
+def test_the_search_prices_a_cosharded_plan_as_plan_cost_does():
+    """The search's tables and ``plan_cost`` agree on a plan that co-shards and recomputes
+    (Swin tiny at 34%): the same step, and the same peak, which holds each co-sharded block's
+    chunk-loop stacks next to one chunk of its residuals (``plan_walk.loop_stacks``)."""
+    _, graph = _graph("swin")
+    budget = int(make_plan(graph, AXES).cost.memory_bytes_per_device * 0.34)
+    planned = plan_and_report(graph, AXES, constraints=Constraints(max_memory_per_device=budget))
+    plan, report = planned.plan, planned.report
+    assert plan.coshard and plan.recompute and report is not None
+    assert report.memory_bytes == pytest.approx(plan.cost.memory_bytes_per_device, abs=1)
+    assert report.objective_s == pytest.approx(plan.cost.step_time_s, rel=1e-9)
