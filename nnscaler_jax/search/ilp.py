@@ -52,13 +52,18 @@ from nnscaler_jax.search.tables import CostTables, build_tables
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GroupCost", "SearchReport", "fixed_decisions", "search", "search_policy",
-           "solve"]
+__all__ = ["PRESOLVE_MAX_VARIABLES", "GroupCost", "SearchReport", "fixed_decisions", "search",
+           "search_policy", "solve"]
 
 RESOLVE_FACTOR, RESOLVE_FLOOR_S = 10.0, 10.0  # a re-solve's time limit (see _meet_budget)
 MIP_GAP = 1e-4
 """HiGHS stops at a plan within this fraction of the optimum's objective (0.01%: far below
 the cost model's own error; proving 1e-6 took a quarter of Swin's search under a budget)."""
+PRESOLVE_MAX_VARIABLES = 1_000_000
+"""Above this many variables HiGHS solves without presolve: its presolve does not check the
+time limit (ERGO-Code/HiGHS#1501), and the Alpa-style AF2-initial ILP (2,378,663 variables,
+60 s limit) was still in presolve after 14 minutes; without it each solve stopped at 70 s with a
+plan (the best found by then)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,10 +192,12 @@ def solve(tables: CostTables, *, max_memory: float | None = None, time_limit: fl
         if max_memory is not None else Bounds(0.0, 1.0)
     integrality = np.zeros(nv)
     integrality[: int(off[-1])] = 1
-    log.info("%s: %d variables (%d binary), %d constraints", desc, nv, int(off[-1]), lp.r)
+    options = {"time_limit": float(time_limit), "disp": False, "mip_rel_gap": MIP_GAP,
+               "presolve": nv <= PRESOLVE_MAX_VARIABLES}
+    log.info("%s: %d variables (%d binary), %d constraints%s", desc, nv, int(off[-1]), lp.r,
+             "" if options["presolve"] else ", no presolve (it overruns the time limit)")
     res = milp(c, constraints=LinearConstraint(a, lp.lb, lp.ub), integrality=integrality,
-               bounds=bounds,
-               options={"time_limit": float(time_limit), "disp": False, "mip_rel_gap": MIP_GAP})
+               bounds=bounds, options=options)
     if res.x is None:
         if max_memory is not None and res.status == 1:  # time limit, no plan found yet
             raise NoFitError(
