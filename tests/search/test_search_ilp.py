@@ -11,10 +11,10 @@ from meshes import make_mesh
 
 import models
 from nnscaler_jax import Constraints, PlanError, Rule, auto_parallel
-from nnscaler_jax.planner import make_plan
 from nnscaler_jax.capture.trace import capture, capture_spec
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.lower.verify import max_rel_diff
+from nnscaler_jax.planner import make_plan
 from nnscaler_jax.search import alpa_search, build_space, search
 from nnscaler_jax.search.space import build_space as _space
 from nnscaler_jax.search.tables import build_tables
