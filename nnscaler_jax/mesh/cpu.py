@@ -15,8 +15,8 @@ them (``scripts/fuzz_plans.py`` seed 2024, case 12: a hand-split ``shard_map`` r
 ``while`` body holds the barriers). The memory benchmarks and the recompute memory test (in its
 own process) use it; the test suite and the command line do not.
 
-``gpu_fusion=True`` makes XLA:CPU fuse reductions and elementwise ops as XLA:GPU does, for
-measuring memory against the cost model: by default XLA:CPU hands reductions and some
+``gpu_fusion=True`` leaves reductions and elementwise ops to XLA's own loop fusion, as on a
+GPU, for measuring memory against the cost model: by default XLA:CPU hands reductions and some
 elementwise chains to YNNPACK library fusions, which read every input materialised, so a
 broadcast that a GPU fusion recomputes in place (a LayerNorm's scale, its ``1/std``) is written
 out and kept from the forward to the backward. Measured with jax 0.10.2, the reduced-size Swin
