@@ -186,8 +186,10 @@ def markdown(rows: list[dict]) -> str:
              f"which recomputes / co-shards. Goal: ratios and the saving within "
              f"{TOLERANCE:.0%}. `live peak`: the most bytes XLA has live at once (its live-range "
              "dump, constants left out); `XLA` packs the temporaries into one buffer, which can "
-             "be larger (`packing`: XLA / live peak). Written by "
-             "scripts/bench_decisions_memory.py.")
+             "be larger (`packing`: XLA / live peak). XLA:CPU compiles with "
+             "`nnscaler_jax.mesh.cpu.cpu_xla_flags(keep_remat=True, gpu_fusion=True)`: recompute "
+             "kept, reductions fused by XLA as on a GPU rather than handed to YNNPACK. Written "
+             "by scripts/bench_decisions_memory.py.")
     lines = ["# Recompute and co-sharding under a budget: estimate vs XLA (CPU, 2x4 mesh)", "",
              intro, "",
              ("| model | budget (share) | plan | recompute / co-sharded | estimate | XLA | ratio "
