@@ -151,7 +151,8 @@ def _shapes(cases: dict) -> list[str]:
 def _markdown(results: dict) -> str:
     lines = ["# Plans that fit: nnScaler's workloads on V100-32GB and A100-80GB clusters", "",
              "Predicted step (s) / memory per device (GiB) / search (s); rc: recomputed layers, "
-             "cs: co-sharded blocks; `no (X GiB)`: nothing fits, X the smallest estimate. "
+             "cs: co-sharded blocks; `no (X GiB)`: nothing fits, X the smallest estimate; `none "
+             "found in S s`: the solver found no plan within the budget in its time limit. "
              "Ratio: baseline step / ours (> 1: ours faster). Rows are from the run that last "
              "planned them (see docs/benchmarks.md).", ""]
     for cluster, cases in results["clusters"].items():
@@ -175,6 +176,8 @@ def _markdown(results: dict) -> str:
                                  f"{e['search_s']:.0f}" + (f" ({extra})" if extra else ""))
                 elif e.get("fits") is False and e.get("memory_bytes_per_device"):
                     cells.append(f"no ({e['memory_bytes_per_device'] / 2**30:.0f} GiB)")
+                elif e.get("fits") is False:  # the solver's time limit, nothing found
+                    cells.append(f"none found in {e['search_s']:.0f} s")
                 else:
                     cells.append("error" if e else "-")
             ratios = ", ".join(f"{p} {r:.2f}x" for p, r in row["ratios"].items())
