@@ -31,6 +31,8 @@ reads materialised operands).
 '--xla_disable_hlo_passes=foo,cse_barrier_expander --xla_force_host_platform_device_count=4'
 >>> cpu_xla_flags("", gpu_fusion=True)
 '--xla_cpu_experimental_ynn_fusion_type=dot --xla_force_host_platform_device_count=8'
+>>> cpu_xla_flags("--xla_cpu_experimental_ynn_fusion_type=dot,reduce", 2, gpu_fusion=True)
+'--xla_cpu_experimental_ynn_fusion_type=dot,reduce --xla_force_host_platform_device_count=2'
 """
 
 from __future__ import annotations
