@@ -39,9 +39,11 @@ from _xla_live import dump_flags, peak_kinds
 
 from nnscaler_jax.mesh.cpu import cpu_xla_flags  # starts no JAX backend
 
-# XLA dumps the grad step's buffer live ranges: what is live at its memory peak (by fusion kind)
+# XLA dumps the grad step's buffer live ranges: what is live at its memory peak (by fusion kind);
+# reductions fused by XLA as on a GPU, not handed to YNNPACK (nnscaler_jax/mesh/cpu.py)
 DUMP = tempfile.mkdtemp(prefix="bench_predict_xla_")
-os.environ["XLA_FLAGS"] = cpu_xla_flags(os.environ.get("XLA_FLAGS", "") + dump_flags(DUMP))
+os.environ["XLA_FLAGS"] = cpu_xla_flags(os.environ.get("XLA_FLAGS", "") + dump_flags(DUMP),
+                                        gpu_fusion=True)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
