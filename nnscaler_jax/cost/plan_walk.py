@@ -90,12 +90,12 @@ def loop_stacks(graph: Graph) -> dict[int, tuple[int, tuple[tuple[Tensor, int], 
     writes the inputs' cotangent stacked before transposing it back; the outputs' cotangent is
     stacked to be scanned over: each chunked input once (twice recomputed), each output once.
     Measured on XLA:CPU (Swin at 64 px, ``scripts/bench_decisions_memory.py``)."""
-    kinds = {b.id: b.kind for b in graph.boundaries}
+    kinds = boundary_kinds(graph)
     outer: dict[int, int] = {}
     for op in graph.ops:
-        remat = [b for b in op.boundary if kinds.get(b) in REMAT_KINDS]
+        remat = [b for b in op.boundary if kinds.get(b, ("",))[0] in REMAT_KINDS]
         for b in op.boundary:
-            if kinds.get(b) == COSHARD:
+            if kinds.get(b, ("",))[0] == COSHARD:
                 outer.setdefault(b, remat[0])
     out = {}
     for b in graph.boundaries:

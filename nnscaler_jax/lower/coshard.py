@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Boundary, Op, Tensor
 from nnscaler_jax.layout import Layout
+from nnscaler_jax.mesh.axes import mesh_axes
 from nnscaler_jax.plan.plan import VALUE
 
 __all__ = ["run_coshard"]
@@ -54,7 +55,7 @@ def _stacked(lw: Any, t: Tensor, x: Any, pos: int) -> Any:
     lay = lw.layouts.get(t.id)
     if lay is None or lay.partial or not t.ndim:
         return x
-    sizes = dict(zip(lw.mesh.axis_names, lw.mesh.devices.shape, strict=True))
+    sizes = mesh_axes(lw.mesh)
     if x.shape[pos + 1] % math.prod(sizes[a] for a in lay.dims[pos]):
         return x  # the chunk does not divide over the axes that split the dim
     return jax.lax.with_sharding_constraint(x, lw.sharding(Layout(((),) + lay.dims)))
@@ -62,7 +63,7 @@ def _stacked(lw: Any, t: Tensor, x: Any, pos: int) -> Any:
 
 def _seed_ways(lw: Any, seed: Op, ident: str) -> int:
     plan = lw.plan_of(seed)
-    sizes = dict(zip(lw.mesh.axis_names, lw.mesh.devices.shape, strict=True))
+    sizes = mesh_axes(lw.mesh)
     return math.prod(sizes[a] for a, d in plan.split if d == ident and d != VALUE)
 
 
