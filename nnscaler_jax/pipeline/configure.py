@@ -48,18 +48,22 @@ def configure_pipeline(plan: Plan, graph: Graph, constraints: Constraints,
         virtual = 2 if asked == "interleaved" else getattr(asked, "virtual", 1)
         choice = _priced(setup, constraints.microbatches or getattr(asked, "microbatches",
                                                                     setup.stages),
-                         asked, virtual)
+                         asked, virtual, constraints.max_memory_per_device)
         report = ""
     stages = mesh_axes[require_stage_axis(mesh_axes)]
     layers = cut.stage_of if cut else stage_of(graph_layers(graph).stack, stages, choice.virtual)
     settings = PipelineSettings(stages, choice.microbatches, choice.schedule, choice.virtual,
-                                layers, report, steps=settings_steps(constraints.schedule))
+                                layers, report, steps=settings_steps(constraints.schedule),
+                                recompute=choice.recompute)
     return replace(plan, pipeline=settings, cost=_cost(choice))
 
 
 def _priced(setup: RuntimeSetup, microbatches: int, schedule: str | Schedule,
-            virtual: int) -> RuntimeChoice:
-    rows = [r for r in setup.choices(microbatches=microbatches, schedule=schedule)
+            virtual: int, budget: float | None = None) -> RuntimeChoice:
+    """The asked configuration priced: the fastest row that fits ``budget`` (every layer
+    recomputed inside its chunk only when keeping the chunk's activations does not fit), else
+    the fastest."""
+    rows = [r for r in setup.choices(budget, microbatches=microbatches, schedule=schedule)
             if r.virtual == virtual]
     if not rows:
         raise PlanError(f"pipeline: schedule {getattr(schedule, 'name', schedule)!r} with "

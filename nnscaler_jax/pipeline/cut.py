@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +44,7 @@ from nnscaler_jax.pipeline.pricing import RuntimeSetup
 from nnscaler_jax.pipeline.units import Unit
 
 __all__ = ["Cut", "balance", "chunk_starts", "eqn_path", "first_positions", "identical_layers",
-           "plan_cut", "segment_starts", "tp_error"]
+           "layer_kept", "plan_cut", "segment_starts", "tp_error"]
 
 
 def eqn_path(eqn: Any, root: str) -> str:
@@ -289,7 +289,8 @@ def plan_cut(graph: Graph, mesh_axes: dict[str, int], constraints: Constraints, 
     link = model.mesh.link
     batch = next((t.shape[0] for t in graph.inputs if t.role is Role.INPUT and t.shape), 1)
     ends = _outside(paths, stage_of, starts)
-    setup = RuntimeSetup(_chunk_units(graph, starts, batch, model, ends), axis, data, (), S,
+    units = _chunk_units(graph, starts, batch, model, ends, sorted({p for p, _ in cands}))
+    setup = RuntimeSetup(units, axis, data, (), S,
                          math.prod(mesh_axes[a] for a in data), 1, batch, link(axis),
                          link(data[0]) if data else link(axis), link(axis))
     return Cut(starts, stage_of, setup)
@@ -320,13 +321,16 @@ def _outside(paths: list[str], stage_of: tuple, starts: tuple[int, ...]) -> tupl
 
 
 def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
-                 model: CostModel, ends: tuple[int, int] | None = None) -> list[Unit]:
+                 model: CostModel, ends: tuple[int, int] | None = None,
+                 groups: Sequence[int] = ()) -> list[Unit]:
     """``[prefix, chunk 0, ..., chunk C-1, suffix]`` priced per sample: compute, kept
     activations, owned parameter bytes and the bytes sent to the next chunk. The prefix / suffix
     are the ops before / from ``ends`` (the embedding and the head + loss: interlaced runs them
     as its all-device blocks, the other schedules in the first / last chunk); the prefix
     carries the shared parameters. A parameter's cast to the compute precision is made by each
-    chunk reading it (not sent, not kept)."""
+    chunk reading it (not sent, not kept). ``groups``: the op indices where a module a chunk
+    may start at begins: with every layer recomputed inside its chunk (``recompute='layer'``)
+    each such run of ops is one layer (:func:`layer_kept`)."""
     ops, C = graph.ops, len(starts)
     e, h = ends or (0, len(ops))
     bounds = list(zip(starts, list(starts[1:]) + [len(ops)], strict=True))
@@ -373,6 +377,28 @@ def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
                   if last_read.get(t.id, -1) >= e)
     units = [Unit("<prefix>", *priced(0, e), shared, pre_out / batch)]
     for c, (a, b) in enumerate(bounds):
-        units.append(Unit(f"<chunk {c}>", *priced(max(a, e), min(b, h)), owned[c],
-                          sent[c] / batch))
+        a, b = max(a, e), min(b, h)
+        cuts = [a] + [g for g in groups if a < g < b] + [b]
+        kept, largest = layer_kept(graph, cuts, casts, lambda i, j: priced(i, j)[1] * batch)
+        units.append(Unit(f"<chunk {c}>", *priced(a, b), owned[c], sent[c] / batch,
+                          layer_in_bytes=kept / batch, layer_act_bytes=largest / batch))
     return units + [Unit("<suffix>", *priced(h, len(ops)), 0.0, 0.0)]
+
+
+def layer_kept(graph: Graph, cuts: Sequence[int], casts: Mapping[int, int],
+               act: Callable[[int, int], float]) -> tuple[float, float]:
+    """``(bytes kept, largest layer's activations)`` of the ops ``cuts[0]:cuts[-1]`` run as the
+    layers ``cuts[k]:cuts[k + 1]``, each recomputed in the backward (``jax.checkpoint``): each
+    layer keeps the values it reads that earlier ops made (activations and example inputs, not
+    variables, constants or parameter casts, each once), and one layer's activations
+    (``act(i, j)``) are live at a time."""
+    ops, kept, seen = graph.ops, 0.0, set()
+    made_at = {t.id: i for i, op in enumerate(ops) for t in op.outputs if op.id not in casts}
+    made_at.update((t.id, -1) for t in graph.inputs if t.role is Role.INPUT)
+    for a, b in itertools.pairwise(cuts):
+        for op in ops[a:b]:
+            for t in op.inputs:
+                if made_at.get(t.id, a) < a and t.id not in seen:
+                    seen.add(t.id)
+                    kept += math.prod(t.shape) * itemsize(t)
+    return kept, max((act(a, b) for a, b in itertools.pairwise(cuts)), default=0.0)

@@ -45,7 +45,7 @@ from nnscaler_jax.pipeline.chunks import pack, packing, unpack
 from nnscaler_jax.pipeline.loop_tables import CODES
 from nnscaler_jax.pipeline.mutable import average
 
-__all__ = ["local_step", "run_segment", "send_if"]
+__all__ = ["layered", "local_step", "outvars", "run_segment", "send_if"]
 
 
 def _value(env: dict, v: Any) -> Any:
@@ -85,7 +85,11 @@ def run_segment(prog: Any, seg: int, pvec: dict, shared: list, cin: dict, batch:
         else:
             xs = [jnp.where(fresh, b, p) for b, p in zip(first, prev, strict=True)]
         env.update(zip(prog.x_vars, xs, strict=True))
-    NO_CONSTRAINTS.evaluate(cut.segments[seg], env)
+    if prog.recompute == "layer":
+        needed = [*outvars(cj.jaxpr.outvars), *(cut.bounds[seg] if seg < cut.chunks - 1 else ())]
+        layered(cut.segments[seg], env, prog.layer_starts, needed)
+    else:
+        NO_CONSTRAINTS.evaluate(cut.segments[seg], env)
     new = pack([_value(env, prog.coll_out[k]) for k in own],
                prog.coll_pack[c] if chunk else packing([]), prog.coll_width)
     if seg < cut.chunks - 1:
@@ -97,6 +101,36 @@ def run_segment(prog: Any, seg: int, pvec: dict, shared: list, cin: dict, batch:
     else:
         out = {dt: jnp.zeros((n,), dt) for dt, n in prog.c_width.items()}
     return out, jnp.asarray(_value(env, loss), jnp.float32), new
+
+
+def outvars(xs: Any) -> list[Any]:
+    """The variables among ``xs`` (literals left out)."""
+    return [v for v in xs if not isinstance(v, jcore.Literal)]
+
+
+def layered(eqns: Any, env: dict, starts: frozenset, needed: Any) -> None:
+    """Evaluate ``eqns`` into ``env`` as layers, each under ``jax.checkpoint`` (a new layer at
+    each equation whose id is in ``starts``): differentiated, each keeps only the values it
+    reads and is recomputed in the backward. ``needed``: the variables read after ``eqns``."""
+    layers: list[list[Any]] = [[]]
+    for e in eqns:
+        if id(e) in starts and layers[-1]:
+            layers.append([])
+        layers[-1].append(e)
+    later = [set(needed)]
+    for lay in reversed(layers[1:]):
+        later.append(later[-1] | {v for e in lay for v in outvars(e.invars)})
+    for lay, read_after in zip(layers, reversed(later), strict=True):
+        made = {v: None for e in lay for v in e.outvars}
+        ins = list({v: None for e in lay for v in outvars(e.invars) if v not in made})
+        outs = [v for v in made if v in read_after]
+
+        def run(*xs, lay=lay, ins=ins, outs=outs):
+            local = dict(zip(ins, xs, strict=True))
+            NO_CONSTRAINTS.evaluate(lay, local)
+            return [local[v] for v in outs]
+
+        env.update(zip(outs, jax.checkpoint(run)(*[env[v] for v in ins]), strict=True))
 
 
 def _floats(prog: Any, vec: dict) -> list[str]:

@@ -41,7 +41,7 @@ from nnscaler_jax.errors import PlanError
 from nnscaler_jax.mesh.axes import require_stage_axis
 from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.chunks import cut_program, packing, param_casts, widths
-from nnscaler_jax.pipeline.cut import eqn_path, segment_starts, tp_error
+from nnscaler_jax.pipeline.cut import eqn_path, first_positions, segment_starts, tp_error
 from nnscaler_jax.pipeline.cut_blocks import local_step
 from nnscaler_jax.pipeline.in_stage import tensor_axes
 from nnscaler_jax.pipeline.loop_tables import loop_tables
@@ -71,9 +71,10 @@ class CutProgram:
 
     def __init__(self, module: Any, loss_fn: Callable, mesh: Any, sched: sch.Schedule,
                  params: Any, batch: tuple, *, stage_of: tuple, policy: Any = None,
-                 rules: tuple = (), call: ModuleCall | None = None):
+                 rules: tuple = (), call: ModuleCall | None = None, recompute: str = "chunk"):
         del rules  # recompute rules are refused by PipelineStep; every chunk is recomputed
         self.module, self.loss_fn, self.mesh, self.schedule = module, loss_fn, mesh, sched
+        self.recompute = recompute  # 'layer': each module of a chunk under jax.checkpoint
         axes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
         self.axis = require_stage_axis(axes)
         S, M = sched.stages, sched.microbatches
@@ -119,8 +120,10 @@ class CutProgram:
         np_, nc = len(abstract), len(self.coll_avals)
         self.seg0 = int(sched.all_device)  # the embedding segment comes first (interlaced)
         eqns, _ = param_casts(closed, np_ + nc)  # (casts go where they are read)
-        starts = segment_starts([eqn_path(e, type(self.module).__name__) for e in eqns],
-                                stage_of, sched.stages, C, all_device=sched.all_device)
+        paths = [eqn_path(e, type(self.module).__name__) for e in eqns]
+        starts = segment_starts(paths, stage_of, sched.stages, C, all_device=sched.all_device)
+        first = first_positions(paths)  # layers: the recorded cut points' modules
+        self.layer_starts = frozenset(id(eqns[first[n]]) for n, _ in stage_of if n in first)
         self.cut = cut = cut_program(closed, np_ + nc, starts, made_first=self.x_vars,
                                      carried=[(np_ + k, 1 + k) for k in range(nc)])
         # chunk c is segment c + seg0; the embedding / head segments' parameters are shared

@@ -41,7 +41,8 @@ class RuntimeChoice:
         bubble_s: the schedule table's time (without gradient sync) minus the busiest stage's
             work.
         memory_bytes: per stage (params + grads + optimizer + the runtime's activation and
-            cotangent buffer slots + one chunk's activations).
+            cotangent buffer slots + one chunk's activations, or with ``recompute='layer'`` its
+            layers' inputs and one layer's activations).
         fits: within the memory budget.
         compute_s: the busiest stage's compute seconds over the step (forward, recomputed
             forward, backward of all its micro-batches).
@@ -50,6 +51,8 @@ class RuntimeChoice:
             ``step_time_s - compute_s - comm_s`` is the busiest stage's idle time (bubble).
         comm_bytes: bytes a device of the busiest stage sends per step (all-reduces counted
             as ``2 (p - 1) / p`` x buffer, as ring all-reduces send).
+        recompute: ``PipelineSettings.recompute``: ``'chunk'``, or ``'layer'`` (every layer
+            also recomputed inside its chunk's backward: one more forward of the layers).
     """
 
     schedule: str
@@ -63,9 +66,11 @@ class RuntimeChoice:
     compute_s: float = 0.0
     comm_s: float = 0.0
     comm_bytes: float = 0.0
+    recompute: str = "chunk"
 
     def row(self) -> str:
-        name = self.schedule + (f" x{self.virtual}" if self.virtual > 1 else "")
+        name = (self.schedule + (f" x{self.virtual}" if self.virtual > 1 else "")
+                + (" +rc" if self.recompute == "layer" else ""))
         return (f"{name:<14} {self.microbatches:>4} x {self.microbatch_size:<4} "
                 f"{self.step_time_s * 1e3:>10.3f} {self.bubble_s * 1e3:>9.3f} "
                 f"{max(self.memory_bytes) / 2**20:>10.2f}{'' if self.fits else '  over budget'}")
@@ -137,6 +142,11 @@ def runtime_choices(units: list[Unit], stages: int, dp: int, batch: int,
     its half), one chunk's activations / ``tp``; the buffered stage inputs and the
     ``ppermute``\\ d activations stay whole (replicated over the tensor-parallel axes).
 
+    Each configuration is priced twice when the units have layers (``recompute``): the chunk's
+    backward keeping all its activations (``'chunk'``), and every layer also recomputed inside
+    it (``'layer'``: the layers' inputs kept and one layer's activations at a time, one more
+    forward of the layers, with its all-reduces).
+
     Raises:
         PlanError: no configuration the runtime can execute (layers or batch do not divide).
     """
@@ -153,7 +163,8 @@ def runtime_choices(units: list[Unit], stages: int, dp: int, batch: int,
           and microbatches in (None, m)]
     ways = _Ways(units, S, dp, tp, batch, optimizer_bytes, stage_link, data_link, tp_link,
                  memory_per_device)
-    out = [_price(ways, name, V, M) for name, V in kinds for M in ms
+    modes = ("chunk", "layer") if any(u.layer_in_bytes is not None for u in units) else ("chunk",)
+    out = [_price(ways, name, V, M, rc) for name, V in kinds for M in ms for rc in modes
            if not (name == "interleaved" and M % S)
            and getattr(name, "microbatches", M) == M]
     if not out:
@@ -194,13 +205,18 @@ class _Ways:
 @dataclass(frozen=True)
 class _ChunkWork:
     """Per chunk: compute seconds (forward + backward), one pass's tensor-parallel all-reduce
-    seconds and bytes sent, and the seconds of its forward / backward steps."""
+    seconds and bytes sent, the seconds of its forward / backward steps, and the compute /
+    all-reduce seconds and bytes of the layers recomputed again inside its backward
+    (``recompute='layer'``; else 0)."""
 
     compute: list[float]
     ar: list[float]
     ar_bytes: list[float]
     fwd: list[float]
     bwd: list[float]
+    extra: list[float]
+    extra_ar: list[float]
+    extra_ar_bytes: list[float]
 
 
 def _chunk_bounds(n: int, layers: int, chunks: int) -> list[tuple[int, int]]:
@@ -210,21 +226,29 @@ def _chunk_bounds(n: int, layers: int, chunks: int) -> list[tuple[int, int]]:
             for c in range(chunks)]
 
 
-def _chunk_work(w: _Ways, bounds: list[tuple[int, int]], mb: int) -> _ChunkWork:
+def _chunk_work(w: _Ways, bounds: list[tuple[int, int]], mb: int,
+                layer: bool = False) -> _ChunkWork:
     units, tp = w.units, w.tp
+    again = lambda u: layer and u.layer_in_bytes is not None  # recomputed once more
     fb = [sum(u.time_s for u in units[a:b]) * mb / tp for a, b in bounds]
-    ar = [sum(u.tp_collectives / 2 * all_reduce_time(w.tp_link, tp, u.out_bytes * mb)
-              for u in units[a:b]) if tp > 1 else 0.0 for a, b in bounds]
-    ar_b = [sum(u.tp_collectives / 2 * _wire(tp, u.out_bytes * mb) for u in units[a:b])
-            for a, b in bounds]
+    ext = [sum(u.time_s for u in units[a:b] if again(u)) * mb / tp / 3 for a, b in bounds]
+    ar_u = lambda u: (u.tp_collectives / 2 * all_reduce_time(w.tp_link, tp, u.out_bytes * mb)
+                      if tp > 1 else 0.0)
+    wire_u = lambda u: u.tp_collectives / 2 * _wire(tp, u.out_bytes * mb)
+    ar = [sum(ar_u(u) for u in units[a:b]) for a, b in bounds]
+    ar_b = [sum(wire_u(u) for u in units[a:b]) for a, b in bounds]
+    ext_ar = [sum(ar_u(u) for u in units[a:b] if again(u)) for a, b in bounds]
+    ext_b = [sum(wire_u(u) for u in units[a:b] if again(u)) for a, b in bounds]
     fwd = [t / 3 + c for t, c in zip(fb, ar, strict=True)]
-    bwd = [t * 2 / 3 + c + f  # + recomputed forward
-           for t, c, f in zip(fb, ar, fwd, strict=True)]
-    return _ChunkWork(fb, ar, ar_b, fwd, bwd)
+    bwd = [t * 2 / 3 + c + f + e + ea  # + recomputed forward (+ the layers' again)
+           for t, c, f, e, ea in zip(fb, ar, fwd, ext, ext_ar, strict=True)]
+    return _ChunkWork(fb, ar, ar_b, fwd, bwd, ext, ext_ar, ext_b)
 
 
-def _price(w: _Ways, name: str | sch.Schedule, V: int, M: int) -> RuntimeChoice:
-    """One (schedule, virtual, micro-batches) priced (see :func:`runtime_choices`)."""
+def _price(w: _Ways, name: str | sch.Schedule, V: int, M: int,
+           recompute: str = "chunk") -> RuntimeChoice:
+    """One (schedule, virtual, micro-batches, recompute) priced (see
+    :func:`runtime_choices`)."""
     units, S, dp, tp = w.units, w.stages, w.dp, w.tp
     n, C = len(units), S * V
     sched = name if isinstance(name, sch.Schedule) else sch.build(name, S, M, V)
@@ -232,7 +256,8 @@ def _price(w: _Ways, name: str | sch.Schedule, V: int, M: int) -> RuntimeChoice:
     if sched.all_device:  # interlaced: prefix / suffix in their own blocks
         bounds = [(max(a, 1), min(b, n - 1)) for a, b in bounds]
     mb = w.batch // (M * dp)
-    work = _chunk_work(w, bounds, mb)
+    layer = recompute == "layer"
+    work = _chunk_work(w, bounds, mb, layer)
     msg = max(units[b - 1].out_bytes * mb for a, b in bounds)
     p2p = 2 * ppermute_time(w.stage_link, S, msg) if S > 1 else 0.0
     alld, alld_compute = _all_device_work(w, mb) if sched.all_device else ({}, [0.0] * S)
@@ -251,18 +276,19 @@ def _price(w: _Ways, name: str | sch.Schedule, V: int, M: int) -> RuntimeChoice:
     ssync = all_reduce_time(w.stage_link, S, shared_grad) if S > 1 else 0.0
     step = step + dsync + ssync
     steps = len(table)
-    compute = M * (sum(work.compute[c] * (4 + sched.recycles) / 3 for c in mine[top])
-                   + alld_compute[top])
-    comm = steps * p2p + M * sum(3 * work.ar[c] for c in mine[top]) + dsync + ssync
+    compute = M * (sum(work.compute[c] * (4 + sched.recycles) / 3 + work.extra[c]
+                       for c in mine[top]) + alld_compute[top])
+    comm = steps * p2p + M * sum(3 * work.ar[c] + work.extra_ar[c] for c in mine[top]) \
+        + dsync + ssync
     sent = (steps * 2 * msg if S > 1 else 0.0) \
-        + M * sum(3 * work.ar_bytes[c] for c in mine[top]) + _wire(dp, grad) \
-        + _wire(S, shared_grad)
+        + M * sum(3 * work.ar_bytes[c] + work.extra_ar_bytes[c] for c in mine[top]) \
+        + _wire(dp, grad) + _wire(S, shared_grad)
     tables = loop_tables(sched, "FBNEHW")
     mem = _stage_memory(w, bounds, mine, params, tables.n_in + tables.n_g, mb,
-                        sched.all_device)
+                        sched.all_device, layer)
     fits = w.budget is None or max(mem) <= w.budget
     return RuntimeChoice(sched.name, V, M, mb, step, bubble, tuple(mem), fits, compute, comm,
-                         sent)
+                         sent, recompute)
 
 
 def _all_device_work(w: _Ways, mb: int) -> tuple[dict[str, float], list[float]]:
@@ -280,11 +306,13 @@ def _all_device_work(w: _Ways, mb: int) -> tuple[dict[str, float], list[float]]:
 
 
 def _stage_memory(w: _Ways, bounds: list[tuple[int, int]], mine: list[list[int]],
-                  params: list[float], slots: int, mb: int, all_device: bool) -> list[float]:
+                  params: list[float], slots: int, mb: int, all_device: bool,
+                  layer: bool = False) -> list[float]:
     """Per stage: its parameters with gradients and optimizer state, the prefix / suffix
     (replicated), the runtime's activation and cotangent buffers and one chunk's activations
     (the backward recomputes the chunk from its saved input; ``all_device``: or the prefix's /
-    suffix's on the stage running their blocks, if larger).
+    suffix's on the stage running their blocks, if larger; ``layer``: every layer recomputed
+    again inside it, the chunk keeps its layers' inputs and one layer's activations).
 
     The buffers are the loop's carry (:func:`~nnscaler_jax.pipeline.loop_tables.loop_tables`:
     ``n_in + n_g`` = ``slots``), allocated alike on every device of the SPMD program, each slot
@@ -294,8 +322,12 @@ def _stage_memory(w: _Ways, bounds: list[tuple[int, int]], mine: list[list[int]]
     """
     units, mem = w.units, []
     inp = max(units[max(a - 1, 0)].out_bytes * mb for a, _ in bounds)
+    def chunk_act(a: int, b: int) -> float:
+        kept = [u.kept(layer) for u in units[a:b]]
+        return sum(k for k, _ in kept) + max((x for _, x in kept), default=0.0)
+
     for s in range(w.stages):
-        acts = [sum(u.act_bytes for u in units[a:b]) for a, b in (bounds[c] for c in mine[s])]
+        acts = [chunk_act(a, b) for a, b in (bounds[c] for c in mine[s])]
         if all_device:
             acts += [units[0].act_bytes] * (s == 0) + [units[-1].act_bytes] * (s == w.stages - 1)
         act = max(acts) * mb / w.tp

@@ -78,8 +78,9 @@ class PipelineProgram:
 
     def __init__(self, module: Any, loss_fn: Callable, mesh: Any, sched: sch.Schedule,
                  params: Any, batch: tuple, *, policy: Any = None, rules: tuple = (),
-                 call: ModuleCall | None = None):
+                 call: ModuleCall | None = None, recompute: str = "chunk"):
         self.module, self.loss_fn, self.mesh, self.schedule = module, loss_fn, mesh, sched
+        self.recompute = recompute  # 'layer': each layer of a chunk under jax.checkpoint
         axes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
         self.axis = require_stage_axis(axes)
         if axes[self.axis] != sched.stages:
@@ -202,7 +203,8 @@ class PipelineProgram:
             self._eval(sp.layer_eqns, env)
             return env[sp.layer_y], None
 
-        x, _ = lax.scan(layer, x, layer_p)
+        x, _ = lax.scan(jax.checkpoint(layer) if self.recompute == "layer" else layer, x,
+                        layer_p)
 
         def post():
             env = dict(base)
@@ -417,7 +419,7 @@ class PipelineStep:
                             "schedule='1f1b'")
         args = (self.pm.module, self.loss_fn, self.pm.mesh, sched, params, tuple(batch))
         policy = self.pm.policy if self.pm.policy is not None else plan.policy or None  # (saved)
-        kw = {"policy": policy, "rules": c.rules, "call": call}
+        kw = {"policy": policy, "rules": c.rules, "call": call, "recompute": pipe.recompute}
         # a stack of identical layers, unless pivots ask for a cut at module boundaries; any
         # other model: heterogeneous stages (hetero.py). Other errors of the stacked program
         # (an in-stage plan that splits nothing) are the user's to see, not a reason to cut.

@@ -17,7 +17,7 @@ numbered ``<prefix>_<i>`` modules or one ``nn.scan``); each unit is priced per s
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from nnscaler_jax.cost.devices import H100_80G
 from nnscaler_jax.cost.fusion import fused_bytes
@@ -45,6 +45,10 @@ class Unit:
         out_bytes: bytes of the activation sent to the next unit.
         tp_collectives: all-reduces of ``out_bytes`` per pass under tensor parallelism
             (Megatron: 2 per layer forward, 2 backward).
+        layer_in_bytes / layer_act_bytes: with every layer inside its chunk recomputed
+            (``PipelineSettings.recompute='layer'``): the bytes the unit keeps (its layers'
+            inputs) and the largest of its layers' activations, per sample; None: the unit
+            is not recomputed layer by layer (it keeps ``act_bytes``).
     """
 
     name: str
@@ -53,6 +57,15 @@ class Unit:
     param_bytes: float
     out_bytes: float
     tp_collectives: int = 0
+    layer_in_bytes: float | None = None
+    layer_act_bytes: float | None = None
+
+    def kept(self, layer: bool) -> tuple[float, float]:
+        """``(bytes kept through the chunk's backward, largest layer's activations)`` per
+        sample, with every layer recomputed (``layer``) or not."""
+        if not layer or self.layer_in_bytes is None:
+            return self.act_bytes, 0.0
+        return self.layer_in_bytes, self.layer_act_bytes or 0.0
 
 
 def layer_units(graph: Graph, batch: int = 1, model: CostModel | None = None) -> list[Unit]:
@@ -76,14 +89,15 @@ def layer_units(graph: Graph, batch: int = 1, model: CostModel | None = None) ->
         ids = {t.id for o in ops for t in o.inputs if t.id in var_bytes}
         return float(sum(var_bytes[i] for i in ids))
 
-    def unit(name, ops, tp_coll=0, param_bytes=None) -> Unit:
+    def unit(name, ops, tp_coll=0, param_bytes=None, layer=False) -> Unit:
         flat = [o for o in ops if not o.regions]
         t = sum(model.op_time(o, (), None, traffic) for o in flat) / batch
         act = sum(model.activation_bytes(o, (), saved.get(o.id, ())) for o in flat) / batch
         out = flat[-1].outputs[0] if flat and flat[-1].outputs else None
         ob = (math.prod(out.shape) * itemsize(out) / batch) if out is not None else 0.0
         p = params_of(ops) if param_bytes is None else param_bytes
-        return Unit(name, t, act, p, ob, tp_coll)
+        # a layer recomputed inside its chunk keeps its input (the previous layer's output)
+        return Unit(name, t, act, p, ob, tp_coll, *((ob, act) if layer else (None, None)))
 
     ops, stack = graph.ops, where.stack
     units = [unit("<prefix>", ops[:where.start])]
@@ -91,11 +105,10 @@ def layer_units(graph: Graph, batch: int = 1, model: CostModel | None = None) ->
         scan = ops[where.start]
         body = [o for region in scan.regions for o in region.walk()]
         per_layer = sum(var_bytes[i] for i in {t.id for t in scan.inputs if t.id in var_bytes})
-        one = unit("", body, TP_COLLECTIVES, per_layer / stack.count)
-        units += [Unit(name, one.time_s, one.act_bytes, one.param_bytes, one.out_bytes,
-                       one.tp_collectives) for name in where.names]
+        one = unit("", body, TP_COLLECTIVES, per_layer / stack.count, layer=True)
+        units += [replace(one, name=name) for name in where.names]
     else:
-        units += [unit(name, ops[a:b], TP_COLLECTIVES)
+        units += [unit(name, ops[a:b], TP_COLLECTIVES, layer=True)
                   for name, (a, b) in zip(where.names, where.bounds, strict=True)]
     units.append(unit("<suffix>", ops[where.end:]))
     # the prefix hands the first layer the same activation a layer hands the next

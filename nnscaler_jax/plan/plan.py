@@ -128,6 +128,11 @@ class PipelineSettings:
         steps: a schedule written with ``op_order``: its per-stage block orders (``(kind, m, v)``
             or ``(kind, m, v, it)`` per block, :meth:`nnscaler_jax.pipeline.steps.Schedule.
             to_lists`), so a saved plan keeps it; empty for a built-in schedule.
+        recompute: what a chunk's backward keeps: ``'chunk'`` (it recomputes the chunk's
+            forward from its saved input, keeping all of the chunk's activations) or
+            ``'layer'`` (each layer inside the chunk also recomputed, as ``jax.checkpoint``:
+            only the layers' inputs kept, plus one layer's activations at a time; one more
+            forward per micro-batch).
     """
 
     stages: int
@@ -137,6 +142,7 @@ class PipelineSettings:
     stage_of: tuple[tuple[str, int], ...] = ()
     report: str = ""
     steps: tuple[tuple[tuple[Any, ...], ...], ...] = ()
+    recompute: str = "chunk"
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object under a plan's ``"pipeline"`` key."""
@@ -147,6 +153,8 @@ class PipelineSettings:
             d["report"] = self.report
         if self.steps:
             d["steps"] = [[list(x) for x in row] for row in self.steps]
+        if self.recompute != "chunk":
+            d["recompute"] = self.recompute
         return d
 
     @classmethod
@@ -156,7 +164,8 @@ class PipelineSettings:
                    stage_of=tuple((str(n), int(st)) for n, st in d.get("stage_of", ())),
                    report=str(d.get("report", "")),
                    steps=tuple(tuple((str(x[0]), *map(int, x[1:])) for x in row)
-                               for row in d.get("steps", ())))
+                               for row in d.get("steps", ())),
+                   recompute=str(d.get("recompute", "chunk")))
 
     def lines(self) -> list[str]:
         """The plan text's pipeline section."""
@@ -166,7 +175,8 @@ class PipelineSettings:
         lines = [f"pipeline: {self.stages} stages, {self.microbatches} micro-batches, "
                  f"schedule {self.schedule}" + (f" x {self.virtual} virtual"
                                                 if self.virtual > 1 else "")
-                 + (" (written with op_order)" if self.steps else "")]
+                 + (" (written with op_order)" if self.steps else "")
+                 + (", every layer recomputed" if self.recompute == "layer" else "")]
         lines += [f"  stage {st}: {', '.join(ns)}" for st, ns in sorted(by.items())]
         return lines + (self.report.splitlines() if self.report else [])
 

@@ -66,7 +66,7 @@ def _chosen(plan):
     head = plan.pipeline.report.splitlines()[0]
     ms = float(head.split("predicted ")[1].split(" ms")[0])
     mib = float(head.split("peak ")[1].split(" MiB")[0])
-    return (plan.pipeline.schedule, plan.pipeline.microbatches), ms, mib
+    return (plan.pipeline.schedule, plan.pipeline.microbatches, plan.pipeline.recompute), ms, mib
 
 
 def test_memory_budget_changes_choice(gpt):
@@ -128,7 +128,8 @@ def _price(units, mesh_axes, choice, tp):
     row, = [r for r in runtime_choices(
         units, mesh_axes["stage"], 1 if tp > 1 else mesh_axes["model"], 16,
         microbatches=choice[1], schedule=choice[0], stage_link=link("stage"),
-        data_link=link("model"), tp=tp, tp_link=link("model")) if r.virtual == choice[2]]
+        data_link=link("model"), tp=tp, tp_link=link("model"))
+        if r.virtual == choice[2] and r.recompute == "chunk"]
     return row.step_time_s * 1e3
 
 
@@ -138,7 +139,7 @@ def test_auto_prices_tensor_parallel_stages(gpt):
     axes = {"stage": 2, "model": 4}
     pm = auto_parallel(mesh, Constraints(pipeline_stages="auto"), policy="megatron")(spec.module)
     plan = pm.make_plan(tokens, variables={"params": params})
-    (sched, m), ms, _ = _chosen(plan)
+    (sched, m, _), ms, _ = _chosen(plan)
     units = layer_units(pm.graph, batch=16, model=CostModel.for_axes(axes))
     choice = (sched, m, plan.pipeline.virtual)
     assert ms == pytest.approx(_price(units, axes, choice, 4), abs=5e-4)  # printed to 1e-3 ms
@@ -174,8 +175,9 @@ def test_pipelined_plan_cost_is_the_pipeline_pricing(gpt):
     axes = dict(p.mesh)
     units = layer_units(fixed.graph, batch=16, model=CostModel.for_axes(axes))
     link = CostModel.for_axes(axes).mesh.link
-    row, = runtime_choices(units, 2, 2, 16, microbatches=8, schedule="1f1b",
-                           stage_link=link("stage"), data_link=link("data"), tp=2,
-                           tp_link=link("model"))
+    row, = [r for r in runtime_choices(units, 2, 2, 16, microbatches=8, schedule="1f1b",
+                                       stage_link=link("stage"), data_link=link("data"), tp=2,
+                                       tp_link=link("model"))
+            if r.recompute == p.pipeline.recompute]
     assert p.cost.step_time_s == row.step_time_s
     assert p.cost.memory_bytes_per_device == int(max(row.memory_bytes))
