@@ -19,6 +19,7 @@ import pytest
 import models
 from nnscaler_jax import Constraints, Plan
 from nnscaler_jax.capture.trace import capture_spec
+from nnscaler_jax.cli.compare import plan_features
 from nnscaler_jax.pipeline.pricing import runtime_choices
 from nnscaler_jax.pipeline.units import Unit
 from nnscaler_jax.planner import make_plan
@@ -61,6 +62,9 @@ def test_the_budget_picks_layer_recompute_only_when_the_chunk_does_not_fit(name)
     assert "every layer recomputed" in str(tight)
     assert Plan.from_json(tight.to_json()).pipeline.recompute == "layer"
     assert "recompute" not in json.loads(free.to_json())["pipeline"]  # (old plans unchanged)
+    # compare's features list the recomputed modules: the ones the pipeline cuts at
+    assert plan_features(tight)["recompute"] == [n for n, _ in tight.pipeline.stage_of]
+    assert plan_features(free)["recompute"] == []
 
 
 _RUN = textwrap.dedent("""
