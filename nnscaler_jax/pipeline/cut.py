@@ -41,7 +41,7 @@ from nnscaler_jax.ir.layers import block_paths, graph_layers
 from nnscaler_jax.mesh.axes import require_stage_axis
 from nnscaler_jax.pipeline.in_stage import tensor_axes
 from nnscaler_jax.pipeline.pricing import RuntimeSetup
-from nnscaler_jax.pipeline.units import Unit
+from nnscaler_jax.pipeline.units import Unit, largest_output
 
 __all__ = ["Cut", "balance", "chunk_starts", "eqn_path", "first_positions", "identical_layers",
            "layer_kept", "plan_cut", "segment_starts", "tp_error"]
@@ -375,14 +375,20 @@ def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
             last_read[t.id] = i
     pre_out = sum(sizes[t.id] for op in ops[:e] if op.id not in casts for t in op.outputs
                   if last_read.get(t.id, -1) >= e)
-    units = [Unit("<prefix>", *priced(0, e), shared, pre_out / batch)]
+    def transient(a: int, b: int) -> float:
+        return largest_output([op for op in ops[a:b] if op.id not in casts]) / batch
+
+    units = [Unit("<prefix>", *priced(0, e), shared, pre_out / batch,
+                  transient_bytes=transient(0, e))]
     for c, (a, b) in enumerate(bounds):
         a, b = max(a, e), min(b, h)
         cuts = [a] + [g for g in groups if a < g < b] + [b]
         kept, largest = layer_kept(graph, cuts, casts, lambda i, j: priced(i, j)[1] * batch)
         units.append(Unit(f"<chunk {c}>", *priced(a, b), owned[c], sent[c] / batch,
-                          layer_in_bytes=kept / batch, layer_act_bytes=largest / batch))
-    return units + [Unit("<suffix>", *priced(h, len(ops)), 0.0, 0.0)]
+                          layer_in_bytes=kept / batch, layer_act_bytes=largest / batch,
+                          transient_bytes=transient(a, b)))
+    return units + [Unit("<suffix>", *priced(h, len(ops)), 0.0, 0.0,
+                         transient_bytes=transient(h, len(ops)))]
 
 
 def layer_kept(graph: Graph, cuts: Sequence[int], casts: Mapping[int, int],

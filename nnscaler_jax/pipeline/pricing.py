@@ -42,7 +42,7 @@ class RuntimeChoice:
             work.
         memory_bytes: per stage (params + grads + optimizer + the runtime's activation and
             cotangent buffer slots + one chunk's activations, or with ``recompute='layer'`` its
-            layers' inputs and one layer's activations).
+            layers' inputs and one layer's activations, + its largest op output).
         fits: within the memory budget.
         compute_s: the busiest stage's compute seconds over the step (forward, recomputed
             forward, backward of all its micro-batches).
@@ -312,7 +312,8 @@ def _stage_memory(w: _Ways, bounds: list[tuple[int, int]], mine: list[list[int]]
     (replicated), the runtime's activation and cotangent buffers and one chunk's activations
     (the backward recomputes the chunk from its saved input; ``all_device``: or the prefix's /
     suffix's on the stage running their blocks, if larger; ``layer``: every layer recomputed
-    again inside it, the chunk keeps its layers' inputs and one layer's activations).
+    again inside it, the chunk keeps its layers' inputs and one layer's activations), with the
+    largest op output of the chunk live beside them in its backward.
 
     The buffers are the loop's carry (:func:`~nnscaler_jax.pipeline.loop_tables.loop_tables`:
     ``n_in + n_g`` = ``slots``), allocated alike on every device of the SPMD program, each slot
@@ -324,7 +325,8 @@ def _stage_memory(w: _Ways, bounds: list[tuple[int, int]], mine: list[list[int]]
     inp = max(units[max(a - 1, 0)].out_bytes * mb for a, _ in bounds)
     def chunk_act(a: int, b: int) -> float:
         kept = [u.kept(layer) for u in units[a:b]]
-        return sum(k for k, _ in kept) + max((x for _, x in kept), default=0.0)
+        return (sum(k for k, _ in kept) + max((x for _, x in kept), default=0.0)
+                + max((u.transient_bytes for u in units[a:b]), default=0.0))
 
     for s in range(w.stages):
         acts = [chunk_act(a, b) for a, b in (bounds[c] for c in mine[s])]

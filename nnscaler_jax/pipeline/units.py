@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from nnscaler_jax.cost.compute import FREE
 from nnscaler_jax.cost.devices import H100_80G
 from nnscaler_jax.cost.fusion import fused_bytes
 from nnscaler_jax.cost.model import CostModel, itemsize
@@ -27,7 +28,7 @@ from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.ir.layers import graph_layers
 
-__all__ = ["Unit", "layer_units"]
+__all__ = ["Unit", "largest_output", "layer_units"]
 
 TP_COLLECTIVES = 4
 """All-reduces of a layer's output per forward + backward under Megatron tensor parallelism."""
@@ -49,6 +50,8 @@ class Unit:
             (``PipelineSettings.recompute='layer'``): the bytes the unit keeps (its layers'
             inputs) and the largest of its layers' activations, per sample; None: the unit
             is not recomputed layer by layer (it keeps ``act_bytes``).
+        transient_bytes: the largest of its ops' outputs per sample (:func:`largest_output`):
+            live, with its cotangent, beside the kept activations while the backward runs.
     """
 
     name: str
@@ -59,6 +62,7 @@ class Unit:
     tp_collectives: int = 0
     layer_in_bytes: float | None = None
     layer_act_bytes: float | None = None
+    transient_bytes: float = 0.0
 
     def kept(self, layer: bool) -> tuple[float, float]:
         """``(bytes kept through the chunk's backward, largest layer's activations)`` per
@@ -66,6 +70,12 @@ class Unit:
         if not layer or self.layer_in_bytes is None:
             return self.act_bytes, 0.0
         return self.layer_in_bytes, self.layer_act_bytes or 0.0
+
+
+def largest_output(ops) -> float:
+    """The largest bytes one op (not a layout op, not a region) writes, among ``ops``."""
+    return float(max((sum(math.prod(t.shape) * itemsize(t) for t in o.outputs) for o in ops
+                      if not o.regions and o.primitive not in FREE), default=0))
 
 
 def layer_units(graph: Graph, batch: int = 1, model: CostModel | None = None) -> list[Unit]:
@@ -97,7 +107,8 @@ def layer_units(graph: Graph, batch: int = 1, model: CostModel | None = None) ->
         ob = (math.prod(out.shape) * itemsize(out) / batch) if out is not None else 0.0
         p = params_of(ops) if param_bytes is None else param_bytes
         # a layer recomputed inside its chunk keeps its input (the previous layer's output)
-        return Unit(name, t, act, p, ob, tp_coll, *((ob, act) if layer else (None, None)))
+        return Unit(name, t, act, p, ob, tp_coll, *((ob, act) if layer else (None, None)),
+                    largest_output(flat) / batch)
 
     ops, stack = graph.ops, where.stack
     units = [unit("<prefix>", ops[:where.start])]
@@ -113,5 +124,5 @@ def layer_units(graph: Graph, batch: int = 1, model: CostModel | None = None) ->
     units.append(unit("<suffix>", ops[where.end:]))
     # the prefix hands the first layer the same activation a layer hands the next
     p0 = units[0]
-    units[0] = Unit(p0.name, p0.time_s, p0.act_bytes, p0.param_bytes, units[1].out_bytes, 0)
+    units[0] = replace(p0, out_bytes=units[1].out_bytes, tp_collectives=0)
     return units
