@@ -114,15 +114,13 @@ def main() -> None:
                "slots` stage inputs on every device (loop_tables' `n_in + n_g`), priced so since "
                "issue 16; it was each stage's own in-flight count (`peak_in_flight`: GPipe 8 / 8, "
                "1F1B 2 / 1), which misses a slot taken on arrival before the forward and prices "
-               "the last stage with one input where the device holds `n_in`. The absolute "
-               "predictions are below XLA's: the schedule-independent terms are under-priced "
-               "(they cancel in the difference). The largest op output of a chunk (the "
-               "attention scores' cotangent, live beside its residuals in the backward) is "
-               "priced since 2026-11-27; what remains is mostly the layer scan's residuals "
-               "(jax's partial evaluation stacks every intermediate the layer's backward reads, "
-               "e.g. six MLP-sized values per GPT layer where the cost model counts the three "
-               "a fused program keeps), gradient accumulators, update temporaries and the "
-               "`ppermute` buffers."), ""]
+               "the last stage with one input where the device holds `n_in`. Absolute "
+               "predictions (2026-11-27): a chunk's largest op output (the attention scores' "
+               "cotangent, live beside its residuals in the backward) is priced, and the "
+               "runtime unrolls a chunk's layers unless it recomputes each (a `scan` over the "
+               "layers stacked every residual jax's partial evaluation names, six MLP-sized "
+               "values per GPT layer where a fused program keeps three: XLA temp 80.0 -> 57.0 "
+               "MiB for 1F1B); before both, 1F1B's estimate was 0.57 of XLA's."), ""]
     with open(os.path.splitext(OUT)[0] + ".md", "w") as f:
         f.write("\n".join(lines))
     print("\n".join(lines))

@@ -203,8 +203,13 @@ class PipelineProgram:
             self._eval(sp.layer_eqns, env)
             return env[sp.layer_y], None
 
-        x, _ = lax.scan(jax.checkpoint(layer) if self.recompute == "layer" else layer, x,
-                        layer_p)
+        # chunk: unrolled, so XLA fuses across the layers as in one program (a loop stacks
+        # every residual jax's partial evaluation names: GPT's 1F1B step, 80 -> 57 MB of XLA
+        # temp); 'layer': a loop of checkpointed layers (unrolled, 38 -> 44 MB)
+        if self.recompute == "layer":
+            x, _ = lax.scan(jax.checkpoint(layer), x, layer_p)
+        else:
+            x, _ = lax.scan(layer, x, layer_p, unroll=True)
 
         def post():
             env = dict(base)

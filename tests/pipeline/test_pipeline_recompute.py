@@ -115,9 +115,10 @@ def test_layer_recompute_trains_like_one_device_in_less_memory(name, batch, prog
     recomputed, with XLA:CPU keeping recompute and fusing as a GPU does
     (``cpu_xla_flags(keep_remat=True, gpu_fusion=True)``; without them XLA merges the
     recomputation back, and its YNNPACK fusions keep what a GPU fusion would recompute): both
-    equal one device (rtol 1e-4, atol 1e-6) and
-    recomputing every layer cuts XLA's temporary memory (measured: Swin tiny, batch 32,
-    809 -> 616 KB; GPT tiny with 8 layers, batch 64, 2.01 -> 0.80 MB)."""
+    equal one device (rtol 1e-4, atol 1e-6) and recomputing every layer cuts XLA's temporary
+    memory by at least the predicted saving of the largest stage, within 15% (measured: Swin
+    tiny, batch 32, 809 -> 616 KB, predicted 661 -> 569 KB (stage 0: 640 -> 454); GPT tiny
+    with 8 layers, batch 64, 1.38 -> 0.80 MB, predicted 1.75 -> 1.19)."""
     res = subprocess.run([sys.executable, "-c", _RUN, name, str(batch)], capture_output=True,
                          text=True, timeout=900, check=False, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -128,3 +129,5 @@ def test_layer_recompute_trains_like_one_device_in_less_memory(name, batch, prog
     assert chunk["diff"] <= 1 and layer["diff"] <= 1, out
     assert layer["estimate"] < chunk["estimate"]
     assert layer["temp"] < 0.85 * chunk["temp"], out
+    saved = chunk["temp"] - layer["temp"]
+    assert saved >= 0.85 * (chunk["estimate"] - layer["estimate"]), out
