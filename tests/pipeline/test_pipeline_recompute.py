@@ -93,12 +93,14 @@ _RUN = textwrap.dedent("""
             max_memory_per_device=budget))(spec.module)
         step = pm.train_step(spec.loss_fn, opt)
         state = step.init({"params": params}, *args)
-        mem = step.lower(state, *args).compile().memory_analysis()
-        state, _ = step(state, *args)
-        got = step.params(state)
-        diff = max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))
-                                / (1e-6 + 1e-4 * np.abs(np.asarray(y)))))
-                   for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+        compiled = step.lower(state, *args).compile()  # (run as compiled: one compile)
+        mem, diff = compiled.memory_analysis(), 0.0
+        if mode == "layer":  # (the chunk mode's step: tests/pipeline/test_any_model_stages.py)
+            state, _ = compiled(state, tuple(args))
+            got = step.params(state)
+            diff = max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))
+                                    / (1e-6 + 1e-4 * np.abs(np.asarray(y)))))
+                       for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
         out[mode] = {"recompute": step.plan.pipeline.recompute, "program":
                      type(step.program).__name__, "temp": mem.temp_size_in_bytes,
                      "estimate": step.plan.cost.memory_bytes_per_device, "diff": diff}
@@ -111,12 +113,14 @@ _RUN = textwrap.dedent("""
 @pytest.mark.parametrize("name,batch,program", [("swin", 32, "CutProgram"),
                                                 ("gpt", 64, "PipelineProgram")])
 def test_layer_recompute_trains_like_one_device_in_less_memory(name, batch, program):
-    """One SGD step, chunk-recomputed and (under a budget just below its estimate) every layer
-    recomputed, with XLA:CPU keeping recompute and fusing as a GPU does
+    """One SGD step chunk-recomputed, and (under a budget just below its estimate) every layer
+    recomputed, compiled with XLA:CPU keeping recompute and fusing as a GPU does
     (``cpu_xla_flags(keep_remat=True, gpu_fusion=True)``; without them XLA merges the
-    recomputation back, and its YNNPACK fusions keep what a GPU fusion would recompute): both
-    equal one device (rtol 1e-4, atol 1e-6) and recomputing every layer cuts XLA's temporary
-    memory by at least the predicted saving of the largest stage, within 15% (measured: Swin
+    recomputation back, and its YNNPACK fusions keep what a GPU fusion would recompute): the
+    layer-recomputed step equals one device (rtol 1e-4, atol 1e-6; the chunk-recomputed one
+    is checked in test_any_model_stages / test_pipeline_train) and recomputing every layer
+    cuts XLA's temporary memory by at least the predicted saving of the largest stage, within
+    15% (measured: Swin
     tiny, batch 32, 809 -> 616 KB, predicted 661 -> 569 KB (stage 0: 640 -> 454); GPT tiny
     with 8 layers, batch 64, 1.38 -> 0.80 MB, predicted 1.75 -> 1.19)."""
     res = subprocess.run([sys.executable, "-c", _RUN, name, str(batch)], capture_output=True,
@@ -126,7 +130,7 @@ def test_layer_recompute_trains_like_one_device_in_less_memory(name, batch, prog
     chunk, layer = out["chunk"], out["layer"]
     assert (chunk["recompute"], layer["recompute"]) == ("chunk", "layer")
     assert chunk["program"] == layer["program"] == program
-    assert chunk["diff"] <= 1 and layer["diff"] <= 1, out
+    assert layer["diff"] <= 1, out
     assert layer["estimate"] < chunk["estimate"]
     assert layer["temp"] < 0.85 * chunk["temp"], out
     saved = chunk["temp"] - layer["temp"]
