@@ -38,6 +38,7 @@ from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.lower.explicit import result_specs
 from nnscaler_jax.lower.replay import Lowering, explicitly_typed, is_explicit
 from nnscaler_jax.lower.verify import compare_outputs
+from nnscaler_jax.mesh.axes import mesh_axes
 from nnscaler_jax.pipeline.runtime import PipelineStep
 from nnscaler_jax.plan.plan import Plan
 from nnscaler_jax.plan.reuse import saved_plan
@@ -74,10 +75,6 @@ def _explicit_context() -> bool:
     inputs' types."""
     ctx = jax.sharding.get_abstract_mesh()
     return not getattr(ctx, "empty", True) and is_explicit(ctx)
-
-
-def _mesh_axes(mesh: Any) -> dict[str, int]:
-    return dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
 
 
 @dataclass
@@ -190,7 +187,7 @@ class AutoParallel:
         if self.verify and not self._verified:
             ref = jax.jit(tr.fn)(*tr.flat_inputs)
             compare_outputs(out, ref, where=f"{type(self.module).__name__} under "
-                            f"{prog.plan.policy}", mesh=_mesh_axes(self.mesh),
+                            f"{prog.plan.policy}", mesh=mesh_axes(self.mesh),
                             precision=self.precision)
             self._verified = True
         return jax.tree_util.tree_unflatten(prog.captured.out_tree, out)

@@ -45,6 +45,7 @@ from nnscaler_jax.cli.common import (
     parse_mesh,
 )
 from nnscaler_jax.cli.compare import plan_features
+from nnscaler_jax.mesh.axes import data_axes, mesh_axes
 
 __all__ = ["add_train_parser", "child_argv", "cmd_train"]
 
@@ -210,12 +211,10 @@ def _batch(job: _Job, i: int) -> tuple[Any, ...]:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from nnscaler_jax.mesh.axes import data_axes
-
     # the mesh the step runs on (set by its init): a pipelined step takes no batch of another
     program = getattr(job.step, "program", None)
     mesh = getattr(program, "mesh", None) or getattr(job.step, "mesh", None) or job.mesh
-    sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
+    sizes = mesh_axes(mesh)
     dp = tuple(data_axes(sizes))
     ways = math.prod(sizes[a] for a in dp)
     out = []
@@ -434,7 +433,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _header(job: _Job, rates: _Rates, start: int) -> str:
     a = job.args
-    axes = dict(zip(job.mesh.axis_names, job.mesh.devices.shape, strict=True))
+    axes = mesh_axes(job.mesh)
     plan = _plan(job)
     first = f"resuming at step {start}" if start else "from step 0"
     estimate = str(plan).splitlines()[-1] if plan is not None else "estimate: none"

@@ -110,8 +110,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
            "model": args.model, "preset": args.preset}
     text = ""
     if not args.json:
-        text = (f"{args.model} [{args.preset}] on mesh {args.mesh} "
-                f"{dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))}, policy "
+        from nnscaler_jax.mesh.axes import mesh_axes
+        text = (f"{args.model} [{args.preset}] on mesh {args.mesh} {mesh_axes(mesh)}, policy "
                 f"{policy}\n" + _verify_table(res))
     emit(args, text, obj)
     return 0 if res["ok"] else 1
@@ -123,13 +123,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from jax.sharding import NamedSharding, PartitionSpec
 
     from nnscaler_jax.api import auto_parallel
+    from nnscaler_jax.mesh.axes import mesh_axes
 
     spec = model_spec("gpt", "tiny")
     mesh = parse_mesh(args.mesh, args.axes)
     policy = check_policy(args.policy)
     say = (lambda *a: None) if args.json else print
     say(f"GPT [tiny] on {mesh.devices.size} {jax.devices()[0].platform.upper()} devices, "
-        f"mesh {dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))}, policy {policy}")
+        f"mesh {mesh_axes(mesh)}, policy {policy}")
 
     tokens = spec.make_args(abstract=False)
     pm = auto_parallel(mesh, policy=policy)(spec.module)

@@ -22,6 +22,7 @@ from nnscaler_jax.ir.anno import DimKind
 from nnscaler_jax.ir.graph import Op, Role, Tensor
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.lower.local import bind_local
+from nnscaler_jax.mesh.axes import mesh_axes
 from nnscaler_jax.plan.layouts import op_layouts
 from nnscaler_jax.plan.plan import VALUE, OpPlan
 from nnscaler_jax.rules.linear import VALUE_SPLIT_LINEAR
@@ -29,11 +30,11 @@ from nnscaler_jax.rules.linear import VALUE_SPLIT_LINEAR
 __all__ = ["chain_prefix", "run_cosharded", "run_sharded", "run_value_chain"]
 
 
-def _ways(plan: OpPlan, mesh_axes: dict[str, int]) -> dict[str, int]:
+def _ways(plan: OpPlan, sizes: dict[str, int]) -> dict[str, int]:
     ways: dict[str, int] = {}
     for axis, name in plan.split:
         if name != VALUE:
-            ways[name] = ways.get(name, 1) * mesh_axes[axis]
+            ways[name] = ways.get(name, 1) * sizes[axis]
     return ways
 
 
@@ -50,8 +51,8 @@ def run_cosharded(lw: Any, op: Op, plan: OpPlan, ins: Sequence[Any],
     """Run ``op`` as ``plan.chunks[1]`` sequential, recomputed chunks per device."""
     dim, k = plan.chunks
     anno = op.annotation
-    mesh_axes = dict(zip(lw.mesh.axis_names, lw.mesh.devices.shape, strict=True))
-    ways = _ways(plan, mesh_axes)
+    sizes = mesh_axes(lw.mesh)
+    ways = _ways(plan, sizes)
     chunk_ways = {**ways, dim: ways.get(dim, 1) * k}
     pos_in = [operand.axis_of(dim) for operand in anno.inputs]
     pos_out = [operand.axis_of(dim) for operand in anno.outputs]
@@ -101,8 +102,8 @@ def run_sharded(lw: Any, op: Op, plan: OpPlan, ins: Sequence[Any],
     for ops XLA's SPMD partitioner does not partition correctly
     (:func:`~nnscaler_jax.lower.local.runs_on_pieces`); the backward pass is the region's
     transpose, local too."""
-    mesh_axes = dict(zip(lw.mesh.axis_names, lw.mesh.devices.shape, strict=True))
-    ways = _ways(plan, mesh_axes)
+    sizes = mesh_axes(lw.mesh)
+    ways = _ways(plan, sizes)
     partial = tuple(sorted({a for lay in out_lays for a in lay.partial}))
 
     def body(*local):
@@ -136,7 +137,7 @@ def run_value_chain(lw: Any, ops: Sequence[Op], env: dict[int, Any]) -> None:
     readers may split it differently); a value made inside is read in the layout it is made
     in (:func:`chain_prefix` cuts a run of ops where it would not be).
     """
-    mesh_axes = dict(zip(lw.mesh.axis_names, lw.mesh.devices.shape, strict=True))
+    sizes = mesh_axes(lw.mesh)
     ids = {op.id for op in ops}
     in_lays = {op.id: op_layouts(op, lw.plan_of(op))[0] for op in ops}
     made: dict[int, tuple[Op, Layout]] = {}
@@ -164,7 +165,7 @@ def run_value_chain(lw: Any, ops: Sequence[Op], env: dict[int, Any]) -> None:
                     outside.get((t.id, Layout(lay.dims)), t.value)
                     for t, lay in zip(op.inputs, in_lays[op.id], strict=True)]
             in_part = [part.get(t.id, frozenset()) for t in op.inputs]
-            outs = bind_local(op, args, _ways(plan, mesh_axes))
+            outs = bind_local(op, args, _ways(plan, sizes))
             _check_linear(op, in_part)
             out_part = set().union(*in_part) | _reduced_axes(op, plan)
             for t, x in zip(op.outputs, outs, strict=True):

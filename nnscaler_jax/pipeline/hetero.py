@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnscaler_jax.errors import PlanError
-from nnscaler_jax.mesh.axes import require_stage_axis
+from nnscaler_jax.mesh.axes import mesh_axes, require_stage_axis
 from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.chunks import cut_program, packing, param_casts, widths
 from nnscaler_jax.pipeline.cut import eqn_path, first_positions, segment_starts, tp_error
@@ -75,7 +75,7 @@ class CutProgram:
         del rules  # recompute rules are refused by PipelineStep; every chunk is recomputed
         self.module, self.loss_fn, self.mesh, self.schedule = module, loss_fn, mesh, sched
         self.recompute = recompute  # 'layer': each module of a chunk under jax.checkpoint
-        axes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
+        axes = mesh_axes(mesh)
         self.axis = require_stage_axis(axes)
         S, M = sched.stages, sched.microbatches
         if axes[self.axis] != S:

@@ -39,7 +39,7 @@ from nnscaler_jax.ir.graph import Graph, Role
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.lower.eqns import EqnConstraints
 from nnscaler_jax.lower.replay import Lowering, auto_view
-from nnscaler_jax.mesh.axes import DATA_AXES
+from nnscaler_jax.mesh.axes import DATA_AXES, mesh_axes
 from nnscaler_jax.plan.plan import VALUE, Plan
 from nnscaler_jax.search.entry import plan_spmd
 
@@ -125,9 +125,9 @@ def plan_in_stage(closed: Any, param_paths: list[str], n_params: int, mesh: Mesh
             axis), leaves a tensor-parallel axis unused (no dim it splits divides), or uses
             value-split / co-sharding (not supported inside stages).
     """
-    mesh_axes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
-    axes = tensor_axes(mesh_axes, stage, policy)
-    tp = {a: mesh_axes[a] for a in axes}
+    sizes = mesh_axes(mesh)
+    axes = tensor_axes(sizes, stage, policy)
+    tp = {a: sizes[a] for a in axes}
     infos = [InputInfo(Role.VARIABLE, f"params/{p}", "params") for p in param_paths]
     infos += [InputInfo(Role.INPUT, f"args/{i}") for i in range(len(closed.jaxpr.invars) -
                                                                  n_params)]

@@ -45,7 +45,7 @@ from nnscaler_jax.constraints import Constraints
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.lower.eqns import NO_CONSTRAINTS
 from nnscaler_jax.lower.replay import auto_view
-from nnscaler_jax.mesh.axes import require_stage_axis
+from nnscaler_jax.mesh.axes import mesh_axes, require_stage_axis
 from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.cut_blocks import send_if
 from nnscaler_jax.pipeline.hetero import CutProgram
@@ -81,7 +81,7 @@ class PipelineProgram:
                  call: ModuleCall | None = None, recompute: str = "chunk"):
         self.module, self.loss_fn, self.mesh, self.schedule = module, loss_fn, mesh, sched
         self.recompute = recompute  # 'layer': each layer of a chunk under jax.checkpoint
-        axes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
+        axes = mesh_axes(mesh)
         self.axis = require_stage_axis(axes)
         if axes[self.axis] != sched.stages:
             raise PlanError(f"schedule has {sched.stages} stages but mesh axis '{self.axis}' has "

@@ -42,7 +42,7 @@ from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.lower.replay import auto_view, explicitly_typed
-from nnscaler_jax.mesh.axes import data_axes
+from nnscaler_jax.mesh.axes import data_axes, mesh_axes
 from nnscaler_jax.pipeline.program import microbatch_rngs
 from nnscaler_jax.pipeline.update import per_device_bytes, place_as
 from nnscaler_jax.plan.zero import zero3_layout
@@ -56,7 +56,7 @@ def zero_specs(params: Any, shardings: Any, mesh: Any, zero: int) -> Any:
     """The shardings of the optimizer state's parameter-shaped leaves (and of ZeRO-2's
     gradients): each parameter's own sharding, for ``zero >= 1`` also split over the mesh's
     data axes on the first dim they divide (:func:`~nnscaler_jax.plan.zero.zero3_layout`)."""
-    axes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
+    axes = mesh_axes(mesh)
     dp = data_axes(axes)
     if zero < 1 or not dp:
         return shardings
