@@ -313,7 +313,8 @@ def _stage_memory(w: _Ways, bounds: list[tuple[int, int]], mine: list[list[int]]
     (the backward recomputes the chunk from its saved input; ``all_device``: or the prefix's /
     suffix's on the stage running their blocks, if larger; ``layer``: every layer recomputed
     again inside it, the chunk keeps its layers' inputs and one layer's activations), with the
-    largest op output of the chunk live beside them in its backward.
+    largest op output of the chunk live beside them in its backward; all split over the tensor
+    axes but the layers' inputs (replicated there, as Megatron keeps them).
 
     The buffers are the loop's carry (:func:`~nnscaler_jax.pipeline.loop_tables.loop_tables`:
     ``n_in + n_g`` = ``slots``), allocated alike on every device of the SPMD program, each slot
@@ -323,16 +324,21 @@ def _stage_memory(w: _Ways, bounds: list[tuple[int, int]], mine: list[list[int]]
     """
     units, mem = w.units, []
     inp = max(units[max(a - 1, 0)].out_bytes * mb for a, _ in bounds)
+
     def chunk_act(a: int, b: int) -> float:
+        # a layer recomputed on its own keeps its input, replicated over the tensor axes
         kept = [u.kept(layer) for u in units[a:b]]
-        return (sum(k for k, _ in kept) + max((x for _, x in kept), default=0.0)
-                + max((u.transient_bytes for u in units[a:b]), default=0.0))
+        split = [(k, x) if u.layer_in_bytes is None or not layer else (k * w.tp, x)
+                 for u, (k, x) in zip(units[a:b], kept, strict=True)]
+        return (sum(k for k, _ in split) + max((x for _, x in split), default=0.0)
+                + max((u.transient_bytes for u in units[a:b]), default=0.0)) / w.tp
 
     for s in range(w.stages):
         acts = [chunk_act(a, b) for a, b in (bounds[c] for c in mine[s])]
         if all_device:
-            acts += [units[0].act_bytes] * (s == 0) + [units[-1].act_bytes] * (s == w.stages - 1)
-        act = max(acts) * mb / w.tp
+            acts += [units[0].act_bytes / w.tp] * (s == 0) \
+                + [units[-1].act_bytes / w.tp] * (s == w.stages - 1)
+        act = max(acts) * mb
         mem.append(params[s] * (1 + w.optimizer_bytes) + w.shared + slots * inp + act)
     return mem
 

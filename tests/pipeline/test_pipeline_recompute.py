@@ -44,6 +44,11 @@ def test_layer_recompute_is_priced_in_closed_form():
     assert layer.compute_s - chunk.compute_s == pytest.approx(4 * 3.0 / 3)
     assert layer.step_time_s > chunk.step_time_s
     assert "+rc" in layer.row() and "+rc" not in chunk.row()
+    # 2-way tensor-parallel stages: activations split, a layer's kept input replicated
+    tp = {r.recompute: r for r in runtime_choices(units, 2, 1, 4, microbatches=4,
+                                                  schedule="1f1b", tp=2)}
+    assert tp["chunk"].memory_bytes[0] - tp["layer"].memory_bytes[0] == pytest.approx(
+        100 / 2 - (4 + 60 / 2))
 
 
 @pytest.mark.parametrize("name", ["t5", "gpt"])
