@@ -33,7 +33,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 __all__ = ["Packing", "ProgramCut", "cut_program", "pack", "packing", "param_casts", "unpack",
-           "widths"]
+           "vars_of", "widths"]
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,8 @@ def _with_casts(seg: Sequence[Any], casts: dict, extra: Sequence[Any] = ()) -> t
     return tuple(casts[v] for v in need) + tuple(seg)
 
 
-def _vars(xs: Sequence[Any]) -> list[Any]:
+def vars_of(xs: Sequence[Any]) -> list[Any]:
+    """The jaxpr variables among ``xs`` (literals left out)."""
     return [v for v in xs if not isinstance(v, jcore.Literal)]
 
 
@@ -171,7 +172,7 @@ def cut_program(closed: Any, n_params: int, starts: Sequence[int],
     readers: dict[Any, set[int]] = {}
     for c, seg in enumerate(segments):
         for e in seg:
-            for v in _vars(e.invars):
+            for v in vars_of(e.invars):
                 last[v] = max(last.get(v, c), c)
                 readers.setdefault(v, set()).add(c)
             made.update((v, c) for v in e.outvars)

@@ -41,11 +41,11 @@ from jax import lax
 from jax.extend import core as jcore
 
 from nnscaler_jax.lower.eqns import NO_CONSTRAINTS
-from nnscaler_jax.pipeline.chunks import pack, packing, unpack
+from nnscaler_jax.pipeline.chunks import pack, packing, unpack, vars_of
 from nnscaler_jax.pipeline.loop_tables import CODES
 from nnscaler_jax.pipeline.mutable import average
 
-__all__ = ["layered", "local_step", "outvars", "run_segment", "send_if"]
+__all__ = ["layered", "local_step", "run_segment", "send_if"]
 
 
 def _value(env: dict, v: Any) -> Any:
@@ -86,7 +86,7 @@ def run_segment(prog: Any, seg: int, pvec: dict, shared: list, cin: dict, batch:
             xs = [jnp.where(fresh, b, p) for b, p in zip(first, prev, strict=True)]
         env.update(zip(prog.x_vars, xs, strict=True))
     if prog.recompute == "layer":
-        needed = [*outvars(cj.jaxpr.outvars), *(cut.bounds[seg] if seg < cut.chunks - 1 else ())]
+        needed = [*vars_of(cj.jaxpr.outvars), *(cut.bounds[seg] if seg < cut.chunks - 1 else ())]
         layered(cut.segments[seg], env, prog.layer_starts, needed)
     else:
         NO_CONSTRAINTS.evaluate(cut.segments[seg], env)
@@ -103,11 +103,6 @@ def run_segment(prog: Any, seg: int, pvec: dict, shared: list, cin: dict, batch:
     return out, jnp.asarray(_value(env, loss), jnp.float32), new
 
 
-def outvars(xs: Any) -> list[Any]:
-    """The variables among ``xs`` (literals left out)."""
-    return [v for v in xs if not isinstance(v, jcore.Literal)]
-
-
 def layered(eqns: Any, env: dict, starts: frozenset, needed: Any) -> None:
     """Evaluate ``eqns`` into ``env`` as layers, each under ``jax.checkpoint`` (a new layer at
     each equation whose id is in ``starts``): differentiated, each keeps only the values it
@@ -119,10 +114,10 @@ def layered(eqns: Any, env: dict, starts: frozenset, needed: Any) -> None:
         layers[-1].append(e)
     later = [set(needed)]
     for lay in reversed(layers[1:]):
-        later.append(later[-1] | {v for e in lay for v in outvars(e.invars)})
+        later.append(later[-1] | {v for e in lay for v in vars_of(e.invars)})
     for lay, read_after in zip(layers, reversed(later), strict=True):
         made = {v: None for e in lay for v in e.outvars}
-        ins = list({v: None for e in lay for v in outvars(e.invars) if v not in made})
+        ins = list({v: None for e in lay for v in vars_of(e.invars) if v not in made})
         outs = [v for v in made if v in read_after]
 
         def run(*xs, lay=lay, ins=ins, outs=outs):
