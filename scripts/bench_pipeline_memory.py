@@ -63,10 +63,14 @@ def measure(schedule: str, config: dict = CONFIG, stages: int = STAGES, data: in
             "stage_input_bytes": mb_size * spec.config.seq_len * spec.config.d_model * 4}
 
 
+def total(r: dict) -> int:
+    """What XLA allocates per device for the step: temp + argument bytes."""
+    return r["temp_bytes"] + r["argument_bytes"]
+
+
 def compare(rows: dict[str, dict]) -> dict:
     """GPipe - 1F1B: predicted and measured (``temp + argument``) differences and their ratio."""
     g, o = rows["gpipe"], rows["1f1b"]
-    total = lambda r: r["temp_bytes"] + r["argument_bytes"]
     predicted = g["predicted_bytes"] - o["predicted_bytes"]
     measured = total(g) - total(o)
     ratio = measured / predicted if predicted else float("nan")
@@ -79,7 +83,6 @@ def main() -> None:
     rows = {s: measure(s) for s in ("gpipe", "1f1b")}
     cmp = compare(rows)
     rows["1f1b layers"] = measure("1f1b", budget=rows["1f1b"]["predicted_bytes"] - 1)
-    total = lambda r: r["temp_bytes"] + r["argument_bytes"]
     o, lay = rows["1f1b"], rows["1f1b layers"]
     saving = {"predicted_bytes": o["predicted_bytes"] - lay["predicted_bytes"],
               "measured_bytes": total(o) - total(lay)}

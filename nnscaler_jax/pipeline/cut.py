@@ -44,7 +44,7 @@ from nnscaler_jax.pipeline.pricing import RuntimeSetup
 from nnscaler_jax.pipeline.units import Unit, largest_output
 
 __all__ = ["Cut", "balance", "chunk_starts", "eqn_path", "first_positions", "identical_layers",
-           "layer_kept", "plan_cut", "segment_starts", "tp_error"]
+           "plan_cut", "segment_starts", "tp_error"]
 
 
 def eqn_path(eqn: Any, root: str) -> str:
@@ -330,7 +330,7 @@ def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
     carries the shared parameters. A parameter's cast to the compute precision is made by each
     chunk reading it (not sent, not kept). ``groups``: the op indices where a module a chunk
     may start at begins: with every layer recomputed inside its chunk (``recompute='layer'``)
-    each such run of ops is one layer (:func:`layer_kept`)."""
+    each such run of ops is one layer (``_layer_kept``)."""
     ops, C = graph.ops, len(starts)
     e, h = ends or (0, len(ops))
     bounds = list(zip(starts, list(starts[1:]) + [len(ops)], strict=True))
@@ -363,11 +363,12 @@ def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
             shared += t.nbytes
     saved, traffic = residual_outputs(graph), fused_bytes(graph)
 
+    def act(a: int, b: int) -> float:
+        return sum(model.activation_bytes(o, (), saved.get(o.id, ()))
+                   for o in ops[a:b] if not o.regions and o.id not in casts) / batch
+
     def priced(a: int, b: int) -> tuple[float, float]:
-        t = sum(_op_cost(model, op, traffic) for op in ops[a:b])
-        act = sum(model.activation_bytes(o, (), saved.get(o.id, ()))
-                  for o in ops[a:b] if not o.regions and o.id not in casts)
-        return t / batch, act / batch
+        return sum(_op_cost(model, op, traffic) for op in ops[a:b]) / batch, act(a, b)
 
     last_read: dict[int, int] = {}
     for i, op in enumerate(ops):
@@ -378,29 +379,30 @@ def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
     def transient(a: int, b: int) -> float:
         return largest_output([op for op in ops[a:b] if op.id not in casts]) / batch
 
+    made_at = {t.id: i for i, op in enumerate(ops) for t in op.outputs if op.id not in casts}
+    made_at.update((t.id, -1) for t in graph.inputs if t.role is Role.INPUT)
     units = [Unit("<prefix>", *priced(0, e), shared, pre_out / batch,
                   transient_bytes=transient(0, e))]
     for c, (a, b) in enumerate(bounds):
         a, b = max(a, e), min(b, h)
         cuts = [a] + [g for g in groups if a < g < b] + [b]
-        kept, largest = layer_kept(graph, cuts, casts, lambda i, j: priced(i, j)[1] * batch)
+        kept, largest = _layer_kept(ops, cuts, made_at, act)
         units.append(Unit(f"<chunk {c}>", *priced(a, b), owned[c], sent[c] / batch,
-                          layer_in_bytes=kept / batch, layer_act_bytes=largest / batch,
+                          layer_in_bytes=kept / batch, layer_act_bytes=largest,
                           transient_bytes=transient(a, b)))
     return units + [Unit("<suffix>", *priced(h, len(ops)), 0.0, 0.0,
                          transient_bytes=transient(h, len(ops)))]
 
 
-def layer_kept(graph: Graph, cuts: Sequence[int], casts: Mapping[int, int],
-               act: Callable[[int, int], float]) -> tuple[float, float]:
+def _layer_kept(ops: Sequence[Op], cuts: Sequence[int], made_at: Mapping[int, int],
+                act: Callable[[int, int], float]) -> tuple[float, float]:
     """``(bytes kept, largest layer's activations)`` of the ops ``cuts[0]:cuts[-1]`` run as the
     layers ``cuts[k]:cuts[k + 1]``, each recomputed in the backward (``jax.checkpoint``): each
-    layer keeps the values it reads that earlier ops made (activations and example inputs, not
-    variables, constants or parameter casts, each once), and one layer's activations
-    (``act(i, j)``) are live at a time."""
-    ops, kept, seen = graph.ops, 0.0, set()
-    made_at = {t.id: i for i, op in enumerate(ops) for t in op.outputs if op.id not in casts}
-    made_at.update((t.id, -1) for t in graph.inputs if t.role is Role.INPUT)
+    layer keeps the values it reads that earlier ops made (``made_at``: tensor id -> the index
+    of the op making it, -1 for example inputs; variables, constants and parameter casts are
+    not in it; each value once), and one layer's activations (``act(i, j)``) are live at a
+    time."""
+    kept, seen = 0.0, set()
     for a, b in itertools.pairwise(cuts):
         for op in ops[a:b]:
             for t in op.inputs:

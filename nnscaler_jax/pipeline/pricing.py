@@ -326,12 +326,15 @@ def _stage_memory(w: _Ways, bounds: list[tuple[int, int]], mine: list[list[int]]
     inp = max(units[max(a - 1, 0)].out_bytes * mb for a, _ in bounds)
 
     def chunk_act(a: int, b: int) -> float:
-        # a layer recomputed on its own keeps its input, replicated over the tensor axes
-        kept = [u.kept(layer) for u in units[a:b]]
-        split = [(k, x) if u.layer_in_bytes is None or not layer else (k * w.tp, x)
-                 for u, (k, x) in zip(units[a:b], kept, strict=True)]
-        return (sum(k for k, _ in split) + max((x for _, x in split), default=0.0)
-                + max((u.transient_bytes for u in units[a:b]), default=0.0)) / w.tp
+        inputs, split, largest = 0.0, 0.0, 0.0
+        for u in units[a:b]:
+            if layer and u.layer_in_bytes is not None:  # its input kept, replicated over TP
+                inputs += u.layer_in_bytes
+                largest = max(largest, u.layer_act_bytes or 0.0)
+            else:
+                split += u.act_bytes
+        top = max((u.transient_bytes for u in units[a:b]), default=0.0)
+        return inputs + (split + largest + top) / w.tp
 
     for s in range(w.stages):
         acts = [chunk_act(a, b) for a, b in (bounds[c] for c in mine[s])]

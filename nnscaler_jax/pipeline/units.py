@@ -64,13 +64,6 @@ class Unit:
     layer_act_bytes: float | None = None
     transient_bytes: float = 0.0
 
-    def kept(self, layer: bool) -> tuple[float, float]:
-        """``(bytes kept through the chunk's backward, largest layer's activations)`` per
-        sample, with every layer recomputed (``layer``) or not."""
-        if not layer or self.layer_in_bytes is None:
-            return self.act_bytes, 0.0
-        return self.layer_in_bytes, self.layer_act_bytes or 0.0
-
 
 def largest_output(ops) -> float:
     """The largest bytes one op (not a layout op, not a region) writes, among ``ops``."""
