@@ -140,3 +140,20 @@ def test_layer_recompute_trains_like_one_device_in_less_memory(name, batch, prog
     assert layer["temp"] < 0.85 * chunk["temp"], out
     saved = chunk["temp"] - layer["temp"]
     assert saved >= 0.85 * (chunk["estimate"] - layer["estimate"]), out
+
+
+def test_a_chunks_largest_op_output_is_priced_beside_its_activations():
+    # the same stages, h_1 with an 8-byte-per-sample largest op output (its backward's
+    # transient): stage 1's memory grows by it in both modes, stage 0's not at all
+    def rows(transient):
+        units = [Unit("<prefix>", 0.0, 0.0, 0.0, 4.0),
+                 Unit("h_0", 3.0, 100.0, 0.0, 4.0, layer_in_bytes=4.0, layer_act_bytes=60.0),
+                 Unit("h_1", 3.0, 100.0, 0.0, 4.0, layer_in_bytes=4.0, layer_act_bytes=60.0,
+                      transient_bytes=transient),
+                 Unit("<suffix>", 0.0, 10.0, 0.0, 0.0)]
+        return {r.recompute: r.memory_bytes for r in runtime_choices(
+            units, 2, 1, 4, microbatches=4, schedule="1f1b")}
+    without, with_ = rows(0.0), rows(8.0)
+    for mode in ("chunk", "layer"):
+        assert with_[mode][1] - without[mode][1] == pytest.approx(8.0)
+        assert with_[mode][0] == without[mode][0]
