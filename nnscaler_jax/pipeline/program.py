@@ -35,6 +35,7 @@ wrapper traces it; ``nnx.Cache`` (decoding caches) is refused (:func:`collection
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnscaler_jax.capture.flax import nnx_call_scopes, path_str
@@ -52,8 +54,8 @@ from nnscaler_jax.errors import PlanError
 from nnscaler_jax.lower.replay import explicitly_typed
 
 __all__ = ["ModuleCall", "StepOptions", "collections_error", "empty_collection_error",
-           "micro_leaves", "micro_setup", "microbatch_rngs", "rng_error", "trace_micro",
-           "typed_key"]
+           "micro_leaves", "micro_setup", "microbatch_rngs", "rng_error", "split_batch",
+           "trace_micro", "typed_key"]
 
 
 def microbatch_rngs(key: Any, index: Any, streams: Sequence[str]) -> dict:
@@ -344,3 +346,22 @@ def micro_leaves(prog: Any, batch: tuple, key: Any = None) -> list:
                 for s, i in prog.key_slots]
 
     return out + [k.reshape(M, D) for k in jax.vmap(keys)(jnp.arange(M * D))]
+
+
+def split_batch(batch: tuple, mesh: Any, axes: tuple[str, ...]) -> tuple:
+    """``batch`` with each leaf not yet spread over the mesh (a numpy array, an array on one
+    device) placed split over ``axes`` along its leading dim, where that dim divides. A jit
+    argument left as it is would be copied whole to every device: the step reads it as
+    :func:`micro_leaves` lays it out, ``[M, D, b]``, which no sharding of the argument says, so
+    XLA propagates none to it. Leaves the caller spread over the devices keep their layout."""
+    ways = math.prod(mesh.shape[a] for a in axes)
+    sharding = NamedSharding(mesh, P(axes))
+
+    def one(x: Any) -> Any:
+        if (ways == 1 or isinstance(x, jax.core.Tracer) or not getattr(x, "shape", ())
+                or x.shape[0] % ways or getattr(x, "dtype", None) is None
+                or isinstance(x, jax.Array) and len(x.sharding.device_set) > 1):
+            return x
+        return jax.device_put(x, sharding)
+
+    return jax.tree.map(one, batch)

@@ -55,6 +55,7 @@ from nnscaler_jax.pipeline.program import (
     ModuleCall,
     StepOptions,
     micro_leaves,
+    split_batch,
     trace_micro,
     typed_key,
 )
@@ -454,7 +455,7 @@ class PipelineStep:
     def _batch(self, batch: tuple) -> tuple:
         if self.jitted is None:
             raise PlanError("call step.init(variables, *batch) before the first step")
-        return tuple(batch)
+        return split_batch(tuple(batch), self.program.mesh, self.program.data_axes)
 
     def __call__(self, state: dict, *batch: Any) -> tuple[dict, dict]:
         return self.jitted(state, self._batch(batch))
