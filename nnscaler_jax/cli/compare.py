@@ -50,8 +50,8 @@ __all__ = ["cmd_compare", "plan_features", "smallest_estimate"]
 def plan_features(plan: Any) -> dict[str, Any]:
     """What a plan uses beyond layouts: recompute groups, co-sharded ops, micro-batches, stages.
 
-    ``recompute``: the plan's recomputed groups (module paths; a pipeline recomputing every
-    layer inside its chunks: the modules it cuts at, ``PipelineSettings.recompute``);
+    ``recompute``: the plan's recomputed groups (module paths; a pipelined plan: the layers
+    recomputed on their own inside their chunks, ``PipelineSettings.recomputed``);
     ``cosharded``: ``[module path,
     primitive, dim, chunks]`` per op run as ``chunks`` sequential pieces, and per co-sharded
     block (``Plan.coshard``) its seed op's; ``microbatches``: the
@@ -69,9 +69,9 @@ def plan_features(plan: Any) -> dict[str, Any]:
     by_id = {p.op: p for p in plan.ops}
     blocks = [[by_id[s].module_path, by_id[s].primitive, d, int(k)] if s in by_id else
               [f"op {s}", "", d, int(k)] for s, d, k in getattr(plan, "coshard", ()) or ()]
-    groups = list(getattr(plan, "recompute", ()) or ())
-    if plan.pipeline is not None and plan.pipeline.recompute == "layer":
-        groups += [n for n, _ in plan.pipeline.stage_of if n not in groups]
+    # (a pipelined plan runs its own recompute: its SPMD part's groups do not run)
+    groups = (plan.pipeline.recomputed() if plan.pipeline is not None
+              else list(getattr(plan, "recompute", ()) or ()))
     return {"recompute": [jsonable(g) for g in groups],
             "cosharded": [[p.module_path, p.primitive, p.chunks[0], int(p.chunks[1])]
                           for p in plan.ops if p.chunks] + blocks,

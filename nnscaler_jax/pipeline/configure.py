@@ -18,6 +18,7 @@ from nnscaler_jax.ir.layers import graph_layers
 from nnscaler_jax.mesh.axes import require_stage_axis
 from nnscaler_jax.pipeline.cut import plan_cut
 from nnscaler_jax.pipeline.pricing import RuntimeChoice, RuntimeSetup, runtime_setup
+from nnscaler_jax.pipeline.rules import stack_modes
 from nnscaler_jax.pipeline.schedule import Schedule, settings_steps
 from nnscaler_jax.pipeline.stages import stage_of
 from nnscaler_jax.plan.plan import PipelineSettings, Plan, PlanCost
@@ -41,6 +42,11 @@ def configure_pipeline(plan: Plan, graph: Graph, constraints: Constraints,
                    2 if constraints.schedule == "interleaved"
                    else getattr(constraints.schedule, "virtual", 1), model)
     setup = cut.setup if cut else runtime_setup(graph, mesh_axes, plan.policy or None, model)
+    if cut is None:  # one program on every stage: recompute rules select all layers or none
+        where = graph_layers(graph)
+        names = [where.stack.module] if where.stack.scanned else list(where.names)
+        setup = replace(setup, modes=stack_modes(names, (op.module_path for op in graph.walk()),
+                                                 constraints.rules))
     if constraints.pipeline_stages == "auto":
         choice, report = _auto_choice(setup, constraints, cut is not None)
     else:
@@ -54,7 +60,8 @@ def configure_pipeline(plan: Plan, graph: Graph, constraints: Constraints,
     layers = cut.stage_of if cut else stage_of(graph_layers(graph).stack, stages, choice.virtual)
     settings = PipelineSettings(stages, choice.microbatches, choice.schedule, choice.virtual,
                                 layers, report, steps=settings_steps(constraints.schedule),
-                                recompute=choice.recompute)
+                                recompute=choice.recompute,
+                                layer_rules=cut.layer_rules if cut else ())
     return replace(plan, pipeline=settings, cost=_cost(choice))
 
 

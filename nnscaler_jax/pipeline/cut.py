@@ -41,6 +41,7 @@ from nnscaler_jax.ir.layers import block_paths, graph_layers
 from nnscaler_jax.mesh.axes import require_stage_axis
 from nnscaler_jax.pipeline.in_stage import tensor_axes
 from nnscaler_jax.pipeline.pricing import RuntimeSetup
+from nnscaler_jax.pipeline.rules import layer_flags
 from nnscaler_jax.pipeline.units import Unit, largest_output
 
 __all__ = ["Cut", "balance", "chunk_starts", "eqn_path", "first_positions", "identical_layers",
@@ -240,11 +241,14 @@ class Cut:
         starts: the graph op index each chunk starts at.
         stage_of: the cut points in program order with their stage (the plan's record).
         setup: the runtime pricing setup, one unit per chunk.
+        layer_rules: ``(module, recomputed on its own)`` per cut point a recompute rule
+            selects (``PipelineSettings.layer_rules``).
     """
 
     starts: tuple[int, ...]
     stage_of: tuple[tuple[str, int], ...]
     setup: RuntimeSetup
+    layer_rules: tuple[tuple[str, bool], ...] = ()
 
 
 def _op_cost(model: CostModel, op: Op, traffic: Mapping[int, float]) -> float:
@@ -289,11 +293,13 @@ def plan_cut(graph: Graph, mesh_axes: dict[str, int], constraints: Constraints, 
     link = model.mesh.link
     batch = next((t.shape[0] for t in graph.inputs if t.role is Role.INPUT and t.shape), 1)
     ends = _outside(paths, stage_of, starts)
-    units = _chunk_units(graph, starts, batch, model, ends, sorted({p for p, _ in cands}))
+    flags = layer_flags([n for _, n in cands], paths, constraints.rules)
+    units = _chunk_units(graph, starts, batch, model, ends,
+                         {p: flags.get(n) for p, n in cands})
     setup = RuntimeSetup(units, axis, data, (), S,
                          math.prod(mesh_axes[a] for a in data), 1, batch, link(axis),
                          link(data[0]) if data else link(axis), link(axis))
-    return Cut(starts, stage_of, setup)
+    return Cut(starts, stage_of, setup, tuple((n, flags[n]) for _, n in cands if n in flags))
 
 
 def _param_casts(graph: Graph) -> dict[int, int]:
@@ -322,45 +328,24 @@ def _outside(paths: list[str], stage_of: tuple, starts: tuple[int, ...]) -> tupl
 
 def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
                  model: CostModel, ends: tuple[int, int] | None = None,
-                 groups: Sequence[int] = ()) -> list[Unit]:
+                 groups: Mapping[int, bool | None] | None = None) -> list[Unit]:
     """``[prefix, chunk 0, ..., chunk C-1, suffix]`` priced per sample: compute, kept
     activations, owned parameter bytes and the bytes sent to the next chunk. The prefix / suffix
     are the ops before / from ``ends`` (the embedding and the head + loss: interlaced runs them
     as its all-device blocks, the other schedules in the first / last chunk); the prefix
     carries the shared parameters. A parameter's cast to the compute precision is made by each
     chunk reading it (not sent, not kept). ``groups``: the op indices where a module a chunk
-    may start at begins: with every layer recomputed inside its chunk (``recompute='layer'``)
-    each such run of ops is one layer (``_layer_kept``)."""
-    ops, C = graph.ops, len(starts)
+    may start at begins, with the recompute rules' flag of the module there
+    (:func:`~nnscaler_jax.pipeline.rules.layer_flags`): each such run of ops is one layer,
+    recomputed on its own inside its chunk's backward with ``recompute='layer'`` unless a rule
+    forbids it, and with ``'chunk'`` when a rule asks for it (``_layer_kept``)."""
+    groups = groups or {}
+    ops = graph.ops
     e, h = ends or (0, len(ops))
     bounds = list(zip(starts, list(starts[1:]) + [len(ops)], strict=True))
-    chunk = [c for c, (a, b) in enumerate(bounds) for _ in range(a, b)]
-    variables = {t.id: t for t in graph.variables}
     casts = _param_casts(graph)
-    alias = {op.outputs[0].id: casts[op.id] for op in ops if op.id in casts}
-    made: dict[int, int] = {}
-    readers: dict[int, set[int]] = {}
-    for i, op in enumerate(ops):
-        if op.id in casts:
-            continue
-        for t in op.inputs:
-            readers.setdefault(alias.get(t.id, t.id), set()).add(chunk[i])
-        made.update((t.id, chunk[i]) for t in op.outputs)
-    for t in graph.outputs:
-        readers.setdefault(t.id, set()).add(C)
     sizes = {t.id: math.prod(t.shape) * itemsize(t) for op in ops for t in op.outputs}
-    sent = [0.0] * C
-    for tid, c0 in made.items():
-        last = max(readers.get(tid, {c0}))
-        for c in range(c0, min(last, C - 1)):
-            sent[c] += sizes[tid]
-    owned, shared = [0.0] * C, 0.0
-    for tid, t in variables.items():
-        users = readers.get(tid, set()) - {C}  # (an output that is a variable: nnx state)
-        if len(users) == 1:
-            owned[next(iter(users))] += t.nbytes
-        else:
-            shared += t.nbytes
+    sent, owned, shared = _crossing(graph, bounds, casts, sizes)
     saved, traffic = residual_outputs(graph), fused_bytes(graph)
 
     def act(a: int, b: int) -> float:
@@ -369,6 +354,9 @@ def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
 
     def priced(a: int, b: int) -> tuple[float, float]:
         return sum(_op_cost(model, op, traffic) for op in ops[a:b]) / batch, act(a, b)
+
+    def fwd(a: int, b: int) -> float:
+        return priced(a, b)[0] / 3
 
     last_read: dict[int, int] = {}
     for i, op in enumerate(ops):
@@ -385,28 +373,72 @@ def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
                   transient_bytes=transient(0, e))]
     for c, (a, b) in enumerate(bounds):
         a, b = max(a, e), min(b, h)
-        cuts = [a] + [g for g in groups if a < g < b] + [b]
-        kept, largest = _layer_kept(ops, cuts, made_at, act)
-        units.append(Unit(f"<chunk {c}>", *priced(a, b), owned[c], sent[c] / batch,
-                          layer_in_bytes=kept / batch, layer_act_bytes=largest,
-                          transient_bytes=transient(a, b)))
+        cuts = [a] + sorted(g for g in groups if a < g < b) + [b]
+        flag = [groups.get(g) for g in cuts[:-1]]
+        kc, lc, again_c = _layer_kept(ops, cuts, made_at, act, fwd, [f is True for f in flag])
+        kl, ll, again_l = _layer_kept(ops, cuts, made_at, act, fwd,
+                                      [f is not False for f in flag])
+        time_s, _ = priced(a, b)
+        units.append(Unit(f"<chunk {c}>", time_s, kc / batch + lc, owned[c], sent[c] / batch,
+                          layer_in_bytes=kl / batch, layer_act_bytes=ll,
+                          transient_bytes=transient(a, b), chunk_again_s=again_c,
+                          layer_again_s=again_l))
     return units + [Unit("<suffix>", *priced(h, len(ops)), 0.0, 0.0,
                          transient_bytes=transient(h, len(ops)))]
 
 
+def _crossing(graph: Graph, bounds: Sequence[tuple[int, int]], casts: Mapping[int, int],
+              sizes: Mapping[int, int]) -> tuple[list[float], list[float], float]:
+    """Per chunk the bytes it sends on (values later chunks read) and the parameter bytes only
+    it reads; and the bytes of the parameters several chunks (or none) read."""
+    ops, C = graph.ops, len(bounds)
+    chunk = [c for c, (a, b) in enumerate(bounds) for _ in range(a, b)]
+    alias = {op.outputs[0].id: casts[op.id] for op in ops if op.id in casts}
+    made: dict[int, int] = {}
+    readers: dict[int, set[int]] = {}
+    for i, op in enumerate(ops):
+        if op.id in casts:
+            continue
+        for t in op.inputs:
+            readers.setdefault(alias.get(t.id, t.id), set()).add(chunk[i])
+        made.update((t.id, chunk[i]) for t in op.outputs)
+    for t in graph.outputs:
+        readers.setdefault(t.id, set()).add(C)
+    sent = [0.0] * C
+    for tid, c0 in made.items():
+        last = max(readers.get(tid, {c0}))
+        for c in range(c0, min(last, C - 1)):
+            sent[c] += sizes[tid]
+    owned, shared = [0.0] * C, 0.0
+    for t in graph.variables:
+        users = readers.get(t.id, set()) - {C}  # (an output that is a variable: nnx state)
+        if len(users) == 1:
+            owned[next(iter(users))] += t.nbytes
+        else:
+            shared += t.nbytes
+    return sent, owned, shared
+
+
 def _layer_kept(ops: Sequence[Op], cuts: Sequence[int], made_at: Mapping[int, int],
-                act: Callable[[int, int], float]) -> tuple[float, float]:
-    """``(bytes kept, largest layer's activations)`` of the ops ``cuts[0]:cuts[-1]`` run as the
-    layers ``cuts[k]:cuts[k + 1]``, each recomputed in the backward (``jax.checkpoint``): each
-    layer keeps the values it reads that earlier ops made (``made_at``: tensor id -> the index
-    of the op making it, -1 for example inputs; variables, constants and parameter casts are
-    not in it; each value once), and one layer's activations (``act(i, j)``) are live at a
-    time."""
-    kept, seen = 0.0, set()
-    for a, b in itertools.pairwise(cuts):
+                act: Callable[[int, int], float], fwd: Callable[[int, int], float],
+                again: Sequence[bool]) -> tuple[float, float, float]:
+    """``(bytes kept, activations kept per sample, forward seconds recomputed again)`` of the
+    ops ``cuts[0]:cuts[-1]`` run as the layers ``cuts[k]:cuts[k + 1]``, those ``again[k]``
+    recomputed on their own in the backward (``jax.checkpoint``). Such a layer keeps the values
+    it reads that earlier ops made (``made_at``: tensor id -> the index of the op making it, -1
+    for example inputs; variables, constants and parameter casts are not in it; each value
+    once), and one of them has its activations (``act(i, j)``, per sample) live at a time; the
+    other layers keep their activations."""
+    kept, plain, seen = 0.0, 0.0, set()
+    for (a, b), ck in zip(itertools.pairwise(cuts), again, strict=True):
+        if not ck:
+            plain += act(a, b)
+            continue
         for op in ops[a:b]:
             for t in op.inputs:
                 if made_at.get(t.id, a) < a and t.id not in seen:
                     seen.add(t.id)
                     kept += math.prod(t.shape) * itemsize(t)
-    return kept, max((act(a, b) for a, b in itertools.pairwise(cuts)), default=0.0)
+    pairs = [p for p, ck in zip(itertools.pairwise(cuts), again, strict=True) if ck]
+    return (kept, plain + max((act(a, b) for a, b in pairs), default=0.0),
+            sum(fwd(a, b) for a, b in pairs))

@@ -85,9 +85,9 @@ def run_segment(prog: Any, seg: int, pvec: dict, shared: list, cin: dict, batch:
         else:
             xs = [jnp.where(fresh, b, p) for b, p in zip(first, prev, strict=True)]
         env.update(zip(prog.x_vars, xs, strict=True))
-    if prog.recompute == "layer":
+    if prog.recompute == "layer" or any(prog.layer_starts.values()):
         needed = [*vars_of(cj.jaxpr.outvars), *(cut.bounds[seg] if seg < cut.chunks - 1 else ())]
-        layered(cut.segments[seg], env, prog.layer_starts, needed)
+        layered(cut.segments[seg], env, prog.layer_starts, needed, prog.recompute == "layer")
     else:
         NO_CONSTRAINTS.evaluate(cut.segments[seg], env)
     new = pack([_value(env, prog.coll_out[k]) for k in own],
@@ -103,19 +103,27 @@ def run_segment(prog: Any, seg: int, pvec: dict, shared: list, cin: dict, batch:
     return out, jnp.asarray(_value(env, loss), jnp.float32), new
 
 
-def layered(eqns: Any, env: dict, starts: frozenset, needed: Any) -> None:
-    """Evaluate ``eqns`` into ``env`` as layers, each under ``jax.checkpoint`` (a new layer at
-    each equation whose id is in ``starts``): differentiated, each keeps only the values it
-    reads and is recomputed in the backward. ``needed``: the variables read after ``eqns``."""
+def layered(eqns: Any, env: dict, starts: dict, needed: Any, lead: bool = True) -> None:
+    """Evaluate ``eqns`` into ``env`` as layers (a new layer at each equation whose id is in
+    ``starts``), those ``starts`` flags (``lead``: the layer before the first start) under
+    ``jax.checkpoint``: differentiated, such a layer keeps only the values it reads and is
+    recomputed in the backward. ``needed``: the variables read after ``eqns``."""
     layers: list[list[Any]] = [[]]
+    checkpointed = [lead]
     for e in eqns:
         if id(e) in starts and layers[-1]:
             layers.append([])
+            checkpointed.append(starts[id(e)])
+        elif id(e) in starts:
+            checkpointed[-1] = starts[id(e)]
         layers[-1].append(e)
     later = [set(needed)]
     for lay in reversed(layers[1:]):
         later.append(later[-1] | {v for e in lay for v in vars_of(e.invars)})
-    for lay, read_after in zip(layers, reversed(later), strict=True):
+    for lay, read_after, ck in zip(layers, reversed(later), checkpointed, strict=True):
+        if not ck:
+            NO_CONSTRAINTS.evaluate(lay, env)
+            continue
         made = {v: None for e in lay for v in e.outvars}
         ins = list({v: None for e in lay for v in vars_of(e.invars) if v not in made})
         outs = [v for v in made if v in read_after]

@@ -71,8 +71,10 @@ class CutProgram:
 
     def __init__(self, module: Any, loss_fn: Callable, mesh: Any, sched: sch.Schedule,
                  params: Any, batch: tuple, *, stage_of: tuple, policy: Any = None,
-                 rules: tuple = (), call: ModuleCall | None = None, recompute: str = "chunk"):
-        del rules  # recompute rules are refused by PipelineStep; every chunk is recomputed
+                 rules: tuple = (), call: ModuleCall | None = None, recompute: str = "chunk",
+                 layer_rules: tuple = ()):
+        del rules  # (stages are data-parallel inside; recompute rules: the plan's layer_rules)
+        self.layer_rules = dict(layer_rules)  # layer -> recomputed on its own (rules.py)
         self.module, self.loss_fn, self.mesh, self.schedule = module, loss_fn, mesh, sched
         self.recompute = recompute  # 'layer': each module of a chunk under jax.checkpoint
         axes = mesh_axes(mesh)
@@ -123,7 +125,11 @@ class CutProgram:
         paths = [eqn_path(e, type(self.module).__name__) for e in eqns]
         starts = segment_starts(paths, stage_of, sched.stages, C, all_device=sched.all_device)
         first = first_positions(paths)  # layers: the recorded cut points' modules
-        self.layer_starts = frozenset(id(eqns[first[n]]) for n, _ in stage_of if n in first)
+        # each layer's first equation -> whether it runs under jax.checkpoint (recompute rules
+        # first; else the plan's mode): the layers before the first such module with the mode
+        layer = self.recompute == "layer"
+        self.layer_starts = {id(eqns[first[n]]): self.layer_rules.get(n, layer)
+                             for n, _ in stage_of if n in first}
         self.cut = cut = cut_program(closed, np_ + nc, starts, made_first=self.x_vars,
                                      carried=[(np_ + k, 1 + k) for k in range(nc)])
         # chunk c is segment c + seg0; the embedding / head segments' parameters are shared

@@ -115,7 +115,8 @@ def runtime_choices(units: list[Unit], stages: int, dp: int, batch: int,
                     memory_per_device: float | None = None, *, microbatches: int | None = None,
                     schedule: str | None = None, optimizer_bytes: float = 3.0,
                     stage_link: LinkCost = NVLINK_H100, data_link: LinkCost = NVLINK_H100,
-                    tp: int = 1, tp_link: LinkCost = NVLINK_H100) -> list[RuntimeChoice]:
+                    tp: int = 1, tp_link: LinkCost = NVLINK_H100,
+                    modes: tuple[str, ...] = ("chunk", "layer")) -> list[RuntimeChoice]:
     """Every (schedule, micro-batch count) :mod:`nnscaler_jax.pipeline.runtime` can run, priced.
 
     The runtime's restrictions: ``stages x virtual`` equal contiguous chunks of the layer stack
@@ -145,7 +146,8 @@ def runtime_choices(units: list[Unit], stages: int, dp: int, batch: int,
     Each configuration is priced twice when the units have layers (``recompute``): the chunk's
     backward keeping all its activations (``'chunk'``), and every layer also recomputed inside
     it (``'layer'``: the layers' inputs kept and one layer's activations at a time, one more
-    forward of the layers, with its all-reduces).
+    forward of the layers, with its all-reduces); ``modes`` narrows them (recompute rules on a
+    stack of identical layers, :func:`~nnscaler_jax.pipeline.rules.stack_modes`).
 
     Raises:
         PlanError: no configuration the runtime can execute (layers or batch do not divide).
@@ -163,7 +165,8 @@ def runtime_choices(units: list[Unit], stages: int, dp: int, batch: int,
           and microbatches in (None, m)]
     ways = _Ways(units, S, dp, tp, batch, optimizer_bytes, stage_link, data_link, tp_link,
                  memory_per_device)
-    modes = ("chunk", "layer") if any(u.layer_in_bytes is not None for u in units) else ("chunk",)
+    if not any(u.layer_in_bytes is not None for u in units):
+        modes = ("chunk",)
     out = [_price(ways, name, V, M, rc) for name, V in kinds for M in ms for rc in modes
            if not (name == "interleaved" and M % S)
            and getattr(name, "microbatches", M) == M]
@@ -230,8 +233,14 @@ def _chunk_work(w: _Ways, bounds: list[tuple[int, int]], mb: int,
                 layer: bool = False) -> _ChunkWork:
     units, tp = w.units, w.tp
     again = lambda u: layer and u.layer_in_bytes is not None  # recomputed once more
+
+    def again_s(u: Unit) -> float:  # forward seconds recomputed once more, per sample
+        if not again(u):
+            return u.chunk_again_s
+        return u.time_s / 3 if u.layer_again_s is None else u.layer_again_s
+
     fb = [sum(u.time_s for u in units[a:b]) * mb / tp for a, b in bounds]
-    ext = [sum(u.time_s for u in units[a:b] if again(u)) * mb / tp / 3 for a, b in bounds]
+    ext = [sum(again_s(u) for u in units[a:b]) * mb / tp for a, b in bounds]
     ar_u = lambda u: (u.tp_collectives / 2 * all_reduce_time(w.tp_link, tp, u.out_bytes * mb)
                       if tp > 1 else 0.0)
     wire_u = lambda u: u.tp_collectives / 2 * _wire(tp, u.out_bytes * mb)
@@ -369,12 +378,13 @@ class RuntimeSetup:
     stage_link: LinkCost
     data_link: LinkCost
     tp_link: LinkCost
+    modes: tuple[str, ...] = ("chunk", "layer")
 
     def choices(self, memory_per_device: float | None = None, **kw) -> list[RuntimeChoice]:
         """:func:`runtime_choices` for this setup (``kw``: microbatches, schedule, ...)."""
         return runtime_choices(self.units, self.stages, self.dp, self.batch, memory_per_device,
                                stage_link=self.stage_link, data_link=self.data_link, tp=self.tp,
-                               tp_link=self.tp_link, **kw)
+                               tp_link=self.tp_link, modes=self.modes, **kw)
 
 
 def runtime_setup(graph: Graph, mesh_axes: dict[str, int], policy,

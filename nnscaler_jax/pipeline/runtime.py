@@ -108,7 +108,9 @@ class PipelineProgram:
         self._eval = NO_CONSTRAINTS.evaluate
         if self.tp_axes:
             self.stage_plan = plan_in_stage(closed, paths, n_params, mesh, self.axis, policy,
-                                            root=type(module).__name__, rules=rules)
+                                            root=type(module).__name__,
+                                            rules=tuple(dataclasses.replace(r, recompute=None)
+                                                        for r in rules))
             self._eval = self.stage_plan.evaluate
         C, L = sched.chunks, self.split.n_layers
         if L % C:
@@ -385,17 +387,12 @@ class PipelineStep:
     def __init__(self, pm: Any, loss_fn: Callable, optimizer: Any, *, return_grads: bool = False,
                  **options: Any):
         self.options = StepOptions.of(options)
-        self.constraints = c = pm.constraints or Constraints()  # (none with a saved plan)
+        self.constraints = pm.constraints or Constraints()  # (none with a saved plan)
         if not pm.pipelined:  # (pipeline_stages, or a saved plan with pipeline settings)
             raise PlanError("train_step builds a pipelined step: wrap the module with "
                             "auto_parallel(mesh, Constraints(pipeline_stages=4, microbatches=8, "
                             "schedule='1f1b')); without stages use pm.apply inside your own "
                             "jax.jit(jax.grad(...))")
-        rules = [str(r) for r in c.rules if r.recompute is not None]
-        if rules:  # would run with its own recompute while the plan says not
-            raise PlanError(f"train_step recomputes every pipeline stage: it does not apply "
-                            f"Constraints recompute rules {rules} yet. Drop them for the "
-                            "pipelined step, or use the SPMD step without pipeline stages")
         if pm.precision == "float16":
             raise PlanError("train_step: the pipelined step has no loss scaling for float16; "
                             "use Constraints(precision='bfloat16'), or the SPMD step (no "
@@ -440,7 +437,8 @@ class PipelineStep:
                 stack_error = e
         if self.program is None:
             try:
-                self.program = CutProgram(*args, stage_of=pipe.stage_of, **kw)
+                self.program = CutProgram(*args, stage_of=pipe.stage_of,
+                                          layer_rules=pipe.layer_rules, **kw)
             except PlanError as cut_error:
                 raise cut_error from stack_error
         self.jitted = self.program.train_step(self.optimizer, return_grads=self.return_grads)

@@ -52,6 +52,11 @@ class Unit:
             is not recomputed layer by layer (it keeps ``act_bytes``).
         transient_bytes: the largest of its ops' outputs per sample (:func:`largest_output`):
             live, with its cotangent, beside the kept activations while the backward runs.
+        chunk_again_s / layer_again_s: forward seconds per sample recomputed once more inside
+            the chunk's backward (layers a recompute rule asks for, :mod:`~nnscaler_jax.
+            pipeline.rules`) with ``recompute='chunk'`` / ``'layer'`` (None: the unit's whole
+            forward, ``time_s / 3``). A cut chunk with such layers has them priced into
+            ``act_bytes`` / ``layer_in_bytes`` too.
     """
 
     name: str
@@ -63,6 +68,8 @@ class Unit:
     layer_in_bytes: float | None = None
     layer_act_bytes: float | None = None
     transient_bytes: float = 0.0
+    chunk_again_s: float = 0.0
+    layer_again_s: float | None = None
 
 
 def largest_output(ops) -> float:

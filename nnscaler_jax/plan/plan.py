@@ -133,6 +133,9 @@ class PipelineSettings:
             ``'layer'`` (each layer inside the chunk also recomputed, as ``jax.checkpoint``:
             only the layers' inputs kept, plus one layer's activations at a time; one more
             forward per micro-batch).
+        layer_rules: ``(layer module path, recomputed on its own)`` pairs the recompute rules
+            set (:mod:`nnscaler_jax.pipeline.rules`; a cut program's layers): those layers
+            follow them whatever ``recompute`` says.
     """
 
     stages: int
@@ -143,6 +146,12 @@ class PipelineSettings:
     report: str = ""
     steps: tuple[tuple[tuple[Any, ...], ...], ...] = ()
     recompute: str = "chunk"
+    layer_rules: tuple[tuple[str, bool], ...] = ()
+
+    def recomputed(self) -> list[str]:
+        """The layers recomputed on their own inside their chunk's backward."""
+        rules = dict(self.layer_rules)
+        return [n for n, _ in self.stage_of if rules.get(n, self.recompute == "layer")]
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object under a plan's ``"pipeline"`` key."""
@@ -155,6 +164,8 @@ class PipelineSettings:
             d["steps"] = [[list(x) for x in row] for row in self.steps]
         if self.recompute != "chunk":
             d["recompute"] = self.recompute
+        if self.layer_rules:
+            d["layer_rules"] = [list(x) for x in self.layer_rules]
         return d
 
     @classmethod
@@ -165,7 +176,8 @@ class PipelineSettings:
                    report=str(d.get("report", "")),
                    steps=tuple(tuple((str(x[0]), *map(int, x[1:])) for x in row)
                                for row in d.get("steps", ())),
-                   recompute=str(d.get("recompute", "chunk")))
+                   recompute=str(d.get("recompute", "chunk")),
+                   layer_rules=tuple((str(n), bool(f)) for n, f in d.get("layer_rules", ())))
 
     def lines(self) -> list[str]:
         """The plan text's pipeline section."""
@@ -176,9 +188,18 @@ class PipelineSettings:
                  f"schedule {self.schedule}" + (f" x {self.virtual} virtual"
                                                 if self.virtual > 1 else "")
                  + (" (written with op_order)" if self.steps else "")
-                 + (", every layer recomputed" if self.recompute == "layer" else "")]
+                 + _recomputed_text(self.recomputed(), len(self.stage_of))]
         lines += [f"  stage {st}: {', '.join(ns)}" for st, ns in sorted(by.items())]
         return lines + (self.report.splitlines() if self.report else [])
+
+
+def _recomputed_text(names: list[str], of: int) -> str:
+    if not names:
+        return ""
+    if len(names) == of:
+        return ", every layer recomputed"
+    return (f", {len(names)} layers recomputed ({', '.join(names[:4])}"
+            + (", ...)" if len(names) > 4 else ")"))
 
 
 @dataclass(frozen=True, slots=True)
