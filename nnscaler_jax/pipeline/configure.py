@@ -76,6 +76,17 @@ def _priced(setup: RuntimeSetup, microbatches: int, schedule: str | Schedule,
         raise PlanError(f"pipeline: schedule {getattr(schedule, 'name', schedule)!r} with "
                         f"{virtual} chunks per "
                         "stage is not one the runtime executes (interleaved: 2, else 1)")
+    if not rows[0].fits:
+        low = min(rows, key=lambda r: max(r.memory_bytes))
+        raise NoFitError(
+            f"pipeline: no micro-batch count or recompute mode of schedule "
+            f"{getattr(schedule, 'name', schedule)!r} on {setup.stages} stages fits "
+            f"Constraints(max_memory_per_device={budget}) ({budget / 2**20:.2f} MiB per "
+            f"device); the smallest estimate is {max(low.memory_bytes) / 2**20:.2f} MiB "
+            f"({low.microbatches} micro-batches, "
+            + ("every layer recomputed" if low.recompute == "layer" else "chunks recomputed")
+            + "). Use more stages or devices, a smaller batch, or a larger budget",
+            smallest_bytes=max(low.memory_bytes), budget_bytes=budget)
     return rows[0]
 
 

@@ -49,10 +49,12 @@ def test_a_stack_of_identical_layers_takes_rules_over_every_layer(gpt):
     # a budget only recomputing every layer meets, with a rule forbidding it
     tight = Constraints(**STAGES, max_memory_per_device=free.cost.memory_bytes_per_device - 1)
     assert make_plan(graph, AXES, constraints=tight).pipeline.recompute == "layer"
-    with pytest.raises(NoFitError):
+    with pytest.raises(NoFitError, match="recompute mode of schedule '1f1b' on 2 stages fits"
+                       ".* smallest estimate is") as no_fit:
         make_plan(graph, AXES, constraints=Constraints(
             **STAGES, max_memory_per_device=tight.max_memory_per_device,
             rules=(Rule(module="h_*", recompute=False),)))
+    assert no_fit.value.smallest_bytes == free.cost.memory_bytes_per_device
     with pytest.raises(PlanError, match="not all 8 alike"):  # one program on every stage
         make_plan(graph, AXES, constraints=Constraints(
             **STAGES, rules=(Rule(module="h_3", recompute=True),)))
