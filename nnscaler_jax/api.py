@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import flax.errors
 import flax.linen as nn
 import jax
 import numpy as np
@@ -19,9 +20,11 @@ from jax.sharding import PartitionSpec as P
 from nnscaler_jax.capture.flax import (
     CallArgs,
     Traceable,
+    assigned_state,
     linen_traceable,
     nnx_traceable,
     original_calls,
+    rng_streams,
 )
 from nnscaler_jax.capture.jaxpr import graph_from_jaxpr
 from nnscaler_jax.capture.metadata import is_boxed, partitioning_specs, unbox
@@ -36,7 +39,8 @@ from nnscaler_jax.constraints import Constraints
 from nnscaler_jax.errors import ConstraintError, PlanError
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.lower.explicit import result_specs
-from nnscaler_jax.lower.replay import Lowering, explicitly_typed, is_explicit
+from nnscaler_jax.lower.program import Program, place, signature
+from nnscaler_jax.lower.replay import Lowering, explicit_context, explicitly_typed
 from nnscaler_jax.lower.verify import compare_outputs
 from nnscaler_jax.mesh.axes import mesh_axes
 from nnscaler_jax.pipeline.runtime import PipelineStep
@@ -61,28 +65,8 @@ def _abstract(x: Any) -> Any:
     return jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x))
 
 
-def _signature(flat: tuple[Any, ...], extra: Any) -> tuple:
-    return tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x)))) for x in flat) + (
-        extra,)
-
-
 _NO_MESH = jax.sharding.AbstractMesh((), ())
-
-
-def _explicit_context() -> bool:
-    """Whether the call runs under an Explicit context mesh (``with jax.set_mesh(mesh):``):
-    then the program must run as on Explicit-typed inputs (under ``auto_axes``), whatever its
-    inputs' types."""
-    ctx = jax.sharding.get_abstract_mesh()
-    return not getattr(ctx, "empty", True) and is_explicit(ctx)
-
-
-@dataclass
-class _Program:
-    captured: Captured
-    plan: Plan
-    fn: Callable[..., Any]
-    in_shardings: tuple[Any, ...]
+_INIT_MUTABLE = nn.DenyList("intermediates")  # module.init's default
 
 
 @dataclass(eq=False)
@@ -95,8 +79,8 @@ class AutoParallel:
     policy: Any = None
     fixed_plan: Plan | None = None
     verify: bool = False
-    _programs: dict[tuple, _Program] = field(default_factory=dict)
-    _last: _Program | None = None
+    _programs: dict[tuple, Program] = field(default_factory=dict)
+    _last: Program | None = None
     _nnx_metadata: dict | None = None  # sharding_names of the nnx module's variables (static)
     _verified: bool = False
 
@@ -139,12 +123,12 @@ class AutoParallel:
 
     # ---- planning -------------------------------------------------------------------------------
 
-    def _program(self, tr: Traceable, partitioning: Any = None) -> _Program:
+    def _program(self, tr: Traceable, partitioning: Any = None) -> Program:
         """The program of a call: planned, lowered and jitted once per input signature, static
         arguments (``train=True``, ``mutable=``, an nnx module's mode) and layout metadata."""
-        explicit = any(explicitly_typed(x) for x in tr.flat_inputs) or _explicit_context()
+        explicit = any(explicitly_typed(x) for x in tr.flat_inputs) or explicit_context()
         specs = tuple(sorted((partitioning or {}).items()))
-        key = _signature(tr.flat_inputs, (tr.static_key, explicit, specs))
+        key = signature(tr.flat_inputs, (tr.static_key, explicit, specs))
         prog = self._programs.get(key)
         if prog is None:
             abstract = [_abstract(x) for x in tr.flat_inputs]
@@ -172,18 +156,14 @@ class AutoParallel:
                 n = tr.n_results() if tr.n_results is not None else len(graph.outputs)
                 results = result_specs(tr.fn, graph, tr.flat_inputs, self.mesh, n)
             lowering = Lowering(graph, plan, self.mesh, explicit=explicit, result_specs=results)
-            shardings = lowering.input_shardings()
-            fn = jax.jit(lowering, in_shardings=shardings)
-            prog = _Program(captured, plan, fn, shardings)
+            prog = Program.of(captured, plan, lowering)
             self._programs[key] = prog
         self._last = prog
         return prog
 
     def _run(self, tr: Traceable, partitioning: Any = None) -> Any:
         prog = self._program(tr, partitioning)
-        flat = [self._place(x, s) for x, s in zip(tr.flat_inputs, prog.in_shardings,
-                                                   strict=True)]
-        out = prog.fn(*flat)
+        out = prog(tr.flat_inputs)
         if self.verify and not self._verified:
             ref = jax.jit(tr.fn)(*tr.flat_inputs)
             compare_outputs(out, ref, where=f"{type(self.module).__name__} under "
@@ -191,14 +171,6 @@ class AutoParallel:
                             precision=self.precision)
             self._verified = True
         return jax.tree_util.tree_unflatten(prog.captured.out_tree, out)
-
-    @staticmethod
-    def _place(x: Any, sharding: Any) -> Any:
-        if sharding is None or isinstance(x, jax.core.Tracer) or not hasattr(x, "shape"):
-            return x
-        if isinstance(x, jax.Array) and x.sharding == sharding:
-            return x
-        return jax.device_put(x, sharding)
 
     # ---- linen --------------------------------------------------------------------------------
 
@@ -242,23 +214,25 @@ class AutoParallel:
             tr = self._nnx_traceable(args, kwargs)
             return self._program(tr, self._nnx_specs()).plan
         if variables is None:
-            variables = abstract_init(self.module, args, kwargs, rngs)
+            variables = abstract_init(self.module, args, kwargs, rngs, method)
         tr = self._linen_traceable(variables, args, kwargs, rngs, mutable, method,
                                    capture_intermediates)
         return self._program(tr, self._specs(variables)).plan
 
-    def init(self, rngs: Any, *args: Any, **kwargs: Any) -> Any:
+    def init(self, rngs: Any, *args: Any, method: Any = None,
+             mutable: Any = _INIT_MUTABLE, capture_intermediates: Any = False,
+             **kwargs: Any) -> Any:
         """``module.init`` with every leaf laid out over the mesh as the plan says.
 
         Returns the same structure ``module.init`` does: params boxed by
         ``nn.with_partitioning`` / ``nn.with_logical_partitioning`` stay boxed (``nn.Partitioned``
         around the laid-out array), so both ``pm.apply`` and ``module.apply`` take the result.
         Their specs pin the variables' storage in the search (``policy="auto"``). Non-array
-        arguments (``train=False``) are static; rng streams besides ``params`` (``dropout``)
-        are passed to the planned call as ``apply`` would get them.
+        arguments (``train=False``) are static; ``method=``, ``mutable=`` and
+        ``capture_intermediates=`` are ``module.init``'s; rng streams besides ``params``
+        (``dropout``) are passed to the planned call as ``apply`` would get them.
         """
-        if not isinstance(rngs, dict):
-            rngs = {"params": rngs}
+        rngs = rng_streams(rngs)
         call = CallArgs.of(args, kwargs, type(self.module).__name__)
         # Example args only give shapes; on an Explicit mesh they are initialised from a
         # replicated copy (the plain module.init may not type-check on split ones).
@@ -267,17 +241,31 @@ class AutoParallel:
 
         def init_fn(r, arrays):
             a, kw = call.rebuild(arrays)
-            return nn.Module.init(self.module, r, *a, **kw)
+            return nn.Module.init(self.module, r, *a, method=method, mutable=mutable,
+                                  capture_intermediates=capture_intermediates, **kw)
 
         variables = jax.eval_shape(init_fn, rngs, [_abstract(x) for x in arrays])
-        coll = [c for c in variables if c != "params"] or False
-        streams = {k: v for k, v in rngs.items() if k != "params"} or None
-        tr = self._linen_traceable(variables, args, kwargs, streams, coll)
-        prog = self._program(tr, self._specs(variables))
+        prog = self._init_program(variables, args, kwargs, rngs, method)
         var_shardings = prog.in_shardings[: len(jax.tree_util.tree_leaves(variables))]
         out_shardings = jax.tree_util.tree_unflatten(
             jax.tree_util.tree_structure(variables), list(var_shardings))
         return jax.jit(init_fn, out_shardings=out_shardings)(rngs, arrays)
+
+    def _init_program(self, variables, args, kwargs, rngs: dict, method: Any) -> Program:
+        """The program whose plan lays out ``init``'s variables: the call ``apply`` gets, with
+        the rng streams besides ``params``; with ``params`` too when that is the only one and
+        the module draws another stream (``dropout``) from it, as flax falls back to it."""
+        coll = [c for c in variables if c != "params"] or False
+        streams = {k: v for k, v in rngs.items() if k != "params"} or None
+        specs = self._specs(variables)
+        try:
+            return self._program(
+                self._linen_traceable(variables, args, kwargs, streams, coll, method), specs)
+        except PlanError as e:
+            if streams is not None or not isinstance(e.__cause__, flax.errors.InvalidRngError):
+                raise
+        return self._program(
+            self._linen_traceable(variables, args, kwargs, rngs, coll, method), specs)
 
     def apply(self, variables: Any, *args: Any, rngs: Any = None, mutable: Any = False,
               method: Any = None, capture_intermediates: Any = False, **kwargs: Any) -> Any:
@@ -297,9 +285,8 @@ class AutoParallel:
         tr = self._linen_traceable(variables, args, kwargs, rngs, mutable, method,
                                    capture_intermediates)
         prog = self._program(tr, self._specs(variables))
-        flat = [self._place(x, s) for x, s in zip(tr.flat_inputs, prog.in_shardings,
-                                                   strict=True)]
-        return prog.fn.lower(*flat).compile()
+        flat = prog.placed(tr.flat_inputs)
+        return prog.fn(flat).lower(*flat).compile()
 
     def with_plan(self, plan: Plan) -> AutoParallel:
         """The same module and mesh running ``plan`` (e.g. at a micro-batch's sizes: a plan
@@ -382,10 +369,15 @@ class NnxAutoParallel(nnx.Module):
         prog = core._program(tr, core._nnx_specs())
         if not self._laid_out:
             _, state = nnx.split(self.module)
-            leaves = jax.tree_util.tree_leaves(state)
-            placed = [core._place(x, s) for x, s in zip(leaves, prog.in_shardings, strict=False)]
-            nnx.update(self.module, jax.tree_util.tree_unflatten(
-                jax.tree_util.tree_structure(state), placed))
+            leaves, tree = jax.tree_util.tree_flatten(state)
+            placed = [place(x, s) for x, s in zip(leaves, prog.in_shardings, strict=False)]
+            moved = tuple(p is not x for p, x in zip(placed, leaves, strict=True))
+            try:
+                nnx.update(self.module, assigned_state(tree.unflatten(placed), moved))
+            except flax.errors.TraceContextError:
+                # called first inside a caller's jax.jit: the module made outside it cannot be
+                # written here (each call places its state); laid out at a call outside
+                return prog.plan
             self._laid_out = True
         return prog.plan
 
@@ -406,7 +398,10 @@ class NnxAutoParallel(nnx.Module):
         self.lay_out(*args, **kwargs)
         tr = core._nnx_traceable(args, kwargs, self.module)
         out, new_state = core._run(tr, specs)
-        nnx.update(self.module, new_state)
+        # only what the call assigned, as the plain module would: a stateless call inside a
+        # caller's jax.jit / jax.grad writes nothing (its params stay the caller's)
+        changed = core._last.captured.traceable.changed
+        nnx.update(self.module, assigned_state(new_state, changed() if changed else None))
         return out
 
 
@@ -449,21 +444,39 @@ def auto_parallel(mesh: Any, constraints: Constraints | None = None, *, policy: 
     return wrap
 
 
+# What instances of a decorated class answer as their wrapper does (besides init / apply /
+# __call__): they behave like wrapped instances. A name the class defines itself is kept.
+_LINEN_API = ("plan", "graph", "make_plan", "train_step", "compiled", "variable_shardings",
+              "with_plan")
+_NNX_API = ("plan", "graph", "make_plan", "train_step", "lay_out", "with_plan")
+
+
+def _delegates(cls: type, core_of: Callable[[Any], Any], names: tuple[str, ...]) -> dict:
+    def one(name: str) -> property:
+        return property(lambda self: getattr(core_of(self), name),
+                        doc=f"The instance's wrapper's ``{name}`` (see ``auto_parallel``).")
+
+    return {n: one(n) for n in names if not hasattr(cls, n)}
+
+
 def _decorate_class(cls: type, mesh, constraints, policy, plan, verify) -> type:
     if issubclass(cls, nnx.Module):
         orig_call = cls.__call__
 
-        def __call__(self, *args, **kwargs):
-            if original_calls():
-                return orig_call(self, *args, **kwargs)
+        def _core(self):
             core = _CORES.get(self)
             if core is None:
                 core = _CORES[self] = NnxAutoParallel(self, mesh, constraints, policy, plan,
                                                       verify)
-            return core(*args, **kwargs)
+            return core
 
-        return type(cls.__name__, (cls,), {"__call__": __call__,
-                                            "__module__": cls.__module__})
+        def __call__(self, *args, **kwargs):
+            if original_calls():
+                return orig_call(self, *args, **kwargs)
+            return _core(self)(*args, **kwargs)
+
+        return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
+                                            **_delegates(cls, _core, _NNX_API)})
     if issubclass(cls, nn.Module):
         def _core(self):
             # One wrapper per instance, so repeated init / apply reuse its programs.
@@ -480,6 +493,6 @@ def _decorate_class(cls: type, mesh, constraints, policy, plan, verify) -> type:
             return _core(self).apply(variables, *args, **kwargs)
 
         return type(cls.__name__, (cls,), {"init": init, "apply": apply,
-                                            "__module__": cls.__module__})
+                                            "__module__": cls.__module__,
+                                            **_delegates(cls, _core, _LINEN_API)})
     raise PlanError(f"auto_parallel decorates flax.linen / flax.nnx Module classes, got {cls}")
-

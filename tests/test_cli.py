@@ -90,3 +90,10 @@ def test_demo(capsys):
     assert res["ok"] is True and res["max_rel_diff"] < 1e-4
     losses = res["losses"]
     assert len(losses) == 3 and losses[-1] < losses[0]
+
+
+def test_plan_with_the_alpa_policy(capsys):
+    """``--policy alpa`` is taken, as ``auto_parallel(mesh, policy="alpa")`` takes it."""
+    assert main(["plan", "--model", "mlp", "--mesh", "2x4", "--policy", "alpa", "--json"]) == 0
+    res = _last_json(capsys)
+    assert res["policy"] == "alpa" and Plan.from_json(json.dumps(res["plan"])).policy == "alpa"

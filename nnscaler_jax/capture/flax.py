@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,8 +25,8 @@ from nnscaler_jax.capture.precision import Cast
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Role
 
-__all__ = ["CallArgs", "Traceable", "linen_traceable", "nnx_call_scopes", "nnx_traceable",
-           "original_calls", "path_str"]
+__all__ = ["CallArgs", "Traceable", "assigned_state", "linen_traceable", "nnx_call_scopes",
+           "nnx_traceable", "original_calls", "path_str", "rng_streams"]
 
 _TRACING = threading.local()
 
@@ -75,6 +75,9 @@ class Traceable:
             static call arguments, apply options; an nnx module's graphdef).
         n_results: a thunk giving how many leading outputs are the module's results (the rest
             is updated state the wrapper writes back: an nnx module's); None: all of them.
+        changed: a thunk giving, per leaf of that updated state, whether the call assigned it
+            (an nnx module's batch statistics, rng counts; not its untouched parameters);
+            None: unknown (all of it is written back).
     """
 
     fn: Callable[..., Any]
@@ -85,6 +88,7 @@ class Traceable:
     root: str
     static_key: Any = ()
     n_results: Callable[[], int] | None = None
+    changed: Callable[[], tuple[bool, ...] | None] | None = None
 
     @functools.cached_property
     def infos(self) -> tuple[InputInfo, ...]:
@@ -170,6 +174,22 @@ class CallArgs:
         return [InputInfo(Role.INPUT, p, None) for p in self.paths]
 
 
+def rng_streams(rngs: Any) -> dict[str, Any]:
+    """The rng streams of a linen call as ``Module.apply`` / ``init`` read ``rngs=``: None ->
+    none, a mapping -> its streams, a single key -> ``{'params': key}`` (``make_rng`` of another
+    stream falls back to it, as in flax).
+
+    >>> import jax
+    >>> sorted(rng_streams(jax.random.key(0))), rng_streams(None)
+    (['params'], {})
+    """
+    if rngs is None:
+        return {}
+    if isinstance(rngs, Mapping):
+        return dict(rngs)
+    return {"params": rngs}
+
+
 def linen_traceable(module: nn.Module, args: Sequence[Any], kwargs: dict, *,
                     variables: Any, rngs: Any = None, mutable: Any = False,
                     method: Any = None, capture_intermediates: Any = False,
@@ -182,7 +202,7 @@ def linen_traceable(module: nn.Module, args: Sequence[Any], kwargs: dict, *,
     None: none.
     """
     call = CallArgs.of(args, kwargs, type(module).__name__)
-    rngs = dict(rngs) if rngs else {}
+    rngs = rng_streams(rngs)
     structured = (variables, rngs, call.arrays)
     flat, in_tree = jax.tree_util.tree_flatten(structured)
     cast = Cast.of(compute_dtype)
@@ -267,12 +287,12 @@ def _nnx_named_scopes(root: Any):
             finally:
                 stack.pop()
 
-        setattr(cls, "__call__", call)
+        cls.__call__ = call
     try:
         yield
     finally:
         for cls, orig in originals.items():
-            setattr(cls, "__call__", orig)
+            cls.__call__ = orig
 
 
 @contextlib.contextmanager
@@ -303,7 +323,7 @@ def nnx_traceable(module: nnx.Module, args: Sequence[Any], kwargs: dict, *,
         var_infos = []
         for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]:
             p = path_str(path)
-            p = p[: -len("/value")] if p.endswith("/value") else p
+            p = p.removesuffix("/value")
             var_infos.append(InputInfo(Role.VARIABLE, p, _nnx_collection(state, path)))
         return var_infos + call.infos()
     store: dict[str, Any] = {}
@@ -312,10 +332,12 @@ def nnx_traceable(module: nnx.Module, args: Sequence[Any], kwargs: dict, *,
         cast_in, stored = cast.inputs(flat_in, mask, scopes) if cast else (flat_in, {})
         s, arrays = jax.tree_util.tree_unflatten(in_tree, cast_in)
         a, kw = call.rebuild(arrays)
+        given = jax.tree_util.tree_flatten(s)  # before the call: merge shares s's variables
         m = nnx.merge(graphdef, s)
         with _nnx_named_scopes(m), _original():
             out = m(*a, **kw)
         _, new_state = nnx.split(m)
+        store["changed"] = _assigned(given, new_state)
         if cast:
             out = cast.results(cast.restore(out, stored))
             new_state = cast.state(new_state, jax.tree_util.tree_unflatten(in_tree, flat_in)[0],
@@ -326,7 +348,18 @@ def nnx_traceable(module: nnx.Module, args: Sequence[Any], kwargs: dict, *,
 
     return Traceable(fn, tuple(flat), infos, in_tree, lambda: store["tree"], "",
                      (graphdef, in_tree, call.key, cast.precision if cast else None),
-                     lambda: store["n"])
+                     lambda: store["n"], lambda: store["changed"])
+
+
+def _assigned(given: tuple[list, Any], new_state: Any) -> tuple[bool, ...] | None:
+    """Per leaf of ``new_state``: whether the call assigned it (not the very value it was
+    given: ``given`` is the flattened state before the call); None when the call changed the
+    state's structure."""
+    old, tree = given
+    new, new_tree = jax.tree_util.tree_flatten(new_state)
+    if new_tree != tree:
+        return None
+    return tuple(a is not b for a, b in zip(new, old, strict=True))
 
 
 def _nnx_cast_mask(state: Any, n_arrays: int) -> tuple[list[bool], list[str]]:
@@ -351,3 +384,16 @@ def _nnx_collection(state: Any, path: Sequence[Any]) -> str:
         except (KeyError, TypeError, IndexError, AttributeError):
             break
     return type(node).__name__.lower() if isinstance(node, nnx.Variable) else "variable"
+
+
+def assigned_state(state: nnx.State, changed: tuple[bool, ...] | None) -> nnx.State:
+    """The variables of ``state`` with a leaf in ``changed`` (None: all of them)."""
+    if changed is None:
+        return state
+    flat, i = [], 0
+    for path, var in nnx.to_flat_state(state):
+        n = len(jax.tree_util.tree_leaves(var))
+        if any(changed[i:i + n]):
+            flat.append((path, var))
+        i += n
+    return nnx.from_flat_state(flat)

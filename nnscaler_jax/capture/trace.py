@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import logging
 import warnings
 from dataclasses import dataclass
@@ -13,7 +15,13 @@ import jax
 import numpy as np
 from flax import nnx
 
-from nnscaler_jax.capture.flax import CallArgs, Traceable, linen_traceable, nnx_traceable
+from nnscaler_jax.capture.flax import (
+    CallArgs,
+    Traceable,
+    linen_traceable,
+    nnx_traceable,
+    rng_streams,
+)
 from nnscaler_jax.capture.jaxpr import graph_from_jaxpr
 from nnscaler_jax.capture.precision import float32_matmuls, precision_name, with_precision
 from nnscaler_jax.errors import PlanError
@@ -35,22 +43,29 @@ class Captured:
     out_tree: Any
 
 
-def abstract_init(module: nn.Module, args: tuple, kwargs: dict, rngs: Any = None) -> Any:
+def abstract_init(module: nn.Module, args: tuple, kwargs: dict, rngs: Any = None,
+                  method: Any = None) -> Any:
     """Variables of a linen module as ``ShapeDtypeStruct`` values (no allocation); non-array
     arguments (``train=True``) are static; ``params`` and ``dropout`` get fixed keys unless
-    ``rngs`` names the streams."""
+    ``rngs`` names the streams. Initialised by the module's ``__call__`` (all its variables,
+    as a full ``module.init`` makes them), else, when that does not take the args, by
+    ``method`` (those ``module.init(..., method=method)`` makes)."""
     keys = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
-    keys.update({k: jax.random.key(2 + i) for i, k in enumerate(sorted(rngs or ()))
+    keys.update({k: jax.random.key(2 + i) for i, k in enumerate(sorted(rng_streams(rngs)))
                  if k not in keys})
     call = CallArgs.of(args, kwargs, type(module).__name__)
 
-    def init(arrays):
+    def init(arrays, method=None):
         a, kw = call.rebuild(arrays)
-        return module.init(keys, *a, **kw)
+        # nn.Module.init itself, so a class decorated by auto_parallel runs its original code.
+        return nn.Module.init(module, keys, *a, method=method, **kw)
 
     try:
         return jax.eval_shape(init, call.arrays)
-    except Exception as e:  # noqa: BLE001 - re-raised with context a user can act on
+    except Exception as e:  # re-raised with context a user can act on
+        if method is not None:
+            with contextlib.suppress(Exception):  # else the __call__ error is the one reported
+                return jax.eval_shape(functools.partial(init, method=method), call.arrays)
         raise PlanError(
             f"{type(module).__name__}.init failed on the example args "
             f"{jax.tree_util.tree_map(lambda x: (tuple(x.shape), str(x.dtype)), call.arrays)} "
@@ -116,7 +131,7 @@ def capture(module: Any, *args: Any, variables: Any = None, rngs: Any = None,
         tr = nnx_traceable(module, args, kwargs, compute_dtype=precision)
     elif isinstance(module, nn.Module):
         if variables is None:
-            variables = abstract_init(module, args, kwargs, rngs)
+            variables = abstract_init(module, args, kwargs, rngs, method)
         if mutable is None:
             mutable = [c for c in variables if c != "params"] or False
         tr = linen_traceable(module, args, kwargs, variables=variables, rngs=rngs,
@@ -132,7 +147,7 @@ def capture(module: Any, *args: Any, variables: Any = None, rngs: Any = None,
         jaxpr = jax.make_jaxpr(tr.fn)(*tr.flat_inputs)
     except PlanError:
         raise
-    except Exception as e:  # noqa: BLE001 - re-raised with context a user can act on
+    except Exception as e:  # re-raised with context a user can act on
         shapes = [(tuple(x.shape), str(x.dtype)) for x in CallArgs.of(args, kwargs, "").arrays]
         raise PlanError(f"tracing {type(module).__name__} on args {shapes} failed: "
                         f"{type(e).__name__}: {e}") from e

@@ -153,9 +153,11 @@ def parse_mesh(text: str, axes: str | None, devices: int | None = None) -> Any:
 
 
 def policy_names() -> list[str]:
+    """The policies ``--policy`` takes: those ``auto_parallel(mesh, policy=...)`` takes by name
+    (the searches ``auto`` and ``alpa`` included)."""
     from nnscaler_jax.search.entry import POLICIES
 
-    return sorted(p for p in POLICIES if p != "alpa")
+    return sorted(POLICIES)
 
 
 def check_policy(name: str) -> str:

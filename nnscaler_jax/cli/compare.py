@@ -268,10 +268,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     precision = _precision(args)
     spec = model_spec(args.model, args.preset, precision)
     mesh = _mesh(args)
-    planners = [p.strip() if p.strip() == "alpa" else check_policy(p.strip())
-                for p in args.planners.split(",") if p.strip()]
+    planners = [check_policy(p.strip()) for p in args.planners.split(",") if p.strip()]
     if not planners:
-        raise UsageError(f"--planners is empty; choose from: {', '.join(policy_names())}, alpa")
+        raise UsageError(f"--planners is empty; choose from: {', '.join(policy_names())}")
     cluster = _cluster(args)
     budget, source, short = _budget(args, mesh, cluster)
     explicit = budget if args.budget is not None else None

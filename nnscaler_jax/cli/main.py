@@ -70,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     g.set_defaults(fn=cmd_graph)
 
     pl = sub.add_parser("plan", parents=[common, model, mesh], help="make and print a plan")
-    pl.add_argument("--policy", default="auto", help="dp, zero3, megatron or auto (default)")
+    pl.add_argument("--policy", default="auto", help="dp, zero3, megatron, alpa or auto (default)")
     pl.add_argument("--out", default=None, help="write the plan JSON to this file")
     pl.add_argument("--pipeline", type=int, default=0, metavar="N",
                     help="also print the layer -> stage split and per-device schedule of N stages")
@@ -86,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("verify", parents=[common, model, mesh],
                        help="compare forward and gradients with the single-device program")
-    v.add_argument("--policy", default="auto", help="dp, zero3, megatron or auto (default)")
+    v.add_argument("--policy", default="auto", help="dp, zero3, megatron, alpa or auto (default)")
     v.set_defaults(fn=_lazy('cmd_verify'))
 
     c = sub.add_parser("compare", parents=[common, model, mesh],

@@ -55,7 +55,7 @@ def add_train_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     t = sub.add_parser("train", parents=parents, help="train a zoo model on synthetic data "
                        "under a plan (checkpoints, resume, several processes)")
     t.add_argument("--steps", type=int, default=10, help="train up to this step (default 10)")
-    t.add_argument("--policy", default="auto", help="dp, zero3, megatron or auto (default)")
+    t.add_argument("--policy", default="auto", help="dp, zero3, megatron, alpa or auto (default)")
     t.add_argument("--batch-size", type=int, help="global batch size (default: the preset's)")
     t.add_argument("--lr", type=float, default=1e-3, help="adamw learning rate (default 1e-3)")
     t.add_argument("--seed", type=int, default=0, help="seed of the init and of every batch")

@@ -41,7 +41,7 @@ from nnscaler_jax.mesh.topology import MeshSpec
 from nnscaler_jax.plan.layouts import op_layouts, plan_layouts, sole_read_variables
 from nnscaler_jax.plan.plan import VALUE, OpPlan, Plan
 
-__all__ = ["Lowering", "auto_view", "explicitly_typed", "is_explicit"]
+__all__ = ["Lowering", "auto_view", "explicit_context", "explicitly_typed", "is_explicit"]
 
 
 def is_explicit(mesh: Any) -> bool:
@@ -54,6 +54,14 @@ def auto_view(mesh: Mesh) -> Mesh:
     if not is_explicit(mesh):
         return mesh
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def explicit_context() -> bool:
+    """Whether the caller runs under an Explicit context mesh (``with jax.set_mesh(mesh):``):
+    then a program must run as on Explicit-typed inputs (under ``auto_axes``), whatever its
+    inputs' types."""
+    ctx = jax.sharding.get_abstract_mesh()
+    return not getattr(ctx, "empty", True) and is_explicit(ctx)
 
 
 def explicitly_typed(x: Any) -> bool:
@@ -289,7 +297,7 @@ class Lowering:
                 for t, v in zip(b.inputs, vals, strict=True):
                     inner[t.id] = v
                 self._run(ops, depth + 1, inner, boundaries)
-                return [inner[t.id] if t.id in inner else t.value for t in b.outputs]
+                return [inner.get(t.id, t.value) for t in b.outputs]
 
             p = b.eqn.params
             outs = jax.checkpoint(body, prevent_cse=p.get("prevent_cse", True),

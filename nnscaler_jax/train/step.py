@@ -101,6 +101,13 @@ def _split_micro(x: jax.Array, m: int) -> jax.Array:
     return jnp.moveaxis(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 1, 0)
 
 
+def _inputs_error(e: PlanError, n: int) -> str:
+    """``e`` (the module call failed on the whole batch) with the likely fix: ``inputs=``."""
+    return (f"{e}\ntrain_step passed all {n} batch arrays to the module (inputs=None). If it "
+            "takes only the leading ones, say how many, e.g. for a batch (x, y) with module(x) "
+            "and loss_fn(out, x, y):\n    step = pm.train_step(loss_fn, optimizer, inputs=1)")
+
+
 class _Linen:
     """A wrapped linen module: ``variables = {'params': ..., **collections}``."""
 
@@ -243,7 +250,12 @@ class SpmdStep:
         whole = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in batch]
         # planned for the whole batch (the planner may choose micro-batches to fit the
         # budget); the micro-batches' calls run that plan at their sizes
-        self._plan = plan = self.model.make_plan(variables, whole, rngs)
+        try:
+            self._plan = plan = self.model.make_plan(variables, whole, rngs)
+        except PlanError as e:
+            if self.inputs is None and len(batch) > 1 and isinstance(e.__cause__, TypeError):
+                raise PlanError(_inputs_error(e, len(batch))) from e
+            raise
         self._graph = self.model.core.graph
         self.microbatches = m = self._micro_count(plan.microbatches, batch)
         if m > 1:

@@ -110,12 +110,15 @@ def test_model_spec_and_its_usage_errors():
 
 
 def test_policies():
+    """``--policy`` takes every name ``auto_parallel(mesh, policy=...)`` takes, ``alpa`` too."""
+    from nnscaler_jax.search.entry import POLICIES
+
     names = policy_names()
-    assert {"dp", "zero3", "megatron", "auto"} <= set(names) and "alpa" not in names
+    assert {"dp", "zero3", "megatron", "auto", "alpa"} <= set(names) and set(names) == set(POLICIES)
     assert names == sorted(names)
-    assert check_policy("dp") == "dp"
-    with pytest.raises(UsageError, match="unknown policy 'alpa'"):
-        check_policy("alpa")
+    assert check_policy("dp") == "dp" and check_policy("alpa") == "alpa"
+    with pytest.raises(UsageError, match="unknown policy 'nope'; choose one of: .*alpa"):
+        check_policy("nope")
 
 
 def test_make_plan_on_abstract_args_and_its_cost_dict():
