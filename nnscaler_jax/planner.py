@@ -229,7 +229,8 @@ def _warn_unsplit(plan: Plan) -> None:
         UserWarning, stacklevel=level)
 
 
-def _check_budget(plan: Plan, budget: int | None, default: DefaultBudget | None = None) -> None:
+def _check_budget(plan: Plan, budget: int | None, default: DefaultBudget | None = None, *,
+                  saved: bool = False) -> None:
     """Every policy's plan must fit the memory budget (the searches choose within it; a
     hand-written or built-in policy's plan is checked here).
 
@@ -242,11 +243,13 @@ def _check_budget(plan: Plan, budget: int | None, default: DefaultBudget | None 
     need = plan.cost.memory_bytes_per_device
     over = (f"the default budget ({budget / 2**20:.2f} MiB)" if default is not None else
             f"Constraints(max_memory_per_device={budget}) ({budget / 2**20:.2f} MiB)")
+    what = "the saved plan" if saved else f"policy {plan.policy or 'custom'!r}: the plan"
+    fix = ("re-plan under the budget (without plan=; policy='auto' searches within it)"
+           if saved else "no plan fits with this policy. Use policy='auto' (it searches within "
+           "the budget), Constraints(zero=3)")
     raise NoFitError(
-        f"policy {plan.policy or 'custom'!r}: the plan needs an estimated "
-        f"{need / 2**20:.2f} MiB per device, over {over}; no plan fits "
-        "with this policy. Use policy='auto' (it searches within the budget), Constraints("
-        "zero=3), more devices, a smaller batch, or a larger budget", smallest_bytes=need,
+        f"{what} needs an estimated {need / 2**20:.2f} MiB per device, over {over}; {fix}, "
+        "more devices, a smaller batch, or a larger budget", smallest_bytes=need,
         budget_bytes=budget)
 
 
@@ -282,7 +285,10 @@ def make_plan(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto"
     if plan is not None:
         _check_saved_precision(plan, graph, constraints)
         check_reuse(plan, graph, mesh_axes(mesh))
-        return _repriced(plan, graph, cost_model)
+        plan = _repriced(plan, graph, cost_model)
+        if constraints is not None:  # (the user's budget; a device's default is not checked)
+            _check_budget(plan, constraints.max_memory_per_device, saved=True)
+        return plan
     return plan_and_report(graph, mesh, policy=policy, constraints=constraints,
                            partitioning=partitioning, cost_model=cost_model,
                            time_limit=time_limit).plan
@@ -294,12 +300,17 @@ def _precision_text(precision: str | None) -> str:
 
 def _check_saved_precision(plan: Plan, graph: Graph, constraints: Constraints | None) -> None:
     """A saved plan computes at its own precision: the graph must have been captured at it, and
-    ``Constraints(precision=...)``, if given, must agree.
+    ``Constraints(precision=...)`` (and ``zero=``), if given, must agree.
 
     Raises:
-        ConstraintError: the constraints ask for another precision.
+        ConstraintError: the constraints ask for another precision or ZeRO stage.
         PlanFormatError: the graph was captured at another one.
     """
+    zero = constraints.zero if constraints is not None else None
+    if zero is not None and zero != plan.zero:
+        raise ConstraintError(f"Constraints(zero={zero}) contradicts the saved plan's ZeRO stage "
+                              f"({plan.zero}): a saved plan runs as it was made; drop one, or "
+                              "re-plan")
     asked = constraints.precision if constraints is not None else None
     name = _precision_text
     if asked is not None and asked != plan.precision:

@@ -18,7 +18,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from meshes import make_mesh
 
-from nnscaler_jax import Plan, PlanError, auto_parallel
+from nnscaler_jax import Constraints, Plan, PlanError, auto_parallel
+from nnscaler_jax.errors import ConstraintError, NoFitError
 from nnscaler_jax.ir.graph import Graph
 
 pytestmark = pytest.mark.slow  # compiles and runs programs over the mesh
@@ -233,3 +234,18 @@ def test_train_step_without_inputs_suggests_inputs_1(mesh):
     step = pm.train_step(lambda o, x, y: jnp.mean((o - y) ** 2), optax.sgd(0.1))
     with pytest.raises(PlanError, match=r"(?s)takes 2 positional.*inputs=1"):
         step.init(pm.init(jax.random.key(0), x), x, y)
+
+
+def test_a_saved_plan_is_held_to_the_constraints_given_with_it(mesh):
+    x = np.ones((8, 16), np.float32)
+    pm = auto_parallel(mesh, policy="dp")(MLP())
+    pm.init(jax.random.key(0), x)
+    saved = pm.plan
+    with pytest.raises(ConstraintError, match=r"zero=3\) contradicts the saved plan's ZeRO"):
+        auto_parallel(mesh, Constraints(zero=3), plan=saved)(MLP()).make_plan(x)
+    with pytest.raises(NoFitError, match="the saved plan needs an estimated") as e:
+        auto_parallel(mesh, Constraints(max_memory_per_device="1KiB"), plan=saved)(
+            MLP()).make_plan(x)
+    assert e.value.smallest_bytes == saved.cost.memory_bytes_per_device
+    same = auto_parallel(mesh, Constraints(zero=saved.zero), plan=saved)(MLP()).make_plan(x)
+    assert same.to_json() == saved.to_json()
