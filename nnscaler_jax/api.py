@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from nnscaler_jax.capture.flax import (
     CallArgs,
+    ModuleAttributes,
     Traceable,
     assigned_state,
     linen_traceable,
@@ -332,7 +333,7 @@ class AutoParallel:
         raise PlanError("a wrapped linen module is used through .init / .apply, like the module")
 
 
-class NnxAutoParallel(nnx.Module):
+class NnxAutoParallel(ModuleAttributes, nnx.Module):
     """An nnx module whose calls run as one program over the mesh; its state is the wrapped
     module's state (``pm.module``), laid out by the plan."""
 

@@ -249,3 +249,23 @@ def test_a_saved_plan_is_held_to_the_constraints_given_with_it(mesh):
     assert e.value.smallest_bytes == saved.cost.memory_bytes_per_device
     same = auto_parallel(mesh, Constraints(zero=saved.zero), plan=saved)(MLP()).make_plan(x)
     assert same.to_json() == saved.to_json()
+
+
+def test_the_nnx_wrapper_reads_and_sets_the_modules_attributes(mesh):
+    class Scaled(nnx.Module):
+        def __init__(self, rngs):
+            self.fc = nnx.Linear(16, 8, rngs=rngs)
+            self.temperature = 1.0
+
+        def __call__(self, x):
+            return self.fc(x) / self.temperature
+
+    x = np.ones((8, 16), np.float32)
+    pm = auto_parallel(mesh)(Scaled(nnx.Rngs(0)))
+    first = np.asarray(pm(x))
+    assert pm.fc is pm.module.fc and pm.temperature == 1.0
+    pm.temperature = 2.0  # on the module, as on the plain one: the next call uses it
+    assert pm.module.temperature == 2.0 and "temperature" not in vars(pm)
+    np.testing.assert_allclose(np.asarray(pm(x)), first / 2, rtol=1e-6)
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        pm.nothing  # noqa: B018

@@ -25,8 +25,8 @@ from nnscaler_jax.capture.precision import Cast
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Role
 
-__all__ = ["CallArgs", "Traceable", "assigned_state", "linen_traceable", "nnx_call_scopes",
-           "nnx_traceable", "original_calls", "path_str", "rng_streams"]
+__all__ = ["CallArgs", "ModuleAttributes", "Traceable", "assigned_state", "linen_traceable",
+           "nnx_call_scopes", "nnx_traceable", "original_calls", "path_str", "rng_streams"]
 
 _TRACING = threading.local()
 
@@ -397,3 +397,24 @@ def assigned_state(state: nnx.State, changed: tuple[bool, ...] | None) -> nnx.St
             flat.append((path, var))
         i += n
     return nnx.from_flat_state(flat)
+
+
+class ModuleAttributes:
+    """Mixin of a wrapper holding an nnx module as ``self.module``: the attributes the wrapper
+    lacks are the module's (``pm.fc``, ``pm.encode(x)``), and setting one the module has
+    (``pm.temperature = 2.0``) sets it on the module, as on the plain module (the next call
+    captures the module with it)."""
+
+    def __getattr__(self, name: str) -> Any:  # (only for names the wrapper lacks)
+        module = self.__dict__.get("module")
+        if module is None or name.startswith("_"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(module, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        module = self.__dict__.get("module")
+        if (module is not None and not name.startswith("_") and name not in self.__dict__
+                and not hasattr(type(self), name) and hasattr(module, name)):
+            setattr(module, name, value)
+        else:
+            super().__setattr__(name, value)
