@@ -352,11 +352,14 @@ def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
         return sum(model.activation_bytes(o, (), saved.get(o.id, ()))
                    for o in ops[a:b] if not o.regions and o.id not in casts) / batch
 
+    def seconds(a: int, b: int) -> float:  # forward + backward, per sample
+        return sum(_op_cost(model, op, traffic) for op in ops[a:b]) / batch
+
     def priced(a: int, b: int) -> tuple[float, float]:
-        return sum(_op_cost(model, op, traffic) for op in ops[a:b]) / batch, act(a, b)
+        return seconds(a, b), act(a, b)
 
     def fwd(a: int, b: int) -> float:
-        return priced(a, b)[0] / 3
+        return seconds(a, b) / 3
 
     last_read: dict[int, int] = {}
     for i, op in enumerate(ops):
@@ -378,8 +381,7 @@ def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
         kc, lc, again_c = _layer_kept(ops, cuts, made_at, act, fwd, [f is True for f in flag])
         kl, ll, again_l = _layer_kept(ops, cuts, made_at, act, fwd,
                                       [f is not False for f in flag])
-        time_s, _ = priced(a, b)
-        units.append(Unit(f"<chunk {c}>", time_s, kc / batch + lc, owned[c], sent[c] / batch,
+        units.append(Unit(f"<chunk {c}>", seconds(a, b), kc / batch + lc, owned[c], sent[c] / batch,
                           layer_in_bytes=kl / batch, layer_act_bytes=ll,
                           transient_bytes=transient(a, b), chunk_again_s=again_c,
                           layer_again_s=again_l))
