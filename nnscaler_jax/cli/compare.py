@@ -54,7 +54,9 @@ def plan_features(plan: Any) -> dict[str, Any]:
     recomputed on their own inside their chunks, ``PipelineSettings.recomputed``);
     ``cosharded``: ``[module path,
     primitive, dim, chunks]`` per op run as ``chunks`` sequential pieces, and per co-sharded
-    block (``Plan.coshard``) its seed op's; ``microbatches``: the
+    block (``Plan.coshard``) its seed op's; empty for a pipelined plan, whose runtime does not
+    run its SPMD part's co-sharding (chunks run data-parallel, or tensor-parallel with an
+    in-stage plan, which refuses co-sharded ops); ``microbatches``: the
     pipeline's (or the plan's gradient accumulation), 1 without; ``stages``: pipeline stages.
     """
     def jsonable(x: Any) -> Any:
@@ -69,12 +71,14 @@ def plan_features(plan: Any) -> dict[str, Any]:
     by_id = {p.op: p for p in plan.ops}
     blocks = [[by_id[s].module_path, by_id[s].primitive, d, int(k)] if s in by_id else
               [f"op {s}", "", d, int(k)] for s, d, k in getattr(plan, "coshard", ()) or ()]
-    # (a pipelined plan runs its own recompute: its SPMD part's groups do not run)
+    cosharded = [[p.module_path, p.primitive, p.chunks[0], int(p.chunks[1])]
+                 for p in plan.ops if p.chunks] + blocks
+    # (a pipelined plan runs its own recompute and no co-sharding: its SPMD part's groups and
+    # chunked ops do not run)
     groups = (plan.pipeline.recomputed() if plan.pipeline is not None
               else list(getattr(plan, "recompute", ()) or ()))
     return {"recompute": [jsonable(g) for g in groups],
-            "cosharded": [[p.module_path, p.primitive, p.chunks[0], int(p.chunks[1])]
-                          for p in plan.ops if p.chunks] + blocks,
+            "cosharded": cosharded if plan.pipeline is None else [],
             "microbatches": int(micro or 1), "stages": int(plan.stages)}
 
 

@@ -54,8 +54,8 @@ from nnscaler_jax.errors import PlanError
 from nnscaler_jax.lower.replay import explicitly_typed
 
 __all__ = ["ModuleCall", "StepOptions", "collections_error", "empty_collection_error",
-           "micro_leaves", "micro_setup", "microbatch_rngs", "rng_error", "split_batch",
-           "trace_micro", "typed_key"]
+           "inputs_error", "micro_leaves", "micro_setup", "microbatch_rngs", "rng_error",
+           "split_batch", "trace_micro", "typed_key"]
 
 
 def microbatch_rngs(key: Any, index: Any, streams: Sequence[str]) -> dict:
@@ -124,6 +124,15 @@ class StepOptions:
             raise PlanError(f"train_step: inputs={self.inputs} but the batch has {len(batch)} "
                             f"arrays; use inputs <= {len(batch)}")
         return tuple(batch) if self.inputs is None else tuple(batch[:self.inputs])
+
+
+def inputs_error(e: Exception, n: int) -> PlanError:
+    """``e`` (the module call failed on the whole batch of ``n`` arrays) with the likely fix,
+    ``inputs=`` (the pipelined and the SPMD training steps)."""
+    return PlanError(
+        f"{e}\ntrain_step passed all {n} batch arrays to the module (inputs=None). If it "
+        "takes only the leading ones, say how many, e.g. for a batch (x, y) with module(x) "
+        "and loss_fn(out, x, y):\n    step = pm.train_step(loss_fn, optimizer, inputs=1)")
 
 
 def collections_error(where: str, names: Sequence[str]) -> PlanError:
@@ -211,18 +220,21 @@ class ModuleCall:
         """The wrapper ``pm``'s plan of the module's call on ``args`` (the whole batch's), as
         the step calls it (rng streams keyed by ``rng``, collections mutable)."""
         kw = dict(self.options.module_kwargs)
-        if self.nnx:  # planned on the module's own state (rng streams included)
-            return pm.make_plan(*args, **kw)
-        # checks + records the stages; policy None: stages data-parallel inside
-        streams = self.options.rng_streams
-        rngs = microbatch_rngs(typed_key(rng), 0, streams) if self.slots else None
         try:
+            if self.nnx:  # planned on the module's own state (rng streams included)
+                return pm.make_plan(*args, **kw)
+            # checks + records the stages; policy None: stages data-parallel inside
+            streams = self.options.rng_streams
+            rngs = microbatch_rngs(typed_key(rng), 0, streams) if self.slots else None
             return pm.make_plan(*args, variables={"params": self.params, **self.collections},
                                 rngs=rngs, mutable=list(self.collections) or False, **kw)
-        except PlanError as e:  # (the wrapper's tracing error, caused by flax's)
-            if not isinstance(e.__cause__, flax.errors.InvalidRngError):
-                raise
-            raise rng_error(e.__cause__, streams) from e
+        except PlanError as e:  # (the wrapper's tracing error, caused by flax's / Python's)
+            if not self.nnx and isinstance(e.__cause__, flax.errors.InvalidRngError):
+                raise rng_error(e.__cause__, self.options.rng_streams) from e
+            if (self.options.inputs is None and len(args) > 1
+                    and isinstance(e.__cause__, TypeError)):
+                raise inputs_error(e, len(args)) from e
+            raise
 
     def module_params(self, params: Any) -> Any:
         """``params`` (plain tree) as the module takes them: linen the tree, nnx an

@@ -43,7 +43,7 @@ from nnscaler_jax.errors import PlanError
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.lower.replay import auto_view, explicitly_typed
 from nnscaler_jax.mesh.axes import data_axes, mesh_axes
-from nnscaler_jax.pipeline.program import microbatch_rngs
+from nnscaler_jax.pipeline.program import inputs_error, microbatch_rngs
 from nnscaler_jax.pipeline.update import per_device_bytes, place_as
 from nnscaler_jax.plan.zero import zero3_layout
 
@@ -99,13 +99,6 @@ def _split_micro(x: jax.Array, m: int) -> jax.Array:
     """``[B, ...] -> [m, B/m, ...]`` taking rows ``i::m`` into micro-batch ``i``: every
     device's block of a batch split over the data axes splits locally."""
     return jnp.moveaxis(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 1, 0)
-
-
-def _inputs_error(e: PlanError, n: int) -> str:
-    """``e`` (the module call failed on the whole batch) with the likely fix: ``inputs=``."""
-    return (f"{e}\ntrain_step passed all {n} batch arrays to the module (inputs=None). If it "
-            "takes only the leading ones, say how many, e.g. for a batch (x, y) with module(x) "
-            "and loss_fn(out, x, y):\n    step = pm.train_step(loss_fn, optimizer, inputs=1)")
 
 
 class _Linen:
@@ -254,7 +247,7 @@ class SpmdStep:
             self._plan = plan = self.model.make_plan(variables, whole, rngs)
         except PlanError as e:
             if self.inputs is None and len(batch) > 1 and isinstance(e.__cause__, TypeError):
-                raise PlanError(_inputs_error(e, len(batch))) from e
+                raise inputs_error(e, len(batch)) from e
             raise
         self._graph = self.model.core.graph
         self.microbatches = m = self._micro_count(plan.microbatches, batch)

@@ -99,14 +99,17 @@ def test_bad_budget_or_cluster_is_a_usage_error(capsys, argv, needle):
 
 
 def test_features_of_a_plan():
-    """Co-sharded ops as [module path, primitive, dim, chunks], the pipeline's micro-batches and
-    stages, the recompute groups when the plan has them."""
+    """Co-sharded ops as [module path, primitive, dim, chunks] (none for a pipelined plan: its
+    runtime does not run the SPMD part's co-sharding), the pipeline's micro-batches and stages,
+    the recompute groups when the plan has them."""
     ops = (OpPlan(0, "dot_general", "blk0/attn/qk", (("model", "h"),), chunks=("h", 6)),
            OpPlan(1, "dot_general", "blk0/mlp/fc1", (("model", "n"),)))
     plan = Plan(mesh=(("stage", 2), ("model", 4)), fingerprint="x", ops=ops,
                 pipeline=PipelineSettings(stages=2, microbatches=8, schedule="1f1b"))
     f = plan_features(plan)
-    assert f["cosharded"] == [["blk0/attn/qk", "dot_general", "h", 6]]
+    assert f["cosharded"] == []
+    assert plan_features(Plan(mesh=(("model", 4),), fingerprint="x", ops=ops))["cosharded"] == [
+        ["blk0/attn/qk", "dot_general", "h", 6]]
     assert f["microbatches"] == 8 and f["stages"] == 2
     assert f["recompute"] == list(getattr(plan, "recompute", ()) or ())
     flat = Plan(mesh=(("model", 4),), fingerprint="x", ops=ops[1:])
