@@ -106,7 +106,6 @@ def test_pipeline_stages_without_a_policy_are_data_parallel_inside():
 @pytest.mark.parametrize("policy", ["dp", "megatron", "zero3"])
 def test_a_built_in_policy_over_the_memory_budget_is_refused(policy):
     """The built-ins accepted max_memory_per_device=1 without a word."""
-    from nnscaler_jax import PlanError
     from nnscaler_jax.planner import make_plan as plan_of
 
     spec = models.get("mlp", "tiny")
@@ -141,13 +140,14 @@ def test_a_pipelined_plan_is_held_to_the_budget_per_stage_not_as_a_whole():
 def test_numbered_layers_the_stack_runtime_cannot_run_are_priced_as_a_cut(name):
     """Swin's stages (different widths) and Evoformer's blocks (two tracks in) are numbered
     like a layer stack, but the identical-layer runtime refuses them and the step cuts them at
-    module boundaries, data-parallel inside: planning says so for a tensor-parallel policy
-    (it priced them as a Megatron stack, a plan the step then refused), and prices the cut
-    program otherwise."""
+    module boundaries: planning prices the cut program, with a tensor-parallel policy as
+    tensor-parallel stages (one program per stage, pipeline/mpmd.py; it used to price them as
+    a Megatron stack, a plan the step then refused), else data-parallel inside."""
     graph = capture_spec(models.get(name, "tiny", batch_size=8)).graph
     mesh = {"stage": 2, "data": 2, "model": 2}
-    with pytest.raises(PlanError, match="heterogeneous stages"):
-        make_plan(graph, mesh, policy="megatron",
-                  constraints=Constraints(pipeline_stages="auto"))
+    tp = make_plan(graph, mesh, policy="megatron",
+                   constraints=Constraints(pipeline_stages="auto"))
+    assert "cut at module boundaries over 2 stages x 2 data-parallel x 2 tensor-parallel " \
+        "(model)" in tp.pipeline.report
     plan = make_plan(graph, mesh, policy="dp", constraints=Constraints(pipeline_stages="auto"))
-    assert "cut at module boundaries" in plan.pipeline.report
+    assert "cut at module boundaries over 2 stages x 4 data-parallel," in plan.pipeline.report

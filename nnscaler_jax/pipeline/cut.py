@@ -42,7 +42,7 @@ from nnscaler_jax.mesh.axes import require_stage_axis
 from nnscaler_jax.pipeline.in_stage import tensor_axes
 from nnscaler_jax.pipeline.pricing import RuntimeSetup
 from nnscaler_jax.pipeline.rules import layer_flags
-from nnscaler_jax.pipeline.units import Unit, largest_output
+from nnscaler_jax.pipeline.units import TP_COLLECTIVES, Unit, largest_output
 
 __all__ = ["Cut", "balance", "chunk_starts", "eqn_path", "first_positions", "identical_layers",
            "plan_cut", "segment_starts", "tp_error"]
@@ -225,12 +225,12 @@ def identical_layers(graph: Graph, bounds: Sequence[tuple[int, int]]) -> bool:
 
 
 def tp_error(tensor: Sequence[str]) -> PlanError:
-    """Tensor parallelism asked inside heterogeneous stages."""
+    """Tensor parallelism asked of the one-program cut runtime (its stages run data-parallel
+    inside; :func:`nnscaler_jax.pipeline.mpmd.cut_runtime` picks the per-stage programs)."""
     return PlanError(
-        f"pipeline: tensor parallelism inside heterogeneous stages (mesh axes {list(tensor)}) "
-        "is not supported: stages cut at module boundaries run data-parallel inside. Use "
-        "policy='dp' (or None), name the non-stage axes like data axes ('data', 'dp', ...), or "
-        "use a GPT-like stack of identical layers without pipeline_pivots")
+        f"pipeline: CutProgram runs its stages data-parallel inside, not tensor-parallel over "
+        f"mesh axes {list(tensor)}: build the step with pm.train_step (it runs tensor-parallel "
+        "stages as one program per stage, pipeline.mpmd.MpmdProgram), or use policy='dp'")
 
 
 @dataclass(frozen=True)
@@ -277,9 +277,7 @@ def plan_cut(graph: Graph, mesh_axes: dict[str, int], constraints: Constraints, 
         if (layers is not None and layers.stack.count % (S * virtual) == 0
                 and identical_layers(graph, layers.bounds)):
             return None
-    tensor = tensor_axes(mesh_axes, axis, policy)
-    if tensor:
-        raise tp_error(tensor)
+    tensor = tensor_axes(mesh_axes, axis, policy)  # (tensor-parallel stages: mpmd.py)
     model = model or CostModel.for_axes(mesh_axes)
     casts = _param_casts(graph)  # (they come first; the runtime makes them where read)
     paths = ["" if op.id in casts else op.module_path for op in graph.ops]
@@ -289,16 +287,18 @@ def plan_cut(graph: Graph, mesh_axes: dict[str, int], constraints: Constraints, 
                      S * virtual)
     chunk_of = lambda i: sum(1 for s in starts if s <= i) - 1
     stage_of = tuple((n, chunk_of(p) % S) for p, n in cands)
-    data = tuple(a for a in mesh_axes if a != axis)
+    data = tuple(a for a in mesh_axes if a != axis and a not in tensor)
     link = model.mesh.link
     batch = next((t.shape[0] for t in graph.inputs if t.role is Role.INPUT and t.shape), 1)
     ends = _outside(paths, stage_of, starts)
     flags = layer_flags([n for _, n in cands], paths, constraints.rules)
     units = _chunk_units(graph, starts, batch, model, ends,
                          {p: flags.get(n) for p, n in cands})
-    setup = RuntimeSetup(units, axis, data, (), S,
-                         math.prod(mesh_axes[a] for a in data), 1, batch, link(axis),
-                         link(data[0]) if data else link(axis), link(axis))
+    setup = RuntimeSetup(units, axis, data, tensor, S,
+                         math.prod(mesh_axes[a] for a in data),
+                         math.prod(mesh_axes[a] for a in tensor), batch, link(axis),
+                         link(data[0]) if data else link(axis),
+                         link(tensor[0]) if tensor else link(axis))
     return Cut(starts, stage_of, setup, tuple((n, flags[n]) for _, n in cands if n in flags))
 
 
@@ -382,7 +382,7 @@ def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
         kl, ll, again_l = _layer_kept(ops, cuts, made_at, act, fwd,
                                       [f is not False for f in flag])
         units.append(Unit(f"<chunk {c}>", seconds(a, b), kc / batch + lc, owned[c], sent[c] / batch,
-                          layer_in_bytes=kl / batch, layer_act_bytes=ll,
+                          TP_COLLECTIVES * (len(cuts) - 1), layer_in_bytes=kl / batch, layer_act_bytes=ll,
                           transient_bytes=transient(a, b), chunk_again_s=again_c,
                           layer_again_s=again_l))
     return units + [Unit("<suffix>", *priced(h, len(ops)), 0.0, 0.0,

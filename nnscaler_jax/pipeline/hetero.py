@@ -18,8 +18,8 @@ intermediate chunks to a later one).
   ``lax.switch`` on the chunk index runs the device's chunk: forward, or backward as ``jax.vjp``
   of the chunk recomputed from its saved input; ``lax.ppermute`` moves the packed vectors to the
   neighbours. Gradients are averaged over the data axes and the optax update runs in the same
-  jitted step. Stages are data-parallel inside (tensor parallelism: :func:`~nnscaler_jax.
-  pipeline.cut.tp_error`).
+  jitted step. Stages are data-parallel inside (tensor-parallel stages run one program per
+  stage: :mod:`nnscaler_jax.pipeline.mpmd`).
 - **Collections** (BatchNorm statistics): each leaf is laid out like the parameters of the
   chunk reading it (``state['collections']``), updated by that chunk's forwards in micro-batch
   order and averaged over the data axes at the end of the step (:mod:`nnscaler_jax.pipeline.
@@ -46,7 +46,7 @@ from nnscaler_jax.pipeline.cut_blocks import local_step
 from nnscaler_jax.pipeline.in_stage import tensor_axes
 from nnscaler_jax.pipeline.loop_tables import loop_tables
 from nnscaler_jax.pipeline.mutable import require_forward_order, schedule_error, shared_error
-from nnscaler_jax.pipeline.program import ModuleCall, micro_leaves, trace_micro
+from nnscaler_jax.pipeline.program import ModuleCall, micro_leaves, micro_rows, trace_micro
 from nnscaler_jax.pipeline.recycle import recycling_program
 from nnscaler_jax.pipeline.update import initial_state, jitted_step, place_as
 
@@ -87,12 +87,7 @@ class CutProgram:
             raise tp_error(tensor_axes(axes, self.axis, policy))
         self.data_axes = tuple(a for a in mesh.axis_names if a != self.axis)
         self.dp = int(np.prod([axes[a] for a in self.data_axes], dtype=np.int64))
-        B = jax.tree.leaves(batch)[0].shape[0]
-        if B % (M * self.dp):
-            raise PlanError(f"batch size {B} does not split into {M} micro-batches x {self.dp} "
-                            f"data-parallel shards ({self.data_axes}); use a batch size that is a "
-                            f"multiple of {M * self.dp}")
-        self.mb_size = B // (M * self.dp)
+        self.mb_size = micro_rows(batch, M, self.dp, self.data_axes)
         if sched.recycles and sched.all_device:
             raise PlanError(f"schedule {sched.name!r} has both recycling passes ('N') and "
                             "all-device blocks ('E' / 'H' / 'W'); the runtime runs one or the "

@@ -54,7 +54,7 @@ from nnscaler_jax.errors import PlanError
 from nnscaler_jax.lower.replay import explicitly_typed
 
 __all__ = ["ModuleCall", "StepOptions", "collections_error", "empty_collection_error",
-           "inputs_error", "micro_leaves", "micro_setup", "microbatch_rngs", "rng_error",
+           "inputs_error", "micro_leaves", "micro_rows", "micro_setup", "microbatch_rngs", "rng_error",
            "split_batch", "trace_micro", "typed_key"]
 
 
@@ -124,6 +124,20 @@ class StepOptions:
             raise PlanError(f"train_step: inputs={self.inputs} but the batch has {len(batch)} "
                             f"arrays; use inputs <= {len(batch)}")
         return tuple(batch) if self.inputs is None else tuple(batch[:self.inputs])
+
+
+def micro_rows(batch: tuple, microbatches: int, dp: int, data_axes: tuple[str, ...]) -> int:
+    """Rows of one micro-batch on one data-parallel shard: ``batch / (microbatches x dp)``.
+
+    Raises:
+        PlanError: the batch does not split so.
+    """
+    B = jax.tree.leaves(batch)[0].shape[0]
+    if B % (microbatches * dp):
+        raise PlanError(f"batch size {B} does not split into {microbatches} micro-batches x "
+                        f"{dp} data-parallel shards ({data_axes}); use a batch size that is a "
+                        f"multiple of {microbatches * dp}")
+    return B // (microbatches * dp)
 
 
 def inputs_error(e: Exception, n: int) -> PlanError:

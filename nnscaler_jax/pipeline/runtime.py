@@ -51,10 +51,12 @@ from nnscaler_jax.pipeline.cut_blocks import send_if
 from nnscaler_jax.pipeline.hetero import CutProgram
 from nnscaler_jax.pipeline.in_stage import InStagePlan, plan_in_stage, tensor_axes
 from nnscaler_jax.pipeline.loop_tables import loop_tables
+from nnscaler_jax.pipeline.mpmd import MpmdProgram, cut_runtime
 from nnscaler_jax.pipeline.program import (
     ModuleCall,
     StepOptions,
     micro_leaves,
+    micro_rows,
     split_batch,
     trace_micro,
     typed_key,
@@ -94,12 +96,7 @@ class PipelineProgram:
                                if a != self.axis and a not in self.tp_axes)
         self.dp = int(np.prod([axes[a] for a in self.data_axes], dtype=np.int64))
         M = sched.microbatches
-        B = jax.tree.leaves(batch)[0].shape[0]
-        if B % (M * self.dp):
-            raise PlanError(f"batch size {B} does not split into {M} micro-batches x {self.dp} "
-                            f"data-parallel shards ({self.data_axes}); use a batch size that is a "
-                            f"multiple of {M * self.dp}")
-        self.mb_size = B // (M * self.dp)
+        self.mb_size = micro_rows(batch, M, self.dp, self.data_axes)
         call = call or ModuleCall.plain(module, params)
         closed, abstract = trace_micro(self, params, batch, call)
         paths, n_params = self.param_paths, len(abstract)
@@ -373,7 +370,8 @@ class PipelineStep:
     (:mod:`~nnscaler_jax.pipeline.mutable`); ``step.variables(state)`` gives them back.
 
     Attributes:
-        program: the :class:`PipelineProgram` / :class:`CutProgram` (after :meth:`init`).
+        program: the :class:`PipelineProgram` / :class:`CutProgram` / :class:`MpmdProgram`
+            (after :meth:`init`).
         jitted: the jitted ``step(state, batch)`` (after :meth:`init`): ``.lower(...)``.
     """
 
@@ -400,7 +398,7 @@ class PipelineStep:
         self.options = dataclasses.replace(self.options, precision=pm.precision)
         self.pm, self.loss_fn, self.optimizer = pm, loss_fn, optimizer
         self.return_grads = return_grads
-        self.program: PipelineProgram | CutProgram | None = None
+        self.program: PipelineProgram | CutProgram | MpmdProgram | None = None
         self.jitted, self.call = None, None  # (after init: the jitted step, the ModuleCall)
 
     def init(self, variables: Any, *batch: Any, rng: Any = None) -> dict:
@@ -437,8 +435,8 @@ class PipelineStep:
                 stack_error = e
         if self.program is None:
             try:
-                self.program = CutProgram(*args, stage_of=pipe.stage_of,
-                                          layer_rules=pipe.layer_rules, **kw)
+                self.program = cut_runtime(self.pm.mesh, policy)(
+                    *args, stage_of=pipe.stage_of, layer_rules=pipe.layer_rules, **kw)
             except PlanError as cut_error:
                 raise cut_error from stack_error
         self.jitted = self.program.train_step(self.optimizer, return_grads=self.return_grads)

@@ -28,7 +28,7 @@ from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.ir.layers import graph_layers
 
-__all__ = ["Unit", "largest_output", "layer_units"]
+__all__ = ["TP_COLLECTIVES", "Unit", "largest_output", "layer_units"]
 
 TP_COLLECTIVES = 4
 """All-reduces of a layer's output per forward + backward under Megatron tensor parallelism."""

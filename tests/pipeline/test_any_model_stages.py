@@ -158,15 +158,6 @@ def test_a_pivot_matching_nothing_is_a_plan_error():
         pm.make_plan(*spec.make_args())
 
 
-def test_tensor_parallel_in_heterogeneous_stages_is_refused():
-    spec = models.get("t5", "tiny", batch_size=16)
-    pm = auto_parallel(make_mesh((2, 2, 2), ("stage", "data", "model")),
-                       Constraints(pipeline_stages=2, microbatches=2),
-                       policy="megatron")(spec.module)
-    with pytest.raises(PlanError, match="tensor parallelism inside heterogeneous stages"):
-        pm.make_plan(*spec.make_args())
-
-
 def test_pivots_must_be_a_tuple_of_globs():
     with pytest.raises(ConstraintError, match=r"pipeline_pivots=\('h_\*',\)"):
         Constraints(pipeline_pivots="h_*")

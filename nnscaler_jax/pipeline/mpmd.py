@@ -1,0 +1,435 @@
+"""Tensor parallelism inside heterogeneous stages: one program per stage (MPMD).
+
+:class:`~nnscaler_jax.pipeline.hetero.CutProgram` runs every stage in one SPMD program, its
+chunks in branches of ``lax.switch``. Tensor-parallel chunks cannot run that way on XLA:CPU:
+the collectives GSPMD inserts inside a branch (a ``collective-permute`` for a relayout) wait
+for every device of the mesh (``RendezvousKey{global_devices=[0..7]}``), while the other
+stages run other branches, and the step hangs until XLA aborts it. Here every chunk is its own
+pair of jitted programs on its stage's devices, the stage's sub-mesh (data x tensor axes):
+
+- **forward** ``F``: the chunk's equations of the traced micro-batch program, evaluated under
+  the in-stage plan's sharding constraints (:mod:`~nnscaler_jax.pipeline.in_stage`: the
+  policy's plan of one micro-batch on the tensor-parallel axes; GSPMD inserts the
+  collectives) inside a ``shard_map`` manual over the data axes only;
+- **backward** ``B``: ``jax.vjp`` of the chunk recomputed from its saved input (as the cut
+  program's), adding the parameter gradients to per-data-shard accumulators.
+
+Python walks the schedule's step table (:func:`~nnscaler_jax.pipeline.steps.timeline`),
+dispatching each block to its stage; dispatch is asynchronous, so stages run concurrently,
+and the values crossing a boundary move between sub-meshes with ``jax.device_put`` (data
+shard ``i`` to data shard ``i``). Parameters live on the stage reading them, stored as the
+in-stage plan says (split over the tensor axes); a leaf several stages read (tied embeddings)
+has a copy on each, updated alike with the sum of their gradients. The optax update runs per
+stage (jitted on its sub-mesh) on the module's parameter tree with the other stages' leaves
+``None``, so an optimizer coupling leaves (``clip_by_global_norm``) would see one stage's
+norm: such an optimizer is refused (:func:`leafwise`).
+
+Not run here (a :class:`PlanError`): mutable collections, rng streams (dropout), recycling
+(``nf1b``) and all-device blocks (``interlaced``); they run data-parallel in the cut program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jcore
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from nnscaler_jax.errors import PlanError
+from nnscaler_jax.lower.replay import auto_view
+from nnscaler_jax.mesh.axes import mesh_axes, require_stage_axis
+from nnscaler_jax.pipeline import schedule as sch
+from nnscaler_jax.pipeline.chunks import cut_program, param_casts, vars_of
+from nnscaler_jax.pipeline.cut import eqn_path, first_positions, segment_starts
+from nnscaler_jax.pipeline.cut_blocks import layered
+from nnscaler_jax.pipeline.hetero import CutProgram
+from nnscaler_jax.pipeline.in_stage import plan_in_stage, tensor_axes
+from nnscaler_jax.pipeline.program import ModuleCall, micro_leaves, micro_rows, trace_micro
+from nnscaler_jax.pipeline.steps import timeline
+
+__all__ = ["MpmdProgram", "cut_runtime", "leafwise"]
+
+
+def cut_runtime(mesh: Any, policy: Any) -> type:
+    """The runtime of a model cut into chunks: :class:`MpmdProgram` when ``policy`` makes the
+    stages tensor-parallel inside, else the one-program :class:`~nnscaler_jax.pipeline.hetero.
+    CutProgram`."""
+    axes = mesh_axes(mesh)
+    return MpmdProgram if tensor_axes(axes, require_stage_axis(axes), policy) else CutProgram
+
+
+def leafwise(optimizer: Any) -> bool:
+    """Whether ``optimizer`` updates each leaf on its own: two steps on a two-leaf tree equal
+    the steps of each leaf alone (the other ``None``), as the per-stage update runs them."""
+    p = {"a": jnp.array([1.0, -2.0]), "b": jnp.array([3.0, 0.5, -1.0])}
+    gs = [{"a": jnp.array([0.3, -0.1]), "b": jnp.array([2.0, -5.0, 0.7])},
+          {"a": jnp.array([-0.2, 0.4]), "b": jnp.array([1.0, 0.1, -3.0])}]
+
+    def run(params, mask):
+        pick = lambda t: {k: (v if k in mask else None) for k, v in t.items()}
+        params, out = pick(params), []
+        state = optimizer.init(params)
+        for g in gs:
+            upd, state = optimizer.update(pick(g), state, params)
+            out.append(upd)
+        return out
+
+    try:
+        joint = run(p, {"a", "b"})
+        alone = [run(p, {k}) for k in p]
+    except Exception:  # noqa: BLE001 (any optimizer that cannot run on part of a tree)
+        return False
+    return all(np.allclose(np.asarray(joint[t][k]), np.asarray(alone[i][t][k]), rtol=1e-6,
+                           atol=1e-7) for i, k in enumerate(p) for t in range(len(gs)))
+
+
+def _value(env: dict, v: Any) -> Any:
+    return v.val if isinstance(v, jcore.Literal) else env[v]
+
+
+def _floating(x: Any) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+class MpmdProgram:
+    """A pipelined training program of a model cut into chunks, tensor-parallel inside stages.
+
+    Same interface as :class:`~nnscaler_jax.pipeline.hetero.CutProgram` for the training step
+    (:meth:`init_state`, :meth:`train_step`, :meth:`from_pipeline`); the state's ``'params'``
+    and ``'opt_state'`` are lists, one module-shaped tree per stage (leaves of other stages
+    ``None``).
+    """
+
+    def __init__(self, module: Any, loss_fn: Callable, mesh: Any, sched: sch.Schedule,
+                 params: Any, batch: tuple, *, stage_of: tuple, policy: Any = None,
+                 rules: tuple = (), call: ModuleCall | None = None, recompute: str = "chunk",
+                 layer_rules: tuple = ()):
+        self.module, self.loss_fn, self.schedule = module, loss_fn, sched
+        self.recompute, self.layer_rules = recompute, dict(layer_rules)
+        axes = mesh_axes(mesh)
+        self.axis = require_stage_axis(axes)
+        S, M = sched.stages, sched.microbatches
+        if axes[self.axis] != S:
+            raise PlanError(f"schedule has {S} stages but mesh axis '{self.axis}' has "
+                            f"{axes[self.axis]} devices; use pipeline_stages={axes[self.axis]}")
+        if sched.recycles or sched.all_device:
+            raise PlanError(f"schedule {sched.name!r}: tensor parallelism inside heterogeneous "
+                            "stages runs forward / backward blocks only (no recycling passes or "
+                            "all-device blocks); use schedule='1f1b' or 'gpipe'")
+        self.tp_axes = tensor_axes(axes, self.axis, policy)
+        self.mesh = auto_view(mesh)
+        self.data_axes = tuple(a for a in mesh.axis_names
+                               if a != self.axis and a not in self.tp_axes)
+        self.dp = int(np.prod([axes[a] for a in self.data_axes], dtype=np.int64))
+        self.mb_size = micro_rows(batch, M, self.dp, self.data_axes)
+        call = call or ModuleCall.plain(module, params)
+        closed, abstract = trace_micro(self, params, batch, call)
+        if self.coll_avals or self.key_slots:
+            what = "mutable collections" if self.coll_avals else "rng streams (dropout)"
+            raise PlanError(f"train_step: {type(module).__name__} has {what}; tensor "
+                            "parallelism inside heterogeneous stages does not carry them. Use "
+                            "policy='dp' (stages data-parallel inside), or no pipeline stages")
+        self.param_avals = abstract
+        strip = tuple(dataclasses.replace(r, recompute=None) for r in rules)
+        self.stage_plan = plan_in_stage(closed, self.param_paths, len(abstract), mesh, self.axis,
+                                        policy, root=type(module).__name__, rules=strip)
+        self._cut(closed, len(abstract), stage_of)
+        self._meshes(mesh)
+        self._made: dict = {}  # (jitted helpers, built once: accumulators, means)
+        self._fwd = [self._jit_chunk(c, backward=False) for c in range(sched.chunks)]
+        self._bwd = [self._jit_chunk(c, backward=True) for c in range(sched.chunks)]
+
+    # ---- the cut and where things live -------------------------------------------------------
+
+    def _cut(self, closed: Any, n: int, stage_of: tuple) -> None:
+        sched, C = self.schedule, self.schedule.chunks
+        eqns, _ = param_casts(closed, n)
+        paths = [eqn_path(e, type(self.module).__name__) for e in eqns]
+        starts = segment_starts(paths, stage_of, sched.stages, C)
+        first = first_positions(paths)
+        layer = self.recompute == "layer"
+        self.layer_starts = {id(eqns[first[m]]): self.layer_rules.get(m, layer)
+                             for m, _ in stage_of if m in first}
+        self.cut = cut = cut_program(closed, n, starts)
+        invars = cut.jaxpr.jaxpr.invars
+        reads = [{v for e in seg for v in vars_of(e.invars)} for seg in cut.segments]
+        # per chunk, the parameter leaves it reads (its own and shared ones), in leaf order
+        self.reads = tuple(tuple(j for j in range(n) if invars[j] in reads[c])
+                           for c in range(C))
+        self.stage_leaves = tuple(sorted({j for c in range(s, C, sched.stages)
+                                          for j in self.reads[c]}) for s in range(sched.stages))
+
+    def _meshes(self, mesh: Mesh) -> None:
+        """Each stage's sub-mesh (its devices, the data and tensor axes, Auto types)."""
+        k = mesh.axis_names.index(self.axis)
+        names = tuple(a for a in mesh.axis_names if a != self.axis)
+        self.sub = [Mesh(np.take(mesh.devices, s, axis=k), names,
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+                    for s in range(self.schedule.stages)]
+        data = self.data_axes if self.data_axes else None
+        self._split = [NamedSharding(m, P(data)) for m in self.sub]
+        self._rep = [NamedSharding(m, P()) for m in self.sub]
+
+    def leaf_sharding(self, s: int, j: int) -> NamedSharding:
+        """Where stage ``s`` keeps parameter leaf ``j``: split as the in-stage plan stores it."""
+        return NamedSharding(self.sub[s], P(*self.stage_plan.var_specs[j]))
+
+    def _stage(self, c: int) -> int:
+        return c % self.schedule.stages
+
+    # ---- one chunk's programs ----------------------------------------------------------------
+
+    def _evaluate(self, c: int, params: list, xin: list, batch: list) -> tuple[list, Any]:
+        """Chunk ``c`` of one data shard's micro-batch: ``(values it passes on, loss or 0)``."""
+        cut, C = self.cut, self.schedule.chunks
+        jx = cut.jaxpr.jaxpr
+        env = dict(zip(jx.constvars, cut.jaxpr.consts, strict=True))
+        env.update((jx.invars[j], x) for j, x in zip(self.reads[c], params, strict=True))
+        env.update(zip(jx.invars[cut.n_params:], batch, strict=True))
+        if c:
+            env.update(zip(cut.bounds[c - 1], xin, strict=True))
+        seg = cut.segments[c]
+        if self.recompute == "layer" or any(self.layer_starts.values()):
+            needed = [*vars_of(jx.outvars), *(cut.bounds[c] if c < C - 1 else ())]
+            layered(seg, env, self.layer_starts, needed, self.recompute == "layer",
+                    self.stage_plan.evaluate)
+        else:
+            self.stage_plan.evaluate(seg, env)
+        if c < C - 1:
+            return [env[v] for v in cut.bounds[c]], jnp.zeros((), jnp.float32)
+        return [], jnp.asarray(_value(env, jx.outvars[0]), jnp.float32)
+
+    def _jit_chunk(self, c: int, backward: bool) -> Callable:
+        """Chunk ``c``'s forward ``(params, xin, batch) -> (xout, loss)`` or backward
+        ``(params, xin, batch, gout, acc) -> (gin, acc + grads)`` on its stage's sub-mesh.
+        Boundary values and micro-batch leaves are ``[D, ...]`` (one row per data shard),
+        gradient accumulators ``[D, *leaf]``; the loss is the mean over the data shards."""
+        M, data = self.schedule.microbatches, self.data_axes
+        last = c == self.schedule.chunks - 1
+        mean = (lambda x: jax.lax.pmean(x, data)) if data else (lambda x: x)
+        first = lambda xs: [x[0] for x in xs]
+        rows = lambda xs: [x[None] for x in xs]
+
+        def fwd(params, xin, batch):
+            out, loss = self._evaluate(c, params, first(xin), first(batch))
+            return rows(out), mean(loss / M)
+
+        def bwd(params, xin, batch, gout, acc):
+            xin, batch, gout = first(xin), first(batch), first(gout)
+            fl = [i for i, x in enumerate(xin) if _floating(x)]
+
+            def f(ps, xf):
+                xs = list(xin)
+                for i, x in zip(fl, xf, strict=True):
+                    xs[i] = x
+                out, loss = self._evaluate(c, ps, xs, batch)
+                return ([o for o in out if _floating(o)], loss), \
+                    [o for o in out if not _floating(o)]
+
+            _, vjp, _ = jax.vjp(f, params, [xin[i] for i in fl], has_aux=True)
+            gy = [g for g in gout if _floating(g)]
+            gp, gx = vjp((gy, jnp.asarray(1.0 / M if last else 0.0, jnp.float32)))
+            gin = [jnp.zeros_like(x) for x in xin]
+            for i, g in zip(fl, gx, strict=True):
+                gin[i] = g
+            return rows(gin), [a + g[None] for a, g in zip(acc, gp, strict=True)]
+
+        spec = P(data) if data else P()
+        s = self._stage(c)
+        fn, ins, outs = ((bwd, (P(), spec, spec, spec, spec), (spec, spec)) if backward else
+                         (fwd, (P(), spec, spec), (spec, P())))
+        if data:  # manual over the data axes; the tensor axes stay GSPMD's (auto)
+            fn = jax.shard_map(fn, mesh=self.sub[s], in_specs=ins, out_specs=outs,
+                               check_vma=False, axis_names=set(data))
+        jitted = jax.jit(fn, donate_argnums=(4,) if backward else ())
+
+        def run(*args):
+            with jax.set_mesh(self.sub[s]):
+                return jitted(*args)
+
+        run.jitted = jitted
+        return run
+
+    def chunk_text(self, c: int) -> str:
+        """Chunk ``c``'s forward program compiled (HLO text: the collectives it runs)."""
+        s, D, cut = self._stage(c), self.dp, self.cut
+        aval = lambda a, sh, lead=(): jax.ShapeDtypeStruct((*lead, *a.shape), a.dtype,
+                                                           sharding=sh)
+        params = [aval(self.param_avals[j], self.leaf_sharding(s, j)) for j in self.reads[c]]
+        xin = [aval(v.aval, self._split[s], (D,)) for v in (cut.bounds[c - 1] if c else ())]
+        batch = [aval(v.aval, self._split[s], (D,))
+                 for v in cut.jaxpr.jaxpr.invars[cut.n_params:]]
+        with jax.set_mesh(self.sub[s]):
+            return self._fwd[c].jitted.lower(params, xin, batch).compile().as_text()
+
+    # ---- the training state ------------------------------------------------------------------
+
+    def to_pipeline(self, params: Any) -> list:
+        """Module params -> one module-shaped tree per stage: the leaves its chunks read, placed
+        on its sub-mesh as the in-stage plan stores them, the others ``None``."""
+        # (from host copies: a device_put may alias the caller's buffer, which the update
+        # donates, even with may_alias=False; checked on jax 0.10 CPU)
+        leaves = [np.asarray(x) for x in jax.tree.leaves(params)]
+        out = []
+        for s, mine in enumerate(self.stage_leaves):
+            own = [jax.device_put(leaves[j], self.leaf_sharding(s, j)) if j in mine else None
+                   for j in range(len(leaves))]
+            out.append(jax.tree.unflatten(self.params_tree, own))
+        return out
+
+    def from_pipeline(self, pp: list) -> Any:
+        """The module's params tree of :meth:`to_pipeline`'s layout (each leaf from the first
+        stage holding it)."""
+        per = [self.params_tree.flatten_up_to(t) for t in pp]
+        leaves = [next(per[s][j] for s in range(len(per)) if per[s][j] is not None)
+                  for j in range(len(self.param_avals))]
+        return jax.tree.unflatten(self.params_tree, leaves)
+
+    def init_state(self, params: Any, optimizer: Any, collections: Any = None) -> dict:
+        """``{'params': [per stage], 'opt_state': [optimizer.init per stage]}``."""
+        del collections  # (refused at construction)
+        if not leafwise(optimizer):
+            raise PlanError(
+                "train_step: this optimizer couples parameter leaves (e.g. "
+                "optax.clip_by_global_norm, a global-norm or whole-tree statistic); tensor "
+                "parallelism inside heterogeneous stages updates each stage's parameters on "
+                "its own devices, so it would see one stage's part. Use an elementwise "
+                "optimizer chain (sgd, adam, adamw, lion, ...), or policy='dp'")
+        pp = self.to_pipeline(params)
+        opt = []
+        for s, tree in enumerate(pp):
+            with jax.set_mesh(self.sub[s]):
+                opt.append(jax.jit(optimizer.init)(tree))
+        return {"params": pp, "opt_state": opt}
+
+    def shardings(self) -> tuple[NamedSharding, NamedSharding]:
+        """Replicated on the whole mesh (the step's rng key, unused here), and split over
+        the stage axis."""
+        return NamedSharding(self.mesh, P()), NamedSharding(self.mesh, P(self.axis))
+
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def _zeros(self, c: int) -> list:
+        """Chunk ``c``'s gradient accumulators, ``[D, *leaf]`` per leaf it reads."""
+        s, D = self._stage(c), self.dp
+        data = self.data_axes if self.data_axes else None
+        avals = [self.param_avals[j] for j in self.reads[c]]
+        shs = [NamedSharding(self.sub[s], P(data, *self.stage_plan.var_specs[j]))
+               for j in self.reads[c]]
+        if c not in self._made:
+            make = lambda: [jnp.zeros((D, *a.shape), a.dtype) for a in avals]
+            self._made[c] = jax.jit(make, out_shardings=shs)
+        return self._made[c]()
+
+    def _walk(self, pp: list, batch: tuple) -> tuple[Any, list]:
+        """Run the step table: ``(loss, per chunk its gradient accumulators)``."""
+        S, C = self.schedule.stages, self.schedule.chunks
+        shaped = micro_leaves(self, batch)  # [M, D, b, ...]
+        leaves = [self.params_tree.flatten_up_to(t) for t in pp]
+        params = [[leaves[self._stage(c)][j] for j in self.reads[c]] for c in range(C)]
+        acc = [self._zeros(c) for c in range(C)]
+        micro: dict[tuple[int, int], list] = {}
+        inbox: dict[tuple[int, int], list] = {}
+        gbox: dict[tuple[int, int], list] = {}
+        saved: dict[tuple[int, int], list] = {}
+        move = lambda xs, c: [jax.device_put(x, self._split[self._stage(c)]) for x in xs]
+        losses = []
+        for row in timeline(self.schedule):
+            for s, st in enumerate(row):
+                if st is None:
+                    continue
+                c, m = st.virtual * S + s, st.microbatch
+                if (s, m) not in micro:
+                    micro[s, m] = [jax.device_put(x[m], self._split[s]) for x in shaped]
+                if st.kind == "F":
+                    xin = inbox.pop((c, m), [])
+                    out, loss = self._fwd[c](params[c], xin, micro[s, m])
+                    saved[c, m] = xin
+                    if c < C - 1:
+                        inbox[c + 1, m] = move(out, c + 1)
+                    else:
+                        losses.append(loss)
+                else:  # 'B' (the schedules run here have no other blocks)
+                    gin, acc[c] = self._bwd[c](params[c], saved.pop((c, m)), micro[s, m],
+                                               gbox.pop((c, m), []), acc[c])
+                    if c > 0:
+                        gbox[c - 1, m] = move(gin, c - 1)
+        return sum(float(x) for x in losses), acc
+
+    def grads(self, pp: list, batch: tuple) -> tuple[Any, list]:
+        """Mean loss over the batch and its gradients, one module-shaped tree per stage (a
+        leaf several stages read: the sum of their gradients on each)."""
+        S, C = self.schedule.stages, self.schedule.chunks
+        loss, acc = self._walk(pp, batch)
+        part: dict[tuple[int, int], Any] = {}
+        for c in range(C):
+            s = self._stage(c)
+            if ("mean", c) not in self._made:  # the mean over the data shards' rows
+                shs = [self.leaf_sharding(s, j) for j in self.reads[c]]
+                self._made["mean", c] = jax.jit(lambda xs: [jnp.mean(x, 0) for x in xs],
+                                                out_shardings=shs)
+            with jax.set_mesh(self.sub[s]):
+                means = self._made["mean", c](acc[c])
+            for j, g in zip(self.reads[c], means, strict=True):
+                part[s, j] = g if (s, j) not in part else part[s, j] + g
+        out = []
+        for s, mine in enumerate(self.stage_leaves):
+            gs: list[Any] = [None] * len(self.param_avals)
+            for j in mine:
+                gs[j] = sum(jax.device_put(part[t, j], self.leaf_sharding(s, j))
+                            for t in range(S) if (t, j) in part)
+            out.append(jax.tree.unflatten(self.params_tree, gs))
+        return jnp.asarray(loss, jnp.float32), out
+
+    def train_step(self, optimizer: Any, *, return_grads: bool = False) -> Callable:
+        """``step(state, batch) -> (state, metrics)``: the step table dispatched stage by
+        stage, then each stage's jitted optax update (donated)."""
+        import optax
+
+        def update(params, grads, opt_state):
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        updates = [jax.jit(update, donate_argnums=(0, 2)) for _ in self.sub]
+        first = {j: min(s for s, mine in enumerate(self.stage_leaves) if j in mine)
+                 for j in range(len(self.param_avals))
+                 if any(j in mine for mine in self.stage_leaves)}
+
+        counted = [[j for j in mine if first[j] == s]  # (each leaf once in the norm)
+                   for s, mine in enumerate(self.stage_leaves)]
+        squares = jax.jit(lambda gs: sum((jnp.sum(jnp.square(g)) for g in gs),
+                                         jnp.zeros((), jnp.float32)))
+
+        def step(state: dict, batch: tuple) -> tuple[dict, dict]:
+            loss, grads = self.grads(state["params"], tuple(batch))
+            sq = []
+            for s, g in enumerate(grads):
+                flat = self.params_tree.flatten_up_to(g)
+                with jax.set_mesh(self.sub[s]):
+                    sq.append(squares([flat[j] for j in counted[s]]))
+            sq = sum(float(x) for x in sq)
+            params, opt = [], []
+            for s, (p, g, o) in enumerate(zip(state["params"], grads, state["opt_state"],
+                                              strict=True)):
+                with jax.set_mesh(self.sub[s]):
+                    p, o = updates[s](p, g, o)
+                params.append(p)
+                opt.append(o)
+            metrics = {"loss": loss, "grad_norm": jnp.sqrt(jnp.asarray(sq, jnp.float32))}
+            if return_grads:
+                metrics["grads"] = grads
+            return {**state, "params": params, "opt_state": opt}, metrics
+
+        def lower(state: dict, batch: tuple) -> Any:
+            raise PlanError("step.lower: tensor parallelism inside heterogeneous stages runs "
+                            "one program per stage and chunk (no single program to lower)")
+
+        step.lower = lower
+        return step

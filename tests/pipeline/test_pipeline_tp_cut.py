@@ -1,0 +1,108 @@
+"""Tensor parallelism inside heterogeneous stages: one program per stage (pipeline/mpmd.py).
+
+T5 (encoder on one stage, decoder on the other, tied embeddings on both) and Swin (stages of
+different widths) on 2 stages x 2 'data' x 2 'model' with ``policy='megatron'``: one optax
+step equals the single-device step (float32, rtol 1e-4); parameters are stored split over
+'model' on their stage's devices only; the chunk programs all-reduce over 'model'. The cut
+program's single SPMD program cannot run this on XLA:CPU (its branches' collectives wait for
+every device), which is why the stages are separate programs. An optimizer that couples leaves
+across stages is refused; the planner prices the stages as tensor-parallel.
+"""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from meshes import make_mesh
+
+import models
+from nnscaler_jax import Constraints, PlanError, auto_parallel, trace
+from nnscaler_jax.lower.hlo import hlo_collectives
+from nnscaler_jax.pipeline.cut import plan_cut
+from nnscaler_jax.pipeline.mpmd import leafwise
+
+RTOL, ATOL = 1e-4, 1e-6   # float32; ATOL for entries whose true value is ~0
+MESH = ((2, 2, 2), ("stage", "data", "model"))
+
+
+def _wrapped(name, **kw):
+    spec = models.get(name, "tiny", batch_size=16, **kw)
+    pm = auto_parallel(make_mesh(*MESH), Constraints(pipeline_stages=2, microbatches=2,
+                                                     schedule="1f1b"),
+                       policy="megatron")(spec.module)
+    return spec, pm
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["t5", "swin"])
+def test_tensor_parallel_stages_train_like_one_device(name):
+    spec, pm = _wrapped(name)
+    params = spec.init(jax.random.PRNGKey(0))["params"]
+    args = spec.make_args()
+    opt = optax.adam(1e-2, eps=1e-3)  # (eps: gradients ~0 in theory stay ~0 in the update)
+    step = pm.train_step(spec.loss_fn, opt, return_grads=True)
+    state = step.init({"params": params}, *args)
+    prog = step.program
+    assert type(prog).__name__ == "MpmdProgram" and prog.tp_axes == ("model",)
+    grad_of = jax.jit(jax.value_and_grad(
+        lambda p: spec.loss_fn(spec.module.apply({"params": p}, *args), *args)))
+    want, opt_state = params, opt.init(params)
+    for _ in range(2):  # (the second step: the optimizer state carried per stage)
+        state, metrics = step(state, *args)
+        loss, grads = grad_of(want)
+        updates, opt_state = opt.update(grads, opt_state, want)
+        want = optax.apply_updates(want, updates)
+        np.testing.assert_allclose(metrics["loss"], loss, rtol=RTOL)
+    np.testing.assert_allclose(metrics["grad_norm"], optax.global_norm(grads), rtol=RTOL)
+    for got, ref in [(prog.from_pipeline(metrics["grads"]), grads), (step.params(state), want)]:
+        assert jax.tree.structure(got) == jax.tree.structure(ref)
+        for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(got)[0],
+                                jax.tree.leaves(ref), strict=True):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=RTOL, atol=ATOL,
+                                       err_msg=jax.tree_util.keystr(path))
+
+    # each stage's leaves on its own 4 devices, some split over 'model' (half per device)
+    devices = np.asarray(make_mesh(*MESH).devices)
+    split = 0
+    for s, tree in enumerate(state["params"]):
+        for x in jax.tree.leaves(tree):
+            assert x.sharding.device_set == set(devices[s].flat)
+            if "model" in jax.tree.leaves(tuple(x.sharding.spec)):
+                split += 1
+                assert x.addressable_shards[0].data.size * 2 == x.size
+    assert split >= 4
+    # a chunk's forward all-reduces over 'model' (the row-parallel matmuls' partial sums)
+    text = prog.chunk_text(0)
+    kinds = {(k.kind, tuple(k.axes)) for k in hlo_collectives(text, prog.sub[0])}
+    assert ("all_reduce", ("model",)) in kinds, kinds
+    if name == "t5":  # the tied embedding: a copy on each stage, updated alike
+        emb = [jax.tree.leaves(t["shared"]) for t in state["params"]]
+        np.testing.assert_array_equal(np.asarray(emb[0][0]), np.asarray(emb[1][0]))
+
+
+def test_an_optimizer_coupling_leaves_is_refused():
+    assert leafwise(optax.sgd(0.1)) and leafwise(optax.adamw(1e-3))
+    clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
+    assert not leafwise(clipped)
+    spec, pm = _wrapped("t5")
+    step = pm.train_step(spec.loss_fn, clipped)
+    with pytest.raises(PlanError, match="couples parameter leaves"):
+        step.init(spec.init(jax.random.PRNGKey(0)), *spec.make_args())
+
+
+def test_the_stages_are_priced_tensor_parallel():
+    """The cut's setup splits the non-stage axes as the runtime does (data 2 x model 2) and
+    each chunk carries Megatron's 4 all-reduces per layer; the plan prices them."""
+    spec, pm = _wrapped("t5")
+    graph = trace(spec.module, *spec.make_args(),
+                  variables=spec.init(jax.random.PRNGKey(0)))
+    cut = plan_cut(graph, {"stage": 2, "data": 2, "model": 2}, Constraints(pipeline_stages=2),
+                   "megatron", 1)
+    setup = cut.setup
+    assert (setup.dp, setup.tp, setup.data, setup.tensor) == (2, 2, ("data",), ("model",))
+    chunks = setup.units[1:-1]
+    assert all(u.tp_collectives % 4 == 0 and u.tp_collectives >= 4 for u in chunks)
+    dp_only = plan_cut(graph, {"stage": 2, "data": 4}, Constraints(pipeline_stages=2), None, 1)
+    assert dp_only.setup.tp == 1
+    pm.make_plan(*spec.make_args())
+    assert pm.plan.pipeline is not None and pm.plan.stages == 2
