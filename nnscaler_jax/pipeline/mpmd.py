@@ -24,8 +24,9 @@ stage (jitted on its sub-mesh) on the module's parameter tree with the other sta
 ``None``, so an optimizer coupling leaves (``clip_by_global_norm``) would see one stage's
 norm: such an optimizer is refused (:func:`leafwise`).
 
-Not run here (a :class:`PlanError`): mutable collections, rng streams (dropout), recycling
-(``nf1b``) and all-device blocks (``interlaced``); they run data-parallel in the cut program.
+Rng streams (dropout) get each micro-batch and data shard its own keys, as in the other
+runtimes. Not run here (a :class:`PlanError`): mutable collections, recycling (``nf1b``) and
+all-device blocks (``interlaced``); they run data-parallel in the cut program.
 """
 
 from __future__ import annotations
@@ -130,11 +131,11 @@ class MpmdProgram:
         self.mb_size = micro_rows(batch, M, self.dp, self.data_axes)
         call = call or ModuleCall.plain(module, params)
         closed, abstract = trace_micro(self, params, batch, call)
-        if self.coll_avals or self.key_slots:
-            what = "mutable collections" if self.coll_avals else "rng streams (dropout)"
-            raise PlanError(f"train_step: {type(module).__name__} has {what}; tensor "
-                            "parallelism inside heterogeneous stages does not carry them. Use "
-                            "policy='dp' (stages data-parallel inside), or no pipeline stages")
+        if self.coll_avals:
+            raise PlanError(f"train_step: {type(module).__name__} has mutable collections "
+                            f"({self.coll_paths[:3]}); tensor parallelism inside heterogeneous "
+                            "stages does not carry them. Use policy='dp' (stages data-parallel "
+                            "inside), or no pipeline stages")
         self.param_avals = abstract
         strip = tuple(dataclasses.replace(r, recompute=None) for r in rules)
         self.stage_plan = plan_in_stage(closed, self.param_paths, len(abstract), mesh, self.axis,
@@ -328,10 +329,10 @@ class MpmdProgram:
             self._made[c] = jax.jit(make, out_shardings=shs)
         return self._made[c]()
 
-    def _walk(self, pp: list, batch: tuple) -> tuple[Any, list]:
+    def _walk(self, pp: list, batch: tuple, key: Any) -> tuple[Any, list]:
         """Run the step table: ``(loss, per chunk its gradient accumulators)``."""
         S, C = self.schedule.stages, self.schedule.chunks
-        shaped = micro_leaves(self, batch)  # [M, D, b, ...]
+        shaped = micro_leaves(self, batch, key)  # [M, D, b, ...] (+ keys [M, D])
         leaves = [self.params_tree.flatten_up_to(t) for t in pp]
         params = [[leaves[self._stage(c)][j] for j in self.reads[c]] for c in range(C)]
         acc = [self._zeros(c) for c in range(C)]
@@ -363,11 +364,13 @@ class MpmdProgram:
                         gbox[c - 1, m] = move(gin, c - 1)
         return sum(float(x) for x in losses), acc
 
-    def grads(self, pp: list, batch: tuple) -> tuple[Any, list]:
+    def grads(self, pp: list, batch: tuple, key: Any = None) -> tuple[Any, list]:
         """Mean loss over the batch and its gradients, one module-shaped tree per stage (a
-        leaf several stages read: the sum of their gradients on each)."""
+        leaf several stages read: the sum of their gradients on each); ``key``: the step's
+        key, when the program was traced with rng streams (each micro-batch and data shard
+        its own, :func:`~nnscaler_jax.pipeline.program.micro_leaves`)."""
         S, C = self.schedule.stages, self.schedule.chunks
-        loss, acc = self._walk(pp, batch)
+        loss, acc = self._walk(pp, batch, key)
         part: dict[tuple[int, int], Any] = {}
         for c in range(C):
             s = self._stage(c)
@@ -408,7 +411,10 @@ class MpmdProgram:
                                          jnp.zeros((), jnp.float32)))
 
         def step(state: dict, batch: tuple) -> tuple[dict, dict]:
-            loss, grads = self.grads(state["params"], tuple(batch))
+            state, key = dict(state), None
+            if "rng" in state:  # a new key per step, as the other runtimes
+                state["rng"], key = jax.random.split(state["rng"])
+            loss, grads = self.grads(state["params"], tuple(batch), key)
             sq = []
             for s, g in enumerate(grads):
                 flat = self.params_tree.flatten_up_to(g)

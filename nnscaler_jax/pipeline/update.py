@@ -15,9 +15,14 @@ __all__ = ["initial_state", "jitted_step", "per_device_bytes", "place_as"]
 
 
 def per_device_bytes(tree: Any) -> int:
-    """Bytes one device (the first of each array's devices) holds of the arrays in ``tree``."""
-    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree_util.tree_leaves(tree)
-               if isinstance(x, jax.Array))
+    """The most bytes one device holds of the arrays in ``tree`` (arrays on different
+    devices, as one program per stage keeps them, add up only where they share a device)."""
+    held: dict[Any, int] = {}
+    for x in jax.tree_util.tree_leaves(tree):
+        if isinstance(x, jax.Array):
+            for sh in x.addressable_shards:
+                held[sh.device] = held.get(sh.device, 0) + sh.data.nbytes
+    return max(held.values(), default=0)
 
 
 def place_as(x: Any, sharding: NamedSharding) -> Any:

@@ -71,6 +71,9 @@ def test_tensor_parallel_stages_train_like_one_device(name):
                 split += 1
                 assert x.addressable_shards[0].data.size * 2 == x.size
     assert split >= 4
+    held = [sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(t))
+            for t in state["params"]]
+    assert step.memory(state)["params"] == max(held)  # (stages on their own devices)
     # a chunk's forward all-reduces over 'model' (the row-parallel matmuls' partial sums)
     text = prog.chunk_text(0)
     kinds = {(k.kind, tuple(k.axes)) for k in hlo_collectives(text, prog.sub[0])}
@@ -106,3 +109,45 @@ def test_the_stages_are_priced_tensor_parallel():
     assert dp_only.setup.tp == 1
     pm.make_plan(*spec.make_args())
     assert pm.plan.pipeline is not None and pm.plan.stages == 2
+
+
+@pytest.mark.slow
+def test_dropout_keys_per_microbatch_and_data_shard():
+    """GPT with dropout cut at its layers (pivots), tensor-parallel stages: each micro-batch
+    and data shard draws the keys the other runtimes give it (``microbatch_rngs(key, g)``,
+    ``g = m x D + d``), so one SGD step equals the single-device step over those blocks."""
+    from nnscaler_jax.pipeline.program import microbatch_rngs
+
+    M, D = 2, 2
+    spec = models.get("gpt", "tiny-dropout", batch_size=2 * M * D)
+    (tokens,) = spec.make_args(rng=jax.random.key(1))
+    params = spec.module.init(jax.random.key(0), tokens)["params"]
+    pm = auto_parallel(make_mesh(*MESH), Constraints(pipeline_stages=2, microbatches=M,
+                                                     schedule="1f1b", pipeline_pivots=("h_*",)),
+                       policy="megatron")(spec.module)
+    step = pm.train_step(spec.loss_fn, optax.sgd(0.1), inputs=1,
+                         module_kwargs={"deterministic": False})
+    rng = jax.random.key(7)
+    state = step.init({"params": params}, tokens, rng=rng)
+    assert type(step.program).__name__ == "MpmdProgram"
+    state, metrics = step(state, tokens)
+    _, key = jax.random.split(rng)
+    blocks = tokens.reshape((M * D, -1) + tokens.shape[1:])
+
+    def loss(p):
+        def block(g, x):
+            out = spec.module.apply({"params": p}, x, deterministic=False,
+                                    rngs=microbatch_rngs(key, g, ("dropout",)))
+            return spec.loss_fn(out, x)
+        return jax.numpy.mean(jax.vmap(block)(jax.numpy.arange(M * D), blocks))
+
+    ref_loss, grads = jax.jit(jax.value_and_grad(loss))(params)
+    np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=RTOL)
+    want = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(step.params(state))[0],
+                            jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=RTOL, atol=ATOL,
+                                   err_msg=jax.tree_util.keystr(path))
+    plain = spec.loss_fn(spec.module.apply({"params": params}, tokens, deterministic=True),
+                         tokens)
+    assert abs(float(metrics["loss"]) - float(plain)) > 1e-4  # dropout was on (noise ~1e-7)
