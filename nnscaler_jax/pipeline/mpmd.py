@@ -286,9 +286,11 @@ class MpmdProgram:
 
     def from_pipeline(self, pp: list) -> Any:
         """The module's params tree of :meth:`to_pipeline`'s layout (each leaf from the first
-        stage holding it)."""
+        stage holding it), as the cut program gives it back: whole arrays on the default
+        device (uncommitted), so the module runs on them as on its own parameters."""
         per = [self.params_tree.flatten_up_to(t) for t in pp]
-        leaves = [next(per[s][j] for s in range(len(per)) if per[s][j] is not None)
+        leaves = [jnp.asarray(np.asarray(next(per[s][j] for s in range(len(per))
+                                              if per[s][j] is not None)))
                   for j in range(len(self.param_avals))]
         return jax.tree.unflatten(self.params_tree, leaves)
 
@@ -327,7 +329,8 @@ class MpmdProgram:
         if c not in self._made:
             make = lambda: [jnp.zeros((D, *a.shape), a.dtype) for a in avals]
             self._made[c] = jax.jit(make, out_shardings=shs)
-        return self._made[c]()
+        with jax.set_mesh(self.sub[s]):
+            return self._made[c]()
 
     def _walk(self, pp: list, batch: tuple, key: Any) -> tuple[Any, list]:
         """Run the step table: ``(loss, per chunk its gradient accumulators)``."""
@@ -411,6 +414,10 @@ class MpmdProgram:
                                          jnp.zeros((), jnp.float32)))
 
         def step(state: dict, batch: tuple) -> tuple[dict, dict]:
+            with jax.set_mesh(None):  # (eager glue between stages: no caller's context mesh)
+                return run(state, batch)
+
+        def run(state: dict, batch: tuple) -> tuple[dict, dict]:
             state, key = dict(state), None
             if "rng" in state:  # a new key per step, as the other runtimes
                 state["rng"], key = jax.random.split(state["rng"])

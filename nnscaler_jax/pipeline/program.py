@@ -350,8 +350,12 @@ def trace_micro(prog: Any, params: Any, batch: tuple, call: ModuleCall) -> tuple
         return (loss, *jax.tree.leaves(new)) if nc else loss
 
     key = jax.eval_shape(lambda: jax.random.key(0))
-    closed = jax.make_jaxpr(program)(*abstract, *prog.coll_avals, *jax.tree.leaves(mb_batch),
-                                     *[key] * len(call.slots))
+    # traced without the caller's context mesh (``with jax.set_mesh(mesh):``): the runtimes
+    # evaluate the equations inside their own shard_maps / sub-meshes, where values typed on
+    # the caller's Explicit mesh do not bind
+    with jax.set_mesh(None):
+        closed = jax.make_jaxpr(program)(*abstract, *prog.coll_avals,
+                                         *jax.tree.leaves(mb_batch), *[key] * len(call.slots))
     return closed, abstract
 
 

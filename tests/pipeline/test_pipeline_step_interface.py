@@ -32,3 +32,23 @@ def test_explicit_data_split_batch_plan_and_memory():
     # the layers are split over the 2 stages, the embeddings and head replicated
     assert mem["params"] < full and mem["grads"] == mem["params"]
     assert mem["optimizer"] == pytest.approx(2 * mem["params"], rel=0.01)  # Adam's moments
+
+
+@pytest.mark.parametrize("name,kw", [("gpt", {}), ("t5", {})])
+def test_the_step_runs_inside_the_callers_explicit_mesh_context(name, kw):
+    """``with jax.set_mesh(mesh):`` around init and step, as jax's Explicit-sharding docs
+    write it: the micro-batch program was traced under that context, its values typed on the
+    caller's mesh, and binding them inside the runtime's shard_map failed ("context mesh ...
+    should match the aval mesh") for the stacked (GPT) and the cut (T5) runtime alike."""
+    mesh = jax.make_mesh((2, 4), ("stage", "data"))  # Explicit axis types
+    spec = models.get(name, "tiny", batch_size=8, **kw)
+    args = spec.make_args()
+    variables = spec.init(jax.random.key(0))
+    plain = float(spec.loss_fn(spec.module.apply(variables, *args), *args))
+    pm = auto_parallel(mesh, Constraints(pipeline_stages=2, microbatches=2,
+                                         schedule="1f1b"))(spec.module)
+    step = pm.train_step(spec.loss_fn, optax.sgd(0.1))
+    with jax.set_mesh(mesh):
+        state = step.init(variables, *args)
+        state, metrics = step(state, *args)
+    np.testing.assert_allclose(float(metrics["loss"]), plain, rtol=1e-5)

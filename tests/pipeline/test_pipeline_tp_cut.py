@@ -9,6 +9,8 @@ every device), which is why the stages are separate programs. An optimizer that 
 across stages is refused; the planner prices the stages as tensor-parallel.
 """
 
+import contextlib
+
 import jax
 import numpy as np
 import optax
@@ -47,8 +49,11 @@ def test_tensor_parallel_stages_train_like_one_device(name):
     grad_of = jax.jit(jax.value_and_grad(
         lambda p: spec.loss_fn(spec.module.apply({"params": p}, *args), *args)))
     want, opt_state = params, opt.init(params)
+    # (T5: the steps inside the caller's Explicit mesh context, as jax's docs write them)
+    ctx = jax.set_mesh(make_mesh(*MESH)) if name == "t5" else contextlib.nullcontext()
     for _ in range(2):  # (the second step: the optimizer state carried per stage)
-        state, metrics = step(state, *args)
+        with ctx:
+            state, metrics = step(state, *args)
         loss, grads = grad_of(want)
         updates, opt_state = opt.update(grads, opt_state, want)
         want = optax.apply_updates(want, updates)
@@ -151,3 +156,33 @@ def test_dropout_keys_per_microbatch_and_data_shard():
     plain = spec.loss_fn(spec.module.apply({"params": params}, tokens, deterministic=True),
                          tokens)
     assert abs(float(metrics["loss"]) - float(plain)) > 1e-4  # dropout was on (noise ~1e-7)
+
+
+@pytest.mark.slow
+def test_an_nnx_module_trains_and_takes_its_parameters_back():
+    """nnx GPT cut at its layers: one SGD step like one device; ``step.update(state)`` writes
+    the parameters back as whole arrays the module runs on eagerly (not left on the stages'
+    separate devices, where the module's own call failed on incompatible devices)."""
+    from flax import nnx
+
+    spec = models.get("gpt_nnx", "tiny", batch_size=8)
+    module, (tokens,) = spec.module, spec.make_args()
+    ref = nnx.clone(module)
+    pm = auto_parallel(make_mesh(*MESH), Constraints(pipeline_stages=2, microbatches=2,
+                                                     schedule="1f1b", pipeline_pivots=("h/*",)),
+                       policy="megatron")(module)
+    step = pm.train_step(spec.loss_fn, optax.sgd(0.1))
+    state = step.init(None, tokens)
+    state, metrics = step(state, tokens)
+    assert type(step.program).__name__ == "MpmdProgram"
+    loss, grads = nnx.value_and_grad(lambda m: spec.loss_fn(m(tokens), tokens))(ref)
+    np.testing.assert_allclose(metrics["loss"], loss, rtol=RTOL)
+    params = nnx.state(ref, nnx.Param)
+    want = jax.tree.map(lambda p, g: p - 0.1 * g, params, nnx.state(grads, nnx.Param))
+    step.update(state)
+    got = nnx.state(module, nnx.Param)
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=RTOL, atol=ATOL)
+    nnx.update(ref, want)
+    np.testing.assert_allclose(spec.loss_fn(module(tokens), tokens),
+                               spec.loss_fn(ref(tokens), tokens), rtol=RTOL)
