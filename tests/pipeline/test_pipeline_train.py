@@ -32,8 +32,10 @@ def _close(a, b):
                                    err_msg=jax.tree_util.keystr(path))
 
 
+# (4 stages x 1f1b x 4 micro-batches is left out: 2 x 1f1b x 4 and 4 x 1f1b x 8 run the same
+# runtime with and without a steady state, 4 x gpipe x 4 the four stages at M = S)
 @pytest.mark.parametrize("preset,stages,schedule,microbatches", [
-    ("tiny", 2, "1f1b", 4), ("tiny", 4, "gpipe", 4), ("tiny", 4, "1f1b", 4),
+    ("tiny", 2, "1f1b", 4), ("tiny", 4, "gpipe", 4),
     ("tiny-scan", 2, "interleaved", 4), ("tiny", 4, "1f1b", 8),
 ])
 def test_pipeline_matches_single_device(preset, stages, schedule, microbatches):
