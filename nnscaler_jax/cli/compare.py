@@ -199,8 +199,8 @@ def best_over_meshes(name: str, graph: Any, mesh: Any, cluster: Any,
     ``mesh``, ``fits``, ``step_time_s``, ``memory_bytes_per_device``, ``error``); the plan
     returned is the chosen one's (None when none fits), for a mesh of that shape. Planners
     other than :data:`PIPELINED` plan the flat mesh only. Pipelined shapes are priced by the
-    stage DP, which prices tensor parallelism inside stages as Megatron's, whatever the
-    planner: with stages, ours and the Alpa-style planner differ only in the flat plan.
+    stage DP, which prices tensor parallelism inside stages as Megatron's (a stack of identical
+    layers) or under the planner's in-stage plan of the graph on the tensor axes (a cut model).
     """
     from nnscaler_jax.mesh.axes import mesh_axes
     from nnscaler_jax.pipeline.stage_dp import stage_meshes

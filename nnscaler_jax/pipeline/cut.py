@@ -28,7 +28,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from nnscaler_jax.constraints import Constraints, pivot_paths
@@ -43,6 +43,7 @@ from nnscaler_jax.pipeline.in_stage import tensor_axes
 from nnscaler_jax.pipeline.pricing import RuntimeSetup
 from nnscaler_jax.pipeline.rules import layer_flags
 from nnscaler_jax.pipeline.units import TP_COLLECTIVES, Unit, largest_output
+from nnscaler_jax.search.entry import plan_spmd
 
 __all__ = ["Cut", "balance", "chunk_starts", "eqn_path", "first_positions", "identical_layers",
            "plan_cut", "segment_starts", "tp_error"]
@@ -251,12 +252,26 @@ class Cut:
     layer_rules: tuple[tuple[str, bool], ...] = ()
 
 
-def _op_cost(model: CostModel, op: Op, traffic: Mapping[int, float]) -> float:
+def _op_cost(model: CostModel, op: Op, traffic: Mapping[int, float],
+             splits: Mapping[int, Any] | None = None) -> float:
+    """Forward + backward seconds of ``op`` on one device, split as ``splits`` says (op id ->
+    split; default whole)."""
+    split = (splits or {}).get
     if not op.regions:
-        return model.op_time(op, (), None, traffic)
-    inner = sum(model.op_time(o, (), None, traffic) for r in op.regions for o in r.walk()
-                if not o.regions)
+        return model.op_time(op, split(op.id, ()), None, traffic)
+    inner = sum(model.op_time(o, split(o.id, ()), None, traffic) for r in op.regions
+                for o in r.walk() if not o.regions)
     return inner * int(op.params.get("length", 1) or 1)
+
+
+def _in_stage_splits(graph: Graph, axes: dict[str, int], constraints: Constraints,
+                     policy: Any) -> dict[int, Any]:
+    """Op id -> split of the policy's plan on the tensor-parallel ``axes`` alone: the in-stage
+    plan the runtime makes for one micro-batch (:func:`~nnscaler_jax.pipeline.in_stage.
+    plan_in_stage`), here of the whole graph."""
+    rules = tuple(replace(r, recompute=None) for r in constraints.rules)
+    planned = plan_spmd(graph, axes, policy=policy, constraints=Constraints(rules=rules))
+    return {p.op: p.split for p in planned.plan.ops}
 
 
 def plan_cut(graph: Graph, mesh_axes: dict[str, int], constraints: Constraints, policy: Any,
@@ -292,11 +307,13 @@ def plan_cut(graph: Graph, mesh_axes: dict[str, int], constraints: Constraints, 
     batch = next((t.shape[0] for t in graph.inputs if t.role is Role.INPUT and t.shape), 1)
     ends = _outside(paths, stage_of, starts)
     flags = layer_flags([n for _, n in cands], paths, constraints.rules)
+    tp = math.prod(mesh_axes[a] for a in tensor)
+    splits = (_in_stage_splits(graph, {a: mesh_axes[a] for a in tensor}, constraints, policy)
+              if tensor else None)
     units = _chunk_units(graph, starts, batch, model, ends,
-                         {p: flags.get(n) for p, n in cands})
+                         {p: flags.get(n) for p, n in cands}, splits, tp)
     setup = RuntimeSetup(units, axis, data, tensor, S,
-                         math.prod(mesh_axes[a] for a in data),
-                         math.prod(mesh_axes[a] for a in tensor), batch, link(axis),
+                         math.prod(mesh_axes[a] for a in data), tp, batch, link(axis),
                          link(data[0]) if data else link(axis),
                          link(tensor[0]) if tensor else link(axis))
     return Cut(starts, stage_of, setup, tuple((n, flags[n]) for _, n in cands if n in flags))
@@ -328,7 +345,8 @@ def _outside(paths: list[str], stage_of: tuple, starts: tuple[int, ...]) -> tupl
 
 def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
                  model: CostModel, ends: tuple[int, int] | None = None,
-                 groups: Mapping[int, bool | None] | None = None) -> list[Unit]:
+                 groups: Mapping[int, bool | None] | None = None,
+                 splits: Mapping[int, Any] | None = None, tp: int = 1) -> list[Unit]:
     """``[prefix, chunk 0, ..., chunk C-1, suffix]`` priced per sample: compute, kept
     activations, owned parameter bytes and the bytes sent to the next chunk. The prefix / suffix
     are the ops before / from ``ends`` (the embedding and the head + loss: interlaced runs them
@@ -338,7 +356,12 @@ def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
     may start at begins, with the recompute rules' flag of the module there
     (:func:`~nnscaler_jax.pipeline.rules.layer_flags`): each such run of ops is one layer,
     recomputed on its own inside its chunk's backward with ``recompute='layer'`` unless a rule
-    forbids it, and with ``'chunk'`` when a rule asks for it (``_layer_kept``)."""
+    forbids it, and with ``'chunk'`` when a rule asks for it (``_layer_kept``).
+
+    ``splits`` (tensor-parallel stages, ``tp`` ways): compute and activations are one device's
+    under the in-stage plan's splits (an op it leaves whole counts whole), times ``tp``: the
+    runtime's pricing divides units by ``tp`` (:func:`~nnscaler_jax.pipeline.pricing.
+    runtime_choices`), as for a Megatron layer split evenly."""
     groups = groups or {}
     ops = graph.ops
     e, h = ends or (0, len(ops))
@@ -348,12 +371,14 @@ def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
     sent, owned, shared = _crossing(graph, bounds, casts, sizes)
     saved, traffic = residual_outputs(graph), fused_bytes(graph)
 
+    split = (splits or {}).get
+
     def act(a: int, b: int) -> float:
-        return sum(model.activation_bytes(o, (), saved.get(o.id, ()))
-                   for o in ops[a:b] if not o.regions and o.id not in casts) / batch
+        return tp * sum(model.activation_bytes(o, split(o.id, ()), saved.get(o.id, ()))
+                        for o in ops[a:b] if not o.regions and o.id not in casts) / batch
 
     def seconds(a: int, b: int) -> float:  # forward + backward, per sample
-        return sum(_op_cost(model, op, traffic) for op in ops[a:b]) / batch
+        return tp * sum(_op_cost(model, op, traffic, splits) for op in ops[a:b]) / batch
 
     def priced(a: int, b: int) -> tuple[float, float]:
         return seconds(a, b), act(a, b)

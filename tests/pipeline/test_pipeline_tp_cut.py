@@ -99,8 +99,9 @@ def test_an_optimizer_coupling_leaves_is_refused():
 
 
 def test_the_stages_are_priced_tensor_parallel():
-    """The cut's setup splits the non-stage axes as the runtime does (data 2 x model 2) and
-    each chunk carries Megatron's 4 all-reduces per layer; the plan prices them."""
+    """The cut's setup splits the non-stage axes as the runtime does (data 2 x model 2), each
+    chunk is priced under the in-stage plan and carries Megatron's 4 all-reduces per layer;
+    the plan prices them."""
     spec, pm = _wrapped("t5")
     graph = trace(spec.module, *spec.make_args(),
                   variables=spec.init(jax.random.PRNGKey(0)))
@@ -111,7 +112,13 @@ def test_the_stages_are_priced_tensor_parallel():
     chunks = setup.units[1:-1]
     assert all(u.tp_collectives % 4 == 0 and u.tp_collectives >= 4 for u in chunks)
     dp_only = plan_cut(graph, {"stage": 2, "data": 4}, Constraints(pipeline_stages=2), None, 1)
-    assert dp_only.setup.tp == 1
+    assert dp_only.setup.tp == 1 and dp_only.starts == cut.starts
+    # compute and activations under the in-stage plan's splits (times tp: the runtime's pricing
+    # divides by tp): what Megatron leaves whole (layer norms, softmax over unsplit heads'
+    # inputs, ...) costs every device in full, so a device's part is more than 1/tp
+    for u, w in zip(chunks, dp_only.setup.units[1:-1], strict=True):
+        assert w.time_s < u.time_s < 2 * w.time_s
+        assert w.act_bytes < u.act_bytes < 2 * w.act_bytes
     pm.make_plan(*spec.make_args())
     assert pm.plan.pipeline is not None and pm.plan.stages == 2
 
