@@ -103,11 +103,13 @@ def run_segment(prog: Any, seg: int, pvec: dict, shared: list, cin: dict, batch:
     return out, jnp.asarray(_value(env, loss), jnp.float32), new
 
 
-def layered(eqns: Any, env: dict, starts: dict, needed: Any, lead: bool = True) -> None:
+def layered(eqns: Any, env: dict, starts: dict, needed: Any, lead: bool = True,
+            evaluate: Any = NO_CONSTRAINTS.evaluate) -> None:
     """Evaluate ``eqns`` into ``env`` as layers (a new layer at each equation whose id is in
     ``starts``), those ``starts`` flags (``lead``: the layer before the first start) under
     ``jax.checkpoint``: differentiated, such a layer keeps only the values it reads and is
-    recomputed in the backward. ``needed``: the variables read after ``eqns``."""
+    recomputed in the backward. ``needed``: the variables read after ``eqns``; ``evaluate``:
+    how equations run (tensor-parallel stages: under the in-stage plan's constraints)."""
     layers: list[list[Any]] = [[]]
     checkpointed = [lead]
     for e in eqns:
@@ -122,7 +124,7 @@ def layered(eqns: Any, env: dict, starts: dict, needed: Any, lead: bool = True) 
         later.append(later[-1] | {v for e in lay for v in vars_of(e.invars)})
     for lay, read_after, ck in zip(layers, reversed(later), checkpointed, strict=True):
         if not ck:
-            NO_CONSTRAINTS.evaluate(lay, env)
+            evaluate(lay, env)
             continue
         made = {v: None for e in lay for v in e.outvars}
         ins = list({v: None for e in lay for v in vars_of(e.invars) if v not in made})
@@ -130,7 +132,7 @@ def layered(eqns: Any, env: dict, starts: dict, needed: Any, lead: bool = True) 
 
         def run(*xs, lay=lay, ins=ins, outs=outs):
             local = dict(zip(ins, xs, strict=True))
-            NO_CONSTRAINTS.evaluate(lay, local)
+            evaluate(lay, local)
             return [local[v] for v in outs]
 
         env.update(zip(outs, jax.checkpoint(run)(*[env[v] for v in ins]), strict=True))

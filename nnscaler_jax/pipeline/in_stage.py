@@ -51,11 +51,12 @@ def tensor_axes(mesh_axes: dict[str, int], stage: str, policy: Any) -> tuple[str
     """The mesh axes that are tensor-parallel inside stages (auto in the ``shard_map``).
 
     ``policy`` None or ``'dp'``: none (every non-stage axis is data-parallel, as before).
-    Otherwise the non-stage axes not named like a data axis (``'data'``, ``'dp'``, ...).
+    Otherwise the non-stage axes of size > 1 not named like a data axis (``'data'``,
+    ``'dp'``, ...); an axis of size 1 splits nothing (it is data-parallel, trivially).
     """
     if policy is None or policy == "dp":
         return ()
-    return tuple(a for a in mesh_axes if a != stage and a not in DATA_AXES)
+    return tuple(a for a in mesh_axes if a != stage and a not in DATA_AXES and mesh_axes[a] > 1)
 
 
 def _policy_name(policy: Any) -> str:

@@ -21,8 +21,9 @@ shard ``i`` to data shard ``i``). Parameters live on the stage reading them, sto
 in-stage plan says (split over the tensor axes); a leaf several stages read (tied embeddings)
 has a copy on each, updated alike with the sum of their gradients. The optax update runs per
 stage (jitted on its sub-mesh) on the module's parameter tree with the other stages' leaves
-``None``, so an optimizer coupling leaves (``clip_by_global_norm``) would see one stage's
-norm: such an optimizer is refused (:func:`leafwise`).
+empty placeholders (the tree keeps the module's structure, so optimizer masks and labels given
+as pytrees apply), so an optimizer coupling leaves (``clip_by_global_norm``) would see one
+stage's norm: such an optimizer is refused (:func:`leafwise` probes it).
 
 Rng streams (dropout) get each micro-batch and data shard its own keys, as in the other
 runtimes. Not run here (a :class:`PlanError`): mutable collections, recycling (``nf1b``) and
@@ -43,7 +44,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnscaler_jax.errors import PlanError
-from nnscaler_jax.lower.replay import auto_view
+from nnscaler_jax.lower.replay import auto_view, explicitly_typed
 from nnscaler_jax.mesh.axes import mesh_axes, require_stage_axis
 from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.chunks import cut_program, param_casts, vars_of
@@ -65,29 +66,65 @@ def cut_runtime(mesh: Any, policy: Any) -> type:
     return MpmdProgram if tensor_axes(axes, require_stage_axis(axes), policy) else CutProgram
 
 
-def leafwise(optimizer: Any) -> bool:
-    """Whether ``optimizer`` updates each leaf on its own: two steps on a two-leaf tree equal
-    the steps of each leaf alone (the other ``None``), as the per-stage update runs them."""
-    p = {"a": jnp.array([1.0, -2.0]), "b": jnp.array([3.0, 0.5, -1.0])}
-    gs = [{"a": jnp.array([0.3, -0.1]), "b": jnp.array([2.0, -5.0, 0.7])},
-          {"a": jnp.array([-0.2, 0.4]), "b": jnp.array([1.0, 0.1, -3.0])}]
+SCALES = (1e-3, 1.0, 1e3, 1e6)
+"""Gradient scales :func:`leafwise` probes at (a clipping threshold between them shows)."""
 
-    def run(params, mask):
-        pick = lambda t: {k: (v if k in mask else None) for k, v in t.items()}
-        params, out = pick(params), []
+
+def _miniature(avals: list) -> list[np.ndarray]:
+    """Per leaf, an array of its dtype and rank with 2 elements per dim (distinct values)."""
+    out = []
+    for k, a in enumerate(avals):
+        size = 2 ** len(a.shape)
+        vals = np.linspace(0.5, 1.5, size) * (-1.0) ** np.arange(k, k + size)
+        out.append(vals.reshape((2,) * len(a.shape)).astype(a.dtype))
+    return out
+
+
+def leafwise(optimizer: Any, tree: Any = None, groups: Any = None) -> bool:
+    """Whether ``optimizer``, run on each group of leaves alone (the other leaves empty
+    placeholders, as the per-stage update runs it), updates them as run on the whole tree.
+
+    Probed on a miniature of ``tree`` (its structure, so masks and labels given as pytrees of
+    the model's parameters apply; 2 elements per dim): two steps at each gradient scale of
+    :data:`SCALES`. ``groups``: leaf indices per group (default: every leaf alone); ``tree``
+    default: a two-leaf dict."""
+    tree = tree if tree is not None else {"a": np.zeros(2), "b": np.zeros((2, 3))}
+    leaves, treedef = jax.tree.flatten(tree)
+    groups = groups if groups is not None else [[j] for j in range(len(leaves))]
+    mini = _miniature([jax.ShapeDtypeStruct(np.shape(x), getattr(x, "dtype", None)
+                                            or np.asarray(x).dtype) for x in leaves])
+    hole = lambda x: np.zeros((0,), x.dtype)
+    grads = [[(np.roll(m, t + 1) * (1.0 + 0.5 * t)).astype(m.dtype) for m in mini]
+             for t in range(2)]
+
+    @jax.jit
+    def two_steps(params, g0, g1, scale):
         state = optimizer.init(params)
-        for g in gs:
-            upd, state = optimizer.update(pick(g), state, params)
+        out = []
+        for g in (g0, g1):
+            upd, state = optimizer.update(jax.tree.map(lambda x: x * scale, g), state, params)
             out.append(upd)
         return out
 
+    def run(group: set[int], scale: float) -> list:
+        pick = lambda xs: jax.tree.unflatten(
+            treedef, [x if j in group else hole(x) for j, x in enumerate(xs)])
+        out = two_steps(pick(mini), pick(grads[0]), pick(grads[1]), scale)
+        return [jax.tree.leaves(u) for u in out]
+
     try:
-        joint = run(p, {"a", "b"})
-        alone = [run(p, {k}) for k in p]
-    except Exception:  # noqa: BLE001 (any optimizer that cannot run on part of a tree)
+        for scale in SCALES:
+            joint = run(set(range(len(leaves))), scale)
+            for group in groups:
+                alone = run(set(group), scale)
+                for t in range(2):
+                    for j in group:
+                        a, b = np.asarray(joint[t][j]), np.asarray(alone[t][j])
+                        if not np.allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(a).max()):
+                            return False
+    except Exception:  # noqa: BLE001 (an optimizer that cannot run on part of a tree)
         return False
-    return all(np.allclose(np.asarray(joint[t][k]), np.asarray(alone[i][t][k]), rtol=1e-6,
-                           atol=1e-7) for i, k in enumerate(p) for t in range(len(gs)))
+    return True
 
 
 def _value(env: dict, v: Any) -> Any:
@@ -104,7 +141,7 @@ class MpmdProgram:
     Same interface as :class:`~nnscaler_jax.pipeline.hetero.CutProgram` for the training step
     (:meth:`init_state`, :meth:`train_step`, :meth:`from_pipeline`); the state's ``'params'``
     and ``'opt_state'`` are lists, one module-shaped tree per stage (leaves of other stages
-    ``None``).
+    empty placeholders).
     """
 
     def __init__(self, module: Any, loss_fn: Callable, mesh: Any, sched: sch.Schedule,
@@ -124,7 +161,7 @@ class MpmdProgram:
                             "stages runs forward / backward blocks only (no recycling passes or "
                             "all-device blocks); use schedule='1f1b' or 'gpipe'")
         self.tp_axes = tensor_axes(axes, self.axis, policy)
-        self.mesh = auto_view(mesh)
+        self.mesh, self.user_mesh = auto_view(mesh), mesh
         self.data_axes = tuple(a for a in mesh.axis_names
                                if a != self.axis and a not in self.tp_axes)
         self.dp = int(np.prod([axes[a] for a in self.data_axes], dtype=np.int64))
@@ -163,8 +200,12 @@ class MpmdProgram:
         # per chunk, the parameter leaves it reads (its own and shared ones), in leaf order
         self.reads = tuple(tuple(j for j in range(n) if invars[j] in reads[c])
                            for c in range(C))
+        unread = set(range(n)) - {j for r in self.reads for j in r}  # (kept on stage 0)
         self.stage_leaves = tuple(sorted({j for c in range(s, C, sched.stages)
-                                          for j in self.reads[c]}) for s in range(sched.stages))
+                                          for j in self.reads[c]} | (unread if s == 0 else set()))
+                                  for s in range(sched.stages))
+        self.owner = {j: min(s for s, mine in enumerate(self.stage_leaves) if j in mine)
+                      for j in range(n)}
 
     def _meshes(self, mesh: Mesh) -> None:
         """Each stage's sub-mesh (its devices, the data and tensor axes, Auto types)."""
@@ -271,16 +312,22 @@ class MpmdProgram:
 
     # ---- the training state ------------------------------------------------------------------
 
+    def _hole(self, s: int, j: int) -> Any:
+        """The placeholder of leaf ``j`` on stage ``s``, which does not hold it: empty, so the
+        stage's tree keeps the module's structure (optimizer masks and labels apply)."""
+        return jax.device_put(np.zeros((0,), self.param_avals[j].dtype), self._rep[s])
+
     def to_pipeline(self, params: Any) -> list:
-        """Module params -> one module-shaped tree per stage: the leaves its chunks read, placed
-        on its sub-mesh as the in-stage plan stores them, the others ``None``."""
+        """Module params -> one module-shaped tree per stage: the leaves its chunks read (stage
+        0 also those no chunk reads), placed on its sub-mesh as the in-stage plan stores them,
+        the others empty placeholders."""
         # (from host copies: a device_put may alias the caller's buffer, which the update
         # donates, even with may_alias=False; checked on jax 0.10 CPU)
         leaves = [np.asarray(x) for x in jax.tree.leaves(params)]
         out = []
         for s, mine in enumerate(self.stage_leaves):
-            own = [jax.device_put(leaves[j], self.leaf_sharding(s, j)) if j in mine else None
-                   for j in range(len(leaves))]
+            own = [jax.device_put(leaves[j], self.leaf_sharding(s, j)) if j in mine
+                   else self._hole(s, j) for j in range(len(leaves))]
             out.append(jax.tree.unflatten(self.params_tree, own))
         return out
 
@@ -289,21 +336,22 @@ class MpmdProgram:
         stage holding it), as the cut program gives it back: whole arrays on the default
         device (uncommitted), so the module runs on them as on its own parameters."""
         per = [self.params_tree.flatten_up_to(t) for t in pp]
-        leaves = [jnp.asarray(np.asarray(next(per[s][j] for s in range(len(per))
-                                              if per[s][j] is not None)))
+        leaves = [jnp.asarray(np.asarray(per[self.owner[j]][j]))
                   for j in range(len(self.param_avals))]
         return jax.tree.unflatten(self.params_tree, leaves)
 
     def init_state(self, params: Any, optimizer: Any, collections: Any = None) -> dict:
         """``{'params': [per stage], 'opt_state': [optimizer.init per stage]}``."""
         del collections  # (refused at construction)
-        if not leafwise(optimizer):
+        shaped = jax.tree.unflatten(self.params_tree, self.param_avals)
+        if not leafwise(optimizer, shaped, self.stage_leaves):
             raise PlanError(
-                "train_step: this optimizer couples parameter leaves (e.g. "
-                "optax.clip_by_global_norm, a global-norm or whole-tree statistic); tensor "
-                "parallelism inside heterogeneous stages updates each stage's parameters on "
-                "its own devices, so it would see one stage's part. Use an elementwise "
-                "optimizer chain (sgd, adam, adamw, lion, ...), or policy='dp'")
+                "train_step: this optimizer, run on each stage's parameters alone, does not "
+                "update them as on the whole tree (it couples leaves: optax.clip_by_global_norm, "
+                "a global-norm or whole-tree statistic; or it fails on part of the tree). "
+                "Tensor parallelism inside heterogeneous stages updates each stage's "
+                "parameters on its own devices. Use a per-leaf optimizer chain (sgd, adam, "
+                "adamw with masks, multi_transform, ...), or policy='dp'")
         pp = self.to_pipeline(params)
         opt = []
         for s, tree in enumerate(pp):
@@ -335,7 +383,12 @@ class MpmdProgram:
     def _walk(self, pp: list, batch: tuple, key: Any) -> tuple[Any, list]:
         """Run the step table: ``(loss, per chunk its gradient accumulators)``."""
         S, C = self.schedule.stages, self.schedule.chunks
-        shaped = micro_leaves(self, batch, key)  # [M, D, b, ...] (+ keys [M, D])
+        # [M, D, b, ...] (+ keys [M, D]); a batch typed on the caller's Explicit mesh is
+        # reshaped under that mesh (outside any, its out_sharding has no mesh to name)
+        typed = any(explicitly_typed(x) for x in jax.tree.leaves(batch))
+        with jax.set_mesh(self.user_mesh if typed else None):
+            shaped = micro_leaves(self, batch, key)
+            shaped = [[x[m] for x in shaped] for m in range(self.schedule.microbatches)]
         leaves = [self.params_tree.flatten_up_to(t) for t in pp]
         params = [[leaves[self._stage(c)][j] for j in self.reads[c]] for c in range(C)]
         acc = [self._zeros(c) for c in range(C)]
@@ -351,7 +404,7 @@ class MpmdProgram:
                     continue
                 c, m = st.virtual * S + s, st.microbatch
                 if (s, m) not in micro:
-                    micro[s, m] = [jax.device_put(x[m], self._split[s]) for x in shaped]
+                    micro[s, m] = [jax.device_put(x, self._split[s]) for x in shaped[m]]
                 if st.kind == "F":
                     xin = inbox.pop((c, m), [])
                     out, loss = self._fwd[c](params[c], xin, micro[s, m])
@@ -387,10 +440,13 @@ class MpmdProgram:
                 part[s, j] = g if (s, j) not in part else part[s, j] + g
         out = []
         for s, mine in enumerate(self.stage_leaves):
-            gs: list[Any] = [None] * len(self.param_avals)
+            gs = [self._hole(s, j) for j in range(len(self.param_avals))]
             for j in mine:
-                gs[j] = sum(jax.device_put(part[t, j], self.leaf_sharding(s, j))
-                            for t in range(S) if (t, j) in part)
+                got = [jax.device_put(part[t, j], self.leaf_sharding(s, j))
+                       for t in range(S) if (t, j) in part]
+                aval = self.param_avals[j]  # (a leaf no chunk reads: gradient 0)
+                gs[j] = (sum(got[1:], got[0]) if got else jax.device_put(
+                    np.zeros(aval.shape, aval.dtype), self.leaf_sharding(s, j)))
             out.append(jax.tree.unflatten(self.params_tree, gs))
         return jnp.asarray(loss, jnp.float32), out
 

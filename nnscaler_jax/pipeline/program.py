@@ -53,9 +53,9 @@ from nnscaler_jax.capture.precision import Cast
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.lower.replay import explicitly_typed
 
-__all__ = ["ModuleCall", "StepOptions", "collections_error", "empty_collection_error",
-           "inputs_error", "micro_leaves", "micro_rows", "micro_setup", "microbatch_rngs", "rng_error",
-           "split_batch", "trace_micro", "typed_key"]
+__all__ = ["ModuleCall", "StepOptions", "check_batch", "collections_error",
+           "empty_collection_error", "inputs_error", "micro_leaves", "micro_rows", "micro_setup",
+           "microbatch_rngs", "rng_error", "split_batch", "trace_micro", "typed_key"]
 
 
 def microbatch_rngs(key: Any, index: Any, streams: Sequence[str]) -> dict:
@@ -309,7 +309,7 @@ class ModuleCall:
 
 def micro_setup(prog: Any, params: Any, batch: tuple, call: ModuleCall) -> tuple[list, Any]:
     """``(parameter avals, the batch's micro-batch avals)``; sets ``prog.params_tree``,
-    ``param_paths``, ``coll_tree``, ``coll_paths``, ``coll_avals``, ``batch_tree``,
+    ``param_paths``, ``coll_tree``, ``coll_paths``, ``coll_avals``, ``batch_tree``, ``batch_shapes``,
     ``key_slots`` and ``key_streams`` (what a traced micro-batch program's runtime reads)."""
     flat, prog.params_tree = jax.tree_util.tree_flatten_with_path(params)
     prog.param_paths = [path_str(p) for p, _ in flat]
@@ -320,6 +320,7 @@ def micro_setup(prog: Any, params: Any, batch: tuple, call: ModuleCall) -> tuple
     mb_batch = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((prog.mb_size,) + tuple(x.shape[1:]), x.dtype), batch)
     prog.batch_tree = jax.tree.structure(mb_batch)
+    prog.batch_shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(batch)]
     prog.key_slots, prog.key_streams = call.slots, call.streams
     return [aval(x) for _, x in flat], mb_batch
 
@@ -378,16 +379,39 @@ def micro_leaves(prog: Any, batch: tuple, key: Any = None) -> list:
     return out + [k.reshape(M, D) for k in jax.vmap(keys)(jnp.arange(M * D))]
 
 
+def check_batch(prog: Any, batch: tuple) -> None:
+    """Raise a :class:`PlanError` unless ``batch`` has the arrays and shapes of the batch the
+    step was built for (``step.init``): the micro-batch program is traced for them.
+
+    >>> class P: batch_tree = jax.tree.structure((0, 0)); batch_shapes = [(8, 4), (8,)]
+    >>> check_batch(P, (np.zeros((8, 4)), np.zeros(8)))
+    """
+    got = [tuple(np.shape(x)) for x in jax.tree.leaves(batch)]
+    if jax.tree.structure(tuple(batch)) == prog.batch_tree and got == prog.batch_shapes:
+        return
+    raise PlanError(f"step(state, *batch): the step was built (step.init) for a batch of "
+                    f"{len(prog.batch_shapes)} arrays shaped {prog.batch_shapes}, got "
+                    f"{len(got)} shaped {got}. Its micro-batch program is traced for those "
+                    "shapes: call step.init(variables, *batch) again for another batch size, or "
+                    "pad or drop the last, smaller batch of an epoch")
+
+
 def split_batch(batch: tuple, mesh: Any, axes: tuple[str, ...]) -> tuple:
     """``batch`` with each leaf not yet spread over the mesh (a numpy array, an array on one
     device) placed split over ``axes`` along its leading dim, where that dim divides. A jit
     argument left as it is would be copied whole to every device: the step reads it as
     :func:`micro_leaves` lays it out, ``[M, D, b]``, which no sharding of the argument says, so
-    XLA propagates none to it. Leaves the caller spread over the devices keep their layout."""
+    XLA propagates none to it. Leaves the caller spread over the devices keep their layout (on
+    ``mesh``'s axis types: a batch typed on the caller's Explicit mesh is retyped on the Auto view
+    a tensor-parallel runtime runs on)."""
     ways = math.prod(mesh.shape[a] for a in axes)
     sharding = NamedSharding(mesh, P(axes))
+    auto = not any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
 
     def one(x: Any) -> Any:
+        if auto and isinstance(x, jax.Array) and explicitly_typed(x) and \
+                isinstance(x.sharding, NamedSharding):  # (same devices and layout, Auto-typed)
+            return jax.device_put(x, NamedSharding(mesh, x.sharding.spec))
         if (ways == 1 or isinstance(x, jax.core.Tracer) or not getattr(x, "shape", ())
                 or x.shape[0] % ways or getattr(x, "dtype", None) is None
                 or isinstance(x, jax.Array) and len(x.sharding.device_set) > 1):

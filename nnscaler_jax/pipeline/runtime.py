@@ -55,6 +55,7 @@ from nnscaler_jax.pipeline.mpmd import MpmdProgram, cut_runtime
 from nnscaler_jax.pipeline.program import (
     ModuleCall,
     StepOptions,
+    check_batch,
     micro_leaves,
     micro_rows,
     split_batch,
@@ -451,6 +452,7 @@ class PipelineStep:
     def _batch(self, batch: tuple) -> tuple:
         if self.jitted is None:
             raise PlanError("call step.init(variables, *batch) before the first step")
+        check_batch(self.program, tuple(batch))
         return split_batch(tuple(batch), self.program.mesh, self.program.data_axes)
 
     def __call__(self, state: dict, *batch: Any) -> tuple[dict, dict]:

@@ -11,6 +11,8 @@ import jax
 from jax import lax
 from jax.sharding import NamedSharding
 
+from nnscaler_jax.errors import PlanError
+
 __all__ = ["initial_state", "jitted_step", "per_device_bytes", "place_as"]
 
 
@@ -82,7 +84,19 @@ def initial_state(pp: Any, optimizer: Any, mesh: Any, *, store: Callable = _same
     """``{'params': pp, 'opt_state': optimizer.init(pp)}`` (the state laid out by ``store``),
     and ``'collections'`` when given."""
     with jax.set_mesh(mesh):
-        state = {"params": pp, "opt_state": jax.jit(lambda p: store(optimizer.init(p)))(pp)}
+        try:
+            opt_state = jax.jit(lambda p: store(optimizer.init(p)))(pp)
+        except (ValueError, TypeError) as e:  # (a mask / label pytree of the module's tree)
+            raise PlanError(
+                f"train_step: optimizer.init failed on the pipeline's parameter layout "
+                f"({type(e).__name__}: {str(e).splitlines()[0][:200]}). This runtime lays the "
+                "parameters out per stage (stacked or packed), not as the module's tree, so "
+                "masks or labels given as a pytree of the module's parameters "
+                "(optax.adamw(mask=...), optax.masked, optax.multi_transform) do not apply, "
+                "and callables see that layout. Use an optimizer without them; a model cut "
+                "at module boundaries with tensor-parallel stages (policy='megatron' or "
+                "'auto') keeps the module's tree and takes them") from e
+        state = {"params": pp, "opt_state": opt_state}
     if collections is not None:
         state["collections"] = collections
     return state

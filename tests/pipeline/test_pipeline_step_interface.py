@@ -52,3 +52,38 @@ def test_the_step_runs_inside_the_callers_explicit_mesh_context(name, kw):
         state = step.init(variables, *args)
         state, metrics = step(state, *args)
     np.testing.assert_allclose(float(metrics["loss"]), plain, rtol=1e-5)
+
+
+def test_a_batch_unlike_the_one_the_step_was_built_for_is_a_plan_error():
+    """The last, smaller batch of an epoch, or the labels left out: a PlanError naming the
+    shapes step.init traced for (was a raw reshape TypeError / zip ValueError)."""
+    from nnscaler_jax import PlanError
+
+    mesh = jax.make_mesh((2, 4), ("stage", "data"))
+    spec = models.get("t5", "tiny", batch_size=16)
+    pm = auto_parallel(mesh, Constraints(pipeline_stages=2, microbatches=2,
+                                         schedule="1f1b"))(spec.module)
+    step = pm.train_step(spec.loss_fn, optax.sgd(0.1))
+    args = spec.make_args()
+    state = step.init(spec.init(jax.random.key(0)), *args)
+    small = models.get("t5", "tiny", batch_size=8).make_args()
+    for batch in (small, args[:1]):
+        with pytest.raises(PlanError, match=r"built \(step.init\) for a batch of 2 arrays "
+                                            r"shaped \[\(16, 16\), \(16, 8\)\]"):
+            step(state, *batch)
+
+
+def test_a_pytree_mask_on_a_packed_layout_is_a_plan_error():
+    """adamw(mask=<pytree of the module's params>) on a runtime that lays parameters out per
+    stage (here the stacked GPT): a PlanError saying why (was a raw pytree ValueError)."""
+    from nnscaler_jax import PlanError
+
+    mesh = jax.make_mesh((2, 4), ("stage", "data"))
+    spec = models.get("gpt", "tiny", batch_size=8)
+    variables = spec.init(jax.random.key(0))
+    mask = jax.tree.map(lambda p: p.ndim > 1, variables["params"])
+    pm = auto_parallel(mesh, Constraints(pipeline_stages=2, microbatches=2,
+                                         schedule="1f1b"))(spec.module)
+    step = pm.train_step(spec.loss_fn, optax.adamw(1e-3, mask=mask))
+    with pytest.raises(PlanError, match="masks or labels given as a pytree"):
+        step.init(variables, *spec.make_args())

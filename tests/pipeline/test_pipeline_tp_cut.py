@@ -11,16 +11,21 @@ across stages is refused; the planner prices the stages as tensor-parallel.
 
 import contextlib
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from meshes import make_mesh
 
 import models
-from nnscaler_jax import Constraints, PlanError, auto_parallel, trace
+from nnscaler_jax import Constraints, PlanError, Rule, auto_parallel, trace
 from nnscaler_jax.lower.hlo import hlo_collectives
 from nnscaler_jax.pipeline.cut import plan_cut
+from nnscaler_jax.pipeline.in_stage import tensor_axes
 from nnscaler_jax.pipeline.mpmd import leafwise
 
 RTOL, ATOL = 1e-4, 1e-6   # float32; ATOL for entries whose true value is ~0
@@ -49,11 +54,16 @@ def test_tensor_parallel_stages_train_like_one_device(name):
     grad_of = jax.jit(jax.value_and_grad(
         lambda p: spec.loss_fn(spec.module.apply({"params": p}, *args), *args)))
     want, opt_state = params, opt.init(params)
-    # (T5: the steps inside the caller's Explicit mesh context, as jax's docs write them)
-    ctx = jax.set_mesh(make_mesh(*MESH)) if name == "t5" else contextlib.nullcontext()
+    # (T5: the steps inside the caller's Explicit mesh context, as jax's docs write them, on a
+    # batch already split over its data axis)
+    ctx, batch = contextlib.nullcontext(), args
+    if name == "t5":
+        mesh = make_mesh(*MESH)
+        ctx = jax.set_mesh(mesh)
+        batch = tuple(jax.device_put(x, NamedSharding(mesh, P("data"))) for x in args)
     for _ in range(2):  # (the second step: the optimizer state carried per stage)
         with ctx:
-            state, metrics = step(state, *args)
+            state, metrics = step(state, *batch)
         loss, grads = grad_of(want)
         updates, opt_state = opt.update(grads, opt_state, want)
         want = optax.apply_updates(want, updates)
@@ -89,12 +99,23 @@ def test_tensor_parallel_stages_train_like_one_device(name):
 
 
 def test_an_optimizer_coupling_leaves_is_refused():
+    """Probed on the model's tree at gradient scales 1e-3 .. 1e6: a clipping threshold above
+    one scale's norm (10 here) still shows; masks given as a pytree of the model's parameters
+    apply (the stages keep the module's tree, other stages' leaves as empty placeholders)."""
     assert leafwise(optax.sgd(0.1)) and leafwise(optax.adamw(1e-3))
     clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
     assert not leafwise(clipped)
+    assert not leafwise(optax.chain(optax.clip_by_global_norm(10.0), optax.sgd(0.1)))
+    tree = {"dense": {"kernel": np.zeros((4, 8)), "bias": np.zeros(8)}, "head": np.zeros((8, 2))}
+    mask = jax.tree.map(lambda x: x.ndim > 1, tree)
+    labels = jax.tree.map(lambda x: "a" if x.ndim > 1 else "b", tree)
+    groups = [[0, 1], [2]]  # (the leaf order: dense/bias, dense/kernel, head)
+    assert leafwise(optax.adamw(1e-3, weight_decay=0.1, mask=mask), tree, groups)
+    assert leafwise(optax.multi_transform({"a": optax.adam(1e-3), "b": optax.sgd(0.1)}, labels),
+                    tree, groups)
     spec, pm = _wrapped("t5")
     step = pm.train_step(spec.loss_fn, clipped)
-    with pytest.raises(PlanError, match="couples parameter leaves"):
+    with pytest.raises(PlanError, match="couples leaves"):
         step.init(spec.init(jax.random.PRNGKey(0)), *spec.make_args())
 
 
@@ -127,7 +148,9 @@ def test_the_stages_are_priced_tensor_parallel():
 def test_dropout_keys_per_microbatch_and_data_shard():
     """GPT with dropout cut at its layers (pivots), tensor-parallel stages: each micro-batch
     and data shard draws the keys the other runtimes give it (``microbatch_rngs(key, g)``,
-    ``g = m x D + d``), so one SGD step equals the single-device step over those blocks."""
+    ``g = m x D + d``), so one SGD step equals the single-device step over those blocks. A
+    recompute rule checkpoints layer h_0 inside its chunk (under the in-stage constraints; it
+    was a TypeError)."""
     from nnscaler_jax.pipeline.program import microbatch_rngs
 
     M, D = 2, 2
@@ -135,7 +158,8 @@ def test_dropout_keys_per_microbatch_and_data_shard():
     (tokens,) = spec.make_args(rng=jax.random.key(1))
     params = spec.module.init(jax.random.key(0), tokens)["params"]
     pm = auto_parallel(make_mesh(*MESH), Constraints(pipeline_stages=2, microbatches=M,
-                                                     schedule="1f1b", pipeline_pivots=("h_*",)),
+                                                     schedule="1f1b", pipeline_pivots=("h_*",),
+                                                     rules=(Rule("h_0", recompute=True),)),
                        policy="megatron")(spec.module)
     step = pm.train_step(spec.loss_fn, optax.sgd(0.1), inputs=1,
                          module_kwargs={"deterministic": False})
@@ -193,3 +217,60 @@ def test_an_nnx_module_trains_and_takes_its_parameters_back():
     nnx.update(ref, want)
     np.testing.assert_allclose(spec.loss_fn(module(tokens), tokens),
                                spec.loss_fn(ref(tokens), tokens), rtol=RTOL)
+
+
+def test_a_model_axis_of_size_one_is_data_parallel():
+    """A 'model' axis of size 1 splits nothing: not tensor-parallel (the in-stage plan was
+    refused for "splitting no op over 'model'")."""
+    assert tensor_axes({"stage": 2, "data": 4, "model": 1}, "stage", "megatron") == ()
+    assert tensor_axes({"stage": 2, "data": 2, "model": 2}, "stage", "megatron") == ("model",)
+
+
+class _Block(nn.Module):
+    width: int
+
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(x.shape[-1], name="down")(nn.relu(nn.Dense(self.width)(x)))
+
+
+class _Net(nn.Module):
+    """Blocks of different widths (a cut model) and a parameter the loss never reads."""
+
+    @nn.compact
+    def __call__(self, x):
+        self.param("unused", nn.initializers.normal(1.0), (4, 4))
+        x = nn.Dense(32, name="embed")(x)
+        for i, w in enumerate([32, 64, 32, 64]):
+            x = _Block(w, name=f"block_{i}")(x)
+        return nn.Dense(4, name="head")(x)
+
+
+@pytest.mark.slow
+def test_an_unread_parameter_and_a_pytree_mask():
+    """adamw with weight decay masked by a pytree of the module's parameters (the stages keep
+    its tree); a parameter no chunk reads is kept on stage 0 and decays as on one device (it
+    had no stage: StopIteration in from_pipeline, never updated)."""
+    rs = np.random.RandomState(0)
+    x = jnp.asarray(rs.randn(16, 8), jnp.float32)
+    y = jnp.asarray(rs.randn(16, 4), jnp.float32)
+    params = _Net().init(jax.random.key(0), x)["params"]
+    loss_fn = lambda out, x, y: jnp.mean((out - y) ** 2)
+    # (eps well above float32 noise, as the other pipeline tests: adam's first step is
+    # lr * g / (|g| + eps), which float noise flips for gradients near 0 at the default 1e-8)
+    opt = optax.adamw(1e-2, eps=1e-3, weight_decay=0.5,
+                      mask=jax.tree.map(lambda p: p.ndim > 1, params))
+    pm = auto_parallel(make_mesh(*MESH), Constraints(pipeline_stages=2, microbatches=2,
+                                                     schedule="1f1b"), policy="megatron")(_Net())
+    step = pm.train_step(loss_fn, opt, inputs=1)
+    state = step.init({"params": params}, x, y)
+    assert type(step.program).__name__ == "MpmdProgram"
+    state, metrics = step(state, x, y)
+    loss, g = jax.value_and_grad(lambda p: loss_fn(_Net().apply({"params": p}, x), x, y))(params)
+    want = optax.apply_updates(params, opt.update(g, opt.init(params), params)[0])
+    np.testing.assert_allclose(metrics["loss"], loss, rtol=RTOL)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(step.params(state))[0],
+                            jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL, atol=ATOL,
+                                   err_msg=jax.tree_util.keystr(path))
+    assert not np.allclose(np.asarray(step.params(state)["unused"]), params["unused"])
