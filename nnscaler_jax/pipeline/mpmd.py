@@ -23,7 +23,8 @@ has a copy on each, updated alike with the sum of their gradients. The optax upd
 stage (jitted on its sub-mesh) on the module's parameter tree with the other stages' leaves
 empty placeholders (the tree keeps the module's structure, so optimizer masks and labels given
 as pytrees apply), so an optimizer coupling leaves (``clip_by_global_norm``) would see one
-stage's norm: such an optimizer is refused (:func:`leafwise` probes it).
+stage's norm: such an optimizer is refused (:func:`~nnscaler_jax.pipeline.leafwise.leafwise`
+probes it).
 
 Rng streams (dropout) get each micro-batch and data shard its own keys, as in the other
 runtimes. Not run here (a :class:`PlanError`): mutable collections, recycling (``nf1b``) and
@@ -52,10 +53,11 @@ from nnscaler_jax.pipeline.cut import eqn_path, first_positions, segment_starts
 from nnscaler_jax.pipeline.cut_blocks import layered
 from nnscaler_jax.pipeline.hetero import CutProgram
 from nnscaler_jax.pipeline.in_stage import plan_in_stage, tensor_axes
+from nnscaler_jax.pipeline.leafwise import leafwise
 from nnscaler_jax.pipeline.program import ModuleCall, micro_leaves, micro_rows, trace_micro
 from nnscaler_jax.pipeline.steps import timeline
 
-__all__ = ["MpmdProgram", "cut_runtime", "leafwise"]
+__all__ = ["MpmdProgram", "cut_runtime"]
 
 
 def cut_runtime(mesh: Any, policy: Any) -> type:
@@ -64,67 +66,6 @@ def cut_runtime(mesh: Any, policy: Any) -> type:
     CutProgram`."""
     axes = mesh_axes(mesh)
     return MpmdProgram if tensor_axes(axes, require_stage_axis(axes), policy) else CutProgram
-
-
-SCALES = (1e-3, 1.0, 1e3, 1e6)
-"""Gradient scales :func:`leafwise` probes at (a clipping threshold between them shows)."""
-
-
-def _miniature(avals: list) -> list[np.ndarray]:
-    """Per leaf, an array of its dtype and rank with 2 elements per dim (distinct values)."""
-    out = []
-    for k, a in enumerate(avals):
-        size = 2 ** len(a.shape)
-        vals = np.linspace(0.5, 1.5, size) * (-1.0) ** np.arange(k, k + size)
-        out.append(vals.reshape((2,) * len(a.shape)).astype(a.dtype))
-    return out
-
-
-def leafwise(optimizer: Any, tree: Any = None, groups: Any = None) -> bool:
-    """Whether ``optimizer``, run on each group of leaves alone (the other leaves empty
-    placeholders, as the per-stage update runs it), updates them as run on the whole tree.
-
-    Probed on a miniature of ``tree`` (its structure, so masks and labels given as pytrees of
-    the model's parameters apply; 2 elements per dim): two steps at each gradient scale of
-    :data:`SCALES`. ``groups``: leaf indices per group (default: every leaf alone); ``tree``
-    default: a two-leaf dict."""
-    tree = tree if tree is not None else {"a": np.zeros(2), "b": np.zeros((2, 3))}
-    leaves, treedef = jax.tree.flatten(tree)
-    groups = groups if groups is not None else [[j] for j in range(len(leaves))]
-    mini = _miniature([jax.ShapeDtypeStruct(np.shape(x), getattr(x, "dtype", None)
-                                            or np.asarray(x).dtype) for x in leaves])
-    hole = lambda x: np.zeros((0,), x.dtype)
-    grads = [[(np.roll(m, t + 1) * (1.0 + 0.5 * t)).astype(m.dtype) for m in mini]
-             for t in range(2)]
-
-    @jax.jit
-    def two_steps(params, g0, g1, scale):
-        state = optimizer.init(params)
-        out = []
-        for g in (g0, g1):
-            upd, state = optimizer.update(jax.tree.map(lambda x: x * scale, g), state, params)
-            out.append(upd)
-        return out
-
-    def run(group: set[int], scale: float) -> list:
-        pick = lambda xs: jax.tree.unflatten(
-            treedef, [x if j in group else hole(x) for j, x in enumerate(xs)])
-        out = two_steps(pick(mini), pick(grads[0]), pick(grads[1]), scale)
-        return [jax.tree.leaves(u) for u in out]
-
-    try:
-        for scale in SCALES:
-            joint = run(set(range(len(leaves))), scale)
-            for group in groups:
-                alone = run(set(group), scale)
-                for t in range(2):
-                    for j in group:
-                        a, b = np.asarray(joint[t][j]), np.asarray(alone[t][j])
-                        if not np.allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(a).max()):
-                            return False
-    except Exception:  # noqa: BLE001 (an optimizer that cannot run on part of a tree)
-        return False
-    return True
 
 
 def _value(env: dict, v: Any) -> Any:

@@ -26,7 +26,7 @@ from nnscaler_jax import Constraints, PlanError, Rule, auto_parallel, trace
 from nnscaler_jax.lower.hlo import hlo_collectives
 from nnscaler_jax.pipeline.cut import plan_cut
 from nnscaler_jax.pipeline.in_stage import tensor_axes
-from nnscaler_jax.pipeline.mpmd import leafwise
+from nnscaler_jax.pipeline.leafwise import leafwise
 
 RTOL, ATOL = 1e-4, 1e-6   # float32; ATOL for entries whose true value is ~0
 MESH = ((2, 2, 2), ("stage", "data", "model"))
