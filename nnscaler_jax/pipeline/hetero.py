@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnscaler_jax.errors import PlanError
-from nnscaler_jax.mesh.axes import mesh_axes, require_stage_axis
+from nnscaler_jax.mesh.axes import mesh_axes
 from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.chunks import cut_program, packing, param_casts, widths
 from nnscaler_jax.pipeline.cut import eqn_path, first_positions, segment_starts, tp_error
@@ -46,7 +46,13 @@ from nnscaler_jax.pipeline.cut_blocks import local_step
 from nnscaler_jax.pipeline.in_stage import tensor_axes
 from nnscaler_jax.pipeline.loop_tables import loop_tables
 from nnscaler_jax.pipeline.mutable import require_forward_order, schedule_error, shared_error
-from nnscaler_jax.pipeline.program import ModuleCall, micro_leaves, micro_rows, trace_micro
+from nnscaler_jax.pipeline.program import (
+    ModuleCall,
+    micro_leaves,
+    micro_rows,
+    stage_axis,
+    trace_micro,
+)
 from nnscaler_jax.pipeline.recycle import recycling_program
 from nnscaler_jax.pipeline.update import initial_state, jitted_step, place_as
 
@@ -78,11 +84,8 @@ class CutProgram:
         self.module, self.loss_fn, self.mesh, self.schedule = module, loss_fn, mesh, sched
         self.recompute = recompute  # 'layer': each module of a chunk under jax.checkpoint
         axes = mesh_axes(mesh)
-        self.axis = require_stage_axis(axes)
-        S, M = sched.stages, sched.microbatches
-        if axes[self.axis] != S:
-            raise PlanError(f"schedule has {S} stages but mesh axis '{self.axis}' has "
-                            f"{axes[self.axis]} devices; use pipeline_stages={axes[self.axis]}")
+        self.axis = stage_axis(axes, sched)
+        M = sched.microbatches
         if tensor_axes(axes, self.axis, policy):
             raise tp_error(tensor_axes(axes, self.axis, policy))
         self.data_axes = tuple(a for a in mesh.axis_names if a != self.axis)

@@ -54,7 +54,13 @@ from nnscaler_jax.pipeline.cut_blocks import layered
 from nnscaler_jax.pipeline.hetero import CutProgram
 from nnscaler_jax.pipeline.in_stage import plan_in_stage, tensor_axes
 from nnscaler_jax.pipeline.leafwise import leafwise
-from nnscaler_jax.pipeline.program import ModuleCall, micro_leaves, micro_rows, trace_micro
+from nnscaler_jax.pipeline.program import (
+    ModuleCall,
+    micro_leaves,
+    micro_rows,
+    stage_axis,
+    trace_micro,
+)
 from nnscaler_jax.pipeline.steps import timeline
 
 __all__ = ["MpmdProgram", "cut_runtime"]
@@ -92,11 +98,8 @@ class MpmdProgram:
         self.module, self.loss_fn, self.schedule = module, loss_fn, sched
         self.recompute, self.layer_rules = recompute, dict(layer_rules)
         axes = mesh_axes(mesh)
-        self.axis = require_stage_axis(axes)
-        S, M = sched.stages, sched.microbatches
-        if axes[self.axis] != S:
-            raise PlanError(f"schedule has {S} stages but mesh axis '{self.axis}' has "
-                            f"{axes[self.axis]} devices; use pipeline_stages={axes[self.axis]}")
+        self.axis = stage_axis(axes, sched)
+        M = sched.microbatches
         if sched.recycles or sched.all_device:
             raise PlanError(f"schedule {sched.name!r}: tensor parallelism inside heterogeneous "
                             "stages runs forward / backward blocks only (no recycling passes or "

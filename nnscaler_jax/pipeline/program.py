@@ -52,10 +52,11 @@ from nnscaler_jax.capture.flax import nnx_call_scopes, path_str
 from nnscaler_jax.capture.precision import Cast
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.lower.replay import explicitly_typed
+from nnscaler_jax.mesh.axes import require_stage_axis
 
 __all__ = ["ModuleCall", "StepOptions", "check_batch", "collections_error",
            "empty_collection_error", "inputs_error", "micro_leaves", "micro_rows", "micro_setup",
-           "microbatch_rngs", "rng_error", "split_batch", "trace_micro", "typed_key"]
+           "microbatch_rngs", "rng_error", "split_batch", "stage_axis", "trace_micro", "typed_key"]
 
 
 def microbatch_rngs(key: Any, index: Any, streams: Sequence[str]) -> dict:
@@ -124,6 +125,19 @@ class StepOptions:
             raise PlanError(f"train_step: inputs={self.inputs} but the batch has {len(batch)} "
                             f"arrays; use inputs <= {len(batch)}")
         return tuple(batch) if self.inputs is None else tuple(batch[:self.inputs])
+
+
+def stage_axis(axes: dict[str, int], sched: Any) -> str:
+    """The mesh's stage axis, checked against the schedule's stage count.
+
+    Raises:
+        PlanError: no stage axis, or one of another size.
+    """
+    axis = require_stage_axis(axes)
+    if axes[axis] != sched.stages:
+        raise PlanError(f"schedule has {sched.stages} stages but mesh axis '{axis}' has "
+                        f"{axes[axis]} devices; use pipeline_stages={axes[axis]}")
+    return axis
 
 
 def micro_rows(batch: tuple, microbatches: int, dp: int, data_axes: tuple[str, ...]) -> int:
