@@ -44,7 +44,7 @@ from nnscaler_jax.lower.program import Program, place, signature
 from nnscaler_jax.lower.replay import Lowering, explicit_context, explicitly_typed
 from nnscaler_jax.lower.verify import compare_outputs
 from nnscaler_jax.mesh.axes import mesh_axes
-from nnscaler_jax.pipeline.runtime import PipelineStep
+from nnscaler_jax.pipeline.pipelined_step import PipelineStep
 from nnscaler_jax.plan.plan import Plan
 from nnscaler_jax.plan.reuse import saved_plan
 from nnscaler_jax.planner import make_plan

@@ -38,9 +38,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnscaler_jax.errors import PlanError
+from nnscaler_jax.lower.replay import auto_view
 from nnscaler_jax.mesh.axes import mesh_axes
 from nnscaler_jax.pipeline import schedule as sch
-from nnscaler_jax.pipeline.chunks import cut_program, packing, param_casts, widths
+from nnscaler_jax.pipeline.chunks import cut_program, pack, packing, param_casts, unpack, widths
 from nnscaler_jax.pipeline.cut import eqn_path, first_positions, segment_starts, tp_error
 from nnscaler_jax.pipeline.cut_blocks import local_step
 from nnscaler_jax.pipeline.in_stage import tensor_axes
@@ -54,7 +55,7 @@ from nnscaler_jax.pipeline.program import (
     trace_micro,
 )
 from nnscaler_jax.pipeline.recycle import recycling_program
-from nnscaler_jax.pipeline.update import initial_state, jitted_step, place_as
+from nnscaler_jax.pipeline.update import cached_view, initial_state, jitted_step, place_as
 
 __all__ = ["CutProgram"]
 
@@ -81,7 +82,8 @@ class CutProgram:
                  layer_rules: tuple = ()):
         del rules  # (stages are data-parallel inside; recompute rules: the plan's layer_rules)
         self.layer_rules = dict(layer_rules)  # layer -> recomputed on its own (rules.py)
-        self.module, self.loss_fn, self.mesh, self.schedule = module, loss_fn, mesh, sched
+        self.module, self.loss_fn, self.schedule = module, loss_fn, sched
+        self.mesh = auto_view(mesh)  # (Auto types: the optimizer's ModuleView slices leaves)
         self.recompute = recompute  # 'layer': each module of a chunk under jax.checkpoint
         axes = mesh_axes(mesh)
         self.axis = stage_axis(axes, sched)
@@ -182,30 +184,57 @@ class CutProgram:
     def _stack(self, leaves: list, owned: tuple, packs: list, width: dict,
                shared: tuple) -> dict:
         """``leaves[owned[c]]`` packed into chunk ``c``'s row, ``leaves[shared]`` replicated."""
-        leaves = [np.asarray(x) for x in leaves]
-        S, V = self.schedule.stages, self.schedule.virtual
-        stages = {dt: np.zeros((S, V, n), dt) for dt, n in width.items()}
-        for c, (own, pk) in enumerate(zip(owned, packs, strict=True)):
-            s, v = self._where(c)
-            for j, (dt, off, shape) in zip(own, pk.slots, strict=True):
-                stages[dt][s, v, off:off + int(np.prod(shape, dtype=np.int64))] = \
-                    leaves[j].ravel()
+        to_layout, _ = self._packed(owned, packs, width, shared, len(leaves))
+        pp = to_layout([np.asarray(x) for x in leaves])
         rep, st = self.shardings()
-        return {"shared": [jax.device_put(leaves[j], rep) for j in shared],
-                "stages": {dt: jax.device_put(x, st) for dt, x in stages.items()}}
+        return {"shared": [jax.device_put(x, rep) for x in pp["shared"]],
+                "stages": {dt: jax.device_put(x, st) for dt, x in pp["stages"].items()}}
 
     def _unstack(self, pp: dict, owned: tuple, packs: list, shared: tuple, n: int) -> list:
         """The leaves :meth:`_stack` laid out in ``pp``."""
-        out: list[Any] = [None] * n
-        for j, x in zip(shared, pp["shared"], strict=True):
-            out[j] = jnp.asarray(x)
-        stages = {dt: np.asarray(x) for dt, x in pp["stages"].items()}
-        for c, (own, pk) in enumerate(zip(owned, packs, strict=True)):
-            s, v = self._where(c)
-            for j, (dt, off, shape) in zip(own, pk.slots, strict=True):
-                size = int(np.prod(shape, dtype=np.int64))
-                out[j] = jnp.asarray(stages[dt][s, v, off:off + size].reshape(shape))
-        return out
+        _, to_module = self._packed(owned, packs, {}, shared, n)
+        out = to_module({"shared": pp["shared"],
+                         "stages": {dt: np.asarray(x) for dt, x in pp["stages"].items()}})
+        return [jnp.asarray(x) for x in out]
+
+    def _packed(self, owned: tuple, packs: list, width: dict, shared: tuple,
+                n: int) -> tuple[Callable, Callable]:
+        """Traceable ``(to_layout, to_module)``: ``n`` leaves <-> ``{'shared': [...],
+        'stages': {dtype: [S, V, width]}}`` (chunk ``c``'s leaves ``owned[c]`` packed as
+        ``packs[c]`` in row ``(c % S, c // S)``)."""
+        S, V = self.schedule.stages, self.schedule.virtual
+
+        def to_layout(leaves: list) -> dict:
+            rows = [[None] * V for _ in range(S)]
+            for c, (own, pk) in enumerate(zip(owned, packs, strict=True)):
+                s, v = self._where(c)
+                rows[s][v] = pack([leaves[j] for j in own], pk, width)
+            return {"shared": [leaves[j] for j in shared],
+                    "stages": {dt: jnp.stack([jnp.stack([r[dt] for r in row]) for row in rows])
+                               for dt in width}}
+
+        def to_module(pp: dict) -> list:
+            out: list[Any] = [None] * n
+            for j, x in zip(shared, pp["shared"], strict=True):
+                out[j] = x
+            for c, (own, pk) in enumerate(zip(owned, packs, strict=True)):
+                s, v = self._where(c)
+                row = {dt: x[s, v] for dt, x in pp["stages"].items()}
+                for j, x in zip(own, unpack(row, pk), strict=True):
+                    out[j] = x
+            return out
+
+        return to_layout, to_module
+
+    def layout(self, avals: list) -> tuple[Callable, Callable]:
+        """Traceable ``(to_layout, to_module)`` between parameter leaves shaped as ``avals``
+        and the packed layout of :meth:`to_pipeline` (the optimizer probe's miniatures)."""
+        packs = [packing([avals[j] for j in own]) for own in self.owned]
+        return self._packed(self.owned, packs, widths(packs), self.shared, len(avals))
+
+    def mini_shapes(self) -> list[tuple[int, ...]]:
+        """Per parameter leaf, its miniature's shape in the optimizer probe (2 per dim)."""
+        return [(2,) * len(a.shape) for a in self.param_avals]
 
     def shardings(self) -> tuple[NamedSharding, NamedSharding]:
         """Replicated, and split over the stage axis (leading dim)."""
@@ -259,6 +288,7 @@ class CutProgram:
         :meth:`~nnscaler_jax.pipeline.runtime.PipelineProgram.train_step`); a state with
         ``'collections'`` gets them updated."""
         return jitted_step(self.grads, optimizer, self.mesh,
+                           view=cached_view(self, optimizer, (self.axis,)),
                            return_grads=return_grads)
 
     def init_state(self, params: Any, optimizer: Any, collections: Any = None) -> dict:
@@ -266,4 +296,5 @@ class CutProgram:
         ``'collections'`` (:meth:`collections_to_pipeline`) when the program has any."""
         pp = self.to_pipeline(params)
         pc = self.collections_to_pipeline(collections) if self.coll_avals else None
-        return initial_state(pp, optimizer, self.mesh, collections=pc)
+        return initial_state(pp, optimizer, self.mesh, collections=pc,
+                             view=cached_view(self, optimizer, (self.axis,)))

@@ -1,19 +1,30 @@
 """The optax update around a pipelined program's gradients, shared by both runtimes
 (:class:`~nnscaler_jax.pipeline.runtime.PipelineProgram` for stacked identical layers,
-:class:`~nnscaler_jax.pipeline.hetero.CutProgram` for stages cut at module boundaries)."""
+:class:`~nnscaler_jax.pipeline.hetero.CutProgram` for stages cut at module boundaries).
+
+Both keep parameters in their own layout (layers stacked ``[stages, virtual, layers, ...]``,
+or packed vectors per chunk). The update runs on that layout when the optimizer updates it as
+it would the module's tree (:func:`~nnscaler_jax.pipeline.leafwise.same_on_layout`); else
+(a mask or label of the module's leaves, a per-leaf statistic) on a :class:`ModuleView`: the
+gradients and parameters seen as the module's tree inside the step, the optimizer state kept
+in that tree, spread over the axes the layout splits."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import jax
+import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from nnscaler_jax.errors import PlanError
+from nnscaler_jax.pipeline.leafwise import same_on_layout
 
-__all__ = ["initial_state", "jitted_step", "per_device_bytes", "place_as"]
+__all__ = ["ModuleView", "cached_view", "initial_state", "jitted_step", "module_view", "per_device_bytes",
+           "place_as"]
 
 
 def per_device_bytes(tree: Any) -> int:
@@ -38,12 +49,68 @@ def _same(tree: Any) -> Any:
     return tree
 
 
+@dataclass(frozen=True)
+class ModuleView:
+    """The module's parameter tree seen from a pipeline layout, inside the step.
+
+    Attributes:
+        tree: ``layout tree -> module tree`` (traceable).
+        layout: ``module tree -> layout tree`` (traceable).
+        store: lays a module-shaped tree (the optimizer state) out on the mesh.
+    """
+
+    tree: Callable
+    layout: Callable
+    store: Callable
+
+
+def spread(mesh: Any, axes: tuple[str, ...]) -> Callable:
+    """``tree -> tree`` placing each array with its largest dims split over ``axes`` in turn
+    (a dim divisible by the axis size; none: that axis replicates it)."""
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
+
+    def place(x):
+        shape, spec = np.shape(x), [None] * np.ndim(x)
+        for a in axes:
+            free = [d for d in range(len(shape)) if spec[d] is None
+                    and shape[d] >= sizes[a] and shape[d] % sizes[a] == 0]
+            if free:
+                spec[max(free, key=lambda d: shape[d])] = a
+        return place_as(x, NamedSharding(mesh, P(*spec)))
+
+    return lambda tree: jax.tree.map(place, tree)
+
+
+def module_view(program: Any, optimizer: Any, axes: tuple[str, ...]) -> ModuleView | None:
+    """None when ``optimizer`` updates ``program``'s layout as the module's tree
+    (:func:`~nnscaler_jax.pipeline.leafwise.same_on_layout`), else the view to run it on.
+
+    ``program`` gives ``params_tree``, ``param_avals``, ``mini_shapes()`` and
+    ``layout(avals) -> (to_layout, to_module)``; ``axes``: the mesh axes its layout splits."""
+    tree = jax.tree.unflatten(program.params_tree, program.param_avals)
+    if same_on_layout(optimizer, tree, program.mini_shapes(), program.layout):
+        return None
+    to_layout, to_module = program.layout(program.param_avals)
+    return ModuleView(tree=lambda pp: jax.tree.unflatten(program.params_tree, to_module(pp)),
+                      layout=lambda t: to_layout(jax.tree.leaves(t)),
+                      store=spread(program.mesh, axes))
+
+
+def cached_view(program: Any, optimizer: Any, axes: tuple[str, ...]) -> ModuleView | None:
+    """:func:`module_view`, probed once per optimizer (the step and the state share it)."""
+    views = program.__dict__.setdefault("_views", {})
+    if id(optimizer) not in views:  # (the optimizer is kept, so its id is not reused)
+        views[id(optimizer)] = (optimizer, module_view(program, optimizer, axes))
+    return views[id(optimizer)][1]
+
+
 def jitted_step(grads: Callable, optimizer: Any, mesh: Any, *, store: Callable = _same,
-                return_grads: bool = False) -> Callable:
+                view: ModuleView | None = None, return_grads: bool = False) -> Callable:
     """A jitted, donated ``run(state, batch) -> (state, metrics)`` (``run.lower(state, batch)``
     too) under ``mesh``: ``grads(params, batch, key) -> (loss, grads)`` (``key`` split off
     ``state['rng']`` when the state has one, else None), then the optax update;
-    ``store`` lays the new parameters and optimizer state out as the program keeps them.
+    ``store`` lays the new parameters and optimizer state out as the program keeps them;
+    ``view``: the update runs on the module's tree (the optimizer state kept there).
     A state with ``'collections'`` calls ``grads(params, batch, key, collections) -> (loss,
     grads, new collections)`` and keeps the new ones."""
     import optax
@@ -57,8 +124,13 @@ def jitted_step(grads: Callable, optimizer: Any, mesh: Any, *, store: Callable =
                                                   state["collections"])
         else:
             loss, g = grads(state["params"], tuple(batch), key)
-        updates, opt_state = optimizer.update(g, state["opt_state"], state["params"])
-        opt_state = store(opt_state)
+        if view is None:
+            updates, opt_state = optimizer.update(g, state["opt_state"], state["params"])
+            opt_state = store(opt_state)
+        else:
+            updates, opt_state = optimizer.update(view.tree(g), state["opt_state"],
+                                                  view.tree(state["params"]))
+            updates, opt_state = view.layout(updates), view.store(opt_state)
         params = store(optax.apply_updates(state["params"], updates))
         metrics = {"loss": loss, "grad_norm": optax.global_norm(g)}
         if return_grads:
@@ -80,23 +152,14 @@ def jitted_step(grads: Callable, optimizer: Any, mesh: Any, *, store: Callable =
 
 
 def initial_state(pp: Any, optimizer: Any, mesh: Any, *, store: Callable = _same,
-                  collections: Any = None) -> dict:
-    """``{'params': pp, 'opt_state': optimizer.init(pp)}`` (the state laid out by ``store``),
-    and ``'collections'`` when given."""
+                  view: ModuleView | None = None, collections: Any = None) -> dict:
+    """``{'params': pp, 'opt_state': optimizer.init(...)}``: of ``pp`` laid out by ``store``,
+    or with ``view`` of the module's tree laid out by ``view.store``; and ``'collections'``
+    when given."""
+    init = ((lambda p: store(optimizer.init(p))) if view is None
+            else (lambda p: view.store(optimizer.init(view.tree(p)))))
     with jax.set_mesh(mesh):
-        try:
-            opt_state = jax.jit(lambda p: store(optimizer.init(p)))(pp)
-        except (ValueError, TypeError) as e:  # (a mask / label pytree of the module's tree)
-            raise PlanError(
-                f"train_step: optimizer.init failed on the pipeline's parameter layout "
-                f"({type(e).__name__}: {str(e).splitlines()[0][:200]}). This runtime lays the "
-                "parameters out per stage (stacked or packed), not as the module's tree, so "
-                "masks or labels given as a pytree of the module's parameters "
-                "(optax.adamw(mask=...), optax.masked, optax.multi_transform) do not apply, "
-                "and callables see that layout. Use an optimizer without them; a model cut "
-                "at module boundaries with tensor-parallel stages (policy='megatron' or "
-                "'auto') keeps the module's tree and takes them") from e
-        state = {"params": pp, "opt_state": opt_state}
+        state = {"params": pp, "opt_state": jax.jit(init)(pp)}
     if collections is not None:
         state["collections"] = collections
     return state

@@ -71,19 +71,3 @@ def test_a_batch_unlike_the_one_the_step_was_built_for_is_a_plan_error():
         with pytest.raises(PlanError, match=r"built \(step.init\) for a batch of 2 arrays "
                                             r"shaped \[\(16, 16\), \(16, 8\)\]"):
             step(state, *batch)
-
-
-def test_a_pytree_mask_on_a_packed_layout_is_a_plan_error():
-    """adamw(mask=<pytree of the module's params>) on a runtime that lays parameters out per
-    stage (here the stacked GPT): a PlanError saying why (was a raw pytree ValueError)."""
-    from nnscaler_jax import PlanError
-
-    mesh = jax.make_mesh((2, 4), ("stage", "data"))
-    spec = models.get("gpt", "tiny", batch_size=8)
-    variables = spec.init(jax.random.key(0))
-    mask = jax.tree.map(lambda p: p.ndim > 1, variables["params"])
-    pm = auto_parallel(mesh, Constraints(pipeline_stages=2, microbatches=2,
-                                         schedule="1f1b"))(spec.module)
-    step = pm.train_step(spec.loss_fn, optax.adamw(1e-3, mask=mask))
-    with pytest.raises(PlanError, match="masks or labels given as a pytree"):
-        step.init(variables, *spec.make_args())

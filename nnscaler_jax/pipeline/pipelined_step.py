@@ -1,0 +1,184 @@
+"""``pm.train_step(loss_fn, optimizer)`` with pipeline stages: plans, picks the runtime
+(:class:`~nnscaler_jax.pipeline.runtime.PipelineProgram` for a stack of identical layers,
+:class:`~nnscaler_jax.pipeline.hetero.CutProgram` or :class:`~nnscaler_jax.pipeline.mpmd.
+MpmdProgram` for models cut at module boundaries) and runs its jitted step."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nnscaler_jax.constraints import Constraints
+from nnscaler_jax.errors import PlanError
+from nnscaler_jax.pipeline import schedule as sch
+from nnscaler_jax.pipeline.hetero import CutProgram
+from nnscaler_jax.pipeline.mpmd import MpmdProgram, cut_runtime
+from nnscaler_jax.pipeline.program import (
+    ModuleCall,
+    StepOptions,
+    check_batch,
+    split_batch,
+    typed_key,
+)
+from nnscaler_jax.pipeline.runtime import PipelineProgram
+from nnscaler_jax.pipeline.split import NotALayerStack
+from nnscaler_jax.pipeline.update import per_device_bytes
+
+__all__ = ["PipelineStep"]
+
+
+class PipelineStep:
+    """``pm.train_step(loss_fn, optimizer)``: a pipelined training step for a wrapped module.
+
+    The wrapper's ``Constraints(pipeline_stages=S, microbatches=M, schedule=...)`` pick the
+    stages (along the mesh's ``stage``/``pipe`` axis) and the schedule. With ``policy=None`` /
+    ``'dp'`` the other mesh axes are data-parallel inside each stage; with another policy
+    (``'megatron'``, ``'auto'``, a function) the axes named like data axes stay data-parallel and
+    the rest (e.g. ``'model'``) are tensor-parallel as the policy plans one micro-batch
+    (:attr:`stage_plan`).
+
+    >>> # step = pm.train_step(models_loss_fn, optax.adam(1e-3))
+    >>> # state = step.init(variables, tokens)        # params in the pipeline layout
+    >>> # state, metrics = step(state, tokens)        # one jitted step: M micro-batches + update
+    >>> # params = step.params(state)                 # back to the module's params tree
+
+    Options (as the SPMD step's, :class:`~nnscaler_jax.pipeline.program.StepOptions`):
+    ``inputs``, ``module_kwargs`` (``{'deterministic': False}``) and ``rng_streams``; with
+    ``step.init(variables, *batch, rng=key)`` (nnx: its own streams' key unless given) each
+    micro-batch and data-parallel shard gets its own keys
+    (:func:`~nnscaler_jax.pipeline.program.microbatch_rngs`). An nnx module trains its
+    ``nnx.Param``; ``step.update(state)`` writes them back into it. ``Constraints(precision=
+    'bfloat16')``: float32 master weights cast where each chunk reads them (the cut program).
+    Mutable collections (linen ``{'params', 'batch_stats'}`` with ``module_kwargs={'train':
+    True}``, nnx ``BatchStat``) run in the cut program and live in ``state['collections']``
+    (:mod:`~nnscaler_jax.pipeline.mutable`); ``step.variables(state)`` gives them back.
+
+    Attributes:
+        program: the :class:`PipelineProgram` / :class:`CutProgram` / :class:`MpmdProgram`
+            (after :meth:`init`).
+        jitted: the jitted ``step(state, batch)`` (after :meth:`init`): ``.lower(...)``.
+    """
+
+    @property
+    def stage_plan(self) -> Any:
+        """The in-stage :class:`~nnscaler_jax.plan.plan.Plan` (tensor-parallel axes only) of one
+        micro-batch, or None when stages are data-parallel inside (after :meth:`init`)."""
+        sp = self.program.stage_plan if self.program is not None else None
+        return sp.plan if sp is not None else None
+
+    def __init__(self, pm: Any, loss_fn: Callable, optimizer: Any, *, return_grads: bool = False,
+                 **options: Any):
+        self.options = StepOptions.of(options)
+        self.constraints = pm.constraints or Constraints()  # (none with a saved plan)
+        if not pm.pipelined:  # (pipeline_stages, or a saved plan with pipeline settings)
+            raise PlanError("train_step builds a pipelined step: wrap the module with "
+                            "auto_parallel(mesh, Constraints(pipeline_stages=4, microbatches=8, "
+                            "schedule='1f1b')); without stages use pm.apply inside your own "
+                            "jax.jit(jax.grad(...))")
+        if pm.precision == "float16":
+            raise PlanError("train_step: the pipelined step has no loss scaling for float16; "
+                            "use Constraints(precision='bfloat16'), or the SPMD step (no "
+                            "pipeline stages), which scales the loss")
+        self.options = dataclasses.replace(self.options, precision=pm.precision)
+        self.pm, self.loss_fn, self.optimizer = pm, loss_fn, optimizer
+        self.return_grads = return_grads
+        self.program: PipelineProgram | CutProgram | MpmdProgram | None = None
+        self.jitted, self.call = None, None  # (after init: the jitted step, the ModuleCall)
+
+    def init(self, variables: Any, *batch: Any, rng: Any = None) -> dict:
+        """Plan, build the program for ``batch``'s shapes and lay out the training state
+        (``{'params', 'opt_state'}``, ``'collections'`` with any, ``'rng'`` with rng streams)."""
+        self.call = call = ModuleCall(self.pm.module, variables, self.options, rng)
+        self.program = None
+        params, rng = call.params, rng if rng is not None else call.default_rng
+        args = self.options.args(batch)
+        plan = call.make_plan(self.pm, args, rng)
+        pipe, c = plan.pipeline, self.constraints
+        if pipe is None:
+            raise PlanError("train_step: the plan has no pipeline settings (a saved plan made "
+                            "without Constraints(pipeline_stages=...)); re-plan with them")
+        sched = sch.require_runnable(sch.from_settings(pipe))  # built-in or op_order-written
+        if call.slots and sched.recycles:
+            raise PlanError(f"train_step: schedule {sched.name!r} runs its recycling passes "
+                            "without rng streams; drop rng= (nnx: rng_streams=()), or use "
+                            "schedule='1f1b'")
+        args = (self.pm.module, self.loss_fn, self.pm.mesh, sched, params, tuple(batch))
+        policy = self.pm.policy if self.pm.policy is not None else plan.policy or None  # (saved)
+        kw = {"policy": policy, "rules": c.rules, "call": call, "recompute": pipe.recompute}
+        # a stack of identical layers, unless pivots ask for a cut at module boundaries; any
+        # other model: heterogeneous stages (hetero.py). Other errors of the stacked program
+        # (an in-stage plan that splits nothing) are the user's to see, not a reason to cut.
+        stack_error: NotALayerStack | None = None
+        # (recycling and all-device blocks run in the cut runtime only)
+        if not (c.pipeline_pivots or sched.recycles or sched.all_device
+                or self.options.precision  # (casts: made where read, cut program)
+                or call.collections):  # (carried by the cut program, mutable.py)
+            try:
+                self.program = PipelineProgram(*args, **kw)
+            except NotALayerStack as e:
+                stack_error = e
+        if self.program is None:
+            try:
+                self.program = cut_runtime(self.pm.mesh, policy)(
+                    *args, stage_of=pipe.stage_of, layer_rules=pipe.layer_rules, **kw)
+            except PlanError as cut_error:
+                raise cut_error from stack_error
+        self.jitted = self.program.train_step(self.optimizer, return_grads=self.return_grads)
+        state = self.program.init_state(
+            params, self.optimizer, **({"collections": call.collections} if call.collections
+                                       else {}))
+        if call.slots:
+            rep = self.program.shardings()[0]  # a copy: the step donates its state
+            state["rng"] = jax.jit(jnp.copy, out_shardings=rep)(typed_key(rng))
+        return state
+
+    def _batch(self, batch: tuple) -> tuple:
+        if self.jitted is None:
+            raise PlanError("call step.init(variables, *batch) before the first step")
+        check_batch(self.program, tuple(batch))
+        return split_batch(tuple(batch), self.program.mesh, self.program.data_axes)
+
+    def __call__(self, state: dict, *batch: Any) -> tuple[dict, dict]:
+        return self.jitted(state, self._batch(batch))
+
+    def lower(self, state: dict, *batch: Any) -> Any:
+        """``jax.jit(step).lower(state, batch)`` (``.compile().memory_analysis()``)."""
+        return self.jitted.lower(state, self._batch(batch))
+
+    @property
+    def plan(self) -> Any:
+        """The plan of the step (its ``pipeline`` settings; after :meth:`init`)."""
+        if self.jitted is None:
+            raise PlanError("call step.init(variables, *batch) before asking for its plan")
+        return self.pm.plan
+
+    def memory(self, state: dict) -> dict[str, int]:
+        """Per-device bytes measured from the arrays (the first device of each): ``params``,
+        ``optimizer`` (the gradients are laid out like the parameters) and ``collections``."""
+        params = per_device_bytes(state["params"])
+        return {"params": params, "grads": params,
+                "optimizer": per_device_bytes(state["opt_state"]),
+                "collections": per_device_bytes(state.get("collections", {}))}
+
+    def params(self, state: dict) -> Any:
+        """The module's params tree of ``state`` (nnx: an ``nnx.State`` of its ``nnx.Param``)."""
+        return self.call.module_params(self.program.from_pipeline(state["params"]))
+
+    def variables(self, state: dict) -> Any:
+        """The module's variables of ``state``: linen ``{'params': ..., **collections}`` (as
+        ``module.apply`` takes them), nnx an ``nnx.State`` of its parameters and statistics."""
+        colls = state.get("collections")
+        colls = {} if colls is None else self.program.collections_from_pipeline(colls)
+        return self.call.variables(self.program.from_pipeline(state["params"]), colls)
+
+    def update(self, state: dict) -> None:
+        """nnx: write the state's parameters and ``nnx.BatchStat`` back into the module."""
+        if self.call is None or not self.call.nnx:
+            raise PlanError("step.update(state) writes an nnx module's state; for linen use "
+                            "step.variables(state) (or step.params(state)) with apply")
+        nnx.update(self.pm.module, self.variables(state))
