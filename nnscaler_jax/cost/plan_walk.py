@@ -33,6 +33,7 @@ from nnscaler_jax.cost.residuals import (
     MASKED,
     REGATHERED_COPIES,
     residual_outputs,
+    residual_reads,
     saved_operands,
 )
 from nnscaler_jax.ir.coshard import COSHARD, chunks_of, with_boundaries
@@ -42,7 +43,7 @@ from nnscaler_jax.mesh.axes import data_axes
 from nnscaler_jax.plan.layouts import plan_layouts, sole_read_variables, unstack
 from nnscaler_jax.plan.plan import OpPlan, Plan
 
-__all__ = ["analyze", "boundary_kinds", "loop_stacks"]
+__all__ = ["analyze", "backward_held", "boundary_kinds", "loop_stacks"]
 
 
 @dataclass
@@ -108,6 +109,25 @@ def loop_stacks(graph: Graph) -> dict[int, tuple[int, tuple[tuple[Tensor, int], 
     return out
 
 
+def backward_held(graph: Graph) -> list[tuple[int, tuple[tuple[Tensor, int], ...]]]:
+    """``(recompute group, ((tensor, copies), ...))``: what is live besides a recomputed
+    block's residuals while its backward runs: co-sharded blocks' chunk loops
+    (:func:`loop_stacks`), and the cotangents of each recompute group's outputs, which arrive
+    before its backward starts (measured: XLA:CPU's live set at the peak of an Evoformer
+    block's backward, ``scripts/bench_decisions_memory.py``)."""
+    out = list(loop_stacks(graph).values())
+    stacked: dict[int, set[int]] = {}
+    for outer, held in out:
+        stacked.setdefault(outer, set()).update(t.id for t, _ in held)
+    for b in graph.boundaries:
+        if b.kind in REMAT_KINDS:
+            own = tuple((t, 1) for t in b.outputs
+                        if t.ndim and is_float(t) and t.id not in stacked.get(b.id, ()))
+            if own:
+                out.append((b.id, own))
+    return out
+
+
 def _region_layouts(op: Op, ins: tuple[Layout, ...], layout: dict[int, Layout],
                     origin: dict[int, int]) -> None:
     """Layouts of a region's body inputs from the layouts its op reads its operands in;
@@ -134,13 +154,14 @@ def _region_layouts(op: Op, ins: tuple[Layout, ...], layout: dict[int, Layout],
                     layout[t.id] = Layout(dims_t)
 
 
-def _gathered_operands(model: Any, op: Op, mask: tuple[bool, ...],
-                       ins: tuple[Layout, ...], layout: Mapping[int, Layout], zero: int,
-                       mult: int, kept: dict) -> None:
-    """A matmul / convolution (or ReLU max) operand its transpose reads, which reaches the op
-    through a relayout that grows it (an all-gather), is saved as the op reads it: the gathered
-    copy stays for the backward next to the original (as ZeRO-3's gathered weights)."""
-    for j in saved_operands(op, mask)[0]:
+def _gathered(model: Any, op: Op, reads: list[int], ins: tuple[Layout, ...],
+              layout: Mapping[int, Layout], zero: int, mult: float, kept: dict) -> None:
+    """An operand ``op`` reads for the backward (``reads``), reaching it through a relayout
+    that grows it (an all-gather), is saved as ``op`` reads it: the gathered copy stays for the
+    backward next to the original (as ZeRO-3's gathered weights). Matmul / convolution (or
+    ReLU max) operands their transposes read; cheap elementwise ops' inputs a residual is
+    traced through (``z + all_gather(delta)``: XLA keeps the gathered sum)."""
+    for j in reads:
         t, want = op.inputs[j], ins[j]
         have = layout.get(t.id)
         if have is None or not t.ndim or have == want or (
@@ -148,7 +169,7 @@ def _gathered_operands(model: Any, op: Op, mask: tuple[bool, ...],
             continue
         grown = model._local_bytes(t, want)
         if grown > model._local_bytes(t, have):
-            kept[(t.id, want)] = grown * mult
+            kept[(t.id, want)] = max(kept.get((t.id, want), 0.0), grown * mult)
 
 
 def _scan_outputs(scans, layout: Mapping[int, Layout]) -> list[_Edge]:
@@ -201,6 +222,7 @@ class _Walk:
         self.model, self.graph, self.grads, self.zero, self.out = model, graph, grads, zero, out
         self.plans = plan._by_id()
         self.saved = residual_outputs(graph, grads if model.input_grads else None)
+        self.reads = residual_reads(graph, grads if model.input_grads else None)
         self.traffic = fused_bytes(graph)  # what each op's fusion reads and writes
         self.kinds = boundary_kinds(graph)
         self.sole = sole_read_variables(graph)
@@ -234,7 +256,7 @@ class _Walk:
                     self.kept.setdefault(t.id, min(model._local_bytes(t, lay)
                                                    for lay in lays) * mult)
         out.activations = sum(self.kept.values())
-        for outer, held in loop_stacks(self.graph).values():  # co-sharded blocks' loops
+        for outer, held in backward_held(self.graph):  # loops' stacks, outputs' cotangents
             self.remat_sum[outer] = self.remat_sum.get(outer, 0.0) + sum(
                 model._local_bytes(t, layout[t.id]) * copies for t, copies in held)
         out.transient = max([out.transient, *(s + sum(self.regathered.get(b, {}).values())
@@ -263,12 +285,17 @@ class _Walk:
         out.compute += model._op_time(op, p.split, mask, self.traffic) * mult
         k = self.chunks.get(op.id, 1)  # a co-sharded block's op: one chunk is live at a time
         remat = [b for b in op.boundary if self.kinds.get(b, ("",))[0] in REMAT_KINDS]
-        if op.primitive in MASKED and (remat or not op.boundary):
+        if remat or not op.boundary:
             # recomputed: the gathered copy is rebuilt with the block's residuals, live with
-            # them and its cotangent during the block's backward (one chunk's at a time)
-            _gathered_operands(model, op, mask, ins, self.layout, self.zero,
-                               mult / k * (REGATHERED_COPIES if remat else 1),
-                               self.regathered.setdefault(remat[0], {}) if remat else self.kept)
+            # them (a matmul operand's with its cotangent) during the block's backward (one
+            # chunk's at a time)
+            into = self.regathered.setdefault(remat[0], {}) if remat else self.kept
+            if op.primitive in MASKED:
+                _gathered(model, op, saved_operands(op, mask)[0], ins, self.layout, self.zero,
+                          mult / k * (REGATHERED_COPIES if remat else 1), into)
+            reads = [j for j in range(len(op.inputs)) if (op.id, j) in self.reads]
+            if reads:
+                _gathered(model, op, reads, ins, self.layout, self.zero, mult / k, into)
         local = sum(model._local_bytes(t, lay) for t, lay in zip(op.outputs, outs, strict=True))
         out.transient = max(out.transient, local / k)
         if k > 1:

@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from nnscaler_jax.cost.compute import MATMUL, grad_tensors, is_float
 from nnscaler_jax.ir.graph import DataflowMemo, Graph, Op
 
-__all__ = ["CHEAP", "REGATHERED_COPIES", "residual_outputs", "saved_operands"]
+__all__ = ["CHEAP", "REGATHERED_COPIES", "residual_outputs", "residual_reads", "saved_operands"]
 
 
 def _names(text: str) -> frozenset[str]:
@@ -128,14 +128,28 @@ def residual_outputs(graph: Graph, grads: set[int] | None = None) -> Mapping[int
     """op id -> indices of its outputs materialised for the backward pass (roots of residuals,
     see the module docstring), region bodies included. ``grads``: ids of tensors that need a
     gradient (default: trainable-variable descendants, as ``CostModel`` computes them)."""
+    return _traced(graph, grads)[0]
+
+
+def residual_reads(graph: Graph, grads: set[int] | None = None) -> frozenset[tuple[int, int]]:
+    """``(op id, input index)`` of each cheap op a residual is traced through into that input
+    (``z + delta`` read by a LayerNorm's backward: the add's inputs). The backward fusion reads
+    that input as the op read it: where a relayout grows it on the way in (an all-gather), the
+    grown copy is what stays (``plan_walk``)."""
+    return _traced(graph, grads)[1]
+
+
+def _traced(graph: Graph, grads: set[int] | None) -> tuple[Mapping[int, tuple[int, ...]],
+                                                           frozenset[tuple[int, int]]]:
     if grads is None:  # (boundaries and op order change nothing: once per dataflow)
-        return _MEMO.get(graph, None, lambda: residual_outputs(graph, grad_tensors(graph)))
+        return _MEMO.get(graph, None, lambda: _traced(graph, grad_tensors(graph)))
     producer: dict[int, tuple[Op, int]] = {}
     ops = list(graph.walk())
     for op in ops:
         for k, t in enumerate(op.outputs):
             producer[t.id] = (op, k)
     out: dict[int, set[int]] = {}
+    reads: set[tuple[int, int]] = set()
     seen: set[tuple[int, frozenset[str]]] = set()
     dead = _no_cotangent(graph)
 
@@ -150,7 +164,10 @@ def residual_outputs(graph: Graph, grads: set[int] | None = None) -> Mapping[int
                 continue  # a graph input, weight or region body input: held anyway
             op, k = producer[t]
             if op.primitive in through and not op.regions:
-                stack.extend(x.id for x in op.inputs if x.ndim or not is_float(x))
+                for j, x in enumerate(op.inputs):
+                    if x.ndim or not is_float(x):
+                        reads.add((op.id, j))
+                        stack.append(x.id)
                 continue
             out.setdefault(op.id, set()).add(k)
 
@@ -167,4 +184,4 @@ def residual_outputs(graph: Graph, grads: set[int] | None = None) -> Mapping[int
             keep(op.inputs[j].id, through)
         for k in outs:
             keep(op.outputs[k].id, through)
-    return {i: tuple(sorted(ks)) for i, ks in out.items()}
+    return {i: tuple(sorted(ks)) for i, ks in out.items()}, frozenset(reads)

@@ -60,7 +60,7 @@ class EdgePricing:
         self.kept: dict[tuple[int, int], np.ndarray] = {}
         # recomputed block -> group pair (or group) -> bytes its matmuls gather again
         self.regathered: dict[int, dict[tuple[int, int] | int, np.ndarray]] = {}
-        self.block_keeper: dict[tuple[int, int], tuple[int, int] | None] = {}
+        self.block_keeper: dict[tuple[int, int], tuple[int, int, int] | None] = {}
         self.first_keeper: dict[int, tuple[int, int] | None] = {}  # tensor -> (op id, index)
         self.memo: dict[tuple, np.ndarray] = {}
         self.reshard_memo: dict[tuple, dict[tuple, float]] = {}  # tensor kind -> pair -> s
@@ -79,7 +79,7 @@ class EdgePricing:
         for i, edge in enumerate(ends):  # (in the order of their first edges, as the ILP was)
             t, _w, src, dst, pair, sig = edge
             keeps = (self._keeps_gathered(t, dst), self._holds_input(t, src, dst),
-                     self._regathers(t, dst))
+                     *self._regathers(t, dst))
             key = (pair, sig, keeps) if sig is not None else (i,)
             hit = alike.get(key)
             if hit is None:
@@ -235,26 +235,32 @@ class EdgePricing:
         return self.first_keeper[t.id] == (dst[1], dst[2])
 
     def _saves_operand(self, op: Op, j: int) -> bool:
-        if op.primitive not in MASKED or op.boundary:
+        if op.boundary:
             return False
-        mask = tuple(x.id in self.grads for x in op.inputs)
-        return j in saved_operands(op, mask)[0]
+        return self._matmul_saves(op, j) or (op.id, j) in self.reads
 
-    def _regathers(self, t: Tensor, dst: tuple) -> int:
-        """The recomputed block whose matmul ``dst`` saves ``t`` as it reads it, so a relayout
-        growing it is part of the block's transient, with its cotangent (``plan_walk``,
-        ``REGATHERED_COPIES``); -1: none. Only the block's
-        first such reader of ``t`` is charged (``plan_walk`` keeps one copy per layout)."""
+    def _matmul_saves(self, op: Op, j: int) -> bool:
+        return op.primitive in MASKED and j in saved_operands(
+            op, tuple(x.id in self.grads for x in op.inputs))[0]
+
+    def _regathers(self, t: Tensor, dst: tuple) -> tuple[int, int]:
+        """``(block, copies)``: the recomputed block whose op ``dst`` saves ``t`` as it reads it
+        (a matmul operand: with its cotangent, ``REGATHERED_COPIES``; a cheap op's input a
+        residual is traced through: 1), so a relayout growing it is part of the block's
+        transient (``plan_walk``); ``(-1, 0)``: none. Only the block's first such reader of
+        ``t`` is charged, a matmul before others (``plan_walk`` keeps one copy per layout)."""
         b = self.remat.get(dst[1], -1)
         if b < 0 or dst[0] not in ("in", "fin") or not t.ndim or not is_float(t) or (
                 t.role is Role.VARIABLE and self.zero >= 3):
-            return -1
+            return -1, 0
         if (t.id, b) not in self.block_keeper:
-            self.block_keeper[t.id, b] = next(
-                ((o.id, k) for o, k in self.readers.get(t.id, ())
-                 if self.remat.get(o.id) == b and o.primitive in MASKED and k in saved_operands(
-                     o, tuple(x.id in self.grads for x in o.inputs))[0]), None)
-        return b if self.block_keeper[t.id, b] == (dst[1], dst[2]) else -1
+            inside = [(o, k) for o, k in self.readers.get(t.id, ()) if self.remat.get(o.id) == b]
+            keeper = next(((o.id, k, REGATHERED_COPIES) for o, k in inside
+                           if self._matmul_saves(o, k)), None) or next(
+                ((o.id, k, 1) for o, k in inside if (o.id, k) in self.reads), None)
+            self.block_keeper[t.id, b] = keeper
+        keeper = self.block_keeper[t.id, b]
+        return (b, keeper[2]) if keeper and keeper[:2] == (dst[1], dst[2]) else (-1, 0)
 
     def _holds_input(self, t: Tensor, src: tuple, dst: tuple) -> bool:
         """Whether ``dst`` is the first read of a value a recomputed block reads from outside
@@ -285,17 +291,17 @@ class EdgePricing:
         w = w / self.cm.microbatches
         kept = w * np.array(self._kept_bytes(t, pairs, keeps[0], keeps[1])) \
             if keeps[0] or keeps[1] else None
-        again = REGATHERED_COPIES * w / self.chunks.get(dst_op, 1) * np.array(self._kept_bytes(
+        again = keeps[3] * w / self.chunks.get(dst_op, 1) * np.array(self._kept_bytes(
             t, pairs, True, False)) if keeps[2] >= 0 else None  # one chunk's at a time
         return secs, kept, again
 
-    def edge(self, edge: tuple, keeps: tuple[bool, bool], count: int) -> None:
+    def edge(self, edge: tuple, keeps: tuple[bool, bool, int, int], count: int) -> None:
         """Add ``count`` x one edge's prices (see :meth:`_ends`) to the tables."""
         t, w, src, dst, (gs, gd), sig = edge
         _gs, _fs, ms, fgs = self.fgroup(src[1])
         _gd, _fd, md, fgd = self.fgroup(dst[1])
         sig = None if sig is None else sig + (
-            keeps[:2], self.chunks.get(dst[1], 1) if keeps[2] >= 0 else 0)
+            keeps[:2], self.chunks.get(dst[1], 1) if keeps[2] >= 0 else 0, keeps[3])
         if gs == gd:  # one decision: only equal strategy indices meet (the diagonal)
             dsig = None if sig is None else ("diag",) + sig
             got = self.memo.get(dsig) if dsig is not None else None

@@ -45,9 +45,9 @@ import numpy as np
 from nnscaler_jax.cost.compute import FREE, grad_tensors
 from nnscaler_jax.cost.fusion import fused_bytes
 from nnscaler_jax.cost.model import CostModel
-from nnscaler_jax.cost.plan_walk import boundary_kinds, loop_stacks
+from nnscaler_jax.cost.plan_walk import backward_held, boundary_kinds
 from nnscaler_jax.cost.relayout import drop_partial, partial_grad_axes
-from nnscaler_jax.cost.residuals import residual_outputs
+from nnscaler_jax.cost.residuals import residual_outputs, residual_reads
 from nnscaler_jax.ir.coshard import chunks_of
 from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout
@@ -95,6 +95,7 @@ class _Builder(EdgePricing):
         self.block_inputs = _block_inputs(kinds, self.remat)
         self.chunks = chunks_of(self.graph)  # op id -> chunks of its co-sharded block
         self.saved = residual_outputs(self.graph)
+        self.reads = residual_reads(self.graph)  # (cheap ops' inputs residuals reach through)
         self.traffic = fused_bytes(self.graph)  # what each op's fusion reads and writes
         self.member_memo: dict[tuple, object] = {}  # ours only: per class of identical work
         self.top_inputs = {t.id for t in self.graph.inputs}
@@ -322,10 +323,11 @@ class _Builder(EdgePricing):
 
     def _loop_stacks(self, blocks: dict[int, dict[int, np.ndarray]]) -> None:
         """Adds to ``blocks`` what co-sharded blocks' chunk loops hold during their backward
-        (``plan_walk.loop_stacks``), by the strategy of each stacked tensor's producer (an
-        example input, produced by none, at its replicated bytes)."""
+        and the cotangents of recompute groups' outputs (``plan_walk.backward_held``), by the
+        strategy of each tensor's producer (an example input, produced by none, at its
+        replicated bytes)."""
         producer = self.graph.producer
-        for outer, held in loop_stacks(self.graph).values():
+        for outer, held in backward_held(self.graph):
             d, fixed, last = blocks.setdefault(outer, {}), 0.0, None
             for t, copies in held:
                 op = producer.get(t.id)

@@ -122,3 +122,24 @@ def test_ops_reaching_the_loss_only_through_stop_gradient_save_nothing():
     # the broadcast row sum, div) and neither fc1's output nor the max.
     assert _saved_prims(Softmax(), (2, 16)) == [("div", "", (0,)), ("exp", "", (0,)),
                                                 ("reduce_sum", "", (0,))]
+
+
+def test_residual_reads_are_the_cheap_ops_a_residual_is_traced_through():
+    """``sin(x + x @ w)``: sin's transpose reads its input, computed by a cheap add, so the
+    residual is traced through the add into both its inputs (x, a graph input; the matmul's
+    output, the root kept); a relayout growing either on its way into the add is kept as the
+    add reads it (``plan_walk``). The matmul reads x itself, not through a cheap op."""
+    from nnscaler_jax.cost.residuals import residual_reads
+
+    class M(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return jnp.sin(x + nn.Dense(4, use_bias=False)(x))
+
+    g = trace(M(), jax.ShapeDtypeStruct((2, 4), jnp.float32))
+    add = next(op for op in g.walk() if op.primitive == "add")
+    dot = next(op for op in g.walk() if op.primitive == "dot_general")
+    reads = residual_reads(g)
+    assert {(add.id, 0), (add.id, 1)} <= reads
+    assert not any(op_id == dot.id for op_id, _ in reads)
+    assert residual_outputs(g)[dot.id] == (0,)

@@ -37,12 +37,15 @@ def test_one_recomputed_layer_is_priced_the_same_wherever_it_is(share_layers):
 
 
 @pytest.mark.parametrize("name,groups", [("gpt", ("h_0", "h_1")),
-                                         ("swin", ("layers_0/blocks_0", "layers_1/blocks_1"))])
+                                         ("swin", ("layers_0/blocks_0", "layers_1/blocks_1")),
+                                         ("evoformer", ("blocks_0", "blocks_1"))])
 def test_search_memory_is_the_plans_full_pricing_with_recompute(name, groups):
     """With layers recomputed, the search's memory is the plan's full pricing: a recomputed
     block's residuals, live together during its backward, and the inputs it keeps are terms of
     the ILP (they were not: Swin tiny's budgeted plan was priced 85 KB under its full pricing,
-    and the budget took re-solves that then found nothing)."""
+    and the budget took re-solves that then found nothing). Evoformer: its residual adds
+    (``z + delta``) read gathered inputs, and its blocks' outputs' cotangents are live in their
+    backward (``plan_walk.backward_held``)."""
     from nnscaler_jax.search.ilp import search
 
     graph = with_recompute(capture_spec(models.get(name, "tiny")).graph, groups)
