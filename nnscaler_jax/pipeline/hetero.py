@@ -185,7 +185,8 @@ class CutProgram:
                shared: tuple) -> dict:
         """``leaves[owned[c]]`` packed into chunk ``c``'s row, ``leaves[shared]`` replicated."""
         to_layout, _ = self._packed(owned, packs, width, shared, len(leaves))
-        pp = to_layout([np.asarray(x) for x in leaves])
+        with jax.default_device(jax.devices("cpu")[0]):  # packed on the host, as before: not
+            pp = to_layout([np.asarray(x) for x in leaves])  # the whole model on one device
         rep, st = self.shardings()
         return {"shared": [jax.device_put(x, rep) for x in pp["shared"]],
                 "stages": {dt: jax.device_put(x, st) for dt, x in pp["stages"].items()}}
