@@ -26,6 +26,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -157,8 +158,8 @@ def solve(tables: CostTables, *, max_memory: float | None = None, time_limit: fl
     Raises:
         PlanError: no choice fits ``max_memory`` (says the smallest estimate).
         Outpriced: ``beat`` is given and no choice that fits takes fewer than ``beat``
-            seconds: the objective is a row bounded by ``beat`` (a cutoff: HiGHS prunes every
-            branch whose bound reaches it, and an infeasible problem is the proof).
+            seconds: HiGHS' ``objective_bound`` is ``beat`` (a cutoff: it prunes every branch
+            whose bound reaches it, and an infeasible problem is the proof).
     """
     n = [len(c) for c in tables.compute]
     if any(k == 0 for k in n):
@@ -182,9 +183,6 @@ def solve(tables: CostTables, *, max_memory: float | None = None, time_limit: fl
     scale = memory_rows(lp, tables, off, max_memory, memory_offset, pairs) \
         if max_memory is not None else 1.0
     c = np.concatenate(lp.c_parts)
-    if beat is not None:  # the cutoff: only choices faster than the best found so far
-        cols = np.flatnonzero(c)
-        lp.add(list(cols), list(c[cols]), -np.inf, beat * SCALE)
     nv = lp.nv
     a = sparse.csr_array((lp.vals, (lp.rows, lp.cols)), shape=(lp.r, nv))
     last = np.arange(nv) == nv - 1
@@ -194,6 +192,9 @@ def solve(tables: CostTables, *, max_memory: float | None = None, time_limit: fl
     integrality[: int(off[-1])] = 1
     options = {"time_limit": float(time_limit), "disp": False, "mip_rel_gap": MIP_GAP,
                "presolve": nv <= PRESOLVE_MAX_VARIABLES}
+    if beat is not None:  # the cutoff: only choices faster than the best found so far
+        options["objective_bound"] = beat * SCALE
+        _quiet_cutoff()
     log.info("%s: %d variables (%d binary), %d constraints%s", desc, nv, int(off[-1]), lp.r,
              "" if options["presolve"] else ", no presolve (it overruns the time limit)")
     res = milp(c, constraints=LinearConstraint(a, lp.lb, lp.ub), integrality=integrality,
@@ -210,8 +211,23 @@ def solve(tables: CostTables, *, max_memory: float | None = None, time_limit: fl
             raise _memory_error(max_memory, least_memory(tables))
         raise PlanError(f"the search found no plan: {res.message}")
     choice = tuple(int(np.argmax(res.x[off[g]:off[g + 1]])) for g in range(len(n)))
-    return _Solution(choice, tables.objective(choice), tables.memory_of(choice),
+    objective = tables.objective(choice)
+    if beat is not None and objective >= beat:
+        # HiGHS pruned every branch by the cutoff but kept a plan found before it applied the
+        # bound (it reports that plan as optimal): nothing faster than ``beat`` exists
+        raise Outpriced(f"{desc}: no plan within the budget is faster than {beat:.4g} s")
+    return _Solution(choice, objective, tables.memory_of(choice),
                      str(res.message), res.status == 0, nv, lp.r)
+
+
+def _quiet_cutoff() -> None:
+    """Silence scipy's warning that ``objective_bound`` (HiGHS' cutoff) is not one of
+    ``milp``'s own options: it passes such options "to HiGHS verbatim", as documented. HiGHS
+    prunes by the option; the same cutoff as a row of the problem made its probes 1.5-4x slower
+    (the LP relaxation degenerates on it: Swin's 8-GPU preset, 12 probes 55.7 s -> 32.7 s of
+    HiGHS). Set at every solve: a test harness may reset the filters between calls."""
+    warnings.filterwarnings("ignore", message=r"Unrecognized options detected: "
+                            r"\{'objective_bound'\}", category=RuntimeWarning)
 
 
 def _fits(tables: CostTables, choice, cap: float, floor: float) -> bool:
