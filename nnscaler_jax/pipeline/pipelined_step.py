@@ -144,7 +144,15 @@ class PipelineStep:
         return split_batch(tuple(batch), self.program.mesh, self.program.data_axes)
 
     def __call__(self, state: dict, *batch: Any) -> tuple[dict, dict]:
-        return self.jitted(state, self._batch(batch))
+        """One step: ``(new state, metrics)``; with ``return_grads``, ``metrics['grads']`` is
+        the module's params tree, as :meth:`params` gives the parameters (a step compiled
+        from :meth:`lower` returns them in the runtime's layout:
+        ``step.program.from_pipeline`` maps them back)."""
+        state, metrics = self.jitted(state, self._batch(batch))
+        if self.return_grads:
+            metrics = {**metrics, "grads": self.call.module_params(
+                self.program.from_pipeline(metrics["grads"]))}
+        return state, metrics
 
     def lower(self, state: dict, *batch: Any) -> Any:
         """``jax.jit(step).lower(state, batch)`` (``.compile().memory_analysis()``)."""

@@ -30,16 +30,18 @@ def _pm(module):
                                            schedule="1f1b"))(module)
 
 
-def _sgd_reference(loss_of_block, params, batch):
+def _sgd_reference(loss_of_block, params, batch, *, grads=False):
     """Params after one SGD step on the mean of ``loss_of_block(params, g, rows)`` over the
-    row blocks ``g`` of ``batch`` (an array or a tuple of them)."""
+    row blocks ``g`` of ``batch`` (an array or a tuple of them); ``grads``: and the
+    gradients."""
     blocks = jax.tree.map(lambda x: x.reshape((M * D, -1) + x.shape[1:]), batch)
 
     def loss(p):
         return jnp.mean(jax.vmap(loss_of_block, (None, 0, 0))(p, jnp.arange(M * D), blocks))
 
-    value, grads = jax.jit(jax.value_and_grad(loss))(params)
-    return value, jax.tree.map(lambda p, g: p - LR * g, params, grads)
+    value, g = jax.jit(jax.value_and_grad(loss))(params)
+    out = value, jax.tree.map(lambda p, d: p - LR * d, params, g)
+    return (*out, g) if grads else out
 
 
 def _close(a, b):
@@ -123,7 +125,8 @@ def test_nnx_default_stream_given_key_and_inputs():
     labels = jax.random.randint(jax.random.key(2), (2 * M * D,), 0, 4)
     model = _Net(nnx.Rngs(0))
     graphdef, params, rest = jax.tree.map(jnp.copy, nnx.split(model, nnx.Param, ...))
-    step = _pm(model).train_step(_ce, optax.sgd(LR), inputs=1)  # model(x), loss(out, x, labels)
+    step = _pm(model).train_step(_ce, optax.sgd(LR), inputs=1,  # model(x), loss(out, x, labels)
+                                 return_grads=True)
     rng = jax.random.key(5)
     state = step.init(None, x, labels, rng=rng)
     state, metrics = step(state, x, labels)
@@ -134,9 +137,12 @@ def test_nnx_default_stream_given_key_and_inputs():
         nnx.reseed(m, default=microbatch_rngs(key, g, ("dropout", "default"))["default"])
         return _ce(m(rows[0]), *rows)
 
-    ref_loss, ref_params = _sgd_reference(block, params, (x, labels))
+    ref_loss, ref_params, ref_grads = _sgd_reference(block, params, (x, labels), grads=True)
     np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=RTOL)
     _close(step.params(state), ref_params)
+    # the gradients as the parameters: the module's nnx.State, not the pipeline's layout
+    assert type(metrics["grads"]) is type(step.params(state))
+    _close(metrics["grads"], ref_grads)
 
 
 class _Cached(nnx.Module):
