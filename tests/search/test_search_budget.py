@@ -184,9 +184,10 @@ def test_a_budgeted_plan_carries_its_own_full_pricing(share):
 @pytest.mark.parametrize("blocks", [True, False], ids=["recomputed-blocks", "plain"])
 def test_a_bound_to_beat_stops_only_solves_that_cannot_beat_it(blocks):
     """``solve(beat=)`` under a budget, with recomputed blocks or without: it gives up
-    (Outpriced) only when the brute-force optimum is no faster than ``beat`` (the objective's
-    cutoff row makes the problem infeasible), and otherwise returns the optimum; some solves do
-    give up (without blocks, the solver gave up on none before the cutoff)."""
+    (Outpriced) only when the brute-force optimum is no faster than ``beat`` (HiGHS' cutoff
+    option prunes every plan; the plan it may still return from before the bound applied is
+    no faster), and otherwise returns the optimum; some solves do give up (without blocks, the
+    solver gave up on none before the cutoff)."""
     gave_up = 0
     for seed in range(4):
         tables = _tables(seed, blocks=blocks)
