@@ -38,6 +38,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nnscaler_jax.capture.metadata import unbox
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.layout import Layout
@@ -125,6 +126,10 @@ class _Linen:
         return sh["params"], {k: v for k, v in sh.items() if k != "params"}
 
     def split(self, variables: Any) -> tuple[Any, Any]:
+        # the state holds arrays: partitioning metadata (``nn.with_logical_partitioning``
+        # boxes, as ``module.init`` returns them) was read by the plan, the state's
+        # shardings keep it; the gradients and optimizer state are the plain arrays' trees
+        variables = unbox(variables)
         return variables["params"], {k: v for k, v in variables.items() if k != "params"}
 
     def call(self, params: Any, colls: Any, inputs: Sequence[Any], rngs: Any) -> tuple:
@@ -228,6 +233,28 @@ class SpmdStep:
                             "Constraints(microbatches=k) with k dividing it")
         return m
 
+    def _micro_shardings(self, variables: Any, micro: list, rngs: Any, batch: Sequence[Any]
+                         ) -> tuple[Any, Any]:
+        """The state's shardings of the plan run on micro-batches of ``micro``'s shapes; a
+        plan for the whole batch that does not run on them (its data split does not divide a
+        micro-batch) is the micro-batch count's error, said as such."""
+        try:
+            return self.model.shardings(variables, micro, rngs)
+        except PlanError as e:
+            m = self.microbatches
+            if m == 1:
+                raise
+            dp = {a: n for a, n in mesh_axes(self.model.core.mesh).items()
+                  if a in data_axes(mesh_axes(self.model.core.mesh))}
+            raise PlanError(
+                f"train_step: the plan of the whole batch ({batch[0].shape[0]} rows) does not "
+                f"run on its {m} micro-batches of {micro[0].shape[0]} rows: "
+                f"{str(e).splitlines()[0].split(' Either ')[0].removeprefix('saved plan: ')} "
+                "Use Constraints(microbatches="
+                "k) with a micro-batch "
+                f"(batch / k) that the data axes {dp} divide, or a batch size that makes "
+                "it so") from e
+
     def _rngs(self, key: Any, i: Any) -> dict | None:
         return None if key is None else microbatch_rngs(key, i, self.rng_streams)
 
@@ -255,7 +282,7 @@ class SpmdStep:
             self.model.use(plan)
         micro = [jax.ShapeDtypeStruct((x.shape[0] // m, *x.shape[1:]), x.dtype)
                  for x in batch]
-        p_sh, c_sh = self.model.shardings(variables, micro, rngs)
+        p_sh, c_sh = self._micro_shardings(variables, micro, rngs, batch)
         params, colls = self.model.split(variables)
         # the step runs on the Auto view of the mesh: the wrapper's program inside it picks
         # its own types, and optax mixes the state's leaves freely

@@ -256,3 +256,57 @@ def test_budget_chosen_microbatches_train_like_the_whole_batch(mesh):
         state, metrics = step(state, *args)
         losses.append(float(metrics["loss"]))
     np.testing.assert_allclose(losses, ref, rtol=1e-5)
+
+
+class _LogicalMlp(nn.Module):
+    """Kernels boxed with logical partitioning metadata (``module.init`` returns the boxes)."""
+
+    @nn.compact
+    def __call__(self, x):
+        k1 = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+        k2 = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("mlp", "embed"))
+        return nn.Dense(8, kernel_init=k2, name="fc2")(
+            nn.gelu(nn.Dense(32, kernel_init=k1, name="fc1")(x)))
+
+
+def test_boxed_variables_train_like_one_device(mesh):
+    """Variables as ``module.init`` returns them with ``nn.with_logical_partitioning``: the
+    step trains on their values (the plan reads the metadata) and matches the unsharded loop,
+    the kernels stored as the logical rules place them."""
+    module = _LogicalMlp()
+    x = jax.random.normal(jax.random.key(1), (16, 16))
+    y = jax.random.normal(jax.random.key(2), (16, 8))
+    variables = module.init(jax.random.key(0), x)
+    assert isinstance(variables["params"]["fc1"]["kernel"], nn.LogicallyPartitioned)
+    mse = lambda out, x, y: jnp.mean((out - y) ** 2)
+    pm = auto_parallel(mesh, Constraints(logical_rules=(("embed", None), ("mlp", "model"))))(
+        module)
+    step = pm.train_step(mse, optax.sgd(0.1), inputs=1, return_grads=True)
+    state = step.init(variables, x, y)
+    plain = nn.unbox(variables)["params"]
+    loss_of = lambda p: mse(module.apply({"params": p}, x), x, y)
+    for _ in range(2):
+        want, grads = jax.value_and_grad(loss_of)(plain)
+        state, metrics = step(state, x, y)
+        np.testing.assert_allclose(metrics["loss"], want, rtol=1e-5)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+                     metrics["grads"], grads)
+        plain = jax.tree.map(lambda p, g: p - 0.1 * g, plain, grads)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+                 step.params(state), plain)
+    assert state["params"]["fc1"]["kernel"].sharding.spec == jax.sharding.PartitionSpec(
+        None, "model")
+
+
+def test_microbatches_the_data_axis_does_not_divide_say_so(mesh):
+    """Batch 12 in 4 micro-batches of 3 rows under a plan splitting the batch over 'data' (2):
+    the error names the micro-batches and the fix, not a saved plan the user never gave."""
+    module = _LogicalMlp()
+    x, y = jnp.ones((12, 16)), jnp.zeros((12, 8))
+    pm = auto_parallel(mesh, Constraints(microbatches=4), policy="zero3")(module)
+    step = pm.train_step(lambda out, x, y: jnp.mean((out - y) ** 2), optax.sgd(0.1), inputs=1)
+    with pytest.raises(PlanError, match=r"(?s)the plan of the whole batch \(12 rows\) does not "
+                       r"run on its 4 micro-batches of 3 rows: .*'data'.*Use Constraints\("
+                       r"microbatches=k\) with a micro-batch") as info:
+        step.init(nn.unbox(module.init(jax.random.key(0), x)), x, y)
+    assert "saved plan" not in str(info.value)
