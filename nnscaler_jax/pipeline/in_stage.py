@@ -41,7 +41,7 @@ from nnscaler_jax.lower.eqns import EqnConstraints
 from nnscaler_jax.lower.replay import Lowering, auto_view
 from nnscaler_jax.mesh.axes import DATA_AXES, mesh_axes
 from nnscaler_jax.plan.plan import VALUE, Plan
-from nnscaler_jax.search.entry import plan_spmd
+from nnscaler_jax.search.entry import SEARCHES, plan_spmd
 
 __all__ = ["InStagePlan", "plan_in_stage", "tensor_axes"]
 
@@ -144,6 +144,13 @@ def plan_in_stage(closed: Any, param_paths: list[str], n_params: int, mesh: Mesh
     used = {a for p in plan.ops for a, _ in p.split}
     for a in axes:
         if a not in used:
+            if policy in SEARCHES:  # the search's choice: no split pays for its collectives
+                raise _stage_error(
+                    policy, tp, f"splits no op over mesh axis '{a}' (size {tp[a]}): at these "
+                    "sizes every split the search priced costs more in communication than it "
+                    "saves in compute, so each device of the axis would compute the same",
+                    f"Name the axis 'data' to run it data-parallel, use fewer devices on "
+                    f"'{a}', or policy='megatron' to split the heads and MLP over it anyway")
             raise _stage_error(
                 policy, tp, f"splits no op over mesh axis '{a}' (size {tp[a]}): no dim the "
                 "policy would split (attention heads, MLP hidden, ...) divides by it",

@@ -10,7 +10,9 @@ once (``step.lower(...).compile()``), run, and its HLO inspected.
 
 import functools
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -132,3 +134,33 @@ def test_tensor_parallel_stage_errors():
     step = pm.train_step(spec.loss_fn, optax.sgd(0.1))
     with pytest.raises(PlanError, match="in-stage plan .* failed: .*'stage' is not in the mesh"):
         step.init({"params": params}, tokens)
+
+
+class _Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(16, name="fc2")(nn.gelu(nn.Dense(32, name="fc1")(
+            nn.LayerNorm(name="ln")(x))))
+
+
+class _Stack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(16, name="embed")(x)
+        for i in range(4):
+            x = _Block(name=f"h_{i}")(x)
+        return nn.Dense(8, name="head")(x)
+
+
+def test_search_that_splits_nothing_in_stage_says_so():
+    """A model too small for tensor parallelism to pay: the search's in-stage plan splits
+    nothing over 'model' (which divides every size), and the error says that, not that the
+    sizes do not divide."""
+    mesh = make_mesh((2, 2, 2), ("stage", "data", "model"))
+    x, y = jnp.ones((16, 16)), jnp.zeros((16, 8))
+    pm = auto_parallel(mesh, Constraints(pipeline_stages=2, microbatches=2),
+                       policy="auto")(_Stack())
+    step = pm.train_step(lambda out, x, y: jnp.mean((out - y) ** 2), optax.sgd(0.1), inputs=1)
+    with pytest.raises(PlanError, match="(?s)policy 'auto'.*splits no op over mesh axis 'model' "
+                       r"\(size 2\): at these sizes every split .* Name the axis 'data'"):
+        step.init(_Stack().init(jax.random.key(0), x), x, y)
