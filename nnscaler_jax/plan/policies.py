@@ -119,15 +119,24 @@ def _tp_classes(graph: Draft, classes: DimClasses, batch: set) -> set:
             elif not is_dot:
                 reduced.add(c)
     cand = (free_w & contracted_w) - reduced - batch - set(classes.frozen)
+    # a weight with several candidates (no layer norm rules out the residual stream) takes the
+    # one in the fewest weights: a layer's MLP hidden or heads live in that layer's weights,
+    # the residual stream runs through every layer's (ties: in dim order); biases choose
+    # nothing (a row-parallel layer's bias is in the stream, replicated)
+    spread: dict = {}
+    for t in graph.graph.variables:
+        for c in {classes.cls(t.id, i) for i in range(t.ndim)} & cand:
+            spread[c] = spread.get(c, 0) + 1
     chosen: set = set()
     for t in sorted(graph.graph.variables, key=lambda t: -t.ndim):
+        if t.ndim < 2:
+            break
         mine = [classes.cls(t.id, i) for i in range(t.ndim)]
         if any(c in chosen for c in mine):
             continue
-        for c in mine:
-            if c in cand:
-                chosen.add(c)
-                break
+        ours = [c for c in mine if c in cand]
+        if ours:
+            chosen.add(min(ours, key=lambda c: spread[c]))
     return chosen
 
 

@@ -89,6 +89,29 @@ def test_megatron_splits_the_mlp_hidden_column_then_row(graph):
     assert all(e is None for e in stored["params/ln/scale"])  # layer norm: residual features
 
 
+class _NoNormStack(nn.Module):
+    """Two residual MLP layers without layer norms: nothing reduces the residual stream."""
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(2):
+            x = x + nn.Dense(16, name=f"fc2_{i}")(nn.gelu(nn.Dense(32, name=f"fc1_{i}")(x)))
+        return x
+
+
+def test_megatron_without_layer_norms_still_splits_the_hidden():
+    """The residual stream is a candidate too when no layer norm rules it out; it runs
+    through every layer's weights, each layer's hidden through its own: column then row
+    parallel, as with the norms (it was row-parallel twice, over the stream)."""
+    graph = trace(_NoNormStack(), jax.ShapeDtypeStruct((8, 16), jnp.float32))
+    stored = dict(_run(megatron, graph, {"data": 2, "model": 4}).variables)
+    for i in range(2):
+        assert stored[f"params/fc1_{i}/kernel"] == (None, "model")
+        assert stored[f"params/fc2_{i}/kernel"] == ("model", None)
+        assert stored[f"params/fc1_{i}/bias"] == ("model",)
+        assert all(e is None for e in stored[f"params/fc2_{i}/bias"])
+
+
 def test_megatron_without_data_axes_splits_only_the_model_axis(graph):
     plan = _run(megatron, graph, {"model": 4})
     assert _batch_axes(graph, plan) == ()
