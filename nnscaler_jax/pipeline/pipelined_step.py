@@ -150,9 +150,12 @@ class PipelineStep:
         ``step.program.from_pipeline`` maps them back)."""
         state, metrics = self.jitted(state, self._batch(batch))
         if self.return_grads:
-            metrics = {**metrics, "grads": self.call.module_params(
-                self.program.from_pipeline(metrics["grads"]))}
+            metrics = {**metrics, "grads": self._module_tree(metrics["grads"])}
         return state, metrics
+
+    def _module_tree(self, pp: Any) -> Any:
+        """A tree in the runtime's parameter layout as the module's params tree."""
+        return self.call.module_params(self.program.from_pipeline(pp))
 
     def lower(self, state: dict, *batch: Any) -> Any:
         """``jax.jit(step).lower(state, batch)`` (``.compile().memory_analysis()``)."""
@@ -175,7 +178,7 @@ class PipelineStep:
 
     def params(self, state: dict) -> Any:
         """The module's params tree of ``state`` (nnx: an ``nnx.State`` of its ``nnx.Param``)."""
-        return self.call.module_params(self.program.from_pipeline(state["params"]))
+        return self._module_tree(state["params"])
 
     def variables(self, state: dict) -> Any:
         """The module's variables of ``state``: linen ``{'params': ..., **collections}`` (as

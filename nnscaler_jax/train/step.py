@@ -244,16 +244,14 @@ class SpmdStep:
             m = self.microbatches
             if m == 1:
                 raise
-            dp = {a: n for a, n in mesh_axes(self.model.core.mesh).items()
-                  if a in data_axes(mesh_axes(self.model.core.mesh))}
+            axes = mesh_axes(self.model.core.mesh)
+            dp = {a: axes[a] for a in data_axes(axes)}
+            why = str(e).splitlines()[0].split(" Either ")[0].removeprefix("saved plan: ")
             raise PlanError(
                 f"train_step: the plan of the whole batch ({batch[0].shape[0]} rows) does not "
-                f"run on its {m} micro-batches of {micro[0].shape[0]} rows: "
-                f"{str(e).splitlines()[0].split(' Either ')[0].removeprefix('saved plan: ')} "
-                "Use Constraints(microbatches="
-                "k) with a micro-batch "
-                f"(batch / k) that the data axes {dp} divide, or a batch size that makes "
-                "it so") from e
+                f"run on its {m} micro-batches of {micro[0].shape[0]} rows: {why} Use "
+                f"Constraints(microbatches=k) with a micro-batch (batch / k) that the data "
+                f"axes {dp} divide, or a batch size that makes it so") from e
 
     def _rngs(self, key: Any, i: Any) -> dict | None:
         return None if key is None else microbatch_rngs(key, i, self.rng_streams)
