@@ -12,6 +12,7 @@ from typing import Any, Literal
 from nnscaler_jax.capture.precision import precision_name
 from nnscaler_jax.errors import ConstraintError
 from nnscaler_jax.ir.graph import Graph
+from nnscaler_jax.ir.remat import selective
 from nnscaler_jax.mesh.axes import stage_axis
 
 __all__ = ["Constraints", "Rule", "parse_bytes"]
@@ -28,9 +29,12 @@ class Rule:
         axes: ... and only over these mesh axes.
         replicate: the op is not split at all.
         recompute: True: the module paths this rule selects are recomputed in the backward pass
-            (their activations are not kept; one remat group per top module); False: the
-            search may not recompute them; None (default): the search decides (it recomputes
-            layers only when no plan fits the memory budget otherwise).
+            (their activations are not kept; one remat group per top module); ``"selective"``:
+            recomputed keeping their matmul outputs but the attention scores (Megatron-LM's
+            selective recompute, :func:`nnscaler_jax.ir.remat.no_growing_dots_saveable`;
+            SPMD plans only); False: the search may not recompute them; None (default): the
+            search decides (it recomputes layers, selectively or fully, only when no plan fits
+            the memory budget otherwise).
     """
 
     module: str | None = None
@@ -38,9 +42,14 @@ class Rule:
     dims: tuple[str, ...] | None = None
     axes: tuple[str, ...] | None = None
     replicate: bool = False
-    recompute: bool | None = None
+    recompute: bool | str | None = None
 
     def __post_init__(self) -> None:
+        if self.recompute not in (None, True, False, "selective"):
+            raise ConstraintError(
+                f"Rule(recompute={self.recompute!r}): recompute is True (the whole module), "
+                "'selective' (keeping its matmul outputs), False (never) or None (the search "
+                "decides)")
         for name in ("dims", "axes"):
             value = getattr(self, name)
             if value is None:
@@ -253,7 +262,8 @@ class Constraints:
 
     def recompute_groups(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """``(forced, forbidden)`` module path globs of the recompute rules."""
-        forced = tuple(r.module or "*" for r in self.rules if r.recompute is True)
+        forced = tuple(r.module or "*" if r.recompute is True else selective(r.module or "*")
+                       for r in self.rules if r.recompute in (True, "selective"))
         forbidden = tuple(r.module or "*" for r in self.rules if r.recompute is False)
         return forced, forbidden
 

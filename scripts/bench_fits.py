@@ -44,6 +44,7 @@ from nnscaler_jax.cost import cluster_preset
 from nnscaler_jax.cost.devices import memory_reserve
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.errors import NoFitError, PlanError
+from nnscaler_jax.ir.remat import SELECTIVE
 from nnscaler_jax.planner import plan_and_report
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -151,7 +152,8 @@ def _shapes(cases: dict) -> list[str]:
 def _markdown(results: dict) -> str:
     lines = ["# Plans that fit: nnScaler's workloads on V100-32GB and A100-80GB clusters", "",
              "Predicted step (s) / memory per device (GiB) / search (s); rc: recomputed layers, "
-             "cs: co-sharded blocks; `no (X GiB)`: nothing fits, X the smallest estimate; `none "
+             "sel: layers recomputed selectively (matmul outputs kept), cs: co-sharded blocks; "
+             "`no (X GiB)`: nothing fits, X the smallest estimate; `none "
              "found in S s`: the solver found no plan within the budget in its time limit. "
              "Ratio: baseline step / ours (> 1: ours faster). Rows are from the run that last "
              "planned them (see docs/benchmarks.md).", ""]
@@ -164,10 +166,14 @@ def _markdown(results: dict) -> str:
             for p in results["planners"]:
                 e = row["planners"].get(p) or {}
                 if e.get("fits"):
-                    rc = len(e["features"]["recompute"])
+                    groups = e["features"]["recompute"]
+                    sel = sum(g.endswith(SELECTIVE) for g in groups)
+                    rc = len(groups) - sel
                     cs = len(e["features"].get("cosharded", ()))
                     st = e["features"]["stages"]
-                    extra = ", ".join(([f"rc {rc}"] if rc else []) + ([f"cs {cs}"] if cs else [])
+                    extra = ", ".join(([f"rc {rc}"] if rc else [])
+                                      + ([f"sel {sel}"] if sel else [])
+                                      + ([f"cs {cs}"] if cs else [])
                                       + ([f"{st} stages x " + " x ".join(
                                           f"{a} {k}" for a, k in e["mesh"].items()
                                           if a != "stage")] if st > 1 else []))
@@ -188,15 +194,17 @@ def _markdown(results: dict) -> str:
     if long:
         seed = long["nnscaler"]
         lines += [f"## {LONG[0]} on {long['cluster']} ({long['precision']}, mesh {long['mesh']})",
-                  "", "| planner | fits | step (s) | memory (GiB) | search (s) | MFU | "
-                  "co-sharded blocks | recompute |", "|---|---|---|---|---|---|---|---|"]
+                  "", ("| planner | fits | step (s) | memory (GiB) | search (s) | MFU | "
+                       "co-sharded blocks | recompute (selective) |"),
+                  "|---|---|---|---|---|---|---|---|"]
         for p, e in long["planners"].items():
             f = e.get("features", {})
             lines.append(
                 f"| {p} | {e.get('fits')} | {e.get('step_time_s', 0):.1f} | "
                 f"{(e.get('memory_bytes_per_device') or 0) / 2**30:.1f} | {e['search_s']:.0f} | "
                 f"{e.get('mfu', 0):.1%} | {len(f.get('cosharded', []))} | "
-                f"{len(f.get('recompute', []))} |")
+                f"{len(f.get('recompute', []))} "
+                f"({sum(g.endswith(SELECTIVE) for g in f.get('recompute', []))}) |")
         lines += [f"| nnScaler (reported) | True | {seed['step_time_s']} | - | - | "
                   f"{seed['mfu']:.1%} (ours' count; reported {seed['mfu_reported']:.0%}) "
                   "| - | - |", ""]

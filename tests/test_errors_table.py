@@ -266,6 +266,11 @@ def _():
     _rules(Rule(primitive="dot_general", recompute=True))
 
 
+@trigger("recompute-rule-value")
+def _():
+    _rules(Rule(module="fc1", recompute="some"))
+
+
 # ---- memory budget -----------------------------------------------------------------------------
 
 @trigger("budget-nothing-fits")

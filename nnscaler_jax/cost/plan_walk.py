@@ -33,11 +33,13 @@ from nnscaler_jax.cost.residuals import (
     MASKED,
     REGATHERED_COPIES,
     residual_outputs,
+    residual_readers,
     residual_reads,
     saved_operands,
 )
 from nnscaler_jax.ir.coshard import COSHARD, chunks_of, with_boundaries
 from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
+from nnscaler_jax.ir.remat import policy_saved
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.mesh.axes import data_axes
 from nnscaler_jax.plan.layouts import plan_layouts, sole_read_variables, unstack
@@ -241,6 +243,8 @@ class _Walk:
         self.first_want: dict[int, Layout] = {}
         self.scans: list[tuple[Op, tuple[Layout, ...], int]] = []
         self.chunks = chunks_of(graph)  # op id -> chunks of its co-sharded block
+        self.policy = policy_saved(graph, residual_readers(
+            graph, grads if model.input_grads else None))  # ops their remat boundary's policy keeps
 
     def run(self) -> None:
         for op, mult in walk_weighted(self.graph):
@@ -300,7 +304,12 @@ class _Walk:
         out.transient = max(out.transient, local / k)
         if k > 1:
             out.compute += model.chunk_overhead(op, p.split, k, self.traffic) * mult
-        if remat:  # recomputed in the backward: one more forward; while the block's backward
+        if remat and op.id in self.policy:  # the boundary's policy keeps it: it runs once and
+            # keeps what its backward and the block's recomputed ops read
+            self.remat_inputs.setdefault(remat[0], mult)
+            for k in sorted(self.policy[op.id]):
+                self.kept[op.outputs[k].id] = model._local_bytes(op.outputs[k], outs[k]) * mult
+        elif remat:  # recomputed in the backward: one more forward; while the block's backward
             # runs, its residuals are live again (the block's transient)
             out.compute += model.forward_time(op, p.split, self.traffic) * mult
             self.remat_inputs.setdefault(remat[0], mult)

@@ -39,7 +39,8 @@ from collections.abc import Mapping
 from nnscaler_jax.cost.compute import MATMUL, grad_tensors, is_float
 from nnscaler_jax.ir.graph import DataflowMemo, Graph, Op
 
-__all__ = ["CHEAP", "REGATHERED_COPIES", "residual_outputs", "residual_reads", "saved_operands"]
+__all__ = ["CHEAP", "REGATHERED_COPIES", "residual_outputs", "residual_readers", "residual_reads",
+           "saved_operands"]
 
 
 def _names(text: str) -> frozenset[str]:
@@ -137,6 +138,41 @@ def residual_reads(graph: Graph, grads: set[int] | None = None) -> frozenset[tup
     that input as the op read it: where a relayout grows it on the way in (an all-gather), the
     grown copy is what stays (``plan_walk``)."""
     return _traced(graph, grads)[1]
+
+
+def residual_readers(graph: Graph, grads: set[int] | None = None
+                     ) -> Mapping[tuple[int, int], frozenset[int]]:
+    """``(op id, output index)`` of each residual root (:func:`residual_outputs`) -> the ids of
+    the ops whose transposes read it: whether a remat boundary's own backward needs a value, or
+    only ops after it do (they read the boundary's output, kept as such: a saved matmul output
+    that only the next layer's LayerNorm reaches through the residual add is not kept).
+    Memoised per dataflow like :func:`residual_outputs`."""
+    if grads is None:
+        return _READERS.get(graph, None, lambda: residual_readers(graph, grad_tensors(graph)))
+    producer = {t.id: (op, k) for op in graph.walk() for k, t in enumerate(op.outputs)}
+    dead = _no_cotangent(graph)
+    out: dict[tuple[int, int], set[int]] = {}
+    for reader in graph.walk():
+        if reader.id in dead:
+            continue
+        ins, outs = saved_operands(reader, tuple(t.id in grads for t in reader.inputs))
+        through = BITCAST if reader.primitive in MASKED else CHEAP
+        stack = [reader.inputs[j].id for j in ins] + [reader.outputs[k].id for k in outs]
+        seen: set[int] = set()
+        while stack:  # (as _traced walks it, per reader)
+            t = stack.pop()
+            if t in seen or t not in producer:
+                continue
+            seen.add(t)
+            op, k = producer[t]
+            if op.primitive in through and not op.regions:
+                stack += [x.id for x in op.inputs if x.ndim or not is_float(x)]
+                continue
+            out.setdefault((op.id, k), set()).add(reader.id)
+    return {key: frozenset(v) for key, v in out.items()}
+
+
+_READERS = DataflowMemo()
 
 
 def _traced(graph: Graph, grads: set[int] | None) -> tuple[Mapping[int, tuple[int, ...]],

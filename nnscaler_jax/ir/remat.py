@@ -9,6 +9,13 @@ the plan's: the search tables and the cost model keep only a boundary's inputs a
 forward again (``search/tables.py``, ``cost/plan_walk.py``), the lowering replays it under
 ``jax.checkpoint`` (``lower/replay.py``).
 
+A group ending in :data:`SELECTIVE` (``'h_3:dots'``) is recomputed *selectively*: its boundary
+runs under the policy :func:`no_growing_dots_saveable` (Megatron-LM's selective activation
+recompute), so the outputs of its matmuls are kept (projections, MLP, attention's weighted
+sum) except those larger than their operands (the attention scores), and only the rest
+(elementwise ops, norms, softmax, the scores' matmul) runs again. Any boundary's policy, the user's ``nn.remat(policy=...)`` too, is
+priced by what it saves (:func:`policy_saved`).
+
 >>> import jax, jax.numpy as jnp, flax.linen as nn
 >>> from nnscaler_jax import trace
 >>> class Two(nn.Module):
@@ -24,23 +31,92 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from types import SimpleNamespace
+from typing import Any
 
-from nnscaler_jax.ir.graph import Boundary, Graph, Role
+import jax
 
-__all__ = ["RECOMPUTE_EQN", "in_group", "recompute_runs", "with_recompute"]
+from nnscaler_jax.ir.graph import REMAT_KINDS, Boundary, Graph, Op, Role
+
+__all__ = ["RECOMPUTE_EQN", "SELECTIVE", "SELECTIVE_EQN", "group_glob", "in_group",
+           "is_selective", "policy_saved", "recompute_runs", "selective", "with_recompute"]
 
 #: The equation standing in for a plan's remat boundary (what ``jax.checkpoint`` is bound with).
 RECOMPUTE_EQN = SimpleNamespace(params={"prevent_cse": True, "policy": None},
                                 primitive=SimpleNamespace(name="checkpoint"))
 
+#: The suffix of a selectively recomputed group: its matmuls without batch dims keep their
+#: outputs, everything else in it runs again in the backward.
+SELECTIVE = ":dots"
+
+
+
+def no_growing_dots_saveable(prim: Any, *avals: Any, **params: Any) -> bool:
+    """The ``jax.checkpoint`` policy of a selectively recomputed group: a matmul's output is
+    saved unless it is batched and larger than both its operands. So projections and MLPs
+    (``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``) and attention's weighted sum
+    ``P V`` keep their outputs, while the attention scores ``Q K^T`` (and everything that is
+    not a matmul: softmax, norms, activations) run again in the backward; Megatron-LM's
+    selective activation recompute, keeping ``P V`` (its backward needs only ``P``, rebuilt
+    anyway, and ``V``).
+
+    >>> import jax.numpy as jnp
+    >>> from jax import lax
+    >>> q = jax.ShapeDtypeStruct((2, 64, 8), jnp.float32)   # heads, tokens, head dim
+    >>> p = jax.ShapeDtypeStruct((2, 64, 64), jnp.float32)
+    >>> scores = (((2,), (2,)), ((0,), (0,)))                # q k^T: 2 x 64 x 64
+    >>> weighted = (((2,), (1,)), ((0,), (0,)))              # p v: 2 x 64 x 8
+    >>> no_growing_dots_saveable(lax.dot_general_p, q, q, dimension_numbers=scores)
+    False
+    >>> no_growing_dots_saveable(lax.dot_general_p, p, q, dimension_numbers=weighted)
+    True
+    """
+    if prim is not jax.lax.dot_general_p:
+        return False
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    if not lb and not rb:
+        return True
+    lhs, rhs = avals[0].shape, avals[1].shape
+    free_l = [d for i, d in enumerate(lhs) if i not in lc and i not in lb]
+    free_r = [d for i, d in enumerate(rhs) if i not in rc and i not in rb]
+    out = math.prod(lhs[i] for i in lb) * math.prod(free_l) * math.prod(free_r)
+    return out <= max(math.prod(lhs), math.prod(rhs))
+
+
+#: The equation of a selectively recomputed group's boundary.
+SELECTIVE_EQN = SimpleNamespace(
+    params={"prevent_cse": True, "policy": no_growing_dots_saveable},
+    primitive=SimpleNamespace(name="checkpoint"))
+
+
+def selective(group: str) -> str:
+    """The selectively recomputed form of module path glob ``group``.
+
+    >>> selective("h_3"), is_selective("h_3:dots"), group_glob("h_3:dots")
+    ('h_3:dots', True, 'h_3')
+    """
+    return group if is_selective(group) else group + SELECTIVE
+
+
+def is_selective(group: str) -> bool:
+    """Whether recompute group ``group`` keeps its matmul outputs (:data:`SELECTIVE`)."""
+    return group.endswith(SELECTIVE)
+
+
+def group_glob(group: str) -> str:
+    """The module path glob of recompute group ``group`` (without :data:`SELECTIVE`)."""
+    return group[:-len(SELECTIVE)] if is_selective(group) else group
+
 
 @functools.lru_cache(maxsize=1 << 16)
 def in_group(path: str, group: str) -> bool:
     """Whether module path ``path`` is ``group`` (a glob) or lies under it (memoised: a
-    model has few module paths, and the recompute search asks about each many times)."""
+    model has few module paths, and the recompute search asks about each many times).
+    A selective group (:data:`SELECTIVE`) covers what its glob covers."""
+    group = group_glob(group)
     return bool(path) and (fnmatch.fnmatchcase(path, group)
                            or fnmatch.fnmatchcase(path, group.rstrip("/") + "/*"))
 
@@ -113,9 +189,91 @@ def with_recompute(graph: Graph, groups: Sequence[str]) -> Graph:
         last = run[-1]
         outs = [t for i in run for t in ops[i].outputs
                 if reads_after.get(t.id, -1) > last or t.id in outputs]
+        group = groups[_key(ops[run[0]].module_path, groups)[0]]
         new.append(Boundary(next_id, "checkpoint", tuple(ins.values()), tuple(outs),
-                            RECOMPUTE_EQN))
+                            SELECTIVE_EQN if is_selective(group) else RECOMPUTE_EQN))
         for i in run:
             ops[i] = replace(ops[i], boundary=(next_id,) + ops[i].boundary)
         next_id += 1
     return graph.derive(tuple(ops), graph.boundaries + tuple(new))
+
+
+def _saves(policy: Any, op: Op) -> bool:
+    """Whether a ``jax.checkpoint`` policy saves ``op``'s outputs (asked as JAX asks it: the
+    primitive, the operands' avals and the equation's params); a policy that cannot be asked
+    about a captured op (no equation) saves nothing, as offloading keeps nothing on device."""
+    eqn = op.eqn
+    if eqn is None or not hasattr(eqn, "invars") or not hasattr(eqn, "primitive"):
+        return False
+    try:
+        got = policy(eqn.primitive, *[v.aval for v in eqn.invars], **eqn.params)
+    except Exception:  # noqa: BLE001 - a policy that does not know this op: saves nothing
+        return False
+    return got is True or type(got).__name__ == "SaveableType"
+
+
+def policy_saved(graph: Graph, readers: Mapping[tuple[int, int], Iterable[int]] | None = None
+                 ) -> Mapping[int, frozenset[int]]:
+    """Ops inside a remat boundary whose policy saves them (``jax.checkpoint(policy=...)``,
+    the user's or a :data:`SELECTIVE` group's): op id -> the indices of its outputs the
+    boundary keeps for its backward. Such an op runs once, as if not recomputed. The outermost
+    remat boundary's policy decides; an op in a co-sharded block never is saved (its chunk loop
+    recomputes everything).
+
+    ``readers`` (``(op id, output index)`` of a residual -> the ops whose transposes read it,
+    :func:`nnscaler_jax.cost.residuals.residual_readers`): a saved op keeps an output that an
+    op of its own boundary reads for its backward, or that a recomputed op the backward needs
+    rebuilds from. Only those recomputed ops run again (JAX's partial evaluation drops the
+    rest, e.g. a layer's last bias and residual adds, whose output the next layer reads as the
+    boundary's output). None: every recomputed op is needed, no residual is known."""
+    bounds: dict[int, Boundary] = {}
+
+    def collect(g: Graph) -> None:
+        for b in g.boundaries:
+            bounds[b.id] = b
+        for op in g.ops:
+            for r in op.regions:
+                collect(r)
+
+    collect(graph)
+    if not any((getattr(b.eqn, "params", None) or {}).get("policy") is not None
+               for b in bounds.values() if b.kind in REMAT_KINDS):
+        return {}
+    block: dict[int, int] = {}  # op id -> its outermost remat boundary
+    saved: set[int] = set()
+    ops: dict[int, Op] = {}
+    for op in graph.walk():
+        remat = [bounds[b] for b in op.boundary if b in bounds and bounds[b].kind in REMAT_KINDS]
+        if not remat:
+            continue
+        ops[op.id], block[op.id] = op, remat[0].id
+        policy = (getattr(remat[0].eqn, "params", None) or {}).get("policy")
+        if policy is not None and not op.regions and \
+                all(b.kind in ("checkpoint", "remat", "remat2") for b in remat) and \
+                _saves(policy, op):
+            saved.add(op.id)
+    if not saved:
+        return {}
+    out: dict[int, set[int]] = {o: set() for o in saved}
+    own: set[int] = set()  # recomputed ops with a residual their boundary's backward reads
+    for (o, k), who in (readers or {}).items():
+        if o in block and any(block.get(r) == block[o] for r in who):
+            if o in saved:
+                out[o].add(k)
+            else:
+                own.add(o)
+    producer = {t.id: (op.id, k) for op in ops.values() for k, t in enumerate(op.outputs)}
+    stack = sorted(own) if readers is not None else [o for o in ops if o not in saved]
+    needed = set(stack)
+    while stack:  # the recomputed ops the needed ones rebuild from; the saved ones they read
+        o = stack.pop()
+        for t in ops[o].inputs:
+            src = producer.get(t.id)
+            if src is None or block[src[0]] != block[o]:
+                continue
+            if src[0] in saved:
+                out[src[0]].add(src[1])
+            elif src[0] not in needed:
+                needed.add(src[0])
+                stack.append(src[0])
+    return {o: frozenset(ks) for o, ks in out.items()}

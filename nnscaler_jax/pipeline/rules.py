@@ -41,6 +41,11 @@ def layer_flags(layers: Sequence[str], paths: Iterable[str],
         if rule.recompute is None:
             continue
         glob = rule.module or "*"
+        if rule.recompute == "selective":
+            raise PlanError(
+                f"pipeline: {rule}: a pipelined step recomputes whole layers inside their "
+                "chunks; selective recompute (matmul outputs kept) is planned for SPMD plans "
+                "only. Use recompute=True, or plan without pipeline stages")
         hit = [name for name in layers if in_group(name, glob)]
         stray = next((p for p in paths if in_group(p, glob)
                       and not any(in_group(p, name) for name in hit)), None)

@@ -11,6 +11,7 @@ from typing import Any
 from nnscaler_jax.capture.precision import precision_name
 from nnscaler_jax.errors import PlanFormatError
 from nnscaler_jax.ir.graph import Graph
+from nnscaler_jax.ir.remat import SELECTIVE
 from nnscaler_jax.plan import view as _view
 
 __all__ = ["VALUE", "OpPlan", "PipelineSettings", "Plan", "PlanCost", "Unsplit",
@@ -300,6 +301,9 @@ class Plan:
             shown = ", ".join(self.recompute[:8]) + (
                 f" and {len(self.recompute) - 8} more" if len(self.recompute) > 8 else "")
             lines.append(f"recompute (activations recomputed in the backward): {shown}")
+            if any(g.endswith(SELECTIVE) for g in self.recompute):
+                lines.append(f"  ('{SELECTIVE}': selective, the group's matmul outputs are kept but "
+                             "the attention scores)")
         if self.unsplit:
             lines.append(f"left replicated (size does not divide): {len(self.unsplit)} op dims")
             lines += [f"  {x}" for x in unsplit_summary(self.unsplit)]

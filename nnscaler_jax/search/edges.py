@@ -249,12 +249,13 @@ class EdgePricing:
         residual is traced through: 1), so a relayout growing it is part of the block's
         transient (``plan_walk``); ``(-1, 0)``: none. Only the block's first such reader of
         ``t`` is charged, a matmul before others (``plan_walk`` keeps one copy per layout)."""
-        b = self.remat.get(dst[1], -1)
+        b = self.in_block.get(dst[1], -1)
         if b < 0 or dst[0] not in ("in", "fin") or not t.ndim or not is_float(t) or (
                 t.role is Role.VARIABLE and self.zero >= 3):
             return -1, 0
         if (t.id, b) not in self.block_keeper:
-            inside = [(o, k) for o, k in self.readers.get(t.id, ()) if self.remat.get(o.id) == b]
+            inside = [(o, k) for o, k in self.readers.get(t.id, ())
+                      if self.in_block.get(o.id) == b]
             keeper = next(((o.id, k, REGATHERED_COPIES) for o, k in inside
                            if self._matmul_saves(o, k)), None) or next(
                 ((o.id, k, 1) for o, k in inside if (o.id, k) in self.reads), None)

@@ -8,8 +8,11 @@ budget needs it:
 1. the groups the constraints force (``Rule(module=..., recompute=True)``), nothing else;
 2. if no plan fits, every candidate layer recomputed (Alpa's one global remat switch: the
    ``"alpa"`` planner stops here);
-3. ours (``"auto"``): a search for the fewest layers that fit (identical layers: which ones
-   does not matter, how many does), each step a full layout search. Memory falls about
+3. ours (``"auto"``): a search for the lowest *level* that fits (identical layers: which ones
+   does not matter, how many does), each step a full layout search. Level ``k`` of ``n``
+   candidates (:func:`level_groups`) recomputes the first ``k`` selectively (their matmul
+   outputs kept, :data:`~nnscaler_jax.ir.remat.SELECTIVE`) up to ``n``, then every one
+   selectively and the first ``k - n`` fully: memory falls and time grows with the level. Memory falls about
    linearly with the count, so the next count interpolates the memory known on both sides of
    the boundary to the budget (the smallest estimate of the count that did not fit, the plan of
    the one that did), bisecting when that says nothing (a plan filling the budget) or does not
@@ -38,10 +41,10 @@ from typing import Any
 from nnscaler_jax.errors import NoFitError
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.ir.layers import block_paths
-from nnscaler_jax.ir.remat import in_group
+from nnscaler_jax.ir.remat import in_group, selective
 from nnscaler_jax.plan.plan import Plan
 
-__all__ = ["Best", "Outpriced", "choose_recompute", "recompute_candidates"]
+__all__ = ["Best", "Outpriced", "choose_recompute", "level_groups", "recompute_candidates"]
 
 
 class Outpriced(Exception):
@@ -130,10 +133,12 @@ def choose_recompute(run: Callable[[tuple[str, ...]], Any], graph: Graph,
         return results[len(cands)]
     memory = memory or _plan_memory
     best.offer(price(results[n]))
-    search = _CountSearch(n, first.budget_bytes, first.smallest_bytes, memory(results[n]))
+    top = 2 * n  # levels: k <= n, the first k selective; k > n, all selective, k - n of them full
+    results[top] = results.pop(n)
+    search = _CountSearch(top, first.budget_bytes, first.smallest_bytes, memory(results[top]))
     while (k := search.next()) is not None:
         try:
-            results[k] = run(forced + cands[:k], beat=best.step_s)
+            results[k] = run(forced + level_groups(cands, k), beat=best.step_s)
             best.offer(price(results[k]))
         except Outpriced:
             search.failed(k, None)  # fewer layers would not beat it either (the docs)
@@ -142,6 +147,22 @@ def choose_recompute(run: Callable[[tuple[str, ...]], Any], graph: Graph,
         else:
             search.fitted(k, memory(results[k]))
     return min(results.values(), key=price)
+
+
+def level_groups(cands: Sequence[str], k: int) -> tuple[str, ...]:
+    """The recompute groups of level ``k`` of the count search over ``cands`` (``0 <= k <=
+    2 len(cands)``): the first ``k`` candidates recomputed selectively (their matmul outputs
+    kept, :data:`~nnscaler_jax.ir.remat.SELECTIVE`) up to ``len(cands)``, then every candidate
+    selective and the first ``k - len(cands)`` fully. Memory falls and time grows with ``k``:
+    a selective layer keeps more than a full one and reruns less.
+
+    >>> level_groups(("a", "b"), 1), level_groups(("a", "b"), 3)
+    (('a:dots',), ('a', 'b:dots'))
+    """
+    n = len(cands)
+    if k <= n:
+        return tuple(selective(c) for c in cands[:k])
+    return tuple(cands[:k - n]) + tuple(selective(c) for c in cands[k - n:])
 
 
 def _plan_memory(result: Any) -> float | None:

@@ -47,9 +47,10 @@ from nnscaler_jax.cost.fusion import fused_bytes
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.cost.plan_walk import backward_held, boundary_kinds
 from nnscaler_jax.cost.relayout import drop_partial, partial_grad_axes
-from nnscaler_jax.cost.residuals import residual_outputs, residual_reads
+from nnscaler_jax.cost.residuals import residual_outputs, residual_readers, residual_reads
 from nnscaler_jax.ir.coshard import chunks_of
 from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
+from nnscaler_jax.ir.remat import policy_saved
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.plan.layouts import lift, op_layouts, scan_stored_inputs, sole_read_variables
 from nnscaler_jax.plan.plan import OpPlan
@@ -92,9 +93,18 @@ class _Builder(EdgePricing):
         self.transient = [np.zeros(k) for k in n]
         kinds = boundary_kinds(self.graph)
         self.remat = _remat_ops(kinds, self.graph)
+        self.in_block = dict(self.remat)  # (with the ops a policy keeps: they gather again)
         self.block_inputs = _block_inputs(kinds, self.remat)
         self.chunks = chunks_of(self.graph)  # op id -> chunks of its co-sharded block
         self.saved = residual_outputs(self.graph)
+        # ops a boundary's policy keeps run once, priced as not recomputed, with the outputs
+        # the block's backward reads (ir.remat.policy_saved)
+        kept = policy_saved(self.graph, residual_readers(self.graph))
+        if kept:
+            self.saved = dict(self.saved)
+            for op_id, outs in kept.items():
+                self.remat.pop(op_id, None)
+                self.saved[op_id] = tuple(sorted(outs))
         self.reads = residual_reads(self.graph)  # (cheap ops' inputs residuals reach through)
         self.traffic = fused_bytes(self.graph)  # what each op's fusion reads and writes
         self.member_memo: dict[tuple, object] = {}  # ours only: per class of identical work

@@ -1,5 +1,7 @@
 """How ours picks the number of recomputed layers (search/recompute.py) against a stand-in for
-the layout search: memory falling with the count, a result per count that fits. It finds the
+the layout search: memory falling with the count, a result per count that fits. The count is
+a level (``level_groups``): a selectively recomputed layer counts 1, a fully recomputed one 2,
+so every layer fully recomputed is level ``TOP = 2 * LAYERS``. It finds the
 fewest layers that fit in fewer searches than a bisection when memory is linear in the count,
 bisects when the plans fill the budget, and finds the boundary of any monotone memory curve."""
 
@@ -15,9 +17,17 @@ import pytest
 
 from nnscaler_jax.capture.trace import trace
 from nnscaler_jax.errors import NoFitError
-from nnscaler_jax.search.recompute import Best, Outpriced, _plan_memory, choose_recompute
+from nnscaler_jax.ir.remat import is_selective
+from nnscaler_jax.search.recompute import (
+    Best,
+    Outpriced,
+    _plan_memory,
+    choose_recompute,
+    level_groups,
+)
 
 LAYERS = 40
+TOP = 2 * LAYERS
 BUDGET = 100.0
 
 
@@ -54,7 +64,7 @@ def _search(need, plan_bytes=None, step=lambda k: 1.0 + 0.01 * k, beats=None):
     tried: list[int] = []
 
     def run(groups, beat=None):
-        k = len(groups)
+        k = sum(1 if is_selective(g) else 2 for g in groups)  # the level
         tried.append(k)
         if beats is not None:
             beats.append(beat)
@@ -74,8 +84,8 @@ def _choose(graph, run):
 
 
 def _bisection_runs(boundary: int) -> int:
-    """Searches of the plain bisection: none, all, then halving (0, LAYERS)."""
-    lo, hi, runs = 0, LAYERS, 2
+    """Searches of the plain bisection: none, all, then halving (0, TOP)."""
+    lo, hi, runs = 0, TOP, 2
     while hi - lo > 1:
         mid, runs = (lo + hi) // 2, runs + 1
         lo, hi = (lo, mid) if mid >= boundary else (mid, hi)
@@ -89,7 +99,7 @@ def test_linear_memory_needs_fewer_searches_than_bisection(graph, boundary):
     got = _choose(graph, run)
     assert got.layers == boundary
     assert len(tried) <= 5 and len(tried) < _bisection_runs(boundary), tried
-    assert tried[:2] == [0, LAYERS]  # none, then all (Alpa's switch: the error if it fails)
+    assert tried[:2] == [0, TOP]  # none, then all (Alpa's switch: the error if it fails)
 
 
 @pytest.mark.parametrize("boundary", [11, 26])
@@ -117,7 +127,7 @@ def test_failing_counts_without_a_figure_extend_the_fitting_side(graph, boundary
 def test_plans_that_fill_the_budget_make_it_bisect(graph):
     run, tried = _search(lambda k: BUDGET + 5.0 * (30 - k) - 1, plan_bytes=lambda k: BUDGET)
     assert _choose(graph, run).layers == 30
-    lo, hi, want = 0, LAYERS, [0, LAYERS]
+    lo, hi, want = 0, TOP, [0, TOP]
     while hi - lo > 1:
         mid = (lo + hi) // 2
         want.append(mid)
@@ -130,8 +140,8 @@ def test_any_monotone_memory_finds_the_boundary(graph, seed):
     """Random decreasing memory curves (steps, plateaus, cliffs): the fewest layers that fit,
     within about twice the bisection's searches."""
     rng = np.random.default_rng(seed)
-    drops = rng.exponential(1.0, LAYERS) * (rng.random(LAYERS) < 0.6)
-    drops[rng.integers(0, LAYERS)] += rng.uniform(0, 200)
+    drops = rng.exponential(1.0, TOP) * (rng.random(TOP) < 0.6)
+    drops[rng.integers(0, TOP)] += rng.uniform(0, 200)
     curve = 300.0 - np.concatenate([[0.0], np.cumsum(drops)])
     curve = BUDGET + (curve - curve[-1]) * rng.uniform(0.1, 3.0) - rng.uniform(0.5, 5.0)
     boundary = int(np.argmax(curve <= BUDGET))
@@ -143,15 +153,15 @@ def test_any_monotone_memory_finds_the_boundary(graph, seed):
 
 def test_the_fastest_that_fits_wins_and_alpa_stops_at_all(graph):
     run, tried = _search(lambda k: BUDGET + 5.0 * (20 - k) - 2)
-    step = {LAYERS: 0.5}  # all recomputed happens to be the fastest plan here
+    step = {TOP: 0.5}  # all recomputed happens to be the fastest plan here
 
     def price(r):
         return step.get(r.layers, r.step_s)
 
     assert choose_recompute(run, graph, (), (), price=price,
-                            memory=lambda r: r.bytes).layers == LAYERS
+                            memory=lambda r: r.bytes).layers == TOP
     run, tried = _search(lambda k: BUDGET + 5.0 * (20 - k) - 2)
-    assert choose_recompute(run, graph, (), ()).layers == LAYERS and tried == [0, LAYERS]
+    assert choose_recompute(run, graph, (), ()).layers == TOP and tried == [0, TOP]
 
 
 def test_every_probe_only_has_to_beat_the_best(graph):
@@ -193,7 +203,7 @@ def test_searches_sharing_a_best_only_have_to_beat_each_others_plans(graph):
     with pytest.raises(Outpriced):
         choose_recompute(run, graph, (), (), price=lambda r: r.step_s,
                          memory=lambda r: r.bytes, best=best)
-    assert tried == [0, LAYERS] and beats == [None, fast.step_s]
+    assert tried == [0, TOP] and beats == [None, fast.step_s]
     # a search that can beat it does, and lowers the shared best
     run, _ = _search(lambda k: BUDGET + 5.0 * (26 - k) - 1, step=lambda k: 0.5 + 0.001 * k)
     assert choose_recompute(run, graph, (), (), price=lambda r: r.step_s,
@@ -209,3 +219,16 @@ def test_default_memory_reads_the_priced_plan():
     assert _plan_memory((plan, object())) == 123.0
     assert _plan_memory(plan) == 123.0
     assert _plan_memory(("not a plan",)) is None
+
+
+def test_levels_go_selective_then_full():
+    """Level k recomputes the first k layers selectively, then past every layer selective the
+    first k - n fully: each level keeps less than the one before and reruns more."""
+    cands = ("a", "b", "c")
+    assert level_groups(cands, 0) == ()
+    assert level_groups(cands, 2) == ("a:dots", "b:dots")
+    assert level_groups(cands, 3) == ("a:dots", "b:dots", "c:dots")
+    assert level_groups(cands, 5) == ("a", "b", "c:dots")
+    assert level_groups(cands, 6) == ("a", "b", "c")
+    for k in range(7):
+        assert sum(1 if is_selective(g) else 2 for g in level_groups(cands, k)) == k
