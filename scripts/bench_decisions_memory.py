@@ -48,6 +48,7 @@ import models
 from nnscaler_jax import Constraints, auto_parallel
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.errors import NoFitError
+from nnscaler_jax.ir.remat import is_selective
 from nnscaler_jax.planner import make_plan
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -126,6 +127,7 @@ def _entry(spec, pm, variables) -> dict:
     bd = CostModel.for_axes(AXES, zero=plan.zero).memory_breakdown(plan, graph)
     pred = bd["peak"] - bd["optimizer"]
     return {"recompute": len(plan.recompute), "cosharded": len(plan.coshard),
+            "selective": sum(is_selective(g) for g in plan.recompute),
             "microbatches": int(plan.microbatches or 1), "step_time_s": plan.cost.step_time_s,
             "breakdown": bd, "predicted": pred, "xla": xla, "ratio": pred / xla["total"],
             "live_ratio": pred / xla["live_peak"] if xla["live_peak"] else None}
@@ -195,14 +197,16 @@ def markdown(rows: list[dict]) -> str:
              "by scripts/bench_decisions_memory.py.")
     lines = ["# Recompute and co-sharding under a budget: estimate vs XLA (CPU, 2x4 mesh)", "",
              intro, "",
-             ("| model | budget (share) | plan | recompute / co-sharded | estimate | XLA | ratio "
+             ("| model | budget (share) | plan | recompute (selective) / co-sharded | estimate "
+              "| XLA | ratio "
               "| XLA live peak | ratio to it | packing |"),
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for key in PLANS:
             e = r[key]
             lines.append(f"| {r['model']} | {r['budget']:,} ({r['share']:.0%}) | {key} | "
-                         f"{e['recompute']} / {e['cosharded']} | {e['predicted']:,} | "
+                         f"{e['recompute']} ({e.get('selective', 0)}) / {e['cosharded']} | "
+                         f"{e['predicted']:,} | "
                          f"{e['xla']['total']:,} | {_ok(e['ratio'])} | {_live(e)} |")
     c = control()
     note = ("Control, plain JAX (no nnscaler_jax): an 8-layer MLP's gradient, XLA temp "

@@ -243,7 +243,7 @@ class _Walk:
         self.first_want: dict[int, Layout] = {}
         self.scans: list[tuple[Op, tuple[Layout, ...], int]] = []
         self.chunks = chunks_of(graph)  # op id -> chunks of its co-sharded block
-        self.policy = policy_saved(graph, residual_readers(
+        self.policy = policy_saved(graph, lambda: residual_readers(
             graph, grads if model.input_grads else None))  # ops their remat boundary's policy keeps
 
     def run(self) -> None:

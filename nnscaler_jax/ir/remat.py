@@ -32,7 +32,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
@@ -212,7 +212,8 @@ def _saves(policy: Any, op: Op) -> bool:
     return got is True or type(got).__name__ == "SaveableType"
 
 
-def policy_saved(graph: Graph, readers: Mapping[tuple[int, int], Iterable[int]] | None = None
+def policy_saved(graph: Graph, readers: Mapping[tuple[int, int], Iterable[int]]
+                 | Callable[[], Mapping[tuple[int, int], Iterable[int]]] | None = None
                  ) -> Mapping[int, frozenset[int]]:
     """Ops inside a remat boundary whose policy saves them (``jax.checkpoint(policy=...)``,
     the user's or a :data:`SELECTIVE` group's): op id -> the indices of its outputs the
@@ -221,7 +222,8 @@ def policy_saved(graph: Graph, readers: Mapping[tuple[int, int], Iterable[int]] 
     recomputes everything).
 
     ``readers`` (``(op id, output index)`` of a residual -> the ops whose transposes read it,
-    :func:`nnscaler_jax.cost.residuals.residual_readers`): a saved op keeps an output that an
+    :func:`nnscaler_jax.cost.residuals.residual_readers`, or a function making it, called only
+    when some op is saved): a saved op keeps an output that an
     op of its own boundary reads for its backward, or that a recomputed op the backward needs
     rebuilds from. Only those recomputed ops run again (JAX's partial evaluation drops the
     rest, e.g. a layer's last bias and residual adds, whose output the next layer reads as the
@@ -254,6 +256,8 @@ def policy_saved(graph: Graph, readers: Mapping[tuple[int, int], Iterable[int]] 
             saved.add(op.id)
     if not saved:
         return {}
+    if callable(readers):
+        readers = readers()
     out: dict[int, set[int]] = {o: set() for o in saved}
     own: set[int] = set()  # recomputed ops with a residual their boundary's backward reads
     for (o, k), who in (readers or {}).items():

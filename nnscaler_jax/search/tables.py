@@ -99,7 +99,7 @@ class _Builder(EdgePricing):
         self.saved = residual_outputs(self.graph)
         # ops a boundary's policy keeps run once, priced as not recomputed, with the outputs
         # the block's backward reads (ir.remat.policy_saved)
-        kept = policy_saved(self.graph, residual_readers(self.graph))
+        kept = policy_saved(self.graph, lambda: residual_readers(self.graph))
         if kept:
             self.saved = dict(self.saved)
             for op_id, outs in kept.items():
