@@ -39,7 +39,7 @@ from nnscaler_jax.cost.residuals import (
 )
 from nnscaler_jax.ir.coshard import COSHARD, chunks_of, with_boundaries
 from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
-from nnscaler_jax.ir.remat import policy_saved
+from nnscaler_jax.ir.remat import remat_roles
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.mesh.axes import data_axes
 from nnscaler_jax.plan.layouts import plan_layouts, sole_read_variables, unstack
@@ -243,8 +243,10 @@ class _Walk:
         self.first_want: dict[int, Layout] = {}
         self.scans: list[tuple[Op, tuple[Layout, ...], int]] = []
         self.chunks = chunks_of(graph)  # op id -> chunks of its co-sharded block
-        self.policy = policy_saved(graph, lambda: residual_readers(
-            graph, grads if model.input_grads else None))  # ops their remat boundary's policy keeps
+        # ops their remat boundary's policy keeps, and recomputed ones nothing needs
+        roles = remat_roles(graph, lambda: residual_readers(
+            graph, grads if model.input_grads else None))
+        self.policy, self.dropped = roles.kept, roles.dropped
 
     def run(self) -> None:
         for op, mult in walk_weighted(self.graph):
@@ -310,10 +312,13 @@ class _Walk:
             for k in sorted(self.policy[op.id]):
                 self.kept[op.outputs[k].id] = model._local_bytes(op.outputs[k], outs[k]) * mult
         elif remat:  # recomputed in the backward: one more forward; while the block's backward
-            # runs, its residuals are live again (the block's transient)
-            out.compute += model.forward_time(op, p.split, self.traffic) * mult
+            # runs, its residuals are live again (the block's transient). An op the backward
+            # does not need is not run again (dead code) and keeps nothing.
+            dropped = op.id in self.dropped
+            if not dropped:
+                out.compute += model.forward_time(op, p.split, self.traffic) * mult
             self.remat_inputs.setdefault(remat[0], mult)
-            redo = 0 if op.primitive in FREE else sum(
+            redo = 0 if op.primitive in FREE or dropped else sum(
                 model._local_bytes(op.outputs[k], outs[k]) for k in self.saved.get(op.id, ()))
             self.remat_sum[remat[0]] = self.remat_sum.get(remat[0], 0.0) + redo * mult / k
         elif op.primitive not in FREE:

@@ -33,7 +33,7 @@ import fnmatch
 import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -42,7 +42,8 @@ import jax
 from nnscaler_jax.ir.graph import REMAT_KINDS, Boundary, Graph, Op, Role
 
 __all__ = ["RECOMPUTE_EQN", "SELECTIVE", "SELECTIVE_EQN", "group_glob", "in_group",
-           "is_selective", "policy_saved", "recompute_runs", "selective", "with_recompute"]
+           "is_selective", "NO_ROLES", "RematRoles", "recompute_runs", "remat_roles", "selective",
+           "with_recompute"]
 
 #: The equation standing in for a plan's remat boundary (what ``jax.checkpoint`` is bound with).
 RECOMPUTE_EQN = SimpleNamespace(params={"prevent_cse": True, "policy": None},
@@ -212,22 +213,39 @@ def _saves(policy: Any, op: Op) -> bool:
     return got is True or type(got).__name__ == "SaveableType"
 
 
-def policy_saved(graph: Graph, readers: Mapping[tuple[int, int], Iterable[int]]
-                 | Callable[[], Mapping[tuple[int, int], Iterable[int]]] | None = None
-                 ) -> Mapping[int, frozenset[int]]:
-    """Ops inside a remat boundary whose policy saves them (``jax.checkpoint(policy=...)``,
-    the user's or a :data:`SELECTIVE` group's): op id -> the indices of its outputs the
-    boundary keeps for its backward. Such an op runs once, as if not recomputed. The outermost
-    remat boundary's policy decides; an op in a co-sharded block never is saved (its chunk loop
-    recomputes everything).
+@dataclass(frozen=True)
+class RematRoles:
+    """What each op inside a remat boundary does in the backward (:func:`remat_roles`).
+
+    Attributes:
+        kept: ops the boundary's ``jax.checkpoint`` policy saves (the user's or a
+            :data:`SELECTIVE` group's): op id -> the indices of its outputs the boundary keeps
+            for its backward. Such an op runs once, as if not recomputed.
+        dropped: recomputed ops the backward does not need (their outputs feed only ops after
+            the boundary, such as a layer's last matmul, bias and residual adds): they are not
+            run again (JAX / XLA drop dead code) and keep nothing.
+    """
+
+    kept: Mapping[int, frozenset[int]]
+    dropped: frozenset[int]
+
+
+NO_ROLES = RematRoles({}, frozenset())
+
+
+def remat_roles(graph: Graph, readers: Mapping[tuple[int, int], Iterable[int]]
+                | Callable[[], Mapping[tuple[int, int], Iterable[int]]] | None = None
+                ) -> RematRoles:
+    """The ops of ``graph``'s remat boundaries a policy keeps, and the recomputed ones the
+    backward does not need. The outermost remat boundary of an op is its block; its policy
+    decides what is saved (asked as JAX asks it: primitive, operand avals, params); an op in a
+    co-sharded block is never saved (its chunk loop recomputes everything).
 
     ``readers`` (``(op id, output index)`` of a residual -> the ops whose transposes read it,
     :func:`nnscaler_jax.cost.residuals.residual_readers`, or a function making it, called only
-    when some op is saved): a saved op keeps an output that an
-    op of its own boundary reads for its backward, or that a recomputed op the backward needs
-    rebuilds from. Only those recomputed ops run again (JAX's partial evaluation drops the
-    rest, e.g. a layer's last bias and residual adds, whose output the next layer reads as the
-    boundary's output). None: every recomputed op is needed, no residual is known."""
+    when the graph has a remat boundary): a recomputed op is needed when an op of its own block
+    reads one of its outputs for its backward, or a needed one rebuilds from it; a saved op
+    keeps such outputs. None: every recomputed op is needed (nothing is dropped)."""
     bounds: dict[int, Boundary] = {}
 
     def collect(g: Graph) -> None:
@@ -238,9 +256,8 @@ def policy_saved(graph: Graph, readers: Mapping[tuple[int, int], Iterable[int]]
                 collect(r)
 
     collect(graph)
-    if not any((getattr(b.eqn, "params", None) or {}).get("policy") is not None
-               for b in bounds.values() if b.kind in REMAT_KINDS):
-        return {}
+    if not any(b.kind in REMAT_KINDS for b in bounds.values()):
+        return NO_ROLES
     block: dict[int, int] = {}  # op id -> its outermost remat boundary
     saved: set[int] = set()
     ops: dict[int, Op] = {}
@@ -254,12 +271,10 @@ def policy_saved(graph: Graph, readers: Mapping[tuple[int, int], Iterable[int]]
                 all(b.kind in ("checkpoint", "remat", "remat2") for b in remat) and \
                 _saves(policy, op):
             saved.add(op.id)
-    if not saved:
-        return {}
     if callable(readers):
         readers = readers()
     out: dict[int, set[int]] = {o: set() for o in saved}
-    own: set[int] = set()  # recomputed ops with a residual their boundary's backward reads
+    own: set[int] = set()  # recomputed ops with a residual their block's backward reads
     for (o, k), who in (readers or {}).items():
         if o in block and any(block.get(r) == block[o] for r in who):
             if o in saved:
@@ -280,4 +295,6 @@ def policy_saved(graph: Graph, readers: Mapping[tuple[int, int], Iterable[int]]
             elif src[0] not in needed:
                 needed.add(src[0])
                 stack.append(src[0])
-    return {o: frozenset(ks) for o, ks in out.items()}
+    dropped = frozenset(o for o, op in ops.items()
+                        if o not in saved and o not in needed and not op.regions)
+    return RematRoles({o: frozenset(ks) for o, ks in out.items()}, dropped)

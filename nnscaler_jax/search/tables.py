@@ -50,7 +50,7 @@ from nnscaler_jax.cost.relayout import drop_partial, partial_grad_axes
 from nnscaler_jax.cost.residuals import residual_outputs, residual_readers, residual_reads
 from nnscaler_jax.ir.coshard import chunks_of
 from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
-from nnscaler_jax.ir.remat import policy_saved
+from nnscaler_jax.ir.remat import remat_roles
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.plan.layouts import lift, op_layouts, scan_stored_inputs, sole_read_variables
 from nnscaler_jax.plan.plan import OpPlan
@@ -98,8 +98,10 @@ class _Builder(EdgePricing):
         self.chunks = chunks_of(self.graph)  # op id -> chunks of its co-sharded block
         self.saved = residual_outputs(self.graph)
         # ops a boundary's policy keeps run once, priced as not recomputed, with the outputs
-        # the block's backward reads (ir.remat.policy_saved)
-        kept = policy_saved(self.graph, lambda: residual_readers(self.graph))
+        # the block's backward reads; recomputed ops nothing needs are not run again
+        # (ir.remat.remat_roles, as plan_walk prices them)
+        roles = remat_roles(self.graph, lambda: residual_readers(self.graph))
+        kept, self.dropped = roles.kept, roles.dropped
         if kept:
             self.saved = dict(self.saved)
             for op_id, outs in kept.items():
@@ -154,6 +156,7 @@ class _Builder(EdgePricing):
         if fg.key is None:
             return None
         return (fg.key, tuple(o in self.remat for o in fg.ops),
+                tuple(o in self.dropped for o in fg.ops),
                 tuple(self.chunks.get(o, 1) for o in fg.ops))
 
     def unary(self) -> None:
@@ -206,7 +209,7 @@ class _Builder(EdgePricing):
             op = self.by_id[op_id]
             if self.space.shared:  # ours: identical members (same class, splits) priced once
                 key = ("u", self.space.op_class[op_id], fg.split_ids[mi], self.space.weights[op_id],
-                       op_id in self.remat, self.chunks.get(op_id, 1),
+                       op_id in self.remat, op_id in self.dropped, self.chunks.get(op_id, 1),
                        tuple(t.id in self.top_inputs for t in op.inputs),
                        self.saved.get(op_id, ()), self._stores(op_id), self.traffic.get(op_id))
                 parts = self.member_memo.get(key)
@@ -231,7 +234,7 @@ class _Builder(EdgePricing):
         for i, split in enumerate(splits):
             if not op.regions:
                 c[i] += w * cm.op_time(op, split, mask, self.traffic)
-                if remat and forward is not None:
+                if remat and forward is not None and op.id not in self.dropped:
                     c[i] += w * forward(op, split, self.traffic)
                 if k > 1 and hasattr(cm, "chunk_overhead"):
                     c[i] += w * cm.chunk_overhead(op, split, k, self.traffic)
@@ -294,7 +297,7 @@ class _Builder(EdgePricing):
         for op_id, b in self.remat.items():
             op = self.by_id[op_id]
             saved = self.saved.get(op_id, ())
-            if op.primitive in FREE or op.regions or not saved:
+            if op.primitive in FREE or op.regions or not saved or op_id in self.dropped:
                 continue
             g, _f, mi, fg = self.fgroup(op_id)
             k, w = self.chunks.get(op_id, 1), self.space.weights[op_id]

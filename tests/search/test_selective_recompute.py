@@ -163,3 +163,27 @@ def test_a_selective_plan_runs_and_matches_one_device():
     jaxpr = str(jax.make_jaxpr(pm.apply)(v, tokens))
     assert "no_growing_dots_saveable" in jaxpr
     assert_like_one_device(pm, spec.module, v, (tokens,))
+
+
+def test_recompute_reruns_only_what_the_backward_needs():
+    """A fully recomputed GPT layer reruns neither its MLP's output projection nor the bias and
+    residual adds after it: their outputs only reach the next layer (which reads the layer's
+    output, kept as its input), so XLA drops that rerun as dead code. Selectively, the
+    projection's output is not kept either."""
+    from nnscaler_jax.cost.residuals import residual_readers
+    from nnscaler_jax.ir.remat import remat_roles
+
+    graph = capture_spec(_gpt()).graph
+    for groups in (("h_0",), ("h_0:dots",)):
+        g = with_recompute(graph, groups)
+        roles = remat_roles(g, residual_readers(g))
+        by_id = {op.id: op for op in g.ops}
+        dropped = sorted((by_id[o].module_path, by_id[o].primitive) for o in roles.dropped)
+        proj = ("h_0/mlp/c_proj", "dot_general")
+        if groups == ("h_0",):
+            assert proj in dropped
+        else:
+            assert not any(ks for o, ks in roles.kept.items()
+                           if (by_id[o].module_path, by_id[o].primitive) == proj)
+        assert {p for p, _ in dropped} <= {"h_0/mlp/c_proj", "h_0"}, dropped
+        assert ("h_0", "add") in dropped  # the residual add
