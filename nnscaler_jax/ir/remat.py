@@ -223,7 +223,7 @@ class RematRoles:
             for its backward. Such an op runs once, as if not recomputed.
         dropped: recomputed ops the backward does not need (their outputs feed only ops after
             the boundary, such as a layer's last matmul, bias and residual adds): they are not
-            run again (JAX / XLA drop dead code) and keep nothing.
+            run again (JAX / XLA drop dead code).
     """
 
     kept: Mapping[int, frozenset[int]]

@@ -297,7 +297,7 @@ class _Builder(EdgePricing):
         for op_id, b in self.remat.items():
             op = self.by_id[op_id]
             saved = self.saved.get(op_id, ())
-            if op.primitive in FREE or op.regions or not saved or op_id in self.dropped:
+            if op.primitive in FREE or op.regions or not saved:
                 continue
             g, _f, mi, fg = self.fgroup(op_id)
             k, w = self.chunks.get(op_id, 1), self.space.weights[op_id]
