@@ -41,9 +41,21 @@ import jax
 
 from nnscaler_jax.ir.graph import REMAT_KINDS, Boundary, Graph, Op, Role
 
-__all__ = ["RECOMPUTE_EQN", "SELECTIVE", "SELECTIVE_EQN", "group_glob", "in_group",
-           "is_selective", "NO_ROLES", "RematRoles", "recompute_runs", "remat_roles", "selective",
-           "with_recompute"]
+__all__ = [
+    "NO_ROLES",
+    "RECOMPUTE_EQN",
+    "SELECTIVE",
+    "SELECTIVE_EQN",
+    "RematRoles",
+    "group_glob",
+    "in_group",
+    "is_selective",
+    "no_growing_dots_saveable",
+    "recompute_runs",
+    "remat_roles",
+    "selective",
+    "with_recompute",
+]
 
 #: The equation standing in for a plan's remat boundary (what ``jax.checkpoint`` is bound with).
 RECOMPUTE_EQN = SimpleNamespace(params={"prevent_cse": True, "policy": None},
