@@ -262,7 +262,7 @@ class Constraints:
 
     def recompute_groups(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """``(forced, forbidden)`` module path globs of the recompute rules."""
-        forced = tuple(r.module or "*" if r.recompute is True else selective(r.module or "*")
+        forced = tuple((r.module or "*") if r.recompute is True else selective(r.module or "*")
                        for r in self.rules if r.recompute in (True, "selective"))
         forbidden = tuple(r.module or "*" for r in self.rules if r.recompute is False)
         return forced, forbidden

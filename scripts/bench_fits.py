@@ -44,7 +44,7 @@ from nnscaler_jax.cost import cluster_preset
 from nnscaler_jax.cost.devices import memory_reserve
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.errors import NoFitError, PlanError
-from nnscaler_jax.ir.remat import SELECTIVE
+from nnscaler_jax.ir.remat import is_selective
 from nnscaler_jax.planner import plan_and_report
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -167,7 +167,7 @@ def _markdown(results: dict) -> str:
                 e = row["planners"].get(p) or {}
                 if e.get("fits"):
                     groups = e["features"]["recompute"]
-                    sel = sum(g.endswith(SELECTIVE) for g in groups)
+                    sel = sum(is_selective(g) for g in groups)
                     rc = len(groups) - sel
                     cs = len(e["features"].get("cosharded", ()))
                     st = e["features"]["stages"]
@@ -204,7 +204,7 @@ def _markdown(results: dict) -> str:
                 f"{(e.get('memory_bytes_per_device') or 0) / 2**30:.1f} | {e['search_s']:.0f} | "
                 f"{e.get('mfu', 0):.1%} | {len(f.get('cosharded', []))} | "
                 f"{len(f.get('recompute', []))} "
-                f"({sum(g.endswith(SELECTIVE) for g in f.get('recompute', []))}) |")
+                f"({sum(is_selective(g) for g in f.get('recompute', []))}) |")
         lines += [f"| nnScaler (reported) | True | {seed['step_time_s']} | - | - | "
                   f"{seed['mfu']:.1%} (ours' count; reported {seed['mfu_reported']:.0%}) "
                   "| - | - |", ""]

@@ -306,9 +306,10 @@ class _Walk:
         out.transient = max(out.transient, local / k)
         if k > 1:
             out.compute += model.chunk_overhead(op, p.split, k, self.traffic) * mult
+        if remat:
+            self.remat_inputs.setdefault(remat[0], mult)
         if remat and op.id in self.policy:  # the boundary's policy keeps it: it runs once and
             # keeps what its backward and the block's recomputed ops read
-            self.remat_inputs.setdefault(remat[0], mult)
             for k in sorted(self.policy[op.id]):
                 self.kept[op.outputs[k].id] = model._local_bytes(op.outputs[k], outs[k]) * mult
         elif remat:  # recomputed in the backward: one more forward; while the block's backward
@@ -318,7 +319,6 @@ class _Walk:
             # 64 px under a 40% budget price 0.66 of XLA's memory)
             if op.id not in self.dropped:
                 out.compute += model.forward_time(op, p.split, self.traffic) * mult
-            self.remat_inputs.setdefault(remat[0], mult)
             redo = 0 if op.primitive in FREE else sum(
                 model._local_bytes(op.outputs[k], outs[k]) for k in self.saved.get(op.id, ()))
             self.remat_sum[remat[0]] = self.remat_sum.get(remat[0], 0.0) + redo * mult / k

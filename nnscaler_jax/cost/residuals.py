@@ -145,38 +145,13 @@ def residual_readers(graph: Graph, grads: set[int] | None = None
     """``(op id, output index)`` of each residual root (:func:`residual_outputs`) -> the ids of
     the ops whose transposes read it: whether a remat boundary's own backward needs a value, or
     only ops after it do (they read the boundary's output, kept as such: a saved matmul output
-    that only the next layer's LayerNorm reaches through the residual add is not kept).
-    Memoised per dataflow like :func:`residual_outputs`."""
-    if grads is None:
-        return _READERS.get(graph, None, lambda: residual_readers(graph, grad_tensors(graph)))
-    producer = {t.id: (op, k) for op in graph.walk() for k, t in enumerate(op.outputs)}
-    dead = _no_cotangent(graph)
-    out: dict[tuple[int, int], set[int]] = {}
-    for reader in graph.walk():
-        if reader.id in dead:
-            continue
-        ins, outs = saved_operands(reader, tuple(t.id in grads for t in reader.inputs))
-        through = BITCAST if reader.primitive in MASKED else CHEAP
-        stack = [reader.inputs[j].id for j in ins] + [reader.outputs[k].id for k in outs]
-        seen: set[int] = set()
-        while stack:  # (as _traced walks it, per reader)
-            t = stack.pop()
-            if t in seen or t not in producer:
-                continue
-            seen.add(t)
-            op, k = producer[t]
-            if op.primitive in through and not op.regions:
-                stack += [x.id for x in op.inputs if x.ndim or not is_float(x)]
-                continue
-            out.setdefault((op.id, k), set()).add(reader.id)
-    return {key: frozenset(v) for key, v in out.items()}
+    that only the next layer's LayerNorm reaches through the residual add is not kept)."""
+    return _traced(graph, grads)[2]
 
 
-_READERS = DataflowMemo()
-
-
-def _traced(graph: Graph, grads: set[int] | None) -> tuple[Mapping[int, tuple[int, ...]],
-                                                           frozenset[tuple[int, int]]]:
+def _traced(graph: Graph, grads: set[int] | None
+            ) -> tuple[Mapping[int, tuple[int, ...]], frozenset[tuple[int, int]],
+                       Mapping[tuple[int, int], frozenset[int]]]:
     if grads is None:  # (boundaries and op order change nothing: once per dataflow)
         return _MEMO.get(graph, None, lambda: _traced(graph, grad_tensors(graph)))
     producer: dict[int, tuple[Op, int]] = {}
@@ -186,16 +161,16 @@ def _traced(graph: Graph, grads: set[int] | None) -> tuple[Mapping[int, tuple[in
             producer[t.id] = (op, k)
     out: dict[int, set[int]] = {}
     reads: set[tuple[int, int]] = set()
-    seen: set[tuple[int, frozenset[str]]] = set()
+    readers: dict[tuple[int, int], set[int]] = {}  # root -> the ops whose transposes read it
     dead = _no_cotangent(graph)
 
-    def keep(tid: int, through: frozenset[str]) -> None:
-        stack = [tid]
+    def keep(reader: Op, tids: list[int], through: frozenset[str]) -> None:
+        stack, seen = tids, set()
         while stack:
             t = stack.pop()
-            if (t, through) in seen:
+            if t in seen:
                 continue
-            seen.add((t, through))
+            seen.add(t)
             if t not in producer:
                 continue  # a graph input, weight or region body input: held anyway
             op, k = producer[t]
@@ -206,6 +181,7 @@ def _traced(graph: Graph, grads: set[int] | None) -> tuple[Mapping[int, tuple[in
                         stack.append(x.id)
                 continue
             out.setdefault(op.id, set()).add(k)
+            readers.setdefault((op.id, k), set()).add(reader.id)
 
     for op in ops:
         if op.id in dead:
@@ -216,8 +192,6 @@ def _traced(graph: Graph, grads: set[int] | None) -> tuple[Mapping[int, tuple[in
         # mask: measured on WRN, XLA keeps BatchNorm's output rather than recomputing it);
         # other elementwise transposes fuse the saved value's producers
         through = BITCAST if op.primitive in MASKED else CHEAP
-        for j in ins:
-            keep(op.inputs[j].id, through)
-        for k in outs:
-            keep(op.outputs[k].id, through)
-    return {i: tuple(sorted(ks)) for i, ks in out.items()}, frozenset(reads)
+        keep(op, [op.inputs[j].id for j in ins] + [op.outputs[k].id for k in outs], through)
+    return ({i: tuple(sorted(ks)) for i, ks in out.items()}, frozenset(reads),
+            {key: frozenset(v) for key, v in readers.items()})

@@ -13,8 +13,8 @@ A group ending in :data:`SELECTIVE` (``'h_3:dots'``) is recomputed *selectively*
 runs under the policy :func:`no_growing_dots_saveable` (Megatron-LM's selective activation
 recompute), so the outputs of its matmuls are kept (projections, MLP, attention's weighted
 sum) except those larger than their operands (the attention scores), and only the rest
-(elementwise ops, norms, softmax, the scores' matmul) runs again. Any boundary's policy, the user's ``nn.remat(policy=...)`` too, is
-priced by what it saves (:func:`policy_saved`).
+(elementwise ops, norms, softmax, the scores' matmul) runs again. Any boundary's policy, the
+user's ``nn.remat(policy=...)`` too, is priced by what it saves (:func:`remat_roles`).
 
 >>> import jax, jax.numpy as jnp, flax.linen as nn
 >>> from nnscaler_jax import trace
@@ -61,10 +61,9 @@ __all__ = [
 RECOMPUTE_EQN = SimpleNamespace(params={"prevent_cse": True, "policy": None},
                                 primitive=SimpleNamespace(name="checkpoint"))
 
-#: The suffix of a selectively recomputed group: its matmuls without batch dims keep their
-#: outputs, everything else in it runs again in the backward.
+#: The suffix of a selectively recomputed group (:func:`no_growing_dots_saveable` decides what
+#: it keeps).
 SELECTIVE = ":dots"
-
 
 
 def no_growing_dots_saveable(prim: Any, *avals: Any, **params: Any) -> bool:

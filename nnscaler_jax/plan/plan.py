@@ -11,7 +11,7 @@ from typing import Any
 from nnscaler_jax.capture.precision import precision_name
 from nnscaler_jax.errors import PlanFormatError
 from nnscaler_jax.ir.graph import Graph
-from nnscaler_jax.ir.remat import SELECTIVE
+from nnscaler_jax.ir.remat import SELECTIVE, is_selective
 from nnscaler_jax.plan import view as _view
 
 __all__ = ["VALUE", "OpPlan", "PipelineSettings", "Plan", "PlanCost", "Unsplit",
@@ -301,7 +301,7 @@ class Plan:
             shown = ", ".join(self.recompute[:8]) + (
                 f" and {len(self.recompute) - 8} more" if len(self.recompute) > 8 else "")
             lines.append(f"recompute (activations recomputed in the backward): {shown}")
-            if any(g.endswith(SELECTIVE) for g in self.recompute):
+            if any(is_selective(g) for g in self.recompute):
                 lines.append(f"  ('{SELECTIVE}': selective, the group's matmul outputs are kept but "
                              "the attention scores)")
         if self.unsplit:
