@@ -56,6 +56,7 @@ class _Edge:
     split: Split
     mult: int
     region: bool = False  # the consumer is a region op: its body's edges reduce the gradients
+    rerun: bool = False  # the consumer is recomputed: the relayout runs again in its backward
 
 
 @dataclass
@@ -156,6 +157,17 @@ def _region_layouts(op: Op, ins: tuple[Layout, ...], layout: dict[int, Layout],
                     layout[t.id] = Layout(dims_t)
 
 
+def relayout_reruns(have: Layout, producer_reruns: bool) -> bool:
+    """Whether a recomputed op's read of a value in layout ``have`` relayouts it again when the
+    op runs again in its block's backward: always, but for partial sums of a producer that does
+    not run again (kept by its boundary's policy, or outside the block): the reduction is part
+    of the producer (XLA's SPMD partitioner reduces a matmul's output in the matmul), so the
+    value saved for the block is the reduced one. Measured (``tests/cost/test_rerun_comm.py``):
+    a Megatron-split GPT recomputed whole reruns one all-reduce per layer, the attention's out
+    projection's (the MLP's feeds only dead code); recomputed selectively, none."""
+    return not have.partial or producer_reruns
+
+
 def _gathered(model: Any, op: Op, reads: list[int], ins: tuple[Layout, ...],
               layout: Mapping[int, Layout], zero: int, mult: float, kept: dict) -> None:
     """An operand ``op`` reads for the backward (``reads``), reaching it through a relayout
@@ -243,6 +255,8 @@ class _Walk:
         self.first_want: dict[int, Layout] = {}
         self.scans: list[tuple[Op, tuple[Layout, ...], int]] = []
         self.chunks = chunks_of(graph)  # op id -> chunks of its co-sharded block
+        self.producer = {t.id: op.id for op in graph.walk() for t in op.outputs}
+        self.again: set[int] = set()  # ops recomputed in their block's backward
         # ops their remat boundary's policy keeps, and recomputed ones nothing needs
         roles = remat_roles(graph, lambda: residual_readers(
             graph, grads if model.input_grads else None))
@@ -272,10 +286,16 @@ class _Walk:
         model, out, origin = self.model, self.out, self.origin
         p = self.plans.get(op.id) or OpPlan(op.id, op.primitive, op.module_path)
         ins, outs = plan_layouts(op, self.plans, self.sole)
+        remat = [b for b in op.boundary if self.kinds.get(b, ("",))[0] in REMAT_KINDS]
+        again = bool(remat) and not op.regions and op.id not in self.policy and \
+            op.id not in self.dropped
+        if again:
+            self.again.add(op.id)
         for t, want in zip(op.inputs, ins, strict=True):
             have = self.layout.get(t.id)
             if have is not None and t.ndim:
-                self.edges.append(_Edge(t, have, want, p.split, mult, bool(op.regions)))
+                rerun = again and relayout_reruns(have, self.producer.get(t.id) in self.again)
+                self.edges.append(_Edge(t, have, want, p.split, mult, bool(op.regions), rerun))
                 self.first_want.setdefault(t.id, want)
         for t, lay in zip(op.outputs, outs, strict=True):
             self.layout[t.id] = lay
@@ -290,7 +310,6 @@ class _Walk:
         mask = tuple(t.id in self.grads for t in op.inputs)
         out.compute += model._op_time(op, p.split, mask, self.traffic) * mult
         k = self.chunks.get(op.id, 1)  # a co-sharded block's op: one chunk is live at a time
-        remat = [b for b in op.boundary if self.kinds.get(b, ("",))[0] in REMAT_KINDS]
         if remat or not op.boundary:
             # recomputed: the gathered copy is rebuilt with the block's residuals, live with
             # them (a matmul operand's with its cotangent) during the block's backward (one
@@ -367,8 +386,9 @@ def _communication(model: Any, edges: list[_Edge], store: Mapping[int, Layout],
         src = store.get(t.id, e.have)
         if src != e.want:
             ft, fb = relayout_price(src, e.want, t.shape, size, mesh)
-            out.comm_time += ft * e.mult
-            out.comm_bytes += fb * e.mult
+            runs = e.mult * (2 if e.rerun else 1)
+            out.comm_time += ft * runs
+            out.comm_bytes += fb * runs
             if t.id in var_ids and zero >= 3:  # the gathered weight stays for the backward
                 gathered[t.id] = max(gathered.get(t.id, 0), model._local_bytes(t, e.want))
         if t.id in grads and not e.region:

@@ -15,6 +15,7 @@ cost); edges whose costs and memory separate into two unary terms become those.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import lru_cache
 
 import numpy as np
@@ -27,7 +28,7 @@ from nnscaler_jax.layout import Layout
 from nnscaler_jax.layout.rvd import interned
 from nnscaler_jax.plan.layouts import unstack
 from nnscaler_jax.plan.zero import zero3_layout
-from nnscaler_jax.search.objective import Edge
+from nnscaler_jax.search.objective import Edge, GatherSet
 from nnscaler_jax.search.space import Split, walk_graphs
 
 __all__ = ["EdgePricing"]
@@ -60,8 +61,11 @@ class EdgePricing:
         self.kept: dict[tuple[int, int], np.ndarray] = {}
         # recomputed block -> group pair (or group) -> bytes its matmuls gather again
         self.regathered: dict[int, dict[tuple[int, int] | int, np.ndarray]] = {}
-        self.block_keeper: dict[tuple[int, int], tuple[int, int, int] | None] = {}
-        self.first_keeper: dict[int, tuple[int, int] | None] = {}  # tensor -> (op id, index)
+        # (tensor, block or -1) -> reads priced on their edges; those a gather set prices
+        self.block_keeper: dict[tuple[int, int], dict[tuple[int, int], int]] = {}
+        self.gather_sets: dict[tuple[int, int], dict[tuple[int, int], int]] = {}
+        self.producer_of = {t.id: (op.id, k) for op in self.graph.walk()
+                            for k, t in enumerate(op.outputs)}
         self.memo: dict[tuple, np.ndarray] = {}
         self.reshard_memo: dict[tuple, dict[tuple, float]] = {}  # tensor kind -> pair -> s
         # values read once, by an op of their producer's graph: the edge prices the gradient's
@@ -79,7 +83,7 @@ class EdgePricing:
         for i, edge in enumerate(ends):  # (in the order of their first edges, as the ILP was)
             t, _w, src, dst, pair, sig = edge
             keeps = (self._keeps_gathered(t, dst), self._holds_input(t, src, dst),
-                     *self._regathers(t, dst))
+                     *self._regathers(t, dst), self._reruns(src, dst))
             key = (pair, sig, keeps) if sig is not None else (i,)
             hit = alike.get(key)
             if hit is None:
@@ -197,10 +201,10 @@ class EdgePricing:
             out = self.member_memo[key] = _unique(self._layouts(end, fg, m))
         return out
 
-    def _reshards(self, t: Tensor, pairs) -> list[float]:
+    def _reshards(self, t: Tensor, pairs, forward: bool = False) -> list[float]:
         """Seconds of each ``(src, dst)`` relayout of ``t`` (memoised by what the price reads:
-        shape, dtype, whether a gradient comes back)."""
-        grad = t.id in self.grads
+        shape, dtype, whether a gradient comes back); ``forward``: the forward part alone."""
+        grad = t.id in self.grads and not forward
         memo = self.reshard_memo.setdefault((t.shape, t.dtype, grad), {})
         out = []
         for key in pairs:
@@ -222,17 +226,14 @@ class EdgePricing:
 
     def _keeps_gathered(self, t: Tensor, dst: tuple) -> bool:
         """Whether the reader ``dst`` keeps ``t`` as it reads it for its transpose, so a
-        relayout growing it keeps the grown copy (``plan_walk._gathered_operands``). Only the
-        first such reader of ``t`` is charged: ``plan_cost`` keeps one copy per layout, and
-        readers of one tensor mostly read it alike (WRN's conv and its shortcut conv); a later
-        reader gathering it to another layout is left to the plan's full pricing."""
+        relayout growing it keeps the grown copy (``plan_walk._gathered_operands``), priced on
+        its edge: when one group keeps ``t`` (outside recomputed blocks), its first such
+        reader. Readers in several groups keep one copy per layout between them: a
+        :class:`~nnscaler_jax.search.objective.GatherSet` (:meth:`_keepers`)."""
         if dst[0] not in ("in", "fin") or not t.ndim or not is_float(t) or (
                 t.role is Role.VARIABLE and self.zero >= 3):
             return False
-        if t.id not in self.first_keeper:
-            self.first_keeper[t.id] = next(((o.id, k) for o, k in self.readers.get(t.id, ())
-                                     if self._saves_operand(o, k)), None)
-        return self.first_keeper[t.id] == (dst[1], dst[2])
+        return self._keepers(t, -1).get((dst[1], dst[2]), 0) > 0
 
     def _saves_operand(self, op: Op, j: int) -> bool:
         if op.boundary:
@@ -247,21 +248,100 @@ class EdgePricing:
         """``(block, copies)``: the recomputed block whose op ``dst`` saves ``t`` as it reads it
         (a matmul operand: with its cotangent, ``REGATHERED_COPIES``; a cheap op's input a
         residual is traced through: 1), so a relayout growing it is part of the block's
-        transient (``plan_walk``); ``(-1, 0)``: none. Only the block's first such reader of
-        ``t`` is charged, a matmul before others (``plan_walk`` keeps one copy per layout)."""
+        transient (``plan_walk``), priced on its edge when one group of the block keeps ``t``
+        (its first such reader, a matmul before others); ``(-1, 0)``: none, or a
+        :class:`~nnscaler_jax.search.objective.GatherSet` (:meth:`_keepers`)."""
         b = self.in_block.get(dst[1], -1)
         if b < 0 or dst[0] not in ("in", "fin") or not t.ndim or not is_float(t) or (
                 t.role is Role.VARIABLE and self.zero >= 3):
             return -1, 0
-        if (t.id, b) not in self.block_keeper:
-            inside = [(o, k) for o, k in self.readers.get(t.id, ())
-                      if self.in_block.get(o.id) == b]
-            keeper = next(((o.id, k, REGATHERED_COPIES) for o, k in inside
-                           if self._matmul_saves(o, k)), None) or next(
-                ((o.id, k, 1) for o, k in inside if (o.id, k) in self.reads), None)
-            self.block_keeper[t.id, b] = keeper
-        keeper = self.block_keeper[t.id, b]
-        return (b, keeper[2]) if keeper and keeper[:2] == (dst[1], dst[2]) else (-1, 0)
+        copies = self._keepers(t, b).get((dst[1], dst[2]), 0)
+        return (b, copies) if copies else (-1, 0)
+
+    def _keepers(self, t: Tensor, b: int) -> dict[tuple[int, int], int]:
+        """Reads of ``t`` that keep it as they read it, inside recomputed block ``b`` (-1:
+        outside any boundary), priced on their edges: ``(op id, index) -> copies``, the first
+        such read of each group (a matmul before others; reads in one group read alike).
+        ``plan_walk`` keeps one copy per layout: when reads in several groups keep ``t`` and
+        its producer is one group's op, they are a gather set instead (``gather_sets``: the
+        reads and copies) and none is priced on an edge. (Pricing only the first read let
+        the Alpa-style ILP, one group per op, gather a LayerNorm's output for q, k and v to
+        layouts it did not count: a GPT under a budget its recompute alone meets, priced
+        478,720 bytes, 511,488 in full, and no plan found.)"""
+        got = self.block_keeper.get((t.id, b))
+        if got is not None:
+            return got
+        groups: dict[int, tuple[tuple[int, int], int]] = {}
+        if b < 0:
+            mine = [(o, k, 1) for o, k in self.readers.get(t.id, ())
+                    if self._saves_operand(o, k)]
+        else:
+            mine = [(o, k, REGATHERED_COPIES if self._matmul_saves(o, k) else 1)
+                    for o, k in self.readers.get(t.id, ()) if self.in_block.get(o.id) == b
+                    and (self._matmul_saves(o, k) or (o.id, k) in self.reads)]
+            mine.sort(key=lambda r: r[2] < REGATHERED_COPIES)  # matmuls first
+        for o, k, copies in mine:
+            groups.setdefault(self.fgroup(o.id)[0], ((o.id, k), copies))
+        got = dict(groups.values())
+        if len(got) > 1:
+            if t.role is Role.VALUE and t.id in self.producer_of and \
+                    not self.by_id[self.producer_of[t.id][0]].regions:
+                self.gather_sets[t.id, b] = got
+                got = {}
+            else:  # (a weight, a scan's output: its first read alone, a known gap)
+                got = dict([next(iter(got.items()))])
+        self.block_keeper[t.id, b] = got
+        return got
+
+    def gathers(self, block_index: Mapping[int, int]) -> list[GatherSet]:
+        """The gather sets (:meth:`_keepers`), recomputed blocks by their index in the
+        tables' ``remat`` (``block_index``)."""
+        out = []
+        micro = self.cm.microbatches
+        for (tid, b), keepers in self.gather_sets.items():
+            p_id, k = self.producer_of[tid]
+            t = self.by_id[p_id].outputs[k]
+            gp, _f, mp, fgp = self.fgroup(p_id)
+            have = [self.cm._local_bytes(t, self.lays[p_id, sp][1][k]) for sp in fgp.splits[mp]]
+            classes: dict[tuple, int] = {}
+            sizes: list[float] = []
+            readers = []
+            for (o_id, j), copies in keepers.items():
+                gr, _f, mr, fgr = self.fgroup(o_id)
+                scale = self.space.weights[o_id] / micro / self.chunks.get(o_id, 1)
+                for level in range(copies):  # a matmul's copy and its cotangent
+                    rows = [[-1] * len(fgr.splits[mr]) for _ in range(len(have))]
+                    for s, sp in enumerate(fgr.splits[mr]):
+                        want = self.lays[o_id, sp][0][j]
+                        grown = self.cm._local_bytes(t, want)
+                        c = classes.setdefault((want, level), len(classes))
+                        if c == len(sizes):
+                            sizes.append(0.0)
+                        sizes[c] = max(sizes[c], grown * scale)
+                        for a, h in enumerate(have):
+                            if grown > h:
+                                rows[a][s] = c
+                    m = np.array(rows, dtype=np.int64)
+                    if gp == gr:  # one decision: only equal strategies meet
+                        readers.append((gr, -1, np.diagonal(m).copy()[None, :]))
+                    else:
+                        readers.append((gr, gp, m))
+            out.append(GatherSet(np.array(sizes), tuple(readers),
+                                 block_index.get(b, -1) if b >= 0 else -1))
+        return out
+
+    def _reruns(self, src: tuple, dst: tuple) -> int:
+        """Whether the edge's relayout runs again in a recomputed block's backward
+        (``plan_walk.relayout_reruns``): 0 no (the reader is not recomputed), 1 yes, 2 unless
+        the producer hands over partial sums (it is not recomputed itself: it reduced them)."""
+        if dst[0] not in ("in", "fin", "ffw") or not self.reruns(dst[1]):
+            return 0
+        return 1 if src[0] == "out" and self.reruns(src[1]) else 2
+
+    def reruns(self, op_id: int) -> bool:
+        """Whether an op runs again in its remat boundary's backward."""
+        return op_id in self.remat and op_id not in self.dropped and \
+            not self.by_id[op_id].regions
 
     def _holds_input(self, t: Tensor, src: tuple, dst: tuple) -> bool:
         """Whether ``dst`` is the first read of a value a recomputed block reads from outside
@@ -289,6 +369,11 @@ class EdgePricing:
         """(seconds, kept bytes or None, bytes gathered again in a recomputed block or None)
         of each pair."""
         secs = w * np.array(self._reshards(t, pairs))
+        if keeps[4]:  # run again in the recomputed reader's block: the forward part again
+            secs += w * np.array(self._reshards(t, [
+                (src, dst if isinstance(dst, Layout) else dst[0])
+                if keeps[4] == 1 or not src.partial else (src, src) for src, dst in pairs],
+                forward=True))
         w = w / self.cm.microbatches
         kept = w * np.array(self._kept_bytes(t, pairs, keeps[0], keeps[1])) \
             if keeps[0] or keeps[1] else None
@@ -296,13 +381,13 @@ class EdgePricing:
             t, pairs, True, False)) if keeps[2] >= 0 else None  # one chunk's at a time
         return secs, kept, again
 
-    def edge(self, edge: tuple, keeps: tuple[bool, bool, int, int], count: int) -> None:
+    def edge(self, edge: tuple, keeps: tuple[bool, bool, int, int, int], count: int) -> None:
         """Add ``count`` x one edge's prices (see :meth:`_ends`) to the tables."""
         t, w, src, dst, (gs, gd), sig = edge
         _gs, _fs, ms, fgs = self.fgroup(src[1])
         _gd, _fd, md, fgd = self.fgroup(dst[1])
         sig = None if sig is None else sig + (
-            keeps[:2], self.chunks.get(dst[1], 1) if keeps[2] >= 0 else 0, keeps[3])
+            keeps[:2], self.chunks.get(dst[1], 1) if keeps[2] >= 0 else 0, keeps[3], keeps[4])
         if gs == gd:  # one decision: only equal strategy indices meet (the diagonal)
             dsig = None if sig is None else ("diag",) + sig
             got = self.memo.get(dsig) if dsig is not None else None

@@ -169,11 +169,13 @@ def solve(tables: CostTables, *, max_memory: float | None = None, time_limit: fl
     n = [len(c) for c in tables.compute]
     if any(k == 0 for k in n):
         raise PlanError("a group has no strategy left (rules removed them all)")
-    if max_memory is not None and any(e.block >= 0 for e in tables.edges):
+    if max_memory is not None and (any(e.block >= 0 for e in tables.edges) or
+                                   any(gs.block >= 0 for gs in tables.gathers)):
         # the operands recomputed blocks gather again (their rows slow HiGHS down) bind only
         # when such a block's transient is the peak: solve without them first; a choice that
         # fits with them too is the optimum (the problem without them is a relaxation)
-        plain = replace(tables, edges=[e for e in tables.edges if e.block < 0])
+        plain = replace(tables, edges=[e for e in tables.edges if e.block < 0],
+                        gathers=[gs for gs in tables.gathers if gs.block < 0])
         sol = solve(plain, max_memory=max_memory, time_limit=time_limit, desc=desc,
                     memory_offset=memory_offset, transient_floor=transient_floor, beat=beat)
         if _fits(tables, sol.choice, max_memory - memory_offset, transient_floor):

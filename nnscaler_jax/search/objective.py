@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["CostTables", "Edge", "SyncSet"]
+__all__ = ["CostTables", "Edge", "GatherSet", "SyncSet"]
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,29 @@ class SyncSet:
         return float(sum(self.cost[c] for c in used))
 
 
+@dataclass(frozen=True)
+class GatherSet:
+    """One tensor's copies grown on the way into readers in several groups that keep them for
+    their transposes: ``bytes[c]`` once any reader picks class ``c`` (a layout, and for a
+    matmul a second class of the same bytes: its cotangent), so readers gathering the tensor
+    to one layout keep one copy, as ``plan_cost`` does. ``readers``: ``(reader group, producer
+    group or -1, class[producer strategy, reader strategy])``, -1 for none (no growth: a copy
+    is kept only when the reader's layout holds more than the producer's; without a producer
+    group the matrix has one row). ``block >= 0``: the copies are recomputed block
+    ``CostTables.remat[block]``'s transient, else kept bytes."""
+
+    bytes: np.ndarray
+    readers: tuple[tuple[int, int, np.ndarray], ...]
+    block: int = -1
+
+    def classes(self, choice) -> set[int]:
+        return {int(m[choice[p] if p >= 0 else 0, choice[r]])
+                for r, p, m in self.readers} - {-1}
+
+    def value(self, choice) -> float:
+        return float(sum(self.bytes[c] for c in self.classes(choice)))
+
+
 @dataclass
 class CostTables:
     """Per group: ``compute`` / ``comm`` seconds and ``memory`` bytes per strategy; edges;
@@ -106,6 +129,7 @@ class CostTables:
     # per recomputed block: (group, residual bytes per strategy) of its ops, live at once
     # (and the edges whose ``block`` is its index: operands its matmuls gather)
     remat: list[tuple[tuple[int, np.ndarray], ...]] = field(default_factory=list)
+    gathers: list[GatherSet] = field(default_factory=list)  # copies several groups gather
 
     def block_transient(self, choice) -> float:
         """The largest recomputed block's residual bytes under ``choice`` (0: none)."""
@@ -113,6 +137,9 @@ class CostTables:
         for e in self.edges:
             if e.block >= 0:
                 per[e.block] += e.memory_at(choice[e.src], choice[e.dst])
+        for gs in self.gathers:
+            if gs.block >= 0:
+                per[gs.block] += gs.value(choice)
         return max(per, default=0.0)
 
     def memory_of(self, choice) -> float:
@@ -121,6 +148,7 @@ class CostTables:
         kept = sum(float(self.memory[g][c]) for g, c in enumerate(choice))
         kept += sum(e.memory_at(choice[e.src], choice[e.dst]) for e in self.edges
                     if e.block < 0)
+        kept += sum(gs.value(choice) for gs in self.gathers if gs.block < 0)
         peak = self.block_transient(choice)
         if self.transient:
             peak = max(peak, max((float(self.transient[g][c]) for g, c in enumerate(choice)),

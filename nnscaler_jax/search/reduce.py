@@ -15,8 +15,8 @@ norms, projections) to the few groups that meet three or more others; the ILP so
 and the eliminated groups are read back in reverse order. The optimum is unchanged. A gradient
 sync shared by readers in two groups is a pairwise term (an edge) too; groups that other terms
 couple are never eliminated: readers of a sync shared by three or more groups, and, under a
-memory budget, groups whose memory or transient differs between strategies and the two ends of
-an edge that keeps bytes (its memory term stays as it is).
+memory budget, groups whose memory or transient differs between strategies, the two ends of
+an edge that keeps bytes (its memory term stays as it is) and the groups of a gather set.
 
 What is left (cycles: attention's q / k / v meeting again, MoE's gates) has only unary and
 pairwise terms unless a gradient sync couples three groups; :func:`solve_by_elimination` then
@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from nnscaler_jax.search.objective import CostTables, Edge, SyncSet
+from nnscaler_jax.search.objective import CostTables, Edge, GatherSet, SyncSet
 
 __all__ = ["Reduced", "dead_end_elimination", "least_memory", "prune_dominated",
            "reduce_tables", "solve_by_elimination"]
@@ -92,6 +92,8 @@ def reduce_tables(tables: CostTables, *, memory_budget: bool = False) -> Reduced
         protected |= {g for g in range(n) if not _constant(tables.memory[g])
                       or (tr is not None and not _constant(tr[g]))}
         protected |= {g for blk in tables.remat for g, _ in blk}
+        protected |= {g for gs in tables.gathers for r, p, _m in gs.readers
+                      for g in (r, p) if g >= 0}
         for e in tables.edges:
             if e.memory is not None:
                 protected |= {e.src, e.dst}
@@ -119,7 +121,10 @@ def reduce_tables(tables: CostTables, *, memory_budget: bool = False) -> Reduced
         [unary[g] for g in kept], [np.zeros_like(unary[g]) for g in kept],
         [tables.memory[g] for g in kept], edges, syncs,
         None if tables.transient is None else [tables.transient[g] for g in kept],
-        [tuple((index[g], v) for g, v in blk) for blk in tables.remat] if memory_budget else [])
+        [tuple((index[g], v) for g, v in blk) for blk in tables.remat] if memory_budget else [],
+        [GatherSet(gs.bytes, tuple((index[r], index[p] if p >= 0 else -1, m)
+                                   for r, p, m in gs.readers), gs.block)
+         for gs in tables.gathers] if memory_budget else [])
     return Reduced(reduced, kept, tuple(steps), offset, floor)
 
 
@@ -310,7 +315,8 @@ def prune_dominated(tables: CostTables) -> tuple[CostTables, list[np.ndarray]]:
     block's: its residuals and the operands it gathers again), are at most zero, so swapping
     ``a`` for ``b`` in any choice that fits still fits (the peak is the kept bytes plus the
     largest transient) and costs less. A gradient sync a group reads into prices the swap at
-    its worst (``b``'s class newly paid, ``a``'s never saved). Exact: every optimum survives.
+    its worst (``b``'s class newly paid, ``a``'s never saved), and so does a gather set it is
+    in (every copy of the set newly kept). Exact: every optimum survives.
 
     Returns:
         ``(pruned tables, kept strategy indices per group)``; a choice ``c`` over the pruned
@@ -332,6 +338,10 @@ def prune_dominated(tables: CostTables) -> tuple[CostTables, list[np.ndarray]]:
     for i, blk in enumerate(tables.remat):
         for g, r in blk:
             residuals[g].append((i, r))
+    gathers: list[list[tuple[int, float]]] = [[] for _ in range(n)]  # (block, all copies)
+    for gs in tables.gathers:
+        for g in {x for r, p, _m in gs.readers for x in (r, p) if x >= 0}:
+            gathers[g].append((gs.block, float(gs.bytes.sum())))
     alive = [np.arange(len(u)) for u in unary]
     changed = True
     while changed:
@@ -341,7 +351,8 @@ def prune_dominated(tables: CostTables) -> tuple[CostTables, list[np.ndarray]]:
             if len(idx) < 2:
                 continue
             drop = _dominated(v, idx, unary[v], touching[v], reads[v], alive,
-                              tables.memory[v], None if tr is None else tr[v], residuals[v])
+                              tables.memory[v], None if tr is None else tr[v], residuals[v],
+                              gathers[v])
             if drop.any():
                 alive[v] = idx[~drop]
                 changed = True
@@ -349,7 +360,8 @@ def prune_dominated(tables: CostTables) -> tuple[CostTables, list[np.ndarray]]:
 
 
 def _dominated(v: int, idx: np.ndarray, unary: np.ndarray, touching, reads, alive,
-               memory: np.ndarray, transient: np.ndarray | None, residuals) -> np.ndarray:
+               memory: np.ndarray, transient: np.ndarray | None, residuals,
+               gathers) -> np.ndarray:
     """Which alive strategies ``idx`` of group ``v`` another alive one replaces (see
     :func:`prune_dominated`): ``d[a, b] > 0`` when ``b`` is cheaper whatever the rest picks
     and keeps no more bytes whatever the rest picks (its edges' bytes at their worst)."""
@@ -379,6 +391,11 @@ def _dominated(v: int, idx: np.ndarray, unary: np.ndarray, touching, reads, aliv
         r = r[idx]
         grow[blk] = grow[blk] + (r[None, :] - r[:, None]) if blk in grow else \
             r[None, :] - r[:, None]
+    for blk, total in gathers:  # the swap may start keeping all of a gather set's copies
+        if blk < 0:
+            more += total
+        else:
+            grow[blk] = grow[blk] + total if blk in grow else np.full_like(more, total)
     rise = np.zeros_like(more)  # the largest transient grows at most by the most one does
     for t in ([] if transient is None else [transient[idx][None, :] - transient[idx][:, None]]) \
             + list(grow.values()):
@@ -403,7 +420,10 @@ def _subset(tables: CostTables, alive: list[np.ndarray]) -> CostTables:
         [SyncSet(s.cost, tuple((g, cls[alive[g]]) for g, cls in s.readers))
          for s in tables.syncs],
         None if tr is None else [t[a] for t, a in zip(tr, alive, strict=True)],
-        [tuple((g, v[alive[g]]) for g, v in blk) for blk in tables.remat])
+        [tuple((g, v[alive[g]]) for g, v in blk) for blk in tables.remat],
+        [GatherSet(gs.bytes, tuple((r, p, m[np.ix_(alive[p], alive[r])] if p >= 0 else
+                                    m[:, alive[r]]) for r, p, m in gs.readers), gs.block)
+         for gs in tables.gathers])
 
 
 def least_memory(tables: CostTables) -> float:

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from nnscaler_jax.search.objective import CostTables
+from nnscaler_jax.search.objective import CostTables, GatherSet
 
-__all__ = ["SCALE", "Rows", "edge_rows", "memory_rows", "sync_rows"]
+__all__ = ["SCALE", "Rows", "edge_rows", "gather_rows", "memory_rows", "sync_rows"]
 
 SCALE = 1e6  # seconds -> microseconds inside the solver (HiGHS tolerances are absolute-ish)
 
@@ -117,12 +117,31 @@ def sync_rows(lp: Rows, tables: CostTables, off: np.ndarray) -> None:
                        0.0, np.inf)
 
 
+def gather_rows(lp: Rows, gs: GatherSet, off: np.ndarray) -> int:
+    """A gather set's class variables ``y_c`` (continuous, in [0, 1], free in the objective),
+    each at least 1 when a reader picks a strategy ``s`` and its producer one ``a`` with
+    ``class[a, s] == c``: ``y_c >= x_rs + sum_a x_pa - 1``. Returns the first one's index."""
+    base = lp.variables(np.zeros(len(gs.bytes)))
+    for r, p, m in gs.readers:
+        for s in range(m.shape[1]):
+            col = m[:, s]
+            for c in np.unique(col[col >= 0]):
+                if p < 0:
+                    lp.add([base + int(c), int(off[r]) + s], [1.0, -1.0], 0.0, np.inf)
+                    continue
+                ps = (np.nonzero(col == c)[0] + off[p]).tolist()
+                lp.add([base + int(c), int(off[r]) + s] + ps, [1.0, -1.0] + [-1.0] * len(ps),
+                       -1.0, np.inf)
+    return base
+
+
 def memory_rows(lp: Rows, tables: CostTables, off: np.ndarray, max_memory: float,
                 memory_offset: float, pairs: Sequence[tuple[int, np.ndarray | None]]) -> float:
-    """Kept bytes (groups' and edge pairs') + T <= M, T (the last variable) >= the chosen
-    transient of each group and the residuals of each recomputed block with the bytes its
-    edges' pairs gather again (``pairs``: :func:`edge_rows`); the bytes are scaled by the
-    largest kept bytes (returned)."""
+    """Kept bytes (groups' and edge pairs', gather sets' classes: :func:`gather_rows`) + T <=
+    M, T (the last variable) >= the chosen transient of each group and the residuals of each
+    recomputed block with the bytes its edges' pairs (and its gather sets) gather again
+    (``pairs``: :func:`edge_rows`); the bytes are scaled by the largest kept bytes
+    (returned)."""
     n = [len(c) for c in tables.compute]
     cols, vals = list(range(int(off[-1]))), [np.concatenate(tables.memory) if n else np.zeros(0)]
     held: list[tuple[list, list]] = [([], []) for _ in tables.remat]  # per block: pairs, bytes
@@ -131,6 +150,11 @@ def memory_rows(lp: Rows, tables: CostTables, off: np.ndarray, max_memory: float
             into = (cols, vals) if e.block < 0 else held[e.block]
             into[0].extend(range(base, base + mem.size))
             into[1].append(mem.ravel())
+    for gs in tables.gathers:  # y_c >= [a reader picks class c]: its bytes once
+        base = gather_rows(lp, gs, off)
+        into = (cols, vals) if gs.block < 0 else held[gs.block]
+        into[0].extend(range(base, base + len(gs.bytes)))
+        into[1].append(np.asarray(gs.bytes, dtype=float))
     mem = np.concatenate(vals)
     scale = max(float(np.abs(mem).max(initial=0.0)), 1.0)
     tvar = lp.variables(np.zeros(1))

@@ -29,7 +29,11 @@ Ops inside a remat (``checkpoint``) boundary keep no activations and run their f
 while a recomputed block's backward runs, its ops' residuals are live again at once: per block,
 the sum of its groups' residual bytes bounds the peak's transient from below
 (``CostTables.remat``), as ``plan_cost`` takes the block's transient, with the operands its
-matmuls gather again when its forward reruns (edges whose ``block`` is the block's index).
+matmuls gather again when its forward reruns (edges whose ``block`` is the block's index); the
+relayouts into its recomputed ops run again too (their forward seconds twice on the edges, as
+``plan_walk.relayout_reruns``). A tensor that readers in several groups keep gathered (for their
+transposes, or again in a recomputed block) is a gather set (``CostTables.gathers``): one copy
+per layout, as ``plan_cost`` keeps them.
 
 Copies of a layer have equal costs; they are computed once (memoized by isomorphism key), for
 the Alpa-style planner too, so the two planners differ only in their ILPs.
@@ -248,15 +252,19 @@ class _Builder(EdgePricing):
                                            self.uses.get(t.id) == (op.id, k))
             if t.role is Role.VARIABLE and not first:
                 continue  # an edge from the first reader
+            again = self.reruns(op.id)  # recomputed: the relayout runs in its backward again
             for i, split in enumerate(splits):
                 want = self.lays[op.id, split][0][k]
                 if lifted is not None:
-                    stored, secs = self._storage(lifted[0], lift(want, lifted[1]), split)
+                    stored, secs = self._storage(lifted[0], lift(want, lifted[1]), split, again)
                 elif first:
-                    stored, secs = self._storage(t, want, split)
+                    stored, secs = self._storage(t, want, split, again)
                 else:
-                    stored, secs = 0.0, cm.reshard_time(t, Layout.replicated(t.ndim), want,
+                    have = Layout.replicated(t.ndim)
+                    stored, secs = 0.0, cm.reshard_time(t, have, want,
                                                         backward=t.id in self.grads)
+                    if again:
+                        secs += cm.reshard_time(t, have, want, backward=False)
                 m[i] += stored
                 x[i] += secs
         return c, x, m
@@ -275,15 +283,20 @@ class _Builder(EdgePricing):
             self.memory[g] += np.array([w * min(whole, self.cm._local_bytes(
                 t, self.lays[op.id, split][0][j])) for split in fg.splits[m]])
 
-    def _storage(self, v: Tensor, want: Layout, split: Split) -> tuple[float, float]:
+    def _storage(self, v: Tensor, want: Layout, split: Split,
+                 again: bool = False) -> tuple[float, float]:
         """(bytes, seconds) of storing variable ``v`` for its first reader, which reads it as
-        ``want`` under ``split``: the state bytes and the reader's relayout from storage."""
+        ``want`` under ``split``: the state bytes and the reader's relayout from storage (its
+        forward twice when ``again``: the reader is recomputed)."""
         dp = partial_grad_axes(want, split)
         have = zero3_layout(v.shape, want, dp, self.space.mesh_axes, joint=False) \
             if self.zero >= 3 else want
         stored = self.cm.variable_bytes(v, want, dp) if self.zero else \
             self.cm.variable_bytes(v, want)
-        return stored, self.cm.reshard_time(v, have, want, backward=v.id in self.grads)
+        secs = self.cm.reshard_time(v, have, want, backward=v.id in self.grads)
+        if again:
+            secs += self.cm.reshard_time(v, have, want, backward=False)
+        return stored, secs
 
     # ---- recomputed blocks ---------------------------------------------------------------------
 
@@ -314,7 +327,9 @@ class _Builder(EdgePricing):
             d[g] = d[g] + vec if g in d else vec
         self._loop_stacks(blocks)
         out: dict[tuple, tuple[tuple[tuple[int, np.ndarray], ...], list]] = {}
-        for b in blocks.keys() | self.regathered.keys():
+        sets = {b for _t, b in self.gather_sets if b >= 0}
+        self.block_index: dict[int, int] = {}
+        for b in blocks.keys() | self.regathered.keys() | sets:
             d = dict(blocks.get(b, {}))
             pairs = []  # the operands its matmuls gather again: per group, or group pair
             for key, m in self.regathered.get(b, {}).items():
@@ -325,7 +340,9 @@ class _Builder(EdgePricing):
             items = tuple(sorted(d.items()))
             pairs.sort(key=lambda p: p[0])
             sig = (tuple((g, v.tobytes()) for g, v in items),
-                   tuple((k, m.tobytes()) for k, m in pairs))
+                   tuple((k, m.tobytes()) for k, m in pairs),
+                   b if b in sets else -1)  # (a block with a gather set: its own)
+            self.block_index[b] = list(out).index(sig) if sig in out else len(out)
             out.setdefault(sig, (items, pairs))  # identical blocks once
         remat, edges = [], []
         for i, (items, pairs) in enumerate(out.values()):
@@ -490,6 +507,7 @@ def build_tables(space: SearchSpace, cm: CostModel, zero: int = 0) -> CostTables
     edges = b.finish()
     remat, again = b.remat_sums()
     edges += again
+    gathers = b.gathers(b.block_index)
     log.info("cost tables: %d groups, %d edges (%d strategy-pair classes), %d shared gradient "
              "syncs", len(space.groups), len(edges), sum(e.cost.size for e in edges), len(syncs))
-    return CostTables(b.compute, b.comm, b.memory, edges, syncs, b.transient, remat)
+    return CostTables(b.compute, b.comm, b.memory, edges, syncs, b.transient, remat, gathers)
