@@ -15,7 +15,6 @@ cost); edges whose costs and memory separate into two unary terms become those.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from functools import lru_cache
 
 import numpy as np
@@ -28,7 +27,7 @@ from nnscaler_jax.layout import Layout
 from nnscaler_jax.layout.rvd import interned
 from nnscaler_jax.plan.layouts import unstack
 from nnscaler_jax.plan.zero import zero3_layout
-from nnscaler_jax.search.objective import Edge, GatherSet
+from nnscaler_jax.search.objective import Edge
 from nnscaler_jax.search.space import Split, walk_graphs
 
 __all__ = ["EdgePricing"]
@@ -292,43 +291,6 @@ class EdgePricing:
                 got = dict([next(iter(got.items()))])
         self.block_keeper[t.id, b] = got
         return got
-
-    def gathers(self, block_index: Mapping[int, int]) -> list[GatherSet]:
-        """The gather sets (:meth:`_keepers`), recomputed blocks by their index in the
-        tables' ``remat`` (``block_index``)."""
-        out = []
-        micro = self.cm.microbatches
-        for (tid, b), keepers in self.gather_sets.items():
-            p_id, k = self.producer_of[tid]
-            t = self.by_id[p_id].outputs[k]
-            gp, _f, mp, fgp = self.fgroup(p_id)
-            have = [self.cm._local_bytes(t, self.lays[p_id, sp][1][k]) for sp in fgp.splits[mp]]
-            classes: dict[tuple, int] = {}
-            sizes: list[float] = []
-            readers = []
-            for (o_id, j), copies in keepers.items():
-                gr, _f, mr, fgr = self.fgroup(o_id)
-                scale = self.space.weights[o_id] / micro / self.chunks.get(o_id, 1)
-                for level in range(copies):  # a matmul's copy and its cotangent
-                    rows = [[-1] * len(fgr.splits[mr]) for _ in range(len(have))]
-                    for s, sp in enumerate(fgr.splits[mr]):
-                        want = self.lays[o_id, sp][0][j]
-                        grown = self.cm._local_bytes(t, want)
-                        c = classes.setdefault((want, level), len(classes))
-                        if c == len(sizes):
-                            sizes.append(0.0)
-                        sizes[c] = max(sizes[c], grown * scale)
-                        for a, h in enumerate(have):
-                            if grown > h:
-                                rows[a][s] = c
-                    m = np.array(rows, dtype=np.int64)
-                    if gp == gr:  # one decision: only equal strategies meet
-                        readers.append((gr, -1, np.diagonal(m).copy()[None, :]))
-                    else:
-                        readers.append((gr, gp, m))
-            out.append(GatherSet(np.array(sizes), tuple(readers),
-                                 block_index.get(b, -1) if b >= 0 else -1))
-        return out
 
     def _reruns(self, src: tuple, dst: tuple) -> int:
         """Whether the edge's relayout runs again in a recomputed block's backward

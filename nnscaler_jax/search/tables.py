@@ -29,7 +29,8 @@ Ops inside a remat (``checkpoint``) boundary keep no activations and run their f
 while a recomputed block's backward runs, its ops' residuals are live again at once: per block,
 the sum of its groups' residual bytes bounds the peak's transient from below
 (``CostTables.remat``), as ``plan_cost`` takes the block's transient, with the operands its
-matmuls gather again when its forward reruns (edges whose ``block`` is the block's index); the
+matmuls gather again when its forward reruns (edges whose ``block`` is the block's index;
+:mod:`~nnscaler_jax.search.blocks`); the
 relayouts into its recomputed ops run again too (their forward seconds twice on the edges, as
 ``plan_walk.relayout_reruns``). A tensor that readers in several groups keep gathered (for their
 transposes, or again in a recomputed block) is a gather set (``CostTables.gathers``): one copy
@@ -46,19 +47,20 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from nnscaler_jax.cost.compute import FREE, grad_tensors
+from nnscaler_jax.cost.compute import grad_tensors
 from nnscaler_jax.cost.fusion import fused_bytes
 from nnscaler_jax.cost.model import CostModel
-from nnscaler_jax.cost.plan_walk import backward_held, boundary_kinds
+from nnscaler_jax.cost.plan_walk import boundary_kinds
 from nnscaler_jax.cost.relayout import drop_partial, partial_grad_axes
 from nnscaler_jax.cost.residuals import residual_outputs, residual_readers, residual_reads
 from nnscaler_jax.ir.coshard import chunks_of
-from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
+from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
 from nnscaler_jax.ir.remat import remat_roles
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.plan.layouts import lift, op_layouts, scan_stored_inputs, sole_read_variables
 from nnscaler_jax.plan.plan import OpPlan
 from nnscaler_jax.plan.zero import zero3_layout
+from nnscaler_jax.search.blocks import BlockPricing, block_inputs, remat_ops
 from nnscaler_jax.search.edges import EdgePricing
 from nnscaler_jax.search.objective import CostTables, Edge, SyncSet
 from nnscaler_jax.search.space import SearchSpace, Split, first_uses
@@ -81,7 +83,7 @@ class _Layouts(dict):
         return out
 
 
-class _Builder(EdgePricing):
+class _Builder(EdgePricing, BlockPricing):
     """Prices a search space: unary costs, gradient syncs, outputs here; edges in
     :class:`~nnscaler_jax.search.edges.EdgePricing`."""
 
@@ -96,9 +98,9 @@ class _Builder(EdgePricing):
         self.memory = [np.zeros(k) for k in n]
         self.transient = [np.zeros(k) for k in n]
         kinds = boundary_kinds(self.graph)
-        self.remat = _remat_ops(kinds, self.graph)
+        self.remat = remat_ops(kinds, self.graph)
         self.in_block = dict(self.remat)  # (with the ops a policy keeps: they gather again)
-        self.block_inputs = _block_inputs(kinds, self.remat)
+        self.block_inputs = block_inputs(kinds, self.remat)
         self.chunks = chunks_of(self.graph)  # op id -> chunks of its co-sharded block
         self.saved = residual_outputs(self.graph)
         # ops a boundary's policy keeps run once, priced as not recomputed, with the outputs
@@ -298,80 +300,6 @@ class _Builder(EdgePricing):
             secs += self.cm.reshard_time(v, have, want, backward=False)
         return stored, secs
 
-    # ---- recomputed blocks ---------------------------------------------------------------------
-
-    def remat_sums(self) -> tuple[list[tuple[tuple[int, np.ndarray], ...]], list[Edge]]:
-        """Per recomputed block (identical ones once), per group the residual bytes of its
-        ops in the block by strategy: while the block's backward runs they are all live again
-        (``plan_walk``'s recompute transient), so the peak's transient is at least their sum;
-        with them the operands its matmuls gather again (edges whose ``block`` is its
-        index)."""
-        blocks: dict[int, dict[int, np.ndarray]] = {}
-        for op_id, b in self.remat.items():
-            op = self.by_id[op_id]
-            saved = self.saved.get(op_id, ())
-            if op.primitive in FREE or op.regions or not saved:
-                continue
-            g, _f, mi, fg = self.fgroup(op_id)
-            k, w = self.chunks.get(op_id, 1), self.space.weights[op_id]
-            key = ("rs", self.space.op_class.get(op_id), fg.split_ids[mi], k, w, saved)
-            vec = self.member_memo.get(key) if self.space.shared else None
-            if vec is None:
-                vec = np.array([sum(self.cm._local_bytes(op.outputs[j],
-                                                         self.lays[op_id, sp][1][j])
-                                    for j in saved) for sp in fg.splits[mi]],
-                               dtype=float) * w / k / self.cm.microbatches
-                if self.space.shared:
-                    self.member_memo[key] = vec
-            d = blocks.setdefault(b, {})
-            d[g] = d[g] + vec if g in d else vec
-        self._loop_stacks(blocks)
-        out: dict[tuple, tuple[tuple[tuple[int, np.ndarray], ...], list]] = {}
-        sets = {b for _t, b in self.gather_sets if b >= 0}
-        self.block_index: dict[int, int] = {}
-        for b in blocks.keys() | self.regathered.keys() | sets:
-            d = dict(blocks.get(b, {}))
-            pairs = []  # the operands its matmuls gather again: per group, or group pair
-            for key, m in self.regathered.get(b, {}).items():
-                if isinstance(key, tuple):
-                    pairs.append((key, m))
-                else:
-                    d[key] = d[key] + m if key in d else m
-            items = tuple(sorted(d.items()))
-            pairs.sort(key=lambda p: p[0])
-            sig = (tuple((g, v.tobytes()) for g, v in items),
-                   tuple((k, m.tobytes()) for k, m in pairs),
-                   b if b in sets else -1)  # (a block with a gather set: its own)
-            self.block_index[b] = list(out).index(sig) if sig in out else len(out)
-            out.setdefault(sig, (items, pairs))  # identical blocks once
-        remat, edges = [], []
-        for i, (items, pairs) in enumerate(out.values()):
-            remat.append(items)
-            edges += [Edge.compressed(u, v, np.zeros_like(m), m, block=i)
-                      for (u, v), m in pairs if np.any(m)]
-        return remat, edges
-
-    def _loop_stacks(self, blocks: dict[int, dict[int, np.ndarray]]) -> None:
-        """Adds to ``blocks`` what co-sharded blocks' chunk loops hold during their backward
-        and the cotangents of recompute groups' outputs (``plan_walk.backward_held``), by the
-        strategy of each tensor's producer (an example input, produced by none, at its
-        replicated bytes)."""
-        producer = self.graph.producer
-        for outer, held in backward_held(self.graph):
-            d, fixed, last = blocks.setdefault(outer, {}), 0.0, None
-            for t, copies in held:
-                op = producer.get(t.id)
-                if op is None or op.id not in self.space.where:
-                    fixed += t.nbytes * copies / self.cm.microbatches
-                    continue
-                g, _f, mi, fg = last = self.fgroup(op.id)
-                j = [o.id for o in op.outputs].index(t.id)
-                vec = np.array([self.cm._local_bytes(t, self.lays[op.id, sp][1][j])
-                                for sp in fg.splits[mi]]) * copies / self.cm.microbatches
-                d[g] = d[g] + vec if g in d else vec
-            if fixed and last is not None:  # (its outputs are produced inside it)
-                d[last[0]] = d[last[0]] + fixed
-
     # ---- gradient syncs ------------------------------------------------------------------------
 
     def syncs(self) -> list[SyncSet]:
@@ -475,26 +403,6 @@ class _Builder(EdgePricing):
                 lay = self.lays[op.id, split][1][k]
                 if lay.partial:
                     self.comm[g][i] += self.cm.reshard_time(t, lay, drop_partial(lay), backward=False)
-
-def _remat_ops(kinds: Mapping[int, tuple[str, tuple[Tensor, ...]]],
-               graph: Graph) -> dict[int, int]:
-    """Ops inside a remat (``checkpoint``) boundary, region bodies included: op id -> its
-    (first) remat boundary's id (``kinds``: :func:`~nnscaler_jax.cost.plan_walk.boundary_kinds`)."""
-    out = {}
-    for op in graph.walk():
-        remat = [b for b in op.boundary if kinds.get(b, ("",))[0] in REMAT_KINDS]
-        if remat:
-            out[op.id] = remat[0]
-    return out
-
-
-def _block_inputs(kinds: Mapping[int, tuple[str, tuple[Tensor, ...]]],
-                  remat: Mapping[int, int]) -> set[int]:
-    """Ids of the values and example inputs a recomputed block reads from outside: the block
-    keeps them for its backward (``plan_walk`` keeps them at the end of its walk)."""
-    return {t.id for b in set(remat.values()) for t in kinds[b][1]
-            if t.role in (Role.VALUE, Role.INPUT)}
-
 
 def build_tables(space: SearchSpace, cm: CostModel, zero: int = 0) -> CostTables:
     """Price every group's strategies and every edge's strategy pairs."""
