@@ -139,9 +139,8 @@ class BlockPricing:
         return out
 
 
-
 def remat_ops(kinds: Mapping[int, tuple[str, tuple[Tensor, ...]]],
-               graph: Graph) -> dict[int, int]:
+              graph: Graph) -> dict[int, int]:
     """Ops inside a remat (``checkpoint``) boundary, region bodies included: op id -> its
     (first) remat boundary's id (``kinds``: :func:`~nnscaler_jax.cost.plan_walk.boundary_kinds`)."""
     out = {}
@@ -153,7 +152,7 @@ def remat_ops(kinds: Mapping[int, tuple[str, tuple[Tensor, ...]]],
 
 
 def block_inputs(kinds: Mapping[int, tuple[str, tuple[Tensor, ...]]],
-                  remat: Mapping[int, int]) -> set[int]:
+                 remat: Mapping[int, int]) -> set[int]:
     """Ids of the values and example inputs a recomputed block reads from outside: the block
     keeps them for its backward (``plan_walk`` keeps them at the end of its walk)."""
     return {t.id for b in set(remat.values()) for t in kinds[b][1]
