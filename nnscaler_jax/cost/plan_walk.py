@@ -255,7 +255,6 @@ class _Walk:
         self.first_want: dict[int, Layout] = {}
         self.scans: list[tuple[Op, tuple[Layout, ...], int]] = []
         self.chunks = chunks_of(graph)  # op id -> chunks of its co-sharded block
-        self.producer = {t.id: op.id for op in graph.walk() for t in op.outputs}
         self.again: set[int] = set()  # ops recomputed in their block's backward
         # ops their remat boundary's policy keeps, and recomputed ones nothing needs
         roles = remat_roles(graph, lambda: residual_readers(
@@ -294,7 +293,8 @@ class _Walk:
         for t, want in zip(op.inputs, ins, strict=True):
             have = self.layout.get(t.id)
             if have is not None and t.ndim:
-                rerun = again and relayout_reruns(have, self.producer.get(t.id) in self.again)
+                w = self.graph.writers.get(t.id)
+                rerun = again and relayout_reruns(have, w is not None and w[0].id in self.again)
                 self.edges.append(_Edge(t, have, want, p.split, mult, bool(op.regions), rerun))
                 self.first_want.setdefault(t.id, want)
         for t, lay in zip(op.outputs, outs, strict=True):

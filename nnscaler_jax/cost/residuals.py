@@ -154,11 +154,8 @@ def _traced(graph: Graph, grads: set[int] | None
                        Mapping[tuple[int, int], frozenset[int]]]:
     if grads is None:  # (boundaries and op order change nothing: once per dataflow)
         return _MEMO.get(graph, None, lambda: _traced(graph, grad_tensors(graph)))
-    producer: dict[int, tuple[Op, int]] = {}
+    producer = graph.writers
     ops = list(graph.walk())
-    for op in ops:
-        for k, t in enumerate(op.outputs):
-            producer[t.id] = (op, k)
     out: dict[int, set[int]] = {}
     reads: set[tuple[int, int]] = set()
     readers: dict[tuple[int, int], set[int]] = {}  # root -> the ops whose transposes read it

@@ -281,6 +281,11 @@ class Graph:
         """Tensor id -> the top-level op that writes it."""
         return {t.id: op for op in self.ops for t in op.outputs}
 
+    @cached_property
+    def writers(self) -> Mapping[int, tuple[Op, int]]:
+        """Tensor id -> (the op that writes it, its output index), region bodies included."""
+        return {t.id: (op, k) for op in self.walk() for k, t in enumerate(op.outputs)}
+
     def __str__(self) -> str:
         return _print_graph(self, "")
 

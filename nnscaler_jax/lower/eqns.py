@@ -54,8 +54,7 @@ class EqnConstraints:
     def of(cls, lowering: Lowering) -> EqnConstraints:
         """The constraints ``lowering`` applies, keyed by its graph's equations."""
         graph = lowering.graph
-        producer: dict[int, tuple[Op, int]] = {
-            t.id: (op, i) for op in graph.walk() for i, t in enumerate(op.outputs)}
+        producer = graph.writers
 
         def out_specs(op: Op) -> list[P | None]:
             _, outs = op_layouts(op, lowering.plan_of(op))

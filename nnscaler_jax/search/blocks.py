@@ -26,7 +26,7 @@ __all__ = ["BlockPricing", "block_inputs", "remat_ops"]
 class BlockPricing:
     """The recomputed blocks' half of the tables' builder (``tables._Builder`` mixes it in):
     reads the builder's ``remat``, ``saved``, ``chunks``, ``space``, ``cm``, ``lays``,
-    ``by_id``, ``regathered``, ``gather_sets``, ``producer_of``, ``member_memo`` and
+    ``by_id``, ``regathered``, ``gather_sets``, ``graph``, ``member_memo`` and
     ``fgroup``; sets ``block_index`` (block id -> its index in ``CostTables.remat``)."""
 
     def remat_sums(self) -> tuple[list[tuple[tuple[int, np.ndarray], ...]], list[Edge]]:
@@ -56,6 +56,7 @@ class BlockPricing:
             d[g] = d[g] + vec if g in d else vec
         self._loop_stacks(blocks)
         out: dict[tuple, tuple[tuple[tuple[int, np.ndarray], ...], list]] = {}
+        index: dict[tuple, int] = {}  # (identical blocks share one index)
         sets = {b for _t, b in self.gather_sets if b >= 0}
         self.block_index: dict[int, int] = {}
         for b in blocks.keys() | self.regathered.keys() | sets:
@@ -71,7 +72,7 @@ class BlockPricing:
             sig = (tuple((g, v.tobytes()) for g, v in items),
                    tuple((k, m.tobytes()) for k, m in pairs),
                    b if b in sets else -1)  # (a block with a gather set: its own)
-            self.block_index[b] = list(out).index(sig) if sig in out else len(out)
+            self.block_index[b] = index.setdefault(sig, len(index))
             out.setdefault(sig, (items, pairs))  # identical blocks once
         remat, edges = [], []
         for i, (items, pairs) in enumerate(out.values()):
@@ -101,14 +102,14 @@ class BlockPricing:
             if fixed and last is not None:  # (its outputs are produced inside it)
                 d[last[0]] = d[last[0]] + fixed
 
-    def gathers(self, block_index: Mapping[int, int]) -> list[GatherSet]:
+    def gathers(self) -> list[GatherSet]:
         """The gather sets (:meth:`_keepers`), recomputed blocks by their index in the
-        tables' ``remat`` (``block_index``)."""
+        tables' ``remat`` (``block_index``, set by :meth:`remat_sums`)."""
         out = []
         micro = self.cm.microbatches
         for (tid, b), keepers in self.gather_sets.items():
-            p_id, k = self.producer_of[tid]
-            t = self.by_id[p_id].outputs[k]
+            producer, k = self.graph.writers[tid]
+            p_id, t = producer.id, producer.outputs[k]
             gp, _f, mp, fgp = self.fgroup(p_id)
             have = [self.cm._local_bytes(t, self.lays[p_id, sp][1][k]) for sp in fgp.splits[mp]]
             classes: dict[tuple, int] = {}
@@ -135,7 +136,7 @@ class BlockPricing:
                     else:
                         readers.append((gr, gp, m))
             out.append(GatherSet(np.array(sizes), tuple(readers),
-                                 block_index.get(b, -1) if b >= 0 else -1))
+                                 self.block_index.get(b, -1) if b >= 0 else -1))
         return out
 
 

@@ -61,10 +61,8 @@ class EdgePricing:
         # recomputed block -> group pair (or group) -> bytes its matmuls gather again
         self.regathered: dict[int, dict[tuple[int, int] | int, np.ndarray]] = {}
         # (tensor, block or -1) -> reads priced on their edges; those a gather set prices
-        self.block_keeper: dict[tuple[int, int], dict[tuple[int, int], int]] = {}
+        self.keepers: dict[tuple[int, int], dict[tuple[int, int], int]] = {}
         self.gather_sets: dict[tuple[int, int], dict[tuple[int, int], int]] = {}
-        self.producer_of = {t.id: (op.id, k) for op in self.graph.walk()
-                            for k, t in enumerate(op.outputs)}
         self.memo: dict[tuple, np.ndarray] = {}
         self.reshard_memo: dict[tuple, dict[tuple, float]] = {}  # tensor kind -> pair -> s
         # values read once, by an op of their producer's graph: the edge prices the gradient's
@@ -267,7 +265,7 @@ class EdgePricing:
         the Alpa-style ILP, one group per op, gather a LayerNorm's output for q, k and v to
         layouts it did not count: a GPT under a budget its recompute alone meets, priced
         478,720 bytes, 511,488 in full, and no plan found.)"""
-        got = self.block_keeper.get((t.id, b))
+        got = self.keepers.get((t.id, b))
         if got is not None:
             return got
         groups: dict[int, tuple[tuple[int, int], int]] = {}
@@ -283,13 +281,13 @@ class EdgePricing:
             groups.setdefault(self.fgroup(o.id)[0], ((o.id, k), copies))
         got = dict(groups.values())
         if len(got) > 1:
-            if t.role is Role.VALUE and t.id in self.producer_of and \
-                    not self.by_id[self.producer_of[t.id][0]].regions:
+            writer = self.graph.writers.get(t.id)
+            if t.role is Role.VALUE and writer is not None and not writer[0].regions:
                 self.gather_sets[t.id, b] = got
                 got = {}
             else:  # (a weight, a scan's output: its first read alone, a known gap)
                 got = dict([next(iter(got.items()))])
-        self.block_keeper[t.id, b] = got
+        self.keepers[t.id, b] = got
         return got
 
     def _reruns(self, src: tuple, dst: tuple) -> int:

@@ -415,7 +415,7 @@ def build_tables(space: SearchSpace, cm: CostModel, zero: int = 0) -> CostTables
     edges = b.finish()
     remat, again = b.remat_sums()
     edges += again
-    gathers = b.gathers(b.block_index)
+    gathers = b.gathers()
     log.info("cost tables: %d groups, %d edges (%d strategy-pair classes), %d shared gradient "
              "syncs", len(space.groups), len(edges), sum(e.cost.size for e in edges), len(syncs))
     return CostTables(b.compute, b.comm, b.memory, edges, syncs, b.transient, remat, gathers)
