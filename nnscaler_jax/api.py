@@ -38,7 +38,7 @@ from nnscaler_jax.capture.trace import (
 )
 from nnscaler_jax.constraints import Constraints
 from nnscaler_jax.errors import ConstraintError, PlanError
-from nnscaler_jax.ir.graph import Graph
+from nnscaler_jax.ir.graph import Graph, Role
 from nnscaler_jax.lower.explicit import result_specs
 from nnscaler_jax.lower.program import Program, place, signature
 from nnscaler_jax.lower.replay import Lowering, explicit_context, explicitly_typed
@@ -305,6 +305,15 @@ class AutoParallel:
         n = len(jax.tree_util.tree_leaves(plain))
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(plain),
                                             list(prog.in_shardings[:n]))
+
+    def argument_shardings(self) -> tuple[Any, ...]:
+        """Where the last planned call reads its array arguments (``NamedSharding``, None for
+        non-array ones), in the order ``apply`` takes them."""
+        if self._last is None:
+            raise PlanError("no plan yet: call init/apply or make_plan first")
+        prog = self._last
+        return tuple(s for t, s in zip(prog.captured.graph.inputs, prog.in_shardings,
+                                       strict=True) if t.role is Role.INPUT)
 
     def train_step(self, loss_fn: Callable[..., Any], optimizer: Any, *,
                    return_grads: bool = False, **options: Any) -> Any:

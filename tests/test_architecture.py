@@ -5,7 +5,8 @@ with a rank (`LAYERS`, by longest dotted prefix); a module imports only modules 
 rank, function-level and `if TYPE_CHECKING` imports included, and the imports have no cycle. Nothing
 inside the package imports the root package (only `__main__` may). `from x import _name` across
 modules is forbidden (private *names*; private module files such as `rules/_build.py` are fine).
-No module is over 500 lines, no function over 80 (the `def` line to its last line); exceptions go
+No module is over 800 lines (one concept whatever its length; past ~800 lines, ask whether it still
+is: STYLE retired the 500-line cap), no function over 80 (the `def` line to its last line); exceptions go
 in `EXCEPTIONS` and must be listed in docs/design.md's "Exceptions to the size limits".
 """
 import ast
@@ -17,7 +18,7 @@ import networkx as nx
 ROOT = Path(__file__).resolve().parents[1]
 PKG = "nnscaler_jax"
 DESIGN = ROOT / "docs" / "design.md"
-MAX_MODULE_LINES, MAX_FUNCTION_LINES = 500, 80
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 800, 80
 
 # Size-limit exceptions: "nnscaler_jax/x.py" or "nnscaler_jax/x.py::Class.func" -> reason.
 EXCEPTIONS: dict[str, str] = {}

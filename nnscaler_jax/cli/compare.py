@@ -17,6 +17,9 @@ planning failure is an entry with ``fits: null`` and ``error``.
 precision (the zoo config's ``dtype`` set to it, params and inputs cast on entry, float32 master
 weights and optimizer state), so every planner is priced at the same precision.
 
+``--xla`` (with ``--cluster``) compiles each plan's training step for the cluster's GPU with
+XLA's GPU compiler on compile-only devices: the entry gains ``xla`` (:mod:`nnscaler_jax.cli.xla`).
+
 ``--plot out.png`` writes :func:`nnscaler_jax.cli.plots.planner_bars` of the results (step time,
 memory per device with the budget line, communication per planner); the JSON gains ``"plot"``.
 """
@@ -42,7 +45,8 @@ from nnscaler_jax.cli.common import (
     spec_rng_names,
     table,
 )
-from nnscaler_jax.mesh.axes import stage_axis
+from nnscaler_jax.cli.xla import check_cluster, xla_entry, xla_text
+from nnscaler_jax.mesh.axes import mesh_axes, stage_axis
 
 __all__ = ["cmd_compare", "plan_features", "smallest_estimate"]
 
@@ -245,6 +249,7 @@ def _row(name: str, r: dict[str, Any]) -> list[str]:
             "-" if r["comm_bytes"] is None else mib(r["comm_bytes"]),
             mib(r["compiled_memory_bytes"]) if "compiled_memory_bytes" in r else "-",
             mib(r["hlo_comm_bytes"]) if "hlo_comm_bytes" in r else "-",
+            *xla_text(r.get("xla")),
             _features_text(r["features"]) + _shape_text(r.get("mesh")), r.get("error", "")[:60]]
 
 
@@ -275,6 +280,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     planners = [check_policy(p.strip()) for p in args.planners.split(",") if p.strip()]
     if not planners:
         raise UsageError(f"--planners is empty; choose from: {', '.join(policy_names())}")
+    check_cluster(args)
     cluster = _cluster(args)
     budget, source, short = _budget(args, mesh, cluster)
     explicit = budget if args.budget is not None else None
@@ -289,6 +295,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
             plan, results[name] = _one(name, graph, mesh, cluster, explicit)
         if plan is not None and compile_here and plan.pipeline is None:
             results[name].update(_compiled_figures(spec, mesh, plan))
+        if plan is not None and getattr(args, "xla", False):
+            results[name]["xla"] = xla_entry(spec, plan, cluster,
+                                             results[name].get("mesh") or mesh_axes(mesh))
     obj = {"model": args.model, "preset": args.preset, "mesh": args.mesh,
            "cluster": args.cluster, "budget_bytes": budget, "budget": source,
            "precision": precision, "planners": results}
@@ -297,7 +306,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     text = ""
     if not args.json:
         headers = ["planner", "fits", "plan s", "step ms", "memory/device", "comm",
-                   "XLA memory", "HLO comm", "features", "note"]
+                   "XLA memory", "HLO comm", "XLA:GPU peak", "XLA/est", "features", "note"]
         rows = [_row(n, r) for n, r in results.items()]
         keep = [i for i, h in enumerate(headers) if i < 6 or h == "features"
                 or any(r[i] not in ("", "-") for r in rows)]  # drop empty extra columns

@@ -22,10 +22,13 @@ from nnscaler_jax.cli.common import (
     DEFAULT_DEVICES,
     DEFAULT_PLANNERS,
     UsageError,
+    backends_started,
     request_devices,
 )
 from nnscaler_jax.cli.compare import cmd_compare
 from nnscaler_jax.cli.train import add_train_parser
+from nnscaler_jax.cli.xla import XLA_HELP
+from nnscaler_jax.mesh.gpu import use_cpu_platform
 
 __all__ = ["main"]
 
@@ -107,6 +110,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="let the searches (auto, alpa) also use the mesh's devices as pipeline "
                         "stages x data x model (the stage DP picks schedule, micro-batches and "
                         "cuts under the same budget); each entry gains 'mesh' and 'candidates'")
+    c.add_argument("--xla", action="store_true", help=XLA_HELP)
     c.add_argument("--plot", default=None, metavar="PNG",
                    help="write a PNG of per-planner bars: step time, memory per device (the "
                         "budget as a line), communication")
@@ -138,6 +142,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     request_devices(args.devices)
+    if not backends_started():
+        # with no GPU driver, jax's CUDA plugin (the xla-gpu extra) would fail to start: CPU
+        # devices run, and its compile-only GPUs stay available to --xla
+        use_cpu_platform()
 
     from nnscaler_jax.errors import PlanError
 

@@ -62,7 +62,8 @@ from nnscaler_jax.mesh.topology import LinkCost, MeshSpec
 __all__ = [
     "A100_40G", "A100_80G", "CLUSTERS", "CPU", "DEFAULT_RESERVE_FRACTION", "DEVICES", "H100_80G",
     "H200", "IB_EDR", "IB_EDR_SHARED", "IB_HDR", "IB_NDR", "NVLINK_A100", "NVLINK_H100", "NVLINK_V100", "V100_32G",
-    "ClusterSpec", "DefaultBudget", "DeviceSpec", "cluster_preset", "default_budget",
+    "ClusterSpec", "DefaultBudget", "DeviceSpec", "cluster_preset", "compile_only_mesh",
+    "default_budget",
     "default_budget_of", "device_for_kind", "device_preset", "local_cpu", "memory_reserve",
 ]
 
@@ -87,6 +88,10 @@ class DeviceSpec:
         kind: ``jax.Device.device_kind`` of this device, the key of profiled times.
         launch_s: the least seconds one kernel takes (launch and scheduling): the floor of a
             small co-sharded chunk's time.
+        gemm_workspace_bytes: the scratch buffer XLA:GPU gives each cuBLAS GEMM (a training
+            step's peak holds one): 4 MiB on V100, where every matmul is a cuBLAS call; 0 where
+            XLA emits its own Triton GEMMs by default (A100, H100, compiled without a device
+            to autotune on).
     """
 
     name: str
@@ -99,6 +104,7 @@ class DeviceSpec:
     bandwidth_efficiency: float = 0.9
     kind: str = ""
     launch_s: float = 5e-6
+    gemm_workspace_bytes: int = 0
 
     def peak(self, dtype: str, matmul: bool) -> float:
         """Peak FLOP/s for ``dtype`` (16-bit, or 32/64-bit) on matrix or vector units."""
@@ -112,7 +118,7 @@ class DeviceSpec:
 
 
 V100_32G = DeviceSpec("V100-32G", 125 * T, 15.7 * T, 32 * 2**30, 900 * GB, efficiency=0.75,
-                      kind="Tesla V100-SXM2-32GB")
+                      kind="Tesla V100-SXM2-32GB", gemm_workspace_bytes=4 * 2**20)
 A100_40G = DeviceSpec("A100-40G", 312 * T, 19.5 * T, 40 * GB, 1.555 * T, efficiency=0.75,
                       flops_tf32=156 * T, kind="NVIDIA A100-SXM4-40GB")
 A100_80G = DeviceSpec("A100-80G", 312 * T, 19.5 * T, 80 * GB, 2.039 * T, efficiency=0.75,
@@ -255,6 +261,40 @@ def cluster_preset(name: str) -> ClusterSpec:
     except KeyError:
         raise PlanError(f"unknown cluster {name!r}; presets: {', '.join(CLUSTERS)} (or build a "
                         "ClusterSpec(name, device, devices_per_node, intra, inter))") from None
+
+
+def compile_only_mesh(cluster: ClusterSpec | DeviceSpec | str, shape: Sequence[int],
+                      axes: Sequence[str]) -> object:
+    """A ``jax.sharding.Mesh`` of compile-only GPUs (:mod:`nnscaler_jax.mesh.gpu`) of a cluster
+    preset (``"v100-32g-8x"``), a :class:`ClusterSpec` or a GPU :class:`DeviceSpec` / device
+    preset name, shaped ``shape`` with axis names ``axes`` (Auto axis types).
+
+    Programs over it compile for that GPU (``jit(f).lower(...).compile()``) but never run.
+    Planning on it prices with the preset of its ``device_kind`` and budgets that device's
+    memory (:func:`default_budget`).
+
+    Raises:
+        PlanError: not a GPU preset, the CUDA plugin unavailable (the message says how to get
+            it), or a shape that does not match ``axes``.
+    """
+    import math
+
+    import jax
+    import numpy as np
+
+    from nnscaler_jax.mesh.gpu import compile_only_devices
+
+    per_host = 8
+    if isinstance(cluster, str):
+        cluster = (CLUSTERS[cluster.lower()] if cluster.lower() in CLUSTERS
+                   else device_preset(cluster))
+    if isinstance(cluster, ClusterSpec):
+        per_host, cluster = cluster.devices_per_node, cluster.device
+    shape, axes = tuple(int(s) for s in shape), tuple(axes)
+    if len(shape) != len(axes):
+        raise PlanError(f"mesh shape {shape} and axis names {axes} differ in length")
+    devices = compile_only_devices(cluster.kind, math.prod(shape), per_host)
+    return jax.sharding.Mesh(np.asarray(devices, dtype=object).reshape(shape), axes)
 
 
 # ---- the default memory budget -----------------------------------------------------------------

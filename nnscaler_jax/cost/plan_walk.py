@@ -224,6 +224,11 @@ def analyze(model: Any, plan: Plan, graph: Graph) -> _Analysis:
     out.activations, out.transient = out.activations / micro, out.transient / micro
     store, var_ids = _storage(model, plan, graph, walk.edges, walk.origin, zero, out)
     _communication(model, walk.edges, store, var_ids, grads, zero, out)
+    # XLA:GPU's cuBLAS GEMMs take a workspace of their own, live while one runs (the peak is
+    # at a matmul of the backward)
+    if model.device.gemm_workspace_bytes and any(op.primitive == "dot_general"
+                                                 for op in graph.walk()):
+        out.transient += model.device.gemm_workspace_bytes
     return out
 
 

@@ -39,11 +39,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnscaler_jax.capture.metadata import unbox
+from nnscaler_jax.cost.devices import default_budget_of, device_for_kind
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.lower.replay import auto_view, explicitly_typed
 from nnscaler_jax.mesh.axes import data_axes, mesh_axes
+from nnscaler_jax.mesh.gpu import slop_factor
 from nnscaler_jax.pipeline.program import inputs_error, microbatch_rngs
 from nnscaler_jax.pipeline.update import per_device_bytes, place_as
 from nnscaler_jax.plan.zero import zero3_layout
@@ -256,11 +258,9 @@ class SpmdStep:
     def _rngs(self, key: Any, i: Any) -> dict | None:
         return None if key is None else microbatch_rngs(key, i, self.rng_streams)
 
-    def init(self, variables: Any, *batch: Any, rng: Any = None) -> dict:
-        """Plan the whole batch's call, lay out the state and build the jitted step.
-
-        Returns ``{'params', 'opt_state', 'collections', 'step'}`` (+ ``'rng'`` when ``rng`` is
-        given, + ``'loss_scale'``, ``'good_steps'`` under float16)."""
+    def _set_up(self, variables: Any, batch: Sequence[Any], rng: Any) -> tuple[Any, Any]:
+        """Plan the whole batch's call, derive the state's shardings and build the jitted step
+        (nothing allocated); returns the module's ``(params, collections)`` trees."""
         asked = self.model.core.constraints
         if asked is not None and asked.microbatches:  # said before planning
             self._micro_count(asked.microbatches, batch)
@@ -290,25 +290,114 @@ class SpmdStep:
                                   (p_sh, c_sh))
         z_sh = zero_specs(params, p_sh, mesh, plan.zero)
         opt_shapes = jax.eval_shape(self.optimizer.init, params)
-        o_sh = _state_shardings(opt_shapes, params, z_sh, mesh)
         rep = NamedSharding(mesh, P())
-        state_sh = {"params": p_sh, "opt_state": o_sh, "step": rep, "collections": c_sh}
+        state_sh = {"params": p_sh, "opt_state": _state_shardings(opt_shapes, params, z_sh, mesh),
+                    "step": rep, "collections": c_sh}
+        if rng is not None:
+            state_sh["rng"] = rep
+        if plan.precision == "float16":
+            state_sh["loss_scale"] = state_sh["good_steps"] = rep
+        self._shardings = {"state": state_sh, "grads": z_sh if plan.zero >= 2 else p_sh}
+        self.compiler_options = self._gpu_options(params, colls, opt_shapes, batch)
+        self.jitted = jax.jit(self._step, out_shardings=(state_sh, None), donate_argnums=0,
+                              compiler_options=self.compiler_options)
+        return params, colls
+
+    def _gpu_options(self, params: Any, colls: Any, opt_shapes: Any, batch: Sequence[Any]
+                     ) -> dict | None:
+        """On GPUs: XLA's scheduler and rematerialization limit put at the plan's budget
+        (:func:`~nnscaler_jax.mesh.gpu.slop_factor`; XLA's own is ~76% of the device's memory,
+        under the default budget), counting the state and the batch as the program's inputs."""
+        device = self.mesh.devices.flat[0]
+        if getattr(device, "platform", "cpu") != "gpu":
+            return None
+        asked = self.model.core.constraints
+        budget = asked.max_memory_per_device if asked is not None else None
+        default = default_budget_of(self.mesh)
+        if default is None:
+            return None
+        sh = self._shardings["state"]
+
+        def local(x: Any, s: NamedSharding) -> int:
+            return math.prod(s.shard_shape(np.shape(x))) * jnp.dtype(x.dtype).itemsize
+
+        io = sum(local(x, s) for tree, shs in ((params, sh["params"]), (colls, sh["collections"]),
+                                               (opt_shapes, sh["opt_state"]))
+                 for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shs), strict=True))
+        io += sum(local(x, x.sharding) for x in self._batch_abstract(batch))
+        slop = slop_factor(int(budget or default.bytes), io, default.memory_bytes)
+        return {"xla_gpu_memory_limit_slop_factor": slop}
+
+    def init(self, variables: Any, *batch: Any, rng: Any = None) -> dict:
+        """Plan the whole batch's call, lay out the state and build the jitted step.
+
+        Returns ``{'params', 'opt_state', 'collections', 'step'}`` (+ ``'rng'`` when ``rng`` is
+        given, + ``'loss_scale'``, ``'good_steps'`` under float16)."""
+        params, colls = self._set_up(variables, batch, rng)
+        state_sh = self._shardings["state"]
+        rep = state_sh["step"]
         # copies: the step donates its state, the caller keeps ``variables``
         copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t),
-                       out_shardings=(p_sh, state_sh["collections"]))
+                       out_shardings=(state_sh["params"], state_sh["collections"]))
         params, colls = copy((params, colls))
         state = {"params": params, "collections": colls,
                  "step": jax.device_put(jnp.zeros((), jnp.int32), rep)}
-        state["opt_state"] = jax.jit(self.optimizer.init, out_shardings=o_sh)(state["params"])
+        state["opt_state"] = jax.jit(self.optimizer.init,
+                                     out_shardings=state_sh["opt_state"])(state["params"])
         if rng is not None:
-            state["rng"], state_sh["rng"] = jax.device_put(rng, rep), rep
-        if plan.precision == "float16":
+            state["rng"] = jax.device_put(rng, rep)
+        if self._plan.precision == "float16":
             state["loss_scale"] = jax.device_put(jnp.float32(INITIAL_LOSS_SCALE), rep)
             state["good_steps"] = jax.device_put(jnp.zeros((), jnp.int32), rep)
-            state_sh["loss_scale"] = state_sh["good_steps"] = rep
-        self._shardings = {"state": state_sh, "grads": z_sh if plan.zero >= 2 else p_sh}
-        self.jitted = jax.jit(self._step, out_shardings=(state_sh, None), donate_argnums=0)
         return state
+
+    def abstract_init(self, variables: Any, *batch: Any, rng: Any = None) -> tuple[dict, tuple]:
+        """What :meth:`init` lays out, as ``jax.ShapeDtypeStruct`` values with their shardings,
+        and the batch laid out as the plan reads it: ``(state, batch)`` for
+        ``step.lower(state, *batch)``. Nothing is allocated, so ``variables`` and ``batch``
+        may be abstract and the mesh's devices compile-only
+        (:func:`~nnscaler_jax.cost.devices.compile_only_mesh`)."""
+        if isinstance(self.model, _Nnx):
+            raise PlanError("train_step: abstract_init takes a linen module's variables; an "
+                            "nnx module holds its arrays (lay it out with step.init)")
+        params, colls = self._set_up(variables, batch, rng)
+        state_sh = self._shardings["state"]
+
+        def sds(x: Any, s: NamedSharding) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=s)
+
+        state = {"params": jax.tree.map(sds, params, state_sh["params"]),
+                 "collections": jax.tree.map(sds, colls, state_sh["collections"]),
+                 "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=state_sh["step"])}
+        opt = jax.eval_shape(self.optimizer.init, params)
+        state["opt_state"] = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), opt,
+            state_sh["opt_state"])
+        if rng is not None:
+            key = jax.eval_shape(lambda k: k, rng)
+            state["rng"] = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=state_sh["rng"])
+        for name, dtype in (("loss_scale", jnp.float32), ("good_steps", jnp.int32)):
+            if name in state_sh:
+                state[name] = jax.ShapeDtypeStruct((), dtype, sharding=state_sh[name])
+        return state, self._batch_abstract(batch)
+
+    def _batch_abstract(self, batch: Sequence[Any]) -> tuple:
+        """The batch as ``ShapeDtypeStruct`` values laid out as the plan reads the module's
+        inputs; the loss's own arrays (labels) split like the first input's leading dim."""
+        got = list(self.model.core.argument_shardings())
+        n = len(batch) if self.inputs is None else self.inputs
+        lead = None
+        if got and got[0] is not None and got[0].spec:
+            lead = got[0].spec[0]
+        out = []
+        for i, x in enumerate(batch):
+            s = got[i] if i < n and i < len(got) else None
+            if s is None:
+                s = P(*([lead] if np.ndim(x) and lead is not None else []))
+            spec = getattr(s, "spec", s)
+            out.append(jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x),
+                                            sharding=NamedSharding(self.mesh, spec)))
+        return tuple(out)
 
     # ---- the step ------------------------------------------------------------------------------
 
@@ -419,8 +508,11 @@ class SpmdStep:
     def predicted_memory(self) -> dict[str, int]:
         """The plan's per-device estimate by kind (``params``, ``grads``, ``optimizer``,
         ``activations``, ``transient``, ``peak``; activations of one micro-batch), priced with
-        the mesh's own cost model (Adam: two moments per parameter)."""
+        the mesh's own cost model (Adam: two moments per parameter; the preset of the mesh's
+        accelerator, where it has one)."""
         self._check()
         plan = self._plan
-        cm = CostModel.for_axes(dict(plan.mesh), zero=plan.zero)
+        device = device_for_kind(str(getattr(self.mesh.devices.flat[0], "device_kind", "")))
+        cm = CostModel.for_axes(dict(plan.mesh), zero=plan.zero,
+                                **({"device": device} if device is not None else {}))
         return cm.memory_breakdown(plan, self._graph)

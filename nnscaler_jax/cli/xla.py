@@ -1,0 +1,87 @@
+"""``--xla``: each plan's training step compiled by XLA's GPU compiler for the cluster's GPU
+(compile-only devices, :mod:`nnscaler_jax.train.xla_gpu`), its figures beside the estimate.
+
+The step is the one ``train`` runs: ``pm.train_step(spec.loss_fn, optax.adamw(...))`` (forward,
+backward, Adam's update, the state donated) on the plan, at the plan's precision, compiled over a
+mesh of compile-only GPUs of the cluster shaped as the plan's mesh. The JSON entry::
+
+    {"peak_bytes", "fits", "xla_remat", "involuntary_remat", "collectives": {kind: {count,
+     bytes}}, "compile_s", "device", "device_memory_bytes", "argument_bytes", "output_bytes",
+     "temp_bytes", "alias_bytes", "notes", "over_estimate"}
+
+``over_estimate``: XLA's peak / the plan's ``memory_bytes_per_device``. A plan that the estimate
+says fits and XLA's peak does not (or that XLA had to rematerialize) says so in ``notes`` and in
+the command's table; a pipelined plan is not compiled (``error``): its stages are programs of
+their own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nnscaler_jax.cli.common import UsageError, abstract_inputs, mib
+
+__all__ = ["XLA_HELP", "check_cluster", "xla_entry", "xla_text"]
+
+XLA_HELP = ("compile each plan's training step (forward, backward, Adam, donated state) with "
+            "XLA's GPU compiler for the --cluster GPU on compile-only devices (no GPU needed; "
+            "the xla-gpu extra) and report XLA's peak memory, its own rematerialization, "
+            "involuntary full rematerializations and collectives beside the estimate")
+
+
+def check_cluster(args: Any) -> None:
+    """``--xla`` needs a GPU ``--cluster``."""
+    if getattr(args, "xla", False) and not getattr(args, "cluster", None):
+        raise UsageError("--xla compiles for a GPU: name it with --cluster (e.g. v100-32g-8x, "
+                         "a100-80g-8x, h100-80g-8x, h200-8x)")
+
+
+def xla_entry(spec: Any, plan: Any, cluster: Any, axes: dict[str, int]) -> dict[str, Any]:
+    """The ``xla`` JSON entry of ``plan`` (made for ``spec``'s model on a mesh ``axes``)
+    compiled for ``cluster``'s GPU; ``{"error": ...}`` when it cannot be compiled here."""
+    import jax
+    import optax
+
+    from nnscaler_jax.api import auto_parallel
+    from nnscaler_jax.cost.devices import compile_only_mesh
+    from nnscaler_jax.errors import PlanError
+    from nnscaler_jax.train.xla_gpu import check_step
+
+    if plan.pipeline is not None:
+        return {"error": "a pipelined plan's stages compile as separate programs: not checked"}
+    if spec.kind != "linen":
+        return {"error": "--xla compiles linen models' steps (an nnx module holds its arrays)"}
+    try:
+        mesh = compile_only_mesh(cluster, tuple(axes.values()), tuple(axes))
+        pm = auto_parallel(mesh, plan=plan)(spec.module)
+        step = pm.train_step(spec.loss_fn, optax.adamw(1e-4),
+                             rng_streams=spec.rng_streams or ("dropout",))
+        args, variables = abstract_inputs(spec)
+        rng = jax.random.key(0) if spec.rng_streams else None
+        check = check_step(step, variables, args, rng=rng)
+    except PlanError as e:
+        return {"error": str(e).splitlines()[0]}
+    out = check.to_json()
+    est = plan.cost.memory_bytes_per_device if plan.cost is not None else None
+    out["over_estimate"] = (check.peak_bytes / est) if est else None
+    if not check.fits:
+        out["notes"].append(f"does not fit by XLA:GPU: peak {check.peak_bytes / 2**30:.2f} GiB "
+                            f"over the device's {check.device_memory_bytes / 2**30:.2f} GiB")
+    return out
+
+
+def xla_text(entry: dict[str, Any] | None) -> tuple[str, str]:
+    """``(peak, ratio)`` cells of the table (``'-'`` without; ``'NO FIT'`` / ``'remat'`` marks)."""
+    if not entry:
+        return "-", "-"
+    if "error" in entry:
+        return "n/a", "-"
+    peak = mib(entry["peak_bytes"])
+    if not entry["fits"]:
+        peak += " NO FIT"
+    elif entry["xla_remat"]:
+        peak += " remat"
+    if entry["involuntary_remat"]:
+        peak += f" invol {entry['involuntary_remat']}"
+    ratio = "-" if entry.get("over_estimate") is None else f"{entry['over_estimate']:.2f}"
+    return peak, ratio

@@ -1,0 +1,144 @@
+"""XLA's GPU compiler as the judge of plans (`train/xla_gpu.py`, `cost.devices.compile_only_mesh`):
+compile-only meshes for every GPU preset, the training step compiled for them without a GPU,
+and what the check reads back (peak, fits, XLA's own remat, involuntary full remats,
+collectives), through the public API and the command line. Skips (with the reason) where the
+CUDA plugin is not installed."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import models
+from nnscaler_jax import auto_parallel
+from nnscaler_jax.capture.trace import spec_inputs
+from nnscaler_jax.cli import main
+from nnscaler_jax.cost.devices import (
+    CLUSTERS,
+    compile_only_mesh,
+    default_budget_of,
+    device_for_kind,
+)
+from nnscaler_jax.errors import PlanError
+from nnscaler_jax.lower.hlo import xla_stderr
+from nnscaler_jax.mesh.gpu import xla_gpu_missing
+from nnscaler_jax.train.xla_gpu import GPU_COMPILER_OPTIONS, check_compiled, check_step
+
+MISSING = xla_gpu_missing()
+pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"no XLA:GPU here: {MISSING}")
+
+
+@pytest.mark.parametrize("cluster", sorted(CLUSTERS))
+def test_every_gpu_preset_has_compile_only_devices(cluster):
+    """Each cluster preset's mesh is of its own GPU kind, so planning on it prices with that
+    preset and budgets its memory."""
+    c = CLUSTERS[cluster]
+    shape = (2, c.devices_per_node // 2)
+    mesh = compile_only_mesh(cluster, shape, ("data", "model"))
+    assert mesh.devices.shape == shape
+    kind = mesh.devices.flat[0].device_kind
+    assert device_for_kind(kind) is c.device
+    assert default_budget_of(mesh).memory_bytes == c.device.memory_bytes
+
+
+def test_compile_only_mesh_errors():
+    with pytest.raises(PlanError, match="no GPU target config"):
+        compile_only_mesh("cpu", (8,), ("data",))
+    with pytest.raises(PlanError, match="unknown device"):
+        compile_only_mesh("tpu-v5", (8,), ("data",))
+    with pytest.raises(PlanError, match="differ in length"):
+        compile_only_mesh("v100-32g-8x", (2, 4), ("data",))
+    with pytest.raises(PlanError, match="whole nodes of 8"):
+        compile_only_mesh("h100-80g-8x", (12,), ("data",))
+
+
+def _mesh():
+    return compile_only_mesh("v100-32g-8x", (2, 4), ("data", "model"))
+
+
+def test_megatron_gpt_step_matches_the_estimate():
+    """Tiny GPT under Megatron's plan on 2x4 V100s: the whole training step (Adam, donated
+    state) compiles for the GPU; XLA's peak is argument + output + temp - alias, within 5% of the
+    plan's estimate; the model axis all-reduces and nothing is rematerialized."""
+    spec = models.get("gpt", "tiny")
+    args, variables = spec_inputs(spec)
+    pm = auto_parallel(_mesh(), policy="megatron")(spec.module)
+    step = pm.train_step(spec.loss_fn, optax.adam(1e-3))
+    check = check_step(step, variables, args)
+    assert check.peak_bytes == (check.argument_bytes + check.output_bytes + check.temp_bytes
+                                - check.alias_bytes)
+    assert check.alias_bytes > 0  # the state is donated: new params / moments reuse it
+    assert check.fits and not check.xla_remat and check.involuntary_remat == 0
+    assert check.collectives["all_reduce"]["count"] > 0
+    estimate = step.predicted_memory()["peak"]
+    assert abs(check.peak_bytes / estimate - 1) < 0.05, (check.peak_bytes, estimate)
+
+
+def test_abstract_init_lays_out_the_batch_and_state():
+    spec = models.get("gpt", "tiny")
+    args, variables = spec_inputs(spec)
+    pm = auto_parallel(_mesh(), policy="dp")(spec.module)
+    step = pm.train_step(spec.loss_fn, optax.adam(1e-3))
+    state, batch = step.abstract_init(variables, *args)
+    assert batch[0].sharding.spec == P("data")
+    mu = state["opt_state"][0].mu
+    assert jax.tree.leaves(mu)[0].sharding.mesh.devices.flat[0].platform == "gpu"
+    assert set(state) == {"params", "opt_state", "collections", "step"}
+
+
+def test_involuntary_full_remat_and_xla_remat_are_reported():
+    """A reshape the partitioner can only make by replicating ({devices=[1,8]} to
+    {devices=[2,1,4] last_tile_dim_replicate}, T5-8's case) counts as an involuntary full
+    rematerialization; a program over the device's memory is XLA-rematerialized and does not
+    fit."""
+    mesh = _mesh()
+
+    def reshape(x):
+        y = x.reshape(24, 40)
+        return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P("data", None)))
+
+    x = jax.ShapeDtypeStruct((6, 160), jnp.float32,
+                             sharding=NamedSharding(mesh, P(None, ("data", "model"))))
+    with xla_stderr() as log:
+        c = jax.jit(reshape).lower(x).compile(GPU_COMPILER_OPTIONS)
+    check = check_compiled(c, log[0], mesh)
+    assert check.involuntary_remat == 1 and check.fits and not check.xla_remat
+
+    def big(a):
+        bs = [jnp.sin(a * i) for i in range(12)]
+        return sum(jnp.cos(b).sum() * b for b in bs)
+
+    a = jax.ShapeDtypeStruct((2**30,), jnp.float32, sharding=NamedSharding(mesh, P()))
+    with xla_stderr() as log:
+        c = jax.jit(big).lower(a).compile(GPU_COMPILER_OPTIONS)
+    check = check_compiled(c, log[0], mesh)
+    assert check.xla_remat and not check.fits
+    assert check.peak_bytes > check.device_memory_bytes
+    assert any("Can't reduce memory" in n for n in check.notes)
+
+
+def test_compare_xla_json(capsys):
+    code = main(["compare", "--model", "gpt", "--preset", "tiny", "--mesh", "2x4", "--cluster",
+                 "v100-32g-8x", "--planners", "dp,megatron", "--xla", "--json"])
+    assert code == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for name in ("dp", "megatron"):
+        x = res["planners"][name]["xla"]
+        assert x["device"] == "Tesla V100-SXM2-32GB" and x["fits"] is True
+        assert {"peak_bytes", "xla_remat", "involuntary_remat", "collectives",
+                "compile_s"} <= set(x)
+        assert x["over_estimate"] == pytest.approx(
+            x["peak_bytes"] / res["planners"][name]["memory_bytes_per_device"])
+    assert res["planners"]["megatron"]["xla"]["collectives"]["all_reduce"]["bytes"] > 0
+
+
+def test_compare_xla_needs_a_cluster(capsys):
+    code = main(["compare", "--model", "gpt", "--preset", "tiny", "--mesh", "2x4", "--xla"])
+    assert code == 2
+    assert "--xla compiles for a GPU: name it with --cluster" in capsys.readouterr().err
