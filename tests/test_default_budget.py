@@ -117,7 +117,7 @@ def test_a_cluster_preset_budget_binds_and_an_explicit_one_overrides(gpt13):
     assert auto.cost.memory_bytes_per_device <= V100_BUDGET
     big = Constraints(max_memory_per_device="100GiB")
     dp = make_plan(gpt13, AXES, policy="dp", cost_model=_v100(), constraints=big)
-    assert dp.microbatches == 1 and dp.cost.memory_bytes_per_device > 2 * V100_BUDGET
+    assert dp.microbatches == 1 and dp.cost.memory_bytes_per_device > 1.5 * V100_BUDGET
     assert e.value.smallest_bytes < dp.cost.memory_bytes_per_device
     cpu = make_plan(gpt13, make_mesh((2, 4), ("data", "model")), policy="dp")
     assert cpu.cost.memory_bytes_per_device > CPU.memory_bytes  # CPU: no default budget

@@ -32,7 +32,11 @@ all-reduce): XLA keeps the gathered weight for the backward rather than gatherin
 Memory per device for a training step (ZeRO as in DeepSpeed, over each weight's data-parallel
 axes: the mesh axes its consumers split while it is replicated on them)::
 
-    params + grads + optimizer state + activations kept for backward + transient
+    params + optimizer state + activations kept for backward + transient + gradients held
+
+(gradients held: a weight's gradient is freed by its elementwise optimizer update as soon as it
+is complete, so only those built up over the backward count: several contributions, a loop,
+micro-batches; :meth:`CostModel.held_gradients`)
 
 (transient: the largest op output, or — when that makes the larger peak — the buffer of local
 weight gradients XLA reduces across devices in one combined collective at the end of the
@@ -53,7 +57,7 @@ inside a ``scan`` body count ``length`` times (compute, communication and kept a
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from nnscaler_jax.cost.compute import (
@@ -80,6 +84,7 @@ from nnscaler_jax.cost.relayout import (
     relayout_price,
     storage_layout,
 )
+from nnscaler_jax.cost.residuals import accumulated_gradients
 from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.layout.rvd import interned
@@ -111,6 +116,11 @@ class CostModel:
         master_weights: an fp32 master copy of the weights is part of the optimizer state.
         input_grads: example inputs need gradients too (a model that is a block of a larger one).
         profile: measured op times preferred over the roofline (for ``device.kind``).
+        grads_held: every weight's gradient stays live to the end of the backward (an
+            optimizer that reads all gradients at once: global-norm clipping). By default a
+            gradient is freed by its weight's elementwise update as soon as it is complete
+            (:func:`~nnscaler_jax.cost.residuals.accumulated_gradients`), unless it gets
+            several contributions or accumulates over micro-batches.
         microbatches: SPMD gradient accumulation: the batch runs as this many micro-batches, so
             the activations kept and the transients are one micro-batch's (``1 / m``); compute
             and communication are priced for the whole batch (the same FLOPs and bytes; the
@@ -129,6 +139,7 @@ class CostModel:
     optimizer_bytes: float | None = None
     master_weights: bool = False
     input_grads: bool = False
+    grads_held: bool = False
     microbatches: int = 1
     profile: ProfileDB | None = field(default=None, compare=False, hash=False)
     # memoised prices (op times, split ways, per-layout block bytes); not an __init__ argument,
@@ -356,9 +367,22 @@ class CostModel:
             ob = self.optimizer_moments * size + (4 if self.master_weights else 0)
         return param, n * gb / (dp if zero >= 2 else 1), n * ob / (dp if zero >= 1 else 1)
 
-    def variable_bytes(self, v: Tensor, layout: Layout, dp_axes: tuple[str, ...] = ()) -> int:
-        """Per-device bytes of a weight + its gradient + optimizer state under ``zero``."""
-        return int(sum(self.state_bytes(v, layout, dp_axes)))
+    def variable_bytes(self, v: Tensor, layout: Layout, dp_axes: tuple[str, ...] = (),
+                       held: bool = True) -> int:
+        """Per-device bytes of a weight + its optimizer state under ``zero``, + its gradient
+        when ``held`` (live at the peak: :meth:`held_gradients`)."""
+        param, grad, opt = self.state_bytes(v, layout, dp_axes)
+        return int(param + opt + (grad if held else 0.0))
+
+    def held_gradients(self, graph: Graph, microbatches: int | None = None
+                       ) -> Callable[[int], bool]:
+        """Whether variable id's gradient is live at the peak: all of them with
+        ``grads_held`` or gradient accumulation over micro-batches, else those
+        :func:`~nnscaler_jax.cost.residuals.accumulated_gradients` finds."""
+        if self.grads_held or max(self.microbatches, microbatches or 1) > 1:
+            return lambda v: True
+        held = accumulated_gradients(graph)
+        return held.__contains__
 
     # ---- whole plans ---------------------------------------------------------------------------
 
@@ -370,10 +394,11 @@ class CostModel:
                         comm_time_s=a.comm_time)
 
     def memory_breakdown(self, plan: Plan, graph: Graph) -> dict[str, int]:
-        """Per-device bytes of a training step by kind: ``params``, ``grads``, ``optimizer``,
-        ``activations`` (kept for the backward), ``transient`` (the largest temporary) and
-        ``peak`` (their sum)."""
+        """Per-device bytes of a training step by kind: ``params``, ``grads`` (as stored),
+        ``optimizer``, ``activations`` (kept for the backward), ``transient`` (the largest
+        temporary), ``grads_held`` (the gradients live at the peak: :meth:`held_gradients`)
+        and ``peak`` (params + optimizer + activations + transient + grads_held)."""
         a = analyze(self, plan, graph)
         return {"params": int(a.params), "grads": int(a.grads), "optimizer": int(a.optimizer),
                 "activations": int(a.activations), "transient": int(a.transient),
-                "peak": int(a.peak)}
+                "grads_held": int(a.grads_held), "peak": int(a.peak)}

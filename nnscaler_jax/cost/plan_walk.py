@@ -69,10 +69,11 @@ class _Analysis:
     optimizer: float = 0.0
     activations: float = 0.0
     transient: float = 0.0
+    grads_held: float = 0.0  # the gradients live at the peak (CostModel.held_gradients)
 
     @property
     def peak(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.transient
+        return self.params + self.grads_held + self.optimizer + self.activations + self.transient
 
 
 def boundary_kinds(graph: Graph) -> dict[int, tuple[str, tuple[Tensor, ...]]]:
@@ -222,8 +223,9 @@ def analyze(model: Any, plan: Plan, graph: Graph) -> _Analysis:
     walk.run()
     micro = max(model.microbatches, plan.microbatches)  # one micro-batch's activations live
     out.activations, out.transient = out.activations / micro, out.transient / micro
-    store, var_ids = _storage(model, plan, graph, walk.edges, walk.origin, zero, out)
-    _communication(model, walk.edges, store, var_ids, grads, zero, out)
+    held = model.held_gradients(graph, micro)
+    store, var_ids = _storage(model, plan, graph, walk.edges, walk.origin, zero, out, held)
+    _communication(model, walk.edges, store, var_ids, grads, zero, out, held)
     # XLA:GPU's cuBLAS GEMMs take a workspace of their own, live while one runs (the peak is
     # at a matmul of the backward)
     if model.device.gemm_workspace_bytes and any(op.primitive == "dot_general"
@@ -353,7 +355,7 @@ class _Walk:
 
 def _storage(model: Any, plan: Plan, graph: Graph, edges: list[_Edge],
              origin: Mapping[int, int], zero: int,
-             out: _Analysis) -> tuple[dict[int, Layout], set[int]]:
+             out: _Analysis, held: Any) -> tuple[dict[int, Layout], set[int]]:
     """Data-parallel axes of each weight and its storage under the ZeRO stage (parameters,
     gradients and optimizer state added to ``out``): ``(variable -> storage, variable ids)``."""
     var_ids = {v.id for v in graph.variables}
@@ -376,12 +378,13 @@ def _storage(model: Any, plan: Plan, graph: Graph, edges: list[_Edge],
                                        zero)
         out.params += pb
         out.grads += gb
+        out.grads_held += gb if held(v.id) else 0.0
         out.optimizer += ob
     return store, var_ids
 
 
 def _communication(model: Any, edges: list[_Edge], store: Mapping[int, Layout],
-                   var_ids: set[int], grads, zero: int, out: _Analysis) -> None:
+                   var_ids: set[int], grads, zero: int, out: _Analysis, held: Any) -> None:
     """Forward paths, then each gradient reduced once per (tensor, layout), added to ``out``."""
     mesh = model.mesh
     backward: dict[tuple[int, Layout], tuple[Tensor, Layout, int]] = {}
@@ -405,7 +408,9 @@ def _communication(model: Any, edges: list[_Edge], store: Mapping[int, Layout],
             bt, bb = relayout_price(g, dst, t.shape, itemsize(t), mesh)
             out.comm_time += bt * mult
             out.comm_bytes += bb * mult
-            if t.id in var_ids:  # the local gradient before its reduction (one fused buffer)
+            if t.id in var_ids and held(t.id):
+                # the local gradient of a held weight before its reduction (one fused buffer;
+                # the others are reduced and consumed one by one)
                 synced[t.id] = max(synced.get(t.id, 0), model._local_bytes(t, g) * mult)
     out.activations += sum(gathered.values())
     # the reduction buffer lives at the end of the backward, when the residuals are freed

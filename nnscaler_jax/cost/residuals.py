@@ -37,10 +37,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from nnscaler_jax.cost.compute import MATMUL, grad_tensors, is_float
-from nnscaler_jax.ir.graph import DataflowMemo, Graph, Op
+from nnscaler_jax.ir.graph import DataflowMemo, Graph, Op, Role
 
-__all__ = ["CHEAP", "REGATHERED_COPIES", "residual_outputs", "residual_readers", "residual_reads",
-           "saved_operands"]
+__all__ = [
+    "CHEAP",
+    "REGATHERED_COPIES",
+    "accumulated_gradients",
+    "residual_outputs",
+    "residual_readers",
+    "residual_reads",
+    "saved_operands",
+]
 
 
 def _names(text: str) -> frozenset[str]:
@@ -192,3 +199,31 @@ def _traced(graph: Graph, grads: set[int] | None
         keep(op, [op.inputs[j].id for j in ins] + [op.outputs[k].id for k in outs], through)
     return ({i: tuple(sorted(ks)) for i, ks in out.items()}, frozenset(reads),
             {key: frozenset(v) for key, v in readers.items()})
+
+
+def accumulated_gradients(graph: Graph) -> frozenset[int]:
+    """Ids of the variables whose gradient is built up over the backward pass, and so is live
+    at its peak.
+
+    The training step updates each weight elementwise (Adam, SGD: ``optax`` per leaf) once its
+    gradient is reduced; XLA:GPU's scheduler runs that update as soon as the gradient is
+    complete and frees it, so a weight read by one op holds no gradient buffer at the peak
+    (measured: GPT-3 1.3B, Megatron on 2 x 4 V100s at batch 8, the compiled step's peak is the
+    estimate less the gradients to 0.2%; Swin-8 likewise). A weight whose gradient gets several
+    contributions (read by more than one op, as tied embeddings are at both ends of the
+    model, directly or through casts and reshapes) or is accumulated inside a loop (a ``scan``
+    over stacked layers) keeps its gradient from the first contribution to the last.
+    """
+    origin: dict[int, int] = {v.id: v.id for v in graph.variables}
+    reads: dict[int, int] = {}
+    for op in graph.ops:
+        srcs = {origin[t.id] for t in op.inputs if t.id in origin}
+        if not srcs:
+            continue
+        if not op.regions and len(srcs) == 1 and all(
+                t.id in origin or t.role is Role.CONST for t in op.inputs):
+            origin.update({t.id: next(iter(srcs)) for t in op.outputs})  # a cast, a reshape
+            continue
+        for v in srcs:
+            reads[v] = reads.get(v, 0) + (2 if op.regions else 1)
+    return frozenset(v for v, n in reads.items() if n > 1)

@@ -120,6 +120,7 @@ class _Builder(EdgePricing, BlockPricing):
         # which tensors get a gradient, exactly as plan_cost knows it (not the local guess: a
         # one-hot dispatch mask computed from top-k indices gets none)
         self.grads = grad_tensors(self.graph, cm.input_grads, space.grad_sources or None)
+        self.held = cm.held_gradients(self.graph)  # gradients live at the peak
         self.lays = _Layouts(self.by_id)
         # weights a scan reads for its body are stored as the body op first reading their block
         # reads it (plan.layouts.scan_stored_inputs): that op prices the storage, later body
@@ -293,8 +294,9 @@ class _Builder(EdgePricing, BlockPricing):
         dp = partial_grad_axes(want, split)
         have = zero3_layout(v.shape, want, dp, self.space.mesh_axes, joint=False) \
             if self.zero >= 3 else want
-        stored = self.cm.variable_bytes(v, want, dp) if self.zero else \
-            self.cm.variable_bytes(v, want)
+        held = self.held(v.id)
+        stored = self.cm.variable_bytes(v, want, dp, held) if self.zero else \
+            self.cm.variable_bytes(v, want, held=held)
         secs = self.cm.reshard_time(v, have, want, backward=v.id in self.grads)
         if again:
             secs += self.cm.reshard_time(v, have, want, backward=False)

@@ -5,7 +5,8 @@ MLP tiny on a 2x4 (data, model) mesh, the training step ``value_and_grad`` of th
 - comm: the plan's ``comm_bytes`` (alpha-beta ``n``: all-reduce / all-gather = result bytes,
   reduce-scatter / all-to-all = p x result bytes) vs the HLO collectives in that convention;
 - memory: the plan's ``memory_breakdown`` minus optimizer state vs XLA's
-  argument + output + temp - alias of the grad step (no optimizer state in it).
+  argument + output + temp - alias of the grad step (no optimizer state in it; it returns
+  every gradient, so all of them are held: ``CostModel(grads_held=True)``).
 """
 
 
@@ -42,7 +43,8 @@ def _measure(policy):
     m = compiled.memory_analysis()
     xla_mem = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
                - m.alias_size_in_bytes)
-    bd = CostModel.for_axes(dict(plan.mesh), zero=plan.zero).memory_breakdown(plan, graph)
+    bd = CostModel.for_axes(dict(plan.mesh), zero=plan.zero, grads_held=True).memory_breakdown(
+        plan, graph)
     return plan, hlo_n, xla_mem, bd
 
 

@@ -113,7 +113,7 @@ def _smallest(graph, recompute) -> float:
 
 
 def test_the_search_recomputes_selectively_when_that_is_enough():
-    """GPT with 128 tokens (the scores dominate its activations). At 85% of the free plan's
+    """GPT with 128 tokens (the scores dominate its activations). At 90% of the free plan's
     memory ours meets the budget with layouts alone; at 73% it recomputes layers selectively
     and none fully (cheaper than full recompute); at 25% in one micro-batch some fully. The
     Alpa-style planner recomputes every layer fully whenever it recomputes, so it is slower at
@@ -132,7 +132,7 @@ def test_the_search_recomputes_selectively_when_that_is_enough():
             max_memory_per_device=int(share * free.memory_bytes_per_device),
             microbatches=microbatches))
 
-    assert budgeted(0.85).recompute == ()
+    assert budgeted(0.9).recompute == ()
     mild, alpa = budgeted(0.73), budgeted(0.73, "alpa")
     assert mild.recompute and all(is_selective(g) for g in mild.recompute), mild.recompute
     assert alpa.recompute == ("h_0", "h_1", "h_2")
