@@ -6,7 +6,10 @@ value is constrained once per step of the collective path the cost model priced
 (:func:`nnscaler_jax.lower.relayout.relayout_steps`), so GSPMD / Shardy insert exactly those
 collectives, one at a time, and never fall back to a full rematerialization. Partial-sum (V)
 outputs are constrained to the first layout without partial sums on the path to their first
-consumer (all-reduce for R, reduce-scatter for D). Remat boundaries are replayed under
+consumer (all-reduce for R, reduce-scatter for D); their gradients are carried back from there
+to the op's layout without partial sums, step by step, before the op's transpose reads them
+(the backward the cost model priced; left to XLA, the transpose may read them in a layout it
+can reach only by a full rematerialization). Remat boundaries are replayed under
 ``jax.checkpoint``; custom-derivative calls are bound whole; ``scan`` / ``while`` / ``cond`` are
 rebuilt with ``jax.lax`` around a replay of their bodies. Co-sharded ops and value-split chains
 run inside ``jax.shard_map`` regions (:mod:`nnscaler_jax.lower.regions`).
@@ -339,7 +342,29 @@ class Lowering:
         else:
             outs = bind_eqn(op.eqn, ins)
         for t, x, lay in zip(op.outputs, outs, out_lays, strict=True):
-            env[t.id] = self._constrain(x, t, self.resolve(t, lay))
+            reduced = self.resolve(t, lay)
+            env[t.id] = self._constrain(self._partial_cotangent(x, t, lay, reduced), t, reduced)
+
+    def _partial_cotangent(self, x: Any, t: Tensor, lay: Layout, reduced: Layout) -> Any:
+        """``x`` (an output the op leaves as partial sums ``lay``, reduced to ``reduced``) with
+        its cotangent carried from ``reduced`` to ``lay`` without partial sums, step by step
+        along the priced path, before the op's transpose reads it; the value is unchanged.
+
+        The gradient of a partial-sum output is replicated over the partial axes: the cost
+        model prices its way back from where the value was reduced to ``lay``'s dims
+        (``CostModel.reshard_time``), and the op's transpose is planned to read it there. The
+        forward has no constraint at ``lay`` (partial sums have no sharding), so without this
+        the transpose would read the cotangent as ``reduced`` and XLA would pick its own way to
+        its dot, e.g. ``D(2:(data,model))`` read split over ``data`` on another dim, which it
+        can only do by gathering the whole tensor ("Involuntary full rematerialization")."""
+        if not lay.partial or t.ndim == 0 or not _is_array_dtype(t.dtype) or \
+                not jnp.issubdtype(np.dtype(t.dtype), jnp.inexact):
+            return x
+        steps = relayout_steps(reduced, Layout(lay.dims), t.shape, np.dtype(t.dtype).itemsize,
+                               self.mesh_spec)
+        if not steps:
+            return x
+        return constrain_along(x, (), [self.sharding(s) for s in steps])
 
     def _body_fn(self, body: Graph, in_lays: Sequence[Layout] | None = None,
                  out_lays: Sequence[Layout] | None = None):

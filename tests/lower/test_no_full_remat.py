@@ -9,6 +9,10 @@ cost model priced (lower/relayout.py), so that never happens:
 - pairs of elementwise ops laid out as any two of the 19 layouts of a 3-d tensor on a 2 x 4
   mesh (342 ordered pairs, 60 of which fall back when constrained in one step) compile, forward
   and gradient, without the fallback, and the compiled collectives are the priced paths';
+- the gradient of a value an op leaves as partial sums is carried from where the value was
+  reduced to the op's layout without them (what its transpose reads, the priced path) before
+  the transpose reads it: else XLA reads it as the op's gradient suits it (T5's attention
+  output projection at nnScaler's 8-GPU size, 96 fallbacks per training step);
 - the zoo's tiny models and transformers' GPT-2, planned by the default search with and
   without a memory budget that forces sharding, compile forward + gradient without it, with
   GPT tiny's gradients equal to the plain module's;
@@ -46,7 +50,7 @@ from nnscaler_jax.lower import hlo
 from nnscaler_jax.lower.hlo import hlo_collectives
 from nnscaler_jax.lower.replay import Lowering
 from nnscaler_jax.mesh.topology import MeshSpec
-from nnscaler_jax.plan.layouts import split_for_layout
+from nnscaler_jax.plan.layouts import op_layouts, split_for_layout
 from nnscaler_jax.primitives import Draft
 
 FALLBACK = "Involuntary full rematerialization"
@@ -178,6 +182,44 @@ def test_a_hand_written_plan_runs_its_hard_relayout_in_steps(mesh, canary):
     assert not _fallbacks(err[0]), "\n".join(_fallbacks(err[0])[:5])
     want = jax.jit(jax.grad(lambda v: loss(v, spec.module.apply)))(jax.device_get(v))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+class PartialMatmul(nn.Module):
+    """``sin(sin(x) @ w)``: the plan splits the matmul's output features over ``data`` and its
+    contraction over ``model`` (partial sums over ``model``)."""
+
+    @nn.compact
+    def __call__(self, x, w):
+        return jnp.sin(jnp.sin(x) @ w)
+
+
+def test_the_gradient_of_partial_sums_reaches_the_transpose_in_steps(mesh, canary):
+    """T5's attention output projection under the search's plan (nnScaler's 8-GPU T5 on 2 x 4):
+    the matmul leaves partial sums over ``model`` with its features split over ``data``, reduced
+    (reduce-scatter) to the features split over ``(data, model)`` its reader takes; its input
+    comes split over rows (``data``) and features (``model``). The gradient comes back split
+    over ``(data, model)`` ([1,8]); the transpose reads it replicated over ``model`` (the priced
+    all-gather), else XLA reads it as rows split over ``data`` ([2,1] x 4) to match the input's
+    gradient and falls back (96 times in T5's training step)."""
+    shapes = [(16, 32), (32, 64)]
+    graph = trace(PartialMatmul(), *[jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes])
+    s1, dot, s2 = (op for op in graph.ops if op.primitive in ("sin", "dot_general"))
+    draft = Draft(graph, dict(AXES))
+    draft.decide(s1, [("data", "d0"), ("model", "d1")])
+    draft.decide(dot, [("data", "n0"), ("model", "k0")])
+    draft.decide(s2, [("data", "d1"), ("model", "d1")])
+    low = Lowering(graph, draft.finish(), mesh)
+    assert low.resolve(dot.outputs[0], op_layouts(dot, low.plan_of(dot))[1][0]) == \
+        Layout.of(2, {1: ("data", "model")})
+    xs = [jax.random.normal(jax.random.key(k), s) / np.sqrt(s[0]) for k, s in enumerate(shapes)]
+    grad = jax.grad(lambda *a: jnp.sum(low(*a)[0] ** 2), argnums=(0, 1))
+    with xla_stderr() as err:
+        got = jax.jit(grad, in_shardings=low.input_shardings())(*xs)
+    bad = _fallbacks(err[0])
+    assert not bad, f"{len(bad)} fallbacks:\n" + "\n".join(bad[:5])
+    plain = jax.grad(lambda x, w: jnp.sum(PartialMatmul().apply({}, x, w) ** 2), argnums=(0, 1))
+    for a, b in zip(got, jax.jit(plain)(*xs), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 

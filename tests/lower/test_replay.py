@@ -1,8 +1,8 @@
 """`lower/replay.py`: the replayed program's structure, traced abstractly (``make_jaxpr``; nothing
 compiled): one sharding constraint per operand as the plan lays it out, partial sums resolved to
-what their consumer reads, remat and custom-derivative calls kept whole, input and output
-shardings, and Explicit meshes seen through an Auto view. (Numerical equivalence of replayed
-programs: tests/test_auto_parallel.py.)"""
+what their consumer reads (their gradients carried back to the op's layout), remat and
+custom-derivative calls kept whole, input and output shardings, and Explicit meshes seen through
+an Auto view. (Numerical equivalence of replayed programs: tests/test_auto_parallel.py.)"""
 
 from __future__ import annotations
 
@@ -96,17 +96,43 @@ def test_operands_are_constrained_as_the_plan_lays_them_out(graph, mesh):
                      [P("data", "model"), P("model")]]      # fc2: h column-split, weight rows
 
 
+def _relu_call(jaxpr):
+    """The top-level custom_jvp call of ``jax.nn.relu`` (others: the lowering's relayouts)."""
+    (call,) = [e for e in _eqns(jaxpr, inside=False) if e.primitive.name == "custom_jvp_call"
+               and any(x.primitive.name == "max" for x in _eqns(e.params["call_jaxpr"].jaxpr))]
+    return call
+
+
 def test_partial_sums_are_constrained_to_what_the_consumer_reads(graph, mesh):
     # relu follows fc2's rows only: the partial sums over 'model' are all-reduced (R)
     j = _jaxpr(_lowering(graph, mesh))
-    (call,) = [e for e in _eqns(j, inside=False) if e.primitive.name == "custom_jvp_call"]
+    call = _relu_call(j)
     producer = {v: e for e in _eqns(j, inside=False) for v in e.outvars}
     assert _spec_of(producer[call.invars[0]]) == P("data")
     # relu splitting its columns over 'model': reduce-scattered into that split
     j = _jaxpr(_lowering(graph, mesh, relu_split={"data": "d0", "model": "d1"}))
-    (call,) = [e for e in _eqns(j, inside=False) if e.primitive.name == "custom_jvp_call"]
+    call = _relu_call(j)
     producer = {v: e for e in _eqns(j, inside=False) for v in e.outvars}
     assert _spec_of(producer[call.invars[0]]) == P("data", "model")
+
+
+@pytest.mark.parametrize("relu_split", [None, {"data": "d0", "model": "d1"}])
+def test_the_gradient_of_partial_sums_reaches_the_transpose_as_the_op_made_them(mesh,
+                                                                                relu_split):
+    """fc2's transpose reads its output's gradient in fc2's layout without the partial sums
+    (rows over 'data', replicated over 'model'), not where the sums were reduced to."""
+    graph = trace(Net(), jax.ShapeDtypeStruct((16, 16), jnp.float32))  # output (16, 4), not
+    low = _lowering(graph, mesh, relu_split)                             # fc2's kernel's shape
+    args = [jnp.ones(t.shape, t.dtype) for t in low.graph.inputs]
+    out = graph.op("fc2").outputs[0]
+    j = jax.make_jaxpr(lambda *a: jax.vjp(lambda *b: low(*b)[0], *a)[1](
+        jnp.ones(out.shape, out.dtype)))(*args).jaxpr
+    producer = {v: e for e in _eqns(j) for v in e.outvars}
+    reads = [producer.get(v) for e in _eqns(j) if e.primitive.name == "dot_general"
+             for v in e.invars if tuple(v.aval.shape) == out.shape]
+    assert len(reads) == 2  # fc2's transposes: the gradients of h and of fc2's kernel
+    assert all(e is not None and e.primitive.name == "sharding_constraint" and
+               _spec_of(e) == P("data") for e in reads)
 
 
 def test_input_and_output_shardings(graph, mesh):
