@@ -21,6 +21,10 @@ with other planners or cases is merged into it) and ``results/bench_fits.md``. R
     .venv/bin/python scripts/bench_fits.py --batch 8 --pipelines --planners auto,alpa \
         --clusters v100-32g-8x --only swin-8gpu,t5-8gpu,af2-initial
 
+``--xla``: each flat plan's training step is also compiled by XLA's GPU compiler for the
+cluster's GPU (compile-only devices): the entry gains ``xla`` (peak, fits, XLA's own remat,
+involuntary full remats, collectives), the table ``[XLA peak GiB, XLA / estimate]``.
+
 ``--batch B --pipelines``: every case at global batch B (the flat plans accumulate gradients
 over micro-batches where the whole batch does not fit), ours and the Alpa-style planner also
 planned on every stage x data (x model) shape of the 8 devices
@@ -38,8 +42,9 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import models
-from nnscaler_jax.capture.trace import capture_spec
+from nnscaler_jax.capture.trace import capture_spec, spec_at_precision
 from nnscaler_jax.cli.compare import best_over_meshes, plan_features
+from nnscaler_jax.cli.xla import xla_entry
 from nnscaler_jax.cost import cluster_preset
 from nnscaler_jax.cost.devices import memory_reserve
 from nnscaler_jax.cost.model import CostModel
@@ -66,7 +71,7 @@ LONG_CLUSTER, LONG_PRECISION, LONG_SEED_STEP_S = "h100-80g-8x", "bfloat16", 41.1
 
 
 def _entry(graph, axes, planner: str, cluster: str, time_limit: float,
-           pipelines: bool = False) -> dict:
+           pipelines: bool = False, xla_spec=None) -> dict:
     if pipelines:  # the flat mesh and every stage x data (x model) shape, the best kept
         return best_over_meshes(planner, graph, axes, cluster_preset(cluster), None)[1]
     cm = CostModel.for_cluster(cluster_preset(cluster), axes)
@@ -87,7 +92,22 @@ def _entry(graph, axes, planner: str, cluster: str, time_limit: float,
     if planned.report is not None:  # the kept plan's ILP: did the time limit stop it?
         out["ilp"] = {"optimal": planned.report.optimal, "solve_s": planned.report.solve_s,
                       "variables": planned.report.variables}
+    if xla_spec is not None:  # --xla: the plan's training step compiled by XLA:GPU
+        out["xla"] = xla_entry(xla_spec, planned.plan, cluster_preset(cluster), axes)
     return out
+
+
+def _xla_cell(e: dict) -> str:
+    """`` [XLA 27.6 GiB, 0.96]`` of an entry with --xla figures (NO FIT / remat / involuntary
+    full remats marked), else empty."""
+    x = e.get("xla")
+    if not x:
+        return ""
+    if "error" in x:
+        return " [XLA n/a]"
+    marks = ("" if x["fits"] else " NO FIT") + (" remat" if x["xla_remat"] else "") + (
+        f" invol {x['involuntary_remat']}" if x["involuntary_remat"] else "")
+    return f" [XLA {x['peak_bytes'] / 2**30:.1f} GiB, {x['over_estimate']:.2f}{marks}]"
 
 
 def _mfu(name: str, preset: str, entry: dict, cluster: str, devices: int) -> None:
@@ -179,7 +199,8 @@ def _markdown(results: dict) -> str:
                                           if a != "stage")] if st > 1 else []))
                     cells.append(f"{e['step_time_s']:.3g} / "
                                  f"{e['memory_bytes_per_device'] / 2**30:.1f} / "
-                                 f"{e['search_s']:.0f}" + (f" ({extra})" if extra else ""))
+                                 f"{e['search_s']:.0f}" + (f" ({extra})" if extra else "")
+                                 + _xla_cell(e))
                 elif e.get("fits") is False and e.get("memory_bytes_per_device"):
                     cells.append(f"no ({e['memory_bytes_per_device'] / 2**30:.0f} GiB)")
                 elif e.get("fits") is False:  # the solver's time limit, nothing found
@@ -230,6 +251,10 @@ def main() -> None:
                     help="let ours and the Alpa-style planner also use the 8 devices as "
                          "stages x data x model (compare --pipelines); results are kept under "
                          "'<cluster> batch B pipelines'")
+    ap.add_argument("--xla", action="store_true",
+                    help="also compile each plan's training step with XLA's GPU compiler for "
+                         "the cluster's GPU (compile-only devices) and report its peak memory "
+                         "beside the estimate (flat plans)")
     args = ap.parse_args()
     only = {k for k in args.only.split(",") if k}
     planners = [p for p in args.planners.split(",") if p]
@@ -262,7 +287,9 @@ def main() -> None:
             case = results["clusters"][label[cluster]]["cases"].setdefault(key,
                                                                            {"planners": {}})
             case["mesh"] = "x".join(str(v) for v in axes.values())
-            row = {p: _entry(graph, axes, p, cluster, args.time_limit, args.pipelines)
+            row = {p: _entry(graph, axes, p, cluster, args.time_limit, args.pipelines,
+                             spec_at_precision(spec, args.precision)
+                             if args.xla and not args.pipelines else None)
                    for p in planners}
             case["planners"].update(row)
             case["ratios"] = _ratios(case["planners"])

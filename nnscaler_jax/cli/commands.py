@@ -22,6 +22,8 @@ from nnscaler_jax.cli.common import (
     spec_mutable,
     table,
 )
+from nnscaler_jax.cli.compare import cluster_arg, compare_mesh, one_planner
+from nnscaler_jax.cli.xla import check_cluster, xla_entry, xla_text
 
 
 def cmd_graph(args: argparse.Namespace) -> int:
@@ -81,10 +83,13 @@ def cmd_graph(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     spec = model_spec(args.model, args.preset)
-    mesh = parse_mesh(args.mesh, args.axes)
     policy = check_policy(args.policy)
+    check_cluster(args)
     t0 = time.perf_counter()
-    plan = make_plan(spec, mesh, policy)
+    if getattr(args, "cluster", None):  # priced on the cluster, its memory the budget
+        plan = _cluster_plan(args, spec, policy)
+    else:
+        plan = make_plan(spec, parse_mesh(args.mesh, args.axes), policy)
     plan_s = time.perf_counter() - t0
     if args.out:
         with open(args.out, "w") as f:
@@ -102,8 +107,27 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.pipeline:
         ptext, obj["pipeline"] = _pipeline_schedule(args, spec)
         text += "\n" + ptext if not args.json else ""
+    if getattr(args, "xla", False):
+        obj["xla"] = xla_entry(spec, plan, cluster_arg(args), dict(plan.mesh))
+        peak, ratio = xla_text(obj["xla"])
+        text += (f"\nXLA:GPU ({args.cluster}): peak {peak} per device, {ratio} of the estimate"
+                 + "".join(f"\n  {n}" for n in obj["xla"].get("notes", []))
+                 + (f"\n  {obj['xla']['error']}" if "error" in obj["xla"] else "")
+                 if not args.json else "")
     emit(args, text, obj)
     return 0
+
+
+def _cluster_plan(args: argparse.Namespace, spec: Any, policy: str) -> Any:
+    """``plan --cluster C``: the plan ``compare`` makes with ``policy`` (C's cost model, its
+    device memory less the reserve as the budget), on the mesh's axis sizes."""
+    from nnscaler_jax.errors import PlanError
+
+    graph = capture_model(spec, mutable=spec_mutable(spec)).graph
+    plan, entry = one_planner(policy, graph, compare_mesh(args), cluster_arg(args), None)
+    if plan is None:
+        raise PlanError(entry.get("error") or f"{policy} found no plan")
+    return plan
 
 
 def _plot_layout(spec: Any, plan: Any, path: str) -> str:

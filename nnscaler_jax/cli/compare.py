@@ -48,7 +48,8 @@ from nnscaler_jax.cli.common import (
 from nnscaler_jax.cli.xla import check_cluster, xla_entry, xla_text
 from nnscaler_jax.mesh.axes import mesh_axes, stage_axis
 
-__all__ = ["cmd_compare", "plan_features", "smallest_estimate"]
+__all__ = ["cluster_arg", "cmd_compare", "compare_mesh", "one_planner", "plan_features",
+           "smallest_estimate"]
 
 
 def plan_features(plan: Any) -> dict[str, Any]:
@@ -107,7 +108,7 @@ def smallest_estimate(e: Exception) -> int | None:
     return int(float(m.group(1).replace(",", "")) * scale)
 
 
-def _mesh(args: argparse.Namespace) -> Any:
+def compare_mesh(args: argparse.Namespace) -> Any:
     """A real mesh when there are devices enough (compiled figures); else axis sizes only."""
     import jax
 
@@ -146,7 +147,7 @@ def _budget(args: argparse.Namespace, mesh: Any, cluster: Any) -> tuple[int | No
     return default.bytes, default.describe(), default.short()
 
 
-def _cluster(args: argparse.Namespace) -> Any:
+def cluster_arg(args: argparse.Namespace) -> Any:
     if not args.cluster:
         return None
     from nnscaler_jax.cost.devices import CLUSTERS, cluster_preset
@@ -156,7 +157,7 @@ def _cluster(args: argparse.Namespace) -> Any:
     return cluster_preset(args.cluster)
 
 
-def _one(name: str, graph: Any, mesh: Any, cluster: Any, budget: int | None,
+def one_planner(name: str, graph: Any, mesh: Any, cluster: Any, budget: int | None,
          pipelined: bool = False) -> tuple[Any, dict]:
     """Plan with one planner: (the plan or None, its JSON entry). ``budget``: the user's
     (``--budget``); None leaves the default to the planner (which says where it came from).
@@ -210,9 +211,9 @@ def best_over_meshes(name: str, graph: Any, mesh: Any, cluster: Any,
     from nnscaler_jax.pipeline.stage_dp import stage_meshes
 
     flat = mesh_axes(mesh)
-    tried = [(flat, *_one(name, graph, mesh, cluster, budget))]
+    tried = [(flat, *one_planner(name, graph, mesh, cluster, budget))]
     if name in PIPELINED:
-        tried += [(axes, *_one(name, graph, axes, cluster, budget, pipelined=True))
+        tried += [(axes, *one_planner(name, graph, axes, cluster, budget, pipelined=True))
                   for axes in stage_meshes(flat)]
 
     def rank(t: tuple) -> tuple:
@@ -276,12 +277,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     precision = _precision(args)
     spec = model_spec(args.model, args.preset, precision)
-    mesh = _mesh(args)
+    mesh = compare_mesh(args)
     planners = [check_policy(p.strip()) for p in args.planners.split(",") if p.strip()]
     if not planners:
         raise UsageError(f"--planners is empty; choose from: {', '.join(policy_names())}")
     check_cluster(args)
-    cluster = _cluster(args)
+    cluster = cluster_arg(args)
     budget, source, short = _budget(args, mesh, cluster)
     explicit = budget if args.budget is not None else None
     graph = capture_model(spec, mutable=spec_mutable(spec), precision=precision).graph
@@ -292,7 +293,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         if getattr(args, "pipelines", False):
             plan, results[name] = best_over_meshes(name, graph, mesh, cluster, explicit)
         else:
-            plan, results[name] = _one(name, graph, mesh, cluster, explicit)
+            plan, results[name] = one_planner(name, graph, mesh, cluster, explicit)
         if plan is not None and compile_here and plan.pipeline is None:
             results[name].update(_compiled_figures(spec, mesh, plan))
         if plan is not None and getattr(args, "xla", False):

@@ -85,6 +85,10 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--gantt", default=None, metavar="PNG", help="write a Gantt chart PNG")
     pl.add_argument("--plot", default=None, metavar="PNG",
                     help="write the plan's layout map (modules x mesh axes: the dim split) PNG")
+    pl.add_argument("--cluster", default=None,
+                    help="plan for a cluster preset (e.g. v100-32g-8x): priced with its devices "
+                         "and links, its device memory less a 10%% reserve the budget")
+    pl.add_argument("--xla", action="store_true", help=XLA_HELP)
     pl.set_defaults(fn=cmd_plan)
 
     v = sub.add_parser("verify", parents=[common, model, mesh],

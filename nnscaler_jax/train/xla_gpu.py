@@ -57,6 +57,7 @@ class XlaCheck:
     xla_remat: bool
     involuntary_remat: int
     collectives: dict[str, dict[str, int]] = field(default_factory=dict)
+    comm_bytes: int = 0  # the collectives' plan_bytes: comparable with a plan's comm_bytes
     compile_s: float = 0.0
     notes: tuple[str, ...] = ()
 
@@ -67,13 +68,21 @@ class XlaCheck:
 
 
 def collective_totals(hlo_text: str, mesh: Any) -> dict[str, dict[str, int]]:
-    """``{kind: {"count", "bytes"}}`` of the collectives in compiled HLO text (result bytes:
-    an async start's operand copy is not counted twice)."""
+    """``{kind: {"count", "bytes", "plan_bytes"}}`` of the collectives in compiled HLO text
+    (``bytes``: result bytes; ``plan_bytes``: as a plan's ``comm_bytes`` counts them, result
+    bytes for all-reduce, all-gather and permutes, group size x result bytes for
+    reduce-scatter and all-to-all)."""
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
     out: dict[str, dict[str, int]] = {}
     for c in hlo_collectives(hlo_text, mesh):
-        e = out.setdefault(c.kind, {"count": 0, "bytes": 0})
+        e = out.setdefault(c.kind, {"count": 0, "bytes": 0, "plan_bytes": 0})
         e["count"] += 1
         e["bytes"] += c.bytes
+        group = 1
+        for a in c.axes:
+            group *= sizes.get(a, 1)
+        e["plan_bytes"] += c.bytes * (group if c.kind in ("reduce_scatter", "all_to_all")
+                                      else 1)
     return dict(sorted(out.items()))
 
 
@@ -92,6 +101,7 @@ def check_compiled(compiled: Any, log: str, mesh: Any, compile_s: float = 0.0) -
                - m.alias_size_in_bytes)
     text = compiled.as_text()
     kind, memory = _device_memory(mesh)
+    collectives = collective_totals(text, mesh)
     notes = []
     renamed = len(_REMAT_NAME.findall(text))
     if renamed:
@@ -105,8 +115,9 @@ def check_compiled(compiled: Any, log: str, mesh: Any, compile_s: float = 0.0) -
         output_bytes=int(m.output_size_in_bytes), temp_bytes=int(m.temp_size_in_bytes),
         alias_bytes=int(m.alias_size_in_bytes), device_memory_bytes=memory,
         fits=bool(memory == 0 or peak <= memory), xla_remat=bool(renamed or warned),
-        involuntary_remat=log.count(_INVOLUNTARY),
-        collectives=collective_totals(text, mesh), compile_s=compile_s, notes=tuple(notes))
+        involuntary_remat=log.count(_INVOLUNTARY), collectives=collectives,
+        comm_bytes=sum(e["plan_bytes"] for e in collectives.values()), compile_s=compile_s,
+        notes=tuple(notes))
 
 
 def check_step(step: Any, variables: Any, batch: Sequence[Any], *, rng: Any = None,

@@ -142,3 +142,31 @@ def test_compare_xla_needs_a_cluster(capsys):
     code = main(["compare", "--model", "gpt", "--preset", "tiny", "--mesh", "2x4", "--xla"])
     assert code == 2
     assert "--xla compiles for a GPU: name it with --cluster" in capsys.readouterr().err
+
+
+def test_plan_cluster_xla_json(capsys):
+    """``plan --cluster C --xla``: planned with C's cost model and budget, the step compiled for
+    C's GPU; the slop factor that puts XLA's own memory limit at the plan's budget is set."""
+    code = main(["plan", "--model", "gpt", "--preset", "tiny", "--mesh", "2x4", "--cluster",
+                 "h100-80g-8x", "--policy", "megatron", "--xla", "--json"])
+    assert code == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    x = res["xla"]
+    assert x["device"] == "NVIDIA H100 80GB HBM3" and x["fits"] and not x["xla_remat"]
+    assert x["comm_bytes"] == sum(e["plan_bytes"] for e in x["collectives"].values()) > 0
+
+
+def test_the_step_tells_xla_the_plans_budget():
+    """XLA:GPU's own memory limit is 80% x 95% of the device, less the program's inputs and
+    outputs; the step raises it to the plan's budget (the default budget: 90% of the device)."""
+    from nnscaler_jax.mesh.gpu import SCHEDULER_FRACTION, slop_factor
+
+    spec = models.get("gpt", "tiny")
+    args, variables = spec_inputs(spec)
+    pm = auto_parallel(_mesh(), policy="dp")(spec.module)
+    step = pm.train_step(spec.loss_fn, optax.adam(1e-3))
+    step.abstract_init(variables, *args)
+    slop = step.compiler_options["xla_gpu_memory_limit_slop_factor"]
+    assert slop == 113  # ceil(100 x 0.9 / 0.8): the tiny state's bytes change nothing
+    assert SCHEDULER_FRACTION * slop / 100 == pytest.approx(0.9, abs=0.01)
+    assert slop_factor(10 * 2**30, 2**30, 32 * 2**30) == 95  # never under XLA's default

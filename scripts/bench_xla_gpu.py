@@ -1,0 +1,137 @@
+"""Benchmark: the cost model's memory against XLA's GPU compiler, plan by plan.
+
+Each case is planned as ``nnscaler-jax compare`` plans it (the cluster preset's cost model, its
+device memory less the reserve as the budget, or ``--no-budget``: none), then the plan's whole
+training step (forward, backward, AdamW, donated state) is compiled by XLA:GPU for the
+cluster's GPU on compile-only devices (``nnscaler_jax.cli.xla.xla_entry``; no GPU needed).
+Per case and planner: the estimate (``memory_bytes_per_device``), XLA's peak (argument + output +
+temp - alias), their ratio, whether XLA fits the device, XLA's own rematerialization,
+involuntary full rematerializations, the collectives (count and bytes per kind; the total in
+the plan's ``comm_bytes`` convention: all-reduce / all-gather result bytes, reduce-scatter /
+all-to-all p x result bytes) and the compile time. No autotuning happens without a device:
+GEMM configurations are XLA's defaults.
+
+Writes ``results/bench_xla_gpu.json`` after every case (a run of some cases is merged in) and
+``results/bench_xla_gpu.md``. Run from the repository root:
+
+    .venv/bin/python scripts/bench_xla_gpu.py [--only swin-8gpu,gpt3-1.3b-v100] [--planners auto]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+
+from nnscaler_jax.cli.common import capture_model, model_spec, spec_mutable
+from nnscaler_jax.cli.compare import one_planner
+from nnscaler_jax.cli.xla import xla_entry
+from nnscaler_jax.cost.devices import cluster_preset
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+OUT = ROOT / "results" / "bench_xla_gpu.json"
+MESH = {"data": 2, "model": 4}
+NO_BUDGET = 1 << 50
+
+# name: (model, preset, cluster, precision, batch, planners, budget)
+CASES = {
+    "swin-8gpu": ("swin", "swin-nnscaler-8gpu", "v100-32g-8x", None, None, "auto,alpa", True),
+    "t5-8gpu": ("t5", "t5-nnscaler-8gpu", "v100-32g-8x", None, None, "auto,alpa", True),
+    "af2-initial": ("evoformer", "af2-initial", "v100-32g-8x", None, None, "auto,megatron",
+                    True),
+    "af2-finetune": ("evoformer", "af2-finetune", "v100-32g-8x", None, None, "auto", True),
+    "gpt3-1.3b-v100": ("gpt", "gpt3-1.3b", "v100-32g-8x", None, 8,
+                       "dp,zero3,megatron,auto,alpa", True),
+    "gpt3-1.3b-v100-free": ("gpt", "gpt3-1.3b", "v100-32g-8x", None, 8, "auto", False),
+    "gpt3-1.3b-h100-bf16": ("gpt", "gpt3-1.3b", "h100-80g-8x", "bfloat16", 8,
+                            "megatron,auto", True),
+    "gpt3-6.7b-a100-bf16": ("gpt", "gpt3-6.7b", "a100-80g-8x", "bfloat16", 8,
+                            "zero3,megatron,auto", True),
+    "moe-380m-a100": ("moe", "moe-380m", "a100-80g-8x", None, None, "dp,auto", True),
+    "llama3-8b-128k-h100": ("llama", "llama3-8b-128k", "h100-80g-8x", "bfloat16", None, "auto",
+                            True),
+}
+
+
+def _case(name: str, planners: list[str] | None) -> dict:
+    model, preset, cl, precision, batch, default, budgeted = CASES[name]
+    spec = model_spec(model, preset, precision, **({"batch_size": batch} if batch else {}))
+    graph = capture_model(spec, mutable=spec_mutable(spec), precision=precision).graph
+    cluster = cluster_preset(cl)
+    mesh = jax.sharding.AbstractMesh(tuple(MESH.values()), tuple(MESH))
+    out = {"model": model, "preset": preset, "cluster": cl, "precision": precision,
+           "batch": batch, "budget": "default" if budgeted else "none", "planners": {}}
+    for planner in planners or default.split(","):
+        t0 = time.perf_counter()
+        plan, entry = one_planner(planner, graph, mesh, cluster, None if budgeted else NO_BUDGET)
+        if plan is not None:
+            entry["xla"] = xla_entry(spec, plan, cluster, MESH)
+        entry["seconds"] = time.perf_counter() - t0
+        out["planners"][planner] = entry
+        print(f"{name} {planner}: {_line(entry)}", flush=True)
+    return out
+
+
+def _line(e: dict) -> str:
+    x = e.get("xla") or {}
+    if not e.get("fits"):
+        return f"no plan ({e.get('error', '')[:80]})"
+    if "error" in x:
+        return f"estimate {e['memory_bytes_per_device'] / 2**30:.2f} GiB, XLA: {x['error']}"
+    return (f"estimate {e['memory_bytes_per_device'] / 2**30:.2f} GiB, XLA "
+            f"{x['peak_bytes'] / 2**30:.2f} GiB ({x['over_estimate']:.3f}), fits {x['fits']}, "
+            f"xla_remat {x['xla_remat']}, involuntary {x['involuntary_remat']}")
+
+
+def _markdown(results: dict) -> str:
+    rows = [("| case | planner | step s | estimate GiB | XLA:GPU GiB | XLA / est | fits | XLA remat "
+            "| invol. | comm est GB | comm XLA GB | compile s |"),
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, case in results.items():
+        for planner, e in case["planners"].items():
+            x = e.get("xla") or {}
+            if not e.get("fits") or "peak_bytes" not in x:
+                why = e.get("error") or x.get("error", "")
+                rows.append(f"| {name} | {planner} | - | "
+                            f"{(e.get('memory_bytes_per_device') or 0) / 2**30:.2f} | - | - | "
+                            f"{'no plan' if not e.get('fits') else 'n/a'} | - | - | - | - | "
+                            f"{why[:60]} |")
+                continue
+            rows.append(
+                f"| {name} | {planner} | {e['step_time_s']:.3f} | "
+                f"{e['memory_bytes_per_device'] / 2**30:.2f} | {x['peak_bytes'] / 2**30:.2f} | "
+                f"{x['over_estimate']:.3f} | {'yes' if x['fits'] else 'NO'} | "
+                f"{'yes' if x['xla_remat'] else 'no'} | {x['involuntary_remat']} | "
+                f"{e['comm_bytes'] / 1e9:.2f} | {x['comm_bytes'] / 1e9:.2f} | "
+                f"{x['compile_s']:.0f} |")
+    head = ("# The cost model's memory against XLA's GPU compiler\n\n"
+            "`scripts/bench_xla_gpu.py`: each plan's whole training step (AdamW, donated state) "
+            "compiled by XLA:GPU for compile-only devices of the cluster's GPU on a 2 x 4 mesh "
+            "(data x model); XLA's peak is argument + output + temp - alias. No autotuning "
+            "without a device: GEMM configurations are XLA's defaults. comm: the plan's "
+            "`comm_bytes` and XLA's collectives in the same convention (all-reduce / all-gather "
+            "result bytes, reduce-scatter / all-to-all p x result bytes).\n\n")
+    return head + "\n".join(rows) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="", help="comma separated case names")
+    ap.add_argument("--planners", default="", help="comma separated (default: per case)")
+    a = ap.parse_args()
+    names = [n for n in a.only.split(",") if n] or list(CASES)
+    results = json.loads(OUT.read_text()) if OUT.exists() else {}
+    for name in names:
+        results[name] = _case(name, [p for p in a.planners.split(",") if p] or None)
+        OUT.write_text(json.dumps(results, indent=1, default=str))
+        OUT.with_suffix(".md").write_text(_markdown(results))
+
+
+if __name__ == "__main__":
+    main()
