@@ -84,7 +84,7 @@ from nnscaler_jax.cost.relayout import (
     relayout_price,
     storage_layout,
 )
-from nnscaler_jax.cost.residuals import accumulated_gradients
+from nnscaler_jax.cost.residuals import accumulated_gradients, combines_all_reductions
 from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.layout.rvd import interned
@@ -376,13 +376,14 @@ class CostModel:
 
     def held_gradients(self, graph: Graph, microbatches: int | None = None
                        ) -> Callable[[int], bool]:
-        """Whether variable id's gradient is live at the peak: all of them with
-        ``grads_held`` or gradient accumulation over micro-batches, else those
-        :func:`~nnscaler_jax.cost.residuals.accumulated_gradients` finds."""
-        if self.grads_held or max(self.microbatches, microbatches or 1) > 1:
+        """Whether a variable id's gradient is live at the peak: all of them with
+        ``grads_held``, gradient accumulation over micro-batches, or a model whose reductions
+        XLA combines into one (:func:`~nnscaler_jax.cost.residuals.combines_all_reductions`);
+        else those :func:`~nnscaler_jax.cost.residuals.accumulated_gradients` finds."""
+        if self.grads_held or max(self.microbatches, microbatches or 1) > 1 or \
+                combines_all_reductions(graph):
             return lambda v: True
-        held = accumulated_gradients(graph)
-        return held.__contains__
+        return accumulated_gradients(graph).__contains__
 
     # ---- whole plans ---------------------------------------------------------------------------
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from nnscaler_jax.cost.compute import MATMUL, grad_tensors, is_float
+from nnscaler_jax.cost.compute import MATMUL, TRAINABLE, grad_tensors, is_float
 from nnscaler_jax.ir.graph import DataflowMemo, Graph, Op, Role
 
 __all__ = [
@@ -199,6 +199,22 @@ def _traced(graph: Graph, grads: set[int] | None
         keep(op, [op.inputs[j].id for j in ins] + [op.outputs[k].id for k in outs], through)
     return ({i: tuple(sorted(ks)) for i, ks in out.items()}, frozenset(reads),
             {key: frozenset(v) for key, v in readers.items()})
+
+
+COMBINE_BYTES = 30 * 2**20
+"""XLA:GPU's all-reduce combiner threshold (``kDefaultAllReduceCombineThreshold``): gradient
+reductions are merged into collectives of up to this size, each gradient live until its
+combined reduction runs."""
+
+
+def combines_all_reductions(graph: Graph) -> bool:
+    """Whether XLA:GPU reduces all of ``graph``'s weight gradients in one combined collective
+    after the backward, so that every gradient is live at its peak: their weights take at most
+    :data:`COMBINE_BYTES` (measured: the tiny zoo's data-parallel steps peak at the estimate
+    plus every gradient; a replicated plan reduces nothing and frees them, on the safe side
+    of the estimate)."""
+    return sum(v.nbytes for v in graph.variables
+               if v.collection in TRAINABLE and is_float(v)) <= COMBINE_BYTES
 
 
 def accumulated_gradients(graph: Graph) -> frozenset[int]:

@@ -99,14 +99,10 @@ def test_zero_memory_matches_mixed_precision_adam(mlp_graph, zero):
               3: 16 * psi / n}[zero]
     assert mem["params"] + mem["grads"] + mem["optimizer"] == expect
     # (the gradients are stored as said; at the peak only those built up over the backward
-    # count: none here, each weight is read once and updated when its gradient is done)
-    assert mem["grads_held"] == 0
+    # count: all of them here, as XLA reduces a model this small in one combined collective)
+    assert mem["grads_held"] == mem["grads"]
     assert mem["peak"] == sum(mem[k] for k in ("params", "grads_held", "optimizer",
                                                "activations", "transient"))
-    held = dataclasses.replace(model, grads_held=True).memory_breakdown(plan, graph)
-    # (held, the local gradients before their reduction also form one buffer at the end)
-    assert held["grads_held"] == mem["grads"]
-    assert held["peak"] >= mem["peak"] + mem["grads"]
     assert model.plan_cost(plan, graph).memory_bytes_per_device == mem["peak"]
 
 

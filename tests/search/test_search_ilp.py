@@ -202,10 +202,9 @@ def test_scan_stack_plans_as_well_as_its_unrolled_twin():
         cost[scan] = CostModel.for_axes(AXES).plan_cost(plan, graph)
         held[scan] = CostModel.for_axes(AXES, grads_held=True).plan_cost(plan, graph)
     assert cost[True].comm_time_s <= cost[False].comm_time_s * 1.03, cost
-    # (the scan's stacked gradients build up over its backward loop, the unrolled layers' are
-    # freed one by one by their updates: the layouts are compared with every gradient held)
+    # (a scan's stacked gradients build up over its backward loop where unrolled layers' may
+    # be freed one by one by their updates: the layouts are compared with every gradient held)
     assert held[True].memory_bytes_per_device <= held[False].memory_bytes_per_device * 1.03
-    assert cost[True].memory_bytes_per_device > cost[False].memory_bytes_per_device
 
 
 def test_memory_budget_holds_for_the_plans_full_pricing():
