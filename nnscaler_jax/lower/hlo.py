@@ -55,9 +55,9 @@ _KINDS = {"all-reduce": "all_reduce", "all-gather": "all_gather",
           "reduce-scatter": "reduce_scatter", "all-to-all": "all_to_all",
           "collective-permute": "ppermute"}
 _LINE = re.compile(
-    r"=\s*(?P<type>\(?[a-z0-9]+\[[0-9,]*\][^ ]*(?:, [a-z0-9]+\[[0-9,]*\][^ ]*)*\)?)\s+"
+    r"=\s*(?P<type>\(*[a-z0-9]+\[[0-9,]*\][^ ]*(?:, \(*[a-z0-9]+\[[0-9,]*\][^ ]*)*)\s+"
     r"(?P<op>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
-    r"(?:-start)?\(")
+    r"(?P<start>-start)?\(")
 _SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
 _BYTES = {"f32": 4, "f64": 8, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8,
           "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2}
@@ -140,6 +140,27 @@ def _axes_of(groups: list[list[int]] | None, mesh) -> tuple[str, ...]:
     return ("?",)
 
 
+def _result_type(text: str, op: str, start: bool) -> str:
+    """The result part of a collective's type: an async ``-start`` of XLA:GPU types itself
+    ``((operands), results)`` (reduce-scatter, all-to-all) or ``(operand, result)``
+    (all-gather, collective-permute, whose trailing ``u32[]`` contexts carry no data); an
+    all-reduce's tuple is its combined results."""
+    if not start or not text.startswith("(") or op == "all-reduce":
+        return text
+    if text.startswith("(("):  # ((operands), results): what follows the first group
+        depth = 0
+        for i, ch in enumerate(text):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 1 and ch == ")":
+                return text[i + 1:]
+        return text
+    shapes = _SHAPE.findall(text)
+    data = [sh for sh in shapes if sh[1]]  # drop scalar contexts
+    half = data[len(data) // 2:] if len(data) > 1 else data
+    return " ".join(f"{dt}[{dims}]" for dt, dims in half)
+
+
 def hlo_collectives(hlo_text: str, mesh) -> list[HloCollective]:
     """Collectives in compiled HLO text (``compiled.as_text()``), with the mesh axes they span."""
     out = []
@@ -149,7 +170,8 @@ def hlo_collectives(hlo_text: str, mesh) -> list[HloCollective]:
         if not m or "-done" in line.split("=")[0]:
             continue
         nbytes = 0
-        for dt, dims in _SHAPE.findall(m.group("type")):
+        for dt, dims in _SHAPE.findall(_result_type(m.group("type"), m.group("op"),
+                                                     bool(m.group("start")))):
             n = int(np.prod([int(x) for x in dims.split(",") if x])) if dims else 1
             nbytes += n * _BYTES.get(dt, 4)
         out.append(HloCollective(_KINDS[m.group("op")], nbytes, _axes_of(_groups(line), mesh)))

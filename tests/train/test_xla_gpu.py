@@ -170,3 +170,24 @@ def test_the_step_tells_xla_the_plans_budget():
     assert slop == 113  # ceil(100 x 0.9 / 0.8): the tiny state's bytes change nothing
     assert SCHEDULER_FRACTION * slop / 100 == pytest.approx(0.9, abs=0.01)
     assert slop_factor(10 * 2**30, 2**30, 32 * 2**30) == 95  # never under XLA's default
+
+
+def test_async_collectives_count_their_results():
+    """XLA:GPU's async starts type themselves ``((operands), result)`` (reduce-scatter) and
+    ``(operand, result)`` (all-gather): each counts its result once, and a reduce-scatter's
+    ``plan_bytes`` is its group x result (as a plan's comm_bytes counts it)."""
+    from nnscaler_jax.train.xla_gpu import collective_totals
+
+    mesh = _mesh()
+
+    def f(x, w):
+        y = jax.lax.with_sharding_constraint(x @ w, NamedSharding(mesh, P(None, "model")))
+        return y, jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P()))
+
+    x = jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=NamedSharding(mesh, P(None, "model")))
+    w = jax.ShapeDtypeStruct((256, 512), jnp.float32, sharding=NamedSharding(mesh, P("model")))
+    text = jax.jit(f).lower(x, w).compile(GPU_COMPILER_OPTIONS).as_text()
+    got = collective_totals(text, mesh)
+    assert "reduce-scatter-start" in text and "all-gather-start" in text
+    assert got["reduce_scatter"] == {"count": 1, "bytes": 64 * 128 * 4, "plan_bytes": 64 * 512 * 4}
+    assert got["all_gather"] == {"count": 1, "bytes": 64 * 512 * 4, "plan_bytes": 64 * 512 * 4}
