@@ -89,6 +89,10 @@ def _line(e: dict) -> str:
             f"xla_remat {x['xla_remat']}, involuntary {x['involuntary_remat']}")
 
 
+def _gb(n: float | None) -> str:
+    return "-" if n is None else f"{n / 1e9:.2f}"
+
+
 def _markdown(results: dict) -> str:
     rows = [("| case | planner | step s | estimate GiB | XLA:GPU GiB | XLA / est | fits | XLA remat "
             "| invol. | comm est GB | comm XLA GB | compile s |"),
@@ -108,7 +112,7 @@ def _markdown(results: dict) -> str:
                 f"{e['memory_bytes_per_device'] / 2**30:.2f} | {x['peak_bytes'] / 2**30:.2f} | "
                 f"{x['over_estimate']:.3f} | {'yes' if x['fits'] else 'NO'} | "
                 f"{'yes' if x['xla_remat'] else 'no'} | {x['involuntary_remat']} | "
-                f"{e['comm_bytes'] / 1e9:.2f} | {x['comm_bytes'] / 1e9:.2f} | "
+                f"{e['comm_bytes'] / 1e9:.2f} | {_gb(x.get('comm_bytes'))} | "
                 f"{x['compile_s']:.0f} |")
     head = ("# The cost model's memory against XLA's GPU compiler\n\n"
             "`scripts/bench_xla_gpu.py`: each plan's whole training step (AdamW, donated state) "
