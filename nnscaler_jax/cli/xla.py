@@ -61,6 +61,8 @@ def xla_entry(spec: Any, plan: Any, cluster: Any, axes: dict[str, int]) -> dict[
         check = check_step(step, variables, args, rng=rng)
     except PlanError as e:
         return {"error": str(e).splitlines()[0]}
+    except jax.errors.JaxRuntimeError as e:  # the compiler's own failure, said in one line
+        return {"error": f"XLA:GPU could not compile the step: {str(e).splitlines()[0][:300]}"}
     out = check.to_json()
     est = plan.cost.memory_bytes_per_device if plan.cost is not None else None
     out["over_estimate"] = (check.peak_bytes / est) if est else None
