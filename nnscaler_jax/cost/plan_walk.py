@@ -32,6 +32,7 @@ from nnscaler_jax.cost.relayout import (
 from nnscaler_jax.cost.residuals import (
     MASKED,
     REGATHERED_COPIES,
+    follow_weight,
     residual_outputs,
     residual_readers,
     residual_reads,
@@ -311,9 +312,7 @@ class _Walk:
             if op.primitive == "scan":
                 self.scans.append((op, outs, mult * region_length(op)))
             return
-        srcs = {origin[t.id] for t in op.inputs if t.id in origin}
-        if len(srcs) == 1 and all(t.id in origin or t.role is Role.CONST for t in op.inputs):
-            origin.update({t.id: next(iter(srcs)) for t in op.outputs})  # a weight, reshaped
+        follow_weight(op, origin)  # a weight, cast or reshaped
         mask = tuple(t.id in self.grads for t in op.inputs)
         out.compute += model._op_time(op, p.split, mask, self.traffic) * mult
         k = self.chunks.get(op.id, 1)  # a co-sharded block's op: one chunk is live at a time

@@ -41,8 +41,11 @@ from nnscaler_jax.ir.graph import DataflowMemo, Graph, Op, Role
 
 __all__ = [
     "CHEAP",
+    "COMBINE_BYTES",
     "REGATHERED_COPIES",
     "accumulated_gradients",
+    "combines_all_reductions",
+    "follow_weight",
     "residual_outputs",
     "residual_readers",
     "residual_reads",
@@ -234,12 +237,19 @@ def accumulated_gradients(graph: Graph) -> frozenset[int]:
     reads: dict[int, int] = {}
     for op in graph.ops:
         srcs = {origin[t.id] for t in op.inputs if t.id in origin}
-        if not srcs:
-            continue
-        if not op.regions and len(srcs) == 1 and all(
-                t.id in origin or t.role is Role.CONST for t in op.inputs):
-            origin.update({t.id: next(iter(srcs)) for t in op.outputs})  # a cast, a reshape
+        if not op.regions and follow_weight(op, origin):  # a cast, a reshape
             continue
         for v in srcs:
             reads[v] = reads.get(v, 0) + (2 if op.regions else 1)
     return frozenset(v for v, n in reads.items() if n > 1)
+
+
+def follow_weight(op: Op, origin: dict[int, int]) -> bool:
+    """Whether ``op`` computes its outputs from one weight alone (``origin``: tensor -> the
+    variable it is computed from; constants aside), as a cast or a reshape does; if so its
+    outputs join ``origin``."""
+    srcs = {origin[t.id] for t in op.inputs if t.id in origin}
+    if len(srcs) != 1 or not all(t.id in origin or t.role is Role.CONST for t in op.inputs):
+        return False
+    origin.update({t.id: next(iter(srcs)) for t in op.outputs})
+    return True

@@ -258,9 +258,12 @@ class SpmdStep:
     def _rngs(self, key: Any, i: Any) -> dict | None:
         return None if key is None else microbatch_rngs(key, i, self.rng_streams)
 
-    def _set_up(self, variables: Any, batch: Sequence[Any], rng: Any) -> tuple[Any, Any]:
+    def _set_up(self, variables: Any, batch: Sequence[Any], rng: Any,
+                abstract: bool = False) -> tuple[Any, Any]:
         """Plan the whole batch's call, derive the state's shardings and build the jitted step
-        (nothing allocated); returns the module's ``(params, collections)`` trees."""
+        (nothing allocated; ``abstract``, or on GPUs: the state and batch as laid-out
+        ``ShapeDtypeStruct`` values too); returns the module's ``(params, collections)``
+        trees."""
         asked = self.model.core.constraints
         if asked is not None and asked.microbatches:  # said before planning
             self._micro_count(asked.microbatches, batch)
@@ -298,33 +301,49 @@ class SpmdStep:
         if plan.precision == "float16":
             state_sh["loss_scale"] = state_sh["good_steps"] = rep
         self._shardings = {"state": state_sh, "grads": z_sh if plan.zero >= 2 else p_sh}
-        self.compiler_options = self._gpu_options(params, colls, opt_shapes, batch)
+        self.compiler_options = None
+        if abstract or getattr(mesh.devices.flat[0], "platform", "cpu") == "gpu":
+            self._abstract = (self._abstract_state(params, colls, opt_shapes, rng),
+                              self._batch_abstract(batch))
+            self.compiler_options = self._gpu_options()
         self.jitted = jax.jit(self._step, out_shardings=(state_sh, None), donate_argnums=0,
                               compiler_options=self.compiler_options)
         return params, colls
 
-    def _gpu_options(self, params: Any, colls: Any, opt_shapes: Any, batch: Sequence[Any]
-                     ) -> dict | None:
+    def _abstract_state(self, params: Any, colls: Any, opt_shapes: Any, rng: Any) -> dict:
+        """The state :meth:`init` lays out, as ``jax.ShapeDtypeStruct`` values with their
+        shardings."""
+        sh = self._shardings["state"]
+
+        def sds(x: Any, s: NamedSharding) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=s)
+
+        state = {"params": jax.tree.map(sds, params, sh["params"]),
+                 "collections": jax.tree.map(sds, colls, sh["collections"]),
+                 "opt_state": jax.tree.map(sds, opt_shapes, sh["opt_state"]),
+                 "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=sh["step"])}
+        if rng is not None:
+            key = jax.eval_shape(lambda k: k, rng)
+            state["rng"] = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sh["rng"])
+        for name, dtype in (("loss_scale", jnp.float32), ("good_steps", jnp.int32)):
+            if name in sh:
+                state[name] = jax.ShapeDtypeStruct((), dtype, sharding=sh[name])
+        return state
+
+    def _gpu_options(self) -> dict | None:
         """On GPUs: XLA's scheduler and rematerialization limit put at the plan's budget
         (:func:`~nnscaler_jax.mesh.gpu.slop_factor`; XLA's own is ~76% of the device's memory,
         under the default budget), counting the state and the batch as the program's inputs."""
-        device = self.mesh.devices.flat[0]
-        if getattr(device, "platform", "cpu") != "gpu":
+        if getattr(self.mesh.devices.flat[0], "platform", "cpu") != "gpu":
             return None
         asked = self.model.core.constraints
         budget = asked.max_memory_per_device if asked is not None else None
         default = default_budget_of(self.mesh)
         if default is None:
             return None
-        sh = self._shardings["state"]
-
-        def local(x: Any, s: NamedSharding) -> int:
-            return math.prod(s.shard_shape(np.shape(x))) * jnp.dtype(x.dtype).itemsize
-
-        io = sum(local(x, s) for tree, shs in ((params, sh["params"]), (colls, sh["collections"]),
-                                               (opt_shapes, sh["opt_state"]))
-                 for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shs), strict=True))
-        io += sum(local(x, x.sharding) for x in self._batch_abstract(batch))
+        io = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                 for x in jax.tree.leaves(self._abstract)
+                 if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended))
         slop = slop_factor(int(budget or default.bytes), io, default.memory_bytes)
         return {"xla_gpu_memory_limit_slop_factor": slop}
 
@@ -360,26 +379,8 @@ class SpmdStep:
         if isinstance(self.model, _Nnx):
             raise PlanError("train_step: abstract_init takes a linen module's variables; an "
                             "nnx module holds its arrays (lay it out with step.init)")
-        params, colls = self._set_up(variables, batch, rng)
-        state_sh = self._shardings["state"]
-
-        def sds(x: Any, s: NamedSharding) -> jax.ShapeDtypeStruct:
-            return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=s)
-
-        state = {"params": jax.tree.map(sds, params, state_sh["params"]),
-                 "collections": jax.tree.map(sds, colls, state_sh["collections"]),
-                 "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=state_sh["step"])}
-        opt = jax.eval_shape(self.optimizer.init, params)
-        state["opt_state"] = jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), opt,
-            state_sh["opt_state"])
-        if rng is not None:
-            key = jax.eval_shape(lambda k: k, rng)
-            state["rng"] = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=state_sh["rng"])
-        for name, dtype in (("loss_scale", jnp.float32), ("good_steps", jnp.int32)):
-            if name in state_sh:
-                state[name] = jax.ShapeDtypeStruct((), dtype, sharding=state_sh[name])
-        return state, self._batch_abstract(batch)
+        self._set_up(variables, batch, rng, abstract=True)
+        return self._abstract
 
     def _batch_abstract(self, batch: Sequence[Any]) -> tuple:
         """The batch as ``ShapeDtypeStruct`` values laid out as the plan reads the module's

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from nnscaler_jax.cost.devices import default_budget_of
 from nnscaler_jax.lower.hlo import hlo_collectives, xla_stderr
 
 __all__ = ["XlaCheck", "check_compiled", "check_step", "collective_totals"]
@@ -86,21 +87,15 @@ def collective_totals(hlo_text: str, mesh: Any) -> dict[str, dict[str, int]]:
     return dict(sorted(out.items()))
 
 
-def _device_memory(mesh: Any) -> tuple[str, int]:
-    from nnscaler_jax.cost.devices import device_for_kind
-
-    kind = str(mesh.devices.flat[0].device_kind)
-    preset = device_for_kind(kind)
-    return kind, (preset.memory_bytes if preset is not None else 0)
-
-
 def check_compiled(compiled: Any, log: str, mesh: Any, compile_s: float = 0.0) -> XlaCheck:
     """An :class:`XlaCheck` of a compiled program and what XLA logged compiling it."""
     m = compiled.memory_analysis()
     peak = int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
                - m.alias_size_in_bytes)
     text = compiled.as_text()
-    kind, memory = _device_memory(mesh)
+    kind = str(mesh.devices.flat[0].device_kind)
+    budget = default_budget_of(mesh)  # the device's memory (a preset's, by its kind)
+    memory = budget.memory_bytes if budget is not None else 0
     collectives = collective_totals(text, mesh)
     notes = []
     renamed = len(_REMAT_NAME.findall(text))
