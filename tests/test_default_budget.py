@@ -165,3 +165,17 @@ def test_a_mesh_of_known_accelerators_is_priced_with_their_peaks(tiny):
     h100 = CostModel.for_axes(AXES, device=H100_80G).plan_cost(plan, tiny).step_time_s
     cpu = CostModel.for_axes(AXES).plan_cost(plan, tiny).step_time_s
     assert plan.cost.step_time_s == pytest.approx(h100) and h100 < cpu
+
+
+def test_only_gradients_built_up_over_the_backward_count_at_the_peak(gpt13):
+    """GPT-3 1.3B under Megatron's plan on V100s: XLA:GPU runs each weight's Adam update as soon
+    as its gradient is reduced (the compiled step's peak is the estimate without the other
+    gradients: tests/train/test_xla_gpu.py, results/bench_xla_gpu.md), so the peak holds only
+    the tied embedding's, which gets contributions at both ends of the model; an optimizer that
+    reads every gradient at once (grads_held) holds them all."""
+    plan = make_plan(gpt13, AXES, policy="megatron", cost_model=_v100())
+    cm = _v100()
+    mem = cm.memory_breakdown(plan, gpt13)
+    held = dataclasses.replace(cm, grads_held=True).memory_breakdown(plan, gpt13)
+    assert 0 < mem["grads_held"] < mem["grads"] / 2
+    assert held["grads_held"] == mem["grads"] and held["peak"] > mem["peak"] + mem["grads"] / 2
