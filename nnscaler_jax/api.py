@@ -37,7 +37,7 @@ from nnscaler_jax.capture.trace import (
     warn_unannotated,
 )
 from nnscaler_jax.constraints import Constraints
-from nnscaler_jax.errors import ConstraintError, PlanError
+from nnscaler_jax.errors import ConstraintError, PlanError, shapes_summary
 from nnscaler_jax.ir.graph import Graph, Role
 from nnscaler_jax.lower.explicit import result_specs
 from nnscaler_jax.lower.program import Program, place, signature
@@ -141,9 +141,9 @@ class AutoParallel:
             except PlanError:
                 raise
             except Exception as e:
-                raise PlanError(f"{type(self.module).__name__}: tracing with inputs "
-                                f"{[(tuple(a.shape), str(a.dtype)) for a in abstract]} failed: "
-                                f"{type(e).__name__}: {e}") from e
+                raise PlanError(f"{type(self.module).__name__}: the call failed while tracing: "
+                                f"{type(e).__name__}: {e}\n(traced on the variables and "
+                                f"arguments, {shapes_summary(abstract)})") from e
             graph, missing = graph_from_jaxpr(jaxpr, tr.infos, root=tr.root)
             graph = with_precision(graph, self.precision)
             warn_unannotated(missing, f"auto_parallel({type(self.module).__name__})")

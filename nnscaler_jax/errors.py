@@ -19,6 +19,26 @@ __all__ = ["AnnotationError", "CheckpointError", "ConstraintError", "NoFitError"
            "PlanFormatError", "ShardingError"]
 
 
+def shapes_summary(arrays: Any, limit: int = 6) -> str:
+    """A short account of many arrays' shapes for a message: equal (shape, dtype) pairs
+    counted, at most ``limit`` kinds listed (``'10 arrays: 4 x (64,) float32, ...'``).
+
+    >>> import numpy as np
+    >>> shapes_summary([np.zeros((2, 3))] * 3 + [np.zeros(4, np.int32)])
+    '4 arrays: 3 x (2, 3) float64, (4,) int32'
+    """
+    kinds: dict[tuple, int] = {}
+    for a in arrays:
+        key = (tuple(a.shape), str(a.dtype))
+        kinds[key] = kinds.get(key, 0) + 1
+    listed = [f"{n} x {shape} {dtype}" if n > 1 else f"{shape} {dtype}"
+              for (shape, dtype), n in list(kinds.items())[:limit]]
+    more = len(kinds) - limit
+    tail = f", ... ({more} more kinds)" if more > 0 else ""
+    total = sum(kinds.values())
+    return f"{total} array{'s' if total != 1 else ''}: {', '.join(listed)}{tail}"
+
+
 class PlanError(ValueError):
     """Every planning failure a user can cause.
 

@@ -158,9 +158,11 @@ def inputs_error(e: Exception, n: int) -> PlanError:
     """``e`` (the module call failed on the whole batch of ``n`` arrays) with the likely fix,
     ``inputs=`` (the pipelined and the SPMD training steps)."""
     return PlanError(
-        f"{e}\ntrain_step passed all {n} batch arrays to the module (inputs=None). If it "
-        "takes only the leading ones, say how many, e.g. for a batch (x, y) with module(x) "
-        "and loss_fn(out, x, y):\n    step = pm.train_step(loss_fn, optimizer, inputs=1)")
+        f"train_step passed all {n} batch arrays to the module (inputs=None) and the call "
+        "failed. If the module takes only the leading ones, say how many, e.g. for a batch "
+        "(x, y) with module(x) and loss_fn(out, x, y):\n"
+        "    step = pm.train_step(loss_fn, optimizer, inputs=1)\n"
+        f"The call's error: {e}")
 
 
 def collections_error(where: str, names: Sequence[str]) -> PlanError:

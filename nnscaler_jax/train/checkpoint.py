@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 _STATE, _INFO = "state", "nnscaler"  # the orbax item names of one step
 _FORMAT = 1
-_FIX_FOREIGN = "restore with the model that wrote it, or start a new --checkpoint-dir"
+_FIX_FOREIGN = "restore with the model that wrote it, or save to a new checkpoint directory"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -239,8 +239,24 @@ def _parse_info(raw: Any, step: int, directory: str) -> CheckpointInfo:
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise CheckpointError(
             f"checkpoint step {step} in {directory} has corrupted metadata ({_first_line(e)}). "
-            "Fix: restore another step, or start a new --checkpoint-dir.",
+            "Fix: restore another step, or save to a new checkpoint directory.",
             directory=directory, step=step) from None
+
+
+def _step_number(step: Any) -> int:
+    """``step`` as the training step's number (a CheckpointError for anything else, e.g. the
+    train-step object that ``step = pm.train_step(...)`` names)."""
+    integral = isinstance(step, (int, np.integer)) or (
+        isinstance(step, (np.ndarray, jax.Array)) and step.shape == ()
+        and np.issubdtype(step.dtype, np.integer))
+    if isinstance(step, bool) or not integral:
+        raise CheckpointError(
+            f"step={type(step).__name__} must be the training step's number (an int): "
+            "Checkpointer.save(step, state) names the subfolder by it. Fix: pass the "
+            "loop's counter, e.g. `for i in range(n): state, m = train_step(state, *batch); "
+            "ckpt.maybe_save(i + 1, state)`; name the train-step object something other "
+            "than `step`.")
+    return int(step)
 
 
 class Checkpointer:
@@ -274,7 +290,7 @@ class Checkpointer:
         self._manager: ocp.CheckpointManager | None = None
         if self.directory.exists() and not self.directory.is_dir():
             raise CheckpointError(f"checkpoint directory {self.directory} is a file. Fix: pass "
-                                  "a directory to --checkpoint-dir.",
+                                  "a directory's path (or a new one to create).",
                                   directory=str(self.directory))
 
     def _open(self, create: bool) -> ocp.CheckpointManager | None:
@@ -299,7 +315,7 @@ class Checkpointer:
 
         The save runs in the background once the arrays are copied off the devices.
         """
-        if int(step) % self.every:
+        if _step_number(step) % self.every:
             return False
         return self.save(step, state, plan_json=plan_json, meta=meta)
 
@@ -313,7 +329,7 @@ class Checkpointer:
             plan_json: the plan's JSON (``plan.to_json()``) kept for the restore.
             meta: a JSON-able dict (numpy / jax values become lists) kept for the restore.
         """
-        step = int(step)
+        step = _step_number(step)
         manager = self._open(create=True)
         if step in manager.all_steps():
             log.info("checkpoint step %d already in %s: not saved again", step, self.directory)
@@ -367,8 +383,8 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 - orbax raises many kinds; re-raised with context
             raise CheckpointError(
                 f"checkpoint step {step} in {self.directory} has unreadable metadata "
-                f"({_first_line(e)}). Fix: restore another step, or start a new "
-                "--checkpoint-dir.", directory=str(self.directory), step=step) from None
+                f"({_first_line(e)}). Fix: restore another step, or save to a new "
+                "checkpoint directory.", directory=str(self.directory), step=step) from None
         info = _parse_info(raw, step, str(self.directory))
         return info, dict(raw.get("key_impls") or {})
 
@@ -377,14 +393,14 @@ class Checkpointer:
         if not self.directory.is_dir():
             raise CheckpointError(
                 f"no checkpoint to restore: {where} does not exist. Fix: pass the "
-                "--checkpoint-dir that holds the checkpoints, or train without --resume.",
+                "directory that holds the checkpoints, or start without restoring.",
                 directory=where)
         self.wait()
         steps = self.steps()
         if not steps:
             raise CheckpointError(
                 f"no checkpoint to restore in {where}: it holds no saved step. Fix: pass the "
-                "--checkpoint-dir that holds the checkpoints, or train without --resume.",
+                "directory that holds the checkpoints, or start without restoring.",
                 directory=where)
         if step is None:
             return steps[-1]
@@ -425,8 +441,8 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 - orbax raises many kinds; re-raised with context
             raise CheckpointError(
                 f"checkpoint step {info.step} in {self.directory} could not be read "
-                f"({_first_line(e)}). Fix: restore another step, or start a new "
-                "--checkpoint-dir.", directory=str(self.directory), step=info.step) from None
+                f"({_first_line(e)}). Fix: restore another step, or save to a new "
+                "checkpoint directory.", directory=str(self.directory), step=info.step) from None
         values = [jax.random.wrap_key_data(v, impl=raw_keys[s.path]) if _is_key(x) else v
                   for v, x, s in zip(values, leaves, expected, strict=True)]
         return jax.tree_util.tree_unflatten(treedef, values), info

@@ -164,7 +164,8 @@ def test_a_checkpoint_of_another_model_names_the_first_differing_leaf(tmp_path, 
     wider = _state(mesh24, width=32)
     with Checkpointer(tmp_path) as ckpt:
         err = _raises(lambda: ckpt.restore(target=wider), "another model", "'opt_state/0/mu/fc1/bias'",
-                      "float32[16]", "float32[32]", "start a new --checkpoint-dir")
+                      "float32[16]", "float32[32]", "save to a new checkpoint directory")
+        assert "--checkpoint-dir" not in str(err)  # Python's terms, not the CLI's
         assert err.step == 2 and err.directory == str(tmp_path)
         _raises(lambda: ckpt.restore(target=dict(state, extra=jnp.zeros(2))),
                 "has no leaf 'extra'")
@@ -175,9 +176,21 @@ def test_a_checkpoint_of_another_model_names_the_first_differing_leaf(tmp_path, 
                 "float32[]")
 
 
+def test_a_step_that_is_not_a_number_names_the_fix(tmp_path, mesh24):
+    state = _state(mesh24)
+    step = object()  # what `step = pm.train_step(...)` names, passed by mistake
+    with Checkpointer(tmp_path) as ckpt:
+        _raises(lambda: ckpt.maybe_save(step, state), "step=object must be the training step's "
+                "number", "maybe_save(i + 1, state)")
+        _raises(lambda: ckpt.save(True, state), "step=bool")
+        assert ckpt.maybe_save(np.int64(1), state) and ckpt.save(jnp.int32(2), state)
+        ckpt.wait()
+        assert ckpt.steps() == [1, 2]
+
+
 def test_missing_or_empty_directory_and_missing_step(tmp_path):
     _raises(lambda: Checkpointer(tmp_path / "nope").restore(target={"w": jnp.zeros(2)}),
-            "does not exist", "--checkpoint-dir")
+            "does not exist", "the directory that holds the checkpoints")
     (tmp_path / "empty").mkdir()
     _raises(lambda: Checkpointer(tmp_path / "empty").restore(target={"w": jnp.zeros(2)}),
             "holds no saved step")
