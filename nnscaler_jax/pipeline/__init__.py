@@ -23,6 +23,28 @@ Modules (no import cycles among them; see docs/design.md for the layers):
   :mod:`~nnscaler_jax.pipeline.runtime`: the traced program cut at the layer stack, tensor
   parallelism inside stages, and the pipelined training step (``pm.train_step``).
 
+Public (docs/api.md, ``__all__``): schedules -- :class:`Schedule`, :class:`ScheduleDraft` (write
+one with ``op_order``), the built-ins :func:`gpipe`, :func:`one_f_one_b`, :func:`interleaved`,
+:func:`interlaced`, :func:`nf1b` and :func:`build` (one by name), :func:`format_schedule`,
+:func:`plot_gantt`; :func:`microbatch_rngs` (the keys a micro-batch gets) and
+:func:`reference_loss` (nf1b's recycling on one device). Everything else here is internal.
+
 Hardware defaults (H100 nodes, NVLink 4 / InfiniBand NDR) come from
 :mod:`nnscaler_jax.cost.devices`, the one hardware table.
 """
+
+from nnscaler_jax.pipeline.order import ScheduleDraft as ScheduleDraft
+from nnscaler_jax.pipeline.program import microbatch_rngs as microbatch_rngs
+from nnscaler_jax.pipeline.recycle import reference_loss as reference_loss
+from nnscaler_jax.pipeline.schedule import build as build
+from nnscaler_jax.pipeline.schedule import format_schedule as format_schedule
+from nnscaler_jax.pipeline.schedule import gpipe as gpipe
+from nnscaler_jax.pipeline.schedule import interlaced as interlaced
+from nnscaler_jax.pipeline.schedule import interleaved as interleaved
+from nnscaler_jax.pipeline.schedule import nf1b as nf1b
+from nnscaler_jax.pipeline.schedule import one_f_one_b as one_f_one_b
+from nnscaler_jax.pipeline.schedule import plot_gantt as plot_gantt
+from nnscaler_jax.pipeline.steps import Schedule as Schedule
+
+__all__ = ["Schedule", "ScheduleDraft", "build", "format_schedule", "gpipe", "interlaced",
+           "interleaved", "microbatch_rngs", "nf1b", "one_f_one_b", "plot_gantt", "reference_loss"]
