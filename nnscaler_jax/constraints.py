@@ -23,7 +23,9 @@ class Rule:
     """A per-op rule, selecting ops by module path glob and/or primitive.
 
     Attributes:
-        module: glob over module paths (``'blk*/mlp/*'``), None for any.
+        module: glob over module paths (``'blk*/mlp/*'``), None for any. It selects the ops
+            of every module it matches and of the modules under them: ``'layers_0'`` selects
+            ``layers_0/blocks_1/attn``'s ops too, as ``'layers_0*'`` and ``'layers_0/*'`` do.
         primitive: primitive name, None for any.
         dims: the op may be split only along these annotated dims.
         axes: ... and only over these mesh axes.
@@ -61,7 +63,8 @@ class Rule:
     def matches(self, op) -> bool:
         if self.primitive is not None and op.primitive != self.primitive:
             return False
-        return self.module is None or fnmatch.fnmatchcase(op.module_path, self.module)
+        return self.module is None or fnmatch.fnmatchcase(op.module_path, self.module) or (
+            fnmatch.fnmatchcase(op.module_path, self.module.rstrip("/") + "/*"))
 
     def __str__(self) -> str:
         parts = [f"{k}={v!r}" for k, v in vars(self).items() if v not in (None, False)]

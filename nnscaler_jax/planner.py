@@ -335,5 +335,6 @@ def _repriced(plan: Plan, graph: Graph, cost_model: CostModel | None) -> Plan:
     p = plan.pipeline
     cons = Constraints(pipeline_stages=p.stages, microbatches=p.microbatches,
                        schedule=from_settings(p) if p.steps else (p.schedule or None))
-    priced = configure_pipeline(replace(plan, pipeline=None), graph, cons, cost_model)
+    priced = configure_pipeline(replace(plan, pipeline=None, microbatches=1), graph, cons,
+                                cost_model)
     return replace(plan, cost=priced.cost)

@@ -51,11 +51,14 @@ def layer_flags(layers: Sequence[str], paths: Iterable[str],
                       and not any(in_group(p, name) for name in hit)), None)
         if stray is not None:
             shown = ", ".join(list(layers)[:4]) + (", ..." if len(layers) > 4 else "")
+            holder = next((name for name in layers if in_group(stray, name)), None)
+            fix = (f"Rule(module={holder!r}, recompute={rule.recompute}) for the layer that holds "
+                   "it" if holder is not None else "a glob selecting whole layers (or a module "
+                   "above them)")
             raise PlanError(
                 f"pipeline: {rule} selects '{stray}', which is not a whole layer: a pipelined "
-                f"step recomputes whole layers inside their chunk (its layers: {shown}). Use a "
-                "glob selecting whole layers (or a module above them), or plan without "
-                "pipeline stages to recompute part of a layer")
+                f"step recomputes whole layers inside their chunk (its layers: {shown}). Use "
+                f"{fix}, or plan without pipeline stages to recompute part of a layer")
         for name in hit:
             if flags.setdefault(name, rule.recompute) != rule.recompute:
                 raise PlanError(f"pipeline: recompute rules disagree on layer '{name}' ({rule} "

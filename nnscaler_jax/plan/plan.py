@@ -228,7 +228,8 @@ class Plan:
             ``auto_parallel(plan=...)`` captures at it.
         microbatches: gradient accumulation of an SPMD plan: the training step runs the batch
             as this many micro-batches (rows ``i::m``) and synchronises gradients once; the
-            estimate keeps one micro-batch's activations (pipelines: ``pipeline.microbatches``).
+            estimate keeps one micro-batch's activations. A pipelined plan's is its
+            ``pipeline.microbatches`` (the micro-batches its schedule runs).
         coshard: co-sharded blocks, ``(seed op id, identifier, chunks)``: the block grown from
             that op along that identifier of its annotation runs as ``chunks`` sequential,
             recomputed chunks per device (:mod:`nnscaler_jax.ir.coshard`).
@@ -251,6 +252,11 @@ class Plan:
     # lookups built once per plan (op id -> OpPlan, variable -> spec); not a field of the plan
     _memo: dict = field(default_factory=dict, init=False, compare=False, repr=False,
                         hash=False)
+
+    def __post_init__(self) -> None:
+        # a pipelined plan runs its pipeline's micro-batches: one count, read the same way
+        if self.pipeline is not None and self.microbatches == 1:
+            object.__setattr__(self, "microbatches", self.pipeline.microbatches)
 
     @property
     def stages(self) -> int:
@@ -276,7 +282,8 @@ class Plan:
         axes = [a for a, _ in self.mesh]
         head = f"Plan[{self.policy or 'custom'}] mesh {dict(self.mesh)} zero={self.zero}" + (
             f" precision={self.precision}" if self.precision else "") + (
-            f" microbatches={self.microbatches}" if self.microbatches > 1 else "")
+            f" microbatches={self.microbatches}" if self.microbatches > 1
+            and self.pipeline is None else "")
         rows: dict[tuple, list[str]] = {}
         for p in self.ops:
             key = (p.module_path or "<top>",) + tuple(p.axis_dim(a) or "-" for a in axes) + (

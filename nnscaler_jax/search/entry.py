@@ -22,6 +22,7 @@ from __future__ import annotations
 import gc
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -156,6 +157,11 @@ def plan_spmd(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto"
                                          forbidden)) if name == "auto" else None
         with _steady_heap():
             result, draft = _choose(run_priced, graph, forced, forbidden, blocks)
+            if forced and result.recompute == forced:  # the rules' groups, no more: did they pay?
+                cm = cost_model or CostModel.for_axes(axes, zero=result.zero)
+                result, draft = _unless_rules_cost(
+                    (result, draft), forced, run_priced,
+                    lambda p: replace(p, cost=cm.plan_cost(p, graph)))
         # the search offers only splits that divide: say what it could not (for the plan kept
         # only: the recompute probes' plans are priced, not shown)
         result = replace(result, unsplit=result.unsplit + batch_unsplit(graph, result, axes))
@@ -213,6 +219,37 @@ def _choose(run_priced: Callable, graph: Graph, forced: tuple[str, ...],
     if not found:  # (a search is outpriced only by the other's plan)
         raise err
     return min(found, key=price)
+
+
+def _unless_rules_cost(ruled: tuple[Plan, Draft], forced: tuple[str, ...],
+                       run_priced: Callable, reprice: Callable[[Plan], Plan]
+                       ) -> tuple[Plan, Draft]:
+    """The plan under the recompute rules (``ruled``, groups ``forced``), unless it needs more
+    memory than the plan without them: a user recomputes to save memory, but the layouts the
+    search picks under the rule can cost more (their time is what it minimises), and a
+    recomputed module whose output the next op keeps anyway saves nothing. Then the layouts
+    found without the rules, recomputed as they say, if that saves memory; else the plan
+    without the rules, with a warning that they did not pay. Rules a budget needs stay."""
+    try:
+        free = run_priced(())
+    except NoFitError:
+        return ruled  # nothing fits without them
+    mem = lambda plan: plan.cost.memory_bytes_per_device  # noqa: E731
+    if mem(ruled[0]) <= mem(free[0]):
+        return ruled
+    relaid = reprice(replace(free[0], recompute=forced))
+    if mem(relaid) < mem(free[0]):
+        return relaid, free[1]
+    shown = ", ".join(forced[:4]) + (", ..." if len(forced) > 4 else "")
+    warnings.warn(
+        f"recompute rules for {shown} did not pay: the plan under them needs "
+        f"{mem(ruled[0]) / 2**20:.2f} MiB per device (step {ruled[0].cost.step_time_s * 1e3:.3f} "
+        f"ms), the plan without them {mem(free[0]) / 2**20:.2f} MiB "
+        f"({free[0].cost.step_time_s * 1e3:.3f} ms); planned without them. Recompute saves "
+        "memory on modules whose activations nothing else keeps (whole layers, "
+        "Rule(module='h_*')), not on a single matmul whose output the next op stores",
+        UserWarning, stacklevel=2)
+    return free
 
 
 @contextmanager

@@ -110,3 +110,20 @@ def test_the_cut_step_checkpoints_the_layers_a_rule_selects_and_trains_like_one_
                         strict=True):
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
     assert barriers[()] == 0 and barriers[rules] > 0, barriers
+
+
+def test_a_module_path_selects_the_modules_under_it_in_a_pipelined_swin():
+    """A user's recompute rule on a pipelined Swin: ``'layers_0'`` (the module) selects its
+    blocks, as ``'layers_0*'`` does; ``'layers_0/*'`` (parts of a layer) names the rule that
+    works. The plan reads the micro-batches its schedule runs."""
+    graph = capture_spec(models.get("swin", "tiny", batch_size=32)).graph
+    plans = {glob: make_plan(graph, AXES, constraints=Constraints(
+        **STAGES, rules=(Rule(module=glob, recompute=True),))) for glob in ("layers_0", "layers_0*")}
+    assert plans["layers_0"].pipeline.recomputed() == ["layers_0", "layers_0/blocks_1"]
+    assert plans["layers_0"].pipeline == plans["layers_0*"].pipeline
+    assert plans["layers_0"].microbatches == plans["layers_0"].pipeline.microbatches == 4
+    assert Plan.from_json(plans["layers_0"].to_json()).microbatches == 4
+    with pytest.raises(PlanError, match=r"not a whole layer.*Use Rule\(module='layers_0', "
+                       r"recompute=True\) for the layer that holds it"):
+        make_plan(graph, AXES, constraints=Constraints(
+            **STAGES, rules=(Rule(module="layers_0/*", recompute=True),)))

@@ -133,6 +133,24 @@ def test_rules_force_and_forbid_recompute(gpt_graph):
             rules=(Rule(primitive="dot_general", recompute=True),)))
 
 
+def test_a_recompute_rule_never_makes_the_estimate_worse(gpt_graph):
+    """A user adds recompute to save memory: under ``policy="auto"`` a rule that pays is kept
+    (GPT's layers), one that does not (a single Dense whose output the next op keeps) is
+    dropped with a warning saying so, the plan no larger than without it."""
+    layers = Constraints(rules=(Rule(module="h_*", recompute=True),))
+    free, ruled = make_plan(gpt_graph, AXES), make_plan(gpt_graph, AXES, constraints=layers)
+    assert ruled.recompute == ("h_*",)
+    assert ruled.cost.memory_bytes_per_device < free.cost.memory_bytes_per_device
+    mlp = capture_spec(models.get("mlp", "tiny")).graph
+    free = make_plan(mlp, AXES)
+    with pytest.warns(UserWarning, match=r"recompute rules for fc\* did not pay.*planned "
+                      "without them"):
+        ruled = make_plan(mlp, AXES, constraints=Constraints(
+            rules=(Rule(module="fc*", recompute=True),)))
+    assert ruled.recompute == ()
+    assert ruled.cost.memory_bytes_per_device <= free.cost.memory_bytes_per_device
+
+
 @pytest.mark.parametrize("policy", ["auto", "alpa"])
 def test_nothing_fits_even_recomputing_everything(gpt_graph, policy, monkeypatch):
     """Both searches say so from the tables' lower bound, before HiGHS (which may not prove
