@@ -448,8 +448,19 @@ def auto_parallel(mesh: Any, constraints: Constraints | None = None, *, policy: 
             return NnxAutoParallel(target, mesh, constraints, policy, plan, verify)
         if isinstance(target, nn.Module):
             return AutoParallel(target, mesh, constraints, policy, plan, verify)
+        name = type(target).__name__
+        if isinstance(getattr(target, "module", None), nn.Module) and hasattr(target, "params"):
+            # a transformers Flax model (FlaxPreTrainedModel): a linen module and its params
+            raise PlanError(
+                f"auto_parallel wraps a flax.linen or flax.nnx Module; {name} is a model "
+                "object holding one (transformers' Flax models). Fix: wrap its module and pass "
+                "its parameters as the variables:\n"
+                "    pm = auto_parallel(mesh)(model.module)\n"
+                "    out = pm.apply({'params': model.params}, input_ids, attention_mask, "
+                "position_ids)\n(the module takes every input positionally, as "
+                f"{name}.module.__call__ lists them)")
         raise PlanError(f"auto_parallel wraps a flax.linen or flax.nnx Module (instance or "
-                        f"class), got {type(target).__name__}")
+                        f"class), got {name}")
 
     return wrap
 
