@@ -90,8 +90,11 @@ def _entry(graph, axes, planner: str, cluster: str, time_limit: float,
            "memory_bytes_per_device": c.memory_bytes_per_device, "comm_bytes": c.comm_bytes,
            "search_s": planned.seconds, "features": plan_features(planned.plan)}
     if planned.report is not None:  # the kept plan's ILP: did the time limit stop it?
-        out["ilp"] = {"optimal": planned.report.optimal, "solve_s": planned.report.solve_s,
-                      "variables": planned.report.variables}
+        r = planned.report
+        out["ilp"] = {"optimal": r.optimal, "solve_s": r.solve_s, "variables": r.variables,
+                      "time_limit_s": time_limit, "gap": None if r.optimal else r.gap,
+                      "bound_s": None if r.optimal or r.bound_s is None
+                      or r.bound_s == float("-inf") else r.bound_s}
     if xla_spec is not None:  # --xla: the plan's training step compiled by XLA:GPU
         out["xla"] = xla_entry(xla_spec, planned.plan, cluster_preset(cluster), axes)
     return out
@@ -152,6 +155,28 @@ def _ratios(row: dict) -> dict:
             if p != "auto" and e.get("fits")}
 
 
+def _limited(e: dict) -> str:
+    """`` time-limited (gap 12%)`` for an entry whose kept ILP the time limit stopped, else
+    empty: its step is the solver's best by then, not the planner's optimum."""
+    ilp = e.get("ilp") or {}
+    if ilp.get("optimal", True):
+        return ""
+    gap = ilp.get("gap")
+    return " time-limited" + (f" (gap {gap:.0%})" if gap is not None and gap < 1 else "")
+
+
+def _ratio_text(p: str, r: float, row: dict) -> str:
+    """A ratio, saying when the baseline's solve was cut off: then the ratio is an upper bound
+    and its proven floor (the solver's lower bound over ours) is given."""
+    e, ours = row["planners"].get(p) or {}, row["planners"].get("auto") or {}
+    ilp = e.get("ilp") or {}
+    if ilp.get("optimal", True):
+        return f"{p} {r:.2f}x"
+    floor = ilp.get("bound_s")
+    low = f", >= {floor / ours['step_time_s']:.2f}x proven" if floor else ""
+    return f"{p} {r:.2f}x (time-limited solve{low})"
+
+
 def _shapes(cases: dict) -> list[str]:
     """``--pipelines``: every shape each planner tried, with its step or smallest estimate."""
     rows = [f"| {key} | {p} | " + " x ".join(f"{a} {k}" for a, k in c["mesh"].items())
@@ -174,7 +199,9 @@ def _markdown(results: dict) -> str:
              "Predicted step (s) / memory per device (GiB) / search (s); rc: recomputed layers, "
              "sel: layers recomputed selectively (matmul outputs kept), cs: co-sharded blocks; "
              "`no (X GiB)`: nothing fits, X the smallest estimate; `none "
-             "found in S s`: the solver found no plan within the budget in its time limit. "
+             "found in S s`: the solver found no plan within the budget in its time limit; "
+             "`time-limited`: the solver's best plan when its time limit stopped it (not the "
+             "planner's optimum; a ratio over it says so, with the floor its proven bound gives). "
              "Ratio: baseline step / ours (> 1: ours faster). Rows are from the run that last "
              "planned them (see docs/benchmarks.md).", ""]
     for cluster, cases in results["clusters"].items():
@@ -200,14 +227,14 @@ def _markdown(results: dict) -> str:
                     cells.append(f"{e['step_time_s']:.3g} / "
                                  f"{e['memory_bytes_per_device'] / 2**30:.1f} / "
                                  f"{e['search_s']:.0f}" + (f" ({extra})" if extra else "")
-                                 + _xla_cell(e))
+                                 + _limited(e) + _xla_cell(e))
                 elif e.get("fits") is False and e.get("memory_bytes_per_device"):
                     cells.append(f"no ({e['memory_bytes_per_device'] / 2**30:.0f} GiB)")
                 elif e.get("fits") is False:  # the solver's time limit, nothing found
                     cells.append(f"none found in {e['search_s']:.0f} s")
                 else:
                     cells.append("error" if e else "-")
-            ratios = ", ".join(f"{p} {r:.2f}x" for p, r in row["ratios"].items())
+            ratios = ", ".join(_ratio_text(p, r, row) for p, r in row["ratios"].items())
             lines.append(f"| {key} | {row['mesh']} | " + " | ".join(cells) + f" | {ratios} |")
         lines.append("")
         lines += _shapes(cases["cases"])

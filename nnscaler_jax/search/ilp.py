@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -100,6 +101,10 @@ class SearchReport:
         objective_s: predicted seconds per step of the solution (the ILP objective).
         memory_bytes: predicted bytes per device of the solution.
         status: HiGHS' message; ``optimal`` is False when the time limit stopped it.
+        bound_s: the lower bound HiGHS proved on the objective (``objective_s`` when optimal;
+            ``-inf`` when the time limit stopped it before any bound): no plan in this
+            search's space is faster, so a comparison with a time-limited search can say
+            how far off its plan may be.
         breakdown: per group, its choice and costs (edges counted at their later group).
         eliminated: groups minimised out exactly before the ILP (``search/reduce.py``, ours).
     """
@@ -121,6 +126,15 @@ class SearchReport:
     optimal: bool
     breakdown: tuple[GroupCost, ...]
     eliminated: int = 0
+    bound_s: float | None = None
+
+    @property
+    def gap(self) -> float:
+        """The relative gap of a time-limited solve, ``1 - bound / objective`` (0 when
+        optimal)."""
+        if self.optimal or self.bound_s is None:
+            return 0.0
+        return 1.0 - self.bound_s / self.objective_s if self.objective_s > 0 else math.inf
 
     def __str__(self) -> str:
         lines = [
@@ -128,7 +142,9 @@ class SearchReport:
             f"10^{self.log10_space:.1f} (unshrunk 10^{self.log10_full:.1f}); "
             f"{self.eliminated} groups eliminated exactly, ILP "
             f"{self.variables} variables x {self.constraints} constraints; build "
-            f"{self.build_s:.2f} s, solve {self.solve_s:.2f} s ({self.status})"),
+            f"{self.build_s:.2f} s, solve {self.solve_s:.2f} s ({self.status}"
+            + ("" if self.optimal else f"; gap {self.gap:.1%}, nothing faster than "
+               f"{self.bound_s * 1e3:.3f} ms/step") + ")"),
             (f"objective {self.objective_s * 1e3:.3f} ms/step, memory "
             f"{self.memory_bytes / 2**20:.1f} MiB/device"),
         ]
@@ -153,6 +169,7 @@ class _Solution:
     optimal: bool
     variables: int
     constraints: int
+    gap_s: float = 0.0  # found objective - HiGHS' proven lower bound (0: optimal; inf: none)
 
 
 def solve(tables: CostTables, *, max_memory: float | None = None, time_limit: float = 60.0,
@@ -224,8 +241,12 @@ def solve(tables: CostTables, *, max_memory: float | None = None, time_limit: fl
         # HiGHS pruned every branch by the cutoff but kept a plan found before it applied the
         # bound (it reports that plan as optimal): nothing faster than ``beat`` exists
         raise Outpriced(f"{desc}: no plan within the budget is faster than {beat:.4g} s")
+    bound = getattr(res, "mip_dual_bound", None)
+    gap = 0.0 if res.status == 0 else (
+        max(0.0, (float(res.fun) - float(bound)) / SCALE)
+        if bound is not None and np.isfinite(bound) else math.inf)
     return _Solution(choice, objective, tables.memory_of(choice),
-                     str(res.message), res.status == 0, nv, lp.r)
+                     str(res.message), res.status == 0, nv, lp.r, gap)
 
 
 def _quiet_cutoff() -> None:
@@ -269,7 +290,7 @@ def _solve_reduced(tables: CostTables, budget: float | None, limit: float,
     return _Solution(choice, tables.objective(choice), tables.memory_of(choice),
                      part.status if part else "solved by elimination",
                      part.optimal if part else True, part.variables if part else 0,
-                     part.constraints if part else 0), red.eliminated
+                     part.constraints if part else 0, part.gap_s if part else 0.0), red.eliminated
 
 
 def _bound_fits(tables: CostTables, budget: float | None) -> None:
@@ -343,7 +364,8 @@ def _report(planner: str, space: SearchSpace, tables: CostTables, sol: _Solution
     return SearchReport(planner, space.ops, len(space.groups), tuple(g.n for g in space.groups),
                         space.log10_size, space.log10_full, space.removed, sol.variables,
                         sol.constraints, build_s, solve_s, sol.objective_s,
-                        int(sol.memory_bytes), sol.status, sol.optimal, breakdown, eliminated)
+                        int(sol.memory_bytes), sol.status, sol.optimal, breakdown, eliminated,
+                        sol.objective_s - sol.gap_s)
 
 
 def _plan(graph: Graph, mesh_axes: Mapping[str, int], space: SearchSpace,

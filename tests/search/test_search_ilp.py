@@ -269,3 +269,30 @@ def test_a_large_ilp_is_solved_without_presolve(gpt, monkeypatch):
     _, got = alpa_search(gpt, {"data": 2, "model": 4})
     assert asked == [True, False]
     assert got.objective_s == pytest.approx(want.objective_s, rel=1e-9)
+
+
+def test_a_time_limited_solve_reports_its_proven_bound(monkeypatch):
+    """A search the time limit stops says so, with the lower bound HiGHS proved (a comparison
+    with it can say how far off its plan may be): HiGHS' result as the time limit leaves it,
+    status 1 with a dual bound below the plan found, read through the report."""
+    from nnscaler_jax.planner import plan_and_report
+    from nnscaler_jax.search import ilp
+    from nnscaler_jax.search.rows import SCALE
+
+    graph = capture_spec(models.get("swin", "tiny")).graph
+    axes = {"data": 2, "model": 4}
+    optimal = plan_and_report(graph, axes, policy="alpa").report
+    assert optimal.optimal and optimal.gap == 0.0 and optimal.bound_s == optimal.objective_s
+    real = ilp.milp
+
+    def stopped(*args, **kwargs):  # the optimum found, but the bound proven only halfway
+        res = real(*args, **kwargs)
+        res.status, res.mip_dual_bound = 1, res.fun - 0.5 * optimal.objective_s * SCALE
+        return res
+
+    monkeypatch.setattr(ilp, "milp", stopped)
+    report = plan_and_report(graph, axes, policy="alpa").report
+    assert not report.optimal
+    assert report.bound_s == pytest.approx(0.5 * optimal.objective_s, rel=1e-6)
+    assert report.gap == pytest.approx(0.5, rel=1e-6)
+    assert "gap 50.0%, nothing faster than" in str(report)
