@@ -208,16 +208,40 @@ def _about_memory(e: PlanError) -> bool:
     return isinstance(e, NoFitError) or "max_memory_per_device" in str(e)
 
 
+# the packages whose frames a warning never points at: a plan is made inside them (jax traces
+# the training step, flax runs a module's method) on behalf of a call of the user's
+_LIBRARIES = ("nnscaler_jax", "jax", "jaxlib", "flax", "optax", "orbax")
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` (for a ``warnings.warn`` in the caller) of the innermost frame that is
+    the user's: not in this package or the libraries it runs under (:data:`_LIBRARIES`), not
+    Python's frozen import machinery (``<frozen runpy>``); the outermost frame if none is."""
+    roots = []
+    for name in _LIBRARIES:
+        module = sys.modules.get(name)
+        path = getattr(module, "__file__", None)
+        if path:
+            roots.append(os.path.dirname(os.path.abspath(path)) + os.sep)
+    roots = tuple(roots)
+    frame, level, last = sys._getframe(2), 2, 2
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith("<"):
+            if not os.path.abspath(name).startswith(roots):
+                return level
+            last = level
+        frame, level = frame.f_back, level + 1
+    return last
+
+
 def _warn_unsplit(plan: Plan) -> None:
     """One ``UserWarning`` per plan listing the dims left replicated because a mesh axis does
-    not divide them (grouped by size and axis), pointing at the first caller outside
-    the package."""
+    not divide them (grouped by size and axis), pointing at the user's call
+    (:func:`_user_stacklevel`; the command line prints it as a note of its own)."""
     if not plan.unsplit:
         return
-    here = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    frame, level = sys._getframe(0), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(here):
-        frame, level = frame.f_back, level + 1
+    level = _user_stacklevel()
     u = plan.unsplit[0]
     warnings.warn(
         f"policy {plan.policy or 'custom'!r} left {len(plan.unsplit)} op dims replicated: the "

@@ -10,15 +10,16 @@ from typing import Any
 
 from nnscaler_jax.cli.common import (
     UsageError,
-    abstract_inputs,
     capture_model,
     check_policy,
     cost_dict,
     emit,
-    make_plan,
-    mib,
+    fmt_bytes,
     model_spec,
     parse_mesh,
+    plan_constraints,
+    planned_model,
+    settings_spec,
     spec_mutable,
     table,
 )
@@ -54,7 +55,7 @@ def cmd_graph(args: argparse.Namespace) -> int:
         m[0] += 1
         m[1] += int(op.annotated)
     frac = sum(op.annotated for op in ops) / len(ops) if ops else 1.0
-    obj = {"model": args.model, "preset": args.preset, "ops": len(ops),
+    obj = {"ok": True, "model": args.model, "preset": args.preset, "ops": len(ops),
            "top_level_ops": len(graph.ops), "annotated_fraction": frac,
            "unannotated": {k: sorted(v) for k, v in sorted(unannotated.items())},
            "params": int(n_params), "param_bytes": int(param_bytes), "trace_s": trace_s,
@@ -68,7 +69,7 @@ def cmd_graph(args: argparse.Namespace) -> int:
             lines += [
                 (f"model {args.model} [{args.preset}]: {len(ops)} ops ({len(graph.ops)} top "
                  f"level), {frac:.1%} annotated, traced in {trace_s:.2f} s"),
-                f"parameters: {n_params:,} ({mib(param_bytes)})",
+                f"parameters: {n_params:,} ({fmt_bytes(param_bytes)})",
                 "",
                 table(["module", "ops", "annotated"],
                        [[k, v[0], v[1]] for k, v in modules.items()]),
@@ -82,59 +83,72 @@ def cmd_graph(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    spec = model_spec(args.model, args.preset)
-    policy = check_policy(args.policy)
+    """Make the plan ``train`` would run with the same options (the same ``Constraints``, the
+    same planning call): what ``train`` refuses, ``plan`` refuses with the same message."""
+    constraints = plan_constraints(args)
+    spec = settings_spec(args, constraints.precision)
+    policy = check_policy(args.policy or "auto")
     check_cluster(args)
+    if args.gantt and not args.pipeline:
+        raise UsageError("--gantt draws a pipeline's schedule: add --pipeline S (with a 'stage' "
+                         "mesh axis, e.g. --mesh 2x4 --axes stage,data)")
     t0 = time.perf_counter()
     if getattr(args, "cluster", None):  # priced on the cluster, its memory the budget
-        plan = _cluster_plan(args, spec, policy)
+        plan, graph = _cluster_plan(args, spec, policy, constraints)
     else:
-        plan = make_plan(spec, parse_mesh(args.mesh, args.axes), policy)
+        pm = planned_model(spec, parse_mesh(args.mesh, args.axes), policy, constraints)
+        plan, graph = pm.plan, pm.graph
     plan_s = time.perf_counter() - t0
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(plan.to_json())
-    obj = {"model": args.model, "preset": args.preset, "mesh": args.mesh, "policy": policy,
-           "plan": json.loads(plan.to_json()), "cost": cost_dict(plan), "plan_s": plan_s}
-    text = ""
-    if not args.json:
-        text = str(plan) + f"\nplanned in {plan_s:.2f} s (trace + policy)"
-        if args.out:
-            text += f"\nwrote {args.out}"
+        try:
+            with open(args.out, "w") as f:
+                f.write(plan.to_json())
+        except OSError as e:
+            raise UsageError(f"cannot write --out {args.out!r}: {e.strerror or e}") from None
+    obj = {"ok": True, "model": args.model, "preset": args.preset, "mesh": args.mesh,
+           "policy": policy, "plan": json.loads(plan.to_json()), "cost": cost_dict(plan),
+           "plan_s": plan_s}
+    lines = [str(plan) if args.ops else plan.summary(graph),
+             f"planned in {plan_s:.2f} s (trace + policy)"]
+    if args.out:
+        lines.append(f"wrote {args.out} (reuse it: train / verify / compare --plan "
+                     f"{args.out})")
     if getattr(args, "plot", None):
-        obj["plot"] = _plot_layout(spec, plan, args.plot)
-        text += f"\nwrote {args.plot}" if not args.json else ""
-    if args.pipeline:
-        ptext, obj["pipeline"] = _pipeline_schedule(args, spec)
-        text += "\n" + ptext if not args.json else ""
+        obj["plot"] = _plot_layout(graph, plan, args.plot)
+        lines.append(f"wrote {args.plot}")
+    if plan.pipeline is not None:
+        ptext, obj["pipeline"] = _pipeline_schedule(args, plan.pipeline)
+        lines.append(ptext)
     if getattr(args, "xla", False):
         obj["xla"] = xla_entry(spec, plan, cluster_arg(args), dict(plan.mesh))
         peak, ratio = xla_text(obj["xla"])
-        text += (f"\nXLA:GPU ({args.cluster}): peak {peak} per device, {ratio} of the estimate"
-                 + "".join(f"\n  {n}" for n in obj["xla"].get("notes", []))
-                 + (f"\n  {obj['xla']['error']}" if "error" in obj["xla"] else "")
-                 if not args.json else "")
-    emit(args, text, obj)
+        lines.append(f"XLA:GPU ({args.cluster}): peak {peak} per device, {ratio} of the "
+                     "estimate" + "".join(f"\n  {n}" for n in obj["xla"].get("notes", []))
+                     + (f"\n  {obj['xla']['error']}" if "error" in obj["xla"] else ""))
+    emit(args, "" if args.json else "\n".join(lines), obj)
     return 0
 
 
-def _cluster_plan(args: argparse.Namespace, spec: Any, policy: str) -> Any:
+def _cluster_plan(args: argparse.Namespace, spec: Any, policy: str,
+                  constraints: Any) -> tuple[Any, Any]:
     """``plan --cluster C``: the plan ``compare`` makes with ``policy`` (C's cost model, its
-    device memory less the reserve as the budget), on the mesh's axis sizes."""
+    device memory less the reserve as the budget unless ``--budget``), on the mesh's axis
+    sizes, under the other plan settings: (plan, graph)."""
     from nnscaler_jax.errors import PlanError
 
-    graph = capture_model(spec, mutable=spec_mutable(spec)).graph
-    plan, entry = one_planner(policy, graph, compare_mesh(args), cluster_arg(args), None)
+    graph = capture_model(spec, mutable=spec_mutable(spec),
+                          precision=constraints.precision).graph
+    plan, entry = one_planner(policy, graph, compare_mesh(args), cluster_arg(args),
+                              constraints.max_memory_per_device, constraints=constraints)
     if plan is None:
         raise PlanError(entry.get("error") or f"{policy} found no plan")
-    return plan
+    return plan, graph
 
 
-def _plot_layout(spec: Any, plan: Any, path: str) -> str:
+def _plot_layout(graph: Any, plan: Any, path: str) -> str:
     """``plan --plot``: the layout map PNG, the split dims named from the model's graph."""
     from nnscaler_jax.cli.plots import layout_map
 
-    graph = capture_model(spec, mutable=spec_mutable(spec)).graph
     try:
         layout_map(plan, graph).savefig(path, dpi=120)
     except OSError as e:
@@ -142,33 +156,22 @@ def _plot_layout(spec: Any, plan: Any, path: str) -> str:
     return path
 
 
-def _pipeline_schedule(args: argparse.Namespace, spec: Any) -> tuple[str, dict[str, Any]]:
-    """``plan --pipeline N``: the layer -> stage assignment and the per-device schedule."""
-    import jax
-
+def _pipeline_schedule(args: argparse.Namespace, pipe: Any) -> tuple[str, dict[str, Any]]:
+    """A pipelined plan's per-device schedule (its stage split is in the plan's text): the
+    schedule, micro-batches and chunks the plan chose, as ``train`` runs them."""
     from nnscaler_jax.pipeline import schedule as sch
-    from nnscaler_jax.pipeline.stages import stage_layers
 
-    micro = args.microbatches or 2 * args.pipeline
-    sched = sch.build(args.schedule, args.pipeline, micro, args.virtual)
-    _, variables = abstract_inputs(spec)
-    flat = jax.tree_util.tree_flatten_with_path(variables)[0] if variables is not None else []
-    names = [("/".join(str(getattr(k, "key", k)) for k in path), tuple(x.shape))
-             for path, x in flat]
-    stage_of = stage_layers(names, args.pipeline, sched.virtual)
-    by: dict[int, list[str]] = {}
-    for name, st in stage_of:
-        by.setdefault(st, []).append(name)
-    lines = [f"pipeline: {args.pipeline} stages (first also runs the prefix, last the suffix)"]
-    lines += [f"  stage {st}: {', '.join(ns)}" for st, ns in sorted(by.items())]
-    lines.append(sch.format_schedule(sched))
-    lines.append("peak micro-batches in flight per stage: "
-                 + ", ".join(map(str, sch.peak_in_flight(sched))))
-    obj = {"stages": args.pipeline, "microbatches": micro, "schedule": args.schedule,
-           "virtual": sched.virtual, "stage_of": [list(x) for x in stage_of],
+    sched = sch.from_settings(pipe)
+    lines = [sch.format_schedule(sched), "peak micro-batches in flight per stage: "
+             + ", ".join(map(str, sch.peak_in_flight(sched)))]
+    obj = {"stages": pipe.stages, "microbatches": pipe.microbatches, "schedule": pipe.schedule,
+           "virtual": sched.virtual, "stage_of": [list(x) for x in pipe.stage_of],
            "steps": sched.to_lists(), "peak_in_flight": list(sch.peak_in_flight(sched))}
     if args.gantt:
-        sch.plot_gantt(sched, args.gantt)
+        try:
+            sch.plot_gantt(sched, args.gantt)
+        except OSError as e:
+            raise UsageError(f"cannot write --gantt {args.gantt!r}: {e.strerror or e}") from None
         lines.append(f"wrote {args.gantt}")
         obj["gantt"] = args.gantt
     return "\n".join(lines), obj

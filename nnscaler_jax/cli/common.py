@@ -64,8 +64,22 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
 
 
-def mib(n: float) -> str:
-    return f"{n / 2**20:.2f} MiB"
+_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes in the unit that fits (the largest whose figure is at least 1): every size the
+    command line prints.
+
+    >>> fmt_bytes(512), fmt_bytes(3 * 2**20), fmt_bytes(31_856_000_000)
+    ('512 B', '3.00 MiB', '29.67 GiB')
+    """
+    if abs(n) < 1024:
+        return f"{n:.0f} B"
+    for i, unit in enumerate(_UNITS):
+        if abs(n) < 1024 ** (i + 2) or unit == _UNITS[-1]:
+            return f"{n / 1024 ** (i + 1):.2f} {unit}"
+    raise AssertionError("unreachable")
 
 
 def device_peak(mesh: Any) -> int | None:
@@ -188,16 +202,194 @@ def capture_model(spec: Any, **kw: Any) -> Any:
     return capture_spec(spec, **kw)
 
 
-def make_plan(spec: Any, mesh: Any, policy: str) -> Any:
-    """``AutoParallel.make_plan`` on abstract args."""
+def planned_model(spec: Any, mesh: Any, policy: str | None = None, constraints: Any = None,
+                  plan: Any = None) -> Any:
+    """The wrapper ``auto_parallel(mesh, constraints, policy=, plan=)(spec.module)`` after
+    ``make_plan`` on abstract args: ``.plan`` and ``.graph`` are set. ``train`` builds its
+    wrapper with the same arguments, so a plan this makes is the one ``train`` runs."""
     from nnscaler_jax.api import auto_parallel
 
     args, variables = abstract_inputs(spec)
-    pm = auto_parallel(mesh, policy=policy)(spec.module)
+    pm = auto_parallel(mesh, constraints, policy=policy, plan=plan)(spec.module)
     if spec.kind == "nnx":
-        return pm.make_plan(*args)
-    return pm.make_plan(*args, variables=variables, rngs=spec_rng_names(spec),
-                        mutable=spec_mutable(spec))
+        pm.make_plan(*args)
+    else:
+        pm.make_plan(*args, variables=variables, rngs=spec_rng_names(spec),
+                     mutable=spec_mutable(spec))
+    return pm
+
+
+def make_plan(spec: Any, mesh: Any, policy: str) -> Any:
+    """``AutoParallel.make_plan`` on abstract args."""
+    return planned_model(spec, mesh, policy).plan
+
+
+# ---- plan settings (plan, train, verify, compare) ------------------------------------------------
+
+
+def parse_budget(text: str | None) -> int | None:
+    """``--budget``: bytes or a size string (``32GiB``, ``80GB``, ``512MiB``); None without."""
+    from nnscaler_jax.constraints import parse_bytes
+    from nnscaler_jax.errors import PlanError
+
+    if text is None:
+        return None
+    try:
+        return parse_bytes(text)
+    except PlanError:
+        raise UsageError(f"bad --budget {text!r}: give bytes or a size such as 32GiB, 80GB, "
+                         "512MiB") from None
+
+
+def load_plan(path: str) -> Any:
+    """``--plan FILE``: the plan ``plan --out FILE`` wrote. A file that cannot be read is a
+    usage error; one that is not a plan raises the ``PlanFormatError`` saying why (exit 2)."""
+    from nnscaler_jax.plan.plan import Plan
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise UsageError(f"cannot read --plan {path}: {e.strerror or e}; write one with "
+                         "nnscaler-jax plan ... --out FILE") from None
+    return Plan.from_json(text)
+
+
+PLAN_HELP = ("run the plan saved by 'plan --out FILE' instead of planning; one for another "
+             "model, mesh or batch is refused (exit 2) saying why")
+
+# the flags that shape a plan, as ``--flag`` -> the attribute (``plan`` and ``train`` share them)
+PLAN_FLAGS = {"--policy": "policy", "--zero": "zero", "--microbatches": "microbatches",
+              "--precision": "precision", "--pipeline": "pipeline", "--schedule": "schedule",
+              "--budget": "budget"}
+
+
+def add_plan_settings(p: argparse.ArgumentParser) -> None:
+    """The options that shape a plan, the same on ``plan`` and ``train`` (so ``plan`` makes the
+    plan ``train`` runs, and refuses what it refuses). Defaults are None: ``train --resume``
+    tells a flag given from one left to the checkpoint."""
+    p.add_argument("--policy", default=None,
+                   help="dp, zero3, megatron, alpa or auto (default auto: the search)")
+    p.add_argument("--budget", default=None,
+                   help="memory per device the plan must fit, in bytes or e.g. 32GiB (default: "
+                        "the device's, less a reserve; none on CPU)")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3),
+                   help="ZeRO stage over the data axes: optimizer state 1, grads 2, params 3")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="micro-batches (gradient accumulation, or the pipeline's; default: "
+                        "the planner's choice)")
+    p.add_argument("--precision", help="compute precision: bfloat16, float16 or float32 "
+                   "(float32 master weights; default: the model's dtypes)")
+    p.add_argument("--pipeline", type=int, default=None, metavar="S", help="S pipeline stages "
+                   "along the mesh's 'stage' axis (e.g. --mesh 2x4 --axes stage,data)")
+    p.add_argument("--schedule", default=None,
+                   choices=("1f1b", "gpipe", "interleaved", "interlaced", "nf1b"),
+                   help="pipeline schedule (default: the cheapest the runtime executes)")
+    p.add_argument("--batch-size", type=int, help="global batch size (default: the preset's)")
+
+
+def plan_constraints(args: argparse.Namespace) -> Any:
+    """The ``Constraints`` of the plan settings (:func:`add_plan_settings`)."""
+    from nnscaler_jax.constraints import Constraints
+    from nnscaler_jax.errors import PlanError
+
+    budget = parse_budget(getattr(args, "budget", None))
+    try:
+        return Constraints(zero=args.zero, microbatches=args.microbatches,
+                           precision=args.precision, pipeline_stages=args.pipeline or None,
+                           schedule=getattr(args, "schedule", None),
+                           max_memory_per_device=budget)
+    except PlanError as e:
+        raise UsageError(cli_terms(str(e).splitlines()[0], args)) from None
+
+
+def settings_spec(args: argparse.Namespace, precision: str | None) -> Any:
+    """The zoo model of ``--model`` / ``--preset`` at ``--batch-size`` (where given) and
+    ``precision``."""
+    batch = getattr(args, "batch_size", None)
+    return model_spec(args.model, args.preset, precision,
+                      **({} if batch is None else {"batch_size": batch}))
+
+
+def check_saved_plan_alone(args: argparse.Namespace) -> None:
+    """``--plan FILE`` runs the saved plan as it was made: the flags that would shape another
+    plan (all of :data:`PLAN_FLAGS` but ``--budget``, which the saved plan is checked against)
+    are refused."""
+    given = [f"{flag} {getattr(args, name)}" for flag, name in PLAN_FLAGS.items()
+             if name != "budget" and getattr(args, name, None) not in (None, 0)]
+    if getattr(args, "plan", None) and given:
+        raise UsageError(f"--plan {args.plan} runs the saved plan as it was made (its policy, "
+                         f"ZeRO stage, micro-batches, pipeline and precision): drop "
+                         f"{', '.join(given)}, or re-plan with nnscaler-jax plan ... "
+                         f"{' '.join(given)} --out FILE")
+
+
+# ---- messages in the command line's terms --------------------------------------------------------
+
+
+def _mesh_hint(m: re.Match, args: argparse.Namespace | None) -> str:
+    """``jax.make_mesh((S, k), ('stage', 'data'))`` -> ``--mesh SxK --axes stage,data``, the
+    last axis grown to use this run's devices where it can."""
+    sizes = [int(x) for x in re.findall(r"\d+", m.group(1))]
+    names = re.findall(r"'([^']*)'", m.group(2))
+    mesh = getattr(args, "mesh", None) or ""
+    if re.fullmatch(r"\d+(x\d+)*", mesh) and len(sizes) == 2:
+        total = math.prod(int(s) for s in mesh.split("x"))
+        if total % sizes[0] == 0:
+            sizes[1] = total // sizes[0]
+    return f"--mesh {'x'.join(map(str, sizes))} --axes {','.join(names)}"
+
+
+def _size_hint(m: re.Match, args: argparse.Namespace | None) -> str:
+    """``30383.58 MiB`` in a library message -> ``29.67 GiB`` (:func:`fmt_bytes`); figures under
+    a GiB stay as written (their two decimals of MiB are all there is of them)."""
+    mib = float(m.group(1).replace(",", ""))
+    return fmt_bytes(mib * 2**20) if mib >= 1024 else m.group(0)
+
+
+# Python-API advice in library messages -> the flags that do the same, and sizes in MiB -> the
+# unit that fits (one table for every error and warning the command line passes on).
+_CLI_TERMS: tuple[tuple[str, Any], ...] = (
+    (r"jax\.make_mesh\(\(([\d, ]+)\), \(([^)]*)\)\)", _mesh_hint),
+    (r"Constraints\(pipeline_stages=(\d+)\)", r"--pipeline \1"),
+    (r"pipeline_stages=None", "no --pipeline"),
+    (r"Constraints\(zero=(\d)\)", r"--zero \1"),
+    (r"Constraints\(microbatches=(\d+)\)", r"--microbatches \1"),
+    (r"Constraints\(precision='?(\w+)'?\)", r"--precision \1"),
+    (r"Constraints\(schedule='?(\w+)'?\)", r"--schedule \1"),
+    (r"Constraints\(max_memory_per_device=(\d+)\)", r"--budget \1"),
+    (r"policy='(\w+)'", r"--policy \1"),
+    (r"re-plan for these inputs \(policy=\.\.\. or make_plan\(\) without plan=\)",
+     "re-plan for these inputs (nnscaler-jax plan ... --out FILE, or drop --plan)"),
+    (r"re-plan with policy=\.\.\. or make_plan\(\)",
+     "re-plan with nnscaler-jax plan ... --out FILE (or drop --plan)"),
+    (r"(?m)re-plan for this mesh$",
+     "re-plan for this mesh (nnscaler-jax plan --mesh ... --out FILE)"),
+    (r"write it with Plan\.to_json\(\)", "write it with nnscaler-jax plan ... --out FILE"),
+    (r"(?m)(the batch into micro-batches x \d+)$", r"\1 (the batch: --batch-size)"),
+    (r"str\(plan\) lists them", "nnscaler-jax plan --ops lists them"),
+    (r"\b([0-9][0-9,]*(?:\.[0-9]+)?) MiB\b", _size_hint),
+)
+
+
+def cli_terms(text: str, args: argparse.Namespace | None = None) -> str:
+    """A library message with its Python-API advice said as this command line's flags, and its
+    sizes in the unit that fits.
+
+    >>> cli_terms("needs a mesh axis 'stage'. E.g. jax.make_mesh((2, 2), ('stage', 'data'))",
+    ...           argparse.Namespace(mesh="2x4"))
+    "needs a mesh axis 'stage'. E.g. --mesh 2x4 --axes stage,data"
+    >>> cli_terms("Use policy='auto' (it searches within the budget), Constraints(zero=3)")
+    'Use --policy auto (it searches within the budget), --zero 3'
+    >>> cli_terms("the plan needs an estimated 30383.58 MiB per device")
+    'the plan needs an estimated 29.67 GiB per device'
+    """
+    for pattern, repl in _CLI_TERMS:
+        if callable(repl):
+            text = re.sub(pattern, lambda m, r=repl: r(m, args), text)
+        else:
+            text = re.sub(pattern, repl, text)
+    return text
 
 
 def cost_dict(plan: Any) -> dict[str, Any] | None:

@@ -20,6 +20,10 @@ weights and optimizer state), so every planner is priced at the same precision.
 ``--xla`` (with ``--cluster``) compiles each plan's training step for the cluster's GPU with
 XLA's GPU compiler on compile-only devices: the entry gains ``xla`` (:mod:`nnscaler_jax.cli.xla`).
 
+``--plan FILE`` (a plan saved by ``plan --out FILE``) adds one row, ``plan:FILE``: the saved plan
+checked against this model and mesh (one for another model or mesh: exit 2 saying why) and
+priced on the same cost model, under the same budget as the planners (over it: ``fits: false``).
+
 ``--plot out.png`` writes :func:`nnscaler_jax.cli.plots.planner_bars` of the results (step time,
 memory per device with the budget line, communication per planner); the JSON gains ``"plot"``.
 """
@@ -36,9 +40,12 @@ from nnscaler_jax.cli.common import (
     UsageError,
     capture_model,
     check_policy,
+    cli_terms,
     emit,
-    mib,
+    fmt_bytes,
+    load_plan,
     model_spec,
+    parse_budget,
     parse_mesh,
     policy_names,
     spec_mutable,
@@ -128,22 +135,15 @@ def compare_mesh(args: argparse.Namespace) -> Any:
 def _budget(args: argparse.Namespace, mesh: Any, cluster: Any) -> tuple[int | None, str, str]:
     """The budget for every planner, where it comes from (``--budget``, the cluster's device,
     none) in a sentence and in a few words."""
-    from nnscaler_jax.constraints import parse_bytes
     from nnscaler_jax.cost.devices import default_budget_of
-    from nnscaler_jax.errors import PlanError
 
     if args.budget is not None:
-        try:
-            budget = parse_bytes(args.budget)
-            size = f"{budget / 2**30:.2f} GiB" if budget >= 2**30 else mib(budget)
-            return budget, "--budget", f"{size} (--budget)"
-        except PlanError:
-            raise UsageError(f"bad --budget {args.budget!r}: give bytes or a size such as 32GiB, "
-                             "80GB, 512MiB") from None
+        budget = parse_budget(args.budget)
+        return budget, "--budget", f"{fmt_bytes(budget)} (--budget)"
     default = default_budget_of(mesh, cluster)
     if default is None:
         why = "none (no --budget, no --cluster: CPU devices have no memory limit here)"
-        return None, why, "no memory budget"
+        return None, why, "none"
     return default.bytes, default.describe(), default.short()
 
 
@@ -158,28 +158,42 @@ def cluster_arg(args: argparse.Namespace) -> Any:
 
 
 def one_planner(name: str, graph: Any, mesh: Any, cluster: Any, budget: int | None,
-         pipelined: bool = False) -> tuple[Any, dict]:
+                pipelined: bool = False, *, constraints: Any = None,
+                saved: Any = None) -> tuple[Any, dict]:
     """Plan with one planner: (the plan or None, its JSON entry). ``budget``: the user's
     (``--budget``); None leaves the default to the planner (which says where it came from).
     ``pipelined``: ``mesh`` (``{axis: size}``) has a stage axis; the stage DP picks schedule,
-    micro-batches and cuts (``Constraints(pipeline_stages="auto")``)."""
+    micro-batches and cuts (``Constraints(pipeline_stages="auto")``). ``constraints``: the
+    other plan settings (``plan --cluster``; ``budget`` replaces theirs). ``saved``: a saved
+    plan (``--plan FILE``) checked and priced instead of planning (``name`` only labels it)."""
+    from dataclasses import replace
+
     from nnscaler_jax.constraints import Constraints
     from nnscaler_jax.cost.model import CostModel
-    from nnscaler_jax.errors import NoFitError, PlanError
+    from nnscaler_jax.errors import NoFitError, PlanError, PlanFormatError
     from nnscaler_jax.mesh.axes import mesh_axes
-    from nnscaler_jax.planner import plan_and_report
+    from nnscaler_jax.planner import make_plan, plan_and_report
+    from nnscaler_jax.search.entry import Planned
 
     cm = None
+    zero3 = saved.zero == 3 if saved is not None else name == "zero3"
     if cluster is not None:
-        cm = CostModel.for_cluster(cluster, mesh_axes(mesh), zero=3 if name == "zero3" else 0)
-    cons = Constraints(max_memory_per_device=budget,
-                       pipeline_stages="auto" if pipelined else None)
+        cm = CostModel.for_cluster(cluster, mesh_axes(mesh), zero=3 if zero3 else 0)
+    cons = replace(constraints or Constraints(), max_memory_per_device=budget,
+                   pipeline_stages="auto" if pipelined else getattr(constraints,
+                                                                      "pipeline_stages", None))
     none = {"step_time_s": None, "comm_bytes": None, "features": None}
     t0 = time.perf_counter()
     try:
-        planned = plan_and_report(graph, mesh, policy=name, cost_model=cm, constraints=cons)
+        if saved is not None:
+            planned = Planned(make_plan(graph, mesh, plan=saved, constraints=cons, cost_model=cm),
+                              time.perf_counter() - t0, None)
+        else:
+            planned = plan_and_report(graph, mesh, policy=name, cost_model=cm, constraints=cons)
     except PlanError as e:
-        first = str(e).splitlines()[0]
+        if saved is not None and isinstance(e, PlanFormatError):
+            raise  # a saved plan for another model or mesh: the command says why (exit 2)
+        first = cli_terms(str(e).splitlines()[0])
         if isinstance(e, NoFitError) or first.startswith("no plan fits"):
             return None, {"fits": False, "memory_bytes_per_device": smallest_estimate(e),
                           "search_s": time.perf_counter() - t0, **none, "error": first}
@@ -244,12 +258,12 @@ def _features_text(f: dict[str, Any] | None) -> str:
 def _row(name: str, r: dict[str, Any]) -> list[str]:
     fits = {True: "yes", False: "NO", None: "-"}[r["fits"]]
     mem = r["memory_bytes_per_device"]
-    mem_text = "-" if mem is None else (f">= {mib(mem)}" if r["fits"] is False else mib(mem))
+    mem_text = "-" if mem is None else (">= " if r["fits"] is False else "") + fmt_bytes(mem)
     return [name, fits, f"{r['search_s']:.3f}",
             "-" if r["step_time_s"] is None else f"{r['step_time_s'] * 1e3:.3f}", mem_text,
-            "-" if r["comm_bytes"] is None else mib(r["comm_bytes"]),
-            mib(r["compiled_memory_bytes"]) if "compiled_memory_bytes" in r else "-",
-            mib(r["hlo_comm_bytes"]) if "hlo_comm_bytes" in r else "-",
+            "-" if r["comm_bytes"] is None else fmt_bytes(r["comm_bytes"]),
+            fmt_bytes(r["compiled_memory_bytes"]) if "compiled_memory_bytes" in r else "-",
+            fmt_bytes(r["hlo_comm_bytes"]) if "hlo_comm_bytes" in r else "-",
             *xla_text(r.get("xla")),
             _features_text(r["features"]) + _shape_text(r.get("mesh")), r.get("error", "")[:60]]
 
@@ -289,8 +303,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
     compile_here = isinstance(mesh, jax.sharding.Mesh) and spec.kind == "linen" and \
         args.preset.startswith("tiny")
     results: dict[str, dict[str, Any]] = {}
-    for name in planners:
-        if getattr(args, "pipelines", False):
+    saved = load_plan(args.plan) if getattr(args, "plan", None) else None
+    for name in planners + ([f"plan:{args.plan}"] if saved is not None else []):
+        if name.startswith("plan:"):  # the saved plan, priced under the same budget
+            here = graph if saved.precision == precision else capture_model(
+                model_spec(args.model, args.preset, saved.precision), mutable=spec_mutable(spec),
+                precision=saved.precision).graph
+            plan, results[name] = one_planner(name, here, mesh, cluster, budget, saved=saved)
+        elif getattr(args, "pipelines", False):
             plan, results[name] = best_over_meshes(name, graph, mesh, cluster, explicit)
         else:
             plan, results[name] = one_planner(name, graph, mesh, cluster, explicit)
@@ -299,7 +319,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         if plan is not None and getattr(args, "xla", False):
             results[name]["xla"] = xla_entry(spec, plan, cluster,
                                              results[name].get("mesh") or mesh_axes(mesh))
-    obj = {"model": args.model, "preset": args.preset, "mesh": args.mesh,
+    obj = {"ok": True, "model": args.model, "preset": args.preset, "mesh": args.mesh,
            "cluster": args.cluster, "budget_bytes": budget, "budget": source,
            "precision": precision, "planners": results}
     if getattr(args, "plot", None):

@@ -1,9 +1,17 @@
 """``nnscaler-jax``: the command line (also ``python -m nnscaler_jax``). Thin: argparse + printing.
 
 Subcommands: ``graph``, ``plan``, ``verify``, ``compare``, ``demo``, ``profile``, ``train``.
-Each prints tables for a person, or with ``--json`` one JSON object on the last line of its
-output. Errors a user can cause (unknown model / preset / policy, a bad mesh) print one line and
-exit 2.
+Each prints tables for a person, or with ``--json`` only one JSON object on stdout (its last
+line; ``"ok"`` true or false), the tables left out. Warnings, notes and errors go to stderr.
+Errors a user can cause (unknown model / preset / policy, a bad mesh, a plan that cannot be
+made, a ``--plan`` file for another model or mesh) print ``nnscaler-jax CMD: error: ...`` and
+exit 2 (with ``--json``: ``{"ok": false, "command", "error"}``), their advice in the command
+line's flags (:func:`~nnscaler_jax.cli.common.cli_terms`); each warning prints once per run.
+
+``plan`` and ``train`` share the options that shape a plan (``--policy``, ``--budget``,
+``--zero``, ``--microbatches``, ``--precision``, ``--pipeline``, ``--schedule``,
+``--batch-size``): ``plan`` makes the plan ``train`` runs, and refuses what ``train`` refuses.
+``plan --out FILE`` writes it; ``train``, ``verify`` and ``compare`` take it as ``--plan FILE``.
 
 Before JAX starts its backends, :func:`main` sets ``XLA_FLAGS`` to ask for ``--devices`` virtual
 CPU devices (default 8 when the flags name no device count).
@@ -12,17 +20,24 @@ CPU devices (default 8 when the flags name no device count).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from nnscaler_jax.cli.commands import cmd_graph, cmd_plan, cmd_profile
 from nnscaler_jax.cli.common import (
     DEFAULT_DEVICES,
     DEFAULT_PLANNERS,
+    PLAN_HELP,
     UsageError,
+    add_plan_settings,
     backends_started,
+    cli_terms,
     request_devices,
 )
 from nnscaler_jax.cli.compare import cmd_compare
@@ -42,7 +57,8 @@ def _lazy(name: str) -> Any:
 
 
 def _parents() -> tuple[argparse.ArgumentParser, ...]:
-    """The options every command / model commands / mesh commands share."""
+    """The options every command / model commands / mesh commands / plan makers (``plan``,
+    ``train``) share."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true",
                         help="print one JSON object on the last line")
@@ -57,11 +73,13 @@ def _parents() -> tuple[argparse.ArgumentParser, ...]:
     mesh.add_argument("--axes", default=None,
                       help="mesh axis names, comma separated (default: data | data,model | "
                            "data,fsdp,model)")
-    return common, model, mesh
+    settings = argparse.ArgumentParser(add_help=False)
+    add_plan_settings(settings)
+    return common, model, mesh, settings
 
 
 def _parser() -> argparse.ArgumentParser:
-    common, model, mesh = _parents()
+    common, model, mesh, settings = _parents()
     p = argparse.ArgumentParser(prog="nnscaler-jax",
                                 description="Automatic parallelization of JAX/Flax models.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -72,17 +90,14 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--depth", type=int, default=2, help="module path components per summary row")
     g.set_defaults(fn=cmd_graph)
 
-    pl = sub.add_parser("plan", parents=[common, model, mesh], help="make and print a plan")
-    pl.add_argument("--policy", default="auto", help="dp, zero3, megatron, alpa or auto (default)")
-    pl.add_argument("--out", default=None, help="write the plan JSON to this file")
-    pl.add_argument("--pipeline", type=int, default=0, metavar="N",
-                    help="also print the layer -> stage split and per-device schedule of N stages")
-    pl.add_argument("--schedule", default="1f1b",
-                    choices=("1f1b", "gpipe", "interleaved", "interlaced", "nf1b"),
-                    help="pipeline schedule (default 1f1b)")
-    pl.add_argument("--microbatches", type=int, default=0, help="default 2 x stages")
-    pl.add_argument("--virtual", type=int, default=2, help="chunks per stage (interleaved)")
-    pl.add_argument("--gantt", default=None, metavar="PNG", help="write a Gantt chart PNG")
+    pl = sub.add_parser("plan", parents=[common, model, mesh, settings],
+                        help="make and print a plan (the one train runs with the same options)")
+    pl.add_argument("--out", default=None, help="write the plan JSON to this file (for --plan)")
+    pl.add_argument("--ops", action="store_true",
+                    help="print every op's layout (default: one row per module, repeated "
+                         "layers collapsed)")
+    pl.add_argument("--gantt", default=None, metavar="PNG",
+                    help="write a Gantt chart PNG of the pipeline's schedule (with --pipeline)")
     pl.add_argument("--plot", default=None, metavar="PNG",
                     help="write the plan's layout map (modules x mesh axes: the dim split) PNG")
     pl.add_argument("--cluster", default=None,
@@ -93,13 +108,17 @@ def _parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("verify", parents=[common, model, mesh],
                        help="compare forward and gradients with the single-device program")
-    v.add_argument("--policy", default="auto", help="dp, zero3, megatron, alpa or auto (default)")
+    v.add_argument("--policy", default=None, help="dp, zero3, megatron, alpa or auto (default)")
+    v.add_argument("--plan", default=None, metavar="FILE", help=PLAN_HELP)
     v.set_defaults(fn=_lazy('cmd_verify'))
 
     c = sub.add_parser("compare", parents=[common, model, mesh],
                        help="plan with several planners and compare their cost estimates")
     c.add_argument("--planners", default=DEFAULT_PLANNERS,
                    help=f"comma separated (default {DEFAULT_PLANNERS})")
+    c.add_argument("--plan", default=None, metavar="FILE",
+                   help="also price a plan saved by plan --out FILE: one more row, named "
+                        "'plan:FILE', under the same cluster and budget")
     c.add_argument("--cluster", default=None,
                    help="price on a cluster preset (e.g. v100-32g-8x, h100-80g-8x) instead of the "
                         "local CPU; its device memory less a 10%% reserve is the default budget")
@@ -134,7 +153,7 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--runs", type=int, default=5, help="timed runs per op (median kept)")
     pr.set_defaults(fn=cmd_profile)
 
-    add_train_parser(sub, [common, model, mesh])
+    add_train_parser(sub, [common, model, mesh, settings])
     return p
 
 
@@ -154,10 +173,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     from nnscaler_jax.errors import PlanError
 
     try:
-        return args.fn(args)
+        with _warnings_once(args):
+            return args.fn(args)
     except (UsageError, PlanError) as e:
         kind = "error" if isinstance(e, UsageError) else "plan error"
-        print(f"nnscaler-jax {args.command}: {kind}: {e}", file=sys.stderr)
+        text = cli_terms(str(e), args)
+        print(f"nnscaler-jax {args.command}: {kind}: {text}", file=sys.stderr)
         if args.json:
-            print(json.dumps({"ok": False, "error": str(e)}))
+            print(json.dumps({"ok": False, "command": args.command, "error": text}))
         return 2
+
+
+_PACKAGE = str(Path(__file__).resolve().parents[1]) + os.sep
+
+
+def _from_package(frame: Any) -> bool:
+    """Whether the warning being shown was raised by this package (``frame``: the caller of
+    ``showwarning``; the pure-Python ``warnings`` module's own frames skipped)."""
+    while frame is not None and frame.f_code.co_filename.endswith("warnings.py"):
+        frame = frame.f_back
+    return frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE)
+
+
+@contextlib.contextmanager
+def _warnings_once(args: argparse.Namespace) -> Iterator[None]:
+    """Each warning once per run. The package's own (a plan's dims left replicated, ...) print
+    as ``nnscaler-jax CMD: warning: ...`` in the command line's terms: the user's call is this
+    command, not the frame Python would name (``<frozen runpy>``, or jax's internals when the
+    plan is made while the training step is traced); others keep Python's format."""
+    seen: set[tuple[type, str]] = set()
+    show = warnings.showwarning
+
+    def once(message: Any, category: type[Warning], filename: str, lineno: int,
+             file: Any = None, line: str | None = None) -> None:
+        key = (category, str(message))
+        if key in seen:
+            return
+        seen.add(key)
+        if _from_package(sys._getframe(1)):
+            print(f"nnscaler-jax {args.command}: warning: {cli_terms(str(message), args)}",
+                  file=sys.stderr)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = once
+        yield

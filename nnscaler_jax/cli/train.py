@@ -1,13 +1,19 @@
 """``nnscaler-jax train``: train a zoo model on its synthetic data under an automatic plan.
 
-``pm = auto_parallel(mesh, Constraints(zero=, microbatches=, precision=, pipeline_stages=),
-policy=)(module)``, ``step = pm.train_step(loss_fn, optax.adamw(lr))``, then steps up to
+``pm = auto_parallel(mesh, Constraints(zero=, microbatches=, precision=, pipeline_stages=,
+schedule=, max_memory_per_device=), policy=)(module)`` (the plan ``nnscaler-jax plan`` makes with
+the same options), or ``auto_parallel(mesh, plan=)`` of ``--plan FILE`` (a plan saved by ``plan
+--out FILE``, run as it was made: ``--policy``, ``--zero``, ... are refused beside it), ``step =
+pm.train_step(loss_fn, optax.adamw(lr))``, then steps up to
 ``--steps``. Step ``i``'s batch (0-based, counted from the first run) is ``make_args(rng=
 fold_in(data_key, i))``, ``data_key`` drawn from ``--seed``: a resumed run sees the batches of
 an uninterrupted one. ``--checkpoint-dir D`` saves the state (params, optimizer state, step,
-dropout key), the plan JSON and ``meta`` (model, preset, seed, every loss so far) every
-``--every`` steps in the background and after the last; ``--resume`` reads the newest onto this
-run's mesh and plan (any ``--mesh``) and goes on from its step. ``--processes K``: K local
+dropout key), the plan JSON and ``meta`` (model, preset, seed, mesh, the run's settings, every
+loss so far) every ``--every`` steps in the background and after the last; ``--resume`` reads
+the newest onto this run's mesh and plan (any ``--mesh``) and goes on from its step, with the
+checkpoint's run's plan settings, ``--plan``, ``--batch-size`` and ``--lr`` where this command
+line gives none; it says on stderr which it kept and which this run changes
+(:func:`resume_settings`). ``--processes K``: K local
 processes of ``mesh size / K`` CPU devices (``launch_local``); only process 0 prints.
 
 ``--json`` prints one object on the last line: ``losses`` (one per step this run made, in order),
@@ -19,8 +25,10 @@ of the steps after the first; null with fewer than two), ``first_step_s`` (with 
 on CPU; ``mfu_basis``: which peak), ``memory`` (``{"measured", "predicted"}`` per-device bytes of
 params / grads / optimizer, predicted ``peak``; ``device_peak``: the allocator's peak, null on
 CPU), ``plan`` (policy, zero, microbatches, precision, stages, recompute, cosharded) and
-``checkpoint`` (``{"dir", "last_saved_step", "resumed_from"}`` or null). User errors (unknown
-model, bad mesh, ``--resume`` without a checkpoint, another model's checkpoint): one line, exit 2.
+``checkpoint`` (``{"dir", "last_saved_step", "resumed_from", "settings"}`` or null; ``settings``
+after ``--resume``: ``{"kept": {name: value}, "changed": {name: {"checkpoint", "now"}}}``).
+User errors (unknown model, bad mesh, ``--resume`` without a checkpoint, another model's
+checkpoint, a ``--plan`` for another model or mesh): one line, exit 2.
 """
 
 from __future__ import annotations
@@ -36,42 +44,45 @@ import time
 from typing import Any
 
 from nnscaler_jax.cli.common import (
+    PLAN_FLAGS,
+    PLAN_HELP,
     UsageError,
     check_policy,
+    check_saved_plan_alone,
     device_peak,
     emit,
-    mib,
+    fmt_bytes,
+    load_plan,
     model_spec,
     parse_mesh,
+    plan_constraints,
+    settings_spec,
 )
 from nnscaler_jax.cli.compare import plan_features
 from nnscaler_jax.mesh.axes import data_axes, mesh_axes
 
-__all__ = ["add_train_parser", "child_argv", "cmd_train"]
+__all__ = ["add_train_parser", "child_argv", "cmd_train", "resume_settings"]
+
+DEFAULT_LR = 1e-3
 
 
 def add_train_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
-    """The ``train`` subparser (``parents``: the common, model and mesh options)."""
+    """The ``train`` subparser (``parents``: the common, model, mesh and plan-settings
+    options)."""
     t = sub.add_parser("train", parents=parents, help="train a zoo model on synthetic data "
                        "under a plan (checkpoints, resume, several processes)")
+    t.add_argument("--plan", default=None, metavar="FILE", help=PLAN_HELP)
     t.add_argument("--steps", type=int, default=10, help="train up to this step (default 10)")
-    t.add_argument("--policy", default="auto", help="dp, zero3, megatron, alpa or auto (default)")
-    t.add_argument("--batch-size", type=int, help="global batch size (default: the preset's)")
-    t.add_argument("--lr", type=float, default=1e-3, help="adamw learning rate (default 1e-3)")
+    t.add_argument("--lr", type=float, default=None,
+                   help=f"adamw learning rate (default {DEFAULT_LR:g})")
     t.add_argument("--seed", type=int, default=0, help="seed of the init and of every batch")
-    t.add_argument("--zero", type=int, choices=(0, 1, 2, 3),
-                   help="ZeRO stage over the data axes: optimizer state 1, grads 2, params 3")
-    t.add_argument("--microbatches", type=int, help="gradient accumulation: micro-batches")
-    t.add_argument("--precision", help="compute precision: bfloat16, float16 or float32 "
-                   "(float32 master weights; default: the model's dtypes)")
-    t.add_argument("--pipeline", type=int, default=0, metavar="S", help="S pipeline stages "
-                   "along the mesh's 'stage' axis (e.g. --mesh 2x4 --axes stage,data)")
     t.add_argument("--checkpoint-dir", metavar="D",
                    help="save the training state here (orbax, in the background)")
     t.add_argument("--every", type=int, default=1, help="save every K steps (default 1)")
     t.add_argument("--keep", type=int, default=3, help="checkpoints to keep (default 3)")
     t.add_argument("--resume", action="store_true",
-                   help="continue from the newest checkpoint in --checkpoint-dir (any mesh)")
+                   help="continue from the newest checkpoint in --checkpoint-dir (any mesh), "
+                        "with its run's plan settings and learning rate unless given again")
     t.add_argument("--processes", type=int, default=1, metavar="K",
                    help="run as K local processes of (mesh size / K) CPU devices each")
     t.set_defaults(fn=cmd_train)
@@ -113,6 +124,7 @@ def _check(args: argparse.Namespace) -> None:
     if args.resume and not args.checkpoint_dir:
         raise UsageError("--resume needs --checkpoint-dir D (the directory that holds the "
                          "checkpoints)")
+    check_saved_plan_alone(args)
     size, k = _mesh_size(args.mesh), args.processes
     if k > 1 and (size % k or args.devices not in (None, size)):
         raise UsageError(f"--processes {k} runs the mesh {args.mesh}'s {size} devices as {k} "
@@ -125,7 +137,10 @@ def _launch(args: argparse.Namespace) -> int:
     from nnscaler_jax.train.distributed import launch_local
 
     model_spec(args.model, args.preset)  # a usage error here, not K times in the children
-    check_policy(args.policy)
+    check_policy(args.policy or "auto")
+    check_saved_plan_alone(args)
+    if args.plan:
+        load_plan(args.plan)
     per = _mesh_size(args.mesh) // args.processes
     argv = [sys.executable, "-m", "nnscaler_jax", *child_argv(args)]
     return launch_local(argv, args.processes, devices_per_process=per)
@@ -163,36 +178,35 @@ class _Job:
     data_key: Any
     init_key: Any
     lead: bool  # process 0: the one that prints
-
-
-def _constraints(args: argparse.Namespace) -> Any:
-    from nnscaler_jax.constraints import Constraints
-    from nnscaler_jax.errors import PlanError
-
-    try:
-        return Constraints(zero=args.zero, microbatches=args.microbatches,
-                           precision=args.precision, pipeline_stages=args.pipeline or None)
-    except PlanError as e:
-        raise UsageError(str(e).splitlines()[0]) from None
+    pipelined: bool = False  # --pipeline, or a --plan with pipeline stages
+    settings: dict[str, Any] | None = None  # --resume: the settings kept and changed
 
 
 def _job(args: argparse.Namespace) -> _Job:
+    """The wrapper as ``plan`` makes it (the same constraints, or the ``--plan`` file), its
+    training step, the mesh and the keys."""
     import jax
     import optax
 
     from nnscaler_jax.api import auto_parallel
 
-    over = {} if args.batch_size is None else {"batch_size": args.batch_size}
-    constraints = _constraints(args)
-    spec = model_spec(args.model, args.preset, constraints.precision, **over)
+    constraints = plan_constraints(args)
+    saved = load_plan(args.plan) if args.plan else None
+    precision = saved.precision if saved is not None else constraints.precision
+    spec = settings_spec(args, precision)
     mesh = parse_mesh(args.mesh, args.axes)
-    policy = check_policy(args.policy)
-    pm = auto_parallel(mesh, constraints, policy=policy)(spec.module)
-    step = pm.train_step(spec.loss_fn, optax.adamw(args.lr),
+    policy = saved.policy if saved is not None else check_policy(args.policy or "auto")
+    if saved is not None:
+        pm = auto_parallel(mesh, constraints, plan=saved)(spec.module)
+    else:
+        pm = auto_parallel(mesh, constraints, policy=policy)(spec.module)
+    lr = DEFAULT_LR if args.lr is None else args.lr
+    step = pm.train_step(spec.loss_fn, optax.adamw(lr),
                          rng_streams=spec.rng_streams or ("dropout",))
     init_key, data_key = jax.random.split(jax.random.key(args.seed))
+    pipelined = saved.pipeline is not None if saved is not None else bool(args.pipeline)
     return _Job(args, spec, mesh, pm, step, policy, data_key, init_key,
-                jax.process_index() == 0)
+                jax.process_index() == 0, pipelined)
 
 
 def _host_batch(job: _Job, i: int) -> tuple[Any, ...]:
@@ -234,8 +248,8 @@ def _init_state(job: _Job, batch: tuple[Any, ...]) -> Any:
     keys = jax.random.split(job.init_key, 2 + len(streams))
     rngs = {"params": keys[0], **{s: keys[2 + j] for j, s in enumerate(streams)}}
     if job.spec.kind == "nnx":  # the module holds its own state (the zoo's nnx.Rngs)
-        return job.step.init(None, *(_host_batch(job, 0) if job.args.pipeline else batch))
-    if job.args.pipeline:
+        return job.step.init(None, *(_host_batch(job, 0) if job.pipelined else batch))
+    if job.pipelined:
         host = _host_batch(job, 0)
         return job.step.init(job.spec.init(keys[0], *host), *host,
                              rng=keys[1] if streams else None)
@@ -355,8 +369,78 @@ class _Progress:
 
 def _meta(job: _Job, losses: list[float]) -> dict[str, Any]:
     a = job.args
+    lr = DEFAULT_LR if a.lr is None else a.lr
+    # "settings": what --resume keeps (the policy and lr as run; None: left to the planner)
+    settings = {**_given(a), "policy": None if a.plan else job.policy, "lr": lr}
     return {"model": a.model, "preset": a.preset, "seed": a.seed, "mesh": a.mesh,
-            "policy": job.policy, "batch_size": a.batch_size, "lr": a.lr, "losses": losses}
+            "axes": a.axes, "policy": job.policy, "batch_size": a.batch_size, "lr": lr,
+            "settings": settings, "losses": losses}
+
+
+# what --resume keeps from the checkpoint's run unless given again: the plan settings, the saved
+# plan file, the batch size and the learning rate
+_KEPT = (*PLAN_FLAGS.values(), "plan", "batch_size", "lr")
+_SHAPING = tuple(n for n in PLAN_FLAGS.values() if n != "budget")  # what --plan fixes
+
+
+def _given(args: argparse.Namespace) -> dict[str, Any]:
+    """The kept settings as given on this command line (None: not given)."""
+    return {name: getattr(args, name, None) for name in _KEPT}
+
+
+def _flag(name: str, value: Any) -> str:
+    return f"--{name.replace('_', '-')} {'(not given)' if value is None else value}"
+
+
+def resume_settings(args: argparse.Namespace,
+                    meta: dict[str, Any]) -> tuple[argparse.Namespace, dict[str, Any]]:
+    """``--resume``: ``args`` with the checkpoint's run's settings where this command line
+    gives none, and what happened: ``{"kept": {flag: value}, "changed": {flag: {"checkpoint",
+    "now"}}}``. A ``--plan`` given now drops the checkpoint's policy, ZeRO, ... (and any of them
+    given now drops its ``--plan``): the plan is then this run's own. ``--mesh`` / ``--axes``
+    are this run's (a resume may change the mesh), reported when they differ.
+
+    >>> a = argparse.Namespace(policy=None, zero=None, microbatches=None, precision=None,
+    ...     pipeline=None, schedule=None, budget=None, plan=None, batch_size=None, lr=0.01,
+    ...     mesh="4x2", axes=None)
+    >>> a, report = resume_settings(a, {"mesh": "2x4", "settings": {"policy": "megatron",
+    ...                                                             "lr": 0.001}})
+    >>> a.policy, a.lr, report["kept"], report["changed"]["lr"]
+    ('megatron', 0.01, {'policy': 'megatron'}, {'checkpoint': 0.001, 'now': 0.01})
+    """
+    theirs = meta.get("settings")
+    if not isinstance(theirs, dict):  # written before the settings were kept
+        theirs = {k: meta.get(k) for k in ("policy", "batch_size", "lr")}
+    mine = _given(args)
+    own_plan = bool(mine["plan"])
+    own_settings = any(mine[n] is not None for n in _SHAPING)
+    out, kept, changed = dict(vars(args)), {}, {}
+    for name in _KEPT:
+        t, m = theirs.get(name), mine[name]
+        if m is None and t is not None:
+            if (own_plan and name in _SHAPING) or (own_settings and name == "plan"):
+                changed[name] = {"checkpoint": t, "now": None}
+            else:
+                out[name] = kept[name] = t
+        elif m is not None and m != t:
+            changed[name] = {"checkpoint": t, "now": m}
+    for name in ("mesh", "axes"):
+        if meta.get(name, mine.get(name)) != getattr(args, name):
+            changed[name] = {"checkpoint": meta.get(name), "now": getattr(args, name)}
+    return argparse.Namespace(**out), {"kept": kept, "changed": changed}
+
+
+def _settings_notes(report: dict[str, Any]) -> list[str]:
+    """The lines that say which of the checkpoint's settings a resumed run kept and changed."""
+    lines = []
+    if report["kept"]:
+        lines.append("resuming with the checkpoint's settings: " + ", ".join(
+            _flag(k, v) for k, v in report["kept"].items()))
+    if report["changed"]:
+        lines.append("this run changes the checkpoint's settings: " + ", ".join(
+            f"{_flag(k, c['checkpoint'])} -> {'(not given)' if c['now'] is None else c['now']}"
+            for k, c in report["changed"].items()))
+    return lines
 
 
 def _loop(job: _Job, state: Any, start: int, ckpt: Any, prior: list[float],
@@ -407,7 +491,15 @@ def _checkpointer(args: argparse.Namespace) -> Any:
 def _run(args: argparse.Namespace) -> int:
     ckpt = _checkpointer(args)
     try:
+        report = None
+        if ckpt is not None and args.resume:
+            args, report = resume_settings(args, ckpt.info().meta)
+            check_saved_plan_alone(args)
         job = _job(args)
+        job.settings = report
+        if job.lead and report is not None:
+            for line in _settings_notes(report):
+                print(f"nnscaler-jax train: {line}", file=sys.stderr, flush=True)
         batch = _batch(job, 0)
         state = _init_state(job, batch)
         rates = _rates(job, batch)
@@ -436,9 +528,13 @@ def _header(job: _Job, rates: _Rates, start: int) -> str:
     axes = mesh_axes(job.mesh)
     plan = _plan(job)
     first = f"resuming at step {start}" if start else "from step 0"
-    estimate = str(plan).splitlines()[-1] if plan is not None else "estimate: none"
+    c = getattr(plan, "cost", None)
+    estimate = "estimate: none" if c is None else (
+        f"estimate: step {c.step_time_s * 1e3:.3f} ms, memory/device "
+        f"{fmt_bytes(c.memory_bytes_per_device)}, comm {fmt_bytes(c.comm_bytes)}")
+    source = f"plan {a.plan} (policy {job.policy})" if a.plan else f"policy {job.policy}"
     return (f"train {a.model} [{a.preset}] on mesh {axes} ({job.mesh.devices.size} "
-            f"{job.mesh.devices.flat[0].platform.upper()} devices), policy {job.policy}, "
+            f"{job.mesh.devices.flat[0].platform.upper()} devices), {source}, "
             f"{first} to {a.steps}\nplan {estimate}\n"
             f"{rates.units_per_step:,} {rates.unit}s per step, "
             f"{rates.flops_per_step:.3g} FLOPs per step; MFU basis: {rates.basis}")
@@ -473,7 +569,8 @@ def _summary(job: _Job, rates: _Rates, state: Any, start: int, losses: list[floa
         "memory": memory, "plan": features,
         "checkpoint": None if not a.checkpoint_dir else {
             "dir": a.checkpoint_dir, "last_saved_step": last,
-            "resumed_from": start if a.resume else None},
+            "resumed_from": start if a.resume else None,
+            "settings": job.settings},
     }
 
 
@@ -487,10 +584,11 @@ def _summary_text(obj: dict[str, Any], rates: _Rates) -> str:
         lines.append(f"median step {rates.words(step_s).strip()} ({rates.basis})")
     if mem is not None:
         lines.append("memory per device, measured / predicted: " + ", ".join(
-            f"{k} {mib(v)} / {mib(mem['predicted'].get(k, 0))}"
+            f"{k} {fmt_bytes(v)} / {fmt_bytes(mem['predicted'].get(k, 0))}"
             for k, v in mem["measured"].items()))
         if (peak := mem.get("device_peak")) is not None:
-            lines.append(f"allocator peak {mib(peak)} / predicted {mib(mem['predicted']['peak'])}")
+            lines.append(f"allocator peak {fmt_bytes(peak)} / predicted "
+                         f"{fmt_bytes(mem['predicted']['peak'])}")
     lines.append(f"plan: policy {p['policy']}, zero {p['zero']}, {p.get('microbatches', 1)} "
                  f"micro-batch(es), precision {p['precision'] or 'of the model'}, "
                  f"{p.get('stages', 1)} stage(s)")

@@ -10,8 +10,10 @@ import time
 from typing import Any
 
 from nnscaler_jax.cli.common import (
+    UsageError,
     check_policy,
     emit,
+    load_plan,
     model_spec,
     parse_mesh,
     spec_mutable,
@@ -33,8 +35,9 @@ def _tolerance(tree: Any) -> float:
     return max(tols or [1e-4])
 
 
-def _verify(spec: Any, mesh: Any, policy: str) -> dict[str, Any]:
-    """Forward and gradients of the loss, parallel vs single device (both jitted)."""
+def _verify(spec: Any, mesh: Any, policy: str, plan: Any = None) -> dict[str, Any]:
+    """Forward and gradients of the loss, parallel vs single device (both jitted), under
+    ``policy`` or the saved ``plan``."""
     import jax
 
     from nnscaler_jax.api import auto_parallel
@@ -52,7 +55,7 @@ def _verify(spec: Any, mesh: Any, policy: str) -> dict[str, Any]:
 
         ref_out = module(*args)
         ref_grad = jax.tree_util.tree_leaves(nnx.grad(loss)(module))
-        pm = auto_parallel(mesh, policy=policy)(module)
+        pm = auto_parallel(mesh, policy=policy if plan is None else None, plan=plan)(module)
         out = pm(*args)
         grad = jax.tree_util.tree_leaves(nnx.grad(loss)(pm))
     else:
@@ -66,7 +69,7 @@ def _verify(spec: Any, mesh: Any, policy: str) -> dict[str, Any]:
 
         ref_out = spec.module.apply(variables, *args, rngs=rngs, mutable=mutable)
         ref_grad = jax.jit(jax.grad(loss_with(spec.module.apply)))(variables["params"])
-        pm = auto_parallel(mesh, policy=policy)(spec.module)
+        pm = auto_parallel(mesh, policy=policy if plan is None else None, plan=plan)(spec.module)
         out = pm.apply(variables, *args, rngs=rngs, mutable=mutable)
         grad = jax.jit(jax.grad(loss_with(pm.apply)))(variables["params"])
     return dict(_compare(out, ref_out, grad, ref_grad), plan=pm.plan)
@@ -100,19 +103,25 @@ def _verify_table(res: dict[str, Any]) -> str:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    spec = model_spec(args.model, args.preset)
+    if args.plan and args.policy:
+        raise UsageError(f"--plan {args.plan} runs the saved plan as it was made: drop "
+                         f"--policy {args.policy}")
+    saved = load_plan(args.plan) if args.plan else None
+    spec = model_spec(args.model, args.preset, saved.precision if saved is not None else None)
     mesh = parse_mesh(args.mesh, args.axes)
-    policy = check_policy(args.policy)
-    res = _verify(spec, mesh, policy)
+    policy = saved.policy if saved is not None else check_policy(args.policy or "auto")
+    res = _verify(spec, mesh, policy, saved)
     obj = {"ok": res["ok"], "max_rel_diff": res["max_rel_diff"],
            "forward_rel_diff": res["forward_rel_diff"], "grad_rel_diff": res["grad_rel_diff"],
            "tolerance": res["tolerance"], "mesh": args.mesh, "policy": policy,
-           "model": args.model, "preset": args.preset}
+           "plan": args.plan, "model": args.model, "preset": args.preset}
     text = ""
     if not args.json:
         from nnscaler_jax.mesh.axes import mesh_axes
-        text = (f"{args.model} [{args.preset}] on mesh {args.mesh} {mesh_axes(mesh)}, policy "
-                f"{policy}\n" + _verify_table(res))
+        source = f"plan {args.plan} (policy {policy})" if saved is not None else \
+            f"policy {policy}"
+        text = (f"{args.model} [{args.preset}] on mesh {args.mesh} {mesh_axes(mesh)}, "
+                f"{source}\n" + _verify_table(res))
     emit(args, text, obj)
     return 0 if res["ok"] else 1
 

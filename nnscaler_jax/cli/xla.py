@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nnscaler_jax.cli.common import UsageError, abstract_inputs, mib
+from nnscaler_jax.cli.common import UsageError, abstract_inputs, fmt_bytes
 
 __all__ = ["XLA_HELP", "check_cluster", "xla_entry", "xla_text"]
 
@@ -67,8 +67,8 @@ def xla_entry(spec: Any, plan: Any, cluster: Any, axes: dict[str, int]) -> dict[
     est = plan.cost.memory_bytes_per_device if plan.cost is not None else None
     out["over_estimate"] = (check.peak_bytes / est) if est else None
     if not check.fits:
-        out["notes"].append(f"does not fit by XLA:GPU: peak {check.peak_bytes / 2**30:.2f} GiB "
-                            f"over the device's {check.device_memory_bytes / 2**30:.2f} GiB")
+        out["notes"].append(f"does not fit by XLA:GPU: peak {fmt_bytes(check.peak_bytes)} "
+                            f"over the device's {fmt_bytes(check.device_memory_bytes)}")
     return out
 
 
@@ -78,7 +78,7 @@ def xla_text(entry: dict[str, Any] | None) -> tuple[str, str]:
         return "-", "-"
     if "error" in entry:
         return "n/a", "-"
-    peak = mib(entry["peak_bytes"])
+    peak = fmt_bytes(entry["peak_bytes"])
     if not entry["fits"]:
         peak += " NO FIT"
     elif entry["xla_remat"]:

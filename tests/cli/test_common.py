@@ -18,7 +18,7 @@ from nnscaler_jax.cli.common import (
     check_policy,
     cost_dict,
     emit,
-    mib,
+    fmt_bytes,
     model_spec,
     parse_mesh,
     policy_names,
@@ -68,8 +68,12 @@ def test_table_aligns_first_column_left_others_right():
                      "gpt    12.25"]
 
 
-def test_mib_and_emit(capsys):
-    assert mib(3 * 2**20) == "3.00 MiB" and mib(0) == "0.00 MiB"
+def test_sizes_in_the_unit_that_fits_and_emit(capsys):
+    assert fmt_bytes(3 * 2**20) == "3.00 MiB" and fmt_bytes(0) == "0 B"
+    assert fmt_bytes(1023) == "1023 B" and fmt_bytes(1024) == "1.00 KiB"
+    assert fmt_bytes(30383.58 * 2**20) == "29.67 GiB"  # not "30383.58 MiB"
+    assert fmt_bytes(2**40) == "1.00 TiB" and fmt_bytes(3 * 2**50) == "3.00 PiB"
+    assert fmt_bytes(2**60) == "1024.00 PiB"  # the largest unit goes on
     emit(argparse.Namespace(json=False), "hello", {"a": 1})
     emit(argparse.Namespace(json=True), "", {"a": 1})
     out = capsys.readouterr().out.splitlines()

@@ -77,7 +77,7 @@ def test_a_budget_nothing_fits_reports_the_smallest_estimate(capsys):
     lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.split()}
     assert "fits" in lines["planner"] and "features" in lines["planner"]
     assert lines["dp"].split()[1] == "NO" and lines["megatron"].split()[1] == "yes"
-    assert "memory budget per device 0.29 MiB (--budget)" in out
+    assert "memory budget per device 292.97 KiB (--budget)" in out
 
 
 def test_no_cluster_no_budget_on_cpu(capsys):

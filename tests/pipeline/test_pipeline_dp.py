@@ -47,8 +47,10 @@ def test_cli_plan_pipeline(tmp_path, capsys):
     from nnscaler_jax.cli import main
 
     png = tmp_path / "g.png"
-    assert main(["plan", "--model", "gpt", "--preset", "tiny", "--mesh", "8", "--policy", "dp",
-                 "--pipeline", "2", "--microbatches", "4", "--gantt", str(png)]) == 0
+    # (plan makes the plan train runs: a 'stage' axis, and a batch the micro-batches divide)
+    assert main(["plan", "--model", "gpt", "--preset", "tiny", "--mesh", "2", "--axes", "stage",
+                 "--batch-size", "4", "--policy", "dp", "--pipeline", "2", "--microbatches",
+                 "4", "--schedule", "1f1b", "--gantt", str(png)]) == 0
     out = capsys.readouterr().out
     assert "stage 0 | F0 F1 .  B0 F2 B1 F3 B2 .  B3" in out
     assert "stage 1: h_1" in out and png.read_bytes()[:4] == b"\x89PNG"
