@@ -2,7 +2,8 @@
 
 Subcommands: ``graph``, ``plan``, ``verify``, ``compare``, ``demo``, ``profile``, ``train``.
 Each prints tables for a person, or with ``--json`` only one JSON object on stdout (its last
-line; ``"ok"`` true or false), the tables left out. Warnings, notes and errors go to stderr.
+line; ``"ok"`` true or false), the tables left out (``graph --print-ir --json``: the IR, then
+the JSON line). Warnings, notes and errors go to stderr.
 Errors a user can cause (unknown model / preset / policy, a bad mesh, a plan that cannot be
 made, a ``--plan`` file for another model or mesh) print ``nnscaler-jax CMD: error: ...`` and
 exit 2 (with ``--json``: ``{"ok": false, "command", "error"}``), their advice in the command
