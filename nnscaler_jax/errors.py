@@ -13,6 +13,8 @@ This module is the bottom layer of the package: it imports nothing from it.
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 __all__ = ["AnnotationError", "CheckpointError", "ConstraintError", "NoFitError", "PlanError",
@@ -144,3 +146,30 @@ class CheckpointError(PlanError):
         super().__init__(*args, **kw)
         self.directory = directory
         self.step = step
+
+
+# the packages whose frames a warning never points at: a plan is made inside them (jax traces
+# the training step, flax runs a module's method) on behalf of a call of the user's
+_LIBRARIES = ("nnscaler_jax", "jax", "jaxlib", "flax", "optax", "orbax")
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` (for a ``warnings.warn`` in the caller) of the innermost frame that is
+    the user's: not in this package or the libraries it runs under (:data:`_LIBRARIES`), not
+    Python's frozen import machinery (``<frozen runpy>``); the outermost frame if none is."""
+    roots = []
+    for name in _LIBRARIES:
+        module = sys.modules.get(name)
+        path = getattr(module, "__file__", None)
+        if path:
+            roots.append(os.path.dirname(os.path.abspath(path)) + os.sep)
+    roots = tuple(roots)
+    frame, level, last = sys._getframe(2), 2, 2
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith("<"):
+            if not os.path.abspath(name).startswith(roots):
+                return level
+            last = level
+        frame, level = frame.f_back, level + 1
+    return last

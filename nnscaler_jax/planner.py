@@ -14,8 +14,6 @@ precision=...)`` must agree with it: :mod:`nnscaler_jax.capture.precision`).
 from __future__ import annotations
 
 import math
-import os
-import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import replace
@@ -25,7 +23,13 @@ from nnscaler_jax.capture.precision import UNKNOWN, graph_precision
 from nnscaler_jax.constraints import Constraints
 from nnscaler_jax.cost.devices import DefaultBudget, default_budget_of, device_for_kind
 from nnscaler_jax.cost.model import CostModel
-from nnscaler_jax.errors import ConstraintError, NoFitError, PlanError, PlanFormatError
+from nnscaler_jax.errors import (
+    ConstraintError,
+    NoFitError,
+    PlanError,
+    PlanFormatError,
+    user_stacklevel,
+)
 from nnscaler_jax.ir.graph import Graph, Role
 from nnscaler_jax.mesh.axes import data_axes, mesh_axes
 from nnscaler_jax.pipeline.configure import configure_pipeline
@@ -140,9 +144,9 @@ def _fewest_microbatches(attempt: Callable[[int], Planned], counts: list[int]) -
     try:  # the most micro-batches: if that does not fit, nothing does
         best = attempt(counts[-1])
     except NoFitError as e:
-        e.args = (f"{e.args[0] if e.args else ''}\n(with gradient accumulation over "
-                  f"{counts[-1]} micro-batches, the most this batch allows; the whole batch at "
-                  "once needs more)", *e.args[1:])
+        e.args = ((f"{e.args[0] if e.args else ''}\n(with gradient accumulation over "
+                   f"{counts[-1]} micro-batches, the most this batch allows; the whole batch at "
+                   "once needs more)"), *e.args[1:])
         raise
     lo, hi = 0, len(counts) - 1  # bisect for the fewest that fit (memory falls with m)
     while lo < hi:
@@ -208,40 +212,14 @@ def _about_memory(e: PlanError) -> bool:
     return isinstance(e, NoFitError) or "max_memory_per_device" in str(e)
 
 
-# the packages whose frames a warning never points at: a plan is made inside them (jax traces
-# the training step, flax runs a module's method) on behalf of a call of the user's
-_LIBRARIES = ("nnscaler_jax", "jax", "jaxlib", "flax", "optax", "orbax")
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` (for a ``warnings.warn`` in the caller) of the innermost frame that is
-    the user's: not in this package or the libraries it runs under (:data:`_LIBRARIES`), not
-    Python's frozen import machinery (``<frozen runpy>``); the outermost frame if none is."""
-    roots = []
-    for name in _LIBRARIES:
-        module = sys.modules.get(name)
-        path = getattr(module, "__file__", None)
-        if path:
-            roots.append(os.path.dirname(os.path.abspath(path)) + os.sep)
-    roots = tuple(roots)
-    frame, level, last = sys._getframe(2), 2, 2
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if not name.startswith("<"):
-            if not os.path.abspath(name).startswith(roots):
-                return level
-            last = level
-        frame, level = frame.f_back, level + 1
-    return last
-
-
 def _warn_unsplit(plan: Plan) -> None:
     """One ``UserWarning`` per plan listing the dims left replicated because a mesh axis does
     not divide them (grouped by size and axis), pointing at the user's call
-    (:func:`_user_stacklevel`; the command line prints it as a note of its own)."""
+    (:func:`~nnscaler_jax.errors.user_stacklevel`; the command line prints it as a note of
+    its own)."""
     if not plan.unsplit:
         return
-    level = _user_stacklevel()
+    level = user_stacklevel()
     u = plan.unsplit[0]
     warnings.warn(
         f"policy {plan.policy or 'custom'!r} left {len(plan.unsplit)} op dims replicated: the "

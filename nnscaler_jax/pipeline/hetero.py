@@ -55,7 +55,13 @@ from nnscaler_jax.pipeline.program import (
     trace_micro,
 )
 from nnscaler_jax.pipeline.recycle import recycling_program
-from nnscaler_jax.pipeline.update import cached_view, initial_state, jitted_step, place_as
+from nnscaler_jax.pipeline.update import (
+    cached_view,
+    initial_state,
+    jitted_step,
+    mirror_store,
+    place_as,
+)
 
 __all__ = ["CutProgram"]
 
@@ -288,14 +294,28 @@ class CutProgram:
         """A jitted ``step(state, batch) -> (state, metrics)`` (see
         :meth:`~nnscaler_jax.pipeline.runtime.PipelineProgram.train_step`); a state with
         ``'collections'`` gets them updated."""
-        return jitted_step(self.grads, optimizer, self.mesh,
+        return jitted_step(self.grads, optimizer, self.mesh, store=self._store,
                            view=cached_view(self, optimizer, (self.axis,)),
                            return_grads=return_grads)
+
+    def _store(self, tree: Any) -> Any:
+        """``tree`` (params, or optimizer state mirroring them) laid out as stored: the
+        stages' packed rows split over the stage axis, the rest replicated
+        (:func:`~nnscaler_jax.pipeline.update.mirror_store`)."""
+        store = self.__dict__.get("_mirror")
+        if store is None:
+            rep, st = self.shardings()
+            S, V = self.schedule.stages, self.schedule.virtual
+            shapes = {"stages": {k: jax.ShapeDtypeStruct((S, V, w), np.float32)
+                                 for k, w in self.p_width.items()}}
+            store = self.__dict__["_mirror"] = mirror_store(
+                shapes, {"stages": {k: st for k in self.p_width}}, rep)
+        return store(tree)
 
     def init_state(self, params: Any, optimizer: Any, collections: Any = None) -> dict:
         """``{'params': to_pipeline(params), 'opt_state': optimizer.init(...)}``, and
         ``'collections'`` (:meth:`collections_to_pipeline`) when the program has any."""
         pp = self.to_pipeline(params)
         pc = self.collections_to_pipeline(collections) if self.coll_avals else None
-        return initial_state(pp, optimizer, self.mesh, collections=pc,
+        return initial_state(pp, optimizer, self.mesh, collections=pc, store=self._store,
                              view=cached_view(self, optimizer, (self.axis,)))

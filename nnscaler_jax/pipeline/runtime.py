@@ -59,6 +59,7 @@ from nnscaler_jax.pipeline.update import (
     cached_view,
     initial_state,
     jitted_step,
+    mirror_store,
     place_as,
 )
 
@@ -321,29 +322,22 @@ class PipelineProgram:
         return loss, {"shared": gs, "layers": gl}
 
     def _store(self, tree: Any) -> Any:
-        """``tree`` (params, or optimizer state mirroring them) laid out as stored.
-
-        TP only (an Auto mesh does not carry shardings through ``zeros_like``): every leaf whose
-        path ends like a pipeline parameter's (``['layers'][k]``) and has its shape is placed like
-        it; other leaves (step counts) replicated. Keeps the layout stable across steps.
-        """
-        if not self.tp_axes:
-            return tree
-        shared_sh, layer_sh = self.leaf_shardings()
-        sp, (S, V, K) = self.split, (self.schedule.stages, self.schedule.virtual, self.per_chunk)
-        shape = lambda j: self.param_shapes[j][1:] if sp.stacked else self.param_shapes[j]
-        by_key = {("shared", i): (sh, self.param_shapes[j])
-                  for i, (j, sh) in enumerate(zip(sp.shared, shared_sh, strict=True))}
-        by_key.update({("layers", k): (sh, (S, V, K) + shape(j)) for k, (j, sh) in
-                       enumerate(zip(sp.layer_leaves[0], layer_sh, strict=True))})
-        rep, _ = self.shardings()
-
-        def place(path, x):
-            keys = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path[-2:])
-            sh, want = by_key.get(keys, (rep, None))
-            return place_as(x, sh if tuple(np.shape(x)) == want else rep)
-
-        return jax.tree_util.tree_map_with_path(place, tree)
+        """``tree`` (params, or optimizer state mirroring them) laid out as stored
+        (:func:`~nnscaler_jax.pipeline.update.mirror_store`)."""
+        store = self.__dict__.get("_mirror")
+        if store is None:
+            shared_sh, layer_sh = self.leaf_shardings()
+            sp, (S, V, K) = self.split, (self.schedule.stages, self.schedule.virtual,
+                                         self.per_chunk)
+            shape = lambda j: self.param_shapes[j][1:] if sp.stacked else self.param_shapes[j]
+            shapes = {"shared": [jax.ShapeDtypeStruct(self.param_shapes[j], np.float32)
+                                 for j in sp.shared],
+                      "layers": [jax.ShapeDtypeStruct((S, V, K) + shape(j), np.float32)
+                                 for j in sp.layer_leaves[0]]}
+            store = self.__dict__["_mirror"] = mirror_store(
+                shapes, {"shared": list(shared_sh), "layers": list(layer_sh)},
+                self.shardings()[0])
+        return store(tree)
 
     def train_step(self, optimizer: Any, *, return_grads: bool = False) -> Callable:
         """A jitted ``step(state, batch) -> (state, metrics)`` with

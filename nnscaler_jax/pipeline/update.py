@@ -23,8 +23,53 @@ from jax.sharding import PartitionSpec as P
 
 from nnscaler_jax.pipeline.leafwise import same_on_layout
 
-__all__ = ["ModuleView", "cached_view", "initial_state", "jitted_step", "module_view", "per_device_bytes",
-           "place_as"]
+__all__ = ["ModuleView", "cached_view", "initial_state", "jitted_step", "mirror_shardings",
+           "mirror_store", "module_view", "per_device_bytes", "place_as"]
+
+
+def _keyed(path: Any) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def _mirror_table(params: Any, shardings: Any) -> dict[tuple[str, ...], tuple]:
+    return {_keyed(path): (tuple(np.shape(p)), sh) for (path, p), sh in zip(
+        jax.tree_util.tree_flatten_with_path(params)[0], jax.tree_util.tree_leaves(shardings),
+        strict=True)}
+
+
+def _mirrored(table: dict, rep: Any, path: Any, x: Any) -> Any:
+    keys = _keyed(path)
+    for start in range(len(keys)):
+        hit = table.get(keys[start:])
+        if hit is not None and hit[0] == tuple(np.shape(x)):
+            return hit[1]
+    return rep
+
+
+def mirror_shardings(tree: Any, params: Any, shardings: Any, rep: Any) -> Any:
+    """Shardings of ``tree``, an optimizer state mirroring ``params`` (arrays or shapes) laid
+    out as ``shardings``: a leaf whose path ends with a parameter's path and has its shape
+    (Adam's ``mu`` / ``nu``, momentum) as that parameter; anything else (step counts) ``rep``.
+
+    >>> import numpy as np
+    >>> params = {"w": np.zeros((4, 2)), "b": np.zeros(2)}
+    >>> opt = ({"count": np.zeros(()), "mu": {"w": np.zeros((4, 2)), "b": np.zeros(2)}},)
+    >>> mirror_shardings(opt, params, {"w": "split", "b": "bias"}, "rep")
+    ({'count': 'rep', 'mu': {'b': 'bias', 'w': 'split'}},)
+    """
+    table = _mirror_table(params, shardings)
+    return jax.tree_util.tree_map_with_path(lambda p, x: _mirrored(table, rep, p, x), tree)
+
+
+def mirror_store(params: Any, shardings: Any, rep: NamedSharding) -> Callable[[Any], Any]:
+    """``tree -> tree`` laying each leaf out as :func:`mirror_shardings` says (inside jit):
+    the optimizer state keeps its parameters' layout from ``init`` on, so the step's output
+    state is laid out as its input (``zeros_like`` carries no sharding: without it the
+    initial moments are replicated and the first step returns them split, a second compile
+    of the whole step)."""
+    table = _mirror_table(params, shardings)
+    return lambda tree: jax.tree_util.tree_map_with_path(
+        lambda p, x: place_as(x, _mirrored(table, rep, p, x)), tree)
 
 
 def per_device_bytes(tree: Any) -> int:

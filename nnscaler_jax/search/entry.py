@@ -31,7 +31,7 @@ from typing import Any
 
 from nnscaler_jax.constraints import Constraints
 from nnscaler_jax.cost.model import CostModel
-from nnscaler_jax.errors import NoFitError, PlanError
+from nnscaler_jax.errors import NoFitError, PlanError, user_stacklevel
 from nnscaler_jax.ir.coshard import with_boundaries
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.mesh.axes import mesh_axes
@@ -234,7 +234,7 @@ def _unless_rules_cost(ruled: tuple[Plan, Draft], forced: tuple[str, ...],
         free = run_priced(())
     except NoFitError:
         return ruled  # nothing fits without them
-    mem = lambda plan: plan.cost.memory_bytes_per_device  # noqa: E731
+    mem = lambda plan: plan.cost.memory_bytes_per_device
     if mem(ruled[0]) <= mem(free[0]):
         return ruled
     relaid = reprice(replace(free[0], recompute=forced))
@@ -248,7 +248,7 @@ def _unless_rules_cost(ruled: tuple[Plan, Draft], forced: tuple[str, ...],
         f"({free[0].cost.step_time_s * 1e3:.3f} ms); planned without them. Recompute saves "
         "memory on modules whose activations nothing else keeps (whole layers, "
         "Rule(module='h_*')), not on a single matmul whose output the next op stores",
-        UserWarning, stacklevel=2)
+        UserWarning, stacklevel=user_stacklevel())
     return free
 
 

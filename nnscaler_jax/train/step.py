@@ -47,7 +47,7 @@ from nnscaler_jax.lower.replay import auto_view, explicitly_typed
 from nnscaler_jax.mesh.axes import data_axes, mesh_axes
 from nnscaler_jax.mesh.gpu import slop_factor
 from nnscaler_jax.pipeline.program import inputs_error, microbatch_rngs
-from nnscaler_jax.pipeline.update import per_device_bytes, place_as
+from nnscaler_jax.pipeline.update import mirror_shardings, per_device_bytes, place_as
 from nnscaler_jax.plan.zero import zero3_layout
 
 __all__ = ["SpmdStep", "per_device_bytes", "zero_specs"]
@@ -71,31 +71,6 @@ def zero_specs(params: Any, shardings: Any, mesh: Any, zero: int) -> Any:
                                        for d in lay.dims]))
 
     return jax.tree.map(one, params, shardings)
-
-
-def _keyed(path: Sequence[Any]) -> tuple:
-    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
-
-
-def _state_shardings(opt_shapes: Any, params: Any, param_specs: Any, mesh: Any) -> Any:
-    """Shardings of an optax state: a leaf whose path ends with a parameter's path and has its
-    shape (Adam's ``mu`` / ``nu``, momentum, ...) is laid out like that parameter's optimizer
-    state (``param_specs``); anything else (step counts, scalars) is replicated."""
-    by_path = {}
-    for (path, p), s in zip(jax.tree_util.tree_flatten_with_path(params)[0],
-                            jax.tree_util.tree_leaves(param_specs), strict=True):
-        by_path[_keyed(path)] = (p.shape, s)
-    rep = NamedSharding(mesh, P())
-
-    def one(path, x):
-        keys = _keyed(path)
-        for start in range(len(keys)):
-            hit = by_path.get(keys[start:])
-            if hit is not None and hit[0] == x.shape:
-                return hit[1]
-        return rep
-
-    return jax.tree_util.tree_map_with_path(one, opt_shapes)
 
 
 def _split_micro(x: jax.Array, m: int) -> jax.Array:
@@ -294,7 +269,7 @@ class SpmdStep:
         z_sh = zero_specs(params, p_sh, mesh, plan.zero)
         opt_shapes = jax.eval_shape(self.optimizer.init, params)
         rep = NamedSharding(mesh, P())
-        state_sh = {"params": p_sh, "opt_state": _state_shardings(opt_shapes, params, z_sh, mesh),
+        state_sh = {"params": p_sh, "opt_state": mirror_shardings(opt_shapes, params, z_sh, rep),
                     "step": rep, "collections": c_sh}
         if rng is not None:
             state_sh["rng"] = rep

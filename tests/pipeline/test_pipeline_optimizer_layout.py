@@ -109,3 +109,24 @@ def test_same_on_layout_probe():
         is False
     assert check(optax.lamb(1e-2)) is False  # one trust ratio for a and b together
     assert check(optax.adamw(1e-2, mask={"a": True, "b": False, "s": False})) is False
+
+
+@pytest.mark.parametrize("pivots", [(), ("h_*",)], ids=["stacked", "cut"])
+def test_the_state_keeps_its_layout_across_steps(pivots):
+    """``init`` lays Adam's moments out as the step returns them (split over the stage axis
+    like their parameters): the second step reuses the first one's program. Before, ``init``
+    replicated them (``zeros_like`` carries no sharding) and step 2 compiled the whole step
+    again (GPT tiny, 2 stages x 4 data: 4.47 s at step 2, 0.025 s after)."""
+    spec = models.get("gpt", "tiny", batch_size=16)
+    variables, args = spec.init(jax.random.key(0)), spec.make_args()
+    pm = auto_parallel(jax.make_mesh((2, 4), ("stage", "data")),
+                       Constraints(pipeline_stages=2, microbatches=2, schedule="1f1b",
+                                   pipeline_pivots=pivots))(spec.module)
+    step = pm.train_step(spec.loss_fn, optax.adam(1e-3))
+    state = step.init(variables, *args)
+    layout = lambda s: [(jax.tree_util.keystr(p), x.sharding.spec)
+                        for p, x in jax.tree_util.tree_flatten_with_path(s)[0]]
+    before = layout(state)
+    assert any("'stage'" in str(spec) for path, spec in before if ".mu" in path)
+    state, _ = step(state, *args)
+    assert layout(state) == before  # the same program's input again: no second compile
