@@ -294,7 +294,6 @@ def main() -> None:
         OUT.with_suffix(".md").write_text(_markdown(results))
         return
     results["planners"] = list(dict.fromkeys(results.get("planners", []) + planners))
-    results["time_limit_s"] = args.time_limit
     suffix = "".join([f" {args.precision}" if args.precision else "",
                       f" batch {args.batch}" if args.batch else "",
                       " pipelines" if args.pipelines else ""])
