@@ -67,7 +67,7 @@ COSHARD = "coshard"
 PARAM_SHAPED = frozenset({"dynamic_slice", "slice", "pad", "gather", "scatter", "scatter-add",
                           "concatenate", "dynamic_update_slice", "rng_bit_generator",
                           "random_bits"})
-_OUTSIDE = PARAM_SHAPED | {"iota", "conv_general_dilated"}  # never in a block
+_OUTSIDE = PARAM_SHAPED | {"iota", "conv_general_dilated"}  # never in a block (forward)
 
 _INLINE = frozenset({"custom_jvp_call"})  # boundaries a block may contain whole (replayed)
 
@@ -271,14 +271,19 @@ def _grow_back(graph: Graph, layer: str, member: dict[int, str], known: dict[int
     reads along the chunked axis whose results only the block reads, as long as they run
     along the axis too: ``q``'s projection and the reshapes before window attention's
     scores; a causal mask broadcast to the scores' shape (computed per chunk, never whole).
-    An iota stays outside (a chunk's would count from 0): its result is cut into chunks."""
+    An iota joins too, along any of its dims, the one it counts along included (a causal
+    mask's positions: cut into chunks from outside, its whole ``[S, S]`` int32 would be kept,
+    2 x 8 GiB per device for Llama-3-8B at 128K); the lowering offsets a chunk's count
+    (``lower/coshard.py``)."""
     changed = True
     while changed:
         changed = False
         for tid, axis in list(known.items()):
             op = graph.producer.get(tid)
+            counts = op is not None and op.primitive == "iota"  # no inputs: made per chunk
             if op is None or op.id in member or op.boundary or op.regions or \
-                    op.primitive in _OUTSIDE or (layer and not in_group(op.module_path, layer)):
+                    (op.primitive in _OUTSIDE and not counts) or \
+                    (layer and not in_group(op.module_path, layer)):
                 continue
             if any(c.id not in member for t in op.outputs
                    for c in graph.consumers.get(t.id, ())) or \
@@ -289,7 +294,7 @@ def _grow_back(graph: Graph, layer: str, member: dict[int, str], known: dict[int
             if axes is None or axis >= len(axes) or len(axes[axis].dims) != 1:
                 continue
             name = axes[axis].dims[0].name
-            if not _chunkable(op, name) or not _fits(graph, op, name, member, known):
+            if not (counts or _chunkable(op, name)) or not _fits(graph, op, name, member, known):
                 continue
             member[op.id] = name
             known.update(_axes_of(op, name))

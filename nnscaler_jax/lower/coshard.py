@@ -8,7 +8,10 @@ op splits the dim ``n`` ways over the mesh, chunk ``c`` holds rows ``c`` of ever
 (the dim viewed as ``(n, k, size / (n k))``), so a chunk keeps the plan's sharding and no
 device idles while another computes (the same permutation for every input and output, so the
 result does not depend on it). Custom-JVP calls inside a block (``jax.nn.softmax``) are replayed
-op by op: their derivative is that of the ops, as a custom JVP's must be.
+op by op: their derivative is that of the ops, as a custom JVP's must be. An iota counting
+along the chunked dim (a causal mask's positions) counts the chunk's global positions: in that
+view, position ``r`` of chunk ``c`` is ``(r // cs) k cs + c cs + r % cs`` (``cs``: a chunk's
+rows per device).
 """
 
 from __future__ import annotations
@@ -67,6 +70,16 @@ def _seed_ways(lw: Any, seed: Op, ident: str) -> int:
     return math.prod(sizes[a] for a, d in plan.split if d == ident and d != VALUE)
 
 
+def _count_chunk(op: Op, ident: str, env: dict, c: Any, k: int, cs: int) -> None:
+    """An iota of chunk ``c`` counting along the chunked dim: its global positions (see the
+    module docs) instead of ``0 .. n cs``."""
+    t = op.outputs[0]
+    if op.annotation.outputs[0].axis_of(ident) != op.params["dimension"]:
+        return  # counts along another dim: the chunk's values are the whole one's
+    r = env[t.id]
+    env[t.id] = ((r // cs) * (k * cs) + c.astype(r.dtype) * cs + r % cs).astype(r.dtype)
+
+
 def run_coshard(lw: Any, ops: Sequence[Op], env: dict, b: Boundary) -> None:
     """Run the block ``ops`` (boundary ``b``) chunk by chunk; its outputs land in ``env``."""
     p = b.eqn.params
@@ -84,17 +97,23 @@ def run_coshard(lw: Any, ops: Sequence[Op], env: dict, b: Boundary) -> None:
                in zip(b.inputs, ins, p["in_axes"], strict=True) if a is not None]
     outer = {key: v for key, v in env.items() if not isinstance(key, tuple)}
 
+    cs = p["size"] // (n * k)
+
     @jax.checkpoint
     def one(xs):
+        c, xs = xs[0], xs[1:]
         inner = dict(outer)  # relayouts made outside are not reused inside (recomputed)
         it = iter(xs)
         for t, a, x in zip(b.inputs, p["in_axes"], ins, strict=True):
             inner[t.id] = next(it) if a is not None else x
         for op in ops:
             lw._op(op, inner, ways={idents[op.id]: k})
+            if op.primitive == "iota":
+                _count_chunk(op, idents[op.id], inner, c, k, cs)
         return [inner[t.id] for t in b.outputs]
 
-    _, ys = jax.lax.scan(lambda carry, xs: (carry, one(xs)), None, chunked, length=k)
+    _, ys = jax.lax.scan(lambda carry, xs: (carry, one(xs)), None,
+                         [jnp.arange(k), *chunked], length=k)
     for t, y, a in zip(b.outputs, ys, p["out_axes"], strict=True):
         x = _merge(y, a, k, n)
         lay = lw.layouts.get(t.id)

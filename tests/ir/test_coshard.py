@@ -166,6 +166,53 @@ def test_cosharded_plan_matches_one_device(name, policy):
     assert_like_one_device(pm, spec.module, v, args)
 
 
+class CausalAttn(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        q, k, v = (nn.Dense(D, name=n)(x) for n in "qkv")
+        s = jnp.einsum("bqd,bkd->bqk", q, k) / 4.0
+        s = jnp.where(jnp.tril(jnp.ones((S, S), bool)), s, jnp.finfo(s.dtype).min)
+        return x + nn.Dense(D, name="o")(jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(s), v))
+
+
+class CausalNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return CausalAttn(name="blk_1")(CausalAttn(name="blk_0")(x))
+
+
+@pytest.mark.parametrize("ways", [1, 4])
+def test_a_causal_mask_is_made_per_chunk_and_counts_its_positions(ways):
+    """A causal mask's positions (two iotas, one counting along the chunked query dim) join the
+    block instead of being kept whole and cut (Llama-3-8B at 128K: 2 x 8 GiB per device); each
+    chunk counts its own global positions, with the query dim also split ``ways`` ways over the
+    mesh (chunk c holds rows c of every device's part): forward and gradients equal one
+    device's. Counting from the chunk's 0 instead gets half the outputs wrong."""
+    graph = trace(CausalNet(), jax.ShapeDtypeStruct((2, S, D), jnp.float32))
+    cands = [c for c in coshard_candidates(graph, ways=8)
+             if c.dim == {op.id: op for op in graph.ops}[c.seed].annotation.outputs[0]
+             .axes[1].dims[0].name]  # along the scores' query dim
+    assert len(cands) == 2
+    by_id = {op.id: op for op in graph.ops}
+    block = block_of(graph, cands[0].seed, cands[0].dim)
+    assert [by_id[i].primitive for i in block.ops].count("iota") == 2
+
+    def seq_split(draft, mesh):  # the seeds split their query dim over 'model'
+        for c in cands:
+            if ways > 1:
+                draft.decide(by_id[c.seed], {"model": c.dim})
+        return draft.finish()
+
+    mesh = make_mesh((2, 4), ("data", "model"))
+    plan = auto_parallel(mesh, policy=seq_split)(CausalNet()).make_plan(jnp.ones((2, S, D)))
+    blocks = tuple((c.seed, c.dim, 2) for c in cands)
+    pm = auto_parallel(mesh, plan=dataclasses.replace(plan, coshard=blocks))(CausalNet())
+    x = jax.random.normal(jax.random.key(1), (2, S, D))
+    v = pm.init(jax.random.key(0), x)
+    assert str(jax.make_jaxpr(pm.apply)(v, x)).count("scan") >= 2
+    assert_like_one_device(pm, CausalNet(), v, (x,))
+
+
 def test_a_saved_plan_with_a_bad_block_is_refused(graph):
     """check_reuse (auto_parallel(plan=...)) refuses blocks this graph cannot run: a seed that
     is no op here, a dim the seed cannot chunk, a count that does not divide the dim."""
