@@ -1,0 +1,393 @@
+"""Ring attention: attention with the sequence split over a mesh axis, K / V rotated around the ring.
+
+The algorithm (Liu et al., "Ring Attention with Blockwise Transformers", 2023). q, k, v are
+``[batch, seq, heads, head_dim]``; the sequence is split ``n`` ways over the mesh axis ``axis``.
+Inside a ``jax.shard_map`` manual over ``axis`` only (the other mesh axes stay automatic, so the
+plan may still split batch or heads over them), device ``i`` keeps its query block and the K / V
+block it holds travels one step around the ring per step: device ``j`` sends to ``j + 1``
+(``jax.lax.ppermute``), so at step ``t`` device ``i`` holds the K / V of device ``(i - t) mod n``.
+Each step folds the scores of its query block against the held K / V block into an online
+(log-sum-exp) softmax, in float32: a running row max ``m``, row sum ``l`` and unnormalised output
+``o``, rescaled by ``exp(m_old - m_new)`` when a block raises the max; the output is ``o / l``.
+
+Causal masking works on chunks with global chunk ids: a (query chunk, key chunk) pair is computed
+whole when the key chunk comes before the query chunk, with the lower-triangular mask when they are
+the same chunk, and skipped (``lax.switch``, nothing computed) when the key chunk comes after.
+
+Layouts (:data:`Layout`):
+
+- ``"ring"``: device ``i`` holds chunk ``i`` of ``n``. Causal work is uneven: device ``i`` computes
+  ``i`` full blocks and one diagonal block, so the last device sets the pace (as slow as non-causal).
+- ``"zigzag"``: the sequence is cut into ``2n`` chunks and device ``i`` holds chunks ``i`` and
+  ``2n - 1 - i`` (:func:`zigzag_permute`), so every device computes the same causal work: on each
+  off-diagonal step 2 of its 4 chunk pairs, on the diagonal step 3. :func:`ring_attention` takes
+  and returns natural order (permutes in, unpermutes out), a drop-in replacement; a model that keeps
+  its whole sequence in zigzag order would skip both permutes.
+
+Grouped-query attention: k / v may have fewer heads ``hk`` dividing q's ``h``; q head ``j`` reads
+kv head ``j // (h / hk)`` (``jnp.repeat(k, h // hk, axis=2)``, the grouping of ``models/llama.py``).
+The groups are an einsum dim (``bqngd,bknd``): K / V travel and are held at their own head count.
+
+Per device (``b`` batch, ``s`` sequence, ``n`` ring size, ``hk`` kv heads, ``h`` heads, ``d``
+head dim, all local sizes before the automatic axes split them further):
+
+- memory: its q, k, v blocks, the K / V block in flight (``2 b (s / n) hk d`` elements each), the
+  accumulators ``o, m, l`` (float32, ``b (s / n) h (d + 2)``) and one block of scores
+  ``b h (s / n)^2`` (zigzag: chunk pairs of ``(s / 2n)^2``) -- O(s / n) for K / V, never the whole
+  sequence.
+- communication: ``n - 1`` ppermutes of the K block and ``n - 1`` of the V block per forward, each
+  ``b (s / n) hk d`` elements, neighbour to neighbour. The backward (``grad="ring"``, a custom VJP)
+  rotates K and V again (``n - 1`` each) and their gradient accumulators (float32) ``n`` times each,
+  the last bringing them home; ``grad="autodiff"`` differentiates the forward loop instead (the
+  transposed ppermutes run backwards, and the scan keeps every step's K / V block: O(s) memory).
+- compute: ``4 b h d`` FLOPs per (query row, key row) pair computed; see :func:`ring_cost`.
+
+>>> import jax, jax.numpy as jnp
+>>> mesh = jax.make_mesh((8,), ("seq",), devices=jax.devices()[:8])
+>>> q = k = v = jnp.ones((1, 16, 2, 4))
+>>> ring_attention(q, k, v, mesh=mesh, axis="seq").shape
+(1, 16, 2, 4)
+>>> ring_cost(seq=16, heads=2, head_dim=4, batch=1, n=8, dtype_bytes=4, causal=False)
+{'flops': 1024, 'bytes_per_ppermute': 64, 'ppermutes': 14}
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Literal, get_args
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, Mesh, PartitionSpec
+
+__all__ = [
+    "GradMode",
+    "Layout",
+    "ring_attention",
+    "ring_cost",
+    "zigzag_permute",
+    "zigzag_unpermute",
+]
+
+Layout = Literal["ring", "zigzag"]
+GradMode = Literal["ring", "autodiff"]
+
+_NEG = -1e30  # a masked score: exp(_NEG - m) == 0 in float32 for any real row max m
+_FULL, _DIAG, _SKIP = 0, 1, 2
+
+
+# Layouts
+
+def zigzag_permute(x: jax.Array, n: int, axis: int) -> jax.Array:
+    """``x`` with its ``axis`` cut into ``2n`` chunks, reordered so part ``i`` of ``n`` holds chunks
+    ``i`` and ``2n - 1 - i``.
+
+    Args:
+        x: any array whose ``axis`` divides by ``2n``.
+        n: the number of devices the axis will be split over.
+        axis: the sequence axis.
+
+    Returns:
+        ``x`` reordered, same shape.
+
+    >>> zigzag_permute(jnp.arange(8), 2, 0).tolist()
+    [0, 1, 6, 7, 2, 3, 4, 5]
+    """
+    axis = axis % x.ndim
+    size = x.shape[axis]
+    if size % (2 * n):
+        raise ValueError(_divisibility_error("zigzag_permute", size, 2 * n))
+    c = size // (2 * n)
+    parts = x.reshape(x.shape[:axis] + (2, n, c) + x.shape[axis + 1:])
+    first = jax.lax.index_in_dim(parts, 0, axis, keepdims=False)  # chunks 0 .. n-1
+    second = jnp.flip(jax.lax.index_in_dim(parts, 1, axis, keepdims=False), axis)  # 2n-1 .. n
+    return jnp.stack([first, second], axis + 1).reshape(x.shape)
+
+
+def zigzag_unpermute(x: jax.Array, n: int, axis: int) -> jax.Array:
+    """The inverse of :func:`zigzag_permute`: natural order back.
+
+    >>> x = jnp.arange(12)
+    >>> bool((zigzag_unpermute(zigzag_permute(x, 3, 0), 3, 0) == x).all())
+    True
+    """
+    axis = axis % x.ndim
+    size = x.shape[axis]
+    if size % (2 * n):
+        raise ValueError(_divisibility_error("zigzag_unpermute", size, 2 * n))
+    c = size // (2 * n)
+    parts = x.reshape(x.shape[:axis] + (n, 2, c) + x.shape[axis + 1:])
+    first = jax.lax.index_in_dim(parts, 0, axis + 1, keepdims=False)
+    second = jnp.flip(jax.lax.index_in_dim(parts, 1, axis + 1, keepdims=False), axis)
+    return jnp.concatenate([first, second], axis).reshape(x.shape)
+
+
+def _chunk_ids(layout: Layout, dev: jax.Array, n: int) -> list[jax.Array]:
+    """Global chunk ids of the chunks device ``dev`` holds, in the order it holds them."""
+    if layout == "ring":
+        return [dev]
+    return [dev, 2 * n - 1 - dev]
+
+
+def _ring_perm(n: int) -> list[tuple[int, int]]:
+    """The rotation: device ``j`` sends its block to ``j + 1``, so at step ``t`` device ``i`` holds
+    the block of ``(i - t) mod n`` (what :func:`_local_attention` assumes)."""
+    return [(j, (j + 1) % n) for j in range(n)]
+
+
+# Errors
+
+def _divisibility_error(what: str, size: int, parts: int) -> str:
+    return (f"{what}: the sequence length {size} does not divide into {parts} chunks; pad the "
+            f"sequence to a multiple of {parts} (ring: n devices, zigzag: 2n chunks)")
+
+
+def _check(q: jax.Array, k: jax.Array, v: jax.Array, mesh: Mesh, axis: str, layout: str,
+           grad: str) -> int:
+    if layout not in get_args(Layout):
+        raise ValueError(f"ring_attention: layout={layout!r}; expected one of {get_args(Layout)}")
+    if grad not in get_args(GradMode):
+        raise ValueError(f"ring_attention: grad={grad!r}; expected one of {get_args(GradMode)}")
+    if axis not in mesh.shape:
+        raise ValueError(f"ring_attention: axis {axis!r} is not a mesh axis; the mesh has "
+                         f"{dict(mesh.shape)}")
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or k.shape != v.shape:
+        raise ValueError(f"ring_attention: q, k, v must be [batch, seq, heads, head_dim] with k and "
+                         f"v alike; got q {q.shape}, k {k.shape}, v {v.shape}")
+    b, s, h, d = q.shape
+    if k.shape[0] != b or k.shape[1] != s or k.shape[3] != d or h % k.shape[2]:
+        raise ValueError(f"ring_attention: k/v {k.shape} do not match q {q.shape}: same batch, seq "
+                         f"and head_dim, and kv heads dividing q's heads (grouped-query)")
+    n = mesh.shape[axis]
+    parts = n if layout == "ring" else 2 * n
+    if s % parts:
+        raise ValueError(_divisibility_error(f"ring_attention(layout={layout!r})", s, parts))
+    return n
+
+
+# Per-device blocks (grouped layout: q [b, c, hk, g, d], k / v [b, c, hk, d], stats [b, hk, g, c])
+
+def _scores(q: jax.Array, k: jax.Array, scale: float, diag: bool) -> jax.Array:
+    s = jnp.einsum("bqngd,bknd->bngqk", q, k, preferred_element_type=jnp.float32) * scale
+    if diag:
+        c = q.shape[1]
+        s = jnp.where(jnp.tril(jnp.ones((c, c), bool)), s, _NEG)
+    return s
+
+
+def _fwd_block(acc: tuple, q: jax.Array, k: jax.Array, v: jax.Array, scale: float,
+               diag: bool) -> tuple:
+    """One (query chunk, key chunk) pair folded into the online softmax ``(o, m, l)``."""
+    o, m, l = acc
+    s = _scores(q, k, scale, diag)
+    m_new = jnp.maximum(m, s.max(-1))
+    p = jnp.exp(s - m_new[..., None])
+    alpha = jnp.exp(m - m_new)
+    pv = jnp.einsum("bngqk,bknd->bngqd", p.astype(v.dtype), v,
+                    preferred_element_type=jnp.float32)
+    return o * alpha[..., None] + pv, m_new, l * alpha + p.sum(-1)
+
+
+def _bwd_block(acc: tuple, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array,
+               lse: jax.Array, delta: jax.Array, scale: float, diag: bool) -> tuple:
+    """One pair's contribution to ``(dq, dk, dv)`` (float32), from the forward's log-sum-exp."""
+    dq, dk, dv = acc
+    p = jnp.exp(_scores(q, k, scale, diag) - lse[..., None])
+    dv = dv + jnp.einsum("bngqk,bngqd->bknd", p, do)
+    dp = jnp.einsum("bngqd,bknd->bngqk", do, v, preferred_element_type=jnp.float32)
+    ds = p * (dp - delta[..., None]) * scale
+    dq = dq + jnp.einsum("bngqk,bknd->bqngd", ds, k, preferred_element_type=jnp.float32)
+    dk = dk + jnp.einsum("bngqk,bqngd->bknd", ds, q, preferred_element_type=jnp.float32)
+    return dq, dk, dv
+
+
+def _pair(causal: bool, fn: Callable, acc: tuple, qid: jax.Array, kid: jax.Array, *args) -> tuple:
+    """``fn`` on one chunk pair: whole, diagonal-masked or skipped, by the chunks' global ids."""
+    if not causal:
+        return fn(acc, *args, diag=False)
+    case = jnp.where(kid < qid, _FULL, jnp.where(kid == qid, _DIAG, _SKIP))
+    return jax.lax.switch(case, [lambda a, *xs: fn(a, *xs, diag=False),
+                                 lambda a, *xs: fn(a, *xs, diag=True),
+                                 lambda a, *xs: a], acc, *args)
+
+
+def _make_local(axis: str, n: int, causal: bool, layout: Layout, scale: float,
+                grad: GradMode) -> Callable:
+    """The per-device body: local q, k, v blocks in, the local output block out."""
+    parts = 1 if layout == "ring" else 2
+    perm = _ring_perm(n)
+
+    def varying(x):
+        return jax.lax.pcast(x, axis, to="varying")
+
+    def forward(q, k, v):
+        hk = k.shape[2]
+        dev = jax.lax.axis_index(axis)
+        qs = [c.reshape(c.shape[:2] + (hk, -1, c.shape[-1])) for c in jnp.split(q, parts, 1)]
+        b, c, _, g, d = qs[0].shape
+        stats = (b, hk, g, c)
+        init = (jnp.zeros(stats + (d,), jnp.float32), jnp.full(stats, _NEG, jnp.float32),
+                jnp.zeros(stats, jnp.float32))
+        accs = [tuple(varying(x) for x in init) for _ in range(parts)]
+        qids = _chunk_ids(layout, dev, n)
+
+        def step(t, accs, kv):
+            kids = _chunk_ids(layout, (dev - t) % n, n)
+            ks, vs = jnp.split(kv[0], parts, 1), jnp.split(kv[1], parts, 1)
+            accs = list(accs)
+            for a in range(parts):
+                for bi in range(parts):
+                    accs[a] = _pair(causal, functools.partial(_fwd_block, scale=scale),
+                                    accs[a], qids[a], kids[bi], qs[a], ks[bi], vs[bi])
+            return tuple(accs)
+
+        def body(t, carry):
+            accs, kv = carry
+            accs = step(t, accs, kv)
+            return accs, jax.lax.ppermute(kv, axis, perm)
+
+        accs, kv = jax.lax.fori_loop(0, n - 1, body, (tuple(accs), (k, v)))
+        accs = step(n - 1, accs, kv)
+        outs = [o / l[..., None] for o, _, l in accs]  # [b, hk, g, c, d]
+        lse = [m + jnp.log(l) for _, m, l in accs]
+        out = jnp.concatenate([jnp.einsum("bngqd->bqngd", o) for o in outs], 1)
+        return out.reshape(q.shape).astype(q.dtype), (outs, lse)
+
+    if grad == "autodiff":
+        return lambda q, k, v: forward(q, k, v)[0]
+
+    @jax.custom_vjp
+    def local(q, k, v):
+        return forward(q, k, v)[0]
+
+    def local_fwd(q, k, v):
+        out, (outs, lse) = forward(q, k, v)
+        return out, (q, k, v, outs, lse)
+
+    def local_bwd(res, dout):
+        q, k, v, outs, lse = res
+        hk = k.shape[2]
+        dev = jax.lax.axis_index(axis)
+        qs = [c.reshape(c.shape[:2] + (hk, -1, c.shape[-1])) for c in jnp.split(q, parts, 1)]
+        dos = [jnp.einsum("bqngd->bngqd", c.reshape(c.shape[:2] + (hk, -1, c.shape[-1])))
+               .astype(jnp.float32) for c in jnp.split(dout, parts, 1)]
+        deltas = [(do * o).sum(-1) for do, o in zip(dos, outs, strict=True)]
+        qids = _chunk_ids(layout, dev, n)
+        dqs = tuple(varying(jnp.zeros(x.shape, jnp.float32)) for x in qs)
+        dkv = (varying(jnp.zeros(k.shape, jnp.float32)), varying(jnp.zeros(v.shape, jnp.float32)))
+
+        def step(t, dqs, kv, dkv):
+            kids = _chunk_ids(layout, (dev - t) % n, n)
+            ks, vs = jnp.split(kv[0], parts, 1), jnp.split(kv[1], parts, 1)
+            dks, dvs = list(jnp.split(dkv[0], parts, 1)), list(jnp.split(dkv[1], parts, 1))
+            dqs = list(dqs)
+            for a in range(parts):
+                for bi in range(parts):
+                    dqs[a], dks[bi], dvs[bi] = _pair(
+                        causal, functools.partial(_bwd_block, scale=scale),
+                        (dqs[a], dks[bi], dvs[bi]), qids[a], kids[bi],
+                        qs[a], ks[bi], vs[bi], dos[a], lse[a], deltas[a])
+            return tuple(dqs), (jnp.concatenate(dks, 1), jnp.concatenate(dvs, 1))
+
+        def body(t, carry):
+            dqs, kv, dkv = carry
+            dqs, dkv = step(t, dqs, kv, dkv)
+            return dqs, jax.lax.ppermute(kv, axis, perm), jax.lax.ppermute(dkv, axis, perm)
+
+        dqs, kv, dkv = jax.lax.fori_loop(0, n - 1, body, (dqs, (k, v), dkv))
+        dqs, dkv = step(n - 1, dqs, kv, dkv)
+        dk, dv = jax.lax.ppermute(dkv, axis, perm)  # the n-th step brings them home
+        dq = jnp.concatenate(dqs, 1).reshape(q.shape)
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+    local.defvjp(local_fwd, local_bwd)
+    return local
+
+
+# API
+
+def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, axis: str,
+                   causal: bool = True, layout: Layout = "ring", scale: float | None = None,
+                   grad: GradMode = "ring") -> jax.Array:
+    """``softmax(q k^T * scale [+ causal mask]) v`` with the sequence split over ``axis``.
+
+    Args:
+        q: ``[batch, seq, heads, head_dim]``, natural sequence order.
+        k: ``[batch, seq, kv_heads, head_dim]``; ``kv_heads`` divides ``heads`` (grouped-query:
+            q head ``j`` reads kv head ``j // (heads / kv_heads)``).
+        v: like ``k``.
+        mesh: the mesh; only ``axis`` is manual inside, the other axes stay automatic.
+        axis: the mesh axis the sequence is split over (``n`` devices, the ring).
+        causal: mask key positions after the query position.
+        layout: ``"ring"`` (device ``i`` holds chunk ``i`` of ``n``) or ``"zigzag"`` (chunks ``i``
+            and ``2n - 1 - i`` of ``2n``; inputs and output are still in natural order).
+        scale: the score scale; ``1 / sqrt(head_dim)`` by default.
+        grad: ``"ring"`` (a custom VJP that rotates K / V and their gradients again, O(s / n)
+            memory) or ``"autodiff"`` (differentiate the forward loop).
+
+    Returns:
+        ``[batch, seq, heads, head_dim]`` in q's dtype, natural order, sequence split over ``axis``.
+    """
+    n = _check(q, k, v, mesh, axis, layout, grad)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    local = _make_local(axis, n, causal, layout, scale, grad)
+    spec = PartitionSpec(None, axis, None, None)
+    # Auto axis types, as the plan's lowering runs (lower/replay.auto_view, which imports
+    # this module's future caller, so not imported here): shard_map moves the sequence onto
+    # ``axis`` and GSPMD keeps the other axes' splits.
+    auto = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+    fn = jax.shard_map(local, mesh=auto, in_specs=(spec, spec, spec), out_specs=spec,
+                       axis_names=frozenset({axis}))
+    if layout == "zigzag":
+        q, k, v = (zigzag_permute(x, n, 1) for x in (q, k, v))
+        return zigzag_unpermute(fn(q, k, v), n, 1)
+    return fn(q, k, v)
+
+
+def ring_cost(seq: int, heads: int, head_dim: int, batch: int, n: int, dtype_bytes: int,
+              causal: bool, *, kv_heads: int | None = None,
+              layout: Layout = "ring") -> dict[str, int]:
+    """The forward's cost on the busiest device, for the cost model.
+
+    ``flops``: matmul FLOPs (``q k^T`` and ``p v``, ``2 x 2 b h d`` per query-key pair) of the
+    chunk pairs the busiest device computes; a diagonal pair is computed whole (masked), a pair
+    after the diagonal is skipped. Non-causal: ``4 b h d s^2 / n``. Causal ring: the last device
+    computes ``n`` blocks of ``(s / n)^2`` -- the same as non-causal. Causal zigzag: every device
+    computes ``2n + 1`` pairs of ``(s / 2n)^2`` (``2 (n - 1)`` off the diagonal, 3 on it), about
+    half. The backward (custom VJP) recomputes the scores and adds ``dv, dp, dq, dk``: 2.5x the
+    forward's FLOPs, ``2 (n - 1)`` ppermutes of K / V blocks plus ``2n`` of their float32
+    gradient blocks.
+
+    ``bytes_per_ppermute``: one K (or V) block, ``b (s / n) kv_heads d dtype_bytes``.
+    ``ppermutes``: ``2 (n - 1)``, K and V each ``n - 1`` times.
+
+    Args:
+        seq, heads, head_dim, batch: the global attention shape (batch as seen by the ring's
+            devices: divide it first by any axis splitting it).
+        n: the ring size.
+        dtype_bytes: bytes of one K / V element.
+        causal: causal mask (pairs after the diagonal skipped).
+        kv_heads: K / V heads (grouped-query); ``heads`` by default.
+        layout: ``"ring"`` or ``"zigzag"``.
+
+    Returns:
+        ``{"flops", "bytes_per_ppermute", "ppermutes"}``.
+
+    >>> shape = dict(seq=64, heads=4, head_dim=8, batch=2, n=4, dtype_bytes=4)
+    >>> ring_cost(**shape, causal=True, layout="zigzag")["flops"] / ring_cost(**shape,
+    ...                                                                 causal=False)["flops"]
+    0.5625
+    """
+    if layout not in get_args(Layout):
+        raise ValueError(f"ring_cost: layout={layout!r}; expected one of {get_args(Layout)}")
+    kv_heads = heads if kv_heads is None else kv_heads
+    per_pair = 4 * batch * heads * head_dim
+    if not causal or layout == "ring":
+        flops = per_pair * n * (seq // n) ** 2
+    else:
+        flops = per_pair * (2 * n + 1) * (seq // (2 * n)) ** 2
+    return {"flops": flops,
+            "bytes_per_ppermute": batch * (seq // n) * kv_heads * head_dim * dtype_bytes,
+            "ppermutes": 2 * (n - 1)}
