@@ -1,6 +1,7 @@
 """Ring and zigzag attention against single-device attention: forward and gradients, float32."""
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -162,3 +163,17 @@ def test_errors_name_the_problem():
         ring_attention(q[:, :40], k[:, :40], v[:, :40], mesh=mesh, axis="seq", layout="zigzag")
     with pytest.raises(ValueError, match="kv heads dividing"):
         ring_attention(q, k[:, :, :3], v[:, :, :3], mesh=mesh, axis="seq")
+
+
+def test_compiled_step_never_gathers():
+    """On (data 2, seq 4) the forward + backward only permutes K / V blocks (and their
+    gradients) of [batch / 2, seq / 4] between neighbours: no all-gather, batch stays split."""
+    mesh = mesh_2d()
+    sharding = NamedSharding(mesh, PartitionSpec("data", "seq"))
+    x = jax.ShapeDtypeStruct((B, S, H, D), jnp.float32, sharding=sharding)
+    f = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, axis="seq").sum()
+    hlo = jax.jit(jax.grad(f, (0, 1, 2)), out_shardings=(sharding,) * 3).lower(x, x, x) \
+        .compile().as_text()
+    assert "all-gather" not in hlo and "all-to-all" not in hlo
+    permutes = re.findall(r"= f32\[([\d,]+)\][^=]*collective-permute(?:-start)?\(", hlo)
+    assert permutes and set(permutes) == {f"{B // 2},{S // 4},{H},{D}"}
