@@ -53,6 +53,7 @@ head dim, all local sizes before the automatic axes split them further):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -213,96 +214,120 @@ def _pair(causal: bool, fn: Callable, acc: tuple, qid: jax.Array, kid: jax.Array
                                  lambda a, *xs: a], acc, *args)
 
 
-def _make_local(axis: str, n: int, causal: bool, layout: Layout, scale: float,
-                grad: GradMode) -> Callable:
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Ring:
+    """What the per-device body needs: the ring's axis and size, the mask, layout and scale."""
+
+    axis: str
+    n: int
+    causal: bool
+    layout: Layout
+    scale: float
+
+    @property
+    def parts(self) -> int:
+        """Chunks per device: 1 (ring) or 2 (zigzag)."""
+        return 1 if self.layout == "ring" else 2
+
+    def varying(self, x: jax.Array) -> jax.Array:
+        """``x`` typed as differing across the ring (shard_map's varying-axes check)."""
+        return jax.lax.pcast(x, self.axis, to="varying")
+
+    def grouped(self, x: jax.Array, hk: int) -> list[jax.Array]:
+        """``[b, s/n, h, d]`` as this device's chunks of ``[b, c, hk, h/hk, d]``."""
+        return [c.reshape(c.shape[:2] + (hk, -1, c.shape[-1]))
+                for c in jnp.split(x, self.parts, 1)]
+
+    def permute(self, x):
+        """One step around the ring (a pytree of blocks)."""
+        return jax.lax.ppermute(x, self.axis, _ring_perm(self.n))
+
+
+def _ring_forward(r: _Ring, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple:
+    """The local output block and, per query chunk, its float32 output and log-sum-exp."""
+    parts, n = r.parts, r.n
+    dev = jax.lax.axis_index(r.axis)
+    qs = r.grouped(q, k.shape[2])
+    b, c, hk, g, d = qs[0].shape
+    stats = (b, hk, g, c)
+    init = (jnp.zeros(stats + (d,), jnp.float32), jnp.full(stats, _NEG, jnp.float32),
+            jnp.zeros(stats, jnp.float32))
+    qids = _chunk_ids(r.layout, dev, n)
+    block = functools.partial(_fwd_block, scale=r.scale)
+
+    def step(t, accs, kv):
+        kids = _chunk_ids(r.layout, (dev - t) % n, n)
+        ks, vs = jnp.split(kv[0], parts, 1), jnp.split(kv[1], parts, 1)
+        accs = list(accs)
+        for a in range(parts):
+            for bi in range(parts):
+                accs[a] = _pair(r.causal, block, accs[a], qids[a], kids[bi], qs[a], ks[bi], vs[bi])
+        return tuple(accs)
+
+    def body(t, carry):
+        accs, kv = carry
+        return step(t, accs, kv), r.permute(kv)
+
+    accs = tuple(tuple(r.varying(x) for x in init) for _ in range(parts))
+    accs, kv = jax.lax.fori_loop(0, n - 1, body, (accs, (k, v)))
+    accs = step(n - 1, accs, kv)
+    outs = [o / l[..., None] for o, _, l in accs]  # [b, hk, g, c, d]
+    lse = [m + jnp.log(l) for _, m, l in accs]
+    out = jnp.concatenate([jnp.einsum("bngqd->bqngd", o) for o in outs], 1)
+    return out.reshape(q.shape).astype(q.dtype), (outs, lse)
+
+
+def _ring_backward(r: _Ring, res: tuple, dout: jax.Array) -> tuple:
+    """dq, dk, dv: K / V rotate again, their float32 gradients travel with them and come home."""
+    q, k, v, outs, lse = res
+    parts, n = r.parts, r.n
+    dev = jax.lax.axis_index(r.axis)
+    qs = r.grouped(q, k.shape[2])
+    dos = [jnp.einsum("bqngd->bngqd", c).astype(jnp.float32) for c in r.grouped(dout, k.shape[2])]
+    deltas = [(do * o).sum(-1) for do, o in zip(dos, outs, strict=True)]
+    qids = _chunk_ids(r.layout, dev, n)
+    block = functools.partial(_bwd_block, scale=r.scale)
+
+    def step(t, dqs, kv, dkv):
+        kids = _chunk_ids(r.layout, (dev - t) % n, n)
+        ks, vs = jnp.split(kv[0], parts, 1), jnp.split(kv[1], parts, 1)
+        dks, dvs = list(jnp.split(dkv[0], parts, 1)), list(jnp.split(dkv[1], parts, 1))
+        dqs = list(dqs)
+        for a in range(parts):
+            for bi in range(parts):
+                dqs[a], dks[bi], dvs[bi] = _pair(
+                    r.causal, block, (dqs[a], dks[bi], dvs[bi]), qids[a], kids[bi],
+                    qs[a], ks[bi], vs[bi], dos[a], lse[a], deltas[a])
+        return tuple(dqs), (jnp.concatenate(dks, 1), jnp.concatenate(dvs, 1))
+
+    def body(t, carry):
+        dqs, kv, dkv = carry
+        dqs, dkv = step(t, dqs, kv, dkv)
+        return dqs, r.permute(kv), r.permute(dkv)
+
+    dqs = tuple(r.varying(jnp.zeros(x.shape, jnp.float32)) for x in qs)
+    dkv = tuple(r.varying(jnp.zeros(x.shape, jnp.float32)) for x in (k, v))
+    dqs, kv, dkv = jax.lax.fori_loop(0, n - 1, body, (dqs, (k, v), dkv))
+    dqs, dkv = step(n - 1, dqs, kv, dkv)
+    dk, dv = r.permute(dkv)  # the n-th step brings them home
+    dq = jnp.concatenate(dqs, 1).reshape(q.shape)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _make_local(r: _Ring, grad: GradMode) -> Callable:
     """The per-device body: local q, k, v blocks in, the local output block out."""
-    parts = 1 if layout == "ring" else 2
-    perm = _ring_perm(n)
-
-    def varying(x):
-        return jax.lax.pcast(x, axis, to="varying")
-
-    def forward(q, k, v):
-        hk = k.shape[2]
-        dev = jax.lax.axis_index(axis)
-        qs = [c.reshape(c.shape[:2] + (hk, -1, c.shape[-1])) for c in jnp.split(q, parts, 1)]
-        b, c, _, g, d = qs[0].shape
-        stats = (b, hk, g, c)
-        init = (jnp.zeros(stats + (d,), jnp.float32), jnp.full(stats, _NEG, jnp.float32),
-                jnp.zeros(stats, jnp.float32))
-        accs = [tuple(varying(x) for x in init) for _ in range(parts)]
-        qids = _chunk_ids(layout, dev, n)
-
-        def step(t, accs, kv):
-            kids = _chunk_ids(layout, (dev - t) % n, n)
-            ks, vs = jnp.split(kv[0], parts, 1), jnp.split(kv[1], parts, 1)
-            accs = list(accs)
-            for a in range(parts):
-                for bi in range(parts):
-                    accs[a] = _pair(causal, functools.partial(_fwd_block, scale=scale),
-                                    accs[a], qids[a], kids[bi], qs[a], ks[bi], vs[bi])
-            return tuple(accs)
-
-        def body(t, carry):
-            accs, kv = carry
-            accs = step(t, accs, kv)
-            return accs, jax.lax.ppermute(kv, axis, perm)
-
-        accs, kv = jax.lax.fori_loop(0, n - 1, body, (tuple(accs), (k, v)))
-        accs = step(n - 1, accs, kv)
-        outs = [o / l[..., None] for o, _, l in accs]  # [b, hk, g, c, d]
-        lse = [m + jnp.log(l) for _, m, l in accs]
-        out = jnp.concatenate([jnp.einsum("bngqd->bqngd", o) for o in outs], 1)
-        return out.reshape(q.shape).astype(q.dtype), (outs, lse)
-
     if grad == "autodiff":
-        return lambda q, k, v: forward(q, k, v)[0]
+        return lambda q, k, v: _ring_forward(r, q, k, v)[0]
 
     @jax.custom_vjp
     def local(q, k, v):
-        return forward(q, k, v)[0]
+        return _ring_forward(r, q, k, v)[0]
 
     def local_fwd(q, k, v):
-        out, (outs, lse) = forward(q, k, v)
+        out, (outs, lse) = _ring_forward(r, q, k, v)
         return out, (q, k, v, outs, lse)
 
-    def local_bwd(res, dout):
-        q, k, v, outs, lse = res
-        hk = k.shape[2]
-        dev = jax.lax.axis_index(axis)
-        qs = [c.reshape(c.shape[:2] + (hk, -1, c.shape[-1])) for c in jnp.split(q, parts, 1)]
-        dos = [jnp.einsum("bqngd->bngqd", c.reshape(c.shape[:2] + (hk, -1, c.shape[-1])))
-               .astype(jnp.float32) for c in jnp.split(dout, parts, 1)]
-        deltas = [(do * o).sum(-1) for do, o in zip(dos, outs, strict=True)]
-        qids = _chunk_ids(layout, dev, n)
-        dqs = tuple(varying(jnp.zeros(x.shape, jnp.float32)) for x in qs)
-        dkv = (varying(jnp.zeros(k.shape, jnp.float32)), varying(jnp.zeros(v.shape, jnp.float32)))
-
-        def step(t, dqs, kv, dkv):
-            kids = _chunk_ids(layout, (dev - t) % n, n)
-            ks, vs = jnp.split(kv[0], parts, 1), jnp.split(kv[1], parts, 1)
-            dks, dvs = list(jnp.split(dkv[0], parts, 1)), list(jnp.split(dkv[1], parts, 1))
-            dqs = list(dqs)
-            for a in range(parts):
-                for bi in range(parts):
-                    dqs[a], dks[bi], dvs[bi] = _pair(
-                        causal, functools.partial(_bwd_block, scale=scale),
-                        (dqs[a], dks[bi], dvs[bi]), qids[a], kids[bi],
-                        qs[a], ks[bi], vs[bi], dos[a], lse[a], deltas[a])
-            return tuple(dqs), (jnp.concatenate(dks, 1), jnp.concatenate(dvs, 1))
-
-        def body(t, carry):
-            dqs, kv, dkv = carry
-            dqs, dkv = step(t, dqs, kv, dkv)
-            return dqs, jax.lax.ppermute(kv, axis, perm), jax.lax.ppermute(dkv, axis, perm)
-
-        dqs, kv, dkv = jax.lax.fori_loop(0, n - 1, body, (dqs, (k, v), dkv))
-        dqs, dkv = step(n - 1, dqs, kv, dkv)
-        dk, dv = jax.lax.ppermute(dkv, axis, perm)  # the n-th step brings them home
-        dq = jnp.concatenate(dqs, 1).reshape(q.shape)
-        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
-
-    local.defvjp(local_fwd, local_bwd)
+    local.defvjp(local_fwd, functools.partial(_ring_backward, r))
     return local
 
 
@@ -332,18 +357,26 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, axis
     """
     n = _check(q, k, v, mesh, axis, layout, grad)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    local = _make_local(axis, n, causal, layout, scale, grad)
+    local = _make_local(_Ring(axis, n, causal, layout, scale), grad)
     spec = PartitionSpec(None, axis, None, None)
-    # Auto axis types, as the plan's lowering runs (lower/replay.auto_view, which imports
-    # this module's future caller, so not imported here): shard_map moves the sequence onto
-    # ``axis`` and GSPMD keeps the other axes' splits.
+    # Auto axis types, as the plan's lowering runs (lower/replay.auto_view's view; not imported:
+    # the Lowering in replay is to call this module): shard_map moves the sequence onto ``axis``
+    # and GSPMD keeps the other axes' splits.
     auto = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
     fn = jax.shard_map(local, mesh=auto, in_specs=(spec, spec, spec), out_specs=spec,
                        axis_names=frozenset({axis}))
-    if layout == "zigzag":
-        q, k, v = (zigzag_permute(x, n, 1) for x in (q, k, v))
-        return zigzag_unpermute(fn(q, k, v), n, 1)
-    return fn(q, k, v)
+
+    def run(q, k, v):
+        if layout == "zigzag":
+            q, k, v = (zigzag_permute(x, n, 1) for x in (q, k, v))
+            return zigzag_unpermute(fn(q, k, v), n, 1)
+        return fn(q, k, v)
+
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and AxisType.Explicit in context.axis_types:
+        # under ``jax.set_mesh`` of an Explicit mesh: run Auto inside, hand back q's typed sharding
+        return jax.sharding.auto_axes(run, out_sharding=jax.typeof(q).sharding.spec)(q, k, v)
+    return run(q, k, v)
 
 
 def ring_cost(seq: int, heads: int, head_dim: int, batch: int, n: int, dtype_bytes: int,
