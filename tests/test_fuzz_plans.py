@@ -1,6 +1,7 @@
-"""``scripts/fuzz_plans.py``: its generator is deterministic per seed, and a fixed-seed run of 50
-cases (random small models x meshes x plans, each against the single-device program) finds no
-mismatch and no error."""
+"""``scripts/fuzz_plans.py``: its generator is deterministic per seed; its oracle (the planned
+float32 error against a float64 single-device run, next to the plain float32 program's) passes
+rounding and catches deliberately broken lowerings; a fixed-seed run of 50 cases (random small
+models x meshes x plans) finds no mismatch and no error."""
 
 import importlib.util
 import json
@@ -8,6 +9,7 @@ import pathlib
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -85,3 +87,79 @@ def test_fixed_seed_run_finds_no_mismatch_and_no_error(fuzz):
               for f in summary["findings"]]
     assert summary["mismatches"] == 0 and summary["errors"] == 0, detail
     assert summary["rejected"] <= 10, summary["rejections"]
+
+
+def test_oracle_tells_rounding_from_errors(fuzz):
+    """Mismatch iff ``err_planned > RATIO * err_plain + FLOOR_ULPS * eps32 * max|ref64|``
+    per leaf, the max over the leaf's whole tree."""
+    assert (fuzz.RATIO, fuzz.FLOOR_ULPS) == (16.0, 64)
+    ref = {"a": np.array([100.0, -3.0]), "b": np.array([1e-3])}
+    plain = {"a": np.array([100.0 + 1e-4, -3.0]), "b": np.array([1e-3])}  # rounding: 1e-6 rel
+    floor = 64 * fuzz.EPS32 * 100.0  # 7.6e-4, for both leaves
+
+    def score(a0, b0=1e-3):
+        return fuzz._oracle({"a": np.float32([a0, -3.0]), "b": np.float32([b0])},
+                            jax.tree.map(np.float32, plain), ref)
+
+    # 15 times the plain program's error plus the floor passes; twice that does not
+    assert score(100.0 + 15 * 1e-4 + floor * 0.9)["score"] < 1
+    o = score(100.0 + 32 * 1e-4 + 2 * floor)
+    assert o["score"] > 1 and o["leaf"] == "['a']" and 2 < o["ratio"] < 100
+    # the plain program exact on leaf b (err_plain 0): only the floor, the tree's
+    assert score(100.0, 1e-3 + 0.9 * floor)["score"] < 1
+    assert score(100.0, 1e-3 + 1.1 * floor)["score"] > 1
+    assert score(100.0, np.nan)["score"] == np.inf
+    assert "dtype" in fuzz._oracle({"a": np.zeros(2)}, {"a": np.zeros(2, np.float32)},
+                                   {"a": np.zeros(2)})["why"]  # float64 where float32 ran
+    assert "shape" in fuzz._oracle({"a": np.zeros(3)}, {"a": np.zeros(2)},
+                                   {"a": np.zeros(2)})["why"]
+
+
+def test_oracle_floor_is_the_trees_not_the_leafs(fuzz):
+    """Seed 7, case 223: an MLP's output-bias gradient (a sum over batch and time of cancelling
+    terms, 0.089) that the plain program computed exactly and the planned one 1.28e-6 off:
+    121 float32 eps of the leaf, 8.4 of the gradients' largest (1.28). Rounding: it passes."""
+    ref = {"bias": np.array([0.08867, -0.05]), "kernel": np.array([1.278, 0.3])}
+    plain = jax.tree.map(np.float32, ref)
+    ref = jax.tree.map(lambda a: a.astype(np.float32).astype(np.float64), ref)  # plain exact
+    got = {"bias": np.float32(ref["bias"] + [1.28e-6, 0.0]), "kernel": plain["kernel"]}
+    o = fuzz._oracle(got, plain, ref)
+    assert o["leaf"] == "['bias']" and o["err_plain"] == 0 and o["score"] < 0.2
+    assert o["err_planned"] > 64 * fuzz.EPS32 * 0.08867  # a floor of the leaf's would fail
+
+
+def test_reference_runs_in_float64_and_leaves_float32(fuzz):
+    """The float64 reference holds float64 numbers close to the float32 program's, and 64-bit
+    types are off again after it (the planned program runs in float32)."""
+    case = fuzz.gen_cases(15, 7)[13]  # linear + bmm + transpose + cond
+    expected = fuzz._reference(case)
+    for leaf64, leaf32 in zip(jax.tree.leaves((expected.out64, expected.grads64)),
+                              jax.tree.leaves((expected.out32, expected.grads32)), strict=True):
+        assert leaf64.dtype == np.float64 and leaf32.dtype == np.float32
+        np.testing.assert_allclose(leaf32, leaf64, rtol=1e-4, atol=1e-4)
+    assert not jax.config.jax_enable_x64
+    assert jnp.asarray(np.zeros(2)).dtype == jnp.float32
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["psum", "chunks", None])
+def test_oracle_catches_a_broken_lowering(fuzz, kind):
+    """Seed-7 cases whose plans have value-split chains and co-sharded ops (13 and 14: the
+    two a fixed float32 tolerance used to flag, rounding): under a broken lowering
+    (``--break``: partial sums not reduced, chunk results one chunk off) every case whose
+    results the broken code changed is a mismatch (none missed), and with the real lowering
+    all pass."""
+    summary = fuzz.fuzz(95, 7, only=[13, 14, 16, 19, 94], breaks=kind)
+    assert summary["cases"] == 5 and summary["errors"] == 0, summary["findings"]
+    if kind is None:
+        assert summary["mismatches"] == 0, [f["detail"] for f in summary["findings"]]
+        assert summary["margin"]["score_max"] < 0.5
+        return
+    got = summary["break"]
+    assert got["missed"] == [] and got["caught"] == summary["mismatches"] >= 3, got
+    assert got["ran_broken_code"] == got["caught"] + len(got["unchanged"])
+    # case 94 chunks an op along the time dim the model then averages over: rolled chunks
+    # change nothing beyond rounding, and the script says so instead of calling it missed
+    assert got["unchanged"] == ([94] if kind == "chunks" else [])
+    for f in summary["findings"]:  # far beyond rounding
+        assert f["oracle"]["ratio"] is None or f["oracle"]["ratio"] > 1e3, f["detail"]
