@@ -19,11 +19,7 @@ Every other module is internal: it may change without notice (docs/api.md, "What
 ['AnnotationError', 'CheckpointError', 'ConstraintError', 'Constraints']
 """
 
-from nnscaler_jax.mesh.gpu import avoid_plugin_failure as _avoid_plugin_failure
-
-_avoid_plugin_failure()  # (before anything starts jax's backends)
-
-from nnscaler_jax.api import auto_parallel as auto_parallel  # noqa: E402
+from nnscaler_jax.api import auto_parallel as auto_parallel
 from nnscaler_jax.capture.trace import trace as trace
 from nnscaler_jax.constraints import Constraints as Constraints
 from nnscaler_jax.constraints import Rule as Rule

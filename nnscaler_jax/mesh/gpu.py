@@ -32,8 +32,8 @@ from typing import Any
 
 from nnscaler_jax.errors import PlanError
 
-__all__ = ["GPU_SPECS", "SCHEDULER_FRACTION", "avoid_plugin_failure", "compile_only_devices",
-           "gpu_spec_text", "slop_factor", "use_cpu_platform", "xla_gpu_missing"]
+__all__ = ["GPU_SPECS", "SCHEDULER_FRACTION", "compile_only_devices", "gpu_spec_text",
+           "slop_factor", "use_cpu_platform", "xla_gpu_missing"]
 
 GPU_SPECS: dict[str, str] = {
     "Tesla V100-SXM2-32GB": "v100_32.txtpb",
@@ -60,28 +60,6 @@ def use_cpu_platform() -> bool:
     if "jax" in sys.modules:  # jax read the variable when it was imported
         sys.modules["jax"].config.update("jax_platforms", "cpu")
     return True
-
-
-def avoid_plugin_failure() -> bool:
-    """At ``import nnscaler_jax``: where the CUDA plugin is installed (the ``xla-gpu`` extra)
-    but no GPU driver is, :func:`use_cpu_platform`, so that jax's start does not print the
-    plugin's "Unable to load CUDA" traceback on every script (jax falls back to the CPU
-    there anyway). Nothing where a platform was chosen, jax's backends already started, a GPU
-    driver is present, or a TPU runtime is installed; returns whether it set the platform."""
-    import importlib.util
-
-    try:
-        plugin = importlib.util.find_spec("jax_plugins.xla_cuda12")
-    except ImportError:  # (no jax_plugins namespace at all)
-        plugin = None
-    if plugin is None or importlib.util.find_spec("libtpu") is not None:
-        return False
-    if "jax" in sys.modules:
-        from jax._src import xla_bridge
-
-        if xla_bridge.backends_are_initialized():
-            return False
-    return use_cpu_platform()
 
 
 def xla_gpu_missing() -> str | None:
