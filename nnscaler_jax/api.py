@@ -449,7 +449,8 @@ def auto_parallel(mesh: Any, constraints: Constraints | None = None, *, policy: 
         if isinstance(target, nn.Module):
             return AutoParallel(target, mesh, constraints, policy, plan, verify)
         name = type(target).__name__
-        if isinstance(getattr(target, "module", None), nn.Module) and hasattr(target, "params"):
+        if isinstance(getattr(target, "module", None), nn.Module) and \
+                hasattr(type(target), "params"):  # (a property: not read, it may raise)
             # a transformers Flax model (FlaxPreTrainedModel): a linen module and its params
             raise PlanError(
                 f"auto_parallel wraps a flax.linen or flax.nnx Module; {name} is a model "

@@ -23,9 +23,10 @@ class Rule:
     """A per-op rule, selecting ops by module path glob and/or primitive.
 
     Attributes:
-        module: glob over module paths (``'blk*/mlp/*'``), None for any. It selects the ops
-            of every module it matches and of the modules under them: ``'layers_0'`` selects
-            ``layers_0/blocks_1/attn``'s ops too, as ``'layers_0*'`` and ``'layers_0/*'`` do.
+        module: glob over module paths (``'blk*/mlp/*'``), None for any: the ops whose own
+            module path it matches (``*`` crosses ``/``: ``'layers_0*'`` selects
+            ``layers_0/blocks_1/attn``'s ops; ``'layers_0'`` only ops directly in
+            ``layers_0``, and a rule that matches none names the glob that would).
         primitive: primitive name, None for any.
         dims: the op may be split only along these annotated dims.
         axes: ... and only over these mesh axes.
@@ -63,8 +64,7 @@ class Rule:
     def matches(self, op) -> bool:
         if self.primitive is not None and op.primitive != self.primitive:
             return False
-        return self.module is None or fnmatch.fnmatchcase(op.module_path, self.module) or (
-            fnmatch.fnmatchcase(op.module_path, self.module.rstrip("/") + "/*"))
+        return self.module is None or fnmatch.fnmatchcase(op.module_path, self.module)
 
     def __str__(self) -> str:
         parts = [f"{k}={v!r}" for k, v in vars(self).items() if v not in (None, False)]
@@ -233,7 +233,13 @@ class Constraints:
                                           axis=a)
             ops = [op for op in graph.walk() if r.matches(op)]
             if not ops:
-                raise ConstraintError(f"{r} matches no op; module paths include "
+                under = r.module is not None and any(
+                    fnmatch.fnmatchcase(p, r.module.rstrip("/") + "/*") for p in graph.module_paths)
+                m = (r.module or "").rstrip("/")
+                hint = (f" ('{m}' has no ops of its own, and a rule selects the ops whose own "
+                        f"path it matches: for the modules under it use module='{m}*' (or "
+                        f"'{m}/*'))" if under else "")
+                raise ConstraintError(f"{r} matches no op{hint}; module paths include "
                                       f"{sorted(graph.module_paths)[:12]}")
             if r.dims:
                 for op in ops:

@@ -160,9 +160,9 @@ def user_stacklevel() -> int:
     roots = []
     for name in _LIBRARIES:
         module = sys.modules.get(name)
-        path = getattr(module, "__file__", None)
-        if path:
-            roots.append(os.path.dirname(os.path.abspath(path)) + os.sep)
+        # (a namespace package, orbax, has no __file__: its __path__ lists its folders)
+        for path in getattr(module, "__path__", None) or ():
+            roots.append(os.path.abspath(path) + os.sep)
     roots = tuple(roots)
     frame, level, last = sys._getframe(2), 2, 2
     while frame is not None:

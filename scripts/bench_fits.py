@@ -95,9 +95,7 @@ def _entry(graph, axes, planner: str, cluster: str, time_limit: float,
     if planned.report is not None:  # the kept plan's ILP: did the time limit stop it?
         r = planned.report
         out["ilp"] = {"optimal": r.optimal, "solve_s": r.solve_s, "variables": r.variables,
-                      "time_limit_s": time_limit, "gap": None if r.optimal else r.gap,
-                      "bound_s": None if r.optimal or r.bound_s is None
-                      or r.bound_s == float("-inf") else r.bound_s}
+                      "time_limit_s": time_limit, "gap": None if r.optimal else r.gap}
     if xla_spec is not None:  # --xla: the plan's training step compiled by XLA:GPU
         out["xla"] = xla_entry(xla_spec, planned.plan, cluster_preset(cluster), axes)
     return out
@@ -175,13 +173,12 @@ def _limited(e: dict) -> str:
 
 def _ratio_text(p: str, r: float, row: dict) -> str:
     """A ratio, saying when the baseline's solve was cut off: then the ratio is an upper bound
-    and its proven floor (the solver's lower bound over ours) is given."""
-    e, ours = row["planners"].get(p) or {}, row["planners"].get("auto") or {}
-    ilp = e.get("ilp") or {}
+    and its proven floor (the ratio scaled by one minus the solver's relative gap) is given."""
+    ilp = (row["planners"].get(p) or {}).get("ilp") or {}
     if ilp.get("optimal", True):
         return f"{p} {r:.2f}x"
-    floor = ilp.get("bound_s")
-    low = f", >= {floor / ours['step_time_s']:.2f}x proven" if floor else ""
+    gap = ilp.get("gap")
+    low = f", >= {r * (1 - gap):.2f}x proven" if gap is not None and gap < 1 else ""
     return f"{p} {r:.2f}x (time-limited solve{low})"
 
 

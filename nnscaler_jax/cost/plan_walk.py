@@ -222,7 +222,9 @@ def analyze(model: Any, plan: Plan, graph: Graph) -> _Analysis:
     out = _Analysis()
     walk = _Walk(model, plan, graph, grads, zero, out)
     walk.run()
-    micro = max(model.microbatches, plan.microbatches)  # one micro-batch's activations live
+    # one micro-batch's activations live (a pipelined plan's micro-batches are its stages'
+    # business: priced by the stage pricing, not here)
+    micro = max(model.microbatches, plan.microbatches if plan.pipeline is None else 1)
     out.activations, out.transient = out.activations / micro, out.transient / micro
     held = model.held_gradients(graph, micro)
     store, var_ids = _storage(model, plan, graph, walk.edges, walk.origin, zero, out, held)

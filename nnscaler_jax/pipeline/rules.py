@@ -52,9 +52,9 @@ def layer_flags(layers: Sequence[str], paths: Iterable[str],
         if stray is not None:
             shown = ", ".join(list(layers)[:4]) + (", ..." if len(layers) > 4 else "")
             holder = next((name for name in layers if in_group(stray, name)), None)
-            fix = (f"Rule(module={holder!r}, recompute={rule.recompute}) for the layer that holds "
-                   "it" if holder is not None else "a glob selecting whole layers (or a module "
-                   "above them)")
+            fix = (f"Rule(module='{holder}*', recompute={rule.recompute}) for the layer that "
+                   "holds it" if holder is not None else "a glob selecting whole layers (or a "
+                   "module above them)")
             raise PlanError(
                 f"pipeline: {rule} selects '{stray}', which is not a whole layer: a pipelined "
                 f"step recomputes whole layers inside their chunk (its layers: {shown}). Use "

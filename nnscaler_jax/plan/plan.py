@@ -254,8 +254,9 @@ class Plan:
                         hash=False)
 
     def __post_init__(self) -> None:
-        # a pipelined plan runs its pipeline's micro-batches: one count, read the same way
-        if self.pipeline is not None and self.microbatches == 1:
+        # a pipelined plan runs its pipeline's micro-batches (it has no gradient accumulation
+        # of its own): one count, read the same way, never stale after a replace()
+        if self.pipeline is not None and self.microbatches != self.pipeline.microbatches:
             object.__setattr__(self, "microbatches", self.pipeline.microbatches)
 
     @property

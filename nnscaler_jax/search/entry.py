@@ -157,7 +157,9 @@ def plan_spmd(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto"
                                          forbidden)) if name == "auto" else None
         with _steady_heap():
             result, draft = _choose(run_priced, graph, forced, forbidden, blocks)
-            if forced and result.recompute == forced:  # the rules' groups, no more: did they pay?
+            # the rules' groups, no more: did they pay? (not for a pipeline's whole-model
+            # plan: its stages recompute per layer as the rules say, priced by the stages)
+            if forced and result.recompute == forced and not constraints.pipeline_stages:
                 cm = cost_model or CostModel.for_axes(axes, zero=result.zero)
                 result, draft = _unless_rules_cost(
                     (result, draft), forced, run_priced,

@@ -134,7 +134,9 @@ class SearchReport:
         optimal)."""
         if self.optimal or self.bound_s is None:
             return 0.0
-        return 1.0 - self.bound_s / self.objective_s if self.objective_s > 0 else math.inf
+        if not math.isfinite(self.bound_s) or self.objective_s <= 0:
+            return 1.0  # nothing proven: the plan may be anything down to free
+        return 1.0 - self.bound_s / self.objective_s
 
     def __str__(self) -> str:
         lines = [
@@ -244,7 +246,7 @@ def solve(tables: CostTables, *, max_memory: float | None = None, time_limit: fl
     bound = getattr(res, "mip_dual_bound", None)
     gap = 0.0 if res.status == 0 else (
         max(0.0, (float(res.fun) - float(bound)) / SCALE)
-        if bound is not None and np.isfinite(bound) else math.inf)
+        if bound is not None and np.isfinite(bound) else math.inf)  # inf: no bound proven
     return _Solution(choice, objective, tables.memory_of(choice),
                      str(res.message), res.status == 0, nv, lp.r, gap)
 

@@ -1,6 +1,8 @@
 """Recompute rules in pipelined plans (``nnscaler_jax.pipeline.rules``): per module path, a layer
 recomputed on its own inside its chunk's backward whatever the budget (``Rule(recompute=True)``)
 or never (``recompute=False``), priced by the stage pricing and run by the pipelined step."""
+import dataclasses
+
 import jax
 import numpy as np
 import optax
@@ -112,18 +114,22 @@ def test_the_cut_step_checkpoints_the_layers_a_rule_selects_and_trains_like_one_
     assert barriers[()] == 0 and barriers[rules] > 0, barriers
 
 
-def test_a_module_path_selects_the_modules_under_it_in_a_pipelined_swin():
-    """A user's recompute rule on a pipelined Swin: ``'layers_0'`` (the module) selects its
-    blocks, as ``'layers_0*'`` does; ``'layers_0/*'`` (parts of a layer) names the rule that
-    works. The plan reads the micro-batches its schedule runs."""
+def test_each_refused_module_glob_names_the_one_that_works_in_a_pipelined_swin():
+    """A user's recompute rule on a pipelined Swin (the issue's path: ``'layers_0/*'`` refused
+    as part of a layer, then ``'layers_0'`` as matching no op, and nothing said that
+    ``'layers_0*'`` works): each refusal names the glob that works, and it does. The plan reads
+    the micro-batches its schedule runs."""
     graph = capture_spec(models.get("swin", "tiny", batch_size=32)).graph
-    plans = {glob: make_plan(graph, AXES, constraints=Constraints(
-        **STAGES, rules=(Rule(module=glob, recompute=True),))) for glob in ("layers_0", "layers_0*")}
-    assert plans["layers_0"].pipeline.recomputed() == ["layers_0", "layers_0/blocks_1"]
-    assert plans["layers_0"].pipeline == plans["layers_0*"].pipeline
-    assert plans["layers_0"].microbatches == plans["layers_0"].pipeline.microbatches == 4
-    assert Plan.from_json(plans["layers_0"].to_json()).microbatches == 4
-    with pytest.raises(PlanError, match=r"not a whole layer.*Use Rule\(module='layers_0', "
+    rule = lambda glob: Constraints(**STAGES, rules=(Rule(module=glob, recompute=True),))
+    with pytest.raises(PlanError, match=r"not a whole layer.*Use Rule\(module='layers_0\*', "
                        r"recompute=True\) for the layer that holds it"):
-        make_plan(graph, AXES, constraints=Constraints(
-            **STAGES, rules=(Rule(module="layers_0/*", recompute=True),)))
+        make_plan(graph, AXES, constraints=rule("layers_0/*"))
+    with pytest.raises(PlanError, match=r"matches no op \('layers_0' has no ops of its own.*use "
+                       r"module='layers_0\*' \(or 'layers_0/\*'\)\)"):
+        make_plan(graph, AXES, constraints=rule("layers_0"))
+    plan = make_plan(graph, AXES, constraints=rule("layers_0*"))
+    assert plan.pipeline.recomputed() == ["layers_0", "layers_0/blocks_1"]
+    assert plan.microbatches == plan.pipeline.microbatches == 4
+    assert Plan.from_json(plan.to_json()).microbatches == 4
+    other = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, microbatches=8))
+    assert other.microbatches == 8  # never stale
