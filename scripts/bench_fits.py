@@ -42,6 +42,7 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import models
+from nnscaler_jax import Constraints
 from nnscaler_jax.capture.trace import capture_spec, spec_at_precision
 from nnscaler_jax.cli.compare import best_over_meshes, plan_features
 from nnscaler_jax.cli.xla import xla_entry
@@ -74,14 +75,14 @@ LONG_SEED_STEP_S, LONG_SEED_SEQUENCES = 41.12, 4
 
 
 def _entry(graph, axes, planner: str, cluster: str, time_limit: float,
-           pipelines: bool = False, xla_spec=None) -> dict:
+           pipelines: bool = False, xla_spec=None, constraints=None) -> dict:
     if pipelines:  # the flat mesh and every stage x data (x model) shape, the best kept
         return best_over_meshes(planner, graph, axes, cluster_preset(cluster), None)[1]
     cm = CostModel.for_cluster(cluster_preset(cluster), axes)
     t0 = time.perf_counter()
     try:
         planned = plan_and_report(graph, axes, policy=planner, cost_model=cm,
-                                  time_limit=time_limit)
+                                  time_limit=time_limit, constraints=constraints)
     except NoFitError as e:
         return {"fits": False, "memory_bytes_per_device": e.smallest_bytes,
                 "search_s": time.perf_counter() - t0, "error": str(e).splitlines()[0][:300]}
@@ -142,6 +143,13 @@ def _long(planners: list[str], time_limit: float) -> dict:
         devices *= n
     for e in row.values():
         _mfu(name, preset, e, LONG_CLUSTER, devices)
+    # nnScaler's setting: a step of 4 sequences as 4 micro-batches (gradient accumulation)
+    k = LONG_SEED_SEQUENCES
+    graph_k = capture_spec(models.get(name, preset, batch_size=k), precision=LONG_PRECISION).graph
+    for p in planners:
+        e = row[f"{p}-{k}-sequences"] = _entry(  # (in {k} micro-batches)
+            graph_k, axes, p, LONG_CLUSTER, time_limit, constraints=Constraints(microbatches=k))
+        _mfu(name, preset, e, LONG_CLUSTER, devices, sequences=k)
     seed = {"step_time_s": LONG_SEED_STEP_S, "mfu_reported": 0.41, "fits": True}
     _mfu(name, preset, seed, LONG_CLUSTER, devices, sequences=LONG_SEED_SEQUENCES)
     print(key, LONG_CLUSTER, {p: (e.get("fits"), round(e.get("step_time_s") or 0, 2),
