@@ -255,9 +255,10 @@ def _markdown(results: dict) -> str:
     if long:
         seed = long["nnscaler"]
         lines += [f"## {LONG[0]} on {long['cluster']} ({long['precision']}, mesh {long['mesh']})",
-                  "", "Sequences per step differ (ours: the preset's batch; nnScaler's run: 4, "
-                  "gradient accumulation 4): compare the step per sequence. MFU: model FLOPs "
-                  "(ours' count, the causal half included) over the step at the 16-bit peak.",
+                  "", ("Sequences per step differ (ours: the preset's batch, or 4 as "
+                       "micro-batches; nnScaler's run: 4, gradient accumulation 4): compare the "
+                       "step per sequence. MFU: model FLOPs (ours' count) over the step at the "
+                       "16-bit peak."),
                   "", ("| planner | fits | step (s) | sequences | per sequence (s) | memory (GiB) "
                        "| search (s) | MFU | co-sharded blocks | recompute (selective) |"),
                   "|---|---|---|---|---|---|---|---|---|---|"]
