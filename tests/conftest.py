@@ -3,6 +3,7 @@ import importlib
 
 import jax  # noqa: F401 - jax starts after the root conftest set XLA_FLAGS
 import pytest
+from cli_run import run_cli
 from meshes import make_mesh
 
 
@@ -25,19 +26,6 @@ def plans(monkeypatch):
 
     monkeypatch.setattr(api, "make_plan", counting)
     return calls
-
-
-def run_cli(argv: list[str]) -> tuple[int, str, str]:
-    """The command line's ``main(argv)`` in-process: (exit code, stdout, stderr)."""
-    import contextlib
-    import io
-
-    from nnscaler_jax.cli.main import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(argv)
-    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnscaler_jax.cost.relayout import partial_grad_axes
 from nnscaler_jax.errors import PlanError
@@ -40,23 +40,12 @@ from nnscaler_jax.lower.relayout import (
     reduced_layout,
     relayout_steps,
 )
+from nnscaler_jax.mesh.axes import auto_view, is_explicit
 from nnscaler_jax.mesh.topology import MeshSpec
 from nnscaler_jax.plan.layouts import op_layouts, plan_layouts, sole_read_variables
 from nnscaler_jax.plan.plan import VALUE, OpPlan, Plan
 
-__all__ = ["Lowering", "auto_view", "explicit_context", "explicitly_typed", "is_explicit"]
-
-
-def is_explicit(mesh: Any) -> bool:
-    """Whether some mesh axis has Explicit type (sharding is part of array types)."""
-    return any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
-
-
-def auto_view(mesh: Mesh) -> Mesh:
-    """The same devices and axis names with Auto axis types (GSPMD propagates shardings)."""
-    if not is_explicit(mesh):
-        return mesh
-    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+__all__ = ["Lowering", "explicit_context", "explicitly_typed"]
 
 
 def explicit_context() -> bool:

@@ -61,7 +61,9 @@ from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, Mesh, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
+
+from nnscaler_jax.mesh.axes import auto_view, is_explicit
 
 __all__ = [
     "GradMode",
@@ -359,10 +361,9 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, axis
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     local = _make_local(_Ring(axis, n, causal, layout, scale), grad)
     spec = PartitionSpec(None, axis, None, None)
-    # Auto axis types, as the plan's lowering runs (lower/replay.auto_view's view; not imported:
-    # the Lowering in replay is to call this module): shard_map moves the sequence onto ``axis``
+    # Auto axis types, as the plan's lowering runs: shard_map moves the sequence onto ``axis``
     # and GSPMD keeps the other axes' splits.
-    auto = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+    auto = auto_view(mesh)
     fn = jax.shard_map(local, mesh=auto, in_specs=(spec, spec, spec), out_specs=spec,
                        axis_names=frozenset({axis}))
 
@@ -373,7 +374,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, axis
         return fn(q, k, v)
 
     context = jax.sharding.get_abstract_mesh()
-    if not context.empty and AxisType.Explicit in context.axis_types:
+    if not context.empty and is_explicit(context):
         # under ``jax.set_mesh`` of an Explicit mesh: run Auto inside, hand back q's typed sharding
         return jax.sharding.auto_axes(run, out_sharding=jax.typeof(q).sharding.spec)(q, k, v)
     return run(q, k, v)

@@ -15,10 +15,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from jax.sharding import AxisType, Mesh
+
 from nnscaler_jax.errors import PlanError
 
-__all__ = ["DATA_AXES", "MODEL_AXES", "STAGE_AXES", "data_axes", "mesh_axes", "model_axes",
-           "require_stage_axis", "stage_axis"]
+__all__ = ["DATA_AXES", "MODEL_AXES", "STAGE_AXES", "auto_view", "data_axes", "is_explicit",
+           "mesh_axes", "model_axes", "require_stage_axis", "stage_axis"]
 
 DATA_AXES = ("data", "dp", "batch", "fsdp", "replica")
 MODEL_AXES = ("model", "tp", "tensor", "mp")
@@ -58,3 +60,15 @@ def data_axes(axes: Mapping[str, int] | Any) -> list[str]:
 def model_axes(axes: Mapping[str, int] | Any) -> list[str]:
     """The mesh's tensor-parallel axes (named as in ``MODEL_AXES``), in mesh order."""
     return [a for a in axes if a in MODEL_AXES]
+
+
+def is_explicit(mesh: Any) -> bool:
+    """Whether some mesh axis has Explicit type (sharding is part of array types)."""
+    return any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+
+def auto_view(mesh: Mesh) -> Mesh:
+    """The same devices and axis names with Auto axis types (GSPMD propagates shardings)."""
+    if not is_explicit(mesh):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))

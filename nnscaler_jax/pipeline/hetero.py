@@ -28,6 +28,7 @@ intermediate chunks to a later one).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -38,8 +39,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnscaler_jax.errors import PlanError
-from nnscaler_jax.lower.replay import auto_view
-from nnscaler_jax.mesh.axes import mesh_axes
+from nnscaler_jax.mesh.axes import auto_view, mesh_axes
 from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.chunks import cut_program, pack, packing, param_casts, unpack, widths
 from nnscaler_jax.pipeline.cut import eqn_path, first_positions, segment_starts, tp_error
@@ -298,19 +298,16 @@ class CutProgram:
                            view=cached_view(self, optimizer, (self.axis,)),
                            return_grads=return_grads)
 
-    def _store(self, tree: Any) -> Any:
-        """``tree`` (params, or optimizer state mirroring them) laid out as stored: the
+    @functools.cached_property
+    def _store(self) -> Callable[[Any], Any]:
+        """``tree -> tree``: params, or optimizer state mirroring them, laid out as stored: the
         stages' packed rows split over the stage axis, the rest replicated
         (:func:`~nnscaler_jax.pipeline.update.mirror_store`)."""
-        store = self.__dict__.get("_mirror")
-        if store is None:
-            rep, st = self.shardings()
-            S, V = self.schedule.stages, self.schedule.virtual
-            shapes = {"stages": {k: jax.ShapeDtypeStruct((S, V, w), np.float32)
-                                 for k, w in self.p_width.items()}}
-            store = self.__dict__["_mirror"] = mirror_store(
-                shapes, {"stages": {k: st for k in self.p_width}}, rep)
-        return store(tree)
+        rep, st = self.shardings()
+        S, V = self.schedule.stages, self.schedule.virtual
+        shapes = {"stages": {k: jax.ShapeDtypeStruct((S, V, w), np.float32)
+                             for k, w in self.p_width.items()}}
+        return mirror_store(shapes, {"stages": {k: st for k in self.p_width}}, rep)
 
     def init_state(self, params: Any, optimizer: Any, collections: Any = None) -> dict:
         """``{'params': to_pipeline(params), 'opt_state': optimizer.init(...)}``, and

@@ -38,8 +38,8 @@ from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Graph, Role
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.lower.eqns import EqnConstraints
-from nnscaler_jax.lower.replay import Lowering, auto_view
-from nnscaler_jax.mesh.axes import DATA_AXES, mesh_axes
+from nnscaler_jax.lower.replay import Lowering
+from nnscaler_jax.mesh.axes import DATA_AXES, auto_view, mesh_axes
 from nnscaler_jax.plan.plan import VALUE, Plan
 from nnscaler_jax.search.entry import SEARCHES, plan_spmd
 

@@ -45,8 +45,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnscaler_jax.errors import PlanError
-from nnscaler_jax.lower.replay import auto_view, explicitly_typed
-from nnscaler_jax.mesh.axes import mesh_axes, require_stage_axis
+from nnscaler_jax.lower.replay import explicitly_typed
+from nnscaler_jax.mesh.axes import auto_view, mesh_axes, require_stage_axis
 from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.chunks import cut_program, param_casts, vars_of
 from nnscaler_jax.pipeline.cut import eqn_path, first_positions, segment_starts

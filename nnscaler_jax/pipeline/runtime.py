@@ -28,6 +28,7 @@ constraints, with layer parameters stored split as that plan says
 
 from __future__ import annotations
 
+import functools
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -42,8 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.lower.eqns import NO_CONSTRAINTS
-from nnscaler_jax.lower.replay import auto_view
-from nnscaler_jax.mesh.axes import mesh_axes, require_stage_axis
+from nnscaler_jax.mesh.axes import auto_view, mesh_axes, require_stage_axis
 from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.cut_blocks import send_if
 from nnscaler_jax.pipeline.in_stage import InStagePlan, plan_in_stage, tensor_axes
@@ -321,23 +321,19 @@ class PipelineProgram:
             gs, gl = place(gs, shared_sh), place(gl, layer_sh)
         return loss, {"shared": gs, "layers": gl}
 
-    def _store(self, tree: Any) -> Any:
-        """``tree`` (params, or optimizer state mirroring them) laid out as stored
+    @functools.cached_property
+    def _store(self) -> Callable[[Any], Any]:
+        """``tree -> tree``: params, or optimizer state mirroring them, laid out as stored
         (:func:`~nnscaler_jax.pipeline.update.mirror_store`)."""
-        store = self.__dict__.get("_mirror")
-        if store is None:
-            shared_sh, layer_sh = self.leaf_shardings()
-            sp, (S, V, K) = self.split, (self.schedule.stages, self.schedule.virtual,
-                                         self.per_chunk)
-            shape = lambda j: self.param_shapes[j][1:] if sp.stacked else self.param_shapes[j]
-            shapes = {"shared": [jax.ShapeDtypeStruct(self.param_shapes[j], np.float32)
-                                 for j in sp.shared],
-                      "layers": [jax.ShapeDtypeStruct((S, V, K) + shape(j), np.float32)
-                                 for j in sp.layer_leaves[0]]}
-            store = self.__dict__["_mirror"] = mirror_store(
-                shapes, {"shared": list(shared_sh), "layers": list(layer_sh)},
-                self.shardings()[0])
-        return store(tree)
+        shared_sh, layer_sh = self.leaf_shardings()
+        sp, (S, V, K) = self.split, (self.schedule.stages, self.schedule.virtual, self.per_chunk)
+        shape = lambda j: self.param_shapes[j][1:] if sp.stacked else self.param_shapes[j]
+        shapes = {"shared": [jax.ShapeDtypeStruct(self.param_shapes[j], np.float32)
+                             for j in sp.shared],
+                  "layers": [jax.ShapeDtypeStruct((S, V, K) + shape(j), np.float32)
+                             for j in sp.layer_leaves[0]]}
+        return mirror_store(shapes, {"shared": list(shared_sh), "layers": list(layer_sh)},
+                            self.shardings()[0])
 
     def train_step(self, optimizer: Any, *, return_grads: bool = False) -> Callable:
         """A jitted ``step(state, batch) -> (state, metrics)`` with

@@ -43,8 +43,8 @@ from nnscaler_jax.cost.devices import default_budget_of, device_for_kind
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.layout import Layout
-from nnscaler_jax.lower.replay import auto_view, explicitly_typed
-from nnscaler_jax.mesh.axes import data_axes, mesh_axes
+from nnscaler_jax.lower.replay import explicitly_typed
+from nnscaler_jax.mesh.axes import auto_view, data_axes, mesh_axes
 from nnscaler_jax.mesh.gpu import slop_factor
 from nnscaler_jax.pipeline.program import inputs_error, microbatch_rngs
 from nnscaler_jax.pipeline.update import mirror_shardings, per_device_bytes, place_as

@@ -7,8 +7,6 @@ only ``--processes`` starts real processes (under a hard timeout).
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import subprocess
@@ -17,8 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_run import run_cli
 
-from nnscaler_jax.cli.main import _parser, main
+from nnscaler_jax.cli.main import _parser
 from nnscaler_jax.cli.train import child_argv
 
 ROOT = str(Path(__file__).resolve().parents[2])
@@ -29,18 +28,10 @@ def _last_json(text: str) -> dict:
     return json.loads(text.strip().splitlines()[-1])
 
 
-def _run(argv: list[str]) -> tuple[int, str, str]:
-    """``main(argv)`` in-process: (exit code, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(argv)
-    return code, out.getvalue(), err.getvalue()
-
-
 @pytest.fixture(scope="module")
 def six_steps() -> dict:
     """The uninterrupted reference: 6 steps of GPT tiny on the 2 x 4 mesh, one process."""
-    code, out, err = _run([*GPT, "--mesh", "2x4", "--steps", "6", "--json"])
+    code, out, err = run_cli([*GPT, "--mesh", "2x4", "--steps", "6", "--json"])
     assert code == 0, err
     return _last_json(out)
 
@@ -70,7 +61,7 @@ def test_precision_sets_the_zoo_layers_dtype():
     """``--precision bf16`` on the zoo's GPT (whose layers default to ``dtype=float32``): the
     layers compute in bfloat16 (no float32-matmul warning), the plan records it, and the JSON
     carries the allocator's peak (null on CPU, which keeps no statistics)."""
-    code, out, err = _run([*GPT, "--mesh", "2x4", "--steps", "2", "--precision", "bf16",
+    code, out, err = run_cli([*GPT, "--mesh", "2x4", "--steps", "2", "--precision", "bf16",
                            "--json"])
     assert code == 0, err
     assert "still compute in float32" not in err  # (the package's warnings print as notes)
@@ -85,7 +76,7 @@ def test_precision_sets_the_zoo_layers_dtype():
 @pytest.mark.slow
 def test_resume_on_another_mesh_continues_the_uninterrupted_losses(six_steps, tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    code, out, err = _run([*GPT, "--mesh", "2x4", "--steps", "3", "--checkpoint-dir", ckpt,
+    code, out, err = run_cli([*GPT, "--mesh", "2x4", "--steps", "3", "--checkpoint-dir", ckpt,
                            "--json"])
     assert code == 0, err
     first = _last_json(out)
@@ -94,10 +85,10 @@ def test_resume_on_another_mesh_continues_the_uninterrupted_losses(six_steps, tm
     np.testing.assert_allclose(first["losses"], six_steps["losses"][:3], rtol=1e-6)
 
     # a second fresh run into the same directory would overwrite it: refused
-    code, _, err = _run([*GPT, "--mesh", "2x4", "--steps", "3", "--checkpoint-dir", ckpt])
+    code, _, err = run_cli([*GPT, "--mesh", "2x4", "--steps", "3", "--checkpoint-dir", ckpt])
     assert code == 2 and "already holds checkpoints (steps [1, 2, 3])" in err
 
-    code, out, err = _run([*GPT, "--mesh", "4x2", "--steps", "6", "--resume",
+    code, out, err = run_cli([*GPT, "--mesh", "4x2", "--steps", "6", "--resume",
                            "--checkpoint-dir", ckpt, "--json"])
     assert code == 0, err
     res = _last_json(out)
@@ -121,10 +112,10 @@ def test_resume_keeps_the_checkpoints_plan_settings_and_says_what_changed(tmp_pa
     ckpt = str(tmp_path / "ckpt")
     first = ["train", "--model", "mlp", "--mesh", "2x4", "--policy", "megatron", "--zero", "1",
              "--lr", "0.01"]
-    code, _, err = _run([*first, "--steps", "1", "--checkpoint-dir", ckpt, "--json"])
+    code, _, err = run_cli([*first, "--steps", "1", "--checkpoint-dir", ckpt, "--json"])
     assert code == 0, err
 
-    code, out, err = _run(["train", "--model", "mlp", "--mesh", "2x4", "--steps", "2",
+    code, out, err = run_cli(["train", "--model", "mlp", "--mesh", "2x4", "--steps", "2",
                            "--resume", "--checkpoint-dir", ckpt, "--json"])
     assert code == 0, err
     res = _last_json(out)
@@ -134,7 +125,7 @@ def test_resume_keeps_the_checkpoints_plan_settings_and_says_what_changed(tmp_pa
     assert res["checkpoint"]["settings"] == {
         "kept": {"policy": "megatron", "zero": 1, "lr": 0.01}, "changed": {}}
 
-    code, out, err = _run(["train", "--model", "mlp", "--mesh", "4x2", "--steps", "3",
+    code, out, err = run_cli(["train", "--model", "mlp", "--mesh", "4x2", "--steps", "3",
                            "--resume", "--checkpoint-dir", ckpt, "--policy", "dp", "--json"])
     assert code == 0, err
     res = _last_json(out)
@@ -188,7 +179,7 @@ def test_two_processes_train_what_one_process_trains(six_steps):
 @pytest.mark.slow
 def test_an_nnx_model_trains_pipelined():
     """gpt_nnx on 2 stages x 4 data: the pipelined step runs nnx modules (its dropout keyed)."""
-    code, out, err = _run(["train", "--model", "gpt_nnx", "--pipeline", "2", "--mesh", "2x4",
+    code, out, err = run_cli(["train", "--model", "gpt_nnx", "--pipeline", "2", "--mesh", "2x4",
                            "--axes", "stage,data", "--batch-size", "16", "--steps", "2",
                            "--json"])
     assert code == 0, err[-2000:]
@@ -210,7 +201,7 @@ def test_an_nnx_model_trains_pipelined():
     (["train", "--model", "gpt", "--precision", "int3"], "precision"),
 ])
 def test_usage_errors_are_one_line_and_exit_2(argv, message):
-    code, out, err = _run([*argv, "--json"])
+    code, out, err = run_cli([*argv, "--json"])
     assert code == 2
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert _last_json(out)["ok"] is False
@@ -218,7 +209,7 @@ def test_usage_errors_are_one_line_and_exit_2(argv, message):
 
 @pytest.mark.parametrize("make", [lambda p: p, lambda p: p / "missing"])
 def test_resume_without_a_checkpoint_exits_2(tmp_path, make):
-    code, _, err = _run(["train", "--model", "gpt", "--resume", "--checkpoint-dir",
+    code, _, err = run_cli(["train", "--model", "gpt", "--resume", "--checkpoint-dir",
                          str(make(tmp_path))])
     assert code == 2 and "no checkpoint to restore" in err and "Traceback" not in err
 
@@ -226,9 +217,9 @@ def test_resume_without_a_checkpoint_exits_2(tmp_path, make):
 @pytest.mark.slow
 def test_resume_from_another_models_checkpoint_exits_2_with_the_checkpoint_error(tmp_path):
     ckpt = str(tmp_path / "mlp")
-    assert _run(["train", "--model", "mlp", "--mesh", "8", "--steps", "1",
+    assert run_cli(["train", "--model", "mlp", "--mesh", "8", "--steps", "1",
                  "--checkpoint-dir", ckpt, "--json"])[0] == 0
-    code, _, err = _run([*GPT, "--mesh", "2x4", "--steps", "2", "--resume",
+    code, _, err = run_cli([*GPT, "--mesh", "2x4", "--steps", "2", "--resume",
                          "--checkpoint-dir", ckpt])
     assert code == 2 and "Traceback" not in err
     assert f"checkpoint step 1 in {ckpt} was written by another model" in err
@@ -240,7 +231,7 @@ def test_resume_from_another_models_checkpoint_exits_2_with_the_checkpoint_error
 
 @pytest.mark.slow
 def test_human_output_has_a_line_per_step_and_a_summary(tmp_path):
-    code, out, err = _run(["train", "--model", "mlp", "--mesh", "2x4", "--steps", "3",
+    code, out, err = run_cli(["train", "--model", "mlp", "--mesh", "2x4", "--steps", "3",
                            "--checkpoint-dir", str(tmp_path / "c"), "--every", "2"])
     assert code == 0, err
     lines = out.splitlines()
