@@ -137,9 +137,16 @@ def normal(shape: tuple[int, ...], abstract: bool, rng: jax.Array | None, dtype=
 
 
 def next_token_loss(logits: jax.Array, tokens: jax.Array, *_: Any) -> jax.Array:
-    """Mean cross-entropy of predicting ``tokens[:, t+1]`` from ``logits[:, t]``."""
-    logits = logits[:, :-1].astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    """Mean cross-entropy of predicting ``tokens[:, t+1]`` from ``logits[:, t]``.
+
+    Written over the whole sequence (the labels rolled by one, the last position weighted 0),
+    not on ``logits[:, :-1]``: a sequence of ``S - 1`` positions is odd, and no mesh axis
+    could split the loss's softmax over it (a plan of the step would compute it whole)."""
+    seq = tokens.shape[1]
+    labels = jnp.roll(tokens, -1, axis=1)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+    weight = (jnp.arange(seq) < seq - 1).astype(jnp.float32)
+    return jnp.sum(ce * weight) / (tokens.shape[0] * (seq - 1))
 
 
 def classification_loss(logits: jax.Array, images: jax.Array, labels: jax.Array) -> jax.Array:

@@ -376,7 +376,11 @@ class NnxAutoParallel(ModuleAttributes, nnx.Module):
         state out as that plan stores it, without running it."""
         core = self._core
         tr = core._nnx_traceable(args, kwargs, self.module)
-        prog = core._program(tr, core._nnx_specs())
+        return self.lay_out_as(core._program(tr, core._nnx_specs()))
+
+    def lay_out_as(self, prog: Program) -> Plan:
+        """Lay the module's state out as ``prog`` (a program of a call on it, its state the
+        leading inputs) reads it, once."""
         if not self._laid_out:
             _, state = nnx.split(self.module)
             leaves, tree = jax.tree_util.tree_flatten(state)

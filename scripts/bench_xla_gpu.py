@@ -62,7 +62,8 @@ CASES = {
 def _case(name: str, planners: list[str] | None) -> dict:
     model, preset, cl, precision, batch, default, budgeted = CASES[name]
     spec = model_spec(model, preset, precision, **({"batch_size": batch} if batch else {}))
-    graph = capture_model(spec, mutable=spec_mutable(spec), precision=precision).graph
+    graph = capture_model(spec, mutable=spec_mutable(spec), precision=precision,
+                          loss=True).graph  # the step's graph: the module and its loss
     cluster = cluster_preset(cl)
     mesh = jax.sharding.AbstractMesh(tuple(MESH.values()), tuple(MESH))
     out = {"model": model, "preset": preset, "cluster": cl, "precision": precision,

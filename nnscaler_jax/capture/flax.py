@@ -351,6 +351,37 @@ def nnx_traceable(module: nnx.Module, args: Sequence[Any], kwargs: dict, *,
                      lambda: store["n"], lambda: store["changed"])
 
 
+def with_loss(tr: Traceable, loss_fn: Callable[..., Any], batch: Sequence[Any],
+              n_inputs: int, has_state: bool) -> Traceable:
+    """The flat function of a training step's loss: ``loss_fn(results, *batch)`` after the
+    module call ``tr``, whose array arguments are ``batch[:n_inputs]`` (the last flat inputs of
+    both a linen and an nnx call), so one graph holds the module and its loss and the plan lays
+    out both (the logits, the loss's softmax and their gradients are the step's activations).
+
+    Inputs: ``tr``'s, then ``batch[n_inputs:]`` (the loss's own arrays: labels, masks).
+    Results: the loss, then (``has_state``: a linen call with ``mutable=`` / an nnx call) the
+    call's updated state, as ``tr`` returns it. The loss reads the batch as given (a compute
+    precision casts the module's copy of its inputs only)."""
+    k, extra = len(tr.flat_inputs), tuple(batch[n_inputs:])
+    store: dict[str, Any] = {}
+
+    def infos() -> list[InputInfo]:
+        return list(tr.infos) + [InputInfo(Role.INPUT, f"loss_fn/args/{i}", None)
+                                 for i in range(n_inputs + 1, len(batch) + 1)]
+
+    def fn(*flat_in):
+        leaves = tr.fn(*flat_in[:k])
+        out = jax.tree_util.tree_unflatten(tr.out_tree(), leaves)
+        results, state = out if has_state else (out, None)
+        loss = loss_fn(results, *flat_in[k - n_inputs:k], *flat_in[k:])
+        leaves, store["tree"] = jax.tree_util.tree_flatten((loss, state) if has_state else loss)
+        return leaves
+
+    return Traceable(fn, tr.flat_inputs + extra, infos, tr.in_tree, lambda: store["tree"],
+                     tr.root, (tr.static_key, "loss", loss_fn, has_state, len(extra)),
+                     (lambda: 1) if tr.n_results is not None else None, tr.changed)
+
+
 def _assigned(given: tuple[list, Any], new_state: Any) -> tuple[bool, ...] | None:
     """Per leaf of ``new_state``: whether the call assigned it (not the very value it was
     given: ``given`` is the flattened state before the call); None when the call changed the

@@ -21,6 +21,7 @@ from nnscaler_jax.capture.flax import (
     linen_traceable,
     nnx_traceable,
     rng_streams,
+    with_loss,
 )
 from nnscaler_jax.capture.jaxpr import graph_from_jaxpr
 from nnscaler_jax.capture.precision import float32_matmuls, precision_name, with_precision
@@ -110,7 +111,7 @@ def warn_float32_matmuls(graph: Graph, precision: str | None, model: str,
 
 def capture(module: Any, *args: Any, variables: Any = None, rngs: Any = None,
             mutable: Any = None, method: Any = None, capture_intermediates: Any = False,
-            precision: Any = None, **kwargs: Any) -> Captured:
+            precision: Any = None, loss_fn: Any = None, **kwargs: Any) -> Captured:
     """Trace a linen or nnx module on example args (arrays or ``ShapeDtypeStruct``).
 
     Args:
@@ -125,6 +126,9 @@ def capture(module: Any, *args: Any, variables: Any = None, rngs: Any = None,
         precision: compute precision (``'bfloat16'``, ``'float16'``, ``'float32'``): params
             and floating args cast to it on entry, variables stored as they are
             (:mod:`nnscaler_jax.capture.precision`); None: the model's own dtypes.
+        loss_fn: ``loss_fn(outputs, *args) -> scalar``: the graph of a training step's
+            loss, the module and its loss as one graph, as ``pm.train_step(loss_fn, ...)``
+            plans them (:func:`~nnscaler_jax.capture.flax.with_loss`); args are arrays.
     """
     precision = precision_name(precision)
     if isinstance(module, nnx.Module):
@@ -143,6 +147,9 @@ def capture(module: Any, *args: Any, variables: Any = None, rngs: Any = None,
             f"cannot trace a {type(module).__name__}: pass a flax.linen.Module or a "
             "flax.nnx.Module instance (for a plain function, wrap it in a linen module)."
         )
+    if loss_fn is not None:
+        tr = with_loss(tr, loss_fn, args, len(args),
+                       has_state=isinstance(module, nnx.Module) or mutable is not False)
     try:
         jaxpr = jax.make_jaxpr(tr.fn)(*tr.flat_inputs)
     except PlanError:
@@ -188,22 +195,25 @@ def spec_rngs(spec: Any) -> dict[str, Any] | None:
     return dict(zip(spec.rng_streams, keys, strict=True))
 
 
-def capture_spec(spec: Any, *, precision: Any = None, **kw: Any) -> Captured:
+def capture_spec(spec: Any, *, precision: Any = None, loss: bool = False, **kw: Any
+                 ) -> Captured:
     """Capture a model-zoo ``ModelSpec`` (``models.get(...)``) on abstract args, nothing
     allocated, with missing-rule warnings silenced (callers list unannotated ops themselves);
     rng streams the model needs get fixed keys; ``precision`` as :func:`capture`'s, and also the
     compute dtype of the zoo's layers (:func:`spec_at_precision`); ``kw`` goes to
-    :func:`capture` for linen."""
+    :func:`capture` for linen. ``loss``: the training step's graph, the module and the spec's
+    ``loss_fn`` (the one ``pm.train_step(spec.loss_fn, ...)`` plans)."""
     precision = precision_name(precision)
     spec = spec_at_precision(spec, precision)
     args, variables = spec_inputs(spec)
     rngs = spec_rngs(spec)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        loss_fn = spec.loss_fn if loss else None
         if spec.kind == "nnx":
-            return capture(spec.module, *args, precision=precision)
+            return capture(spec.module, *args, precision=precision, loss_fn=loss_fn)
         return capture(spec.module, *args, variables=variables, rngs=rngs,
-                       precision=precision, **kw)
+                       precision=precision, loss_fn=loss_fn, **kw)
 
 
 def spec_at_precision(spec: Any, precision: str | None) -> Any:

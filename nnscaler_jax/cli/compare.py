@@ -157,6 +157,22 @@ def cluster_arg(args: argparse.Namespace) -> Any:
     return cluster_preset(args.cluster)
 
 
+def _saved_graph(saved: Any, args: argparse.Namespace, spec: Any, graph: Any,
+                 precision: str | None) -> Any:
+    """The graph a saved plan prices on: the training step's at its precision, or the module
+    alone's for a plan of the module (``plan``'s, ``pm.make_plan``'s: ``train_step`` runs its
+    loss outside the plan)."""
+    from nnscaler_jax.plan.plan import graph_fingerprint
+
+    if saved.precision != precision:
+        spec = model_spec(args.model, args.preset, saved.precision)
+        graph = capture_model(spec, mutable=spec_mutable(spec), precision=saved.precision,
+                              loss=True).graph
+    if saved.fingerprint == graph_fingerprint(graph):
+        return graph
+    return capture_model(spec, mutable=spec_mutable(spec), precision=saved.precision).graph
+
+
 def one_planner(name: str, graph: Any, mesh: Any, cluster: Any, budget: int | None,
                 pipelined: bool = False, *, constraints: Any = None,
                 saved: Any = None) -> tuple[Any, dict]:
@@ -299,16 +315,16 @@ def cmd_compare(args: argparse.Namespace) -> int:
     cluster = cluster_arg(args)
     budget, source, short = _budget(args, mesh, cluster)
     explicit = budget if args.budget is not None else None
-    graph = capture_model(spec, mutable=spec_mutable(spec), precision=precision).graph
+    # the training step's graph (the module and its loss): what train_step plans and runs
+    graph = capture_model(spec, mutable=spec_mutable(spec), precision=precision,
+                          loss=True).graph
     compile_here = isinstance(mesh, jax.sharding.Mesh) and spec.kind == "linen" and \
         args.preset.startswith("tiny")
     results: dict[str, dict[str, Any]] = {}
     saved = load_plan(args.plan) if getattr(args, "plan", None) else None
     for name in planners + ([f"plan:{args.plan}"] if saved is not None else []):
         if name.startswith("plan:"):  # the saved plan, priced under the same budget
-            here = graph if saved.precision == precision else capture_model(
-                model_spec(args.model, args.preset, saved.precision), mutable=spec_mutable(spec),
-                precision=saved.precision).graph
+            here = _saved_graph(saved, args, spec, graph, precision)
             plan, results[name] = one_planner(name, here, mesh, cluster, budget, saved=saved)
         elif getattr(args, "pipelines", False):
             plan, results[name] = best_over_meshes(name, graph, mesh, cluster, explicit)
@@ -354,8 +370,10 @@ def _write_plot(results: dict[str, Any], path: str) -> str:
 
 
 def _compiled_figures(spec: Any, mesh: Any, plan: Any) -> dict[str, Any]:
-    """XLA's per-device memory and collective bytes of the compiled forward under ``plan``."""
+    """XLA's per-device memory and collective bytes of the training step compiled under
+    ``plan`` (here, on the CPU devices): the step ``train`` runs, AdamW, the state donated."""
     import jax
+    import optax
 
     from nnscaler_jax.api import auto_parallel
     from nnscaler_jax.lower.hlo import hlo_collectives
@@ -363,9 +381,11 @@ def _compiled_figures(spec: Any, mesh: Any, plan: Any) -> dict[str, Any]:
     try:
         args = spec.make_args(abstract=False)
         pm = auto_parallel(mesh, plan=plan)(spec.module)
-        variables = pm.init(jax.random.key(0), *args)
-        compiled = pm.compiled(variables, *args, rngs=spec_rng_names(spec),
-                               mutable=spec_mutable(spec))
+        step = pm.train_step(spec.loss_fn, optax.adamw(1e-4),
+                             rng_streams=spec.rng_streams or ("dropout",))
+        state, laid = step.abstract_init(spec.init_abstract(), *args,
+                                         rng=jax.random.key(0) if spec.rng_streams else None)
+        compiled = step.jitted.lower(state, laid).compile()
         m = compiled.memory_analysis()
         memory = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
                   - m.alias_size_in_bytes)

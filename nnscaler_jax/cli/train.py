@@ -41,6 +41,7 @@ import re
 import statistics
 import sys
 import time
+import warnings
 from typing import Any
 
 from nnscaler_jax.cli.common import (
@@ -253,7 +254,9 @@ def _init_state(job: _Job, batch: tuple[Any, ...]) -> Any:
         host = _host_batch(job, 0)
         return job.step.init(job.spec.init(keys[0], *host), *host,
                              rng=keys[1] if streams else None)
-    variables = job.pm.init(rngs, *batch)
+    with warnings.catch_warnings():  # the step's plan (the module and its loss) runs: it
+        warnings.filterwarnings("ignore", "policy .* left .* op dims replicated")  # says so
+        variables = job.pm.init(rngs, *batch)
     return job.step.init(variables, *batch, rng=keys[1] if streams else None)
 
 

@@ -38,10 +38,11 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nnscaler_jax.capture.flax import assigned_state, with_loss
 from nnscaler_jax.capture.metadata import unbox
 from nnscaler_jax.cost.devices import default_budget_of, device_for_kind
 from nnscaler_jax.cost.model import CostModel
-from nnscaler_jax.errors import PlanError
+from nnscaler_jax.errors import PlanError, PlanFormatError
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.lower.replay import explicitly_typed
 from nnscaler_jax.mesh.axes import auto_view, data_axes, mesh_axes
@@ -80,26 +81,38 @@ def _split_micro(x: jax.Array, m: int) -> jax.Array:
 
 
 class _Linen:
-    """A wrapped linen module: ``variables = {'params': ..., **collections}``."""
+    """A wrapped linen module: ``variables = {'params': ..., **collections}``. Its calls in the
+    step are ``loss_fn(module.apply(...), *batch)``, planned and run as one program."""
 
     def __init__(self, pm: Any, step: SpmdStep):
         self.pm, self.core, self.step = pm, pm, step
 
+    def _traceable(self, variables: Any, batch: Sequence[Any], rngs: Any) -> Any:
+        n = self.step.n_inputs(batch)
+        colls = [c for c in variables if c != "params"]
+        tr = self.pm._linen_traceable(variables, batch[:n], self.step.module_kwargs, rngs,
+                                      colls or False)
+        if not self.step.plans_loss:
+            return tr
+        return with_loss(tr, self.step.loss_fn, batch, n, has_state=bool(colls))
+
+    def _program(self, variables: Any, batch: Sequence[Any], rngs: Any) -> Any:
+        return self.pm._program(self._traceable(variables, batch, rngs),
+                                self.pm._specs(variables))
+
     def make_plan(self, variables: Any, batch: Sequence[Any], rngs: Any) -> Any:
-        n = len(batch) if self.step.inputs is None else self.step.inputs
-        return self.pm.make_plan(*batch[:n], variables=dict(variables), rngs=rngs,
-                                 mutable=[c for c in variables if c != "params"] or False,
-                                 **self.step.module_kwargs)
+        return self._program(dict(variables), batch, rngs).plan
 
     def use(self, plan: Any) -> None:
         """Run micro-batches with the whole batch's ``plan``."""
         self.pm = self.core = self.pm.with_plan(plan)
 
     def shardings(self, variables: Any, micro: Sequence[Any], rngs: Any) -> tuple[Any, Any]:
-        n = len(micro) if self.step.inputs is None else self.step.inputs
-        sh = self.pm.variable_shardings(
-            dict(variables), *micro[:n], rngs=rngs,
-            mutable=[c for c in variables if c != "params"] or False, **self.step.module_kwargs)
+        prog = self._program(dict(variables), micro, rngs)
+        plain = unbox(dict(variables))
+        leaves = jax.tree_util.tree_leaves(plain)
+        sh = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(plain),
+                                          list(prog.in_shardings[:len(leaves)]))
         return sh["params"], {k: v for k, v in sh.items() if k != "params"}
 
     def split(self, variables: Any) -> tuple[Any, Any]:
@@ -109,10 +122,12 @@ class _Linen:
         variables = unbox(variables)
         return variables["params"], {k: v for k, v in variables.items() if k != "params"}
 
-    def call(self, params: Any, colls: Any, inputs: Sequence[Any], rngs: Any) -> tuple:
-        out = self.pm.apply({"params": params, **colls}, *inputs, rngs=rngs,
-                            mutable=list(colls) or False, **self.step.module_kwargs)
-        return out if colls else (out, {})
+    def loss(self, params: Any, colls: Any, batch: Sequence[Any], rngs: Any) -> tuple:
+        """``(loss, updated collections)`` of one (micro-)batch."""
+        variables = {"params": params, **colls}
+        out = self.pm._run(self._traceable(variables, batch, rngs), self.pm._specs(variables))
+        out = out if colls else (out, {})
+        return out if self.step.plans_loss else (self.step.loss_fn(out[0], *batch), out[1])
 
     def variables(self, state: dict) -> Any:
         return {"params": state["params"], **state["collections"]}
@@ -120,11 +135,20 @@ class _Linen:
 
 class _Nnx:
     """A wrapped nnx module: the parameters (``nnx.Param``) are trained, the rest of its
-    state (batch statistics, rng counters) is carried and updated by each call."""
+    state (batch statistics, rng counters) is carried and updated by each call, planned and
+    run as one program with the loss."""
 
     def __init__(self, pm: Any, step: SpmdStep):
         self.pm, self.core, self.step = pm, pm._core, step
         self.graphdef = None
+
+    def _program(self, pm: Any, batch: Sequence[Any]) -> tuple[Any, Any]:
+        n = self.step.n_inputs(batch)
+        core = pm._core
+        tr = core._nnx_traceable(batch[:n], self.step.module_kwargs, pm.module)
+        if self.step.plans_loss:
+            tr = with_loss(tr, self.step.loss_fn, batch, n, has_state=True)
+        return tr, core._nnx_specs()
 
     def make_plan(self, variables: Any, batch: Sequence[Any], rngs: Any) -> Any:
         if rngs is not None:
@@ -132,16 +156,15 @@ class _Nnx:
                             "call step.init(None, *batch) without rng=")
         if variables is not None:
             nnx.update(self.pm, variables)
-        n = len(batch) if self.step.inputs is None else self.step.inputs
-        return self.pm.make_plan(*batch[:n], **self.step.module_kwargs)
+        return self.core._program(*self._program(self.pm, batch)).plan
 
     def use(self, plan: Any) -> None:
         self.pm = self.pm.with_plan(plan)
         self.core = self.pm._core
 
     def shardings(self, variables: Any, micro: Sequence[Any], rngs: Any) -> tuple[Any, Any]:
-        n = len(micro) if self.step.inputs is None else self.step.inputs
-        self.pm.lay_out(*micro[:n], **self.step.module_kwargs)
+        prog = self.core._program(*self._program(self.pm, micro))
+        self.pm.lay_out_as(prog)
         params, rest = self.split(None)
         sharding = lambda x: x.sharding
         return jax.tree.map(sharding, params), jax.tree.map(sharding, rest)
@@ -150,10 +173,14 @@ class _Nnx:
         self.graphdef, params, rest = nnx.split(self.pm, nnx.Param, ...)
         return params, rest
 
-    def call(self, params: Any, rest: Any, inputs: Sequence[Any], rngs: Any) -> tuple:
+    def loss(self, params: Any, rest: Any, batch: Sequence[Any], rngs: Any) -> tuple:
+        """``(loss, the state besides the parameters after the call)`` of one (micro-)batch."""
         model = nnx.merge(self.graphdef, params, rest, copy=True)
-        out = model(*inputs, **self.step.module_kwargs)
-        return out, nnx.split(model, nnx.Param, ...)[2]
+        out, new_state = model._core._run(*self._program(model, batch))
+        changed = model._core._last.captured.traceable.changed
+        nnx.update(model.module, assigned_state(new_state, changed() if changed else None))
+        loss = out if self.step.plans_loss else self.step.loss_fn(out, *batch)
+        return loss, nnx.split(model, nnx.Param, ...)[2]
 
     def variables(self, state: dict) -> Any:
         return nnx.merge_state(state["params"], state["collections"])
@@ -189,6 +216,7 @@ class SpmdStep:
         self.growth_interval = growth_interval
         self.model = _Nnx(pm, self) if isinstance(pm, nnx.Module) else _Linen(pm, self)
         self.microbatches = 1
+        self.plans_loss = True  # planned with the module (not: a saved module-only plan)
         self.jitted: Callable | None = None
         self._shardings: dict | None = None
 
@@ -200,6 +228,10 @@ class SpmdStep:
         :meth:`init`."""
         self._check()
         return self._plan
+
+    def n_inputs(self, batch: Sequence[Any]) -> int:
+        """How many leading batch arrays the module takes."""
+        return len(batch) if self.inputs is None else self.inputs
 
     def _micro_count(self, m: int, batch: Sequence[Any]) -> int:
         sizes = {x.shape[0] for x in batch if hasattr(x, "shape") and x.ndim}
@@ -230,6 +262,18 @@ class SpmdStep:
                 f"Constraints(microbatches=k) with a micro-batch (batch / k) that the data "
                 f"axes {dp} divide, or a batch size that makes it so") from e
 
+    def _make_plan(self, variables: Any, batch: Sequence[Any], rngs: Any) -> Any:
+        """The plan of the module and its loss as one graph; a saved plan of the module alone
+        (``pm.make_plan(x)``'s) runs the module, the loss after it outside the plan."""
+        self.plans_loss = True
+        try:
+            return self.model.make_plan(variables, batch, rngs)
+        except PlanFormatError:
+            if self.model.core.fixed_plan is None:
+                raise
+        self.plans_loss = False
+        return self.model.make_plan(variables, batch, rngs)
+
     def _rngs(self, key: Any, i: Any) -> dict | None:
         return None if key is None else microbatch_rngs(key, i, self.rng_streams)
 
@@ -247,7 +291,7 @@ class SpmdStep:
         # planned for the whole batch (the planner may choose micro-batches to fit the
         # budget); the micro-batches' calls run that plan at their sizes
         try:
-            self._plan = plan = self.model.make_plan(variables, whole, rngs)
+            self._plan = plan = self._make_plan(variables, whole, rngs)
         except PlanError as e:
             if self.inputs is None and len(batch) > 1 and isinstance(e.__cause__, TypeError):
                 raise inputs_error(e, len(batch)) from e
@@ -358,16 +402,16 @@ class SpmdStep:
         return self._abstract
 
     def _batch_abstract(self, batch: Sequence[Any]) -> tuple:
-        """The batch as ``ShapeDtypeStruct`` values laid out as the plan reads the module's
-        inputs; the loss's own arrays (labels) split like the first input's leading dim."""
+        """The batch as ``ShapeDtypeStruct`` values laid out as the plan of the module and its
+        loss reads them (an array the plan does not read: split like the first one's leading
+        dim)."""
         got = list(self.model.core.argument_shardings())
-        n = len(batch) if self.inputs is None else self.inputs
         lead = None
         if got and got[0] is not None and got[0].spec:
             lead = got[0].spec[0]
         out = []
         for i, x in enumerate(batch):
-            s = got[i] if i < n and i < len(got) else None
+            s = got[i] if i < len(got) else None
             if s is None:
                 s = P(*([lead] if np.ndim(x) and lead is not None else []))
             spec = getattr(s, "spec", s)
@@ -381,11 +425,8 @@ class SpmdStep:
         """(mean loss, summed-over-micro-batches gradients / m, updated collections)."""
         m, scale = self.microbatches, state.get("loss_scale", 1.0)
 
-        n = len(batch) if self.inputs is None else self.inputs
-
         def micro(params, colls, mb, i):
-            out, new = self.model.call(params, colls, mb[:n], self._rngs(key, i))
-            loss = self.loss_fn(out, *mb)
+            loss, new = self.model.loss(params, colls, mb, self._rngs(key, i))
             return loss.astype(jnp.float32) * scale, (loss, new)
 
         grad_fn = jax.value_and_grad(micro, has_aux=True)

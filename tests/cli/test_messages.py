@@ -23,8 +23,9 @@ REPLICATED = "op dims replicated"
 
 @pytest.mark.slow
 def test_the_replicated_dims_warning_prints_once_per_run_as_a_note():
-    """mlp at batch 2 on 8 data-parallel devices: planned when the state is laid out and again
-    when the step is traced (another batch layout); one note, in the command line's terms."""
+    """mlp at batch 2 on 8 data-parallel devices: the module planned when the variables are
+    laid out, the step (the module and its loss, 14 dims) when it is set up and again when it
+    is traced (another batch layout); one note, the step's, in the command line's terms."""
     proc = subprocess.run(
         [sys.executable, "-m", "nnscaler_jax", "train", "--model", "mlp", "--mesh", "8",
          "--batch-size", "2", "--policy", "dp", "--steps", "1"],
@@ -33,7 +34,7 @@ def test_the_replicated_dims_warning_prints_once_per_run_as_a_note():
     assert proc.returncode == 0, proc.stderr[-3000:]
     err = proc.stderr
     assert err.count(REPLICATED) == 1, err
-    assert "nnscaler-jax train: warning: policy 'dp' left 12 op dims replicated" in err
+    assert "nnscaler-jax train: warning: policy 'dp' left 14 op dims replicated" in err
     assert "<frozen runpy>" not in err and "jax/_src" not in err
     assert "nnscaler-jax plan --ops lists them" in err and "str(plan)" not in err
 

@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import models
 from nnscaler_jax import Constraints, PlanError, auto_parallel
@@ -310,3 +311,77 @@ def test_microbatches_the_data_axis_does_not_divide_say_so(mesh):
                        r"microbatches=k\) with a micro-batch") as info:
         step.init(nn.unbox(module.init(jax.random.key(0), x)), x, y)
     assert "saved plan" not in str(info.value)
+
+
+class _Head(nn.Module):
+    """A classifier head: the logits (and the loss's softmax over them) outweigh the rest."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(512)(nn.relu(nn.Dense(64)(x)))
+
+
+def _ce(logits, x, labels):
+    del x
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def _head_reference(module, variables, x, labels, opt, steps=3):
+    p, o, out = variables["params"], opt.init(variables["params"]), []
+    for _ in range(steps):
+        loss, g = jax.value_and_grad(
+            lambda p: _ce(module.apply({"params": p}, x), x, labels))(p)
+        u, o = opt.update(g, o, p)
+        p = optax.apply_updates(p, u)
+        out.append(float(loss))
+    return np.array(out)
+
+
+def _head_batch():
+    x = jax.random.normal(jax.random.key(2), (16, 32))
+    return x, jax.random.randint(jax.random.key(3), (16,), 0, 512)
+
+
+def test_the_step_plans_the_loss_with_the_module(mesh):
+    """The step's plan covers ``loss_fn(module(x), *batch)`` as one graph: the loss's softmax
+    is laid out (split over the mesh, not computed whole on every device) and priced, the
+    labels are read where the plan puts them, and it trains as the plain loop does."""
+    module = _Head()
+    x, labels = _head_batch()
+    variables = module.init(jax.random.key(0), x)
+    opt = optax.sgd(0.1)
+    ref = _head_reference(module, variables, x, labels, opt)
+    pm = auto_parallel(mesh, policy="dp")(module)
+    step = pm.train_step(_ce, opt, inputs=1)
+    state = step.init(variables, x, labels)
+    exps = [p for p in step.plan.ops if p.primitive == "exp"]
+    assert exps and all(p.split for p in exps), exps  # the loss's softmax, laid out
+    specs = [s.spec for s in pm.argument_shardings()]  # the images, then the labels
+    assert len(specs) == 2 and specs[0] == specs[1] != P(), specs
+    module_only = auto_parallel(mesh, policy="dp")(module).make_plan(x, variables=variables)
+    assert not any(p.primitive == "exp" for p in module_only.ops)
+    losses = []
+    for _ in range(3):
+        state, metrics = step(state, x, labels)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref, rtol=1e-5)
+
+
+def test_a_saved_plan_of_the_module_alone_still_trains(mesh):
+    """``pm.make_plan(x)``'s plan covers the module only: the step runs the module under it
+    and the loss after it, outside the plan, and trains as the plain loop does."""
+    module = _Head()
+    x, labels = _head_batch()
+    variables = module.init(jax.random.key(0), x)
+    opt = optax.sgd(0.1)
+    ref = _head_reference(module, variables, x, labels, opt)
+    saved = auto_parallel(mesh, policy="megatron")(module).make_plan(x, variables=variables)
+    pm = auto_parallel(mesh, plan=saved)(module)
+    step = pm.train_step(_ce, opt, inputs=1)
+    state = step.init(variables, x, labels)
+    assert step.plan.fingerprint == saved.fingerprint
+    losses = []
+    for _ in range(3):
+        state, metrics = step(state, x, labels)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref, rtol=1e-5)
