@@ -35,7 +35,7 @@ from nnscaler_jax.mesh.axes import data_axes, mesh_axes
 from nnscaler_jax.pipeline.configure import configure_pipeline
 from nnscaler_jax.pipeline.schedule import from_settings
 from nnscaler_jax.plan.plan import Plan, unsplit_summary
-from nnscaler_jax.plan.reuse import check_reuse
+from nnscaler_jax.plan.reuse import check_reuse, module_part
 from nnscaler_jax.search.entry import Planned, plan_spmd
 
 __all__ = ["make_plan", "plan_and_report", "with_default_budget"]
@@ -286,7 +286,14 @@ def make_plan(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto"
     """
     if plan is not None:
         _check_saved_precision(plan, graph, constraints)
-        check_reuse(plan, graph, mesh_axes(mesh))
+        try:
+            check_reuse(plan, graph, mesh_axes(mesh))
+        except PlanFormatError:
+            part = module_part(plan, graph)  # a training step's plan runs the module's calls
+            if part is None:
+                raise
+            check_reuse(part, graph, mesh_axes(mesh))
+            plan = part
         plan = _repriced(plan, graph, cost_model)
         if constraints is not None:  # (the user's budget; a device's default is not checked)
             _check_budget(plan, constraints.max_memory_per_device, saved=True)

@@ -67,7 +67,8 @@ def _case(name: str, planners: list[str] | None) -> dict:
     cluster = cluster_preset(cl)
     mesh = jax.sharding.AbstractMesh(tuple(MESH.values()), tuple(MESH))
     out = {"model": model, "preset": preset, "cluster": cl, "precision": precision,
-           "batch": batch, "budget": "default" if budgeted else "none", "planners": {}}
+           "batch": batch, "budget": "default" if budgeted else "none", "graph": "step",
+           "planners": {}}
     for planner in planners or default.split(","):
         t0 = time.perf_counter()
         plan, entry = one_planner(planner, graph, mesh, cluster, None if budgeted else NO_BUDGET)
@@ -99,6 +100,8 @@ def _markdown(results: dict) -> str:
             "| invol. | comm est GB | comm XLA GB | compile s |"),
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, case in results.items():
+        if case.get("graph") != "step":  # planned before the step's graph held the loss
+            name = f"{name} (module only)"
         for planner, e in case["planners"].items():
             x = e.get("xla") or {}
             if not e.get("fits") or "peak_bytes" not in x:
@@ -121,7 +124,10 @@ def _markdown(results: dict) -> str:
             "(data x model); XLA's peak is argument + output + temp - alias. No autotuning "
             "without a device: GEMM configurations are XLA's defaults. comm: the plan's "
             "`comm_bytes` and XLA's collectives in the same convention (all-reduce / all-gather "
-            "result bytes, reduce-scatter / all-to-all p x result bytes).\n\n")
+            "result bytes, reduce-scatter / all-to-all p x result bytes). Each case is planned "
+            "on the training step's graph (the module and its loss, as `train_step` plans it); "
+            "a case marked (module only) was planned on the module alone, its loss outside the "
+            "plan and its estimate (not yet re-run).\n\n")
     return head + "\n".join(rows) + "\n"
 
 

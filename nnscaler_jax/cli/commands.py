@@ -136,8 +136,8 @@ def _cluster_plan(args: argparse.Namespace, spec: Any, policy: str,
     sizes, under the other plan settings: (plan, graph)."""
     from nnscaler_jax.errors import PlanError
 
-    graph = capture_model(spec, mutable=spec_mutable(spec),
-                          precision=constraints.precision).graph
+    graph = capture_model(spec, mutable=spec_mutable(spec), precision=constraints.precision,
+                          loss=True).graph  # the training step's, as compare plans it
     plan, entry = one_planner(policy, graph, compare_mesh(args), cluster_arg(args),
                               constraints.max_memory_per_device, constraints=constraints)
     if plan is None:

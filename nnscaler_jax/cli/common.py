@@ -205,17 +205,27 @@ def capture_model(spec: Any, **kw: Any) -> Any:
 def planned_model(spec: Any, mesh: Any, policy: str | None = None, constraints: Any = None,
                   plan: Any = None) -> Any:
     """The wrapper ``auto_parallel(mesh, constraints, policy=, plan=)(spec.module)`` after
-    ``make_plan`` on abstract args: ``.plan`` and ``.graph`` are set. ``train`` builds its
-    wrapper with the same arguments, so a plan this makes is the one ``train`` runs."""
+    planning on abstract args: ``.plan`` and ``.graph`` are set. ``train`` builds its wrapper
+    and step with the same arguments, so a plan this makes is the one ``train`` runs: a linen
+    model's training step (the module and its loss as one graph,
+    ``SpmdStep.abstract_init``); a pipelined or an nnx model's module call."""
+    import jax
+    import optax
+
     from nnscaler_jax.api import auto_parallel
 
     args, variables = abstract_inputs(spec)
     pm = auto_parallel(mesh, constraints, policy=policy, plan=plan)(spec.module)
     if spec.kind == "nnx":
         pm.make_plan(*args)
-    else:
+    elif pm.pipelined:
         pm.make_plan(*args, variables=variables, rngs=spec_rng_names(spec),
                      mutable=spec_mutable(spec))
+    else:
+        step = pm.train_step(spec.loss_fn, optax.adamw(1e-3),
+                             rng_streams=spec.rng_streams or ("dropout",))
+        step.abstract_init(variables, *args,
+                           rng=jax.random.key(0) if spec.rng_streams else None)
     return pm
 
 

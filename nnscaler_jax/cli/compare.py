@@ -49,7 +49,6 @@ from nnscaler_jax.cli.common import (
     parse_mesh,
     policy_names,
     spec_mutable,
-    spec_rng_names,
     table,
 )
 from nnscaler_jax.cli.xla import check_cluster, xla_entry, xla_text

@@ -37,13 +37,17 @@ def _tolerance(tree: Any) -> float:
 
 def _verify(spec: Any, mesh: Any, policy: str, plan: Any = None) -> dict[str, Any]:
     """Forward and gradients of the loss, parallel vs single device (both jitted), under
-    ``policy`` or the saved ``plan``."""
+    ``policy`` or the saved ``plan``. A linen model is checked as ``train`` runs it: the
+    training step's loss (the module and its loss planned as one graph; the "forward" figure)
+    and the parameters' gradients (``SpmdStep.loss_and_grads``); an nnx model's outputs and
+    gradients through the wrapper."""
     import jax
+    import optax
 
     from nnscaler_jax.api import auto_parallel
+    from nnscaler_jax.pipeline.program import microbatch_rngs
 
     args = spec.make_args(abstract=False)
-    rngs = spec_rng_names(spec)
     mutable = spec_mutable(spec)
     if spec.kind == "nnx":
         from flax import nnx
@@ -60,18 +64,46 @@ def _verify(spec: Any, mesh: Any, policy: str, plan: Any = None) -> dict[str, An
         grad = jax.tree_util.tree_leaves(nnx.grad(loss)(pm))
     else:
         variables = spec.init(jax.random.PRNGKey(0), *args)
-
-        def loss_with(apply):
-            def loss(params):
-                res = apply({**variables, "params": params}, *args, rngs=rngs, mutable=mutable)
-                return spec.loss_fn(res[0] if mutable else res, *args)
-            return loss
-
-        ref_out = spec.module.apply(variables, *args, rngs=rngs, mutable=mutable)
-        ref_grad = jax.jit(jax.grad(loss_with(spec.module.apply)))(variables["params"])
         pm = auto_parallel(mesh, policy=policy if plan is None else None, plan=plan)(spec.module)
-        out = pm.apply(variables, *args, rngs=rngs, mutable=mutable)
-        grad = jax.jit(jax.grad(loss_with(pm.apply)))(variables["params"])
+        if pm.pipelined:  # its stages: the module's outputs and gradients through apply
+            return _verify_apply(spec, pm, variables, args)
+        step = pm.train_step(spec.loss_fn, optax.sgd(0.0),
+                             rng_streams=spec.rng_streams or ("dropout",))
+        key = jax.random.key(1) if spec.rng_streams else None
+        out, grad = step.loss_and_grads(variables, *args, rng=key)
+        m = step.plan.microbatches
+
+        def ref_loss(params):  # the step's micro-batches (rows i::m) and their rng keys
+            total = 0.0
+            for i in range(m):
+                mb = tuple(x[i::m] for x in args)
+                r = microbatch_rngs(key, i, spec.rng_streams) if key is not None else None
+                res = spec.module.apply({**variables, "params": params}, *mb, rngs=r,
+                                        mutable=mutable)
+                total = total + spec.loss_fn(res[0] if mutable else res, *mb)
+            return total / m
+
+        ref_out, ref_grad = jax.jit(jax.value_and_grad(ref_loss))(variables["params"])
+        return dict(_compare(out, ref_out, grad, ref_grad), plan=step.plan, forward="loss")
+    return dict(_compare(out, ref_out, grad, ref_grad), plan=pm.plan)
+
+
+def _verify_apply(spec: Any, pm: Any, variables: Any, args: tuple) -> dict[str, Any]:
+    """A linen model's outputs and the gradients of its loss through ``pm.apply``."""
+    import jax
+
+    rngs, mutable = spec_rng_names(spec), spec_mutable(spec)
+
+    def loss_with(apply):
+        def loss(params):
+            res = apply({**variables, "params": params}, *args, rngs=rngs, mutable=mutable)
+            return spec.loss_fn(res[0] if mutable else res, *args)
+        return loss
+
+    ref_out = spec.module.apply(variables, *args, rngs=rngs, mutable=mutable)
+    ref_grad = jax.jit(jax.grad(loss_with(spec.module.apply)))(variables["params"])
+    out = pm.apply(variables, *args, rngs=rngs, mutable=mutable)
+    grad = jax.jit(jax.grad(loss_with(pm.apply)))(variables["params"])
     return dict(_compare(out, ref_out, grad, ref_grad), plan=pm.plan)
 
 
@@ -91,7 +123,8 @@ def _compare(out: Any, ref_out: Any, grad: Any, ref_grad: Any) -> dict[str, Any]
 
 
 def _verify_table(res: dict[str, Any]) -> str:
-    rows = [["forward", f"{res['forward_rel_diff']:.3e}", res["forward_worst_at"] or "-"],
+    what = "forward (loss)" if res.get("forward") == "loss" else "forward"
+    rows = [[what, f"{res['forward_rel_diff']:.3e}", res["forward_worst_at"] or "-"],
             ["grad of loss", f"{res['grad_rel_diff']:.3e}", res["grad_worst_at"] or "-"]]
     verdict = "OK" if res["ok"] else "MISMATCH"
     return (table(["check", "max rel diff", "worst leaf"], rows)

@@ -13,17 +13,40 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import replace
 from typing import Any
 
 from nnscaler_jax.errors import PlanError, PlanFormatError
 from nnscaler_jax.ir.anno import parse_anno
 from nnscaler_jax.ir.coshard import block_of
 from nnscaler_jax.ir.graph import Graph, Op, Role
-from nnscaler_jax.plan.plan import VALUE, OpPlan, Plan
+from nnscaler_jax.plan.plan import VALUE, OpPlan, Plan, graph_fingerprint
 
-__all__ = ["check_reuse", "saved_plan"]
+__all__ = ["check_reuse", "module_part", "saved_plan"]
 
 REPLAN = "re-plan for these inputs (policy=... or make_plan() without plan=)"
+
+
+def module_part(plan: Plan, graph: Graph) -> Plan | None:
+    """A training step's plan (``pm.train_step``'s: the module and its loss as one graph) as a
+    plan of the module's own call ``graph`` (``init``, ``apply``): the step's graph begins with
+    the module's ops, in the same order, primitives and module paths (their ids shift by the
+    loss's own inputs), so the plan's first ops, renumbered, are the module's. None when
+    ``graph`` is not such a part of the plan's graph, or the variables differ."""
+    ops = list(graph.walk())
+    if len(ops) >= len(plan.ops) or any(
+            (p.primitive, p.module_path) != (op.primitive, op.module_path)
+            for p, op in zip(plan.ops, ops, strict=False)):
+        return None
+    if not {n for n, _ in plan.variables} <= {t.name for t in graph.variables}:
+        return None
+    ids = {p.op: op.id for p, op in zip(plan.ops, ops, strict=False)}
+    return replace(plan, fingerprint=graph_fingerprint(graph),
+                   ops=tuple(replace(p, op=ids[p.op]) for p in plan.ops[:len(ops)]),
+                   order=tuple((ids[a], ids[b]) for a, b in plan.order
+                               if a in ids and b in ids),
+                   coshard=tuple((ids[c[0]], *c[1:]) for c in plan.coshard if c[0] in ids),
+                   cost=None)
 
 
 def check_reuse(plan: Plan, graph: Graph, mesh_axes: dict[str, int]) -> None:

@@ -495,6 +495,18 @@ class SpmdStep:
         self._check()
         return self.jitted.lower(state, self._batch(batch))
 
+    def loss_and_grads(self, variables: Any, *batch: Any, rng: Any = None) -> tuple[Any, Any]:
+        """One batch's mean loss and the parameters' gradients as the step computes them
+        (under its plan, micro-batches accumulated; ``rng``: the key the micro-batches' rng
+        streams are drawn from), without an update: what ``nnscaler-jax verify`` compares
+        with the module's own. Sets the step up as :meth:`init` does on first use."""
+        if self.jitted is None:
+            self._set_up(variables, batch, rng)
+        params, colls = self.model.split(variables)
+        loss, grads, _ = jax.jit(self._grads)({"params": params, "collections": colls},
+                                              self._batch(batch), rng)
+        return loss, grads
+
     def params(self, state: dict) -> Any:
         """The module's params tree of ``state``."""
         return state["params"]

@@ -131,8 +131,9 @@ def test_make_plan_on_abstract_args_and_its_cost_dict():
     plan = common.make_plan(spec, mesh, "dp")
     from nnscaler_jax.planner import make_plan
 
-    # the same plan as planning the captured graph directly (abstract args: nothing allocated)
-    assert plan == make_plan(common.capture_model(spec).graph, mesh, policy="dp")
+    # the same plan as planning the captured training step's graph (the module and its loss)
+    # directly (abstract args: nothing allocated)
+    assert plan == make_plan(common.capture_model(spec, loss=True).graph, mesh, policy="dp")
     assert plan.policy == "dp"
     d = cost_dict(plan)
     assert d["step_time_s"] == plan.cost.step_time_s and set(d) >= {"comm_bytes"}

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import models
 from nnscaler_jax import Constraints, PlanError, auto_parallel
+from nnscaler_jax.lower.verify import max_rel_diff
 
 pytestmark = pytest.mark.slow
 
@@ -380,6 +381,32 @@ def test_a_saved_plan_of_the_module_alone_still_trains(mesh):
     step = pm.train_step(_ce, opt, inputs=1)
     state = step.init(variables, x, labels)
     assert step.plan.fingerprint == saved.fingerprint
+    losses = []
+    for _ in range(3):
+        state, metrics = step(state, x, labels)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref, rtol=1e-5)
+
+
+def test_a_saved_step_plan_runs_the_modules_own_calls_and_the_step(mesh):
+    """A training step's plan (the module and its loss), saved as JSON, serves ``init`` and
+    ``apply`` of the module (its ops restricted to the module's) and the step itself."""
+    module = _Head()
+    x, labels = _head_batch()
+    variables = module.init(jax.random.key(0), x)
+    opt = optax.sgd(0.1)
+    ref = _head_reference(module, variables, x, labels, opt)
+    first = auto_parallel(mesh, policy="megatron")(module).train_step(_ce, opt, inputs=1)
+    first.init(variables, x, labels)
+    saved = first.plan.to_json()
+    pm = auto_parallel(mesh, plan=saved)(module)
+    laid = pm.init(jax.random.key(0), x)  # the module's call under the step's plan
+    # (relative to the logits' scale: a split contraction rounds its partial sums)
+    assert max_rel_diff(pm.apply(laid, x), module.apply(variables, x))[0] < 1e-5
+    assert pm.plan.fingerprint != first.plan.fingerprint  # the module's part of it
+    step = pm.train_step(_ce, opt, inputs=1)
+    state = step.init(laid, x, labels)
+    assert step.plan.fingerprint == first.plan.fingerprint  # the step's own, loss and all
     losses = []
     for _ in range(3):
         state, metrics = step(state, x, labels)
