@@ -3,6 +3,7 @@
 import json
 
 import jax
+import optax
 import pytest
 
 import models
@@ -52,9 +53,11 @@ def test_plan_json_round_trip(capsys, tmp_path):
 
     spec = models.get("mlp", "tiny")
     mesh = jax.make_mesh((2, 4), ("data", "model"))
-    direct = auto_parallel(mesh, policy="megatron")(spec.module).make_plan(
-        *spec.make_args(abstract=True), variables=spec.init_abstract())
-    assert plan == direct
+    # the training step's plan (the module and its loss), as train runs it
+    step = auto_parallel(mesh, policy="megatron")(spec.module).train_step(
+        spec.loss_fn, optax.adamw(1e-3))
+    step.abstract_init(spec.init_abstract(), *spec.make_args(abstract=True))
+    assert plan == step.plan
 
 
 def test_compare_json(capsys):
