@@ -321,11 +321,13 @@ class AutoParallel:
         then ``state, metrics = step(state, *batch)`` (``metrics['loss']``);
         ``step.params(state)`` gives the module's params tree.
 
-        Without pipeline stages: a :class:`~nnscaler_jax.train.step.SpmdStep` (the plan's ZeRO
-        stage, micro-batches as gradient accumulation, precision). With
-        ``Constraints(pipeline_stages=...)``: a :class:`~nnscaler_jax.pipeline.runtime.
-        PipelineStep`. Both take the ``options`` ``inputs``, ``module_kwargs`` (``train=True``)
-        and ``rng_streams`` (``'dropout'``: a key per micro-batch with ``init(..., rng=key)``).
+        A :class:`~nnscaler_jax.train.step.TrainStep`. Without pipeline stages: a
+        :class:`~nnscaler_jax.train.step.SpmdStep` (the module and its loss planned as one
+        graph; the plan's ZeRO stage, micro-batches as gradient accumulation, precision). With
+        ``Constraints(pipeline_stages=...)``: a :class:`~nnscaler_jax.pipeline.pipelined_step.
+        PipelineStep`. Both take the ``options`` ``inputs``, ``module_kwargs``
+        (``train=True``) and ``rng_streams`` (``'dropout'``: a key per micro-batch with
+        ``init(..., rng=key)``), validated alike.
 
         Args:
             loss_fn: ``loss_fn(module_output, *batch) -> scalar`` (mean over the batch).

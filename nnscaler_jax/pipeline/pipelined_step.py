@@ -20,7 +20,6 @@ from nnscaler_jax.pipeline.hetero import CutProgram
 from nnscaler_jax.pipeline.mpmd import MpmdProgram, cut_runtime
 from nnscaler_jax.pipeline.program import (
     ModuleCall,
-    StepOptions,
     check_batch,
     split_batch,
     typed_key,
@@ -28,11 +27,12 @@ from nnscaler_jax.pipeline.program import (
 from nnscaler_jax.pipeline.runtime import PipelineProgram
 from nnscaler_jax.pipeline.split import NotALayerStack
 from nnscaler_jax.pipeline.update import per_device_bytes
+from nnscaler_jax.train.step import TrainStep
 
 __all__ = ["PipelineStep"]
 
 
-class PipelineStep:
+class PipelineStep(TrainStep):
     """``pm.train_step(loss_fn, optimizer)``: a pipelined training step for a wrapped module.
 
     The wrapper's ``Constraints(pipeline_stages=S, microbatches=M, schedule=...)`` pick the
@@ -71,9 +71,8 @@ class PipelineStep:
         sp = self.program.stage_plan if self.program is not None else None
         return sp.plan if sp is not None else None
 
-    def __init__(self, pm: Any, loss_fn: Callable, optimizer: Any, *, return_grads: bool = False,
-                 **options: Any):
-        self.options = StepOptions.of(options)
+    def __init__(self, pm: Any, loss_fn: Callable, optimizer: Any, **options: Any):
+        super().__init__(pm, loss_fn, optimizer, **options)
         self.constraints = pm.constraints or Constraints()  # (none with a saved plan)
         if not pm.pipelined:  # (pipeline_stages, or a saved plan with pipeline settings)
             raise PlanError("train_step builds a pipelined step: wrap the module with "
@@ -85,10 +84,8 @@ class PipelineStep:
                             "use Constraints(precision='bfloat16'), or the SPMD step (no "
                             "pipeline stages), which scales the loss")
         self.options = dataclasses.replace(self.options, precision=pm.precision)
-        self.pm, self.loss_fn, self.optimizer = pm, loss_fn, optimizer
-        self.return_grads = return_grads
         self.program: PipelineProgram | CutProgram | MpmdProgram | None = None
-        self.jitted, self.call = None, None  # (after init: the jitted step, the ModuleCall)
+        self.call = None  # (after init: the ModuleCall)
 
     def init(self, variables: Any, *batch: Any, rng: Any = None) -> dict:
         """Plan, build the program for ``batch``'s shapes and lay out the training state
@@ -138,8 +135,7 @@ class PipelineStep:
         return state
 
     def _batch(self, batch: tuple) -> tuple:
-        if self.jitted is None:
-            raise PlanError("call step.init(variables, *batch) before the first step")
+        self._check()
         check_batch(self.program, tuple(batch))
         return split_batch(tuple(batch), self.program.mesh, self.program.data_axes)
 
@@ -159,7 +155,8 @@ class PipelineStep:
 
     def lower(self, state: dict, *batch: Any) -> Any:
         """``jax.jit(step).lower(state, batch)`` (``.compile().memory_analysis()``)."""
-        return self.jitted.lower(state, self._batch(batch))
+        batch = self._batch(batch)  # (says to call init first)
+        return self.jitted.lower(state, batch)
 
     @property
     def plan(self) -> Any:

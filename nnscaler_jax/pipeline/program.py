@@ -75,7 +75,8 @@ def typed_key(key: Any) -> Any:
 
 @dataclass(frozen=True)
 class StepOptions:
-    """The options of a pipelined ``train_step`` (as :class:`~nnscaler_jax.train.step.SpmdStep`'s).
+    """The options of ``pm.train_step`` (:class:`~nnscaler_jax.train.step.TrainStep`), SPMD or
+    pipelined.
 
     Attributes:
         inputs: how many leading batch arrays the module takes (None: all).
@@ -95,8 +96,8 @@ class StepOptions:
         known = {"inputs", "module_kwargs", "rng_streams"}
         unknown = sorted(set(options) - known)
         if unknown:
-            raise PlanError(f"train_step: the pipelined step takes the options {sorted(known)} "
-                            f"(and return_grads), not {unknown}; drop them")
+            raise PlanError(f"train_step takes the options {sorted(known)} (and return_grads, "
+                            f"growth_interval), not {unknown}; drop them")
         inputs = options.get("inputs")
         if inputs is not None and (not isinstance(inputs, int) or isinstance(inputs, bool)
                                    or inputs < 1):

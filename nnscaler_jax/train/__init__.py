@@ -4,7 +4,8 @@ Public (docs/api.md): :class:`Checkpointer` and the :class:`CheckpointInfo` a re
 :func:`initialize` (join a multi-host job) and :func:`launch_local` (K local processes);
 :func:`check_step` (a training step compiled by XLA's GPU compiler: :class:`XlaCheck`) and
 :func:`xla_gpu_missing` (why XLA:GPU cannot compile here, or None). The training step itself is
-``pm.train_step(loss_fn, optimizer)``.
+``pm.train_step(loss_fn, optimizer)``, a :class:`TrainStep` (the interface of the SPMD and the
+pipelined step).
 """
 
 from nnscaler_jax.mesh.gpu import xla_gpu_missing as xla_gpu_missing
@@ -12,8 +13,9 @@ from nnscaler_jax.train.checkpoint import Checkpointer as Checkpointer
 from nnscaler_jax.train.checkpoint import CheckpointInfo as CheckpointInfo
 from nnscaler_jax.train.distributed import initialize as initialize
 from nnscaler_jax.train.distributed import launch_local as launch_local
+from nnscaler_jax.train.step import TrainStep as TrainStep
 from nnscaler_jax.train.xla_gpu import XlaCheck as XlaCheck
 from nnscaler_jax.train.xla_gpu import check_step as check_step
 
-__all__ = ["CheckpointInfo", "Checkpointer", "XlaCheck", "check_step", "initialize",
+__all__ = ["CheckpointInfo", "Checkpointer", "TrainStep", "XlaCheck", "check_step", "initialize",
            "launch_local", "xla_gpu_missing"]

@@ -25,6 +25,7 @@ gradients divided; a step with non-finite gradients is skipped and halves it, ev
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -47,7 +48,7 @@ from nnscaler_jax.layout import Layout
 from nnscaler_jax.lower.replay import explicitly_typed
 from nnscaler_jax.mesh.axes import auto_view, data_axes, mesh_axes
 from nnscaler_jax.mesh.gpu import slop_factor
-from nnscaler_jax.pipeline.program import inputs_error, microbatch_rngs
+from nnscaler_jax.pipeline.program import StepOptions, inputs_error, microbatch_rngs
 from nnscaler_jax.pipeline.update import mirror_shardings, per_device_bytes, place_as
 from nnscaler_jax.plan.zero import zero3_layout
 
@@ -186,38 +187,91 @@ class _Nnx:
         return nnx.merge_state(state["params"], state["collections"])
 
 
-class SpmdStep:
-    """``pm.train_step(loss_fn, optimizer)`` for a plan without pipeline stages.
+class TrainStep(abc.ABC):
+    """What ``pm.train_step(loss_fn, optimizer, ...)`` returns: one jitted training step for
+    the wrapper's plan, with or without pipeline stages.
+
+    Two implementations behind this interface: :class:`SpmdStep` (one SPMD program: ZeRO,
+    gradient accumulation, float16 loss scaling) and
+    :class:`~nnscaler_jax.pipeline.pipelined_step.PipelineStep` (stages and a schedule). Both
+    take the same options, validated here (:class:`~nnscaler_jax.pipeline.program.StepOptions`):
+    ``inputs`` (the module takes the first ``inputs`` batch arrays, the loss all of them),
+    ``module_kwargs`` (static flags of the module call), ``rng_streams`` (a key per micro-batch
+    with ``init(..., rng=key)``), ``return_grads`` and ``growth_interval`` (float16 loss
+    scaling: finite steps before the scale doubles).
+
+    >>> # step = pm.train_step(loss_fn, optax.adamw(1e-3))
+    >>> # state = step.init(variables, *batch)      # laid out as the plan says
+    >>> # state, metrics = step(state, *batch)      # metrics['loss']
+    >>> # step.params(state), step.variables(state), step.memory(state), step.plan
+    """
+
+    def __init__(self, pm: Any, loss_fn: Callable, optimizer: Any, *,
+                 return_grads: bool = False, growth_interval: int = 2000, **options: Any):
+        self.pm, self.loss_fn, self.optimizer = pm, loss_fn, optimizer
+        self.options = StepOptions.of(options)
+        self.return_grads, self.growth_interval = return_grads, growth_interval
+        self.jitted: Callable | None = None
+
+    @abc.abstractmethod
+    def init(self, variables: Any, *batch: Any, rng: Any = None) -> dict:
+        """Plan for ``batch``'s shapes, build the jitted step and lay out its state."""
+
+    @abc.abstractmethod
+    def __call__(self, state: dict, *batch: Any) -> tuple[dict, dict]:
+        """One step: ``(new state, metrics)`` (``metrics['loss']``)."""
+
+    @abc.abstractmethod
+    def lower(self, state: dict, *batch: Any) -> Any:
+        """``jax.jit(step).lower(state, batch)`` (``.compile().memory_analysis()``)."""
+
+    @property
+    @abc.abstractmethod
+    def plan(self) -> Any:
+        """The plan the step runs (after :meth:`init`)."""
+
+    @abc.abstractmethod
+    def params(self, state: dict) -> Any:
+        """The module's params tree of ``state``."""
+
+    @abc.abstractmethod
+    def variables(self, state: dict) -> Any:
+        """The module's variables of ``state`` (linen: as ``apply`` takes them; nnx: an
+        ``nnx.State``)."""
+
+    @abc.abstractmethod
+    def memory(self, state: dict) -> dict[str, int]:
+        """Per-device bytes measured from the arrays: ``params``, ``grads``, ``optimizer``,
+        ``collections``."""
+
+    @abc.abstractmethod
+    def update(self, state: dict) -> None:
+        """nnx: write the trained state back into the module."""
+
+    def _check(self) -> None:
+        if self.jitted is None:
+            raise PlanError("call step.init(variables, *batch) before the first step")
+
+
+class SpmdStep(TrainStep):
+    """The :class:`TrainStep` of a plan without pipeline stages: the module and its loss
+    planned as one graph and run as one SPMD program (the plan's ZeRO stage, micro-batches as
+    gradient accumulation, float16 loss scaling); options as :class:`TrainStep`'s.
 
     >>> # step = pm.train_step(loss_fn, optax.adamw(1e-3))
     >>> # state = step.init(variables, tokens)      # laid out as the plan says (ZeRO stage too)
     >>> # state, metrics = step(state, tokens)      # metrics['loss']
     >>> # params = step.params(state)
-
-    Args:
-        pm: the wrapped linen module (``auto_parallel(mesh, ...)(module)``).
-        loss_fn: ``loss_fn(module_output, *batch) -> scalar`` (a mean over the batch).
-        optimizer: an ``optax.GradientTransformation``.
-        inputs: how many leading batch arrays the module takes (None: all), e.g. 1 for
-            ``(images, labels)`` with ``module(images)``.
-        module_kwargs: static keyword arguments of the module call (``{'train': True}``).
-        rng_streams: rng streams passed to the module when ``init`` got an ``rng``
-            (``'dropout'``); a new key per step and micro-batch.
-        return_grads: also return the gradients (as stored) in the metrics.
-        growth_interval: float16 loss scaling: finite steps before the scale doubles.
     """
 
-    def __init__(self, pm: Any, loss_fn: Callable, optimizer: Any, *, inputs: int | None = None,
-                 module_kwargs: dict | None = None, rng_streams: Sequence[str] = ("dropout",),
-                 return_grads: bool = False, growth_interval: int = 2000):
-        self.pm, self.loss_fn, self.optimizer = pm, loss_fn, optimizer
-        self.inputs, self.module_kwargs = inputs, dict(module_kwargs or {})
-        self.rng_streams, self.return_grads = tuple(rng_streams), return_grads
-        self.growth_interval = growth_interval
+    def __init__(self, pm: Any, loss_fn: Callable, optimizer: Any, **options: Any):
+        super().__init__(pm, loss_fn, optimizer, **options)
+        o = self.options
+        self.inputs, self.module_kwargs = o.inputs, dict(o.module_kwargs)
+        self.rng_streams = o.rng_streams
         self.model = _Nnx(pm, self) if isinstance(pm, nnx.Module) else _Linen(pm, self)
         self.microbatches = 1
         self.plans_loss = True  # planned with the module (not: a saved module-only plan)
-        self.jitted: Callable | None = None
         self._shardings: dict | None = None
 
     # ---- set-up --------------------------------------------------------------------------------
@@ -476,10 +530,6 @@ class SpmdStep:
         return state, metrics
 
     # ---- use -----------------------------------------------------------------------------------
-
-    def _check(self) -> None:
-        if self.jitted is None:
-            raise PlanError("call step.init(variables, *batch) before the first step")
 
     def _batch(self, batch: Sequence[Any]) -> tuple:
         """Explicit-typed batch arrays moved onto the step's Auto view (same layout)."""

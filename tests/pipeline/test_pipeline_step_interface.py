@@ -1,5 +1,7 @@
 """The pipelined step behind the same interface as the SPMD one (issue 17): a batch split over an
 Explicit mesh's data axis, ``step.plan``, ``step.memory(state)``."""
+import re
+
 import jax
 import numpy as np
 import optax
@@ -71,3 +73,28 @@ def test_a_batch_unlike_the_one_the_step_was_built_for_is_a_plan_error():
         with pytest.raises(PlanError, match=r"built \(step.init\) for a batch of 2 arrays "
                                             r"shaped \[\(16, 16\), \(16, 8\)\]"):
             step(state, *batch)
+
+
+def test_both_steps_are_train_steps_and_validate_options_alike():
+    """One declared interface (``nnscaler_jax.train.TrainStep``): the SPMD and the pipelined
+    step implement it, and refuse the same bad options with the same message."""
+    from nnscaler_jax import PlanError
+    from nnscaler_jax.train import TrainStep
+
+    module, _, loss_fn = models.get("gpt", "tiny", batch_size=8)
+    flat = auto_parallel(jax.make_mesh((2, 4), ("data", "model")))(module)
+    piped = auto_parallel(jax.make_mesh((2, 4), ("stage", "data")),
+                          Constraints(pipeline_stages=2, microbatches=2))(module)
+    steps = [pm.train_step(loss_fn, optax.sgd(0.1)) for pm in (flat, piped)]
+    assert [type(s).__name__ for s in steps] == ["SpmdStep", "PipelineStep"]
+    assert all(isinstance(s, TrainStep) for s in steps)
+    with pytest.raises(TypeError):
+        TrainStep(flat, loss_fn, optax.sgd(0.1))  # abstract
+    for pm in (flat, piped):
+        for bad, said in (({"inputs": True}, "inputs=True must be a positive int"),
+                          ({"module_kwargs": ["train"]}, "must be a dict"),
+                          ({"microbatch": 2}, "not ['microbatch']")):
+            with pytest.raises(PlanError, match=re.escape(said)):
+                pm.train_step(loss_fn, optax.sgd(0.1), **bad)
+        with pytest.raises(PlanError, match="before the first step"):
+            pm.train_step(loss_fn, optax.sgd(0.1)).lower({}, np.zeros((8, 16), np.int32))
