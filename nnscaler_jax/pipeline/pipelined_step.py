@@ -79,6 +79,10 @@ class PipelineStep(TrainStep):
                             "auto_parallel(mesh, Constraints(pipeline_stages=4, microbatches=8, "
                             "schedule='1f1b')); without stages use pm.apply inside your own "
                             "jax.jit(jax.grad(...))")
+        if self._growth_given:
+            raise PlanError("train_step: growth_interval sets float16 loss scaling, which the "
+                            "pipelined step does not do; drop it (use "
+                            "Constraints(precision='bfloat16'), which needs no scaling)")
         if pm.precision == "float16":
             raise PlanError("train_step: the pipelined step has no loss scaling for float16; "
                             "use Constraints(precision='bfloat16'), or the SPMD step (no "

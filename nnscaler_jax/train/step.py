@@ -187,6 +187,9 @@ class _Nnx:
         return nnx.merge_state(state["params"], state["collections"])
 
 
+GROWTH_INTERVAL = 2000  # float16 loss scaling: finite steps before the scale doubles
+
+
 class TrainStep(abc.ABC):
     """What ``pm.train_step(loss_fn, optimizer, ...)`` returns: one jitted training step for
     the wrapper's plan, with or without pipeline stages.
@@ -198,7 +201,7 @@ class TrainStep(abc.ABC):
     ``inputs`` (the module takes the first ``inputs`` batch arrays, the loss all of them),
     ``module_kwargs`` (static flags of the module call), ``rng_streams`` (a key per micro-batch
     with ``init(..., rng=key)``), ``return_grads`` and ``growth_interval`` (float16 loss
-    scaling: finite steps before the scale doubles).
+    scaling, the SPMD step's: finite steps before the scale doubles, default 2000).
 
     >>> # step = pm.train_step(loss_fn, optax.adamw(1e-3))
     >>> # state = step.init(variables, *batch)      # laid out as the plan says
@@ -207,10 +210,13 @@ class TrainStep(abc.ABC):
     """
 
     def __init__(self, pm: Any, loss_fn: Callable, optimizer: Any, *,
-                 return_grads: bool = False, growth_interval: int = 2000, **options: Any):
+                 return_grads: bool = False, growth_interval: int | None = None,
+                 **options: Any):
         self.pm, self.loss_fn, self.optimizer = pm, loss_fn, optimizer
         self.options = StepOptions.of(options)
-        self.return_grads, self.growth_interval = return_grads, growth_interval
+        self.return_grads = return_grads
+        self.growth_interval = GROWTH_INTERVAL if growth_interval is None else growth_interval
+        self._growth_given = growth_interval is not None
         self.jitted: Callable | None = None
 
     @abc.abstractmethod
