@@ -49,6 +49,7 @@ from nnscaler_jax.pipeline.loop_tables import loop_tables
 from nnscaler_jax.pipeline.mutable import require_forward_order, schedule_error, shared_error
 from nnscaler_jax.pipeline.program import (
     ModuleCall,
+    PipelineRuntime,
     micro_leaves,
     micro_rows,
     stage_axis,
@@ -70,11 +71,10 @@ def _floating(dt: str) -> bool:
     return jnp.issubdtype(np.dtype(dt), jnp.inexact)
 
 
-class CutProgram:
+class CutProgram(PipelineRuntime):
     """A pipelined training program of a model cut into heterogeneous chunks.
 
-    Same interface as :class:`~nnscaler_jax.pipeline.runtime.PipelineProgram`:
-    :meth:`to_pipeline` / :meth:`from_pipeline` move parameters between the module's tree and
+    A :class:`~nnscaler_jax.pipeline.program.PipelineRuntime`: :meth:`to_pipeline` / :meth:`from_pipeline` move parameters between the module's tree and
     the pipeline layout ``{'shared': [leaves], 'stages': {dtype: [stages, virtual, width]}}``,
     :meth:`grads` gives the loss and gradients, :meth:`train_step` the jitted optax step.
     """

@@ -56,6 +56,7 @@ from nnscaler_jax.pipeline.in_stage import plan_in_stage, tensor_axes
 from nnscaler_jax.pipeline.leafwise import leafwise
 from nnscaler_jax.pipeline.program import (
     ModuleCall,
+    PipelineRuntime,
     micro_leaves,
     micro_rows,
     stage_axis,
@@ -82,11 +83,11 @@ def _floating(x: Any) -> bool:
     return jnp.issubdtype(x.dtype, jnp.inexact)
 
 
-class MpmdProgram:
+class MpmdProgram(PipelineRuntime):
     """A pipelined training program of a model cut into chunks, tensor-parallel inside stages.
 
-    Same interface as :class:`~nnscaler_jax.pipeline.hetero.CutProgram` for the training step
-    (:meth:`init_state`, :meth:`train_step`, :meth:`from_pipeline`); the state's ``'params'``
+    A :class:`~nnscaler_jax.pipeline.program.PipelineRuntime` dispatched from the host, one
+    jitted program per stage; the state's ``'params'``
     and ``'opt_state'`` are lists, one module-shaped tree per stage (leaves of other stages
     empty placeholders).
     """

@@ -16,10 +16,10 @@ from flax import nnx
 from nnscaler_jax.constraints import Constraints
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.pipeline import schedule as sch
-from nnscaler_jax.pipeline.hetero import CutProgram
-from nnscaler_jax.pipeline.mpmd import MpmdProgram, cut_runtime
+from nnscaler_jax.pipeline.mpmd import cut_runtime
 from nnscaler_jax.pipeline.program import (
     ModuleCall,
+    PipelineRuntime,
     check_batch,
     split_batch,
     typed_key,
@@ -59,8 +59,9 @@ class PipelineStep(TrainStep):
     (:mod:`~nnscaler_jax.pipeline.mutable`); ``step.variables(state)`` gives them back.
 
     Attributes:
-        program: the :class:`PipelineProgram` / :class:`CutProgram` / :class:`MpmdProgram`
-            (after :meth:`init`).
+        program: the :class:`~nnscaler_jax.pipeline.program.PipelineRuntime` it runs
+            (:class:`PipelineProgram` / :class:`CutProgram` / :class:`MpmdProgram`, after
+            :meth:`init`).
         jitted: the jitted ``step(state, batch)`` (after :meth:`init`): ``.lower(...)``.
     """
 
@@ -88,7 +89,7 @@ class PipelineStep(TrainStep):
                             "use Constraints(precision='bfloat16'), or the SPMD step (no "
                             "pipeline stages), which scales the loss")
         self.options = dataclasses.replace(self.options, precision=pm.precision)
-        self.program: PipelineProgram | CutProgram | MpmdProgram | None = None
+        self.program: PipelineRuntime | None = None
         self.call = None  # (after init: the ModuleCall)
 
     def init(self, variables: Any, *batch: Any, rng: Any = None) -> dict:

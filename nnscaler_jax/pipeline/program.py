@@ -35,6 +35,7 @@ wrapper traces it; ``nnx.Cache`` (decoding caches) is refused (:func:`collection
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -54,7 +55,7 @@ from nnscaler_jax.errors import PlanError
 from nnscaler_jax.lower.replay import explicitly_typed
 from nnscaler_jax.mesh.axes import require_stage_axis
 
-__all__ = ["ModuleCall", "StepOptions", "check_batch", "collections_error",
+__all__ = ["ModuleCall", "PipelineRuntime", "StepOptions", "check_batch", "collections_error",
            "empty_collection_error", "inputs_error", "micro_leaves", "micro_rows", "micro_setup",
            "microbatch_rngs", "rng_error", "split_batch", "stage_axis", "trace_micro", "typed_key"]
 
@@ -126,6 +127,60 @@ class StepOptions:
             raise PlanError(f"train_step: inputs={self.inputs} but the batch has {len(batch)} "
                             f"arrays; use inputs <= {len(batch)}")
         return tuple(batch) if self.inputs is None else tuple(batch[:self.inputs])
+
+
+class PipelineRuntime(abc.ABC):
+    """What a pipelined step runs: the interface :class:`~nnscaler_jax.pipeline.
+    pipelined_step.PipelineStep` uses, and nothing else of a runtime.
+
+    Implementations: :class:`~nnscaler_jax.pipeline.runtime.PipelineProgram` (identical
+    stacked layers, one program over the stage axis, tensor parallel inside stages),
+    :class:`~nnscaler_jax.pipeline.hetero.CutProgram` (any model cut at module boundaries, one
+    program, stages data-parallel inside) and :class:`~nnscaler_jax.pipeline.mpmd.MpmdProgram`
+    (cut, one program per stage dispatched from the host, tensor parallel inside). Each keeps
+    the parameters in its own layout (:meth:`to_pipeline` / :meth:`from_pipeline`).
+
+    Attributes:
+        mesh: the mesh the step's state and batch live on (its Auto view).
+        data_axes: the mesh axes the batch is split over.
+        stage_plan: the in-stage plan of one micro-batch (tensor-parallel axes), or None.
+    """
+
+    mesh: Any
+    data_axes: tuple[str, ...]
+    stage_plan: Any = None
+
+    @abc.abstractmethod
+    def to_pipeline(self, params: Any) -> Any:
+        """The module's params tree in the runtime's layout."""
+
+    @abc.abstractmethod
+    def from_pipeline(self, pp: Any) -> Any:
+        """Parameters (or a tree like them: gradients) in the runtime's layout as the module's
+        params tree."""
+
+    @abc.abstractmethod
+    def shardings(self) -> tuple[NamedSharding, NamedSharding]:
+        """The replicated sharding and the stage-split one of the runtime's mesh."""
+
+    @abc.abstractmethod
+    def grads(self, pp: Any, batch: tuple, key: Any = None) -> tuple[Any, Any]:
+        """``(mean loss, gradients in the runtime's layout)`` of one batch, its micro-batches
+        run as the schedule says."""
+
+    @abc.abstractmethod
+    def train_step(self, optimizer: Any, *, return_grads: bool = False) -> Any:
+        """The step ``step(state, batch) -> (state, metrics)`` (jitted, or a host-dispatched
+        callable with ``.lower``)."""
+
+    @abc.abstractmethod
+    def init_state(self, params: Any, optimizer: Any, collections: Any = None) -> dict:
+        """The training state: ``{'params', 'opt_state'}`` in the runtime's layout
+        (``'collections'`` with mutable collections)."""
+
+    def collections_from_pipeline(self, pc: Any) -> Any:
+        """Mutable collections in the runtime's layout as the module's."""
+        raise PlanError(f"{type(self).__name__} carries no mutable collections")
 
 
 def stage_axis(axes: dict[str, int], sched: Any) -> str:

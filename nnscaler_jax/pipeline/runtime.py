@@ -28,8 +28,8 @@ constraints, with layer parameters stored split as that plan says
 
 from __future__ import annotations
 
-import functools
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +50,7 @@ from nnscaler_jax.pipeline.in_stage import InStagePlan, plan_in_stage, tensor_ax
 from nnscaler_jax.pipeline.loop_tables import loop_tables
 from nnscaler_jax.pipeline.program import (
     ModuleCall,
+    PipelineRuntime,
     micro_leaves,
     micro_rows,
     trace_micro,
@@ -69,7 +70,7 @@ __all__ = ["PipelineProgram"]
 # ---- the pipelined program -----------------------------------------------------------------
 
 
-class PipelineProgram:
+class PipelineProgram(PipelineRuntime):
     """A pipelined training program for one module, mesh, schedule and batch shape.
 
     Use :meth:`to_pipeline` / :meth:`from_pipeline` to move parameters between the module's tree
@@ -344,8 +345,11 @@ class PipelineProgram:
                            view=cached_view(self, optimizer, (self.axis, *self.tp_axes)),
                            return_grads=return_grads)
 
-    def init_state(self, params: Any, optimizer: Any) -> dict:
+    def init_state(self, params: Any, optimizer: Any, collections: Any = None) -> dict:
         """``{'params': to_pipeline(params), 'opt_state': optimizer.init(...)}``."""
+        if collections:
+            raise PlanError("PipelineProgram carries no mutable collections: the step runs "
+                            "a model with them in the cut runtime (CutProgram)")
         pp = self.to_pipeline(params)
         return initial_state(pp, optimizer, self.mesh, store=self._store,
                              view=cached_view(self, optimizer, (self.axis, *self.tp_axes)))

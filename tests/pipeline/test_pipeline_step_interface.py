@@ -29,6 +29,9 @@ def test_explicit_data_split_batch_plan_and_memory():
     state, metrics = step(state, *split)  # (was a reshape ShardingTypeError)
     np.testing.assert_allclose(float(metrics["loss"]), plain, rtol=1e-5)
     assert step.plan.pipeline.stages == 2
+    from nnscaler_jax.pipeline.program import PipelineRuntime
+
+    assert isinstance(step.program, PipelineRuntime)  # the declared runtime interface
     mem = step.memory(state)
     full = sum(x.nbytes for x in jax.tree.leaves(variables["params"]))
     # the layers are split over the 2 stages, the embeddings and head replicated
