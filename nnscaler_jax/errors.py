@@ -21,6 +21,24 @@ __all__ = ["AnnotationError", "CheckpointError", "ConstraintError", "NoFitError"
            "PlanFormatError", "ShardingError"]
 
 
+_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes in the unit that fits (the largest whose figure is at least 1): every size a plan's
+    text and the command line print.
+
+    >>> fmt_bytes(512), fmt_bytes(3 * 2**20), fmt_bytes(31_856_000_000)
+    ('512 B', '3.00 MiB', '29.67 GiB')
+    """
+    if abs(n) < 1024:
+        return f"{n:.0f} B"
+    for i, unit in enumerate(_UNITS):
+        if abs(n) < 1024 ** (i + 2) or unit == _UNITS[-1]:
+            return f"{n / 1024 ** (i + 1):.2f} {unit}"
+    raise AssertionError("unreachable")
+
+
 def shapes_summary(arrays: Any, limit: int = 6) -> str:
     """A short account of many arrays' shapes for a message: equal (shape, dtype) pairs
     counted, at most ``limit`` kinds listed (``'10 arrays: 4 x (64,) float32, ...'``).

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from nnscaler_jax.errors import fmt_bytes
 from nnscaler_jax.mesh.cpu import COUNT_FLAG, cpu_xla_flags
 
 DEFAULT_DEVICES = 8
@@ -62,24 +63,6 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
     sep = "  ".join("-" * w for w in widths)
     return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
-
-
-_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
-
-
-def fmt_bytes(n: float) -> str:
-    """Bytes in the unit that fits (the largest whose figure is at least 1): every size the
-    command line prints.
-
-    >>> fmt_bytes(512), fmt_bytes(3 * 2**20), fmt_bytes(31_856_000_000)
-    ('512 B', '3.00 MiB', '29.67 GiB')
-    """
-    if abs(n) < 1024:
-        return f"{n:.0f} B"
-    for i, unit in enumerate(_UNITS):
-        if abs(n) < 1024 ** (i + 2) or unit == _UNITS[-1]:
-            return f"{n / 1024 ** (i + 1):.2f} {unit}"
-    raise AssertionError("unreachable")
 
 
 def device_peak(mesh: Any) -> int | None:
@@ -326,7 +309,7 @@ def check_saved_plan_alone(args: argparse.Namespace) -> None:
     plan (all of :data:`PLAN_FLAGS` but ``--budget``, which the saved plan is checked against)
     are refused."""
     given = [f"{flag} {getattr(args, name)}" for flag, name in PLAN_FLAGS.items()
-             if name != "budget" and getattr(args, name, None) not in (None, 0)]
+             if name != "budget" and getattr(args, name, None) is not None]
     if getattr(args, "plan", None) and given:
         raise UsageError(f"--plan {args.plan} runs the saved plan as it was made (its policy, "
                          f"ZeRO stage, micro-batches, pipeline and precision): drop "

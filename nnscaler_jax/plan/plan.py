@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nnscaler_jax.capture.precision import precision_name
-from nnscaler_jax.errors import PlanFormatError
+from nnscaler_jax.errors import PlanFormatError, fmt_bytes
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.ir.remat import SELECTIVE, is_selective
 from nnscaler_jax.plan import view as _view
@@ -318,8 +318,8 @@ class Plan:
         if self.cost:
             c = self.cost
             lines.append(f"estimate: step {c.step_time_s * 1e3:.3f} ms, memory/device "
-                         f"{c.memory_bytes_per_device / 2**20:.2f} MiB, comm "
-                         f"{c.comm_bytes / 2**20:.2f} MiB")
+                         f"{fmt_bytes(c.memory_bytes_per_device)}, comm "
+                         f"{fmt_bytes(c.comm_bytes)}")
         return "\n".join(lines)
 
     def summary(self, graph: Graph | None = None) -> str:

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from nnscaler_jax.errors import fmt_bytes
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.ir.layers import LAYER_NAME
 from nnscaler_jax.plan.dim_words import dim_words
@@ -259,12 +260,8 @@ def estimate_line(plan: PlanLike) -> str:
     if c is None:
         return "estimate: none (plan.cost is None)"
     return (f"estimate: step {c.step_time_s * 1e3:.3f} ms (compute {c.compute_time_s * 1e3:.3f}"
-            f", comm {c.comm_time_s * 1e3:.3f}), memory/device {_bytes(c.memory_bytes_per_device)}"
-            f", comm {_bytes(c.comm_bytes)}")
-
-
-def _bytes(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+            f", comm {c.comm_time_s * 1e3:.3f}), memory/device {fmt_bytes(c.memory_bytes_per_device)}"
+            f", comm {fmt_bytes(c.comm_bytes)}")
 
 
 def plan_summary(plan: PlanLike, graph: Graph | None = None) -> str:
@@ -335,8 +332,8 @@ def _estimate_html(plan: PlanLike) -> str:
     cells = [("step time", f"{c.step_time_s * 1e3:.3f} ms"),
              ("compute / comm time",
               f"{c.compute_time_s * 1e3:.3f} / {c.comm_time_s * 1e3:.3f} ms"),
-             ("memory per device", _bytes(c.memory_bytes_per_device)),
-             ("comm bytes", f"{_bytes(c.comm_bytes)} ({c.comm_bytes:,} B)")]
+             ("memory per device", fmt_bytes(c.memory_bytes_per_device)),
+             ("comm bytes", f"{fmt_bytes(c.comm_bytes)} ({c.comm_bytes:,} B)")]
     return ("<table><tr>" + "".join(f"<th>{html.escape(k)}</th>" for k, _ in cells)
             + "</tr><tr>" + "".join(f"<td>{html.escape(v)}</td>" for _, v in cells)
             + "</tr></table>")

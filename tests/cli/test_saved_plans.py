@@ -109,7 +109,7 @@ def test_a_plan_that_does_not_apply_is_refused_in_one_line(cli, megatron_mlp, tm
     assert "make_plan()" not in err and "Plan.to_json()" not in err  # said in CLI terms
 
 
-@pytest.mark.parametrize("flags", [["--policy", "dp"], ["--zero", "1"],
+@pytest.mark.parametrize("flags", [["--policy", "dp"], ["--zero", "1"], ["--zero", "0"],
                                    ["--pipeline", "2"], ["--precision", "bf16"]])
 def test_train_refuses_plan_settings_beside_a_saved_plan(cli, megatron_mlp, flags):
     code, _, err = cli(["train", "--model", "mlp", "--plan", megatron_mlp, *flags])
