@@ -16,6 +16,9 @@ block that carry the identifier at the block's size are split into chunks as wel
 (weights, keys and values) are read whole by every chunk. Ops stay inside the seed's repeated
 layer (:func:`nnscaler_jax.ir.layers.block_paths`); an op that reads something computed from the
 block by an op outside it leaves the block (it would have to run before and after the block).
+Outside the repeated layers, a block may only be the *head* after the last one (an LM head and,
+in a training step's graph, its loss: the chunked loss, whose ``take_along_axis`` of each
+token's label runs per chunk, :func:`gather_on_batch`).
 
 :func:`with_coshard` gives the graph with each block's ops moved next to each other (a valid
 topological order: ops of the span that do not depend on the block go before it, those that do
@@ -57,7 +60,8 @@ from nnscaler_jax.ir.remat import in_group, with_recompute
 from nnscaler_jax.ir.repeats import span_key
 
 __all__ = ["COSHARD", "PARAM_SHAPED", "Block", "Candidate", "block_of", "chunk_counts",
-           "chunks_of", "coshard_candidates", "with_boundaries", "with_coshard"]
+           "chunks_of", "coshard_candidates", "gather_on_batch", "with_boundaries",
+           "with_coshard"]
 
 #: The boundary kind of a co-sharded block (also in ``ir.graph.REMAT_KINDS``).
 COSHARD = "coshard"
@@ -106,10 +110,28 @@ class Candidate:
     layer: str
 
 
+def _batch_gather(op: Op) -> bool:
+    """A gather with operand batching dims (``take_along_axis``: a loss reading each token's
+    label logit), which may run on pieces of them (:func:`gather_on_batch`)."""
+    return op.primitive == "gather" and bool(
+        getattr(op.params.get("dimension_numbers"), "operand_batching_dims", ()))
+
+
+def gather_on_batch(op: Op, names: Iterable[str]) -> bool:
+    """Whether gather ``op`` runs unchanged on pieces of the dims ``names``: each is an
+    operand batching dim (slice size 1) or not an operand dim at all; its parameters carry no
+    size of them (a chunk of a co-sharded block, a device's piece in a region)."""
+    if not _batch_gather(op):
+        return False
+    batching = op.params["dimension_numbers"].operand_batching_dims
+    axes = [op.annotation.inputs[0].axis_of(n) for n in names]
+    return all(a is None or a in batching for a in axes)
+
+
 def _ident(op: Op, known: dict[int, int]) -> str | None:
     """The identifier ``op`` would chunk given the chunked axes of the tensors it reads
     (``known``), or None when it cannot join a block."""
-    if op.regions or op.primitive in _OUTSIDE:
+    if op.regions or (op.primitive in _OUTSIDE and not _batch_gather(op)):
         return None
     anno = op.annotation
     names = set()
@@ -122,6 +144,8 @@ def _ident(op: Op, known: dict[int, int]) -> str | None:
     if len(names) != 1:
         return None
     (name,) = names
+    if op.primitive in _OUTSIDE and not gather_on_batch(op, [name]):
+        return None
     return name if _chunkable(op, name) else None
 
 
@@ -168,6 +192,8 @@ class _Index:
             if layer:
                 self.first.setdefault(layer, i)
                 self.last[layer] = i
+        # where the head begins: the ops after the last repeated layer (an LM head, the loss)
+        self.head = max(self.last.values()) + 1 if self.last else len(graph.ops)
 
     def layer(self, path: str) -> str:
         """The repeated layer (else top module) ``path`` lies in, '' for none."""
@@ -205,6 +231,11 @@ def block_of(graph: Graph, seed: int, dim: str, *, back: bool = True) -> Block:
                         f"'{root.module_path or '<top>'}' (annotation '{root.anno}') cannot run "
                         f"in chunks along '{dim}' (a spatial identifier in every output)")
     layer = ix.layer(root.module_path)
+    if not layer and ix.layers and index[seed] < ix.head:
+        raise PlanError(f"co-sharding: op {seed} '{root.primitive}' at "
+                        f"'{root.module_path or '<top>'}' lies outside the repeated layers and "
+                        "before them; a block outside them is the head after the last one "
+                        "(an LM head and its loss)")
     kinds = ix.kinds
     member = {seed: dim}
     known = dict(_axes_of(root, dim))
@@ -283,7 +314,8 @@ def _grow_back(graph: Graph, layer: str, member: dict[int, str], known: dict[int
             counts = op is not None and op.primitive == "iota"  # no inputs: made per chunk
             if op is None or op.id in member or op.boundary or op.regions or \
                     (op.primitive in _OUTSIDE and not counts) or \
-                    (layer and not in_group(op.module_path, layer)):
+                    (layer and not in_group(op.module_path, layer)) or \
+                    (not layer and _indexed(graph).index[op.id] < _indexed(graph).head):
                 continue
             if any(c.id not in member for t in op.outputs
                    for c in graph.consumers.get(t.id, ())) or \
@@ -356,7 +388,12 @@ def coshard_candidates(graph: Graph, *, min_ratio: float = 2.0, seeds: int = 4,
             by_layer.setdefault(ix.layer(op.module_path), []).append(op)
     out: list[Candidate] = []
     copies: dict[Hashable, str] = {}  # a layer's span key -> the first layer with it
-    for layer in ix.layers:
+    # the repeated layers, then the head after them (an LM head and the loss after it, run in
+    # chunks of tokens: the logits of a long sequence never exist whole)
+    head = [op for op in graph.ops[ix.head:] if ix.layer(op.module_path) == ""
+            and not op.regions and not op.boundary and op.primitive not in _OUTSIDE]
+    by_layer[""] = head
+    for layer in [*ix.layers, *([""] if ix.layers and head else [])]:
         if layer in ix.first:  # a copy of an earlier layer: its candidates, moved
             key = span_key(graph, ix.first[layer], ix.last[layer], layer)
             if key in copies:

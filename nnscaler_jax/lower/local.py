@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nnscaler_jax.errors import PlanError
-from nnscaler_jax.ir.coshard import PARAM_SHAPED
+from nnscaler_jax.ir.coshard import PARAM_SHAPED, gather_on_batch
 from nnscaler_jax.ir.graph import Op
 
 __all__ = ["bind_eqn", "bind_local", "local_out_shapes", "runs_on_pieces"]
@@ -81,7 +81,8 @@ def bind_local(op: Op, ins: Sequence[Any], ways: Mapping[str, int]) -> list[Any]
     """Bind ``op``'s primitive on local pieces, rewriting shape params for the local shapes."""
     if not any(n > 1 for n in ways.values()):
         return bind_eqn(op.eqn, ins)
-    if op.primitive in _UNSUPPORTED or op.regions:
+    split = [n for n, k in ways.items() if k > 1]
+    if (op.primitive in _UNSUPPORTED and not gather_on_batch(op, split)) or op.regions:
         raise PlanError(
             f"op '{op.primitive}' at '{op.module_path or '<top>'}' (annotation '{op.anno}') "
             "cannot run on local pieces inside a shard_map region (its params spell global "

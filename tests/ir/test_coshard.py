@@ -8,6 +8,7 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from meshes import make_mesh
 from one_device import assert_like_one_device
@@ -228,3 +229,53 @@ def test_a_saved_plan_with_a_bad_block_is_refused(graph):
                        ((cand.seed, cand.dim, 3), "3 does not divide it")]:
         with pytest.raises(PlanFormatError, match=match):
             check_reuse(dataclasses.replace(plan, coshard=(bad,)), graph, {"data": 2})
+
+
+@pytest.mark.slow
+def test_the_head_and_its_loss_run_in_chunks_of_tokens():
+    """The chunked loss (issue 47) as a co-sharded block: in a training step's graph the ops
+    after the last repeated layer (Llama's final norm, LM head and its cross-entropy) form a
+    block along the tokens, and the step run with it in chunks (a scan, the logits of one
+    chunk at a time) trains as the plain loop does."""
+    import optax
+
+    spec = models.get("llama", "tiny")
+    args = spec.make_args(rng=jax.random.key(1))
+    variables = spec.module.init(jax.random.key(0), *args)
+    graph = capture_spec(spec, loss=True).graph
+    heads = [c for c in coshard_candidates(graph, ways=8) if c.layer == ""]
+    assert [c.seed_path for c in heads] == ["lm_head"]
+    by_id = {op.id: op for op in graph.ops}
+    block = block_of(graph, heads[0].seed, heads[0].dim)
+    prims = [by_id[i].primitive for i in block.ops]
+    assert {"dot_general", "exp", "gather"} <= set(prims)  # the head, the softmax, the labels
+    assert not any(by_id[i].module_path.startswith("layers_") for i in block.ops)
+    first = next(i for i, op in enumerate(graph.ops) if op.module_path.startswith("layers_"))
+    said = set()
+    for op in graph.ops[:first]:  # before the layers (the embedding, RoPE tables): no head
+        for name in op.annotation.splittable():
+            with pytest.raises(PlanError) as e:
+                block_of(graph, op.id, name)
+            said.add("before them" in str(e.value))
+    assert True in said
+    blocks = ((heads[0].seed, heads[0].dim, chunk_counts(heads[0].size, 8)[0]),)
+    plan = make_plan(graph, {"data": 2, "model": 4}, policy="megatron")
+    opt = optax.sgd(0.1)
+    p, o, ref = variables["params"], opt.init(variables["params"]), []
+    for _ in range(3):
+        loss, g = jax.value_and_grad(
+            lambda p: spec.loss_fn(spec.module.apply({"params": p}, *args), *args))(p)
+        u, o = opt.update(g, o, p)
+        p = optax.apply_updates(p, u)
+        ref.append(float(loss))
+    pm = auto_parallel(make_mesh((2, 4), ("data", "model")),
+                       plan=dataclasses.replace(plan, coshard=blocks))(spec.module)
+    step = pm.train_step(spec.loss_fn, opt)
+    state = step.init(variables, *args)
+    assert step.plan.coshard == blocks
+    assert str(jax.make_jaxpr(step.jitted)(state, tuple(args))).count("scan[") >= 1
+    losses = []
+    for _ in range(3):
+        state, metrics = step(state, *args)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref, rtol=1e-5)
