@@ -44,10 +44,10 @@ from nnscaler_jax.lower.program import Program, place, signature
 from nnscaler_jax.lower.replay import Lowering, explicit_context, explicitly_typed
 from nnscaler_jax.lower.verify import compare_outputs
 from nnscaler_jax.mesh.axes import mesh_axes
-from nnscaler_jax.pipeline.pipelined_step import PipelineStep
 from nnscaler_jax.plan.plan import Plan
 from nnscaler_jax.plan.reuse import saved_plan
 from nnscaler_jax.planner import make_plan
+from nnscaler_jax.train.pipelined_step import PipelineStep
 from nnscaler_jax.train.step import SpmdStep
 
 __all__ = ["AutoParallel", "auto_parallel"]
@@ -324,7 +324,7 @@ class AutoParallel:
         A :class:`~nnscaler_jax.train.step.TrainStep`. Without pipeline stages: a
         :class:`~nnscaler_jax.train.step.SpmdStep` (the module and its loss planned as one
         graph; the plan's ZeRO stage, micro-batches as gradient accumulation, precision). With
-        ``Constraints(pipeline_stages=...)``: a :class:`~nnscaler_jax.pipeline.pipelined_step.
+        ``Constraints(pipeline_stages=...)``: a :class:`~nnscaler_jax.train.pipelined_step.
         PipelineStep`. Both take the ``options`` ``inputs``, ``module_kwargs``
         (``train=True``) and ``rng_streams`` (``'dropout'``: a key per micro-batch with
         ``init(..., rng=key)``), validated alike.

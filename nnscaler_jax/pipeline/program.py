@@ -130,8 +130,8 @@ class StepOptions:
 
 
 class PipelineRuntime(abc.ABC):
-    """What a pipelined step runs: the interface :class:`~nnscaler_jax.pipeline.
-    pipelined_step.PipelineStep` uses, and nothing else of a runtime.
+    """What a pipelined step runs: the interface :class:`~nnscaler_jax.train.pipelined_step.
+    PipelineStep` uses, and nothing else of a runtime.
 
     Implementations: :class:`~nnscaler_jax.pipeline.runtime.PipelineProgram` (identical
     stacked layers, one program over the stage axis, tensor parallel inside stages),

@@ -196,7 +196,7 @@ class TrainStep(abc.ABC):
 
     Two implementations behind this interface: :class:`SpmdStep` (one SPMD program: ZeRO,
     gradient accumulation, float16 loss scaling) and
-    :class:`~nnscaler_jax.pipeline.pipelined_step.PipelineStep` (stages and a schedule). Both
+    :class:`~nnscaler_jax.train.pipelined_step.PipelineStep` (stages and a schedule). Both
     take the same options, validated here (:class:`~nnscaler_jax.pipeline.program.StepOptions`):
     ``inputs`` (the module takes the first ``inputs`` batch arrays, the loss all of them),
     ``module_kwargs`` (static flags of the module call), ``rng_streams`` (a key per micro-batch
