@@ -338,6 +338,15 @@ def _head_reference(module, variables, x, labels, opt, steps=3):
     return np.array(out)
 
 
+def _head_losses(step, state, x, labels, steps=3):
+    """The step's losses over ``steps`` steps on the head's batch."""
+    out = []
+    for _ in range(steps):
+        state, metrics = step(state, x, labels)
+        out.append(float(metrics["loss"]))
+    return out
+
+
 def _head_batch():
     x = jax.random.normal(jax.random.key(2), (16, 32))
     return x, jax.random.randint(jax.random.key(3), (16,), 0, 512)
@@ -361,11 +370,7 @@ def test_the_step_plans_the_loss_with_the_module(mesh):
     assert len(specs) == 2 and specs[0] == specs[1] != P(), specs
     module_only = auto_parallel(mesh, policy="dp")(module).make_plan(x, variables=variables)
     assert not any(p.primitive == "exp" for p in module_only.ops)
-    losses = []
-    for _ in range(3):
-        state, metrics = step(state, x, labels)
-        losses.append(float(metrics["loss"]))
-    np.testing.assert_allclose(losses, ref, rtol=1e-5)
+    np.testing.assert_allclose(_head_losses(step, state, x, labels), ref, rtol=1e-5)
 
 
 def test_a_saved_plan_of_the_module_alone_still_trains(mesh):
@@ -381,11 +386,7 @@ def test_a_saved_plan_of_the_module_alone_still_trains(mesh):
     step = pm.train_step(_ce, opt, inputs=1)
     state = step.init(variables, x, labels)
     assert step.plan.fingerprint == saved.fingerprint
-    losses = []
-    for _ in range(3):
-        state, metrics = step(state, x, labels)
-        losses.append(float(metrics["loss"]))
-    np.testing.assert_allclose(losses, ref, rtol=1e-5)
+    np.testing.assert_allclose(_head_losses(step, state, x, labels), ref, rtol=1e-5)
 
 
 def test_a_saved_step_plan_runs_the_modules_own_calls_and_the_step(mesh):
@@ -407,8 +408,4 @@ def test_a_saved_step_plan_runs_the_modules_own_calls_and_the_step(mesh):
     step = pm.train_step(_ce, opt, inputs=1)
     state = step.init(laid, x, labels)
     assert step.plan.fingerprint == first.plan.fingerprint  # the step's own, loss and all
-    losses = []
-    for _ in range(3):
-        state, metrics = step(state, x, labels)
-        losses.append(float(metrics["loss"]))
-    np.testing.assert_allclose(losses, ref, rtol=1e-5)
+    np.testing.assert_allclose(_head_losses(step, state, x, labels), ref, rtol=1e-5)
