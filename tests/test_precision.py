@@ -307,6 +307,24 @@ def test_float32_pinned_layers_warn():
         capture(Pinned(), jnp.ones((2, 16)), precision="float32")
 
 
+class Rotary(nn.Module):
+    """A float32 matmul of positions and constants only (rotary angles) beside a bf16 layer."""
+
+    @nn.compact
+    def __call__(self, x):
+        inv = 1.0 / (10000.0 ** (jnp.arange(0, 8, 2, dtype=jnp.float32) / 8))
+        ang = jnp.einsum("s,f->sf", jnp.arange(x.shape[1], dtype=jnp.float32), inv)
+        return nn.Dense(8, name="proj")(x) * jnp.cos(ang).sum().astype(x.dtype)
+
+
+def test_float32_matmuls_of_constants_do_not_warn():
+    """The rotary angles' einsum reads no data: float32 is the model's choice there (Llama's
+    128K preset warned about 64 such matmuls, "their layers set dtype=jnp.float32")."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        capture(Rotary(), jnp.ones((2, 4, 16)), precision=BF16)
+
+
 def test_capture_spec_sets_the_zoo_compute_dtype():
     graph = capture_spec(models.get("gpt", "tiny"), precision=BF16).graph
     assert {op.inputs[0].dtype for op in graph.walk() if op.primitive == "dot_general"} == {BF16}

@@ -47,6 +47,7 @@ import jax
 import numpy as np
 
 from nnscaler_jax.errors import ConstraintError
+from nnscaler_jax.ir.graph import Role
 
 __all__ = ["PRECISIONS", "UNKNOWN", "Cast", "float32_matmuls", "graph_precision",
            "precision_name", "with_precision"]
@@ -160,9 +161,18 @@ def float32_matmuls(graph: Any, precision: str | None) -> list[str]:
     float32 under a 16-bit ``precision`` (layers that pin ``dtype=float32``); [] otherwise."""
     if precision not in ("bfloat16", "float16"):
         return []
-    return [op.module_path or "<top>" for op in graph.walk()
-            if op.primitive in ("dot_general", "conv_general_dilated") and op.inputs
-            and all(str(t.dtype) == "float32" for t in op.inputs)]
+    const = {t.id for t in graph.inputs if t.role == Role.CONST}
+    made = {t.id for t in graph.inputs} | {t.id for op in graph.walk() for t in op.outputs}
+    out = []
+    for op in graph.walk():  # a matmul of positions and constants only (rotary angles,
+        # ``einsum("s,f->sf", arange(s), inv_freq)``) reads no data: float32 is its choice
+        if all(t.id in const or (not t.ndim and t.id not in made) for t in op.inputs) \
+                and not op.regions:  # (a literal scalar: an operand nothing makes)
+            const.update(t.id for t in op.outputs)
+        elif op.primitive in ("dot_general", "conv_general_dilated") and op.inputs and \
+                all(str(t.dtype) == "float32" for t in op.inputs):
+            out.append(op.module_path or "<top>")
+    return out
 
 
 UNKNOWN = "unknown"

@@ -27,7 +27,7 @@ from nnscaler_jax.layout import Layout
 from nnscaler_jax.plan.layouts import plan_layouts, sole_read_variables
 from nnscaler_jax.plan.plan import Plan
 
-__all__ = ["HloCollective", "expected_collectives", "hlo_collectives", "summarize",
+__all__ = ["HloCollective", "HloTraffic", "expected_collectives", "hlo_collectives", "hlo_traffic", "summarize",
            "xla_stderr"]
 
 
@@ -219,3 +219,101 @@ def summarize(items) -> Counter:
         else:
             c[(x[0], (x[1],))] += 1
     return c
+
+
+# ---- memory traffic of large buffers ---------------------------------------------------------
+
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) ([\w\-]+)\((.*)$")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_FREE = frozenset({"get-tuple-element", "tuple", "parameter", "bitcast", "constant",
+                   "while", "call", "conditional", "after-all", "opt-barrier"})
+
+
+def _type_bytes(text: str) -> int:
+    total = 0
+    for dtype, dims in _SHAPE.findall(text):
+        if dtype in _BYTES:
+            total += _BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
+    return total
+
+
+@dataclass(frozen=True)
+class HloTraffic:
+    """Bytes of large buffers a compiled module's kernels read and write, per execution.
+
+    Attributes:
+        bytes: every kernel's operands and results of at least ``min_bytes`` each (a buffer read
+            by two kernels counts twice), times the times its computation runs (a ``while``
+            body with a known trip count runs that many times per run of its caller).
+        kernels: how many such kernel executions.
+        by_kind: bytes per kernel kind (``fusion:kInput``, ``fusion:kCustom`` (a GEMM), ...).
+    """
+
+    bytes: float
+    kernels: int
+    by_kind: dict[str, float]
+
+
+def hlo_traffic(hlo_text: str, min_bytes: int) -> HloTraffic:
+    """The traffic of buffers of at least ``min_bytes`` through device memory in a compiled
+    module (``compiled.as_text()``): a floor on the time its kernels take, whatever their
+    FLOPs (``bytes / bandwidth``). Kernels are the instructions of the entry computation and of
+    the computations it runs through ``while`` / ``call`` / ``conditional``; fusion bodies are
+    inside their kernel (their intermediates stay on chip).
+
+    >>> text = '''ENTRY %main (p: f32[1024]) -> f32[1024] {
+    ...   %p = f32[1024]{0} parameter(0)
+    ...   ROOT %e = f32[1024]{0} fusion(%p), kind=kLoop, calls=%fused_exp
+    ... }'''
+    >>> hlo_traffic(text, 4096).bytes  # read 4 KiB, write 4 KiB
+    8192.0
+    """
+    comps: dict[str, list[tuple[str, str, str, str]]] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            current = m.group(1)
+            comps[current] = []
+            if line.startswith("ENTRY"):
+                entry = current
+            continue
+        m = _INSTRUCTION.match(line)
+        if m and current is not None:
+            comps[current].append(m.groups())
+    sizes = {name: _type_bytes(typ.split("{")[0] if not typ.startswith("(") else typ)
+             for body in comps.values() for name, typ, _, _ in body}
+    runs: Counter = Counter()
+
+    def visit(comp: str, times: float) -> None:
+        runs[comp] += times
+        for _, _, opcode, rest in comps.get(comp, ()):
+            if opcode == "while":
+                body = re.search(r"body=%?([\w.\-]+)", rest)
+                trip = _TRIP.search(rest)
+                if body:
+                    visit(body.group(1), times * (int(trip.group(1)) if trip else 1))
+            elif opcode in ("call", "conditional"):
+                for callee in re.findall(r"(?:to_apply|branch_computations=\{|, )%([\w.\-]+)",
+                                         rest.split("metadata=")[0]):
+                    if callee in comps and callee not in sizes:
+                        visit(callee, times)
+
+    if entry is not None:
+        visit(entry, 1.0)
+    total, kernels, by_kind = 0.0, 0, Counter()
+    for comp, times in runs.items():
+        for name, _, opcode, rest in comps[comp]:
+            if opcode in _FREE or opcode.endswith("-done"):
+                continue
+            operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
+            big = [b for b in [sizes.get(o, 0) for o in operands] + [sizes[name]]
+                   if b >= min_bytes]
+            if big:
+                kind = re.search(r"kind=(\w+)", rest)
+                key = opcode + (f":{kind.group(1)}" if kind else "")
+                total += sum(big) * times
+                kernels += int(times)
+                by_kind[key] += sum(big) * times
+    return HloTraffic(float(total), kernels, dict(by_kind))

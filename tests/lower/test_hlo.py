@@ -139,3 +139,28 @@ def test_summarize_counts_both_kinds_of_items():
              HloCollective("all_gather", 4, ("data", "model"))]
     assert summarize(items) == {("all_reduce", ("model",)): 2,
                                 ("all_gather", ("data", "model")): 1}
+
+
+def test_traffic_counts_large_buffers_once_per_kernel_and_loop_trip():
+    """``hlo_traffic`` of a compiled program: a loop of 5 trips over a 1 MiB buffer moves it 5
+    times per kernel inside the body; buffers under the threshold are not counted."""
+    from nnscaler_jax.lower.hlo import hlo_traffic
+
+    n = 1 << 18  # float32: 1 MiB
+
+    def f(x, small):
+        def body(i, c):
+            y, s = c
+            return jnp.sin(y) * jnp.cos(y) + i, s * 2.0   # one elementwise kernel on y
+        return jax.lax.fori_loop(0, 5, body, (x, small))
+
+    x = jnp.ones((n,), jnp.float32)
+    text = jax.jit(f).lower(x, jnp.ones((4,), jnp.float32)).compile().as_text()
+    traffic = hlo_traffic(text, 1 << 20)
+    # the body's one fused kernel reads y and writes the next y, 5 times (XLA:CPU adds a copy
+    # of the loop's input outside it)
+    assert traffic.by_kind["fusion:kLoop"] == 5 * 2 * (1 << 20)
+    assert traffic.bytes == sum(traffic.by_kind.values())
+    assert hlo_traffic(text, 1 << 21).bytes == 0          # nothing is 2 MiB or more
+    one = hlo_traffic(jax.jit(lambda x: jnp.sin(x) * 2).lower(x).compile().as_text(), 1 << 20)
+    assert one.bytes == 2 * (1 << 20) and one.kernels == 1   # read x, write the result
