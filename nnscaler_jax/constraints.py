@@ -166,6 +166,13 @@ class Constraints:
     that is not a stack of identical layers) stages are cut at module boundaries
     (:mod:`nnscaler_jax.pipeline.cut`). A glob matching no module is a ``ConstraintError``.
 
+    ``attention``: ``"fused"`` runs every attention block the graph holds
+    (:mod:`nnscaler_jax.ir.attention`) as one fused op, a flash-attention kernel on GPUs
+    (Pallas' Triton ``mha``), priced as one: its causal half of two matmuls forward, five
+    backward, no score-sized buffer; its sequences stay whole on each device, so a plan that
+    splits the sequence elsewhere moves it to the heads around attention (all-to-all, as
+    DeepSpeed-Ulysses). None (the default): attention runs as the model writes it.
+
     >>> Constraints(precision="bf16").precision
     'bfloat16'
     """
@@ -179,6 +186,7 @@ class Constraints:
     logical_rules: tuple[tuple[str, str | None], ...] = ()
     precision: Literal["float32", "bfloat16", "float16"] | None = None
     pipeline_pivots: tuple[str, ...] = ()
+    attention: Literal["fused"] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.rules, Rule | str) or not _iterable(self.rules):
@@ -207,6 +215,9 @@ class Constraints:
         object.__setattr__(self, "precision",
                            precision_name(self.precision,
                                           f"Constraints(precision={self.precision!r})"))
+        if self.attention not in (None, "fused"):
+            raise ConstraintError(f"Constraints(attention={self.attention!r}): use 'fused' (each "
+                                  "attention block as one flash kernel) or None (as written)")
         if self.max_memory_per_device is not None:
             object.__setattr__(self, "max_memory_per_device",
                                parse_bytes(self.max_memory_per_device))

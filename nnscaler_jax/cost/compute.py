@@ -27,12 +27,14 @@ from functools import lru_cache
 import jax.numpy as jnp
 
 from nnscaler_jax.ir.anno import parse_anno
+from nnscaler_jax.ir.attention import FUSED
 from nnscaler_jax.ir.graph import DataflowMemo, Graph, Op, Role, Tensor, dtype_itemsize
 
-__all__ = ["FREE", "MATMUL", "TRAINABLE", "grad_sources", "grad_tensors", "is_float",
-           "is_reduction", "itemsize", "op_bytes", "op_flops", "region_length", "walk_weighted"]
+__all__ = ["FREE", "MATMUL", "MATRIX", "TRAINABLE", "attention_flops", "grad_sources",
+           "grad_tensors", "is_float", "is_reduction", "itemsize", "op_bytes", "op_flops", "region_length", "walk_weighted"]
 
 MATMUL = frozenset({"dot_general", "conv_general_dilated"})
+MATRIX = MATMUL | {FUSED}  # ops on the matrix units (a fused attention: two matmuls)
 TRAINABLE = (None, "params", "param")  # variable collections that get gradients
 FREE = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim"})
 
@@ -80,6 +82,8 @@ def op_flops(op: Op) -> float:
         return body * region_length(op)
     if op.primitive == "conv_general_dilated":
         return _conv_flops(op)
+    if op.primitive == FUSED:
+        return attention_flops(op)
     if op.primitive in MATMUL and op.annotated:
         return _matmul_flops(op.anno, tuple(t.shape for t in op.inputs),
                              tuple(t.shape for t in op.outputs))
@@ -92,6 +96,15 @@ def op_flops(op: Op) -> float:
 def _matmul_flops(anno: str, in_shapes: tuple, out_shapes: tuple) -> float:
     """``2 x`` the product of every identifier's size (each multiply-add once)."""
     return 2.0 * math.prod(parse_anno(anno).bind(list(in_shapes), list(out_shapes)).values())
+
+
+def attention_flops(op: Op) -> float:
+    """A fused attention block's forward FLOPs: its two matmuls (scores ``b g sq sk d`` and
+    weighted sum ``b g sq sk dv``), the causal half only when causal (the kernel skips the
+    tiles above the diagonal)."""
+    sizes = op.dim_sizes()
+    pairs = math.prod(n for name, n in sizes.items() if name not in ("d", "dv"))
+    return 2.0 * pairs * (sizes["d"] + sizes["dv"]) / (2.0 if op.params.get("causal") else 1.0)
 
 
 def _conv_flops(op: Op) -> float:
@@ -115,7 +128,7 @@ def op_bytes(op: Op) -> float:
 
 def compute_dtype(op: Op) -> str:
     """The dtype whose peak applies: a matmul's operand dtype, else the first output's."""
-    ts = op.inputs if op.primitive in MATMUL else op.outputs
+    ts = op.inputs if op.primitive in MATRIX else op.outputs
     return ts[0].dtype if ts else "float32"
 
 

@@ -50,7 +50,7 @@ BARRIER = frozenset("""
 gather scatter scatter-add scatter_add scatter_mul scatter_min scatter_max sort top_k cumsum
 cumprod cummax cummin cumlogsumexp dynamic_update_slice psum all_gather reduce_scatter
 ppermute all_to_all psum_scatter random_bits random_seed random_wrap random_unwrap
-rng_bit_generator threefry2x32 custom_call fft cholesky triangular_solve eigh lu qr svd
+rng_bit_generator threefry2x32 custom_call fused_attention fft cholesky triangular_solve eigh lu qr svd
 """.split())  # noqa: SIM905 - a word list, as residuals' sets
 
 _MEMO = DataflowMemo()

@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 from nnscaler_jax.cost.compute import (
     FREE,
     MATMUL,
+    MATRIX,
     TRAINABLE,
     compute_dtype,
     is_float,
@@ -85,6 +86,7 @@ from nnscaler_jax.cost.relayout import (
     storage_layout,
 )
 from nnscaler_jax.cost.residuals import accumulated_gradients, combines_all_reductions
+from nnscaler_jax.ir.attention import FUSED
 from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.layout.rvd import interned
@@ -92,7 +94,15 @@ from nnscaler_jax.mesh.topology import DEFAULT_LINK, LinkCost, MeshSpec
 from nnscaler_jax.plan.layouts import op_layouts
 from nnscaler_jax.plan.plan import VALUE, OpPlan, Plan, PlanCost
 
-__all__ = ["CPU", "CostModel", "DeviceSpec", "itemsize", "op_flops"]
+__all__ = ["ATTENTION_BACKWARD", "ATTENTION_KERNEL_EFFICIENCY", "CPU", "CostModel", "DeviceSpec", "itemsize", "op_flops"]
+
+#: A fused attention's backward over its forward: flash attention recomputes the scores and
+#: runs five matmuls (scores, dP, dV, dQ, dK) against the forward's two.
+ATTENTION_BACKWARD = 2.5
+#: The fraction of the matrix units' peak a fused (flash) attention kernel reaches: FlashAttention-2
+#: reports up to 335 TFLOP/s on an H100 (0.34 of its 989); Pallas' Triton kernel is of that kind.
+#: Not measured here (no GPU): the one figure of the fused op's price taken on trust.
+ATTENTION_KERNEL_EFFICIENCY = 0.34
 
 
 
@@ -208,7 +218,8 @@ class CostModel:
             t = self._profiled(op, split, ways)
             if t is not None:
                 return t
-        peak = self.device.peak(compute_dtype(op), op.primitive in MATMUL) * self.device.efficiency
+        peak = self.device.peak(compute_dtype(op), op.primitive in MATRIX) * (
+            ATTENTION_KERNEL_EFFICIENCY if op.primitive == FUSED else self.device.efficiency)
         bandwidth = self.device.bandwidth * self.device.bandwidth_efficiency
         io = op_bytes(op) if traffic is None else traffic.get(op.id, op_bytes(op))
         return max(op_flops(op) / peak, io / bandwidth) / ways
@@ -227,6 +238,8 @@ class CostModel:
     def _backward_ratio(self, op: Op, grads: tuple[bool, ...]) -> float:
         if not any(grads):
             return 0.0
+        if op.primitive == FUSED:  # flash attention's backward: five matmuls to two
+            return ATTENTION_BACKWARD
         if op.primitive in MATMUL:
             return self.backward_factor * sum(grads) / max(len(grads), 1)
         return self.elementwise_backward_factor

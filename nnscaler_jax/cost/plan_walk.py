@@ -38,6 +38,7 @@ from nnscaler_jax.cost.residuals import (
     residual_reads,
     saved_operands,
 )
+from nnscaler_jax.ir.attention import with_fused_attention
 from nnscaler_jax.ir.coshard import COSHARD, chunks_of, with_boundaries
 from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
 from nnscaler_jax.ir.remat import remat_roles
@@ -216,7 +217,8 @@ def _partial_outputs(graph: Graph, layout: Mapping[int, Layout]) -> list[_Edge]:
 def analyze(model: Any, plan: Plan, graph: Graph) -> _Analysis:
     """Step time, bytes moved and per-device memory of ``plan`` (see the module docs); the
     plan's recompute groups are remat boundaries (:func:`nnscaler_jax.ir.remat.with_recompute`)."""
-    graph = with_boundaries(graph, plan.coshard, plan.recompute)
+    graph = with_boundaries(with_fused_attention(graph, plan.fused_attention), plan.coshard,
+                            plan.recompute)
     zero = max(model.zero, plan.zero)
     grads = grad_tensors(graph, model.input_grads)
     out = _Analysis()

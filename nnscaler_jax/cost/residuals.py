@@ -69,7 +69,8 @@ dynamic_slice dynamic_update_slice gather scatter-add scatter_add select_n iota
 SAVE_OUTPUT = _names("exp exp2 tanh logistic sqrt cbrt")
 
 #: Save their output and their inputs.
-SAVE_BOTH = _names("rsqrt reduce_max reduce_min cummax cummin cumprod cumlogsumexp")
+SAVE_BOTH = _names("rsqrt reduce_max reduce_min cummax cummin cumprod cumlogsumexp "
+                   "fused_attention")  # (flash attention: q, k, v, out and its row statistics)
 
 #: Bilinear: an operand's gradient needs the other operands.
 BILINEAR = _names("mul dot_general conv_general_dilated")

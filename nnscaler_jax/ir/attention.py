@@ -38,13 +38,19 @@ blocks.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
 
 import numpy as np
 
-from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
+from nnscaler_jax.errors import PlanError
+from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
 
-__all__ = ["AttentionBlock", "attention_blocks"]
+__all__ = ["FUSED", "AttentionBlock", "attention_blocks", "fusable_blocks",
+           "with_fused_attention"]
+
+#: The primitive of an attention block run as one op (:func:`with_fused_attention`).
+FUSED = "fused_attention"
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,8 @@ class AttentionBlock:
         scale: the product of the chain's scalar factors.
         causal: the mask keeps ``query >= key`` (False: no mask).
         module_path: the scores op's.
+        anno: the annotation of the block as one op (:func:`with_fused_attention`): sequence
+            and head dims frozen (``^``), batch and head axes free to split.
     """
 
     scores: int
@@ -80,6 +88,7 @@ class AttentionBlock:
     scale: float
     causal: bool
     module_path: str
+    anno: str = ""
 
 
 class _NotABlock(Exception):
@@ -341,14 +350,8 @@ def _free(ndim: int, *used: tuple[int, ...]) -> list[int]:
     return [a for a in range(ndim) if a not in taken]
 
 
-def _block(graph: Graph, sampler: _Sampler, scores: Op, rng: np.random.Generator
-           ) -> AttentionBlock | None:
-    lc, rc, lb, rb = _contracting(scores)
-    if len(lc) != 1:
-        return None
-    lhs, rhs = scores.inputs
-    l_free, r_free = _free(lhs.ndim, lc, lb), _free(rhs.ndim, rc, rb)
-    chain = _Chain(graph, sampler, scores)
+def _walk(chain: _Chain, scores: Op) -> tuple[Op, Tensor] | None:
+    """(the weighted sum, the probabilities it reads) after the chain from ``scores``."""
     t, done = scores.outputs[0], False
     try:
         for _ in range(64):
@@ -360,14 +363,95 @@ def _block(graph: Graph, sampler: _Sampler, scores: Op, rng: np.random.Generator
         while True:  # casts and transposes up to the weighted sum
             op = chain.sole(t)
             if op.primitive == "dot_general":
-                break
+                return op, t
             if op.primitive not in _PASS and op.primitive != "transpose":
                 return None
             chain.step(t)
             t = op.outputs[0]
     except _NotABlock:
         return None
-    weighted = op
+
+
+def _mask(sampler: _Sampler, chain: _Chain, q_out: int, n_q: int, n_k: int,
+          rng: np.random.Generator) -> bool | None:
+    """Whether the chain's masks keep exactly ``query >= key`` (True) or every pair (False),
+    sampled at (query, key) positions of the scores' axes ``q_out`` / ``chain.k_axis``; None:
+    another mask."""
+    qi, kj = _samples(n_q, n_k, rng)
+    kept, fills = np.ones(len(qi), bool), []
+    for kind, tensor, case, perm in chain.keep:
+        idx = np.zeros((len(qi), tensor.ndim), np.int64)
+        for cur, src in enumerate(perm[:tensor.ndim]):
+            idx[:, cur] = qi if src == q_out else kj if src == chain.k_axis else 0
+        try:
+            values = sampler.at(tensor, idx)
+        except (_NotABlock, IndexError, ValueError, KeyError, TypeError):
+            return None
+        if kind == "select":
+            kept &= values.astype(np.int64) == case
+        elif kind == "fill":
+            fills.append(values)
+        else:
+            if not ((values == 0) | (values <= _FILL)).all():
+                return None
+            kept &= values == 0
+    if any(not (f[~kept] <= _FILL).all() for f in fills):
+        return None
+    causal = n_q == n_k and not kept.all() and bool((kept == (qi >= kj)).all())
+    if not kept.all() and not causal:
+        return None
+    return causal
+
+
+def _annotation(scores: Op, weighted: Op, chain: _Chain, q_is_lhs: bool, q_seq: int,
+                k_seq: int, p_side: int, v_seq: int) -> str:
+    """The fused op's annotation: the scores' axes named (batch ``b<i>``, the query sequence
+    ``sq^``, q's other free axes ``g<j>``, the key sequence ``sk^``), the head dims ``d^`` /
+    ``dv^`` frozen too; v's and the output's axes named through the chain's axis map."""
+    lc, rc, lb, rb = _contracting(scores)
+    wl, wr, wlb, wrb = _contracting(weighted)
+    lhs, rhs = scores.inputs
+    l_free, r_free = _free(lhs.ndim, lc, lb), _free(rhs.ndim, rc, rb)
+    n_batch = len(lb)
+    s_names = [f"b{i}" for i in range(n_batch)]
+    free_q = l_free if q_is_lhs else r_free
+    for side_free, is_q in ((l_free, q_is_lhs), (r_free, not q_is_lhs)):
+        for a in side_free:
+            s_names.append(("sq^" if a == q_seq else f"g{free_q.index(a)}") if is_q else "sk^")
+
+    def operand(t: Tensor, batch: tuple[int, ...], contract: int, free_names: dict) -> str:
+        return " ".join(f"b{batch.index(a)}" if a in batch else "d^" if a == contract
+                        else free_names[a] for a in range(t.ndim))
+
+    (q_t, q_b, q_c), (k_t, k_b, k_c) = ((lhs, lb, lc), (rhs, rb, rc)) if q_is_lhs else \
+        ((rhs, rb, rc), (lhs, lb, lc))
+    q_names = {a: s_names[n_batch + (l_free.index(a) if q_is_lhs else len(l_free)
+                                     + r_free.index(a))] for a in free_q}
+    p_names = [s_names[i] if i is not None else f"u{j}" for j, i in enumerate(chain.perm)]
+    v_t = weighted.inputs[1 - p_side]
+    v_b, p_b = (wlb, wrb)[1 - p_side], (wlb, wrb)[p_side]
+    v_names = [p_names[p_b[v_b.index(a)]] if a in v_b else "sk^" if a == v_seq else "dv^"
+               for a in range(v_t.ndim)]
+    p_free = _free(len(chain.perm), (wl, wr)[p_side], p_b)
+    out_names = [p_names[a] for a in p_b]
+    for side in (0, 1):  # the lhs's free axes, then the rhs's
+        out_names += [p_names[a] for a in p_free] if side == p_side else ["dv^"]
+    return (f"{operand(q_t, q_b, q_c[0], q_names)}, {operand(k_t, k_b, k_c[0], {k_seq: 'sk^'})},"
+            f" {' '.join(v_names)} -> {' '.join(out_names)}")
+
+
+def _block(graph: Graph, sampler: _Sampler, scores: Op, rng: np.random.Generator
+           ) -> AttentionBlock | None:
+    lc, rc, lb, rb = _contracting(scores)
+    if len(lc) != 1:
+        return None
+    lhs, rhs = scores.inputs
+    l_free, r_free = _free(lhs.ndim, lc, lb), _free(rhs.ndim, rc, rb)
+    chain = _Chain(graph, sampler, scores)
+    found = _walk(chain, scores)
+    if found is None:
+        return None
+    weighted, t = found
     wl, wr, wlb, wrb = _contracting(weighted)
     p_side = 0 if weighted.inputs[0].id == t.id else 1
     p_contract = (wl, wr)[p_side]
@@ -400,42 +484,21 @@ def _block(graph: Graph, sampler: _Sampler, scores: Op, rng: np.random.Generator
     # the mask: sampled at (query, key) positions of the scores' axes
     q_out = n_batch + (l_free.index(q_seq) if q_t is lhs else len(l_free) + r_free.index(q_seq))
     n_q = q_t.shape[q_seq]
-    qi, kj = _samples(n_q, n_k, rng)
-    kept, fills = np.ones(len(qi), bool), []
-    for kind, tensor, case, perm in chain.keep:
-        idx = np.zeros((len(qi), tensor.ndim), np.int64)
-        for cur, src in enumerate(perm[:tensor.ndim]):
-            idx[:, cur] = qi if src == q_out else kj if src == k_axis else 0
-        try:
-            values = sampler.at(tensor, idx)
-        except (_NotABlock, IndexError, ValueError, KeyError, TypeError):
-            return None
-        if kind == "select":
-            kept &= values.astype(np.int64) == case
-        elif kind == "fill":
-            fills.append(values)
-        else:
-            if not ((values == 0) | (values <= _FILL)).all():
-                return None
-            kept &= values == 0
-    if any(not (f[~kept] <= _FILL).all() for f in fills):
-        return None
-    causal = n_q == n_k and not kept.all() and bool((kept == (qi >= kj)).all())
-    if not kept.all() and not causal:
+    causal = _mask(sampler, chain, q_out, n_q, n_k, rng)
+    if causal is None:
         return None
     ids = {op.id for op in chain.ops} | {weighted.id}
-    # nothing the block computes leaves it but the weighted sum
-    for op in chain.ops:
-        for o in op.outputs:
-            if any(r.id not in ids for r in graph.consumers.get(o.id, ())) or \
-                    o.id in {x.id for x in graph.outputs}:
-                return None
+    outputs = {x.id for x in graph.outputs}
+    if any(any(r.id not in ids for r in graph.consumers.get(o.id, ())) or o.id in outputs
+           for op in chain.ops for o in op.outputs):
+        return None  # something the block computes is read outside it
     order = [op.id for op in graph.ops if op.id in ids]
+    anno = _annotation(scores, weighted, chain, q_t is lhs, q_seq, k_seq, p_side, v_seq)
     return AttentionBlock(
         scores=scores.id, weighted=weighted.id, ops=tuple(order), q=q_t, k=k_t, v=v_t,
         out=weighted.outputs[0], q_seq=q_seq, k_seq=k_seq, v_seq=v_seq, head_dim=q_c[0],
         k_dim=k_c[0], v_dim=v_free[0], scale=chain.scale, causal=bool(causal),
-        module_path=scores.module_path)
+        module_path=scores.module_path, anno=anno)
 
 
 def attention_blocks(graph: Graph) -> list[AttentionBlock]:
@@ -450,3 +513,64 @@ def attention_blocks(graph: Graph) -> list[AttentionBlock]:
                 out.append(b)
     return out
 
+
+
+def _fusable(graph: Graph, b: AttentionBlock) -> tuple[int, ...] | None:
+    """The boundaries the block's op stays in (remat ones holding all of it), or None when a
+    call bound whole at lowering (a custom derivative, a jit) holds part of the block and
+    something else (it would run the block's ops as written)."""
+    by_id = {x.id: x for x in graph.boundaries}
+    ops = {op.id: op for op in graph.ops}
+    inside = [set(ops[i].boundary) for i in b.ops]
+    keep = []
+    for bid in ops[b.scores].boundary:
+        members = [op.id for op in graph.ops if bid in op.boundary]
+        whole = set(members) <= set(b.ops)
+        if by_id[bid].kind in REMAT_KINDS and all(bid in s for s in inside):
+            keep.append(bid)
+        elif not whole:
+            return None
+    return tuple(keep)
+
+
+def fusable_blocks(graph: Graph) -> tuple[int, ...]:
+    """The scores op ids of the attention blocks :func:`with_fused_attention` can fuse."""
+    return tuple(b.scores for b in attention_blocks(graph) if _fusable(graph, b) is not None)
+
+
+def with_fused_attention(graph: Graph, seeds: Sequence[int]) -> Graph:
+    """``graph`` with each attention block whose scores op id is in ``seeds`` replaced by one
+    :data:`FUSED` op: ``(q, k, v) -> out`` under the block's annotation (sequences and head
+    dims frozen), its scale and mask in the op's params, placed where the weighted sum was, with
+    the scores op's id. Idempotent (a graph that has fused ops is returned as it is).
+
+    Raises:
+        PlanError: a seed that is not the scores op of a fusable block of ``graph`` (a plan
+            made for another model).
+    """
+    if not seeds or any(op.primitive == FUSED for op in graph.ops):
+        return graph
+    want = set(seeds)
+    blocks = {b.weighted: b for b in attention_blocks(graph) if b.scores in want}
+    stays = {b.weighted: _fusable(graph, b) for b in blocks.values()}
+    missing = want - {b.scores for w, b in blocks.items() if stays[w] is not None}
+    if missing:
+        raise PlanError(f"fused attention: op(s) {sorted(missing)} are not the scores of an "
+                        "attention block this graph can run as one op (a plan made for another "
+                        "model?); plan again with Constraints(attention='fused')")
+    drop = {i for b in blocks.values() for i in b.ops}
+    scores = {op.id: op for op in graph.ops if op.id in want}
+    ops = []
+    for op in graph.ops:
+        b = blocks.get(op.id)
+        if b is not None:
+            s = scores[b.scores]
+            params = {"scale": b.scale, "causal": b.causal, "out_dtype": b.out.dtype}
+            ops.append(Op(b.scores, FUSED, (b.q, b.k, b.v), (b.out,), b.anno,
+                          module_path=s.module_path, boundary=stays[op.id],
+                          eqn=SimpleNamespace(primitive=None, params=params)))
+        elif op.id not in drop:
+            ops.append(op)
+    used = {bid for op in ops for bid in op.boundary}
+    return replace(graph, ops=tuple(ops),
+                   boundaries=tuple(x for x in graph.boundaries if x.id in used))

@@ -71,7 +71,8 @@ COSHARD = "coshard"
 PARAM_SHAPED = frozenset({"dynamic_slice", "slice", "pad", "gather", "scatter", "scatter-add",
                           "concatenate", "dynamic_update_slice", "rng_bit_generator",
                           "random_bits"})
-_OUTSIDE = PARAM_SHAPED | {"iota", "conv_general_dilated"}  # never in a block (forward)
+_OUTSIDE = PARAM_SHAPED | {"iota", "conv_general_dilated", "fused_attention"}  # never in a
+# block (forward)
 
 _INLINE = frozenset({"custom_jvp_call"})  # boundaries a block may contain whole (replayed)
 

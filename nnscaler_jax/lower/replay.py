@@ -28,9 +28,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnscaler_jax.cost.relayout import partial_grad_axes
 from nnscaler_jax.errors import PlanError
+from nnscaler_jax.ir.attention import FUSED, with_fused_attention
 from nnscaler_jax.ir.coshard import COSHARD, with_boundaries
 from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout
+from nnscaler_jax.lower.attention import run_fused_attention
 from nnscaler_jax.lower.coshard import run_coshard
 from nnscaler_jax.lower.local import bind_eqn, bind_local, runs_on_pieces
 from nnscaler_jax.lower.regions import chain_prefix, run_cosharded, run_sharded, run_value_chain
@@ -91,7 +93,8 @@ class Lowering:
         # the layout each value was constrained to where it was made (the start of its relayouts)
         self.layouts: dict[int, Layout] = {}
         # remat boundaries: recompute groups and co-sharded blocks
-        self.graph = with_boundaries(self.graph, self.plan.coshard, self.plan.recompute)
+        self.graph = with_boundaries(with_fused_attention(self.graph, self.plan.fused_attention),
+                                     self.plan.coshard, self.plan.recompute)
         self._plans = {p.op: p for p in self.plan.ops}
         self._sole = sole_read_variables(self.graph)
         self._consumer_layout: dict[int, Layout] = {}
@@ -322,6 +325,8 @@ class Lowering:
                                 "co-sharded block and co-sharded (or run on pieces) itself: "
                                 "leave it out of one of the two")
             outs = bind_local(op, ins, ways)
+        elif op.primitive == FUSED:
+            outs = run_fused_attention(self, op, plan, ins, in_lays, out_lays)
         elif plan is not None and plan.chunks:
             outs = run_cosharded(self, op, plan, ins, in_lays, out_lays)
         elif plan is not None and plan.split and runs_on_pieces(op):

@@ -233,6 +233,9 @@ class Plan:
         coshard: co-sharded blocks, ``(seed op id, identifier, chunks)``: the block grown from
             that op along that identifier of its annotation runs as ``chunks`` sequential,
             recomputed chunks per device (:mod:`nnscaler_jax.ir.coshard`).
+        fused_attention: the scores op ids of the attention blocks run as one fused op each
+            (:mod:`nnscaler_jax.ir.attention`; ``Constraints(attention="fused")``): a flash
+            kernel on GPUs, their sequences whole on every device.
     """
 
     mesh: tuple[tuple[str, int], ...]
@@ -249,6 +252,7 @@ class Plan:
     precision: str | None = None
     microbatches: int = 1
     coshard: tuple[tuple[int, str, int], ...] = ()
+    fused_attention: tuple[int, ...] = ()
     # lookups built once per plan (op id -> OpPlan, variable -> spec); not a field of the plan
     _memo: dict = field(default_factory=dict, init=False, compare=False, repr=False,
                         hash=False)
@@ -377,6 +381,8 @@ class Plan:
             d["microbatches"] = self.microbatches
         if self.coshard:
             d["coshard"] = [list(c) for c in self.coshard]
+        if self.fused_attention:
+            d["fused_attention"] = list(self.fused_attention)
         if self.unsplit:
             d["unsplit"] = [dataclasses.asdict(u) for u in self.unsplit]
         return json.dumps(d, indent=1, sort_keys=True)
@@ -418,6 +424,7 @@ class Plan:
                 precision=precision_name(d.get("precision")),
                 microbatches=int(d.get("microbatches", 1)),
                 coshard=tuple((int(i), str(n), int(k)) for i, n, k in d.get("coshard", ())),
+                fused_attention=tuple(int(i) for i in d.get("fused_attention", ())),
             )
         except (ValueError, KeyError, TypeError, IndexError) as e:
             raise PlanFormatError(f"not a valid plan JSON ({type(e).__name__}: {e}); write it "

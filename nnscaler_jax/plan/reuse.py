@@ -18,6 +18,7 @@ from typing import Any
 
 from nnscaler_jax.errors import PlanError, PlanFormatError
 from nnscaler_jax.ir.anno import parse_anno
+from nnscaler_jax.ir.attention import fusable_blocks, with_fused_attention
 from nnscaler_jax.ir.coshard import block_of
 from nnscaler_jax.ir.graph import Graph, Op, Role
 from nnscaler_jax.plan.plan import VALUE, OpPlan, Plan, graph_fingerprint
@@ -33,6 +34,9 @@ def module_part(plan: Plan, graph: Graph) -> Plan | None:
     the module's ops, in the same order, primitives and module paths (their ids shift by the
     loss's own inputs), so the plan's first ops, renumbered, are the module's. None when
     ``graph`` is not such a part of the plan's graph, or the variables differ."""
+    fingerprint = graph_fingerprint(graph)
+    if plan.fused_attention:  # the step's blocks fused: the module's too, to match them
+        graph = with_fused_attention(graph, fusable_blocks(graph))
     ops = list(graph.walk())
     if len(ops) >= len(plan.ops) or any(
             (p.primitive, p.module_path) != (op.primitive, op.module_path)
@@ -41,11 +45,12 @@ def module_part(plan: Plan, graph: Graph) -> Plan | None:
     if not {n for n, _ in plan.variables} <= {t.name for t in graph.variables}:
         return None
     ids = {p.op: op.id for p, op in zip(plan.ops, ops, strict=False)}
-    return replace(plan, fingerprint=graph_fingerprint(graph),
+    return replace(plan, fingerprint=fingerprint,
                    ops=tuple(replace(p, op=ids[p.op]) for p in plan.ops[:len(ops)]),
                    order=tuple((ids[a], ids[b]) for a, b in plan.order
                                if a in ids and b in ids),
                    coshard=tuple((ids[c[0]], *c[1:]) for c in plan.coshard if c[0] in ids),
+                   fused_attention=tuple(ids[i] for i in plan.fused_attention if i in ids),
                    cost=None)
 
 
@@ -54,6 +59,10 @@ def check_reuse(plan: Plan, graph: Graph, mesh_axes: dict[str, int]) -> None:
     same mesh shape and model (:meth:`Plan.check_graph`), and every split, stored variable and
     the pipeline's micro-batch count divides this graph's sizes."""
     plan.check_graph(graph, mesh_axes)
+    try:
+        graph = with_fused_attention(graph, plan.fused_attention)
+    except PlanError as e:
+        raise _corrupted(str(e)) from None
     ops = {op.id: op for op in graph.walk()}
     _check_entries(plan, graph, ops, mesh_axes)
     for p in plan.ops:

@@ -242,6 +242,19 @@ def feature_lines(plan: PlanLike) -> list[str]:
         lines.append(f"co-sharded blocks ({len(plan.coshard)}, each run as sequential "
                      "recomputed chunks): " + "; ".join(list(desc)[:6])
                      + (" ..." if len(desc) > 6 else ""))
+    fused = getattr(plan, "fused_attention", ())
+    if fused:
+        by_id = plan._by_id()
+        desc = {}
+        for i in fused:
+            p = by_id.get(i)
+            split = ", ".join(f"{d} over {a}" for a, d in p.split) if p is not None and \
+                p.split else "replicated"
+            desc.setdefault(split, []).append(p.module_path or "<top>" if p else f"op {i}")
+        lines.append(f"fused attention ({len(fused)} blocks, each one kernel, its sequences "
+                     "whole on every device): " + "; ".join(
+                         f"{', '.join(paths[:3])}{' ...' if len(paths) > 3 else ''} ({split})"
+                         for split, paths in desc.items()))
     partial = sum(p.keep_partial for p in plan.ops)
     if partial:
         lines.append(f"value-split chains: {partial} ops keep partial sums")

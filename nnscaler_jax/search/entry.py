@@ -31,7 +31,8 @@ from typing import Any
 
 from nnscaler_jax.constraints import Constraints
 from nnscaler_jax.cost.model import CostModel
-from nnscaler_jax.errors import NoFitError, PlanError, user_stacklevel
+from nnscaler_jax.errors import ConstraintError, NoFitError, PlanError, user_stacklevel
+from nnscaler_jax.ir.attention import fusable_blocks, with_fused_attention
 from nnscaler_jax.ir.coshard import with_boundaries
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.mesh.axes import mesh_axes
@@ -115,6 +116,8 @@ def plan_spmd(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto"
     axes = mesh_axes(mesh)
     constraints = constraints or Constraints()
     name = policy if policy is not None else "auto"
+    model_graph = graph
+    fused, graph = _fused_attention(graph, constraints)
     constraints.check(graph, axes)
     t0 = time.perf_counter()
     fn = resolve_policy(name, cost_model=cost_model, time_limit=time_limit)
@@ -132,8 +135,8 @@ def plan_spmd(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto"
             raise PlanError(f"policy {label!r} returned {type(result).__name__}, not a Plan: "
                             "end the policy with `return graph.finish()`")
         # the draft's graph has the boundaries; the plan is for the model's graph (reuse)
-        return replace(result, recompute=groups, coshard=blocks,
-                       fingerprint=graph_fingerprint(graph)), draft
+        return replace(result, recompute=groups, coshard=blocks, fused_attention=fused,
+                       fingerprint=graph_fingerprint(model_graph)), draft
 
     def finish(result: Plan) -> Plan:
         # a budgeted search priced its plan on the same graph (the draft's boundaries are the
@@ -170,6 +173,19 @@ def plan_spmd(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto"
     else:
         result, draft = run_priced(forced)
     return Planned(result, time.perf_counter() - t0, getattr(draft, "search_report", None))
+
+
+def _fused_attention(graph: Graph, constraints: Constraints) -> tuple[tuple[int, ...], Graph]:
+    """``Constraints(attention="fused")``: the blocks fused (their scores op ids) and the
+    graph the search plans, with each block one op (:mod:`nnscaler_jax.ir.attention`)."""
+    if constraints.attention != "fused":
+        return (), graph
+    if constraints.pipeline_stages not in (None, 1):
+        raise ConstraintError("Constraints(attention='fused') plans SPMD programs; a pipeline's "
+                              "stages run attention as written (leave pipeline_stages unset, "
+                              "or attention None)")
+    fused = fusable_blocks(graph)
+    return fused, with_fused_attention(graph, fused)
 
 
 def _choose(run_priced: Callable, graph: Graph, forced: tuple[str, ...],

@@ -1,0 +1,114 @@
+"""A fused attention op lowered: one ``shard_map`` over the mesh, each device's attention on its
+own batch and heads, the sequences whole (the op's annotation freezes them).
+
+On GPUs the device's part runs Pallas' Triton flash attention (``jax.experimental.pallas.ops.gpu
+.attention.mha``: forward and backward kernels, the causal tiles above the diagonal skipped, no
+score-sized buffer in memory); elsewhere (and where the kernel's tiling does not fit: a sequence
+that is not a multiple of its 128-row blocks) the same arithmetic as the block's ops, written
+once: the scores in float32, the scale, the causal mask, the softmax, the weighted sum, cast to
+the block's output dtype. For the kernel the operands are laid out as ``[batch, sequence, heads,
+head dim]``: every shared axis (batch, kv heads) folded into the heads, q's other free axes (a
+grouped-query group) too, and k / v repeated over them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from nnscaler_jax.ir.graph import Op
+from nnscaler_jax.layout import Layout
+from nnscaler_jax.plan.plan import OpPlan
+
+__all__ = ["attention_reference", "run_fused_attention"]
+
+_BLOCK = 128  # the kernel's query and key tile
+
+
+def _letters(names: Sequence[str], table: dict[str, str]) -> str:
+    for n in names:
+        table.setdefault(n, "abcdefghijklmnopqrstuvwxyz"[len(table)])
+    return "".join(table[n] for n in names)
+
+
+def _names(op: Op) -> tuple[list[list[str]], list[str]]:
+    anno = op.annotation
+    ins = [[ax.dims[0].name for ax in o.axes] for o in anno.inputs]
+    return ins, [ax.dims[0].name for ax in anno.outputs[0].axes]
+
+
+def attention_reference(op: Op, q: Any, k: Any, v: Any) -> Any:
+    """The block's arithmetic on (local) ``q``, ``k``, ``v`` laid out as the op's annotation."""
+    (qn, kn, vn), on = _names(op)
+    table: dict[str, str] = {}
+    s_names = [n for n in qn if n != "d"] + ["sk"]
+    qs, ks, ss = _letters(qn, table), _letters(kn, table), _letters(s_names, table)
+    vs, os_ = _letters(vn, table), _letters(on, table)
+    s = jnp.einsum(f"{qs},{ks}->{ss}", q, k, preferred_element_type=jnp.float32)
+    s = s * op.params["scale"]
+    if op.params["causal"]:
+        n_q, n_k = q.shape[qn.index("sq")], k.shape[kn.index("sk")]
+        keep = jnp.arange(n_q)[:, None] >= jnp.arange(n_k)[None, :]
+        shape = [1] * s.ndim
+        shape[s_names.index("sq")], shape[-1] = n_q, n_k
+        s = jnp.where(keep.reshape(shape), s, jnp.finfo(jnp.float32).min)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    out = jnp.einsum(f"{ss},{vs}->{os_}", p, v)
+    return out.astype(op.params["out_dtype"])
+
+
+def _kernel_fits(op: Op, q: Any, k: Any) -> bool:
+    (qn, kn, _), _ = _names(op)
+    n_q, n_k, d = q.shape[qn.index("sq")], k.shape[kn.index("sk")], q.shape[qn.index("d")]
+    return n_q % _BLOCK == 0 and n_k % _BLOCK == 0 and d % 16 == 0 and d <= 256
+
+
+def _flash(op: Op, q: Any, k: Any, v: Any, interpret: bool = False) -> Any:
+    """The block through Pallas' flash attention (see the module docs)."""
+    from jax.experimental.pallas.ops.gpu import attention as pallas
+
+    (qn, kn, vn), on = _names(op)
+    shared = [n for n in kn if n not in ("sk", "d")]           # batch, kv heads
+    group = [n for n in qn if n not in shared and n not in ("sq", "d")]
+    qt = jnp.transpose(q, [qn.index(n) for n in (*shared, *group, "sq", "d")])
+    kt = jnp.transpose(k, [kn.index(n) for n in (*shared, "sk", "d")])
+    vt = jnp.transpose(v, [vn.index(n) for n in (*shared, "sk", "dv")])
+    heads = math.prod(qt.shape[:-2])
+    g = math.prod(qt.shape[len(shared):-2])
+    n_q, n_k = qt.shape[-2], kt.shape[-2]
+    # [1, seq, heads, dim]: every shared and group axis folded into the heads
+    qh = jnp.moveaxis(qt.reshape(heads, n_q, -1), 0, 1)[None]
+    kh = jnp.repeat(kt.reshape(-1, n_k, kt.shape[-1]), g, axis=0)
+    vh = jnp.repeat(vt.reshape(-1, n_k, vt.shape[-1]), g, axis=0)
+    kh, vh = jnp.moveaxis(kh, 0, 1)[None], jnp.moveaxis(vh, 0, 1)[None]
+    o = pallas.mha(qh, kh, vh, segment_ids=None, sm_scale=op.params["scale"],
+                   causal=op.params["causal"], interpret=interpret)   # [1, sq, heads, dv]
+    o = jnp.moveaxis(o[0], 1, 0).reshape(*qt.shape[:-2], n_q, vt.shape[-1])
+    have = [*shared, *group, "sq", "dv"]
+    return jnp.transpose(o, [have.index(n) for n in on]).astype(op.params["out_dtype"])
+
+
+def _on_gpu(lw: Any) -> bool:
+    dev = lw.mesh.devices.flat[0] if hasattr(lw.mesh, "devices") else None
+    return getattr(dev, "platform", "") in ("gpu", "cuda", "rocm")
+
+
+def run_fused_attention(lw: Any, op: Op, plan: OpPlan | None, ins: Sequence[Any],
+                        in_lays: Sequence[Layout], out_lays: Sequence[Layout]) -> list[Any]:
+    """Run fused attention ``op`` on each device's batch and heads (``shard_map`` over the
+    mesh; partial sums cannot arise: the op splits no reduced dim)."""
+    gpu = _on_gpu(lw)
+
+    def body(q, k, v):
+        if gpu and _kernel_fits(op, q, k):
+            return _flash(op, q, k, v)
+        return attention_reference(op, q, k, v)
+
+    spec = lambda lay: Layout(lay.dims).to_pspec()  # (no partial sums: nothing is reduced)
+    fn = jax.shard_map(body, mesh=lw.region_mesh(), in_specs=tuple(spec(l) for l in in_lays),
+                       out_specs=spec(out_lays[0]), check_vma=False)
+    return [fn(*[jnp.asarray(x) for x in ins])]
