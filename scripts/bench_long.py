@@ -24,7 +24,9 @@ bandwidth is a floor on the step whatever the FLOPs. And a probe of a fused (fla
 kernel: Pallas' Triton ``mha`` forward + backward for one layer's attention at 128K with the
 heads split 8 ways (the sequence whole on each device, as an all-to-all sequence <-> heads
 plan leaves it) compiled for the same GPU: whether it compiles, its temporary memory, and the
-FLOP floor of its causal work. The probe is not a plan: nothing lowers an attention block to it yet.
+FLOP floor of its causal work. The ``-fused`` cases plan with ``Constraints(attention="fused")``:
+every attention block one op, lowered to that kernel (``128k-bf16-fused`` compiled too with
+``--xla``).
 
 Writes ``results/bench_long.json`` and ``results/bench_long.md``. From the repository root:
 
@@ -351,10 +353,8 @@ def write_md(results: dict) -> str:
                     f"(temporaries {p['temp_bytes'] / 2**20:.0f} MiB): its causal FLOPs take at "
                     f"least {p['floor_s_per_layer']:.2f} s per layer, "
                     f"{p['floor_s_all_layers']:.1f} s for the 32 layers at 0.8 of the peak, "
-                    "and no score-sized buffer touches HBM. Lowering attention blocks to such "
-                    "a kernel (with all-to-all sequence <-> heads around it, or ring / zigzag "
-                    "with its log-sum-exp) is what the per-sequence figure needs to reach "
-                    "nnScaler's 10.3 s.")
+                    "and no score-sized buffer touches HBM. `Constraints(attention='fused')` "
+                    "lowers every attention block to it (the `-fused` cases).")
             else:
                 lines.append(f"- the flash-attention probe did not compile: {p['error']}")
     y = results["cases"].get("128k-bf16-fused", {}).get("xla")
