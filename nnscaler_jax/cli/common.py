@@ -254,7 +254,7 @@ PLAN_HELP = ("run the plan saved by 'plan --out FILE' instead of planning; one f
 # the flags that shape a plan, as ``--flag`` -> the attribute (``plan`` and ``train`` share them)
 PLAN_FLAGS = {"--policy": "policy", "--zero": "zero", "--microbatches": "microbatches",
               "--precision": "precision", "--pipeline": "pipeline", "--schedule": "schedule",
-              "--budget": "budget"}
+              "--attention": "attention", "--budget": "budget"}
 
 
 def add_plan_settings(p: argparse.ArgumentParser) -> None:
@@ -279,6 +279,15 @@ def add_plan_settings(p: argparse.ArgumentParser) -> None:
                    choices=("1f1b", "gpipe", "interleaved", "interlaced", "nf1b"),
                    help="pipeline schedule (default: the cheapest the runtime executes)")
     p.add_argument("--batch-size", type=int, help="global batch size (default: the preset's)")
+    add_attention_flag(p)
+
+
+def add_attention_flag(p: argparse.ArgumentParser) -> None:
+    """``--attention fused``: ``Constraints(attention="fused")``."""
+    p.add_argument("--attention", default=None, choices=("fused",),
+                   help="fused: every attention block as one flash kernel on GPUs, its "
+                        "sequences whole (split ones move to the heads by all-to-all); "
+                        "default: attention as the model writes it")
 
 
 def plan_constraints(args: argparse.Namespace) -> Any:
@@ -291,6 +300,7 @@ def plan_constraints(args: argparse.Namespace) -> Any:
         return Constraints(zero=args.zero, microbatches=args.microbatches,
                            precision=args.precision, pipeline_stages=args.pipeline or None,
                            schedule=getattr(args, "schedule", None),
+                           attention=getattr(args, "attention", None),
                            max_memory_per_device=budget)
     except PlanError as e:
         raise UsageError(cli_terms(str(e).splitlines()[0], args)) from None

@@ -271,7 +271,8 @@ def _features_text(f: dict[str, Any] | None) -> str:
     parts = [f"recompute {len(f['recompute'])}" if f["recompute"] else "",
              f"co-shard {len(f['cosharded'])}" if f["cosharded"] else "",
              f"{f['microbatches']} micro-batches" if f["microbatches"] > 1 else "",
-             f"{f['stages']} stages" if f["stages"] > 1 else ""]
+             f"{f['stages']} stages" if f["stages"] > 1 else "",
+             f"fused attention {len(f['fused_attention'])}" if f.get("fused_attention") else ""]
     return ", ".join(p for p in parts if p) or "-"
 
 
@@ -306,6 +307,18 @@ def _precision(args: argparse.Namespace) -> str | None:
                          "float32 (default: the model's own dtypes)") from None
 
 
+def _attention(args: argparse.Namespace) -> Any:
+    """``--attention fused``: the constraints every planner plans under (None: none)."""
+    if getattr(args, "attention", None) is None:
+        return None
+    if getattr(args, "pipelines", False):
+        raise UsageError("--attention fused plans SPMD programs: drop --pipelines, or "
+                         "--attention")
+    from nnscaler_jax.constraints import Constraints
+
+    return Constraints(attention=args.attention)
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     import jax
 
@@ -326,6 +339,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         args.preset.startswith("tiny")
     results: dict[str, dict[str, Any]] = {}
     saved = load_plan(args.plan) if getattr(args, "plan", None) else None
+    attention = _attention(args)
     for name in planners + ([f"plan:{args.plan}"] if saved is not None else []):
         if name.startswith("plan:"):  # the saved plan, priced under the same budget
             here = _saved_graph(saved, args, spec, graph, precision)
@@ -333,7 +347,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         elif getattr(args, "pipelines", False):
             plan, results[name] = best_over_meshes(name, graph, mesh, cluster, explicit)
         else:
-            plan, results[name] = one_planner(name, graph, mesh, cluster, explicit)
+            plan, results[name] = one_planner(name, graph, mesh, cluster, explicit,
+                                              constraints=attention)
         if plan is not None and compile_here and plan.pipeline is None:
             results[name].update(_compiled_figures(spec, mesh, plan))
         if plan is not None and getattr(args, "xla", False):

@@ -11,7 +11,7 @@ line's flags (:func:`~nnscaler_jax.cli.common.cli_terms`); each warning prints o
 
 ``plan`` and ``train`` share the options that shape a plan (``--policy``, ``--budget``,
 ``--zero``, ``--microbatches``, ``--precision``, ``--pipeline``, ``--schedule``,
-``--batch-size``): ``plan`` makes the plan ``train`` runs, and refuses what ``train`` refuses.
+``--attention``, ``--batch-size``): ``plan`` makes the plan ``train`` runs, and refuses what ``train`` refuses.
 ``plan --out FILE`` writes it; ``train``, ``verify`` and ``compare`` take it as ``--plan FILE``.
 
 Before JAX starts its backends, :func:`main` sets ``XLA_FLAGS`` to ask for ``--devices`` virtual
@@ -36,6 +36,7 @@ from nnscaler_jax.cli.common import (
     DEFAULT_PLANNERS,
     PLAN_HELP,
     UsageError,
+    add_attention_flag,
     add_plan_settings,
     backends_started,
     cli_terms,
@@ -130,6 +131,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="compute precision of every planner's plan: bfloat16, float16 or float32 "
                         "(params and inputs cast on entry; float32 master weights and optimizer "
                         "state); default: the model's own dtypes")
+    add_attention_flag(c)
     c.add_argument("--pipelines", action="store_true",
                    help="let the searches (auto, alpa) also use the mesh's devices as pipeline "
                         "stages x data x model (the stage DP picks schedule, micro-batches and "

@@ -24,7 +24,7 @@ from nnscaler_jax.errors import NoFitError
 from nnscaler_jax.plan.plan import OpPlan, PipelineSettings, Plan
 
 KEYS = {"fits", "step_time_s", "memory_bytes_per_device", "comm_bytes", "search_s", "features"}
-FEATURES = {"recompute", "cosharded", "microbatches", "stages"}
+FEATURES = {"recompute", "cosharded", "microbatches", "stages", "fused_attention"}
 V100_BUDGET = 32 * 2**30 - int(32 * 2**30 * DEFAULT_RESERVE_FRACTION)
 
 
@@ -114,7 +114,7 @@ def test_features_of_a_plan():
     assert f["recompute"] == list(getattr(plan, "recompute", ()) or ())
     flat = Plan(mesh=(("model", 4),), fingerprint="x", ops=ops[1:])
     assert plan_features(flat) == {"recompute": [], "cosharded": [], "microbatches": 1,
-                                   "stages": 1}
+                                   "stages": 1, "fused_attention": []}
     json.dumps(f)
     if "recompute" in {x.name for x in dataclasses.fields(Plan)}:  # the search's groups
         again = dataclasses.replace(flat, recompute=("h_0", "h_1/*"))
@@ -194,3 +194,25 @@ def test_the_pipelined_plan_it_chooses_trains_like_one_device(gpt16):
                                 jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-6,
                                    err_msg=jax.tree_util.keystr(path))
+
+
+def test_attention_fused_from_the_command_line(capsys, tmp_path):
+    """``--attention fused``: compare's plans fuse every block (Llama-3-8B at 128K on H100s: the
+    step far below the unfused plan's), ``plan --out`` saves it, ``train --plan`` refuses the
+    flag again (the saved plan runs as made)."""
+    args = ("--model", "llama", "--preset", "llama3-8b-128k", "--mesh", "2x4", "--cluster",
+            "h100-80g-8x", "--planners", "auto", "--precision", "bfloat16", "--json")
+    _, _, fused = _run(capsys, *args, "--attention", "fused")
+    _, _, plain = _run(capsys, *args)
+    f, p = fused["planners"]["auto"], plain["planners"]["auto"]
+    assert f["fits"] and len(f["features"]["fused_attention"]) == 32
+    assert not p["features"]["fused_attention"]
+    assert f["step_time_s"] < p["step_time_s"] / 3
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt", "--preset", "tiny", "--mesh", "2x4", "--attention",
+                 "fused", "--out", str(out), "--json"]) == 0
+    assert json.loads(out.read_text())["fused_attention"]
+    capsys.readouterr()
+    assert main(["train", "--model", "gpt", "--preset", "tiny", "--mesh", "2x4", "--steps", "1",
+                 "--plan", str(out), "--attention", "fused"]) == 2
+    assert "--attention fused" in capsys.readouterr().err
