@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from nnscaler_jax.cost.devices import default_budget_of
@@ -37,6 +37,7 @@ __all__ = ["XlaCheck", "check_compiled", "check_step", "collective_totals"]
 # the suite's XLA:CPU remat flag (mesh/cpu.py) has no meaning on GPU, where it breaks the
 # compile ("Unsupported instruction opcode: opt-barrier"): every GPU compile runs all passes
 GPU_COMPILER_OPTIONS = {"xla_disable_hlo_passes": ""}
+_NO_TILING = "Couldn't find output tile sizes"
 
 _INVOLUNTARY = "Involuntary full rematerialization"
 _XLA_REMAT = re.compile(r"Can't reduce memory use below")
@@ -124,6 +125,8 @@ def check_step(step: Any, variables: Any, batch: Sequence[Any], *, rng: Any = No
     Raises:
         PlanError: a pipelined step (its stages are separate programs), or an nnx module.
     """
+    import jax
+
     from nnscaler_jax.errors import PlanError
 
     if not hasattr(step, "abstract_init"):
@@ -131,8 +134,19 @@ def check_step(step: Any, variables: Any, batch: Sequence[Any], *, rng: Any = No
                         "pipelined plan's stages compile as separate programs)")
     state, laid = step.abstract_init(variables, *batch, rng=rng)
     t0 = time.perf_counter()
+    options = {**(step.compiler_options or {}), **GPU_COMPILER_OPTIONS}
+    note = None
     with xla_stderr(echo=echo) as log:
         lowered = step.jitted.lower(state, laid)
-        compiled = lowered.compile({**(step.compiler_options or {}), **GPU_COMPILER_OPTIONS})
-    return check_compiled(compiled, log[0], step.mesh, time.perf_counter() - t0)
+        try:
+            compiled = lowered.compile(options)
+        except jax.errors.JaxRuntimeError as e:
+            if _NO_TILING not in str(e):
+                raise
+            # XLA's Triton GEMM emitter finds no tiling for a matmul (jax 0.10.2; MoE's
+            # expert matmuls): compile with cuBLAS GEMMs instead, and say so
+            compiled = lowered.compile({**options, "xla_gpu_enable_triton_gemm": False})
+            note = "compiled with xla_gpu_enable_triton_gemm=false (no Triton tiling found)"
+    check = check_compiled(compiled, log[0], step.mesh, time.perf_counter() - t0)
+    return check if note is None else replace(check, notes=(*check.notes, note))
 

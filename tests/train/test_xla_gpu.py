@@ -191,3 +191,15 @@ def test_async_collectives_count_their_results():
     assert "reduce-scatter-start" in text and "all-gather-start" in text
     assert got["reduce_scatter"] == {"count": 1, "bytes": 64 * 128 * 4, "plan_bytes": 64 * 512 * 4}
     assert got["all_gather"] == {"count": 1, "bytes": 64 * 512 * 4, "plan_bytes": 64 * 512 * 4}
+
+
+def test_a_step_without_triton_tiling_compiles_with_cublas_gemms(capsys):
+    """MoE-380M's float32 expert GEMMs get no Triton tiling from XLA:GPU without autotuning
+    (jax 0.10.2: "Couldn't find output tile sizes"): the check compiles again with cuBLAS GEMMs
+    and says so, instead of reporting no figure."""
+    code = main(["compare", "--model", "moe", "--preset", "moe-380m", "--mesh", "2x4",
+                 "--cluster", "a100-80g-8x", "--planners", "auto", "--xla", "--json"])
+    assert code == 0
+    x = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["planners"]["auto"]["xla"]
+    assert "error" not in x and x["peak_bytes"] > 0
+    assert any("xla_gpu_enable_triton_gemm=false" in n for n in x["notes"])
