@@ -36,6 +36,7 @@ Writes ``results/bench_long.json`` and ``results/bench_long.md``. From the repos
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -52,6 +53,7 @@ from models import llama
 from nnscaler_jax import Constraints
 from nnscaler_jax.cli.common import capture_model, model_spec, spec_mutable
 from nnscaler_jax.cli.compare import one_planner
+from nnscaler_jax.cli.xla import xla_entry
 from nnscaler_jax.cost.compute import MATMUL
 from nnscaler_jax.cost.devices import cluster_preset
 from nnscaler_jax.cost.model import CostModel
@@ -88,11 +90,6 @@ def model_flops(cfg: llama.Config, params: int, sequences: int) -> dict[str, flo
     nnscaler = 3 * 2 * (params * s + 2 * L * h * s * s) * sequences
     causal = 3 * 2 * (params * s + L * h * s * s) * sequences
     return {"nnscaler_count": nnscaler, "causal": causal}
-
-
-def param_count(spec) -> int:
-    shapes = jax.eval_shape(spec.init, jax.random.key(0))
-    return int(sum(math.prod(x.shape) for x in jax.tree.leaves(shapes["params"])))
 
 
 # ---- where the predicted time goes ---------------------------------------------------------
@@ -169,33 +166,17 @@ def _label(key: str) -> str:
 # ---- XLA:GPU --------------------------------------------------------------------------------
 
 def xla_figures(spec, plan, cluster, axes: dict) -> dict:
-    """The step compiled for compile-only GPUs of ``cluster``: peak and score-sized traffic."""
-    import optax
-
-    from nnscaler_jax.api import auto_parallel
-    from nnscaler_jax.cli.common import abstract_inputs
-    from nnscaler_jax.cost.devices import compile_only_mesh
-    from nnscaler_jax.lower.hlo import hlo_traffic, xla_stderr
-    from nnscaler_jax.train.xla_gpu import GPU_COMPILER_OPTIONS, check_compiled
-
-    mesh = compile_only_mesh(cluster, tuple(axes.values()), tuple(axes))
-    step = auto_parallel(mesh, plan=plan)(spec.module).train_step(spec.loss_fn,
-                                                                   optax.adamw(1e-4))
-    args, variables = abstract_inputs(spec)
-    state, laid = step.abstract_init(variables, *args)
-    t0 = time.perf_counter()
-    with xla_stderr() as log:
-        compiled = step.jitted.lower(state, laid).compile(
-            {**(step.compiler_options or {}), **GPU_COMPILER_OPTIONS})
-    check = check_compiled(compiled, log[0], mesh, time.perf_counter() - t0)
-    traffic = hlo_traffic(compiled.as_text(), 10**9)
-    dev = cluster.device
-    return {"peak_bytes": check.peak_bytes, "xla_remat": check.xla_remat,
-            "over_estimate": check.peak_bytes / plan.cost.memory_bytes_per_device,
-            "compile_s": check.compile_s,
-            "traffic_bytes": traffic.bytes, "traffic_kernels": traffic.kernels,
-            "traffic_by_kind": traffic.by_kind,
-            "traffic_floor_s": traffic.bytes / (dev.bandwidth * dev.bandwidth_efficiency)}
+    """The step compiled for compile-only GPUs of ``cluster`` (``cli.xla.xla_entry``): peak and
+    the traffic of buffers of 1 GB or more."""
+    x = xla_entry(spec, plan, cluster, axes, traffic_min_bytes=10**9)
+    if "error" in x:
+        return x
+    t, dev = x["traffic"], cluster.device
+    return {"peak_bytes": x["peak_bytes"], "xla_remat": x["xla_remat"],
+            "over_estimate": x["over_estimate"], "compile_s": x["compile_s"],
+            "notes": x["notes"], "traffic_bytes": t["bytes"], "traffic_kernels": t["kernels"],
+            "traffic_by_kind": t["by_kind"],
+            "traffic_floor_s": t["bytes"] / (dev.bandwidth * dev.bandwidth_efficiency)}
 
 
 def flash_probe(cluster, cfg: llama.Config, ways: int) -> dict:
@@ -248,8 +229,8 @@ def run_case(name: str, xla: bool) -> dict:
     if plan is None:
         return out
     cfg = models.preset_info("llama", PRESET).config
-    cfg = type(cfg)(**{**cfg.__dict__, "seq_len": seq})
-    flops = model_flops(cfg, param_count(spec), sequences)
+    cfg = dataclasses.replace(cfg, seq_len=seq)   # (the parameters do not depend on it)
+    flops = model_flops(cfg, models.param_count("llama", PRESET), sequences)
     peak = cluster.device.flops * devices
     out["step_per_sequence_s"] = entry["step_time_s"] / sequences
     out["model_flops"] = flops
@@ -265,8 +246,7 @@ def run_case(name: str, xla: bool) -> dict:
 
 def _seed() -> dict:
     cfg = models.preset_info("llama", PRESET).config
-    spec = models.get("llama", PRESET)
-    flops = model_flops(cfg, param_count(spec), SEED["sequences"])
+    flops = model_flops(cfg, models.param_count("llama", PRESET), SEED["sequences"])
     peak = cluster_preset(CLUSTER).device.flops * 8
     return {**SEED, "step_per_sequence_s": SEED["step_time_s"] / SEED["sequences"],
             "mfu": {k: f / (SEED["step_time_s"] * peak) for k, f in flops.items()}}

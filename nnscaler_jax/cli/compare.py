@@ -88,9 +88,8 @@ def plan_features(plan: Any) -> dict[str, Any]:
     # chunked ops do not run)
     groups = (plan.pipeline.recomputed() if plan.pipeline is not None
               else list(getattr(plan, "recompute", ()) or ()))
-    by_op = {p.op: p for p in plan.ops}
-    fused = [[by_op[i].module_path if i in by_op else f"op {i}",
-              ", ".join(f"{d} over {a}" for a, d in by_op[i].split) if i in by_op else ""]
+    fused = [[by_id[i].module_path if i in by_id else f"op {i}",
+              ", ".join(f"{d} over {a}" for a, d in by_id[i].split) if i in by_id else ""]
              for i in getattr(plan, "fused_attention", ()) or ()]
     return {"recompute": [jsonable(g) for g in groups],
             "fused_attention": fused,

@@ -36,9 +36,12 @@ def check_cluster(args: Any) -> None:
                          "a100-80g-8x, h100-80g-8x, h200-8x)")
 
 
-def xla_entry(spec: Any, plan: Any, cluster: Any, axes: dict[str, int]) -> dict[str, Any]:
+def xla_entry(spec: Any, plan: Any, cluster: Any, axes: dict[str, int],
+              traffic_min_bytes: int | None = None) -> dict[str, Any]:
     """The ``xla`` JSON entry of ``plan`` (made for ``spec``'s model on a mesh ``axes``)
-    compiled for ``cluster``'s GPU; ``{"error": ...}`` when it cannot be compiled here."""
+    compiled for ``cluster``'s GPU; ``{"error": ...}`` when it cannot be compiled here.
+    ``traffic_min_bytes``: with ``traffic``, the bytes of buffers of at least that size its
+    kernels move (:func:`~nnscaler_jax.lower.hlo.hlo_traffic`)."""
     import jax
     import optax
 
@@ -58,7 +61,7 @@ def xla_entry(spec: Any, plan: Any, cluster: Any, axes: dict[str, int]) -> dict[
                              rng_streams=spec.rng_streams or ("dropout",))
         args, variables = abstract_inputs(spec)
         rng = jax.random.key(0) if spec.rng_streams else None
-        check = check_step(step, variables, args, rng=rng)
+        check = check_step(step, variables, args, rng=rng, traffic_min_bytes=traffic_min_bytes)
     except PlanError as e:
         return {"error": str(e).splitlines()[0]}
     except jax.errors.JaxRuntimeError as e:  # the compiler's own failure, said in one line

@@ -15,7 +15,7 @@ A block is two ``dot_general`` ops and the ops between them:
 
 Nothing the chain computes may be read outside the block. The mask is identified by sampling:
 the constant-and-position subgraph that makes it is evaluated at sampled (query, key) positions
-(:func:`_sample`), and must keep exactly the pairs with ``query >= key`` (causal) or every pair
+(:class:`_Sampler`), and must keep exactly the pairs with ``query >= key`` (causal) or every pair
 (no mask). A chain with anything else (a soft-capping ``tanh``, a mask read from the batch, a
 dropout) is not a block: it stays as written.
 
@@ -95,14 +95,13 @@ class _NotABlock(Exception):
     """The chain is not one this module identifies."""
 
 
-
 _ELEMENTWISE = {
     "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
     "max": np.maximum, "min": np.minimum, "ge": np.greater_equal, "gt": np.greater,
     "le": np.less_equal, "lt": np.less, "eq": np.equal, "ne": np.not_equal,
     "and": np.logical_and, "or": np.logical_or, "not": np.logical_not, "neg": np.negative,
     "sqrt": np.sqrt, "rsqrt": lambda x: 1.0 / np.sqrt(x), "exp": np.exp, "log": np.log,
-    "abs": np.abs, "pow": np.power, "integer_pow": None,
+    "abs": np.abs, "pow": np.power,
 }
 _PASS = frozenset({"convert_element_type", "stop_gradient", "copy", "copy_p"})
 _FILL = -1e9  # a masked score's fill: at most this
@@ -121,15 +120,22 @@ class _Sampler:
     def __init__(self, graph: Graph):
         self.producer = graph.producer
         self.inputs = {t.id: t for t in graph.inputs}
+        self._const: dict[int, bool] = {}
 
     def const(self, t: Tensor) -> bool:
-        """Whether ``t`` depends on constants and positions only."""
-        op = self.producer.get(t.id)
-        if op is None:
-            src = self.inputs.get(t.id)
-            return (src is not None and src.role is Role.CONST) or \
-                (src is None and t.ndim == 0 and t.value is not None)
-        return not op.regions and all(self.const(x) for x in op.inputs)
+        """Whether ``t`` depends on constants and positions only (memoised: a mask's subgraph
+        is asked about once per block that reads it)."""
+        known = self._const.get(t.id)
+        if known is None:
+            op = self.producer.get(t.id)
+            if op is None:
+                src = self.inputs.get(t.id)
+                known = (src is not None and src.role is Role.CONST) or \
+                    (src is None and t.ndim == 0 and t.value is not None)
+            else:
+                known = not op.regions and all(self.const(x) for x in op.inputs)
+            self._const[t.id] = known
+        return known
 
     def at(self, t: Tensor, idx: np.ndarray) -> np.ndarray:
         """``t`` at the rows of ``idx`` (``[N, t.ndim]``)."""
@@ -160,7 +166,7 @@ class _Sampler:
             for i, src in enumerate(p["permutation"]):
                 sub[:, src] = idx[:, i]
             return self.at(x, sub)
-        if prim in ("convert_element_type",) or prim in _PASS:
+        if prim in _PASS:
             v = self.at(op.inputs[0], idx)
             return v.astype(_numpy_dtype(p["new_dtype"])) if "new_dtype" in p else v
         if prim == "select_n":
@@ -271,10 +277,10 @@ class _Chain:
     def own(self, t: Tensor) -> None:
         """The ops making constant ``t`` that only the block reads join it."""
         op = self.sampler.producer.get(t.id)
-        if op is None or op in self.ops:
+        ids = {o.id for o in self.ops}
+        if op is None or op.id in ids:
             return
-        if all(r in self.ops or any(r is o for o in self.ops)
-               for r in self.graph.consumers.get(t.id, ())):
+        if all(r.id in ids for r in self.graph.consumers.get(t.id, ())):
             self.ops.append(op)
             for x in op.inputs:
                 self.own(x)
@@ -311,9 +317,8 @@ class _Chain:
         m, path = self.follow(rmax.outputs[0], frozenset({"max", "broadcast_in_dim",
                                                           "stop_gradient", "transpose", *_PASS}))
         for op in path:
-            if op.primitive == "max":
-                self.scalar(self.other(op, op.inputs[1] if op.inputs[0].ndim == 0
-                                       else op.inputs[0]))
+            if op.primitive == "max":  # the max with a constant (-inf): its scalar operand
+                self.scalar(min(op.inputs, key=lambda x: x.ndim))
         if self.sole(m) is not sub or sub.inputs[1].id != m.id:
             raise _NotABlock("the row max does not meet the scores")
         e, casts = self.follow(sub.outputs[0], frozenset(_PASS))

@@ -22,7 +22,6 @@ import jax.numpy as jnp
 
 from nnscaler_jax.ir.graph import Op
 from nnscaler_jax.layout import Layout
-from nnscaler_jax.plan.plan import OpPlan
 
 __all__ = ["attention_reference", "run_fused_attention"]
 
@@ -97,8 +96,8 @@ def _on_gpu(lw: Any) -> bool:
     return getattr(dev, "platform", "") in ("gpu", "cuda", "rocm")
 
 
-def run_fused_attention(lw: Any, op: Op, plan: OpPlan | None, ins: Sequence[Any],
-                        in_lays: Sequence[Layout], out_lays: Sequence[Layout]) -> list[Any]:
+def run_fused_attention(lw: Any, op: Op, ins: Sequence[Any], in_lays: Sequence[Layout],
+                        out_lays: Sequence[Layout]) -> list[Any]:
     """Run fused attention ``op`` on each device's batch and heads (``shard_map`` over the
     mesh; partial sums cannot arise: the op splits no reduced dim)."""
     gpu = _on_gpu(lw)

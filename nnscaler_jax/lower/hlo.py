@@ -297,7 +297,7 @@ def hlo_traffic(hlo_text: str, min_bytes: int) -> HloTraffic:
             elif opcode in ("call", "conditional"):
                 for callee in re.findall(r"(?:to_apply|branch_computations=\{|, )%([\w.\-]+)",
                                          rest.split("metadata=")[0]):
-                    if callee in comps and callee not in sizes:
+                    if callee in comps:
                         visit(callee, times)
 
     if entry is not None:

@@ -326,7 +326,7 @@ class Lowering:
                                 "leave it out of one of the two")
             outs = bind_local(op, ins, ways)
         elif op.primitive == FUSED:
-            outs = run_fused_attention(self, op, plan, ins, in_lays, out_lays)
+            outs = run_fused_attention(self, op, ins, in_lays, out_lays)
         elif plan is not None and plan.chunks:
             outs = run_cosharded(self, op, plan, ins, in_lays, out_lays)
         elif plan is not None and plan.split and runs_on_pieces(op):

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from nnscaler_jax.cost.devices import default_budget_of
-from nnscaler_jax.lower.hlo import hlo_collectives, xla_stderr
+from nnscaler_jax.lower.hlo import hlo_collectives, hlo_traffic, xla_stderr
 
 __all__ = ["XlaCheck", "check_compiled", "check_step", "collective_totals"]
 
@@ -62,10 +62,16 @@ class XlaCheck:
     comm_bytes: int = 0  # the collectives' plan_bytes: comparable with a plan's comm_bytes
     compile_s: float = 0.0
     notes: tuple[str, ...] = ()
+    # asked for (``traffic_min_bytes``): the bytes of large buffers its kernels move
+    # (:func:`~nnscaler_jax.lower.hlo.hlo_traffic`): ``{"min_bytes", "bytes", "kernels",
+    # "by_kind"}``
+    traffic: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["notes"] = list(self.notes)
+        if self.traffic is None:
+            del out["traffic"]
         return out
 
 
@@ -88,8 +94,10 @@ def collective_totals(hlo_text: str, mesh: Any) -> dict[str, dict[str, int]]:
     return dict(sorted(out.items()))
 
 
-def check_compiled(compiled: Any, log: str, mesh: Any, compile_s: float = 0.0) -> XlaCheck:
-    """An :class:`XlaCheck` of a compiled program and what XLA logged compiling it."""
+def check_compiled(compiled: Any, log: str, mesh: Any, compile_s: float = 0.0,
+                   traffic_min_bytes: int | None = None) -> XlaCheck:
+    """An :class:`XlaCheck` of a compiled program and what XLA logged compiling it;
+    ``traffic_min_bytes``: also the traffic of its buffers of at least that size."""
     m = compiled.memory_analysis()
     peak = int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
                - m.alias_size_in_bytes)
@@ -113,14 +121,21 @@ def check_compiled(compiled: Any, log: str, mesh: Any, compile_s: float = 0.0) -
         fits=bool(memory == 0 or peak <= memory), xla_remat=bool(renamed or warned),
         involuntary_remat=log.count(_INVOLUNTARY), collectives=collectives,
         comm_bytes=sum(e["plan_bytes"] for e in collectives.values()), compile_s=compile_s,
-        notes=tuple(notes))
+        notes=tuple(notes), traffic=None if traffic_min_bytes is None else _traffic(
+            text, traffic_min_bytes))
+
+
+def _traffic(text: str, min_bytes: int) -> dict[str, Any]:
+    t = hlo_traffic(text, min_bytes)
+    return {"min_bytes": min_bytes, "bytes": t.bytes, "kernels": t.kernels, "by_kind": t.by_kind}
 
 
 def check_step(step: Any, variables: Any, batch: Sequence[Any], *, rng: Any = None,
-               echo: bool = False) -> XlaCheck:
+               echo: bool = False, traffic_min_bytes: int | None = None) -> XlaCheck:
     """Compile ``step`` (an SPMD ``pm.train_step(...)`` of a wrapper over a compile-only mesh)
     for its GPU and check it: nothing is allocated, ``variables`` and ``batch`` may be
     ``jax.ShapeDtypeStruct`` values. ``echo``: also write XLA's log to stderr.
+    ``traffic_min_bytes``: also count the traffic of buffers of at least that size.
 
     Raises:
         PlanError: a pipelined step (its stages are separate programs), or an nnx module.
@@ -147,6 +162,7 @@ def check_step(step: Any, variables: Any, batch: Sequence[Any], *, rng: Any = No
             # expert matmuls): compile with cuBLAS GEMMs instead, and say so
             compiled = lowered.compile({**options, "xla_gpu_enable_triton_gemm": False})
             note = "compiled with xla_gpu_enable_triton_gemm=false (no Triton tiling found)"
-    check = check_compiled(compiled, log[0], step.mesh, time.perf_counter() - t0)
+    check = check_compiled(compiled, log[0], step.mesh, time.perf_counter() - t0,
+                           traffic_min_bytes)
     return check if note is None else replace(check, notes=(*check.notes, note))
 
