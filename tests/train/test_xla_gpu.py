@@ -203,3 +203,19 @@ def test_a_step_without_triton_tiling_compiles_with_cublas_gemms(capsys):
     x = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["planners"]["auto"]["xla"]
     assert "error" not in x and x["peak_bytes"] > 0
     assert any("xla_gpu_enable_triton_gemm=false" in n for n in x["notes"])
+
+
+def test_the_check_counts_large_buffer_traffic_when_asked():
+    """``check_step(..., traffic_min_bytes=N)``: the bytes the step's kernels move in buffers of
+    at least N (``lower.hlo.hlo_traffic`` of the compiled text), none unless asked."""
+    spec = models.get("gpt", "tiny")
+    args, variables = spec_inputs(spec)
+    step = auto_parallel(_mesh(), policy="megatron")(spec.module).train_step(
+        spec.loss_fn, optax.adam(1e-3))
+    plain = check_step(step, variables, args)
+    assert plain.traffic is None and "traffic" not in plain.to_json()
+    small, large = (check_step(step, variables, args, traffic_min_bytes=n).traffic
+                    for n in (1, 1 << 40))
+    assert small["bytes"] > 0 and small["kernels"] > 0 and small["min_bytes"] == 1
+    assert sum(small["by_kind"].values()) == small["bytes"]
+    assert large["bytes"] == 0   # no buffer of a TiB
