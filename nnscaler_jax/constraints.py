@@ -169,9 +169,12 @@ class Constraints:
     ``attention``: ``"fused"`` runs every attention block the graph holds
     (:mod:`nnscaler_jax.ir.attention`) as one fused op, a flash-attention kernel on GPUs
     (Pallas' Triton ``mha``), priced as one: its causal half of two matmuls forward, five
-    backward, no score-sized buffer; its sequences stay whole on each device, so a plan that
-    splits the sequence elsewhere moves it to the heads around attention (all-to-all, as
-    DeepSpeed-Ulysses). None (the default): attention runs as the model writes it.
+    backward, no score-sized buffer. Where the model splits the sequence, the search chooses
+    per attention op between moving it to the heads around attention (all-to-all, as
+    DeepSpeed-Ulysses) and context parallelism: the op split on its sequence, K / V rotated
+    around the devices (:mod:`nnscaler_jax.lower.ring`), zigzag-balanced when causal, ring
+    otherwise. ``"ring"`` / ``"zigzag"``: fused, and a sequence-split op runs with that layout
+    (the search prices it so). None (the default): attention runs as the model writes it.
 
     >>> Constraints(precision="bf16").precision
     'bfloat16'
@@ -186,7 +189,7 @@ class Constraints:
     logical_rules: tuple[tuple[str, str | None], ...] = ()
     precision: Literal["float32", "bfloat16", "float16"] | None = None
     pipeline_pivots: tuple[str, ...] = ()
-    attention: Literal["fused"] | None = None
+    attention: Literal["fused", "ring", "zigzag"] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.rules, Rule | str) or not _iterable(self.rules):
@@ -215,9 +218,11 @@ class Constraints:
         object.__setattr__(self, "precision",
                            precision_name(self.precision,
                                           f"Constraints(precision={self.precision!r})"))
-        if self.attention not in (None, "fused"):
+        if self.attention not in (None, "fused", "ring", "zigzag"):
             raise ConstraintError(f"Constraints(attention={self.attention!r}): use 'fused' (each "
-                                  "attention block as one flash kernel) or None (as written)")
+                                  "attention block as one flash kernel, the search choosing how "
+                                  "a split sequence runs), 'ring' or 'zigzag' (fused, a split "
+                                  "sequence runs that way) or None (as written)")
         if self.max_memory_per_device is not None:
             object.__setattr__(self, "max_memory_per_device",
                                parse_bytes(self.max_memory_per_device))

@@ -53,6 +53,7 @@ from nnscaler_jax.cli.common import (
 )
 from nnscaler_jax.cli.xla import check_cluster, xla_entry, xla_text
 from nnscaler_jax.mesh.axes import mesh_axes, stage_axis
+from nnscaler_jax.plan.view import fused_attention_rows
 
 __all__ = ["cluster_arg", "cmd_compare", "compare_mesh", "one_planner", "plan_features",
            "smallest_estimate"]
@@ -88,9 +89,7 @@ def plan_features(plan: Any) -> dict[str, Any]:
     # chunked ops do not run)
     groups = (plan.pipeline.recomputed() if plan.pipeline is not None
               else list(getattr(plan, "recompute", ()) or ()))
-    fused = [[by_id[i].module_path if i in by_id else f"op {i}",
-              ", ".join(f"{d} over {a}" for a, d in by_id[i].split) if i in by_id else ""]
-             for i in getattr(plan, "fused_attention", ()) or ()]
+    fused = [list(row) for row in fused_attention_rows(plan)]
     return {"recompute": [jsonable(g) for g in groups],
             "fused_attention": fused,
             "cosharded": cosharded if plan.pipeline is None else [],

@@ -100,10 +100,10 @@ def _matmul_flops(anno: str, in_shapes: tuple, out_shapes: tuple) -> float:
 
 def attention_flops(op: Op) -> float:
     """A fused attention block's forward FLOPs: its two matmuls (scores ``b g sq sk d`` and
-    weighted sum ``b g sq sk dv``), the causal half only when causal (the kernel skips the
-    tiles above the diagonal)."""
+    weighted sum ``b g sq sk dv``; a self-attention's shared ``s`` counts twice), the causal
+    half only when causal (the kernel skips the tiles above the diagonal)."""
     sizes = op.dim_sizes()
-    pairs = math.prod(n for name, n in sizes.items() if name not in ("d", "dv"))
+    pairs = math.prod(n for name, n in sizes.items() if name not in ("d", "dv")) * sizes.get("s", 1)
     return 2.0 * pairs * (sizes["d"] + sizes["dv"]) / (2.0 if op.params.get("causal") else 1.0)
 
 

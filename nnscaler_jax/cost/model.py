@@ -90,6 +90,7 @@ from nnscaler_jax.ir.attention import FUSED
 from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.layout.rvd import interned
+from nnscaler_jax.lower.ring import ring_cost
 from nnscaler_jax.mesh.topology import DEFAULT_LINK, LinkCost, MeshSpec
 from nnscaler_jax.plan.layouts import op_layouts
 from nnscaler_jax.plan.plan import VALUE, OpPlan, Plan, PlanCost
@@ -247,16 +248,72 @@ class CostModel:
     def _op_time(self, op: Op, split: Split, grads: tuple[bool, ...],
                  traffic: Mapping[int, float] | None = None) -> float:
         io = None if traffic is None else traffic.get(op.id)
-        key = ("op", op.id, op.primitive, tuple(t.shape for t in op.inputs), split, grads, io)
+        key = ("op", op.id, op.primitive, tuple(t.shape for t in op.inputs), split, grads, io,
+               op.params.get("ring_layout") if op.primitive == FUSED else None)
         if key not in self._cache:
             if op.regions:
                 t = sum(self.op_time(o, (), None, traffic) * m for g in op.regions
                         for o, m in walk_weighted(g) if not o.regions
                         ) * region_length(op) / self._ways(split)
+            elif op.primitive == FUSED and any(name == "s" for _, name in split):
+                t = self._ring_time(op, split, grads, traffic)
             else:
                 t = self.forward_time(op, split, traffic) * (1.0 + self._backward_ratio(op, grads))
             self._cache[key] = t
         return self._cache[key]
+
+    def ring_layout(self, op: Op, split: Split, grads: tuple[bool, ...] | None = None) -> str:
+        """How fused attention ``op`` split on its sequence (``split``) runs: the layout its
+        params force (``Constraints(attention="ring" | "zigzag")``, or a plan's record), else
+        the cheaper of ``"ring"`` and, for a causal mask whose blocks halve, ``"zigzag"``
+        (its balanced work against its exchanges in and out)."""
+        forced = op.params.get("ring_layout")
+        if forced:
+            return forced
+        n = math.prod(self.mesh.size(a) for a, name in split if name == "s")
+        if not op.params.get("causal") or op.dim_sizes()["s"] % (2 * n):
+            return "ring"
+        if grads is None:
+            grads = tuple(needs_grad_locally(t, self.input_grads) for t in op.inputs)
+        return min(("zigzag", "ring"), key=lambda lay: self._ring_time(op, split, grads, None,
+                                                                       lay))
+
+    def _ring_time(self, op: Op, split: Split, grads: tuple[bool, ...],
+                   traffic: Mapping[int, float] | None, layout: str | None = None) -> float:
+        """Forward + backward seconds of a fused attention op split ``n`` ways on its sequence
+        (ring attention, :mod:`nnscaler_jax.lower.ring`): the busiest device's blocks (a causal
+        ring's last device computes as much as without the mask; zigzag about half, see
+        :func:`~nnscaler_jax.lower.ring.ring_cost`), each ring step's K / V transfer
+        overlapping its block (the forward takes the longer of the two; the backward likewise,
+        with the float32 K / V gradients travelling too), zigzag's exchanges in and out added."""
+        axes = tuple(a for a, name in split if name == "s")
+        n = math.prod(self.mesh.size(a) for a in axes)
+        causal = bool(op.params.get("causal"))
+        layout = layout or self.ring_layout(op, split, grads)
+        seq = op.dim_sizes()["s"]
+        busiest = ring_cost(seq, 1, 1, 1, n, 1, causal, layout=layout)["flops"]
+        priced = 4 * seq * seq / n / (2 if causal else 1)  # what forward_time's FLOPs assume
+        forward = self.forward_time(op, split, traffic) * busiest / priced
+        backward = forward * self._backward_ratio(op, grads)
+        link = self.mesh.link(axes)
+        names = [[ax.dims[0].name for ax in o.axes] for o in op.annotation.inputs]
+        split_of = dict(split)
+
+        def local(t: Tensor, names: list[str]) -> float:
+            ways = math.prod(self.mesh.size(a) for a, name in split_of.items() if name in names)
+            return t.nbytes / ways
+
+        q, k, v = (local(t, nm) for t, nm in zip(op.inputs, names, strict=True))
+        o = local(op.outputs[0], names[0])  # split as q (its batch, heads and sequence)
+        hop = lambda b: link.alpha_s + b * link.beta_s_per_byte
+        rotate = (n - 1) * (hop(k) + hop(v))
+        exchange = 2 * (hop(q / 2) + hop(k / 2) + hop(v / 2) + hop(o / 2)) \
+            if layout == "zigzag" else 0.0
+        t = max(forward, rotate) + exchange
+        if backward:
+            f32 = 4 / itemsize(op.inputs[1])  # the K / V gradients travel in float32
+            t += max(backward, rotate + n * (hop(k * f32) + hop(v * f32))) + exchange
+        return t
 
     def op_time(self, op: Op, split: Split = (), grads: tuple[bool, ...] | None = None,
                 traffic: Mapping[int, float] | None = None) -> float:

@@ -217,8 +217,8 @@ def _partial_outputs(graph: Graph, layout: Mapping[int, Layout]) -> list[_Edge]:
 def analyze(model: Any, plan: Plan, graph: Graph) -> _Analysis:
     """Step time, bytes moved and per-device memory of ``plan`` (see the module docs); the
     plan's recompute groups are remat boundaries (:func:`nnscaler_jax.ir.remat.with_recompute`)."""
-    graph = with_boundaries(with_fused_attention(graph, plan.fused_attention), plan.coshard,
-                            plan.recompute)
+    graph = with_fused_attention(graph, plan.fused_attention, dict(plan.ring_layouts))
+    graph = with_boundaries(graph, plan.coshard, plan.recompute)
     zero = max(model.zero, plan.zero)
     grads = grad_tensors(graph, model.input_grads)
     out = _Analysis()

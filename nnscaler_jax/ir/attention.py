@@ -37,7 +37,7 @@ blocks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
@@ -68,8 +68,9 @@ class AttentionBlock:
         scale: the product of the chain's scalar factors.
         causal: the mask keeps ``query >= key`` (False: no mask).
         module_path: the scores op's.
-        anno: the annotation of the block as one op (:func:`with_fused_attention`): sequence
-            and head dims frozen (``^``), batch and head axes free to split.
+        anno: the annotation of the block as one op (:func:`with_fused_attention`): head dims
+            frozen (``^``); batch and head axes free to split, and a self-attention's sequence
+            ``s`` (query and key sequences of one length; otherwise ``sq^`` / ``sk^``).
     """
 
     scores: int
@@ -412,7 +413,11 @@ def _annotation(scores: Op, weighted: Op, chain: _Chain, q_is_lhs: bool, q_seq: 
                 k_seq: int, p_side: int, v_seq: int) -> str:
     """The fused op's annotation: the scores' axes named (batch ``b<i>``, the query sequence
     ``sq^``, q's other free axes ``g<j>``, the key sequence ``sk^``), the head dims ``d^`` /
-    ``dv^`` frozen too; v's and the output's axes named through the chain's axis map."""
+    ``dv^`` frozen too; v's and the output's axes named through the chain's axis map.
+
+    Self-attention (query and key sequences of one length) names both sequences ``s``, free to
+    split: q, k, v and the output split on the sequence together is context parallelism (the
+    op's lowering rotates K / V around the devices, :mod:`~nnscaler_jax.lower.ring`)."""
     lc, rc, lb, rb = _contracting(scores)
     wl, wr, wlb, wrb = _contracting(weighted)
     lhs, rhs = scores.inputs
@@ -420,9 +425,11 @@ def _annotation(scores: Op, weighted: Op, chain: _Chain, q_is_lhs: bool, q_seq: 
     n_batch = len(lb)
     s_names = [f"b{i}" for i in range(n_batch)]
     free_q = l_free if q_is_lhs else r_free
+    q_t, k_t = (lhs, rhs) if q_is_lhs else (rhs, lhs)
+    sq, sk = ("s", "s") if q_t.shape[q_seq] == k_t.shape[k_seq] else ("sq^", "sk^")
     for side_free, is_q in ((l_free, q_is_lhs), (r_free, not q_is_lhs)):
         for a in side_free:
-            s_names.append(("sq^" if a == q_seq else f"g{free_q.index(a)}") if is_q else "sk^")
+            s_names.append((sq if a == q_seq else f"g{free_q.index(a)}") if is_q else sk)
 
     def operand(t: Tensor, batch: tuple[int, ...], contract: int, free_names: dict) -> str:
         return " ".join(f"b{batch.index(a)}" if a in batch else "d^" if a == contract
@@ -435,13 +442,13 @@ def _annotation(scores: Op, weighted: Op, chain: _Chain, q_is_lhs: bool, q_seq: 
     p_names = [s_names[i] if i is not None else f"u{j}" for j, i in enumerate(chain.perm)]
     v_t = weighted.inputs[1 - p_side]
     v_b, p_b = (wlb, wrb)[1 - p_side], (wlb, wrb)[p_side]
-    v_names = [p_names[p_b[v_b.index(a)]] if a in v_b else "sk^" if a == v_seq else "dv^"
+    v_names = [p_names[p_b[v_b.index(a)]] if a in v_b else sk if a == v_seq else "dv^"
                for a in range(v_t.ndim)]
     p_free = _free(len(chain.perm), (wl, wr)[p_side], p_b)
     out_names = [p_names[a] for a in p_b]
     for side in (0, 1):  # the lhs's free axes, then the rhs's
         out_names += [p_names[a] for a in p_free] if side == p_side else ["dv^"]
-    return (f"{operand(q_t, q_b, q_c[0], q_names)}, {operand(k_t, k_b, k_c[0], {k_seq: 'sk^'})},"
+    return (f"{operand(q_t, q_b, q_c[0], q_names)}, {operand(k_t, k_b, k_c[0], {k_seq: sk})},"
             f" {' '.join(v_names)} -> {' '.join(out_names)}")
 
 
@@ -543,11 +550,16 @@ def fusable_blocks(graph: Graph) -> tuple[int, ...]:
     return tuple(b.scores for b in attention_blocks(graph) if _fusable(graph, b) is not None)
 
 
-def with_fused_attention(graph: Graph, seeds: Sequence[int]) -> Graph:
+def with_fused_attention(graph: Graph, seeds: Sequence[int],
+                         ring_layout: str | Mapping[int, str] = "") -> Graph:
     """``graph`` with each attention block whose scores op id is in ``seeds`` replaced by one
-    :data:`FUSED` op: ``(q, k, v) -> out`` under the block's annotation (sequences and head
-    dims frozen), its scale and mask in the op's params, placed where the weighted sum was, with
-    the scores op's id. Idempotent (a graph that has fused ops is returned as it is).
+    :data:`FUSED` op: ``(q, k, v) -> out`` under the block's annotation (head dims frozen, a
+    self-attention's sequence ``s`` free to split), its scale, mask and ``ring_layout`` (how a
+    split sequence runs, ``"ring"`` / ``"zigzag"``: for every op, or per scores op id, an op
+    not listed ``"ring"``; empty: the search's choice, see
+    :meth:`~nnscaler_jax.cost.model.CostModel.ring_layout`) in the op's params, placed where the
+    weighted sum was, with the scores op's id. Idempotent (a graph that has fused ops is
+    returned as it is).
 
     Raises:
         PlanError: a seed that is not the scores op of a fusable block of ``graph`` (a plan
@@ -570,7 +582,9 @@ def with_fused_attention(graph: Graph, seeds: Sequence[int]) -> Graph:
         b = blocks.get(op.id)
         if b is not None:
             s = scores[b.scores]
-            params = {"scale": b.scale, "causal": b.causal, "out_dtype": b.out.dtype}
+            params = {"scale": b.scale, "causal": b.causal, "out_dtype": b.out.dtype,
+                      "ring_layout": ring_layout if isinstance(ring_layout, str)
+                      else ring_layout.get(b.scores, "ring")}
             ops.append(Op(b.scores, FUSED, (b.q, b.k, b.v), (b.out,), b.anno,
                           module_path=s.module_path, boundary=stays[op.id],
                           eqn=SimpleNamespace(primitive=None, params=params)))

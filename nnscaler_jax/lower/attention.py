@@ -22,8 +22,9 @@ import jax.numpy as jnp
 
 from nnscaler_jax.ir.graph import Op
 from nnscaler_jax.layout import Layout
+from nnscaler_jax.lower.ring import ring_attention_local
 
-__all__ = ["attention_reference", "run_fused_attention"]
+__all__ = ["attention_reference", "ring_layout", "run_fused_attention"]
 
 _BLOCK = 128  # the kernel's query and key tile
 
@@ -35,9 +36,19 @@ def _letters(names: Sequence[str], table: dict[str, str]) -> str:
 
 
 def _names(op: Op) -> tuple[list[list[str]], list[str]]:
+    """The operands' and the output's axis names, a shared sequence ``s`` named by its role:
+    ``sq`` on q and the output, ``sk`` on k and v."""
     anno = op.annotation
     ins = [[ax.dims[0].name for ax in o.axes] for o in anno.inputs]
-    return ins, [ax.dims[0].name for ax in anno.outputs[0].axes]
+    out = [ax.dims[0].name for ax in anno.outputs[0].axes]
+    role = lambda names, r: [r if n == "s" else n for n in names]
+    return [role(ins[0], "sq"), role(ins[1], "sk"), role(ins[2], "sk")], role(out, "sq")
+
+
+def ring_layout(op: Op) -> str:
+    """How a fused attention op split on its sequence runs (:mod:`.ring`): the layout its plan
+    chose (``Plan.ring_layouts``, in the op's params), else ``"ring"``."""
+    return op.params.get("ring_layout") or "ring"
 
 
 def attention_reference(op: Op, q: Any, k: Any, v: Any) -> Any:
@@ -96,13 +107,40 @@ def _on_gpu(lw: Any) -> bool:
     return getattr(dev, "platform", "") in ("gpu", "cuda", "rocm")
 
 
+def _ring(op: Op, axes: tuple[str, ...], n: int, q: Any, k: Any, v: Any) -> Any:
+    """The op's local blocks through :func:`~.ring.ring_attention_local` over ``axes``: laid
+    out ``[1, seq / n, heads, dim]``, every shared axis (batch, kv heads) folded into the kv
+    heads and q's group axes after them (q head ``j`` reads kv head ``j // groups``)."""
+    (qn, kn, vn), on = _names(op)
+    shared = [x for x in kn if x not in ("sk", "d")]
+    group = [x for x in qn if x not in shared and x not in ("sq", "d")]
+    qt = jnp.transpose(q, [qn.index(x) for x in ("sq", *shared, *group, "d")])
+    kt = jnp.transpose(k, [kn.index(x) for x in ("sk", *shared, "d")])
+    vt = jnp.transpose(v, [vn.index(x) for x in ("sk", *shared, "dv")])
+    c = qt.shape[0]
+    o = ring_attention_local(qt.reshape(1, c, -1, qt.shape[-1]),
+                             kt.reshape(1, c, -1, kt.shape[-1]),
+                             vt.reshape(1, c, -1, vt.shape[-1]),
+                             axis=axes, n=n, causal=op.params["causal"],
+                             layout=ring_layout(op), scale=op.params["scale"])
+    o = o.reshape(*qt.shape[:-1], vt.shape[-1])
+    have = ["sq", *shared, *group, "dv"]
+    return jnp.transpose(o, [have.index(x) for x in on]).astype(op.params["out_dtype"])
+
+
 def run_fused_attention(lw: Any, op: Op, ins: Sequence[Any], in_lays: Sequence[Layout],
                         out_lays: Sequence[Layout]) -> list[Any]:
     """Run fused attention ``op`` on each device's batch and heads (``shard_map`` over the
-    mesh; partial sums cannot arise: the op splits no reduced dim)."""
+    mesh; partial sums cannot arise: the op splits no reduced dim); a sequence split over mesh
+    axes runs as ring attention over them (:func:`_ring`)."""
     gpu = _on_gpu(lw)
+    (qn, _, _), _ = _names(op)
+    axes = tuple(in_lays[0].dims[qn.index("sq")])
+    n = math.prod(lw.mesh.shape[a] for a in axes)
 
     def body(q, k, v):
+        if n > 1:
+            return _ring(op, axes, n, q, k, v)
         if gpu and _kernel_fits(op, q, k):
             return _flash(op, q, k, v)
         return attention_reference(op, q, k, v)

@@ -117,7 +117,9 @@ def _groups(line: str) -> list[list[int]] | None:
     return None
 
 
-def _axes_of(groups: list[list[int]] | None, mesh) -> tuple[str, ...]:
+def _axes_of(groups: list[list[int]] | None, mesh, pairs: bool = False) -> tuple[str, ...]:
+    """The fewest mesh axes whose device groups are ``groups`` (``pairs``: a permute's
+    (source, target) pairs, each inside one group)."""
     if groups is None:
         return ()
     ids = np.vectorize(lambda d: d.id)(mesh.devices)
@@ -135,7 +137,7 @@ def _axes_of(groups: list[list[int]] | None, mesh) -> tuple[str, ...]:
             moved = np.moveaxis(flat, subset, range(len(names) - r, len(names)))
             parts = {frozenset(x.reshape(-1).tolist()) for x in
                      moved.reshape(-1, int(np.prod([flat.shape[i] for i in subset])))}
-            if want <= parts:
+            if want <= parts or pairs and all(any(w <= p for p in parts) for w in want):
                 return tuple(names[i] for i in subset)
     return ("?",)
 
@@ -174,7 +176,9 @@ def hlo_collectives(hlo_text: str, mesh) -> list[HloCollective]:
                                                      bool(m.group("start")))):
             n = int(np.prod([int(x) for x in dims.split(",") if x])) if dims else 1
             nbytes += n * _BYTES.get(dt, 4)
-        out.append(HloCollective(_KINDS[m.group("op")], nbytes, _axes_of(_groups(line), mesh)))
+        out.append(HloCollective(_KINDS[m.group("op")], nbytes,
+                                 _axes_of(_groups(line), mesh,
+                                          pairs=m.group("op") == "collective-permute")))
     return out
 
 

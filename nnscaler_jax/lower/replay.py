@@ -93,8 +93,9 @@ class Lowering:
         # the layout each value was constrained to where it was made (the start of its relayouts)
         self.layouts: dict[int, Layout] = {}
         # remat boundaries: recompute groups and co-sharded blocks
-        self.graph = with_boundaries(with_fused_attention(self.graph, self.plan.fused_attention),
-                                     self.plan.coshard, self.plan.recompute)
+        fused = with_fused_attention(self.graph, self.plan.fused_attention,
+                                     dict(self.plan.ring_layouts))
+        self.graph = with_boundaries(fused, self.plan.coshard, self.plan.recompute)
         self._plans = {p.op: p for p in self.plan.ops}
         self._sole = sole_read_variables(self.graph)
         self._consumer_layout: dict[int, Layout] = {}

@@ -48,7 +48,7 @@ head dim, all local sizes before the automatic axes split them further):
 >>> ring_attention(q, k, v, mesh=mesh, axis="seq").shape
 (1, 16, 2, 4)
 >>> ring_cost(seq=16, heads=2, head_dim=4, batch=1, n=8, dtype_bytes=4, causal=False)
-{'flops': 1024, 'bytes_per_ppermute': 64, 'ppermutes': 14}
+{'flops': 1024, 'bytes_per_ppermute': 64, 'ppermutes': 14, 'exchanges': 0}
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ __all__ = [
     "GradMode",
     "Layout",
     "ring_attention",
+    "ring_attention_local",
     "ring_cost",
     "zigzag_permute",
     "zigzag_unpermute",
@@ -132,6 +133,14 @@ def _chunk_ids(layout: Layout, dev: jax.Array, n: int) -> list[jax.Array]:
     if layout == "ring":
         return [dev]
     return [dev, 2 * n - 1 - dev]
+
+
+def _zigzag_perms(n: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The two permutations that bring device ``i``'s natural chunks ``2i`` (first) and
+    ``2i + 1`` (second) to their zigzag holders: chunk ``c`` goes to ``c`` if ``c < n`` else
+    ``2n - 1 - c``. Each is one-to-one (every device receives one even and one odd chunk)."""
+    home = lambda c: c if c < n else 2 * n - 1 - c
+    return [(i, home(2 * i)) for i in range(n)], [(i, home(2 * i + 1)) for i in range(n)]
 
 
 def _ring_perm(n: int) -> list[tuple[int, int]]:
@@ -220,7 +229,7 @@ def _pair(causal: bool, fn: Callable, acc: tuple, qid: jax.Array, kid: jax.Array
 class _Ring:
     """What the per-device body needs: the ring's axis and size, the mask, layout and scale."""
 
-    axis: str
+    axis: str | tuple[str, ...]
     n: int
     causal: bool
     layout: Layout
@@ -244,15 +253,36 @@ class _Ring:
         """One step around the ring (a pytree of blocks)."""
         return jax.lax.ppermute(x, self.axis, _ring_perm(self.n))
 
+    def to_zigzag(self, x: jax.Array) -> jax.Array:
+        """Device ``i``'s natural chunks ``2i, 2i + 1`` (sequence axis 1) exchanged for its
+        zigzag chunks ``i, 2n - 1 - i``: two ppermutes of half a block."""
+        first, second = jnp.split(x, 2, 1)
+        p_even, p_odd = _zigzag_perms(self.n)
+        got_even = jax.lax.ppermute(first, self.axis, p_even)   # chunk i or 2n-1-i, even one
+        got_odd = jax.lax.ppermute(second, self.axis, p_odd)
+        even_dev = jax.lax.axis_index(self.axis) % 2 == 0      # chunk i is even iff i is
+        return jnp.concatenate([jnp.where(even_dev, got_even, got_odd),
+                                jnp.where(even_dev, got_odd, got_even)], 1)
+
+    def from_zigzag(self, x: jax.Array) -> jax.Array:
+        """The inverse of :meth:`to_zigzag`: each device's natural chunks back."""
+        lo, hi = jnp.split(x, 2, 1)            # chunks i and 2n - 1 - i
+        even_dev = jax.lax.axis_index(self.axis) % 2 == 0
+        even, odd = jnp.where(even_dev, lo, hi), jnp.where(even_dev, hi, lo)
+        p_even, p_odd = _zigzag_perms(self.n)
+        inv = lambda perm: [(b, a) for a, b in perm]
+        return jnp.concatenate([jax.lax.ppermute(even, self.axis, inv(p_even)),
+                                jax.lax.ppermute(odd, self.axis, inv(p_odd))], 1)
+
 
 def _ring_forward(r: _Ring, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple:
     """The local output block and, per query chunk, its float32 output and log-sum-exp."""
     parts, n = r.parts, r.n
     dev = jax.lax.axis_index(r.axis)
     qs = r.grouped(q, k.shape[2])
-    b, c, hk, g, d = qs[0].shape
+    b, c, hk, g, _ = qs[0].shape
     stats = (b, hk, g, c)
-    init = (jnp.zeros(stats + (d,), jnp.float32), jnp.full(stats, _NEG, jnp.float32),
+    init = (jnp.zeros(stats + (v.shape[-1],), jnp.float32), jnp.full(stats, _NEG, jnp.float32),
             jnp.zeros(stats, jnp.float32))
     qids = _chunk_ids(r.layout, dev, n)
     block = functools.partial(_fwd_block, scale=r.scale)
@@ -276,7 +306,7 @@ def _ring_forward(r: _Ring, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple:
     outs = [o / l[..., None] for o, _, l in accs]  # [b, hk, g, c, d]
     lse = [m + jnp.log(l) for _, m, l in accs]
     out = jnp.concatenate([jnp.einsum("bngqd->bqngd", o) for o in outs], 1)
-    return out.reshape(q.shape).astype(q.dtype), (outs, lse)
+    return out.reshape(q.shape[:-1] + v.shape[-1:]).astype(q.dtype), (outs, lse)
 
 
 def _ring_backward(r: _Ring, res: tuple, dout: jax.Array) -> tuple:
@@ -358,26 +388,41 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, axis
         ``[batch, seq, heads, head_dim]`` in q's dtype, natural order, sequence split over ``axis``.
     """
     n = _check(q, k, v, mesh, axis, layout, grad)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    local = _make_local(_Ring(axis, n, causal, layout, scale), grad)
+    local = functools.partial(ring_attention_local, axis=axis, n=n, causal=causal, layout=layout,
+                              scale=scale, grad=grad)
     spec = PartitionSpec(None, axis, None, None)
     # Auto axis types, as the plan's lowering runs: shard_map moves the sequence onto ``axis``
     # and GSPMD keeps the other axes' splits.
     auto = auto_view(mesh)
     fn = jax.shard_map(local, mesh=auto, in_specs=(spec, spec, spec), out_specs=spec,
                        axis_names=frozenset({axis}))
-
-    def run(q, k, v):
-        if layout == "zigzag":
-            q, k, v = (zigzag_permute(x, n, 1) for x in (q, k, v))
-            return zigzag_unpermute(fn(q, k, v), n, 1)
-        return fn(q, k, v)
-
     context = jax.sharding.get_abstract_mesh()
     if not context.empty and is_explicit(context):
         # under ``jax.set_mesh`` of an Explicit mesh: run Auto inside, hand back q's typed sharding
-        return jax.sharding.auto_axes(run, out_sharding=jax.typeof(q).sharding.spec)(q, k, v)
-    return run(q, k, v)
+        return jax.sharding.auto_axes(fn, out_sharding=jax.typeof(q).sharding.spec)(q, k, v)
+    return fn(q, k, v)
+
+
+def ring_attention_local(q: jax.Array, k: jax.Array, v: jax.Array, *,
+                         axis: str | tuple[str, ...], n: int, causal: bool = True,
+                         layout: Layout = "ring", scale: float | None = None,
+                         grad: GradMode = "ring") -> jax.Array:
+    """One device's part of :func:`ring_attention`, inside a ``shard_map`` manual over ``axis``.
+
+    ``q``, ``k``, ``v`` are this device's blocks, ``[batch, seq / n, heads, head_dim]`` (``v``'s
+    head dim may differ), block ``i`` of the natural order on the ``i``-th device of ``axis``
+    (a tuple of axes: their devices major to minor, as a ``PartitionSpec`` entry lists them).
+    ``"zigzag"`` exchanges the blocks for chunks ``i, 2n - 1 - i`` first (two ppermutes of half
+    a block per operand) and the output back after, so callers see natural order either way.
+    Returns the local output block ``[batch, seq / n, heads, v_head_dim]`` in q's dtype.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    r = _Ring(axis, n, causal, layout, scale)
+    local = _make_local(r, grad)
+    if layout == "zigzag":
+        q, k, v = (r.to_zigzag(x) for x in (q, k, v))
+        return r.from_zigzag(local(q, k, v))
+    return local(q, k, v)
 
 
 def ring_cost(seq: int, heads: int, head_dim: int, batch: int, n: int, dtype_bytes: int,
@@ -396,6 +441,8 @@ def ring_cost(seq: int, heads: int, head_dim: int, batch: int, n: int, dtype_byt
 
     ``bytes_per_ppermute``: one K (or V) block, ``b (s / n) kv_heads d dtype_bytes``.
     ``ppermutes``: ``2 (n - 1)``, K and V each ``n - 1`` times.
+    ``exchanges``: zigzag's half-block ppermutes into and out of zigzag order (two per q, k, v
+    and output: 8; the backward the same for their gradients); 0 for ``"ring"``.
 
     Args:
         seq, heads, head_dim, batch: the global attention shape (batch as seen by the ring's
@@ -407,7 +454,7 @@ def ring_cost(seq: int, heads: int, head_dim: int, batch: int, n: int, dtype_byt
         layout: ``"ring"`` or ``"zigzag"``.
 
     Returns:
-        ``{"flops", "bytes_per_ppermute", "ppermutes"}``.
+        ``{"flops", "bytes_per_ppermute", "ppermutes", "exchanges"}``.
 
     >>> shape = dict(seq=64, heads=4, head_dim=8, batch=2, n=4, dtype_bytes=4)
     >>> ring_cost(**shape, causal=True, layout="zigzag")["flops"] / ring_cost(**shape,
@@ -424,4 +471,4 @@ def ring_cost(seq: int, heads: int, head_dim: int, batch: int, n: int, dtype_byt
         flops = per_pair * (2 * n + 1) * (seq // (2 * n)) ** 2
     return {"flops": flops,
             "bytes_per_ppermute": batch * (seq // n) * kv_heads * head_dim * dtype_bytes,
-            "ppermutes": 2 * (n - 1)}
+            "ppermutes": 2 * (n - 1), "exchanges": 8 if layout == "zigzag" else 0}

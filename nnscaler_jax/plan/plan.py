@@ -235,7 +235,11 @@ class Plan:
             recomputed chunks per device (:mod:`nnscaler_jax.ir.coshard`).
         fused_attention: the scores op ids of the attention blocks run as one fused op each
             (:mod:`nnscaler_jax.ir.attention`; ``Constraints(attention="fused")``): a flash
-            kernel on GPUs, their sequences whole on every device.
+            kernel on GPUs; one split on its sequence runs as ring attention.
+        ring_layouts: ``(op id, "ring" | "zigzag")`` per fused attention op split on its
+            sequence: how it runs (ring attention, :mod:`nnscaler_jax.lower.ring`), the cheaper
+            of the two by the cost model unless ``Constraints(attention=...)`` forced one. An op
+            split so and not listed runs as ``"ring"``.
     """
 
     mesh: tuple[tuple[str, int], ...]
@@ -253,6 +257,7 @@ class Plan:
     microbatches: int = 1
     coshard: tuple[tuple[int, str, int], ...] = ()
     fused_attention: tuple[int, ...] = ()
+    ring_layouts: tuple[tuple[int, str], ...] = ()
     # lookups built once per plan (op id -> OpPlan, variable -> spec); not a field of the plan
     _memo: dict = field(default_factory=dict, init=False, compare=False, repr=False,
                         hash=False)
@@ -383,6 +388,8 @@ class Plan:
             d["coshard"] = [list(c) for c in self.coshard]
         if self.fused_attention:
             d["fused_attention"] = list(self.fused_attention)
+        if self.ring_layouts:
+            d["ring_layouts"] = [list(x) for x in self.ring_layouts]
         if self.unsplit:
             d["unsplit"] = [dataclasses.asdict(u) for u in self.unsplit]
         return json.dumps(d, indent=1, sort_keys=True)
@@ -425,6 +432,8 @@ class Plan:
                 microbatches=int(d.get("microbatches", 1)),
                 coshard=tuple((int(i), str(n), int(k)) for i, n, k in d.get("coshard", ())),
                 fused_attention=tuple(int(i) for i in d.get("fused_attention", ())),
+                ring_layouts=tuple((int(i), _ring_layout(x))
+                                   for i, x in d.get("ring_layouts", ())),
             )
         except (ValueError, KeyError, TypeError, IndexError) as e:
             raise PlanFormatError(f"not a valid plan JSON ({type(e).__name__}: {e}); write it "
@@ -480,6 +489,12 @@ def _entry(e: Any) -> Any:
     if e is None or isinstance(e, str):
         return e
     return tuple(e)
+
+
+def _ring_layout(value: Any) -> str:
+    if value not in ("ring", "zigzag"):
+        raise ValueError(f"ring layout {value!r} is not 'ring' or 'zigzag'")
+    return str(value)
 
 
 def _unsplit(u: dict[str, Any]) -> Unsplit:

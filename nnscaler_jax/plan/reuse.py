@@ -51,6 +51,7 @@ def module_part(plan: Plan, graph: Graph) -> Plan | None:
                                if a in ids and b in ids),
                    coshard=tuple((ids[c[0]], *c[1:]) for c in plan.coshard if c[0] in ids),
                    fused_attention=tuple(ids[i] for i in plan.fused_attention if i in ids),
+                   ring_layouts=tuple((ids[i], x) for i, x in plan.ring_layouts if i in ids),
                    cost=None)
 
 
@@ -60,7 +61,7 @@ def check_reuse(plan: Plan, graph: Graph, mesh_axes: dict[str, int]) -> None:
     the pipeline's micro-batch count divides this graph's sizes."""
     plan.check_graph(graph, mesh_axes)
     try:
-        graph = with_fused_attention(graph, plan.fused_attention)
+        graph = with_fused_attention(graph, plan.fused_attention, dict(plan.ring_layouts))
     except PlanError as e:
         raise _corrupted(str(e)) from None
     ops = {op.id: op for op in graph.walk()}

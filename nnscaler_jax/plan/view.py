@@ -222,6 +222,26 @@ def head_line(plan: PlanLike) -> str:
             + (f" precision={plan.precision}" if plan.precision else ""))
 
 
+def fused_attention_rows(plan: PlanLike) -> list[tuple[str, str]]:
+    """Per fused attention op of ``plan``: its module path and how it runs: ``"ring over seq"``
+    / ``"zigzag over seq"`` (split on its sequence: ring attention), else its split
+    (``"b1 over model"``: each device's heads, the sequences whole) or ``"replicated"``."""
+    by_id = {p.op: p for p in plan.ops}
+    rings = dict(getattr(plan, "ring_layouts", ()) or ())
+    out = []
+    for i in getattr(plan, "fused_attention", ()) or ():
+        p = by_id.get(i)
+        if p is None:
+            out.append((f"op {i}", "?"))
+            continue
+        seq = [a for a, d in p.split if d == "s"]
+        rest = ", ".join(f"{d} over {a}" for a, d in p.split if d != "s")
+        how = f"{rings.get(i, 'ring')} over {'x'.join(seq)}" if seq else ""
+        out.append((p.module_path or "<top>",
+                    ", ".join(x for x in (how, rest) if x) or "replicated"))
+    return out
+
+
 def feature_lines(plan: PlanLike) -> list[str]:
     """Beyond layouts: recompute, co-sharding, value-split chains, pipeline, unsplit dims."""
     lines = []
@@ -242,19 +262,14 @@ def feature_lines(plan: PlanLike) -> list[str]:
         lines.append(f"co-sharded blocks ({len(plan.coshard)}, each run as sequential "
                      "recomputed chunks): " + "; ".join(list(desc)[:6])
                      + (" ..." if len(desc) > 6 else ""))
-    fused = getattr(plan, "fused_attention", ())
+    fused = fused_attention_rows(plan)
     if fused:
-        by_id = plan._by_id()
-        desc = {}
-        for i in fused:
-            p = by_id.get(i)
-            split = ", ".join(f"{d} over {a}" for a, d in p.split) if p is not None and \
-                p.split else "replicated"
-            desc.setdefault(split, []).append(p.module_path or "<top>" if p else f"op {i}")
-        lines.append(f"fused attention ({len(fused)} blocks, each one kernel, its sequences "
-                     "whole on every device): " + "; ".join(
-                         f"{', '.join(paths[:3])}{' ...' if len(paths) > 3 else ''} ({split})"
-                         for split, paths in desc.items()))
+        desc: dict[str, list[str]] = {}
+        for path, how in fused:
+            desc.setdefault(how, []).append(path)
+        lines.append(f"fused attention ({len(fused)} blocks, each one kernel): " + "; ".join(
+            f"{', '.join(paths[:3])}{' ...' if len(paths) > 3 else ''} ({how})"
+            for how, paths in desc.items()))
     partial = sum(p.keep_partial for p in plan.ops)
     if partial:
         lines.append(f"value-split chains: {partial} ops keep partial sums")

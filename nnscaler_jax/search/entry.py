@@ -32,7 +32,7 @@ from typing import Any
 from nnscaler_jax.constraints import Constraints
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.errors import ConstraintError, NoFitError, PlanError, user_stacklevel
-from nnscaler_jax.ir.attention import fusable_blocks, with_fused_attention
+from nnscaler_jax.ir.attention import FUSED, fusable_blocks, with_fused_attention
 from nnscaler_jax.ir.coshard import with_boundaries
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.mesh.axes import mesh_axes
@@ -136,6 +136,8 @@ def plan_spmd(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto"
                             "end the policy with `return graph.finish()`")
         # the draft's graph has the boundaries; the plan is for the model's graph (reuse)
         return replace(result, recompute=groups, coshard=blocks, fused_attention=fused,
+                       ring_layouts=_ring_layouts(graph, result,
+                                                  cost_model or CostModel.for_axes(axes)),
                        fingerprint=graph_fingerprint(model_graph)), draft
 
     def finish(result: Plan) -> Plan:
@@ -175,17 +177,29 @@ def plan_spmd(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto"
     return Planned(result, time.perf_counter() - t0, getattr(draft, "search_report", None))
 
 
+def _ring_layouts(graph: Graph, plan: Plan, cost_model: CostModel
+                  ) -> tuple[tuple[int, str], ...]:
+    """How each fused attention op ``plan`` splits on its sequence runs (ring or zigzag)."""
+    out = []
+    for op in graph.ops:
+        p = plan.op_plan(op.id) if op.primitive == FUSED else None
+        if p is not None and any(name == "s" for _, name in p.split):
+            out.append((op.id, cost_model.ring_layout(op, p.split)))
+    return tuple(out)
+
+
 def _fused_attention(graph: Graph, constraints: Constraints) -> tuple[tuple[int, ...], Graph]:
-    """``Constraints(attention="fused")``: the blocks fused (their scores op ids) and the
-    graph the search plans, with each block one op (:mod:`nnscaler_jax.ir.attention`)."""
-    if constraints.attention != "fused":
+    """``Constraints(attention="fused" | "ring" | "zigzag")``: the blocks fused (their scores op
+    ids) and the graph the search plans, with each block one op (:mod:`nnscaler_jax.ir.attention`)."""
+    if constraints.attention is None:
         return (), graph
     if constraints.pipeline_stages not in (None, 1):
-        raise ConstraintError("Constraints(attention='fused') plans SPMD programs; a pipeline's "
-                              "stages run attention as written (leave pipeline_stages unset, "
-                              "or attention None)")
+        raise ConstraintError(f"Constraints(attention={constraints.attention!r}) plans SPMD "
+                              "programs; a pipeline's stages run attention as written (leave "
+                              "pipeline_stages unset, or attention None)")
     fused = fusable_blocks(graph)
-    return fused, with_fused_attention(graph, fused)
+    layout = constraints.attention if constraints.attention != "fused" else ""
+    return fused, with_fused_attention(graph, fused, layout)
 
 
 def _choose(run_priced: Callable, graph: Graph, forced: tuple[str, ...],

@@ -19,6 +19,7 @@ from functools import lru_cache
 
 from nnscaler_jax.constraints import Rule
 from nnscaler_jax.cost.relayout import Split
+from nnscaler_jax.ir.attention import FUSED
 from nnscaler_jax.ir.graph import Graph, Op, Role
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.plan.layouts import op_layouts
@@ -109,8 +110,10 @@ def _follow_split(src: Layout, op: Op, j: int, sizes: Mapping[str, int],
 
 def _leader_input(op: Op, producer: Mapping[int, Op], sizes: Mapping[str, int],
                   mesh_axes: Mapping[str, int]) -> int | None:
-    """The input whose layout decides ``op`` (all its splittable dims live there), if any."""
-    if not op.annotated or op.regions or not op.inputs:
+    """The input whose layout decides ``op`` (all its splittable dims live there), if any. A
+    fused attention op decides for itself: its split chooses how it runs (its heads, or ring
+    attention on its sequence), not what its producer left."""
+    if not op.annotated or op.regions or not op.inputs or op.primitive == FUSED:
         return None
     anno = anno_of(op.anno)
     smallest = min((n for n in mesh_axes.values() if n > 1), default=0)

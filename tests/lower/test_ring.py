@@ -132,19 +132,23 @@ def _ppermuted_operands(jaxpr) -> int:
 
 @pytest.mark.parametrize("layout", ["ring", "zigzag"])
 def test_cost_counts_the_program_ppermutes(layout):
-    """ring_cost's ppermutes are the ones the forward traces: K and V each n - 1 times."""
+    """ring_cost's ppermutes are the ones the forward traces: K and V each n - 1 times, and
+    zigzag's exchanges into and out of its order."""
     mesh, n = mesh_1d(), 8
     jaxpr = jax.make_jaxpr(lambda q, k, v: ring_attention(q, k, v, mesh=mesh, axis="seq",
                                                           layout=layout))(*inputs())
     cost = ring_cost(S, H, D, B, n, 4, True, layout=layout)
-    assert _ppermuted_operands(jaxpr.jaxpr) == cost["ppermutes"] == 2 * (n - 1)
+    assert cost["ppermutes"] == 2 * (n - 1)
+    assert _ppermuted_operands(jaxpr.jaxpr) == cost["ppermutes"] + cost["exchanges"]
+    assert cost["exchanges"] == (8 if layout == "zigzag" else 0)  # q, k, v in, out back: 2 each
 
 
 def test_cost_closed_form():
     b, s, h, d, n = 2, 4096, 32, 128, 8
     full = 4 * b * h * d * s * s // n
     assert ring_cost(s, h, d, b, n, 2, causal=False) == {
-        "flops": full, "bytes_per_ppermute": b * (s // n) * h * d * 2, "ppermutes": 2 * (n - 1)}
+        "flops": full, "bytes_per_ppermute": b * (s // n) * h * d * 2, "ppermutes": 2 * (n - 1),
+        "exchanges": 0}
     assert ring_cost(s, h, d, b, n, 2, causal=True)["flops"] == full  # the last device's n blocks
     zigzag = ring_cost(s, h, d, b, n, 2, causal=True, layout="zigzag")["flops"]
     assert zigzag * 4 * n == full * (2 * n + 1)  # 2n + 1 pairs of (s / 2n)^2: about half
