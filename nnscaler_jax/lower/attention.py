@@ -107,10 +107,11 @@ def _on_gpu(lw: Any) -> bool:
     return getattr(dev, "platform", "") in ("gpu", "cuda", "rocm")
 
 
-def _ring(op: Op, axes: tuple[str, ...], n: int, q: Any, k: Any, v: Any) -> Any:
+def _ring(op: Op, axes: tuple[str, ...], n: int, q: Any, k: Any, v: Any, gpu: bool) -> Any:
     """The op's local blocks through :func:`~.ring.ring_attention_local` over ``axes``: laid
     out ``[1, seq / n, heads, dim]``, every shared axis (batch, kv heads) folded into the kv
-    heads and q's group axes after them (q head ``j`` reads kv head ``j // groups``)."""
+    heads and q's group axes after them (q head ``j`` reads kv head ``j // groups``); on GPUs
+    each chunk pair is a flash kernel where its tiles fit."""
     (qn, kn, vn), on = _names(op)
     shared = [x for x in kn if x not in ("sk", "d")]
     group = [x for x in qn if x not in shared and x not in ("sq", "d")]
@@ -122,7 +123,7 @@ def _ring(op: Op, axes: tuple[str, ...], n: int, q: Any, k: Any, v: Any) -> Any:
                              kt.reshape(1, c, -1, kt.shape[-1]),
                              vt.reshape(1, c, -1, vt.shape[-1]),
                              axis=axes, n=n, causal=op.params["causal"],
-                             layout=ring_layout(op), scale=op.params["scale"])
+                             layout=ring_layout(op), scale=op.params["scale"], kernel=gpu)
     o = o.reshape(*qt.shape[:-1], vt.shape[-1])
     have = ["sq", *shared, *group, "dv"]
     return jnp.transpose(o, [have.index(x) for x in on]).astype(op.params["out_dtype"])
@@ -140,7 +141,7 @@ def run_fused_attention(lw: Any, op: Op, ins: Sequence[Any], in_lays: Sequence[L
 
     def body(q, k, v):
         if n > 1:
-            return _ring(op, axes, n, q, k, v)
+            return _ring(op, axes, n, q, k, v, gpu)
         if gpu and _kernel_fits(op, q, k):
             return _flash(op, q, k, v)
         return attention_reference(op, q, k, v)

@@ -6,9 +6,13 @@ Inside a ``jax.shard_map`` manual over ``axis`` only (the other mesh axes stay a
 plan may still split batch or heads over them), device ``i`` keeps its query block and the K / V
 block it holds travels one step around the ring per step: device ``j`` sends to ``j + 1``
 (``jax.lax.ppermute``), so at step ``t`` device ``i`` holds the K / V of device ``(i - t) mod n``.
-Each step folds the scores of its query block against the held K / V block into an online
-(log-sum-exp) softmax, in float32: a running row max ``m``, row sum ``l`` and unnormalised output
-``o``, rescaled by ``exp(m_old - m_new)`` when a block raises the max; the output is ``o / l``.
+Each step attends its query block to the held K / V block (a *pair*: the pair's normalised output
+and row log-sum-exp) and folds that into an online softmax in float32: the running output and
+log-sum-exp, each side weighted by ``exp(lse_side - lse_new)``. A pair runs as XLA ops (its scores
+exist whole), or on GPUs as Pallas' Triton flash kernels (``kernel=True``: forward with its
+log-sum-exp, backward kernels given the whole rows' output and log-sum-exp; no score-sized buffer).
+:func:`ring_attention_local` is the per-device body, for a ``shard_map`` the caller already has
+(a plan's fused attention op, :mod:`nnscaler_jax.lower.attention`).
 
 Causal masking works on chunks with global chunk ids: a (query chunk, key chunk) pair is computed
 whole when the key chunk comes before the query chunk, with the lower-triangular mask when they are
@@ -20,20 +24,21 @@ Layouts (:data:`Layout`):
   ``i`` full blocks and one diagonal block, so the last device sets the pace (as slow as non-causal).
 - ``"zigzag"``: the sequence is cut into ``2n`` chunks and device ``i`` holds chunks ``i`` and
   ``2n - 1 - i`` (:func:`zigzag_permute`), so every device computes the same causal work: on each
-  off-diagonal step 2 of its 4 chunk pairs, on the diagonal step 3. :func:`ring_attention` takes
-  and returns natural order (permutes in, unpermutes out), a drop-in replacement; a model that keeps
-  its whole sequence in zigzag order would skip both permutes.
+  off-diagonal step 2 of its 4 chunk pairs, on the diagonal step 3. Callers see natural order:
+  each device exchanges its blocks for its zigzag chunks first (two ppermutes of half a block per
+  operand) and the output back after; :func:`zigzag_permute` gives the whole-sequence order.
 
 Grouped-query attention: k / v may have fewer heads ``hk`` dividing q's ``h``; q head ``j`` reads
 kv head ``j // (h / hk)`` (``jnp.repeat(k, h // hk, axis=2)``, the grouping of ``models/llama.py``).
-The groups are an einsum dim (``bqngd,bknd``): K / V travel and are held at their own head count.
+The groups are an einsum dim (``bqngd,bknd``): K / V travel and are held at their own head count
+(the kernels read them repeated per group; a kv head's gradient sums its group's).
 
 Per device (``b`` batch, ``s`` sequence, ``n`` ring size, ``hk`` kv heads, ``h`` heads, ``d``
 head dim, all local sizes before the automatic axes split them further):
 
 - memory: its q, k, v blocks, the K / V block in flight (``2 b (s / n) hk d`` elements each), the
-  accumulators ``o, m, l`` (float32, ``b (s / n) h (d + 2)``) and one block of scores
-  ``b h (s / n)^2`` (zigzag: chunk pairs of ``(s / 2n)^2``) -- O(s / n) for K / V, never the whole
+  accumulators (float32, ``b (s / n) h (dv + 1)``) and, for XLA pairs, one pair's scores
+  ``b h (s / n)^2`` (zigzag: ``(s / 2n)^2``); kernel pairs keep none -- O(s / n), never the whole
   sequence.
 - communication: ``n - 1`` ppermutes of the K block and ``n - 1`` of the V block per forward, each
   ``b (s / n) hk d`` elements, neighbour to neighbour. The backward (``grad="ring"``, a custom VJP)
@@ -69,6 +74,7 @@ __all__ = [
     "GradMode",
     "Layout",
     "ring_attention",
+    "kernel_fits",
     "ring_attention_local",
     "ring_cost",
     "zigzag_permute",
@@ -179,40 +185,101 @@ def _check(q: jax.Array, k: jax.Array, v: jax.Array, mesh: Mesh, axis: str, layo
     return n
 
 
-# Per-device blocks (grouped layout: q [b, c, hk, g, d], k / v [b, c, hk, d], stats [b, hk, g, c])
+# Per-device chunk pairs. Layouts: q [b, c, h, d], k / v [b, c, hk, d] (grouped-query: q head j
+# reads kv head j // (h / hk)), outputs [b, c, h, dv] float32, row statistics [b, h, c] float32.
+# A pair's forward gives its normalised output and log-sum-exp; the online softmax merges them.
 
-def _scores(q: jax.Array, k: jax.Array, scale: float, diag: bool) -> jax.Array:
-    s = jnp.einsum("bqngd,bknd->bngqk", q, k, preferred_element_type=jnp.float32) * scale
+def _grouped(q: jax.Array, hk: int) -> jax.Array:
+    return q.reshape(q.shape[:2] + (hk, -1, q.shape[-1]))
+
+
+def _xla_scores(q: jax.Array, k: jax.Array, scale: float, diag: bool) -> jax.Array:
+    s = jnp.einsum("bqngd,bknd->bngqk", _grouped(q, k.shape[2]), k,
+                   preferred_element_type=jnp.float32) * scale
     if diag:
         c = q.shape[1]
         s = jnp.where(jnp.tril(jnp.ones((c, c), bool)), s, _NEG)
     return s
 
 
-def _fwd_block(acc: tuple, q: jax.Array, k: jax.Array, v: jax.Array, scale: float,
-               diag: bool) -> tuple:
-    """One (query chunk, key chunk) pair folded into the online softmax ``(o, m, l)``."""
-    o, m, l = acc
-    s = _scores(q, k, scale, diag)
-    m_new = jnp.maximum(m, s.max(-1))
-    p = jnp.exp(s - m_new[..., None])
-    alpha = jnp.exp(m - m_new)
-    pv = jnp.einsum("bngqk,bknd->bngqd", p.astype(v.dtype), v,
-                    preferred_element_type=jnp.float32)
-    return o * alpha[..., None] + pv, m_new, l * alpha + p.sum(-1)
+def _xla_forward(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, diag: bool) -> tuple:
+    """One pair's ``(output, log-sum-exp)`` by XLA ops (the pair's scores exist whole)."""
+    s = _xla_scores(q, k, scale, diag)
+    m = s.max(-1)
+    p = jnp.exp(s - m[..., None])
+    l = p.sum(-1)
+    o = jnp.einsum("bngqk,bknd->bqngd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    o = o / jnp.einsum("bngq->bqng", l)[..., None]
+    b, c, h = q.shape[:3]
+    return o.reshape(b, c, h, v.shape[-1]), (m + jnp.log(l)).reshape(b, h, c)
 
 
-def _bwd_block(acc: tuple, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array,
-               lse: jax.Array, delta: jax.Array, scale: float, diag: bool) -> tuple:
-    """One pair's contribution to ``(dq, dk, dv)`` (float32), from the forward's log-sum-exp."""
-    dq, dk, dv = acc
-    p = jnp.exp(_scores(q, k, scale, diag) - lse[..., None])
-    dv = dv + jnp.einsum("bngqk,bngqd->bknd", p, do)
-    dp = jnp.einsum("bngqd,bknd->bngqk", do, v, preferred_element_type=jnp.float32)
-    ds = p * (dp - delta[..., None]) * scale
-    dq = dq + jnp.einsum("bngqk,bknd->bqngd", ds, k, preferred_element_type=jnp.float32)
-    dk = dk + jnp.einsum("bngqk,bqngd->bknd", ds, q, preferred_element_type=jnp.float32)
-    return dq, dk, dv
+def _xla_backward(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, do: jax.Array,
+                  lse: jax.Array, delta: jax.Array, scale: float, diag: bool) -> tuple:
+    """One pair's ``(dq, dk, dv)`` (float32) from the whole rows' log-sum-exp and
+    ``delta = rowsum(do * out)``."""
+    del out
+    hk = k.shape[2]
+    stats = lambda x: x.reshape(x.shape[0], hk, -1, x.shape[-1])  # [b, h, c] -> [b, hk, g, c]
+    p = jnp.exp(_xla_scores(q, k, scale, diag) - stats(lse)[..., None])
+    do_g = _grouped(do, hk)
+    dv = jnp.einsum("bngqk,bqngd->bknd", p, do_g)
+    dp = jnp.einsum("bqngd,bknd->bngqk", do_g, v, preferred_element_type=jnp.float32)
+    ds = p * (dp - stats(delta)[..., None]) * scale
+    dq = jnp.einsum("bngqk,bknd->bqngd", ds, k, preferred_element_type=jnp.float32)
+    dk = jnp.einsum("bngqk,bqngd->bknd", ds, _grouped(q, hk), preferred_element_type=jnp.float32)
+    return dq.reshape(q.shape), dk, dv
+
+
+_LOG2E = math.log2(math.e)
+
+
+def _repeat_kv(x: jax.Array, h: int) -> jax.Array:
+    return jnp.repeat(x, h // x.shape[2], axis=2)
+
+
+def _kernel_forward(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, diag: bool,
+                    interpret: bool = False) -> tuple:
+    """One pair through Pallas' Triton flash attention (its log-sum-exp is in base 2)."""
+    from jax.experimental.pallas.ops.gpu import attention as pallas
+
+    h = q.shape[2]
+    o, lse2 = pallas.mha(q, _repeat_kv(k, h), _repeat_kv(v, h), None, sm_scale=scale,
+                         causal=diag, interpret=interpret, return_residuals=True)
+    return o.astype(jnp.float32), lse2 / _LOG2E
+
+
+def _kernel_backward(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, do: jax.Array,
+                     lse: jax.Array, delta: jax.Array, scale: float, diag: bool,
+                     interpret: bool = False) -> tuple:
+    """One pair's gradients by Pallas' backward kernels, given the whole rows' output and
+    log-sum-exp (the kernel recomputes ``delta`` from them); a kv head's gradient sums its
+    group's."""
+    from jax.experimental.pallas.ops.gpu import attention as pallas
+
+    del delta
+    h, hk = q.shape[2], k.shape[2]
+    res = (q, _repeat_kv(k, h), _repeat_kv(v, h), None, out.astype(q.dtype), lse * _LOG2E)
+    dq, dk, dv, _ = pallas._mha_backward(scale, diag, pallas.BlockSizes.get_default(), "triton",
+                                          None, 2, None, interpret, False, False, res,
+                                          do.astype(q.dtype))
+    fold = lambda x: x.astype(jnp.float32).reshape(x.shape[:2] + (hk, -1, x.shape[-1])).sum(3)
+    return dq.astype(jnp.float32), fold(dk), fold(dv)
+
+
+def kernel_fits(chunk: int, head_dim: int, v_head_dim: int) -> bool:
+    """Whether Pallas' flash kernels take a pair of ``chunk``-row blocks: whole 128-row tiles,
+    one head dim for q, k and v, a multiple of 16 up to 256."""
+    return chunk % 128 == 0 and head_dim == v_head_dim and head_dim % 16 == 0 \
+        and head_dim <= 256
+
+
+def _merge(acc: tuple, pair: tuple) -> tuple:
+    """The online softmax: two normalised partial outputs weighted by their row sums."""
+    (o, lse), (o2, lse2) = acc, pair
+    new = jnp.logaddexp(lse, lse2)
+    w = lambda x: jnp.einsum("bhq->bqh", jnp.exp(x - new))[..., None]
+    return o * w(lse) + o2 * w(lse2), new
 
 
 def _pair(causal: bool, fn: Callable, acc: tuple, qid: jax.Array, kid: jax.Array, *args) -> tuple:
@@ -227,13 +294,16 @@ def _pair(causal: bool, fn: Callable, acc: tuple, qid: jax.Array, kid: jax.Array
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Ring:
-    """What the per-device body needs: the ring's axis and size, the mask, layout and scale."""
+    """What the per-device body needs: the ring's axis and size, the mask, layout and scale,
+    and whether pairs run as flash kernels (``kernel``; ``interpret``: Pallas interpret mode)."""
 
     axis: str | tuple[str, ...]
     n: int
     causal: bool
     layout: Layout
     scale: float
+    kernel: bool = False
+    interpret: bool = False
 
     @property
     def parts(self) -> int:
@@ -244,10 +314,16 @@ class _Ring:
         """``x`` typed as differing across the ring (shard_map's varying-axes check)."""
         return jax.lax.pcast(x, self.axis, to="varying")
 
-    def grouped(self, x: jax.Array, hk: int) -> list[jax.Array]:
-        """``[b, s/n, h, d]`` as this device's chunks of ``[b, c, hk, h/hk, d]``."""
-        return [c.reshape(c.shape[:2] + (hk, -1, c.shape[-1]))
-                for c in jnp.split(x, self.parts, 1)]
+    def forward(self, q, k, v, diag: bool) -> tuple:
+        if self.kernel:
+            return _kernel_forward(q, k, v, self.scale, diag, self.interpret)
+        return _xla_forward(q, k, v, self.scale, diag)
+
+    def backward(self, q, k, v, out, do, lse, delta, diag: bool) -> tuple:
+        if self.kernel:
+            return _kernel_backward(q, k, v, out, do, lse, delta, self.scale, diag,
+                                    self.interpret)
+        return _xla_backward(q, k, v, out, do, lse, delta, self.scale, diag)
 
     def permute(self, x):
         """One step around the ring (a pytree of blocks)."""
@@ -279,13 +355,11 @@ def _ring_forward(r: _Ring, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple:
     """The local output block and, per query chunk, its float32 output and log-sum-exp."""
     parts, n = r.parts, r.n
     dev = jax.lax.axis_index(r.axis)
-    qs = r.grouped(q, k.shape[2])
-    b, c, hk, g, _ = qs[0].shape
-    stats = (b, hk, g, c)
-    init = (jnp.zeros(stats + (v.shape[-1],), jnp.float32), jnp.full(stats, _NEG, jnp.float32),
-            jnp.zeros(stats, jnp.float32))
+    qs = jnp.split(q, parts, 1)
+    b, c, h, _ = qs[0].shape
+    init = (jnp.zeros((b, c, h, v.shape[-1]), jnp.float32), jnp.full((b, h, c), _NEG, jnp.float32))
     qids = _chunk_ids(r.layout, dev, n)
-    block = functools.partial(_fwd_block, scale=r.scale)
+    block = lambda acc, q, k, v, diag: _merge(acc, r.forward(q, k, v, diag))
 
     def step(t, accs, kv):
         kids = _chunk_ids(r.layout, (dev - t) % n, n)
@@ -303,10 +377,8 @@ def _ring_forward(r: _Ring, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple:
     accs = tuple(tuple(r.varying(x) for x in init) for _ in range(parts))
     accs, kv = jax.lax.fori_loop(0, n - 1, body, (accs, (k, v)))
     accs = step(n - 1, accs, kv)
-    outs = [o / l[..., None] for o, _, l in accs]  # [b, hk, g, c, d]
-    lse = [m + jnp.log(l) for _, m, l in accs]
-    out = jnp.concatenate([jnp.einsum("bngqd->bqngd", o) for o in outs], 1)
-    return out.reshape(q.shape[:-1] + v.shape[-1:]).astype(q.dtype), (outs, lse)
+    outs, lse = [o for o, _ in accs], [x for _, x in accs]
+    return jnp.concatenate(outs, 1).astype(q.dtype), (outs, lse)
 
 
 def _ring_backward(r: _Ring, res: tuple, dout: jax.Array) -> tuple:
@@ -314,11 +386,14 @@ def _ring_backward(r: _Ring, res: tuple, dout: jax.Array) -> tuple:
     q, k, v, outs, lse = res
     parts, n = r.parts, r.n
     dev = jax.lax.axis_index(r.axis)
-    qs = r.grouped(q, k.shape[2])
-    dos = [jnp.einsum("bqngd->bngqd", c).astype(jnp.float32) for c in r.grouped(dout, k.shape[2])]
-    deltas = [(do * o).sum(-1) for do, o in zip(dos, outs, strict=True)]
+    qs = jnp.split(q, parts, 1)
+    dos = [x.astype(jnp.float32) for x in jnp.split(dout, parts, 1)]
+    deltas = [jnp.einsum("bqhd->bhq", do * o) for do, o in zip(dos, outs, strict=True)]
     qids = _chunk_ids(r.layout, dev, n)
-    block = functools.partial(_bwd_block, scale=r.scale)
+
+    def block(acc, q, k, v, out, do, lse, delta, diag):
+        grads = r.backward(q, k, v, out, do, lse, delta, diag)
+        return tuple(a + g for a, g in zip(acc, grads, strict=True))
 
     def step(t, dqs, kv, dkv):
         kids = _chunk_ids(r.layout, (dev - t) % n, n)
@@ -329,7 +404,7 @@ def _ring_backward(r: _Ring, res: tuple, dout: jax.Array) -> tuple:
             for bi in range(parts):
                 dqs[a], dks[bi], dvs[bi] = _pair(
                     r.causal, block, (dqs[a], dks[bi], dvs[bi]), qids[a], kids[bi],
-                    qs[a], ks[bi], vs[bi], dos[a], lse[a], deltas[a])
+                    qs[a], ks[bi], vs[bi], outs[a], dos[a], lse[a], deltas[a])
         return tuple(dqs), (jnp.concatenate(dks, 1), jnp.concatenate(dvs, 1))
 
     def body(t, carry):
@@ -342,7 +417,7 @@ def _ring_backward(r: _Ring, res: tuple, dout: jax.Array) -> tuple:
     dqs, kv, dkv = jax.lax.fori_loop(0, n - 1, body, (dqs, (k, v), dkv))
     dqs, dkv = step(n - 1, dqs, kv, dkv)
     dk, dv = r.permute(dkv)  # the n-th step brings them home
-    dq = jnp.concatenate(dqs, 1).reshape(q.shape)
+    dq = jnp.concatenate(dqs, 1)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
@@ -388,8 +463,9 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, axis
         ``[batch, seq, heads, head_dim]`` in q's dtype, natural order, sequence split over ``axis``.
     """
     n = _check(q, k, v, mesh, axis, layout, grad)
+    gpu = mesh.devices.flat[0].platform in ("gpu", "cuda", "rocm")
     local = functools.partial(ring_attention_local, axis=axis, n=n, causal=causal, layout=layout,
-                              scale=scale, grad=grad)
+                              scale=scale, grad=grad, kernel=gpu)
     spec = PartitionSpec(None, axis, None, None)
     # Auto axis types, as the plan's lowering runs: shard_map moves the sequence onto ``axis``
     # and GSPMD keeps the other axes' splits.
@@ -406,7 +482,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh, axis
 def ring_attention_local(q: jax.Array, k: jax.Array, v: jax.Array, *,
                          axis: str | tuple[str, ...], n: int, causal: bool = True,
                          layout: Layout = "ring", scale: float | None = None,
-                         grad: GradMode = "ring") -> jax.Array:
+                         grad: GradMode = "ring", kernel: bool = False,
+                         interpret: bool = False) -> jax.Array:
     """One device's part of :func:`ring_attention`, inside a ``shard_map`` manual over ``axis``.
 
     ``q``, ``k``, ``v`` are this device's blocks, ``[batch, seq / n, heads, head_dim]`` (``v``'s
@@ -414,10 +491,16 @@ def ring_attention_local(q: jax.Array, k: jax.Array, v: jax.Array, *,
     (a tuple of axes: their devices major to minor, as a ``PartitionSpec`` entry lists them).
     ``"zigzag"`` exchanges the blocks for chunks ``i, 2n - 1 - i`` first (two ppermutes of half
     a block per operand) and the output back after, so callers see natural order either way.
-    Returns the local output block ``[batch, seq / n, heads, v_head_dim]`` in q's dtype.
+    ``kernel``: each chunk pair through Pallas' Triton flash attention (GPUs; forward with its
+    log-sum-exp, backward kernels given the whole rows' statistics) where :func:`kernel_fits`
+    its chunks, else XLA ops (the pair's scores exist whole); ``interpret``: Pallas interpret
+    mode (tests without a GPU). Returns the local output block ``[batch, seq / n, heads,
+    v_head_dim]`` in q's dtype.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    r = _Ring(axis, n, causal, layout, scale)
+    chunk = q.shape[1] // (2 if layout == "zigzag" else 1)
+    kernel = kernel and kernel_fits(chunk, q.shape[-1], v.shape[-1])
+    r = _Ring(axis, n, causal, layout, scale, kernel, interpret)
     local = _make_local(r, grad)
     if layout == "zigzag":
         q, k, v = (r.to_zigzag(x) for x in (q, k, v))
