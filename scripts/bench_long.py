@@ -50,7 +50,7 @@ import jax.numpy as jnp
 
 import models
 from models import llama
-from nnscaler_jax import Constraints
+from nnscaler_jax import Constraints, Rule
 from nnscaler_jax.cli.common import capture_model, model_spec, spec_mutable
 from nnscaler_jax.cli.compare import one_planner
 from nnscaler_jax.cli.xla import xla_entry
@@ -67,6 +67,10 @@ CLUSTER = "h100-80g-8x"
 # (gradient accumulation 4), 40.96% MFU by its count
 SEED = {"step_time_s": 41.12, "sequences": 4, "mfu_reported": 0.4096}
 
+# "fused-seq": fused, and a rule keeps each attention op on its sequence: ring attention
+# (context parallelism) where the search would otherwise move the sequence to the heads
+SEQ_RULE = Rule(primitive=FUSED, dims=("s",))
+
 # name: (sequence length, mesh {axis: size}, precision, sequences per step, attention)
 CASES = {
     "128k-bf16": (131072, {"data": 2, "model": 4}, "bfloat16", 1, None),
@@ -77,6 +81,7 @@ CASES = {
     "128k-bf16-fused": (131072, {"data": 2, "model": 4}, "bfloat16", 1, "fused"),
     "128k-bf16-4seq-fused": (131072, {"data": 2, "model": 4}, "bfloat16", 4, "fused"),
     "128k-fp32-fused": (131072, {"data": 2, "model": 4}, "float32", 1, "fused"),
+    "128k-bf16-fused-seq": (131072, {"data": 2, "model": 4}, "bfloat16", 1, "fused-seq"),
     "512k-bf16-fused": (524288, {"data": 4, "model": 8}, "bfloat16", 1, "fused"),
     "1m-bf16-fused": (1048576, {"data": 8, "model": 8}, "bfloat16", 1, "fused"),
 }
@@ -221,7 +226,9 @@ def run_case(name: str, xla: bool) -> dict:
     spec = model_spec("llama", PRESET, precision, seq_len=seq, batch_size=sequences)
     graph = capture_model(spec, mutable=spec_mutable(spec), precision=precision,
                           loss=True).graph
-    cons = Constraints(microbatches=sequences if sequences > 1 else None, attention=attention)
+    cons = Constraints(microbatches=sequences if sequences > 1 else None,
+                       attention="fused" if attention == "fused-seq" else attention,
+                       rules=(SEQ_RULE,) if attention == "fused-seq" else ())
     mesh = jax.sharding.AbstractMesh(tuple(axes.values()), tuple(axes))
     plan, entry = one_planner("auto", graph, mesh, cluster, None, constraints=cons)
     out = {"sequence": seq, "mesh": axes, "devices": devices, "cluster": CLUSTER,
@@ -239,7 +246,7 @@ def run_case(name: str, xla: bool) -> dict:
     if xla and name == "128k-bf16":
         out["xla"] = xla_figures(spec, plan, cluster, axes)
         out["flash_probe"] = flash_probe(cluster, cfg, devices)
-    if xla and name == "128k-bf16-fused":
+    if xla and name in ("128k-bf16-fused", "128k-bf16-fused-seq"):
         out["xla"] = xla_figures(spec, plan, cluster, axes)
     return out
 
@@ -262,6 +269,16 @@ def _peak_text(x: dict, e: dict) -> str:
             f"{'yes' if x['xla_remat'] else 'no'}; compiled in {x['compile_s']:.0f} s.")
 
 
+def _attention_text(e: dict) -> str:
+    """How the case's attention runs: as written, or fused and how its plan splits each block
+    (``zigzag over dataxmodel``: ring attention; ``b1 over model``: heads)."""
+    if e.get("attention") is None:
+        return "as written"
+    hows = sorted({how for _, how in (e.get("features") or {}).get("fused_attention", [])})
+    rule = " (rule: on its sequence)" if e["attention"] == "fused-seq" else ""
+    return f"fused{rule}: " + "; ".join(hows) if hows else f"fused{rule}"
+
+
 def write_md(results: dict) -> str:
     seed = results["nnscaler"]
     lines = [
@@ -280,7 +297,7 @@ def write_md(results: dict) -> str:
     ]
     for name, e in results["cases"].items():
         mesh = " x ".join(f"{a} {n}" for a, n in e["mesh"].items())
-        att = "fused" if e.get("attention") == "fused" else "as written"
+        att = _attention_text(e)
         if not e.get("fits"):
             lines.append(f"| {name} | {att} | {e['devices']} | {mesh} | {e.get('fits')} | - | "
                          f"{e['sequences']} | - | {_gib(e.get('memory_bytes_per_device'))} "
@@ -338,15 +355,20 @@ def write_md(results: dict) -> str:
             else:
                 lines.append(f"- the flash-attention probe did not compile: {p['error']}")
     y = results["cases"].get("128k-bf16-fused", {}).get("xla")
+    z = results["cases"].get("128k-bf16-fused-seq", {}).get("xla")
     if y:
         e = results["cases"]["128k-bf16-fused"]
-        lines += ["", "## The fused 128K step as XLA's GPU compiler builds it", "",
+        lines += ["", "## The fused 128K steps as XLA's GPU compiler builds them", "",
                   ("- `Constraints(attention='fused')`: the plan's step compiled with Pallas' "
                    "flash kernels: " + _peak_text(y, e)),
                   (f"- buffers of 1 GB or more moved per step: {y['traffic_bytes'] / 1e12:.2f} TB "
                    f"(a floor of {y['traffic_floor_s']:.2f} s), against "
                    f"{x['traffic_bytes'] / 1e12:.1f} TB unfused." if x else
                    f"- buffers of 1 GB or more moved per step: {y['traffic_bytes'] / 1e12:.2f} TB."),
+                  (f"- with the rule keeping attention on its sequence ({_attention_text(ez)}), "
+                   "ring attention with a flash kernel per chunk pair: " + _peak_text(z, ez)
+                   if z and (ez := results["cases"]["128k-bf16-fused-seq"]) else
+                   "- (the ring-attention case was not compiled)"),
                   ("- the kernel is priced at 0.34 of the H100's bf16 peak "
                    "(`cost.model.ATTENTION_KERNEL_EFFICIENCY`, FlashAttention-2's reported 335 "
                    "TFLOP/s), not measured here.")]

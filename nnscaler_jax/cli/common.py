@@ -283,11 +283,12 @@ def add_plan_settings(p: argparse.ArgumentParser) -> None:
 
 
 def add_attention_flag(p: argparse.ArgumentParser) -> None:
-    """``--attention fused``: ``Constraints(attention="fused")``."""
-    p.add_argument("--attention", default=None, choices=("fused",),
-                   help="fused: every attention block as one flash kernel on GPUs, its "
-                        "sequences whole (split ones move to the heads by all-to-all); "
-                        "default: attention as the model writes it")
+    """``--attention fused|ring|zigzag``: ``Constraints(attention=...)``."""
+    p.add_argument("--attention", default=None, choices=("fused", "ring", "zigzag"),
+                   help="fused: every attention block as one flash kernel on GPUs; where the "
+                        "sequence is split, the search moves it to the heads (all-to-all) or "
+                        "runs ring attention on it; ring / zigzag: fused, a split sequence "
+                        "always runs that ring layout; default: attention as the model writes it")
 
 
 def plan_constraints(args: argparse.Namespace) -> Any:

@@ -306,12 +306,13 @@ def _precision(args: argparse.Namespace) -> str | None:
 
 
 def _attention(args: argparse.Namespace) -> Any:
-    """``--attention fused``: the constraints every planner plans under (None: none)."""
+    """``--attention fused|ring|zigzag``: the constraints every planner plans under (None:
+    none)."""
     if getattr(args, "attention", None) is None:
         return None
     if getattr(args, "pipelines", False):
-        raise UsageError("--attention fused plans SPMD programs: drop --pipelines, or "
-                         "--attention")
+        raise UsageError(f"--attention {args.attention} plans SPMD programs: drop --pipelines, "
+                         "or --attention")
     from nnscaler_jax.constraints import Constraints
 
     return Constraints(attention=args.attention)

@@ -383,10 +383,11 @@ def _ring_forward(r: _Ring, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple:
 
 def _ring_backward(r: _Ring, res: tuple, dout: jax.Array) -> tuple:
     """dq, dk, dv: K / V rotate again, their float32 gradients travel with them and come home."""
-    q, k, v, outs, lse = res
+    q, k, v, out, lse = res
     parts, n = r.parts, r.n
     dev = jax.lax.axis_index(r.axis)
     qs = jnp.split(q, parts, 1)
+    outs = [x.astype(jnp.float32) for x in jnp.split(out, parts, 1)]
     dos = [x.astype(jnp.float32) for x in jnp.split(dout, parts, 1)]
     deltas = [jnp.einsum("bqhd->bhq", do * o) for do, o in zip(dos, outs, strict=True)]
     qids = _chunk_ids(r.layout, dev, n)
@@ -431,8 +432,8 @@ def _make_local(r: _Ring, grad: GradMode) -> Callable:
         return _ring_forward(r, q, k, v)[0]
 
     def local_fwd(q, k, v):
-        out, (outs, lse) = _ring_forward(r, q, k, v)
-        return out, (q, k, v, outs, lse)
+        out, (_, lse) = _ring_forward(r, q, k, v)
+        return out, (q, k, v, out, lse)  # the output kept in q's dtype, as flash attention
 
     local.defvjp(local_fwd, functools.partial(_ring_backward, r))
     return local

@@ -208,6 +208,9 @@ def test_attention_fused_from_the_command_line(capsys, tmp_path):
     assert f["fits"] and len(f["features"]["fused_attention"]) == 32
     assert not p["features"]["fused_attention"]
     assert f["step_time_s"] < p["step_time_s"] / 3
+    # batch 1: each block's work splits over all 8 devices only by heads or by the sequence
+    hows = {how for _, how in f["features"]["fused_attention"]}
+    assert all("data" in how and "model" in how for how in hows), hows
     out = tmp_path / "plan.json"
     assert main(["plan", "--model", "gpt", "--preset", "tiny", "--mesh", "2x4", "--attention",
                  "fused", "--out", str(out), "--json"]) == 0
