@@ -54,8 +54,10 @@ TOKENS_ONLY = (Rule(module="*_proj", dims=("m0", "m1")),)
 
 @pytest.mark.parametrize("shape, seq, heads, kv_heads, rules, how", [
     ((8,), 256, 4, 2, (), "ring over seq"),                  # 2 kv heads cannot split 8 ways
+    ((2, 4), 256, 4, 2, (), "ring over seq, b1 over data"),
     ((2, 4), 1024, 4, 2, (), "zigzag over dataxseq"),        # longer: balanced causal work pays
     ((8,), 256, 8, 8, TOKENS_ONLY, "b1 over seq"),           # heads divide: all-to-all wins
+    ((2, 4), 256, 8, 8, TOKENS_ONLY, "b1 over data, b1 over seq"),
 ])
 def test_the_search_chooses_how_a_split_sequence_attends(shape, seq, heads, kv_heads, rules,
                                                          how):
@@ -64,10 +66,11 @@ def test_the_search_chooses_how_a_split_sequence_attends(shape, seq, heads, kv_h
     kinds = _check(spec, pm, mesh)
     assert {h for _, h in fused_attention_rows(pm.plan)} == {how}
     all_to_all = sum(n for (kind, _), n in kinds.items() if kind == "all_to_all")
-    ring_axes = ("data", "seq") if len(shape) == 2 else ("seq",)
+    seq_axes = tuple(a for a in ("data", "seq") if f"over {a}" in how or f"x{a}" in how)
     if how.startswith("b1"):     # Ulysses: q, k, v to the heads and the output back
-        assert kinds[("all_to_all", ("seq",))] >= 8 and not pm.plan.ring_layouts
+        assert kinds[("all_to_all", seq_axes)] >= 8 and not pm.plan.ring_layouts
     else:                        # K / V travel between neighbours, nothing is re-laid
+        ring_axes = ("data", "seq") if "dataxseq" in how else ("seq",)
         assert not all_to_all and kinds[("ppermute", ring_axes)] >= 2
         assert {x for _, x in pm.plan.ring_layouts} == {how.split()[0]}
 
