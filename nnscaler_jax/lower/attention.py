@@ -1,14 +1,16 @@
 """A fused attention op lowered: one ``shard_map`` over the mesh, each device's attention on its
 own batch and heads, the sequences whole (the op's annotation freezes them).
 
-On GPUs the device's part runs Pallas' Triton flash attention (``jax.experimental.pallas.ops.gpu
-.attention.mha``: forward and backward kernels, the causal tiles above the diagonal skipped, no
-score-sized buffer in memory); elsewhere (and where the kernel's tiling does not fit: a sequence
-that is not a multiple of its 128-row blocks) the same arithmetic as the block's ops, written
-once: the scores in float32, the scale, the causal mask, the softmax, the weighted sum, cast to
-the block's output dtype. For the kernel the operands are laid out as ``[batch, sequence, heads,
-head dim]``: every shared axis (batch, kv heads) folded into the heads, q's other free axes (a
-grouped-query group) too, and k / v repeated over them.
+On GPUs the device's part runs Pallas' Triton flash attention kernels
+(:func:`~nnscaler_jax.lower.ring.flash_attention`: forward and backward kernels, the causal tiles
+above the diagonal skipped, no score-sized buffer in memory, k / v kept at their own head count
+for the backward); elsewhere (and where the kernel's tiling does not fit: a sequence that is not
+a multiple of its 128-row blocks, q and v head dims that differ) the same arithmetic as the
+block's ops, written once: the scores in float32, the scale, the causal mask, the softmax, the
+weighted sum, cast to the block's output dtype. For the kernel the operands are laid out as
+``[batch, sequence, heads, head dim]``: every shared axis (batch, kv heads) folded into the kv
+heads, q's other free axes (a grouped-query group) after them. A sequence split over mesh axes
+runs as ring attention over them (:mod:`~nnscaler_jax.lower.ring`).
 """
 
 from __future__ import annotations
@@ -22,12 +24,9 @@ import jax.numpy as jnp
 
 from nnscaler_jax.ir.graph import Op
 from nnscaler_jax.layout import Layout
-from nnscaler_jax.lower.ring import ring_attention_local
+from nnscaler_jax.lower.ring import flash_attention, kernel_fits, ring_attention_local
 
 __all__ = ["attention_reference", "ring_layout", "run_fused_attention"]
-
-_BLOCK = 128  # the kernel's query and key tile
-
 
 def _letters(names: Sequence[str], table: dict[str, str]) -> str:
     for n in names:
@@ -71,34 +70,28 @@ def attention_reference(op: Op, q: Any, k: Any, v: Any) -> Any:
     return out.astype(op.params["out_dtype"])
 
 
-def _kernel_fits(op: Op, q: Any, k: Any) -> bool:
-    (qn, kn, _), _ = _names(op)
-    n_q, n_k, d = q.shape[qn.index("sq")], k.shape[kn.index("sk")], q.shape[qn.index("d")]
-    return n_q % _BLOCK == 0 and n_k % _BLOCK == 0 and d % 16 == 0 and d <= 256
+def _kernel_fits(op: Op, q: Any, k: Any, v: Any) -> bool:
+    (qn, kn, vn), _ = _names(op)
+    d, dv = q.shape[qn.index("d")], v.shape[vn.index("dv")]
+    return (kernel_fits(q.shape[qn.index("sq")], d, dv)
+            and kernel_fits(k.shape[kn.index("sk")], d, dv))
 
 
 def _flash(op: Op, q: Any, k: Any, v: Any, interpret: bool = False) -> Any:
-    """The block through Pallas' flash attention (see the module docs)."""
-    from jax.experimental.pallas.ops.gpu import attention as pallas
-
+    """The block through Pallas' flash attention kernels (see the module docs)."""
     (qn, kn, vn), on = _names(op)
     shared = [n for n in kn if n not in ("sk", "d")]           # batch, kv heads
     group = [n for n in qn if n not in shared and n not in ("sq", "d")]
-    qt = jnp.transpose(q, [qn.index(n) for n in (*shared, *group, "sq", "d")])
-    kt = jnp.transpose(k, [kn.index(n) for n in (*shared, "sk", "d")])
-    vt = jnp.transpose(v, [vn.index(n) for n in (*shared, "sk", "dv")])
-    heads = math.prod(qt.shape[:-2])
-    g = math.prod(qt.shape[len(shared):-2])
-    n_q, n_k = qt.shape[-2], kt.shape[-2]
-    # [1, seq, heads, dim]: every shared and group axis folded into the heads
-    qh = jnp.moveaxis(qt.reshape(heads, n_q, -1), 0, 1)[None]
-    kh = jnp.repeat(kt.reshape(-1, n_k, kt.shape[-1]), g, axis=0)
-    vh = jnp.repeat(vt.reshape(-1, n_k, vt.shape[-1]), g, axis=0)
-    kh, vh = jnp.moveaxis(kh, 0, 1)[None], jnp.moveaxis(vh, 0, 1)[None]
-    o = pallas.mha(qh, kh, vh, segment_ids=None, sm_scale=op.params["scale"],
-                   causal=op.params["causal"], interpret=interpret)   # [1, sq, heads, dv]
-    o = jnp.moveaxis(o[0], 1, 0).reshape(*qt.shape[:-2], n_q, vt.shape[-1])
-    have = [*shared, *group, "sq", "dv"]
+    qt = jnp.transpose(q, [qn.index(n) for n in ("sq", *shared, *group, "d")])
+    kt = jnp.transpose(k, [kn.index(n) for n in ("sk", *shared, "d")])
+    vt = jnp.transpose(v, [vn.index(n) for n in ("sk", *shared, "dv")])
+    n_q, n_k = qt.shape[0], kt.shape[0]
+    # [1, seq, heads, dim]: the shared axes folded into the kv heads, q's groups after them
+    o = flash_attention(qt.reshape(1, n_q, -1, qt.shape[-1]), kt.reshape(1, n_k, -1, kt.shape[-1]),
+                        vt.reshape(1, n_k, -1, vt.shape[-1]), op.params["scale"],
+                        op.params["causal"], interpret)
+    o = o.reshape(*qt.shape[:-1], vt.shape[-1])
+    have = ["sq", *shared, *group, "dv"]
     return jnp.transpose(o, [have.index(n) for n in on]).astype(op.params["out_dtype"])
 
 
@@ -142,7 +135,7 @@ def run_fused_attention(lw: Any, op: Op, ins: Sequence[Any], in_lays: Sequence[L
     def body(q, k, v):
         if n > 1:
             return _ring(op, axes, n, q, k, v, gpu)
-        if gpu and _kernel_fits(op, q, k):
+        if gpu and _kernel_fits(op, q, k, v):
             return _flash(op, q, k, v)
         return attention_reference(op, q, k, v)
 

@@ -73,8 +73,9 @@ from nnscaler_jax.mesh.axes import auto_view, is_explicit
 __all__ = [
     "GradMode",
     "Layout",
-    "ring_attention",
+    "flash_attention",
     "kernel_fits",
+    "ring_attention",
     "ring_attention_local",
     "ring_cost",
     "zigzag_permute",
@@ -272,6 +273,32 @@ def kernel_fits(chunk: int, head_dim: int, v_head_dim: int) -> bool:
     one head dim for q, k and v, a multiple of 16 up to 256."""
     return chunk % 128 == 0 and head_dim == v_head_dim and head_dim % 16 == 0 \
         and head_dim <= 256
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, causal: bool,
+                    interpret: bool = False) -> jax.Array:
+    """``softmax(q k^T * scale [+ causal mask]) v`` on one device by Pallas' Triton flash
+    kernels, grouped-query: q ``[b, s, h, d]``, k / v ``[b, s, hk, d]`` with ``hk`` dividing
+    ``h``. The kernels take one head count, so k / v are repeated per group inside the forward
+    and the backward; the backward keeps q, k, v, the output and the log-sum-exp (the same
+    pair functions as ring attention's)."""
+    return _kernel_forward(q, k, v, scale, causal, interpret)[0].astype(q.dtype)
+
+
+def _flash_fwd(q, k, v, scale, causal, interpret):
+    out, lse = _kernel_forward(q, k, v, scale, causal, interpret)
+    out = out.astype(q.dtype)
+    return out, (q, k, v, out, lse)
+
+
+def _flash_bwd(scale, causal, interpret, res, dout):
+    q, k, v, out, lse = res
+    dq, dk, dv = _kernel_backward(q, k, v, out, dout, lse, None, scale, causal, interpret)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+flash_attention.defvjp(_flash_fwd, _flash_bwd)
 
 
 def _merge(acc: tuple, pair: tuple) -> tuple:
