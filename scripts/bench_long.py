@@ -17,7 +17,8 @@ the budget):
   them), the other matmuls, the rest; the forward again of recomputed ops; the co-sharded
   chunks' kernel-launch floor.
 
-``--xla`` (128K, bf16 only; about a minute): the step compiled by XLA:GPU for compile-only H100s:
+``--xla`` (128K bf16, and the fused 512K and 1M steps; about ten minutes): the step compiled
+by XLA:GPU for compile-only H100s:
 its peak, and the bytes its kernels move through HBM in score-sized buffers (at least 1 GB each,
 :func:`nnscaler_jax.lower.hlo.hlo_traffic`, while-loop trip counts included), which at the H100's
 bandwidth is a floor on the step whatever the FLOPs. And a probe of a fused (flash) attention
@@ -25,8 +26,9 @@ kernel: Pallas' Triton ``mha`` forward + backward for one layer's attention at 1
 heads split 8 ways (the sequence whole on each device, as an all-to-all sequence <-> heads
 plan leaves it) compiled for the same GPU: whether it compiles, its temporary memory, and the
 FLOP floor of its causal work. The ``-fused`` cases plan with ``Constraints(attention="fused")``:
-every attention block one op, lowered to that kernel (``128k-bf16-fused`` compiled too with
-``--xla``).
+every attention block one op, lowered to that kernel (with ``--xla`` the fused 128K steps,
+Ulysses and ring, and the fused 512K and 1M steps compile too: peak against the estimate,
+and whether it fits the device by XLA's measure).
 
 Writes ``results/bench_long.json`` and ``results/bench_long.md``. From the repository root:
 
@@ -177,7 +179,8 @@ def xla_figures(spec, plan, cluster, axes: dict) -> dict:
     if "error" in x:
         return x
     t, dev = x["traffic"], cluster.device
-    return {"peak_bytes": x["peak_bytes"], "xla_remat": x["xla_remat"],
+    return {"peak_bytes": x["peak_bytes"], "xla_remat": x["xla_remat"], "fits": x["fits"],
+            "device_memory_bytes": x["device_memory_bytes"],
             "over_estimate": x["over_estimate"], "compile_s": x["compile_s"],
             "notes": x["notes"], "traffic_bytes": t["bytes"], "traffic_kernels": t["kernels"],
             "traffic_by_kind": t["by_kind"],
@@ -246,7 +249,8 @@ def run_case(name: str, xla: bool) -> dict:
     if xla and name == "128k-bf16":
         out["xla"] = xla_figures(spec, plan, cluster, axes)
         out["flash_probe"] = flash_probe(cluster, cfg, devices)
-    if xla and name in ("128k-bf16-fused", "128k-bf16-fused-seq"):
+    if xla and name in ("128k-bf16-fused", "128k-bf16-fused-seq", "512k-bf16-fused",
+                        "1m-bf16-fused"):
         out["xla"] = xla_figures(spec, plan, cluster, axes)
     return out
 
@@ -373,6 +377,14 @@ def write_md(results: dict) -> str:
                    "rematerialises to stay near the budget: the memory model is not yet within "
                    "5% on these plans (issue 45)." if y["over_estimate"] > 1.05 else
                    "- the estimate is within 5% of XLA's peak."),
+                  *[f"- {n} on {results['cases'][n]['devices']} GPUs "
+                    f"({_attention_text(results['cases'][n])}): "
+                    + _peak_text(results["cases"][n]["xla"], results["cases"][n])
+                    + ("" if results["cases"][n]["xla"].get("fits", True) else
+                       f" It does not fit by XLA's measure (the device's "
+                       f"{_gib(results['cases'][n]['xla']['device_memory_bytes'])} GiB).")
+                    for n in ("512k-bf16-fused", "1m-bf16-fused")
+                    if "peak_bytes" in results["cases"].get(n, {}).get("xla", {})],
                   ("- the kernel is priced at 0.34 of the H100's bf16 peak "
                    "(`cost.model.ATTENTION_KERNEL_EFFICIENCY`, FlashAttention-2's reported 335 "
                    "TFLOP/s), not measured here.")]
