@@ -31,7 +31,8 @@ from nnscaler_jax.ir.attention import FUSED
 from nnscaler_jax.ir.graph import DataflowMemo, Graph, Op, Role, Tensor, dtype_itemsize
 
 __all__ = ["FREE", "MATMUL", "MATRIX", "TRAINABLE", "attention_flops", "grad_sources",
-           "grad_tensors", "is_float", "is_reduction", "itemsize", "op_bytes", "op_flops", "region_length", "walk_weighted"]
+           "grad_tensors", "is_float", "is_reduction", "itemsize", "op_bytes", "op_flops",
+           "region_length", "ring_cost", "walk_weighted"]
 
 MATMUL = frozenset({"dot_general", "conv_general_dilated"})
 MATRIX = MATMUL | {FUSED}  # ops on the matrix units (a fused attention: two matmuls)
@@ -105,6 +106,55 @@ def attention_flops(op: Op) -> float:
     sizes = op.dim_sizes()
     pairs = math.prod(n for name, n in sizes.items() if name not in ("d", "dv")) * sizes.get("s", 1)
     return 2.0 * pairs * (sizes["d"] + sizes["dv"]) / (2.0 if op.params.get("causal") else 1.0)
+
+
+def ring_cost(seq: int, heads: int, head_dim: int, batch: int, n: int, dtype_bytes: int,
+              causal: bool, *, kv_heads: int | None = None,
+              layout: str = "ring") -> dict[str, int]:
+    """The forward's cost on the busiest device, for the cost model.
+
+    ``flops``: matmul FLOPs (``q k^T`` and ``p v``, ``2 x 2 b h d`` per query-key pair) of the
+    chunk pairs the busiest device computes; a diagonal pair is computed whole (masked), a pair
+    after the diagonal is skipped. Non-causal: ``4 b h d s^2 / n``. Causal ring: the last device
+    computes ``n`` blocks of ``(s / n)^2`` -- the same as non-causal. Causal zigzag: every device
+    computes ``2n + 1`` pairs of ``(s / 2n)^2`` (``2 (n - 1)`` off the diagonal, 3 on it), about
+    half. The backward (custom VJP) recomputes the scores and adds ``dv, dp, dq, dk``: 2.5x the
+    forward's FLOPs, ``2 (n - 1)`` ppermutes of K / V blocks plus ``2n`` of their float32
+    gradient blocks.
+
+    ``bytes_per_ppermute``: one K (or V) block, ``b (s / n) kv_heads d dtype_bytes``.
+    ``ppermutes``: ``2 (n - 1)``, K and V each ``n - 1`` times.
+    ``exchanges``: zigzag's half-block ppermutes into and out of zigzag order (two per q, k, v
+    and output: 8; the backward the same for their gradients); 0 for ``"ring"``.
+
+    Args:
+        seq, heads, head_dim, batch: the global attention shape (batch as seen by the ring's
+            devices: divide it first by any axis splitting it).
+        n: the ring size.
+        dtype_bytes: bytes of one K / V element.
+        causal: causal mask (pairs after the diagonal skipped).
+        kv_heads: K / V heads (grouped-query); ``heads`` by default.
+        layout: ``"ring"`` or ``"zigzag"``.
+
+    Returns:
+        ``{"flops", "bytes_per_ppermute", "ppermutes", "exchanges"}``.
+
+    >>> shape = dict(seq=64, heads=4, head_dim=8, batch=2, n=4, dtype_bytes=4)
+    >>> ring_cost(**shape, causal=True, layout="zigzag")["flops"] / ring_cost(**shape,
+    ...                                                                 causal=False)["flops"]
+    0.5625
+    """
+    if layout not in ("ring", "zigzag"):
+        raise ValueError(f"ring_cost: layout={layout!r}; expected 'ring' or 'zigzag'")
+    kv_heads = heads if kv_heads is None else kv_heads
+    per_pair = 4 * batch * heads * head_dim
+    if not causal or layout == "ring":
+        flops = per_pair * n * (seq // n) ** 2
+    else:
+        flops = per_pair * (2 * n + 1) * (seq // (2 * n)) ** 2
+    return {"flops": flops,
+            "bytes_per_ppermute": batch * (seq // n) * kv_heads * head_dim * dtype_bytes,
+            "ppermutes": 2 * (n - 1), "exchanges": 8 if layout == "zigzag" else 0}
 
 
 def _conv_flops(op: Op) -> float:

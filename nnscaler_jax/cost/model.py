@@ -73,6 +73,7 @@ from nnscaler_jax.cost.compute import (
     op_bytes,
     op_flops,
     region_length,
+    ring_cost,
     walk_weighted,
 )
 from nnscaler_jax.cost.devices import CPU, ClusterSpec, DeviceSpec
@@ -90,7 +91,6 @@ from nnscaler_jax.ir.attention import FUSED
 from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.layout.rvd import interned
-from nnscaler_jax.lower.ring import ring_cost
 from nnscaler_jax.mesh.topology import DEFAULT_LINK, LinkCost, MeshSpec
 from nnscaler_jax.plan.layouts import op_layouts
 from nnscaler_jax.plan.plan import VALUE, OpPlan, Plan, PlanCost

@@ -68,6 +68,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from nnscaler_jax.cost.compute import ring_cost  # (priced there; re-exported: the ring's cost)
 from nnscaler_jax.mesh.axes import auto_view, is_explicit
 
 __all__ = [
@@ -534,52 +535,3 @@ def ring_attention_local(q: jax.Array, k: jax.Array, v: jax.Array, *,
         q, k, v = (r.to_zigzag(x) for x in (q, k, v))
         return r.from_zigzag(local(q, k, v))
     return local(q, k, v)
-
-
-def ring_cost(seq: int, heads: int, head_dim: int, batch: int, n: int, dtype_bytes: int,
-              causal: bool, *, kv_heads: int | None = None,
-              layout: Layout = "ring") -> dict[str, int]:
-    """The forward's cost on the busiest device, for the cost model.
-
-    ``flops``: matmul FLOPs (``q k^T`` and ``p v``, ``2 x 2 b h d`` per query-key pair) of the
-    chunk pairs the busiest device computes; a diagonal pair is computed whole (masked), a pair
-    after the diagonal is skipped. Non-causal: ``4 b h d s^2 / n``. Causal ring: the last device
-    computes ``n`` blocks of ``(s / n)^2`` -- the same as non-causal. Causal zigzag: every device
-    computes ``2n + 1`` pairs of ``(s / 2n)^2`` (``2 (n - 1)`` off the diagonal, 3 on it), about
-    half. The backward (custom VJP) recomputes the scores and adds ``dv, dp, dq, dk``: 2.5x the
-    forward's FLOPs, ``2 (n - 1)`` ppermutes of K / V blocks plus ``2n`` of their float32
-    gradient blocks.
-
-    ``bytes_per_ppermute``: one K (or V) block, ``b (s / n) kv_heads d dtype_bytes``.
-    ``ppermutes``: ``2 (n - 1)``, K and V each ``n - 1`` times.
-    ``exchanges``: zigzag's half-block ppermutes into and out of zigzag order (two per q, k, v
-    and output: 8; the backward the same for their gradients); 0 for ``"ring"``.
-
-    Args:
-        seq, heads, head_dim, batch: the global attention shape (batch as seen by the ring's
-            devices: divide it first by any axis splitting it).
-        n: the ring size.
-        dtype_bytes: bytes of one K / V element.
-        causal: causal mask (pairs after the diagonal skipped).
-        kv_heads: K / V heads (grouped-query); ``heads`` by default.
-        layout: ``"ring"`` or ``"zigzag"``.
-
-    Returns:
-        ``{"flops", "bytes_per_ppermute", "ppermutes", "exchanges"}``.
-
-    >>> shape = dict(seq=64, heads=4, head_dim=8, batch=2, n=4, dtype_bytes=4)
-    >>> ring_cost(**shape, causal=True, layout="zigzag")["flops"] / ring_cost(**shape,
-    ...                                                                 causal=False)["flops"]
-    0.5625
-    """
-    if layout not in get_args(Layout):
-        raise ValueError(f"ring_cost: layout={layout!r}; expected one of {get_args(Layout)}")
-    kv_heads = heads if kv_heads is None else kv_heads
-    per_pair = 4 * batch * heads * head_dim
-    if not causal or layout == "ring":
-        flops = per_pair * n * (seq // n) ** 2
-    else:
-        flops = per_pair * (2 * n + 1) * (seq // (2 * n)) ** 2
-    return {"flops": flops,
-            "bytes_per_ppermute": batch * (seq // n) * kv_heads * head_dim * dtype_bytes,
-            "ppermutes": 2 * (n - 1), "exchanges": 8 if layout == "zigzag" else 0}

@@ -116,8 +116,7 @@ def plan_spmd(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto"
     axes = mesh_axes(mesh)
     constraints = constraints or Constraints()
     name = policy if policy is not None else "auto"
-    model_graph = graph
-    fused, graph = _fused_attention(graph, constraints)
+    model_graph, (fused, graph) = graph, _fused_attention(graph, constraints)
     constraints.check(graph, axes)
     t0 = time.perf_counter()
     fn = resolve_policy(name, cost_model=cost_model, time_limit=time_limit)
@@ -136,8 +135,7 @@ def plan_spmd(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto"
                             "end the policy with `return graph.finish()`")
         # the draft's graph has the boundaries; the plan is for the model's graph (reuse)
         return replace(result, recompute=groups, coshard=blocks, fused_attention=fused,
-                       ring_layouts=_ring_layouts(graph, result,
-                                                  cost_model or CostModel.for_axes(axes)),
+                       ring_layouts=_ring_layouts(graph, result, cost_model, axes),
                        fingerprint=graph_fingerprint(model_graph)), draft
 
     def finish(result: Plan) -> Plan:
@@ -177,9 +175,11 @@ def plan_spmd(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto"
     return Planned(result, time.perf_counter() - t0, getattr(draft, "search_report", None))
 
 
-def _ring_layouts(graph: Graph, plan: Plan, cost_model: CostModel
-                  ) -> tuple[tuple[int, str], ...]:
-    """How each fused attention op ``plan`` splits on its sequence runs (ring or zigzag)."""
+def _ring_layouts(graph: Graph, plan: Plan, cost_model: CostModel | None,
+                  axes: dict[str, int]) -> tuple[tuple[int, str], ...]:
+    """How each fused attention op ``plan`` splits on its sequence runs (ring or zigzag), by
+    ``cost_model`` (default: the mesh's)."""
+    cost_model = cost_model or CostModel.for_axes(axes)
     out = []
     for op in graph.ops:
         p = plan.op_plan(op.id) if op.primitive == FUSED else None
