@@ -32,3 +32,20 @@ def assert_same_params(got, want, rtol: float, atol: float) -> None:
                             strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol,
                                    err_msg=jax.tree_util.keystr(path))
+
+
+def assert_trains_like_one_device(step, spec, variables, args, opt, steps: int,
+                                  rtol: float = 1e-4, atol: float = 1e-6) -> None:
+    """``steps`` calls of a train step (``pm.train_step(spec.loss_fn, opt)``) leave the
+    parameters the plain loop on one device leaves (``jax.grad`` of ``spec.loss_fn``, ``opt``)."""
+    import optax
+
+    state = step.init(variables, *args)
+    for _ in range(steps):
+        state, _ = step(state, *args)
+    params, opt_state = variables["params"], opt.init(variables["params"])
+    loss = lambda p: spec.loss_fn(spec.module.apply({"params": p}, *args), *args)
+    for _ in range(steps):
+        updates, opt_state = opt.update(jax.grad(loss)(params), opt_state, params)
+        params = optax.apply_updates(params, updates)
+    assert_same_params(step.params(state), params, rtol, atol)

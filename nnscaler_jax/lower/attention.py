@@ -77,22 +77,26 @@ def _kernel_fits(op: Op, q: Any, k: Any, v: Any) -> bool:
             and kernel_fits(k.shape[kn.index("sk")], d, dv))
 
 
-def _flash(op: Op, q: Any, k: Any, v: Any, interpret: bool = False) -> Any:
-    """The block through Pallas' flash attention kernels (see the module docs)."""
+def _as_heads(op: Op, q: Any, k: Any, v: Any, attend: Any) -> Any:
+    """``attend(q, k, v)`` on the op's operands laid out ``[1, seq, heads, dim]``: every shared
+    axis (batch, kv heads) folded into the kv heads, q's group axes after them (q head ``j``
+    reads kv head ``j // groups``); its output laid out back as the op's, in the op's dtype."""
     (qn, kn, vn), on = _names(op)
     shared = [n for n in kn if n not in ("sk", "d")]           # batch, kv heads
     group = [n for n in qn if n not in shared and n not in ("sq", "d")]
     qt = jnp.transpose(q, [qn.index(n) for n in ("sq", *shared, *group, "d")])
     kt = jnp.transpose(k, [kn.index(n) for n in ("sk", *shared, "d")])
     vt = jnp.transpose(v, [vn.index(n) for n in ("sk", *shared, "dv")])
-    n_q, n_k = qt.shape[0], kt.shape[0]
-    # [1, seq, heads, dim]: the shared axes folded into the kv heads, q's groups after them
-    o = flash_attention(qt.reshape(1, n_q, -1, qt.shape[-1]), kt.reshape(1, n_k, -1, kt.shape[-1]),
-                        vt.reshape(1, n_k, -1, vt.shape[-1]), op.params["scale"],
-                        op.params["causal"], interpret)
-    o = o.reshape(*qt.shape[:-1], vt.shape[-1])
+    heads = lambda x: x.reshape(1, x.shape[0], -1, x.shape[-1])
+    o = attend(heads(qt), heads(kt), heads(vt)).reshape(*qt.shape[:-1], vt.shape[-1])
     have = ["sq", *shared, *group, "dv"]
     return jnp.transpose(o, [have.index(n) for n in on]).astype(op.params["out_dtype"])
+
+
+def _flash(op: Op, q: Any, k: Any, v: Any, interpret: bool = False) -> Any:
+    """The block through Pallas' flash attention kernels (see the module docs)."""
+    return _as_heads(op, q, k, v, lambda qh, kh, vh: flash_attention(
+        qh, kh, vh, op.params["scale"], op.params["causal"], interpret))
 
 
 def _on_gpu(lw: Any) -> bool:
@@ -101,25 +105,11 @@ def _on_gpu(lw: Any) -> bool:
 
 
 def _ring(op: Op, axes: tuple[str, ...], n: int, q: Any, k: Any, v: Any, gpu: bool) -> Any:
-    """The op's local blocks through :func:`~.ring.ring_attention_local` over ``axes``: laid
-    out ``[1, seq / n, heads, dim]``, every shared axis (batch, kv heads) folded into the kv
-    heads and q's group axes after them (q head ``j`` reads kv head ``j // groups``); on GPUs
+    """The op's local blocks through :func:`~.ring.ring_attention_local` over ``axes``; on GPUs
     each chunk pair is a flash kernel where its tiles fit."""
-    (qn, kn, vn), on = _names(op)
-    shared = [x for x in kn if x not in ("sk", "d")]
-    group = [x for x in qn if x not in shared and x not in ("sq", "d")]
-    qt = jnp.transpose(q, [qn.index(x) for x in ("sq", *shared, *group, "d")])
-    kt = jnp.transpose(k, [kn.index(x) for x in ("sk", *shared, "d")])
-    vt = jnp.transpose(v, [vn.index(x) for x in ("sk", *shared, "dv")])
-    c = qt.shape[0]
-    o = ring_attention_local(qt.reshape(1, c, -1, qt.shape[-1]),
-                             kt.reshape(1, c, -1, kt.shape[-1]),
-                             vt.reshape(1, c, -1, vt.shape[-1]),
-                             axis=axes, n=n, causal=op.params["causal"],
-                             layout=ring_layout(op), scale=op.params["scale"], kernel=gpu)
-    o = o.reshape(*qt.shape[:-1], vt.shape[-1])
-    have = ["sq", *shared, *group, "dv"]
-    return jnp.transpose(o, [have.index(x) for x in on]).astype(op.params["out_dtype"])
+    return _as_heads(op, q, k, v, lambda qh, kh, vh: ring_attention_local(
+        qh, kh, vh, axis=axes, n=n, causal=op.params["causal"], layout=ring_layout(op),
+        scale=op.params["scale"], kernel=gpu))
 
 
 def run_fused_attention(lw: Any, op: Op, ins: Sequence[Any], in_lays: Sequence[Layout],
