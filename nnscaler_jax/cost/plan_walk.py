@@ -89,14 +89,16 @@ def boundary_kinds(graph: Graph) -> dict[int, tuple[str, tuple[Tensor, ...]]]:
 
 
 
-def loop_stacks(graph: Graph) -> dict[int, tuple[int, tuple[tuple[Tensor, int], ...]]]:
+def loop_stacks(graph: Graph, grads: Any = ()) -> dict[int, tuple[int, tuple[tuple[Tensor, int], ...]]]:
     """Co-sharded block id -> (the remat boundary whose backward runs it: its recompute group,
     else the block itself; ``(tensor, copies)``: what the block's chunk loop holds besides the
     block's own transient while its backward runs). The loop (``lower/coshard.py``) scans over
     its chunked inputs stacked (a transposed copy, built again in a recomputed layer) and
     writes the inputs' cotangent stacked before transposing it back; the outputs' cotangent is
-    stacked to be scanned over: each chunked input once (twice recomputed), each output once.
-    Measured on XLA:CPU (Swin at 64 px, ``scripts/bench_decisions_memory.py``)."""
+    stacked to be scanned over: each chunked input once (twice recomputed), each output once;
+    the cotangent of each input read whole by every chunk (in ``grads``, e.g. a weight's cast)
+    is summed over the chunks in a buffer of its own. Measured on XLA:CPU (Swin at 64 px,
+    ``scripts/bench_decisions_memory.py``) and XLA:GPU (Llama-3-8B's LM head at 128K)."""
     kinds = boundary_kinds(graph)
     outer: dict[int, int] = {}
     for op in graph.ops:
@@ -109,19 +111,22 @@ def loop_stacks(graph: Graph) -> dict[int, tuple[int, tuple[tuple[Tensor, int], 
         if b.id not in outer:
             continue
         again = 2 if outer[b.id] != b.id else 1
-        ins = tuple((t, again) for t, a in zip(b.inputs, b.eqn.params["in_axes"], strict=True)
+        axes = b.eqn.params["in_axes"]
+        ins = tuple((t, again) for t, a in zip(b.inputs, axes, strict=True)
                     if a is not None and t.ndim)
-        out[b.id] = (outer[b.id], ins + tuple((t, 1) for t in b.outputs if t.ndim))
+        summed = tuple((t, 1) for t, a in zip(b.inputs, axes, strict=True)
+                       if a is None and t.ndim and t.id in grads)
+        out[b.id] = (outer[b.id], ins + summed + tuple((t, 1) for t in b.outputs if t.ndim))
     return out
 
 
-def backward_held(graph: Graph) -> list[tuple[int, tuple[tuple[Tensor, int], ...]]]:
+def backward_held(graph: Graph, grads: Any = ()) -> list[tuple[int, tuple[tuple[Tensor, int], ...]]]:
     """``(recompute group, ((tensor, copies), ...))``: what is live besides a recomputed
     block's residuals while its backward runs: co-sharded blocks' chunk loops
     (:func:`loop_stacks`), and the cotangents of each recompute group's outputs, which arrive
     before its backward starts (measured: XLA:CPU's live set at the peak of an Evoformer
     block's backward, ``scripts/bench_decisions_memory.py``)."""
-    out = list(loop_stacks(graph).values())
+    out = list(loop_stacks(graph, grads).values())
     stacked: dict[int, set[int]] = {}
     for outer, held in out:
         stacked.setdefault(outer, set()).update(t.id for t, _ in held)
@@ -287,7 +292,7 @@ class _Walk:
                     self.kept.setdefault(t.id, min(model._local_bytes(t, lay)
                                                    for lay in lays) * mult)
         out.activations = sum(self.kept.values())
-        for outer, held in backward_held(self.graph):  # loops' stacks, outputs' cotangents
+        for outer, held in backward_held(self.graph, self.grads):  # loops' stacks, cotangents
             self.remat_sum[outer] = self.remat_sum.get(outer, 0.0) + sum(
                 model._local_bytes(t, layout[t.id]) * copies for t, copies in held)
         out.transient = max([out.transient, *(s + sum(self.regathered.get(b, {}).values())

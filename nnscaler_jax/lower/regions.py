@@ -21,6 +21,7 @@ from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.anno import DimKind
 from nnscaler_jax.ir.graph import Op, Role, Tensor
 from nnscaler_jax.layout import Layout
+from nnscaler_jax.lower.coshard import chunk_loop
 from nnscaler_jax.lower.local import bind_local
 from nnscaler_jax.mesh.axes import mesh_axes
 from nnscaler_jax.plan.layouts import op_layouts
@@ -71,21 +72,23 @@ def run_cosharded(lw: Any, op: Op, plan: OpPlan, ins: Sequence[Any],
     def body(*local):
         chunked = [split(x, p) for x, p in zip(local, pos_in, strict=True) if p is not None]
 
-        @jax.checkpoint
-        def one(chunks):
+        def args(chunks, whole):
             it = iter(chunks)
-            args = [next(it) if p is not None else x
-                    for x, p in zip(local, pos_in, strict=True)]
-            return bind_local(op, args, chunk_ways)
+            return [next(it) if p is not None else whole[j]
+                    for j, p in enumerate(pos_in)]
 
         if reduce:
+            one = jax.checkpoint(lambda chunks: bind_local(op, args(chunks, local), chunk_ways))
             first = one([c[0] for c in chunked])
             rest = jax.lax.map(one, [c[1:] for c in chunked]) if k > 1 else None
             outs = [f + (jnp.sum(r, axis=0) if rest is not None else 0)
                     for f, r in zip(first, rest or [None] * len(first), strict=True)]
         else:
-            # length=k: an op whose inputs lack the dim (iota, random_bits) has nothing to map
-            _, ys = jax.lax.scan(lambda c, xs: (c, one(xs)), None, chunked, length=k)
+            # (an op whose inputs lack the dim (iota, random_bits) runs k times all the same)
+            whole = {j: x for j, (x, p) in enumerate(zip(local, pos_in, strict=True))
+                     if p is None}
+            ys = chunk_loop(lambda _c, chunks, whole: bind_local(op, args(chunks, whole),
+                                                                 chunk_ways), k)(whole, chunked)
             outs = [merge(y, p) if p is not None else y[0] for y, p in
                     zip(ys, pos_out, strict=True)]
         return [jax.lax.psum(o, tuple(partial)) if partial else o for o in outs]

@@ -26,7 +26,7 @@ __all__ = ["BlockPricing", "block_inputs", "remat_ops"]
 class BlockPricing:
     """The recomputed blocks' half of the tables' builder (``tables._Builder`` mixes it in):
     reads the builder's ``remat``, ``saved``, ``chunks``, ``space``, ``cm``, ``lays``,
-    ``by_id``, ``regathered``, ``gather_sets``, ``graph``, ``member_memo`` and
+    ``by_id``, ``regathered``, ``gather_sets``, ``graph``, ``grads``, ``member_memo`` and
     ``fgroup``; sets ``block_index`` (block id -> its index in ``CostTables.remat``)."""
 
     def remat_sums(self) -> tuple[list[tuple[tuple[int, np.ndarray], ...]], list[Edge]]:
@@ -87,16 +87,20 @@ class BlockPricing:
         strategy of each tensor's producer (an example input, produced by none, at its
         replicated bytes)."""
         producer = self.graph.producer
-        for outer, held in backward_held(self.graph):
+        for outer, held in backward_held(self.graph, self.grads):
             d, fixed, last = blocks.setdefault(outer, {}), 0.0, None
             for t, copies in held:
-                op = producer.get(t.id)
+                op, side = producer.get(t.id), 1
+                if op is None and t.role is Role.VARIABLE:  # a weight's summed cotangent: as
+                    # the weight is laid out, by its reader's strategy
+                    op, side = next((c for c in self.graph.consumers.get(t.id, ())
+                                     if c.id in self.space.where), None), 0
                 if op is None or op.id not in self.space.where:
                     fixed += t.nbytes * copies / self.cm.microbatches
                     continue
                 g, _f, mi, fg = last = self.fgroup(op.id)
-                j = [o.id for o in op.outputs].index(t.id)
-                vec = np.array([self.cm._local_bytes(t, self.lays[op.id, sp][1][j])
+                j = [o.id for o in (op.outputs, op.inputs)[1 - side]].index(t.id)
+                vec = np.array([self.cm._local_bytes(t, self.lays[op.id, sp][side][j])
                                 for sp in fg.splits[mi]]) * copies / self.cm.microbatches
                 d[g] = d[g] + vec if g in d else vec
             if fixed and last is not None:  # (its outputs are produced inside it)

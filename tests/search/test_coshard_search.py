@@ -30,15 +30,17 @@ def test_no_budget_no_cosharding():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,share", [("swin", 0.34)])
+@pytest.mark.parametrize("name,share", [("swin", 0.35)])
 def test_cosharding_fits_where_alpa_cannot(name, share):
-    """Swin tiny at 34% of the unconstrained plan's memory: ours (planned by auto_parallel
+    """Swin tiny at 35% of the unconstrained plan's memory: ours (planned by auto_parallel
     under that budget) co-shards every layer's block and fits, runs, and equals the plain
     module; the Alpa-style planner (every layer recomputed, no co-sharding) finds no plan in
     its time limit. (At 30%, nothing fits since softmax's row max keeps no scores, which
     lowered the free plan's estimate; at 26%, nothing fits since a recomputed block's gathered
     operands are priced: XLA measured the plan ours found there at 123 KB, over the 116 KB
-    budget; at 32%, nothing fits since the cotangent of each such operand is priced too. The
+    budget; at 32%, nothing fits since the cotangent of each such operand is priced too; at
+    34%, nothing fits since a chunk loop's summed cotangents of what every chunk reads whole,
+    the weights, are priced; at 36% the Alpa-style plan fits too. The
     Evoformer tiny behaves alike, measured once: 95 s, too slow for the suite; see
     scripts/bench_decisions_memory.py.)"""
     spec, graph = _graph(name)
@@ -56,10 +58,10 @@ def test_cosharding_fits_where_alpa_cannot(name, share):
 @pytest.mark.slow
 def test_the_search_prices_a_cosharded_plan_as_plan_cost_does():
     """The search's tables and ``plan_cost`` agree on a plan that co-shards and recomputes
-    (Swin tiny at 34%): the same step, and the same peak, which holds each co-sharded block's
+    (Swin tiny at 35%): the same step, and the same peak, which holds each co-sharded block's
     chunk-loop stacks next to one chunk of its residuals (``plan_walk.loop_stacks``)."""
     _, graph = _graph("swin")
-    budget = int(make_plan(graph, AXES).cost.memory_bytes_per_device * 0.34)
+    budget = int(make_plan(graph, AXES).cost.memory_bytes_per_device * 0.35)
     planned = plan_and_report(graph, AXES, constraints=Constraints(max_memory_per_device=budget))
     plan, report = planned.plan, planned.report
     assert plan.coshard and plan.recompute and report is not None
