@@ -1,0 +1,77 @@
+"""Every training step after the first is a cache hit: ``init`` lays the whole state out as the
+step returns it (parameters, the optimizer's moments, the step count), so steps 2 and 3 compile
+nothing. A moment laid out otherwise by ``init`` (replicated, while the step returns it split
+over the stage axis) compiles the whole step again at step 2."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax import monitoring
+from meshes import make_mesh
+
+import models
+from nnscaler_jax import Constraints, auto_parallel
+
+slow = pytest.mark.slow
+PIPELINED = Constraints(pipeline_stages=2, microbatches=4, schedule="1f1b")
+
+
+@contextlib.contextmanager
+def _compilations():
+    """The XLA compilations made inside the block (jax's backend-compile events)."""
+    seen: list[str] = []
+
+    def listener(event: str, _duration: float, **_kw) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            seen.append(event)
+    monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield seen
+    finally:
+        monitoring.unregister_event_duration_listener(listener)
+
+
+def _after_the_first(step, state, args) -> list[str]:
+    state, metrics = step(state, *args)  # compiles
+    with _compilations() as seen:
+        for _ in range(2):
+            state, metrics = step(state, *args)
+        jax.block_until_ready(metrics["loss"])
+    assert jnp.isfinite(metrics["loss"])
+    return seen
+
+
+@slow
+@pytest.mark.parametrize("constraints,axes", [(None, ("data", "model")),
+                                              (PIPELINED, ("stage", "data"))],
+                         ids=["spmd", "pipelined"])
+def test_gpt_tiny_compiles_one_step_for_three(constraints, axes):
+    spec = models.get("gpt", "tiny", batch_size=16)
+    pm = auto_parallel(make_mesh((2, 4), axes), constraints)(spec.module)
+    step = pm.train_step(spec.loss_fn, optax.adamw(1e-3))
+    args = spec.make_args()
+    state = step.init(spec.init(jax.random.PRNGKey(0)), *args)
+    assert _after_the_first(step, state, args) == []
+
+
+@slow
+def test_transformers_gpt2_pipelined_compiles_one_step_for_three():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=100, n_positions=32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.FlaxGPT2LMHeadModel(cfg, _do_init=True)
+    batch, seq = 16, 8
+    ids = (jnp.arange(batch * seq).reshape(batch, seq) % 100).astype(jnp.int32)
+    args = (ids, jnp.ones((batch, seq), jnp.int32),
+            jnp.broadcast_to(jnp.arange(seq)[None], (batch, seq)))
+    pm = auto_parallel(make_mesh((2, 4), ("stage", "data")), PIPELINED)(model.module)
+    step = pm.train_step(lambda out, *a: jnp.mean(out[0] ** 2), optax.adam(1e-3))
+    state = step.init({"params": model.params}, *args)
+    assert _after_the_first(step, state, args) == []
