@@ -143,3 +143,39 @@ def test_residual_reads_are_the_cheap_ops_a_residual_is_traced_through():
     assert {(add.id, 0), (add.id, 1)} <= reads
     assert not any(op_id == dot.id for op_id, _ in reads)
     assert residual_outputs(g)[dot.id] == (0,)
+
+
+class ExpSoftmax(nn.Module):
+    """Scores in ``dtype``, their softmax written out in float32 (as mixed-precision attention
+    computes it), the probabilities back in ``dtype`` for the weighted sum."""
+
+    dtype: object = jnp.bfloat16
+
+    @nn.compact
+    def __call__(self, x):
+        q = nn.Dense(8, use_bias=False, dtype=self.dtype, name="q")(x)
+        s = jnp.einsum("bqd,bkd->bqk", q, q)
+        e = jnp.exp(s.astype(jnp.float32) - jax.lax.stop_gradient(s.max(-1, keepdims=True))
+                    .astype(jnp.float32))
+        p = (e / e.sum(-1, keepdims=True)).astype(self.dtype)
+        return jnp.einsum("bqk,bkd->bqd", p, q)
+
+
+def _kept(dtype):
+    g = trace(ExpSoftmax(dtype), jax.ShapeDtypeStruct((2, 16, 8), jnp.float32))
+    by_id = {op.id: op for op in g.walk()}
+    scores = next(op for op in g.walk() if op.primitive == "dot_general"
+                  and op.outputs[0].shape == (2, 16, 16))
+    return {by_id[i].primitive for i in residual_outputs(g)}, scores.id in residual_outputs(g)
+
+
+def test_float32_exponentials_of_bf16_scores_are_recomputed_from_them():
+    """XLA:GPU rebuilds ``exp(float32(s) - max)`` inside the backward fusion from the bf16
+    scores ``s`` instead of keeping the float32 exponentials, twice their size (measured:
+    GPT-3 1.3B bf16 on H100s: 0.85 -> 0.97 of XLA's peak under Megatron). The scores' matmul
+    output is kept, no ``exp``; in float32 throughout, the exponentials are kept (their
+    inputs are as wide) and the scores are not."""
+    kept, scores = _kept(jnp.bfloat16)
+    assert "exp" not in kept and scores
+    kept, scores = _kept(jnp.float32)
+    assert "exp" in kept and not scores

@@ -22,6 +22,7 @@ from nnscaler_jax.cost.fusion import fused_bytes
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.coshard import block_of, chunk_counts, coshard_candidates, with_coshard
 from nnscaler_jax.ir.repeats import span_key
+from nnscaler_jax.plan.layouts import plan_layouts, sole_read_variables
 from nnscaler_jax.planner import make_plan
 
 B, S, D = 4, 32, 8
@@ -285,3 +286,27 @@ def test_the_head_and_its_loss_run_in_chunks_of_tokens():
         state, metrics = step(state, *args)
         losses.append(float(metrics["loss"]))
     np.testing.assert_allclose(losses, ref, rtol=1e-5)
+
+
+def test_a_chunked_loss_prices_its_labels_dense_cotangent(monkeypatch):
+    """The backward of the labels' ``take_along_axis`` scatters into zeros of the logits'
+    shape: a chunk's dense cotangent is live with the head block's residuals (measured with
+    XLA:GPU on Llama-3-8B's chunked loss), so the block's transient holds one chunk of the
+    logits more than it would without it."""
+    from nnscaler_jax.cost import plan_walk
+
+    spec = models.get("llama", "tiny")
+    graph = capture_spec(spec, loss=True).graph
+    head = next(c for c in coshard_candidates(graph, ways=8) if c.layer == "")
+    k = chunk_counts(head.size, 8)[0]
+    plan = dataclasses.replace(make_plan(graph, {"data": 2, "model": 4}, policy="megatron"),
+                               coshard=((head.seed, head.dim, k),))
+    cm = CostModel.for_axes({"data": 2, "model": 4})
+    priced = cm.memory_breakdown(plan, graph)["transient"]
+    monkeypatch.setattr(plan_walk, "_dense_cotangent", lambda *a: 0.0)
+    without = cm.memory_breakdown(plan, graph)["transient"]
+    labels = next(op for op in graph.ops if op.primitive == "gather"
+                  and op.inputs[0].role.name == "VALUE")
+    lay = plan_layouts(labels, plan._by_id(), sole_read_variables(graph))[0][0]
+    assert priced - without == pytest.approx(cm._local_bytes(labels.inputs[0], lay) / k,
+                                             rel=1e-9)
