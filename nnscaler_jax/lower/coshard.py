@@ -130,10 +130,12 @@ def chunk_loop(one: Any, k: int, stack: Any = list) -> Any:
         cts = [None if ct.dtype == jax.dtypes.float0 else ct for ct in cts]  # integer outputs
         at = lambda xs, c: [None if x is None else
                             jax.lax.dynamic_index_in_dim(x, c, 0, keepdims=False) for x in xs]
-        # zero, computed from a cotangent (x * 0 is not folded for floats), so the buffers
-        # below are made when the backward reaches the loop
         if all(ct is None for ct in cts):
             return {key: None for key in whole}, [None] * len(chunked)
+        # zero, computed from a cotangent, so the buffers below are made when the backward
+        # reaches the loop (its first element: one scalar gathered from the device holding
+        # it). XLA:GPU still folds some of them back to constants (the weights' sums of an
+        # unfused Llama's 64-chunk attention blocks; issue 45)
         zero = next(ct for ct in cts if ct is not None).reshape(-1)[0] * 0
         gw = {key: jnp.broadcast_to(zero.astype(x.dtype), x.shape)
               for key, x in whole.items() if _differentiable(x)}
