@@ -440,7 +440,7 @@ def broken_lowering(kind: str | None) -> Iterator[list[str]]:
       chains, co-sharded ops, ops run on pieces) skip their partial-sum reduction: each
       device goes on with its own partial sum.
     - ``"chunks"``: a co-sharded op (:func:`nnscaler_jax.lower.regions.run_cosharded`) puts
-      each chunk's results where the next chunk's go (the ``lax.scan``'s stacked results
+      each chunk's results where the next chunk's go (the chunk loop's stacked results
       rolled by one: a wrong slice). Ops chunked along a reduced dim (chunks summed, order
       irrelevant) do not reach it.
     """
@@ -455,14 +455,18 @@ def broken_lowering(kind: str | None) -> Iterator[list[str]]:
         patch = mock.patch.object(regions, "jax", _Patched(jax, lax=_Patched(jax.lax,
                                                                             psum=dropped)))
     elif kind == "chunks":
-        def rolled(f: Callable, init: Any, xs: Any, length: int | None = None,
-                   **kw: Any) -> Any:
-            carry, ys = jax.lax.scan(f, init, xs, length=length, **kw)
-            if length != 1:
-                hits.append("chunks")
-            return carry, jax.tree_util.tree_map(lambda y: jnp.roll(y, 1, axis=0), ys)
-        patch = mock.patch.object(regions, "jax", _Patched(jax, lax=_Patched(jax.lax,
-                                                                            scan=rolled)))
+        real = regions.chunk_loop
+
+        def rolled(one: Callable, k: int, *args: Any) -> Callable:
+            loop = real(one, k, *args)
+
+            def broken(whole: Any, chunked: Any) -> Any:
+                ys = loop(whole, chunked)
+                if k != 1:
+                    hits.append("chunks")
+                return [jnp.roll(y, 1, axis=0) for y in ys]
+            return broken
+        patch = mock.patch.object(regions, "chunk_loop", rolled)
     else:
         raise ValueError(f"--break {kind!r}: not one of {BREAKS}")
     with patch:
