@@ -168,18 +168,17 @@ def run_coshard(lw: Any, ops: Sequence[Op], env: dict, b: Boundary) -> None:
             f"'{seed.primitive}'): its dim '{idents[seed.id]}' of size {p['size']} is split "
             f"{n} ways over the mesh and cannot run as {k} chunks per device; use a chunk "
             f"count dividing {p['size'] // n}")
-    ins = [lw._read(env, t) for t in b.inputs]
-    chunked = [_stacked(lw, t, _split(x, a, k, n), a) for t, x, a
-               in zip(b.inputs, ins, p["in_axes"], strict=True) if a is not None]
+    cut = [(t, a) for t, a in zip(b.inputs, p["in_axes"], strict=True) if a is not None]
+    chunked = [_stacked(lw, t, _split(lw._read(env, t), a, k, n), a) for t, a in cut]
+    whole = {t.id: lw._read(env, t) for t, a in zip(b.inputs, p["in_axes"], strict=True)
+             if a is None}
     outer = {key: v for key, v in env.items() if not isinstance(key, tuple)}
     cs = p["size"] // (n * k)
-    cut = [t for t, a in zip(b.inputs, p["in_axes"], strict=True) if a is not None]
-    whole = {t.id: x for t, x, a in zip(b.inputs, ins, p["in_axes"], strict=True) if a is None}
 
     def one(c, xs, whole):
         inner = dict(outer)  # relayouts made outside are not reused inside (recomputed)
         inner.update(whole)
-        inner.update({t.id: x for t, x in zip(cut, xs, strict=True)})
+        inner.update({t.id: x for (t, _), x in zip(cut, xs, strict=True)})
         for op in ops:
             lw._op(op, inner, ways={idents[op.id]: k})
             if op.primitive == "iota":
@@ -187,8 +186,8 @@ def run_coshard(lw: Any, ops: Sequence[Op], env: dict, b: Boundary) -> None:
         return [inner[t.id] for t in b.outputs]
 
     def stack(xs):  # a stack of the chunked inputs' cotangents, laid out as the inputs' chunks
-        return [x if x is None else _stacked(lw, t, x, a) for t, x, a in zip(cut, xs, (
-            a for a in p["in_axes"] if a is not None), strict=True)]
+        return [x if x is None else _stacked(lw, t, x, a)
+                for (t, a), x in zip(cut, xs, strict=True)]
 
     ys = chunk_loop(one, k, stack)(whole, chunked)
     for t, y, a in zip(b.outputs, ys, p["out_axes"], strict=True):

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import warnings
 from collections import Counter
 
 import flax.linen as nn
@@ -40,6 +39,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from meshes import make_mesh
+from tiny_gpt2 import tiny_gpt2
 
 import models
 from nnscaler_jax import Constraints, Plan, auto_parallel, trace
@@ -227,15 +227,8 @@ def test_the_gradient_of_partial_sums_reaches_the_transpose_in_steps(mesh, canar
 
 
 def _gpt2():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=100, n_positions=32)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = transformers.FlaxGPT2LMHeadModel(cfg, _do_init=True)
-    ids = (jnp.arange(8 * 16).reshape(8, 16) % 100).astype(jnp.int32)
-    pos = jnp.broadcast_to(jnp.arange(16)[None], (8, 16))
-    args = (ids, jnp.ones((8, 16), jnp.int32), pos)
-    return model.module, args, lambda out, *a: jnp.mean(out[0] ** 2), {"params": model.params}
+    model, args, loss_fn = tiny_gpt2(8, 16)
+    return model.module, args, loss_fn, {"params": model.params}
 
 
 def _zoo(name):

@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 from meshes import make_mesh
+from tiny_gpt2 import tiny_gpt2
 
 import models
 from nnscaler_jax import Constraints, PlanError, auto_parallel
@@ -75,21 +76,9 @@ def test_t5_on_four_stages_forwards_the_encoder_output():
     assert len(bounds) == 3 and enc in bounds[1] and enc in bounds[2]
 
 
-def _gpt2(batch, seq):
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=100, n_positions=32)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = transformers.FlaxGPT2LMHeadModel(cfg, _do_init=True)
-    ids = (jnp.arange(batch * seq).reshape(batch, seq) % 100).astype(jnp.int32)
-    pos = jnp.broadcast_to(jnp.arange(seq)[None], (batch, seq))
-    args = (ids, jnp.ones((batch, seq), jnp.int32), pos)
-    return model, args, lambda out, *a: jnp.mean(out[0] ** 2)
-
-
 @slow
 def test_transformers_gpt2_pipelines():
-    model, args, loss_fn = _gpt2(16, 8)
+    model, args, loss_fn = tiny_gpt2(16, 8)
     pm, _ = _check_one_step(model.module, loss_fn, model.params, args,
                             Constraints(pipeline_stages=2, microbatches=4, schedule="1f1b"))
     # found automatically: the numbered blocks transformer/h/0, h/1, one per stage

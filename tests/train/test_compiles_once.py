@@ -6,7 +6,6 @@ over the stage axis) compiles the whole step again at step 2."""
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +13,7 @@ import optax
 import pytest
 from jax import monitoring
 from meshes import make_mesh
+from tiny_gpt2 import tiny_gpt2
 
 import models
 from nnscaler_jax import Constraints, auto_parallel
@@ -62,16 +62,8 @@ def test_gpt_tiny_compiles_one_step_for_three(constraints, axes):
 
 @slow
 def test_transformers_gpt2_pipelined_compiles_one_step_for_three():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=100, n_positions=32)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = transformers.FlaxGPT2LMHeadModel(cfg, _do_init=True)
-    batch, seq = 16, 8
-    ids = (jnp.arange(batch * seq).reshape(batch, seq) % 100).astype(jnp.int32)
-    args = (ids, jnp.ones((batch, seq), jnp.int32),
-            jnp.broadcast_to(jnp.arange(seq)[None], (batch, seq)))
+    model, args, loss_fn = tiny_gpt2(16, 8)
     pm = auto_parallel(make_mesh((2, 4), ("stage", "data")), PIPELINED)(model.module)
-    step = pm.train_step(lambda out, *a: jnp.mean(out[0] ** 2), optax.adam(1e-3))
+    step = pm.train_step(loss_fn, optax.adam(1e-3))
     state = step.init({"params": model.params}, *args)
     assert _after_the_first(step, state, args) == []
