@@ -84,6 +84,9 @@ and or not xor square integer_pow floor ceil round iota stop_gradient
 """)
 
 
+#: Reductions (a softmax's exp read by one is never written in the forward, see _widens).
+REDUCTIONS = _names("reduce_sum reduce_max reduce_min argmax argmin")
+
 #: Transposes that read their saved operands as materialised buffers (see residual_outputs).
 MASKED = MATMUL | {"max", "min"}
 
@@ -95,6 +98,11 @@ REGATHERED_COPIES = 2
 
 #: Layout ops that are bitcasts in XLA (fold into any consumer, even a matmul operand).
 BITCAST = _names("reshape squeeze expand_dims")
+
+#: What a matmul operand folds in: bitcasts, and transposes (XLA folds them into the dot's
+#: dimension numbers; measured: GPT-3's tied LM head reads the embedding table, it keeps no
+#: transposed copy).
+MATMUL_FOLDS = BITCAST | {"transpose"}
 
 
 def saved_operands(op: Op, needs_grad: tuple[bool, ...]) -> tuple[list[int], list[int]]:
@@ -165,32 +173,76 @@ def _traced(graph: Graph, grads: set[int] | None
                        Mapping[tuple[int, int], frozenset[int]]]:
     if grads is None:  # (boundaries and op order change nothing: once per dataflow)
         return _MEMO.get(graph, None, lambda: _traced(graph, grad_tensors(graph)))
+    first = _roots(graph, grads, frozenset())
+    kept = {(i, k) for i, ks in first[0].items() for k in ks}
+    ops = {op.id: op for op in graph.walk()}
+    rebuilt = frozenset(i for i in first[0] if _rebuilt(graph, ops[i], kept))
+    return _roots(graph, grads, rebuilt) if rebuilt else first
+
+
+def _leaves(graph: Graph, op: Op) -> list:
+    """The tensors ``op`` is computed from through cheap ops (graph inputs and weights among
+    them): what XLA's backward fusion reads to rebuild it."""
+    stack, seen, leaves = list(op.inputs), set(), []
+    while stack:
+        x = stack.pop()
+        if x.id in seen:
+            continue
+        seen.add(x.id)
+        w = graph.writers.get(x.id)
+        if w is not None and w[0].primitive in CHEAP and not w[0].regions:
+            stack.extend(w[0].inputs)
+        else:
+            leaves.append(x)
+    return leaves
+
+
+def _widens(graph: Graph, op: Op, readers: Mapping[int, list[Op]]) -> bool:
+    """A softmax's exp (an exp / tanh... read by a reduction) whose output is wider than what
+    it is computed from by cheap ops (float32 exponentials of bf16 scores): XLA never writes it
+    in the forward (the reduction's fusion and the normalising division each compute it), and
+    the backward fusion rebuilds it from those sources (measured: GPT-3 1.3B in bf16 on H100s
+    keeps the bf16 scores and probabilities of each layer's softmax, not its float32
+    exponentials). A GELU's float32 tanh of bf16 values, read by elementwise ops only, is
+    written by a multi-output forward fusion and kept (measured: GPT-3 6.7B in bf16)."""
+    if op.primitive not in SAVE_OUTPUT or op.regions or len(op.outputs) != 1:
+        return False
+    if not any(r.primitive in REDUCTIONS for r in readers.get(op.outputs[0].id, ())):
+        return False
+    return sum(x.nbytes for x in _leaves(graph, op)) < op.outputs[0].nbytes
+
+
+def _rebuilt(graph: Graph, op: Op, kept: set[tuple[int, int]]) -> bool:
+    """A float32 exp / tanh... kept for the backward whose float32 cheap-op sources are all kept
+    anyway (or are inputs): XLA's backward fusion reads those and rebuilds it rather than
+    reading both (measured: GPT-3 1.3B in float32 on V100s keeps each GELU's input and output,
+    not its tanh). In bf16 XLA keeps the tanh (measured: GPT-3 1.3B and 6.7B)."""
+    if op.primitive not in SAVE_OUTPUT or op.regions or len(op.outputs) != 1 \
+            or op.outputs[0].dtype != "float32":
+        return False
+    for x in _leaves(graph, op):
+        if not x.ndim and is_float(x):
+            continue  # a scalar constant
+        w = graph.writers.get(x.id)
+        if x.dtype != "float32" or (w is not None and (w[0].id, w[1]) not in kept):
+            return False
+    return True
+
+
+def _roots(graph: Graph, grads: set[int], rebuilt: frozenset[int]
+           ) -> tuple[Mapping[int, tuple[int, ...]], frozenset[tuple[int, int]],
+                      Mapping[tuple[int, int], frozenset[int]]]:
+    """Residual roots, the inputs traced through, and each root's readers (see the module
+    docstring); the ops in ``rebuilt`` are traced through like cheap ones."""
     producer = graph.writers
-    ops = list(graph.walk())
+    readers_of: dict[int, list[Op]] = {}
+    for op in graph.walk():
+        for x in op.inputs:
+            readers_of.setdefault(x.id, []).append(op)
     out: dict[int, set[int]] = {}
     reads: set[tuple[int, int]] = set()
     readers: dict[tuple[int, int], set[int]] = {}  # root -> the ops whose transposes read it
     dead = _no_cotangent(graph)
-
-    def widens(op: Op) -> bool:
-        """An exp / tanh... whose output is wider than what it is computed from by cheap ops
-        (float32 exponentials of bf16 scores): XLA:GPU recomputes it inside the backward
-        fusion from those (measured: GPT-3 1.3B in bf16 on H100s keeps the bf16 scores and
-        probabilities of each layer's softmax, not its float32 exponentials)."""
-        if op.primitive not in SAVE_OUTPUT or op.regions or len(op.outputs) != 1:
-            return False
-        stack, seen, leaves = list(op.inputs), set(), 0
-        while stack:
-            x = stack.pop()
-            if x.id in seen:
-                continue
-            seen.add(x.id)
-            w = producer.get(x.id)
-            if w is not None and w[0].primitive in CHEAP and not w[0].regions:
-                stack.extend(w[0].inputs)
-            else:
-                leaves += x.nbytes
-        return leaves < op.outputs[0].nbytes
 
     def keep(reader: Op, tids: list[int], through: frozenset[str]) -> None:
         stack, seen = tids, set()
@@ -202,8 +254,8 @@ def _traced(graph: Graph, grads: set[int] | None
             if t not in producer:
                 continue  # a graph input, weight or region body input: held anyway
             op, k = producer[t]
-            if (op.primitive in through or (through is CHEAP and widens(op))) and \
-                    not op.regions:
+            if (op.primitive in through or (through is CHEAP and (
+                    op.id in rebuilt or _widens(graph, op, readers_of)))) and not op.regions:
                 for j, x in enumerate(op.inputs):
                     if x.ndim or not is_float(x):
                         reads.add((op.id, j))
@@ -212,15 +264,17 @@ def _traced(graph: Graph, grads: set[int] | None
             out.setdefault(op.id, set()).add(k)
             readers.setdefault((op.id, k), set()).add(reader.id)
 
-    for op in ops:
+    for op in graph.walk():
         if op.id in dead:
             continue
         ins, outs = saved_operands(op, tuple(t.id in grads for t in op.inputs))
         # a matmul / convolution transpose reads the saved operand as a matmul operand: XLA
-        # materialises it (only bitcasts fold in); so it does the operands of max / min (ReLU's
-        # mask: measured on WRN, XLA keeps BatchNorm's output rather than recomputing it);
-        # other elementwise transposes fuse the saved value's producers
-        through = BITCAST if op.primitive in MASKED else CHEAP
+        # materialises it (only bitcasts and transposes, folded into the matmul's dimension
+        # numbers, fold in); so it does the operands of max / min (ReLU's mask: measured on
+        # WRN, XLA keeps BatchNorm's output rather than recomputing it); other elementwise
+        # transposes fuse the saved value's producers
+        through = (MATMUL_FOLDS if op.primitive in MATMUL else BITCAST) \
+            if op.primitive in MASKED else CHEAP
         keep(op, [op.inputs[j].id for j in ins] + [op.outputs[k].id for k in outs], through)
     return ({i: tuple(sorted(ks)) for i, ks in out.items()}, frozenset(reads),
             {key: frozenset(v) for key, v in readers.items()})
