@@ -99,11 +99,6 @@ REGATHERED_COPIES = 2
 #: Layout ops that are bitcasts in XLA (fold into any consumer, even a matmul operand).
 BITCAST = _names("reshape squeeze expand_dims")
 
-#: What a matmul operand folds in: bitcasts, and transposes (XLA folds them into the dot's
-#: dimension numbers; measured: GPT-3's tied LM head reads the embedding table, it keeps no
-#: transposed copy).
-MATMUL_FOLDS = BITCAST | {"transpose"}
-
 
 def saved_operands(op: Op, needs_grad: tuple[bool, ...]) -> tuple[list[int], list[int]]:
     """``(input indices, output indices)`` of ``op`` its transpose reads, given which inputs
@@ -269,12 +264,15 @@ def _roots(graph: Graph, grads: set[int], rebuilt: frozenset[int]
             continue
         ins, outs = saved_operands(op, tuple(t.id in grads for t in op.inputs))
         # a matmul / convolution transpose reads the saved operand as a matmul operand: XLA
-        # materialises it (only bitcasts and transposes, folded into the matmul's dimension
-        # numbers, fold in); so it does the operands of max / min (ReLU's mask: measured on
-        # WRN, XLA keeps BatchNorm's output rather than recomputing it); other elementwise
-        # transposes fuse the saved value's producers
-        through = (MATMUL_FOLDS if op.primitive in MATMUL else BITCAST) \
-            if op.primitive in MASKED else CHEAP
+        # materialises it (only bitcasts fold in); so it does the operands of max / min (ReLU's
+        # mask: measured on WRN, XLA keeps BatchNorm's output rather than recomputing it);
+        # other elementwise transposes fuse the saved value's producers. (A weight's transpose
+        # read by a matmul is kept too: with the weight laid out as the matmul reads it, XLA
+        # folds it into the dot and keeps no copy, 400 MiB over-priced for GPT-3 1.3B's tied
+        # LM head; relaid out, XLA relays it again in the backward, 2 x 1.5 GiB transient at
+        # T5-8's peak, which the kept copy stands in for. Folding it let the search pick a T5-8
+        # plan XLA had to rematerialize.)
+        through = BITCAST if op.primitive in MASKED else CHEAP
         keep(op, [op.inputs[j].id for j in ins] + [op.outputs[k].id for k in outs], through)
     return ({i: tuple(sorted(ks)) for i, ks in out.items()}, frozenset(reads),
             {key: frozenset(v) for key, v in readers.items()})

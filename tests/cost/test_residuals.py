@@ -211,23 +211,7 @@ def test_a_bf16_tanh_is_kept_though_its_sources_are():
 
 def test_a_float32_tanh_of_bf16_values_is_kept_unless_a_reduction_reads_it():
     # wider than its bf16 source, but read by elementwise ops only: XLA writes it in the
-    # forward and keeps it (a softmax's exp, read by its sum, is rebuilt: the test below)
+    # forward and keeps it (a softmax's exp, read by its sum, is rebuilt:
+    # test_float32_exponentials_of_bf16_scores_are_recomputed_from_them)
     assert ("tanh", "", (0,)) in _saved_prims(Gelu("bfloat16", upcast=True), (2, 16))
 
-
-class TiedHead(nn.Module):
-    """An embedding whose table is also the output projection (GPT-2's LM head)."""
-
-    @nn.compact
-    def __call__(self, ids):
-        emb = nn.Embed(32, 8, name="wte")
-        return jnp.tanh(emb(ids)) @ emb.embedding.T
-
-
-def test_a_transposed_weight_read_by_a_matmul_is_not_kept():
-    # the head's x @ table.T reads the table transposed; XLA folds the transpose into the
-    # dot's dimension numbers, so the weight (held anyway) is read, no transposed copy kept
-    g = trace(TiedHead(), jax.ShapeDtypeStruct((2, 5), jnp.int32))
-    by_id = {op.id: op for op in g.walk()}
-    kept = sorted(by_id[i].primitive for i in residual_outputs(g))
-    assert kept == ["tanh"]
