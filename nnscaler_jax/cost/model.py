@@ -397,20 +397,30 @@ class CostModel:
 
     # ---- memory --------------------------------------------------------------------------------
 
-    def activation_bytes(self, op: Op, split: Split, outputs: tuple[int, ...] | None = None) -> int:
+    def activation_bytes(self, op: Op, split: Split, outputs: tuple[int, ...] | None = None,
+                         held: frozenset[tuple[int, int]] = frozenset()) -> int:
         """Bytes of ``op``'s outputs on one device kept for the backward pass (partial sums keep
         their full shape; free layout ops and region ops hold none of their own).
 
         Args:
             outputs: the indices of the outputs that are kept, from
                 :func:`nnscaler_jax.cost.residuals.residual_outputs` (default: all of them).
+            held: :func:`nnscaler_jax.cost.residuals.float32_held` (``(op id, index)`` kept in
+                float32 on a device without 16-bit arithmetic).
         """
         if op.primitive in FREE or op.regions or outputs == ():
             return 0
         _, outs = op_layouts(op, OpPlan(op.id, op.primitive, op.module_path, split))
         keep = range(len(op.outputs)) if outputs is None else outputs
-        return int(sum(self._local_bytes(op.outputs[k], outs[k]) for k in keep)
-                   / self.microbatches)
+        return int(sum(self.residual_bytes(op.outputs[k], outs[k], (op.id, k) in held)
+                       for k in keep) / self.microbatches)
+
+    def residual_bytes(self, t: Tensor, layout: Layout, held_in_float32: bool = False) -> int:
+        """Bytes of residual ``t`` on one device under ``layout``; ``held_in_float32``: a 16-bit
+        value this device's fusions compute and keep in float32 (``DeviceSpec.half_arithmetic``
+        False), twice its bytes."""
+        n = self._local_bytes(t, layout)
+        return 2 * n if held_in_float32 and not self.device.half_arithmetic else n
 
     def state_bytes(self, v: Tensor, layout: Layout, dp_axes: tuple[str, ...] = (),
                     zero: int | None = None) -> tuple[float, float, float]:

@@ -32,6 +32,7 @@ from nnscaler_jax.cost.relayout import (
 from nnscaler_jax.cost.residuals import (
     MASKED,
     REGATHERED_COPIES,
+    float32_held,
     follow_weight,
     residual_outputs,
     residual_readers,
@@ -267,6 +268,7 @@ class _Walk:
         self.plans = plan._by_id()
         self.saved = residual_outputs(graph, grads if model.input_grads else None)
         self.reads = residual_reads(graph, grads if model.input_grads else None)
+        self.f32_held = float32_held(graph, grads if model.input_grads else None)
         self.traffic = fused_bytes(graph)  # what each op's fusion reads and writes
         self.kinds = boundary_kinds(graph)
         self.sole = sole_read_variables(graph)
@@ -363,7 +365,8 @@ class _Walk:
         if remat and op.id in self.policy:  # the boundary's policy keeps it: it runs once and
             # keeps what its backward and the block's recomputed ops read
             for k in sorted(self.policy[op.id]):
-                self.kept[op.outputs[k].id] = model._local_bytes(op.outputs[k], outs[k]) * mult
+                self.kept[op.outputs[k].id] = model.residual_bytes(
+                    op.outputs[k], outs[k], (op.id, k) in self.f32_held) * mult
         elif remat:  # recomputed in the backward: one more forward; while the block's backward
             # runs, its residuals are live again (the block's transient). An op the backward
             # does not need is not run again (dead code); its residuals are still counted in
@@ -376,7 +379,8 @@ class _Walk:
             self.remat_sum[remat[0]] = self.remat_sum.get(remat[0], 0.0) + redo * mult / k
         elif op.primitive not in FREE:
             for k in self.saved.get(op.id, ()):
-                self.kept[op.outputs[k].id] = model._local_bytes(op.outputs[k], outs[k]) * mult
+                self.kept[op.outputs[k].id] = model.residual_bytes(
+                    op.outputs[k], outs[k], (op.id, k) in self.f32_held) * mult
 
 
 def _storage(model: Any, plan: Plan, graph: Graph, edges: list[_Edge],

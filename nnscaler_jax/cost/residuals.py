@@ -45,6 +45,7 @@ __all__ = [
     "REGATHERED_COPIES",
     "accumulated_gradients",
     "combines_all_reductions",
+    "float32_held",
     "follow_weight",
     "residual_outputs",
     "residual_readers",
@@ -83,6 +84,14 @@ reduce_precision add sub neg mul max min abs sign select_n clamp add_any eq ne l
 and or not xor square integer_pow floor ceil round iota stop_gradient
 """)
 
+
+#: 16-bit floats (see float32_held).
+HALF = frozenset({"bfloat16", "float16"})
+
+#: Elementwise arithmetic whose 16-bit results a GPU without 16-bit arithmetic computes, and
+#: XLA keeps, in float32 (see float32_held).
+ARITHMETIC = _names("add sub neg mul add_any max min abs integer_pow square exp exp2 tanh "
+                    "logistic sqrt cbrt rsqrt")
 
 #: Reductions (a softmax's exp read by one is never written in the forward, see _widens).
 REDUCTIONS = _names("reduce_sum reduce_max reduce_min argmax argmin")
@@ -207,6 +216,50 @@ def _widens(graph: Graph, op: Op, readers: Mapping[int, list[Op]]) -> bool:
     return sum(x.nbytes for x in _leaves(graph, op)) < op.outputs[0].nbytes
 
 
+def _stored_sum(op: Op, readers: Mapping[int, list[Op]]) -> bool:
+    """A 16-bit sum a reduction reads (the residual stream ``x + attn(x)`` a LayerNorm's
+    statistics read, through a cast): XLA writes it from the multi-output fusion of the add and
+    the statistics, and the backward reads that buffer; the estimate keeps it rather than
+    tracing it through to the matmul output it adds (measured: GPT-3 1.3B and 6.7B in bf16 on
+    H100s and A100s keep the sums, not the out projections' outputs)."""
+    if op.primitive not in ("add", "sub", "add_any") or op.regions or len(op.outputs) != 1 \
+            or op.outputs[0].dtype not in HALF:
+        return False
+    stack, seen = [op.outputs[0].id], set()
+    while stack:
+        t = stack.pop()
+        if t in seen:
+            continue
+        seen.add(t)
+        for r in readers.get(t, ()):
+            if r.primitive in REDUCTIONS:
+                return True
+            if r.primitive in ("convert_element_type", "reshape") and not r.regions:
+                stack.extend(x.id for x in r.outputs)
+    return False
+
+
+def float32_held(graph: Graph, grads: set[int] | None = None) -> frozenset[tuple[int, int]]:
+    """``(op id, output index)`` of the 16-bit residual roots of elementwise arithmetic (a
+    residual sum, a GELU's tanh) that only elementwise transposes read: on a GPU that computes
+    16-bit elementwise arithmetic in float32 (``DeviceSpec.half_arithmetic`` False: A100,
+    V100), XLA's fusions write them, and the backward reads them, in float32 (measured: GPT-3
+    1.3B and 6.7B in bf16 on A100s keep the residual sums and the tanh in float32, on H100s in
+    bf16). A root a matmul reads stays 16-bit (the matmul reads it so)."""
+    roots, _, readers = _traced(graph, grads)
+    ops = {op.id: op for op in graph.walk()}
+    out = set()
+    for i, ks in roots.items():
+        op = ops[i]
+        if op.regions or op.primitive not in ARITHMETIC:
+            continue
+        for k in ks:
+            if op.outputs[k].dtype in HALF and not any(
+                    ops[r].primitive in MASKED for r in readers.get((i, k), ())):
+                out.add((i, k))
+    return frozenset(out)
+
+
 def _rebuilt(graph: Graph, op: Op, kept: set[tuple[int, int]]) -> bool:
     """A float32 exp / tanh... kept for the backward whose float32 cheap-op sources are all kept
     anyway (or are inputs): XLA's backward fusion reads those and rebuilds it rather than
@@ -249,7 +302,9 @@ def _roots(graph: Graph, grads: set[int], rebuilt: frozenset[int]
             if t not in producer:
                 continue  # a graph input, weight or region body input: held anyway
             op, k = producer[t]
-            if (op.primitive in through or (through is CHEAP and (
+            if through is CHEAP and _stored_sum(op, readers_of):
+                pass  # XLA writes it in the forward and keeps it: a root
+            elif (op.primitive in through or (through is CHEAP and (
                     op.id in rebuilt or _widens(graph, op, readers_of)))) and not op.regions:
                 for j, x in enumerate(op.inputs):
                     if x.ndim or not is_float(x):

@@ -52,7 +52,12 @@ from nnscaler_jax.cost.fusion import fused_bytes
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.cost.plan_walk import boundary_kinds
 from nnscaler_jax.cost.relayout import drop_partial, partial_grad_axes
-from nnscaler_jax.cost.residuals import residual_outputs, residual_readers, residual_reads
+from nnscaler_jax.cost.residuals import (
+    float32_held,
+    residual_outputs,
+    residual_readers,
+    residual_reads,
+)
 from nnscaler_jax.ir.coshard import chunks_of
 from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
 from nnscaler_jax.ir.remat import remat_roles
@@ -114,6 +119,7 @@ class _Builder(EdgePricing, BlockPricing):
                 self.remat.pop(op_id, None)
                 self.saved[op_id] = tuple(sorted(outs))
         self.reads = residual_reads(self.graph)  # (cheap ops' inputs residuals reach through)
+        self.f32_held = float32_held(self.graph)  # (16-bit residuals some GPUs keep in float32)
         self.traffic = fused_bytes(self.graph)  # what each op's fusion reads and writes
         self.member_memo: dict[tuple, object] = {}  # ours only: per class of identical work
         self.top_inputs = {t.id for t in self.graph.inputs}
@@ -246,7 +252,7 @@ class _Builder(EdgePricing, BlockPricing):
                 if k > 1 and hasattr(cm, "chunk_overhead"):
                     c[i] += w * cm.chunk_overhead(op, split, k, self.traffic)
             if not remat:
-                m[i] += w * cm.activation_bytes(op, split, self.saved.get(op.id, ()))
+                m[i] += w * cm.activation_bytes(op, split, self.saved.get(op.id, ()), self.f32_held)
         for k, t in enumerate(op.inputs):
             lifted = self.lifted.get((op.id, k))  # a scan-read weight this body op stores
             if lifted is None and (t.id not in self.top_inputs or (op.id, k) in self.skipped):

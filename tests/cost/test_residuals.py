@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 from nnscaler_jax import trace
-from nnscaler_jax.cost.residuals import residual_outputs, saved_operands
+from nnscaler_jax.cost.residuals import float32_held, residual_outputs, saved_operands
 from nnscaler_jax.ir.graph import Op, Tensor
 
 F = lambda i: Tensor(i, (4, 4), "float32")
@@ -215,3 +215,62 @@ def test_a_float32_tanh_of_bf16_values_is_kept_unless_a_reduction_reads_it():
     # test_float32_exponentials_of_bf16_scores_are_recomputed_from_them)
     assert ("tanh", "", (0,)) in _saved_prims(Gelu("bfloat16", upcast=True), (2, 16))
 
+
+
+class PreLN(nn.Module):
+    """A bf16 pre-LN block: x + proj(LN(x)), then + fc2(gelu(fc1(LN(.))))."""
+
+    @nn.compact
+    def __call__(self, x):
+        bf16 = jnp.bfloat16
+        x = x + nn.Dense(16, use_bias=False, dtype=bf16, name="proj")(
+            nn.LayerNorm(dtype=bf16, name="ln1")(x))
+        h = nn.Dense(32, use_bias=False, dtype=bf16, name="fc1")(
+            nn.LayerNorm(dtype=bf16, name="ln2")(x))
+        return x + nn.Dense(16, use_bias=False, dtype=bf16, name="fc2")(
+            jax.nn.gelu(h, approximate=True))
+
+
+def _pre_ln_graph():
+    return trace(PreLN(), jax.ShapeDtypeStruct((8, 8, 16), jnp.bfloat16))
+
+
+def test_a_16bit_residual_sum_a_layernorm_reads_is_kept_as_the_sum():
+    # ln2's statistics read x + proj(...): XLA writes the sum from the add's multi-output
+    # fusion with the statistics and keeps it; the estimate keeps the sum, not proj's output
+    # it would otherwise trace the sum through to
+    g = _pre_ln_graph()
+    by_id = {op.id: op for op in g.walk()}
+    kept = {(by_id[i].primitive, by_id[i].module_path) for i in residual_outputs(g)}
+    assert ("add", "") in kept and ("dot_general", "proj") not in kept
+
+
+def test_float32_held_are_the_16bit_sums_and_activations_only_elementwise_ops_read():
+    # the residual sum (read by ln2's backward) and the GELU's tanh are held in float32 on a
+    # GPU without 16-bit arithmetic; the GELU's output, fc2's matmul operand, stays bf16
+    g = _pre_ln_graph()
+    by_id = {op.id: op for op in g.walk()}
+    held = sorted((by_id[i].primitive, by_id[i].module_path) for i, _ in float32_held(g))
+    assert held == [("add", ""), ("tanh", "")]
+    assert ("mul", "") in {(by_id[i].primitive, by_id[i].module_path)
+                           for i in residual_outputs(g)}
+
+
+def test_a_gpu_without_16bit_arithmetic_holds_those_residuals_twice_as_large():
+    # the same replicated plan priced for A100s (XLA computes bf16 arithmetic in float32 and
+    # keeps those values so) and H100s: the activations differ by exactly the held roots'
+    # bf16 bytes
+    from meshes import make_mesh
+
+    from nnscaler_jax.cost.devices import cluster_preset
+    from nnscaler_jax.cost.model import CostModel
+    from nnscaler_jax.planner import make_plan
+
+    g = _pre_ln_graph()
+    plan = make_plan(g, make_mesh((8,), ("data",)), policy="dp")
+    acts = {name: CostModel.for_cluster(cluster_preset(name), dict(plan.mesh))
+            .memory_breakdown(plan, g)["activations"] for name in ("a100-80g-8x", "h100-80g-8x")}
+    ops = {op.id: op for op in g.walk()}
+    held = sum(ops[i].outputs[k].nbytes for i, k in float32_held(g)) / 8  # batch over 8
+    assert held > 0
+    assert acts["a100-80g-8x"] - acts["h100-80g-8x"] == pytest.approx(held)
