@@ -92,9 +92,9 @@ class DeviceSpec:
             step's peak holds one): 4 MiB on V100, where every matmul is a cuBLAS call; 0 where
             XLA emits its own Triton GEMMs by default (A100, H100, compiled without a device
             to autotune on).
-        half_arithmetic: XLA:GPU computes 16-bit elementwise arithmetic in 16 bits (H100,
-            H200); False: in float32 (A100, V100), and its fusions keep the residual sums and
-            activations the backward reads in float32
+        bf16_arithmetic: XLA:GPU computes bf16 elementwise arithmetic in bf16 (H100, H200);
+            False: in float32 (A100, V100), and its fusions keep the residual sums and
+            activations the backward reads in float32 (float16: not measured, priced as is)
             (:func:`nnscaler_jax.cost.residuals.float32_held`).
     """
 
@@ -109,7 +109,7 @@ class DeviceSpec:
     kind: str = ""
     launch_s: float = 5e-6
     gemm_workspace_bytes: int = 0
-    half_arithmetic: bool = True
+    bf16_arithmetic: bool = True
 
     def peak(self, dtype: str, matmul: bool) -> float:
         """Peak FLOP/s for ``dtype`` (16-bit, or 32/64-bit) on matrix or vector units."""
@@ -124,11 +124,11 @@ class DeviceSpec:
 
 V100_32G = DeviceSpec("V100-32G", 125 * T, 15.7 * T, 32 * 2**30, 900 * GB, efficiency=0.75,
                       kind="Tesla V100-SXM2-32GB", gemm_workspace_bytes=4 * 2**20,
-                      half_arithmetic=False)
+                      bf16_arithmetic=False)
 A100_40G = DeviceSpec("A100-40G", 312 * T, 19.5 * T, 40 * GB, 1.555 * T, efficiency=0.75,
-                      flops_tf32=156 * T, kind="NVIDIA A100-SXM4-40GB", half_arithmetic=False)
+                      flops_tf32=156 * T, kind="NVIDIA A100-SXM4-40GB", bf16_arithmetic=False)
 A100_80G = DeviceSpec("A100-80G", 312 * T, 19.5 * T, 80 * GB, 2.039 * T, efficiency=0.75,
-                      flops_tf32=156 * T, kind="NVIDIA A100-SXM4-80GB", half_arithmetic=False)
+                      flops_tf32=156 * T, kind="NVIDIA A100-SXM4-80GB", bf16_arithmetic=False)
 H100_80G = DeviceSpec("H100-80G", 989 * T, 67 * T, 80 * GB, 3.35 * T, efficiency=0.8,
                       flops_tf32=494.7 * T, kind="NVIDIA H100 80GB HBM3")
 H200 = DeviceSpec("H200", 989 * T, 67 * T, 141 * GB, 4.8 * T, efficiency=0.8,

@@ -406,7 +406,7 @@ class CostModel:
             outputs: the indices of the outputs that are kept, from
                 :func:`nnscaler_jax.cost.residuals.residual_outputs` (default: all of them).
             held: :func:`nnscaler_jax.cost.residuals.float32_held` (``(op id, index)`` kept in
-                float32 on a device without 16-bit arithmetic).
+                float32 on a device without bf16 arithmetic).
         """
         if op.primitive in FREE or op.regions or outputs == ():
             return 0
@@ -416,11 +416,11 @@ class CostModel:
                        for k in keep) / self.microbatches)
 
     def residual_bytes(self, t: Tensor, layout: Layout, held_in_float32: bool = False) -> int:
-        """Bytes of residual ``t`` on one device under ``layout``; ``held_in_float32``: a 16-bit
-        value this device's fusions compute and keep in float32 (``DeviceSpec.half_arithmetic``
+        """Bytes of residual ``t`` on one device under ``layout``; ``held_in_float32``: a bf16
+        value this device's fusions compute and keep in float32 (``DeviceSpec.bf16_arithmetic``
         False), twice its bytes."""
         n = self._local_bytes(t, layout)
-        return 2 * n if held_in_float32 and not self.device.half_arithmetic else n
+        return 2 * n if held_in_float32 and not self.device.bf16_arithmetic else n
 
     def state_bytes(self, v: Tensor, layout: Layout, dp_axes: tuple[str, ...] = (),
                     zero: int | None = None) -> tuple[float, float, float]:

@@ -88,7 +88,7 @@ and or not xor square integer_pow floor ceil round iota stop_gradient
 #: 16-bit floats (see float32_held).
 HALF = frozenset({"bfloat16", "float16"})
 
-#: Elementwise arithmetic whose 16-bit results a GPU without 16-bit arithmetic computes, and
+#: Elementwise arithmetic whose bf16 results a GPU without bf16 arithmetic computes, and
 #: XLA keeps, in float32 (see float32_held).
 ARITHMETIC = _names("add sub neg mul add_any max min abs integer_pow square exp exp2 tanh "
                     "logistic sqrt cbrt rsqrt")
@@ -177,11 +177,7 @@ def _traced(graph: Graph, grads: set[int] | None
                        Mapping[tuple[int, int], frozenset[int]]]:
     if grads is None:  # (boundaries and op order change nothing: once per dataflow)
         return _MEMO.get(graph, None, lambda: _traced(graph, grad_tensors(graph)))
-    first = _roots(graph, grads, frozenset())
-    kept = {(i, k) for i, ks in first[0].items() for k in ks}
-    ops = {op.id: op for op in graph.walk()}
-    rebuilt = frozenset(i for i in first[0] if _rebuilt(graph, ops[i], kept))
-    return _roots(graph, grads, rebuilt) if rebuilt else first
+    return _roots(graph, grads)
 
 
 def _leaves(graph: Graph, op: Op) -> list:
@@ -240,9 +236,9 @@ def _stored_sum(op: Op, readers: Mapping[int, list[Op]]) -> bool:
 
 
 def float32_held(graph: Graph, grads: set[int] | None = None) -> frozenset[tuple[int, int]]:
-    """``(op id, output index)`` of the 16-bit residual roots of elementwise arithmetic (a
+    """``(op id, output index)`` of the bf16 residual roots of elementwise arithmetic (a
     residual sum, a GELU's tanh) that only elementwise transposes read: on a GPU that computes
-    16-bit elementwise arithmetic in float32 (``DeviceSpec.half_arithmetic`` False: A100,
+    bf16 elementwise arithmetic in float32 (``DeviceSpec.bf16_arithmetic`` False: A100,
     V100), XLA's fusions write them, and the backward reads them, in float32 (measured: GPT-3
     1.3B and 6.7B in bf16 on A100s keep the residual sums and the tanh in float32, on H100s in
     bf16). A root a matmul reads stays 16-bit (the matmul reads it so)."""
@@ -254,34 +250,17 @@ def float32_held(graph: Graph, grads: set[int] | None = None) -> frozenset[tuple
         if op.regions or op.primitive not in ARITHMETIC:
             continue
         for k in ks:
-            if op.outputs[k].dtype in HALF and not any(
+            if op.outputs[k].dtype == "bfloat16" and not any(
                     ops[r].primitive in MASKED for r in readers.get((i, k), ())):
                 out.add((i, k))
     return frozenset(out)
 
 
-def _rebuilt(graph: Graph, op: Op, kept: set[tuple[int, int]]) -> bool:
-    """A float32 exp / tanh... kept for the backward whose float32 cheap-op sources are all kept
-    anyway (or are inputs): XLA's backward fusion reads those and rebuilds it rather than
-    reading both (measured: GPT-3 1.3B in float32 on V100s keeps each GELU's input and output,
-    not its tanh). In bf16 XLA keeps the tanh (measured: GPT-3 1.3B and 6.7B)."""
-    if op.primitive not in SAVE_OUTPUT or op.regions or len(op.outputs) != 1 \
-            or op.outputs[0].dtype != "float32":
-        return False
-    for x in _leaves(graph, op):
-        if not x.ndim and is_float(x):
-            continue  # a scalar constant
-        w = graph.writers.get(x.id)
-        if x.dtype != "float32" or (w is not None and (w[0].id, w[1]) not in kept):
-            return False
-    return True
-
-
-def _roots(graph: Graph, grads: set[int], rebuilt: frozenset[int]
+def _roots(graph: Graph, grads: set[int]
            ) -> tuple[Mapping[int, tuple[int, ...]], frozenset[tuple[int, int]],
                       Mapping[tuple[int, int], frozenset[int]]]:
     """Residual roots, the inputs traced through, and each root's readers (see the module
-    docstring); the ops in ``rebuilt`` are traced through like cheap ones."""
+    docstring)."""
     producer = graph.writers
     readers_of: dict[int, list[Op]] = {}
     for op in graph.walk():
@@ -304,8 +283,8 @@ def _roots(graph: Graph, grads: set[int], rebuilt: frozenset[int]
             op, k = producer[t]
             if through is CHEAP and _stored_sum(op, readers_of):
                 pass  # XLA writes it in the forward and keeps it: a root
-            elif (op.primitive in through or (through is CHEAP and (
-                    op.id in rebuilt or _widens(graph, op, readers_of)))) and not op.regions:
+            elif (op.primitive in through or (through is CHEAP and _widens(
+                    graph, op, readers_of))) and not op.regions:
                 for j, x in enumerate(op.inputs):
                     if x.ndim or not is_float(x):
                         reads.add((op.id, j))
