@@ -34,7 +34,7 @@ handled by the cost model (their boundary's inputs are kept instead).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from nnscaler_jax.cost.compute import MATMUL, TRAINABLE, grad_tensors, is_float
 from nnscaler_jax.ir.graph import DataflowMemo, Graph, Op, Role
@@ -177,7 +177,64 @@ def _traced(graph: Graph, grads: set[int] | None
                        Mapping[tuple[int, int], frozenset[int]]]:
     if grads is None:  # (boundaries and op order change nothing: once per dataflow)
         return _MEMO.get(graph, None, lambda: _traced(graph, grad_tensors(graph)))
-    return _roots(graph, grads)
+    producer, readers_of = graph.writers, graph.readers
+    out: dict[int, set[int]] = {}
+    reads: set[tuple[int, int]] = set()
+    readers: dict[tuple[int, int], set[int]] = {}  # root -> the ops whose transposes read it
+    dead = _no_cotangent(graph)
+    memo: dict[tuple[str, int], bool] = {}  # (rule, op id): each op's checks, once
+
+    def stored(op: Op) -> bool:
+        key = ("sum", op.id)
+        if key not in memo:
+            memo[key] = _stored_sum(op, readers_of)
+        return memo[key]
+
+    def widens(op: Op) -> bool:
+        key = ("widens", op.id)
+        if key not in memo:
+            memo[key] = _widens(graph, op, readers_of)
+        return memo[key]
+
+    def keep(reader: Op, tids: list[int], through: frozenset[str]) -> None:
+        stack, seen = tids, set()
+        while stack:
+            t = stack.pop()
+            if t in seen:
+                continue
+            seen.add(t)
+            if t not in producer:
+                continue  # a graph input, weight or region body input: held anyway
+            op, k = producer[t]
+            if through is CHEAP and stored(op):
+                pass  # XLA writes it in the forward and keeps it: a root
+            elif (op.primitive in through or (through is CHEAP and widens(op))) \
+                    and not op.regions:
+                for j, x in enumerate(op.inputs):
+                    if x.ndim or not is_float(x):
+                        reads.add((op.id, j))
+                        stack.append(x.id)
+                continue
+            out.setdefault(op.id, set()).add(k)
+            readers.setdefault((op.id, k), set()).add(reader.id)
+
+    for op in graph.walk():
+        if op.id in dead:
+            continue
+        ins, outs = saved_operands(op, tuple(t.id in grads for t in op.inputs))
+        # a matmul / convolution transpose reads the saved operand as a matmul operand: XLA
+        # materialises it (only bitcasts fold in); so it does the operands of max / min (ReLU's
+        # mask: measured on WRN, XLA keeps BatchNorm's output rather than recomputing it);
+        # other elementwise transposes fuse the saved value's producers. (A weight's transpose
+        # read by a matmul is kept too: with the weight laid out as the matmul reads it, XLA
+        # folds it into the dot and keeps no copy, 400 MiB over-priced for GPT-3 1.3B's tied
+        # LM head; relaid out, XLA relays it again in the backward, 2 x 1.5 GiB transient at
+        # T5-8's peak, which the kept copy stands in for. Folding it let the search pick a T5-8
+        # plan XLA had to rematerialize.)
+        through = BITCAST if op.primitive in MASKED else CHEAP
+        keep(op, [op.inputs[j].id for j in ins] + [op.outputs[k].id for k in outs], through)
+    return ({i: tuple(sorted(ks)) for i, ks in out.items()}, frozenset(reads),
+            {key: frozenset(v) for key, v in readers.items()})
 
 
 def _leaves(graph: Graph, op: Op) -> list:
@@ -197,7 +254,7 @@ def _leaves(graph: Graph, op: Op) -> list:
     return leaves
 
 
-def _widens(graph: Graph, op: Op, readers: Mapping[int, list[Op]]) -> bool:
+def _widens(graph: Graph, op: Op, readers: Mapping[int, Sequence[Op]]) -> bool:
     """A softmax's exp (an exp / tanh... read by a reduction) whose output is wider than what
     it is computed from by cheap ops (float32 exponentials of bf16 scores): XLA never writes it
     in the forward (the reduction's fusion and the normalising division each compute it), and
@@ -212,7 +269,7 @@ def _widens(graph: Graph, op: Op, readers: Mapping[int, list[Op]]) -> bool:
     return sum(x.nbytes for x in _leaves(graph, op)) < op.outputs[0].nbytes
 
 
-def _stored_sum(op: Op, readers: Mapping[int, list[Op]]) -> bool:
+def _stored_sum(op: Op, readers: Mapping[int, Sequence[Op]]) -> bool:
     """A 16-bit sum a reduction reads (the residual stream ``x + attn(x)`` a LayerNorm's
     statistics read, through a cast): XLA writes it from the multi-output fusion of the add and
     the statistics, and the backward reads that buffer; the estimate keeps it rather than
@@ -242,6 +299,9 @@ def float32_held(graph: Graph, grads: set[int] | None = None) -> frozenset[tuple
     V100), XLA's fusions write them, and the backward reads them, in float32 (measured: GPT-3
     1.3B and 6.7B in bf16 on A100s keep the residual sums and the tanh in float32, on H100s in
     bf16). A root a matmul reads stays 16-bit (the matmul reads it so)."""
+    if grads is None:
+        return _MEMO.get(graph, "float32_held",
+                         lambda: float32_held(graph, grad_tensors(graph)))
     roots, _, readers = _traced(graph, grads)
     ops = {op.id: op for op in graph.walk()}
     out = set()
@@ -254,62 +314,6 @@ def float32_held(graph: Graph, grads: set[int] | None = None) -> frozenset[tuple
                     ops[r].primitive in MASKED for r in readers.get((i, k), ())):
                 out.add((i, k))
     return frozenset(out)
-
-
-def _roots(graph: Graph, grads: set[int]
-           ) -> tuple[Mapping[int, tuple[int, ...]], frozenset[tuple[int, int]],
-                      Mapping[tuple[int, int], frozenset[int]]]:
-    """Residual roots, the inputs traced through, and each root's readers (see the module
-    docstring)."""
-    producer = graph.writers
-    readers_of: dict[int, list[Op]] = {}
-    for op in graph.walk():
-        for x in op.inputs:
-            readers_of.setdefault(x.id, []).append(op)
-    out: dict[int, set[int]] = {}
-    reads: set[tuple[int, int]] = set()
-    readers: dict[tuple[int, int], set[int]] = {}  # root -> the ops whose transposes read it
-    dead = _no_cotangent(graph)
-
-    def keep(reader: Op, tids: list[int], through: frozenset[str]) -> None:
-        stack, seen = tids, set()
-        while stack:
-            t = stack.pop()
-            if t in seen:
-                continue
-            seen.add(t)
-            if t not in producer:
-                continue  # a graph input, weight or region body input: held anyway
-            op, k = producer[t]
-            if through is CHEAP and _stored_sum(op, readers_of):
-                pass  # XLA writes it in the forward and keeps it: a root
-            elif (op.primitive in through or (through is CHEAP and _widens(
-                    graph, op, readers_of))) and not op.regions:
-                for j, x in enumerate(op.inputs):
-                    if x.ndim or not is_float(x):
-                        reads.add((op.id, j))
-                        stack.append(x.id)
-                continue
-            out.setdefault(op.id, set()).add(k)
-            readers.setdefault((op.id, k), set()).add(reader.id)
-
-    for op in graph.walk():
-        if op.id in dead:
-            continue
-        ins, outs = saved_operands(op, tuple(t.id in grads for t in op.inputs))
-        # a matmul / convolution transpose reads the saved operand as a matmul operand: XLA
-        # materialises it (only bitcasts fold in); so it does the operands of max / min (ReLU's
-        # mask: measured on WRN, XLA keeps BatchNorm's output rather than recomputing it);
-        # other elementwise transposes fuse the saved value's producers. (A weight's transpose
-        # read by a matmul is kept too: with the weight laid out as the matmul reads it, XLA
-        # folds it into the dot and keeps no copy, 400 MiB over-priced for GPT-3 1.3B's tied
-        # LM head; relaid out, XLA relays it again in the backward, 2 x 1.5 GiB transient at
-        # T5-8's peak, which the kept copy stands in for. Folding it let the search pick a T5-8
-        # plan XLA had to rematerialize.)
-        through = BITCAST if op.primitive in MASKED else CHEAP
-        keep(op, [op.inputs[j].id for j in ins] + [op.outputs[k].id for k in outs], through)
-    return ({i: tuple(sorted(ks)) for i, ks in out.items()}, frozenset(reads),
-            {key: frozenset(v) for key, v in readers.items()})
 
 
 COMBINE_BYTES = 30 * 2**20

@@ -282,6 +282,15 @@ class Graph:
         return {t.id: op for op in self.ops for t in op.outputs}
 
     @cached_property
+    def readers(self) -> Mapping[int, tuple[Op, ...]]:
+        """Tensor id -> the ops that read it, region bodies included (as :attr:`writers`)."""
+        out: dict[int, list[Op]] = {}
+        for op in self.walk():
+            for t in op.inputs:
+                out.setdefault(t.id, []).append(op)
+        return {k: tuple(v) for k, v in out.items()}
+
+    @cached_property
     def writers(self) -> Mapping[int, tuple[Op, int]]:
         """Tensor id -> (the op that writes it, its output index), region bodies included."""
         return {t.id: (op, k) for op in self.walk() for k, t in enumerate(op.outputs)}

@@ -119,7 +119,7 @@ class _Builder(EdgePricing, BlockPricing):
                 self.remat.pop(op_id, None)
                 self.saved[op_id] = tuple(sorted(outs))
         self.reads = residual_reads(self.graph)  # (cheap ops' inputs residuals reach through)
-        self.f32_held = float32_held(self.graph)  # (16-bit residuals some GPUs keep in float32)
+        self.f32_held = float32_held(self.graph)  # (bf16 residuals some GPUs keep in float32)
         self.traffic = fused_bytes(self.graph)  # what each op's fusion reads and writes
         self.member_memo: dict[tuple, object] = {}  # ours only: per class of identical work
         self.top_inputs = {t.id for t in self.graph.inputs}
