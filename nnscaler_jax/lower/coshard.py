@@ -22,11 +22,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Boundary, Op, Tensor
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.mesh.axes import mesh_axes
+from nnscaler_jax.plan.layouts import plan_layouts
 from nnscaler_jax.plan.plan import VALUE
 
 __all__ = ["chunk_loop", "run_coshard"]
@@ -84,7 +86,28 @@ def _differentiable(x: Any) -> bool:
     return jnp.issubdtype(x.dtype, jnp.inexact)
 
 
-def chunk_loop(one: Any, k: int, stack: Any = list) -> Any:
+def _chunk_grads(one: Any, c: Any, whole: dict, xs: list, cts: list) -> tuple[dict, list]:
+    """Chunk ``c``'s gradients: ``({whole key: cotangent}, [chunked input's cotangent])``,
+    from its forward run again (``one``) and its outputs' cotangents ``cts``."""
+    keys = [key for key, x in whole.items() if _differentiable(x)]
+    diff = [j for j, x in enumerate(xs) if _differentiable(x)]
+    live = [j for j, ct in enumerate(cts) if ct is not None]
+
+    def f(w, d):
+        full = list(xs)
+        for j, x in zip(diff, d, strict=True):
+            full[j] = x
+        ys = one(c, full, {**whole, **dict(zip(keys, w, strict=True))})
+        return [ys[j] for j in live]
+    _, pull = jax.vjp(f, [whole[key] for key in keys], [xs[j] for j in diff])
+    gw, gd = pull([cts[j] for j in live])
+    gx: list[Any] = [None] * len(xs)
+    for j, g in zip(diff, gd, strict=True):
+        gx[j] = g
+    return dict(zip(keys, gw, strict=True)), gx
+
+
+def chunk_loop(one: Any, k: int, stack: Any = list, prepare: Any = None) -> Any:
     """``(whole, chunked) -> stacked outputs``: ``one(c, chunk c's inputs, whole)`` for
     ``c < k``, in a loop. The loop has its own backward: chunk c's forward runs again and its
     gradient follows (as ``jax.checkpoint`` of each chunk would), the whole inputs' cotangents
@@ -93,30 +116,21 @@ def chunk_loop(one: Any, k: int, stack: Any = list) -> Any:
     transpose starts from constant zeros, which XLA:GPU merges across loops of one shape and
     computes at the start of the step, keeping every co-sharded block's backward buffers live
     through the forward (Llama-3-8B at 128K: ~0.6 GiB per co-sharded layer). ``stack``: lays
-    the chunked inputs' cotangent stacks out (a list, ``None`` for integer inputs)."""
+    the chunked inputs' cotangent stacks out (a list, ``None`` for integer inputs).
+    ``prepare``: ``whole -> whole as the chunks read it`` (int keys), run once before the
+    forward's loop and once before the backward's, its gradient after the backward's: the
+    whole inputs' relayouts (a weight's all-gather), which run in every chunk when left to
+    the chunks (XLA does not hoist them out of the loop)."""
+    prepare = prepare or (lambda whole: whole)
 
     def forward(whole, chunked):
+        if chunked:  # relaid out when the loop is reached (as in the backward, below)
+            whole, _ = jax.lax.optimization_barrier((whole, chunked[0]))
+        ready = prepare(whole)
+
         def body(carry, xs):
-            return carry, one(xs[0], xs[1:], whole)
+            return carry, one(xs[0], xs[1:], ready)
         return jax.lax.scan(body, None, [jnp.arange(k), *chunked], length=k)[1]
-
-    def chunk_grads(c, whole, xs, cts):
-        keys = [key for key, x in whole.items() if _differentiable(x)]
-        diff = [j for j, x in enumerate(xs) if _differentiable(x)]
-        live = [j for j, ct in enumerate(cts) if ct is not None]
-
-        def f(w, d):
-            full = list(xs)
-            for j, x in zip(diff, d, strict=True):
-                full[j] = x
-            ys = one(c, full, {**whole, **dict(zip(keys, w, strict=True))})
-            return [ys[j] for j in live]
-        _, pull = jax.vjp(f, [whole[key] for key in keys], [xs[j] for j in diff])
-        gw, gd = pull([cts[j] for j in live])
-        gx: list[Any] = [None] * len(xs)
-        for j, g in zip(diff, gd, strict=True):
-            gx[j] = g
-        return dict(zip(keys, gw, strict=True)), gx
 
     @jax.custom_vjp
     def loop(whole, chunked):
@@ -132,28 +146,50 @@ def chunk_loop(one: Any, k: int, stack: Any = list) -> Any:
                             jax.lax.dynamic_index_in_dim(x, c, 0, keepdims=False) for x in xs]
         if all(ct is None for ct in cts):
             return {key: None for key in whole}, [None] * len(chunked)
-        # zero, computed from a cotangent, so the buffers below are made when the backward
-        # reaches the loop (its first element: one scalar gathered from the device holding
-        # it). XLA:GPU still folds some of them back to constants (the weights' sums of an
-        # unfused Llama's 64-chunk attention blocks; issue 45)
+        # zero, computed from a cotangent (its first element: one scalar gathered from the
+        # device holding it), so the buffers below are made when the backward reaches the
+        # loop; the whole inputs are relaid out then too (behind the barrier, which XLA cannot
+        # fold to a constant nor see through): else XLA makes every loop's relayouts
+        # (gathered weights) early in the step, all live at once
         zero = next(ct for ct in cts if ct is not None).reshape(-1)[0] * 0
+        keys = [key for key, x in whole.items() if _differentiable(x)]
+        ws, zero = jax.lax.optimization_barrier(([whole[key] for key in keys], zero))
+        ready, pull = jax.vjp(lambda d: prepare({**whole, **dict(zip(keys, d, strict=True))}),
+                              ws)
         gw = {key: jnp.broadcast_to(zero.astype(x.dtype), x.shape)
-              for key, x in whole.items() if _differentiable(x)}
+              for key, x in ready.items() if _differentiable(x)}
         bufs = stack([jnp.broadcast_to(zero.astype(x.dtype), x.shape) if _differentiable(x)
                       else None for x in chunked])
 
         def body(carry, c):
             gw, bufs = carry
-            gw_c, gx_c = chunk_grads(c, whole, at(chunked, c), at(cts, c))
+            gw_c, gx_c = _chunk_grads(one, c, ready, at(chunked, c), at(cts, c))
             gw = {key: gw[key] + g for key, g in gw_c.items()}
             bufs = [b if g is None else jax.lax.dynamic_update_index_in_dim(b, g, c, 0)
                     for b, g in zip(bufs, gx_c, strict=True)]
             return (gw, bufs), None
         (gw, bufs), _ = jax.lax.scan(body, (gw, bufs), jnp.arange(k))
-        return {key: gw.get(key) for key in whole}, bufs
+        (g,) = pull({key: gw[key] if key in gw else
+                     np.zeros(x.shape, jax.dtypes.float0) for key, x in ready.items()})
+        grads = dict(zip(keys, g, strict=True))
+        return {key: grads.get(key) for key in whole}, bufs
 
     loop.defvjp(loop_fwd, loop_bwd)
     return loop
+
+
+def _whole_reads(lw: Any, ops: Sequence[Op], whole: dict) -> list[tuple]:
+    """``(relayout key, tensor, layout, split)`` of each read of a whole input by the block's
+    ops, as :meth:`~nnscaler_jax.lower.replay.Lowering.read_as` keys it."""
+    out: dict[Any, tuple] = {}
+    for op in ops:
+        plan = lw.plan_of(op)
+        split = plan.split if plan is not None else ()
+        for t, lay in zip(op.inputs, plan_layouts(op, lw._plans, lw._sole)[0], strict=True):
+            key = lw.relayout_key(t, lay, split) if t.id in whole else None
+            if key is not None:
+                out.setdefault(key, (key, t, lay, split))
+    return list(out.values())
 
 
 def run_coshard(lw: Any, ops: Sequence[Op], env: dict, b: Boundary) -> None:
@@ -174,10 +210,18 @@ def run_coshard(lw: Any, ops: Sequence[Op], env: dict, b: Boundary) -> None:
              if a is None}
     outer = {key: v for key, v in env.items() if not isinstance(key, tuple)}
     cs = p["size"] // (n * k)
+    reads = _whole_reads(lw, ops, whole)
+
+    def prepare(whole):  # the whole inputs' relayouts, once per loop: -(i + 1) <- reads[i]
+        made = dict(whole)
+        ready = {-(i + 1): lw.read_as(made, t, lay, split)
+                 for i, (_, t, lay, split) in enumerate(reads)}
+        covered = {t.id for _, t, _, _ in reads}
+        return {**{key: x for key, x in whole.items() if key not in covered}, **ready}
 
     def one(c, xs, whole):
         inner = dict(outer)  # relayouts made outside are not reused inside (recomputed)
-        inner.update(whole)
+        inner.update({reads[-key - 1][0] if key < 0 else key: x for key, x in whole.items()})
         inner.update({t.id: x for (t, _), x in zip(cut, xs, strict=True)})
         for op in ops:
             lw._op(op, inner, ways={idents[op.id]: k})
@@ -189,7 +233,7 @@ def run_coshard(lw: Any, ops: Sequence[Op], env: dict, b: Boundary) -> None:
         return [x if x is None else _stacked(lw, t, x, a)
                 for (t, a), x in zip(cut, xs, strict=True)]
 
-    ys = chunk_loop(one, k, stack)(whole, chunked)
+    ys = chunk_loop(one, k, stack, prepare)(whole, chunked)
     for t, y, a in zip(b.outputs, ys, p["out_axes"], strict=True):
         x = _merge(y, a, k, n)
         lay = lw.layouts.get(t.id)

@@ -58,6 +58,9 @@ _LINE = re.compile(
     r"=\s*(?P<type>\(*[a-z0-9]+\[[0-9,]*\][^ ]*(?:, \(*[a-z0-9]+\[[0-9,]*\][^ ]*)*)\s+"
     r"(?P<op>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
     r"(?P<start>-start)?\(")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) ([\w\-]+)\((.*)$")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
 _BYTES = {"f32": 4, "f64": 8, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8,
           "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2}
@@ -70,6 +73,7 @@ class HloCollective:
     kind: str
     bytes: int
     axes: tuple[str, ...]
+    times: int = 1  # runs per execution of the module (a ``while`` body's trip count)
 
 
 def _device_ids(spec: str | None, n: int) -> np.ndarray:
@@ -164,9 +168,17 @@ def _result_type(text: str, op: str, start: bool) -> str:
 
 
 def hlo_collectives(hlo_text: str, mesh) -> list[HloCollective]:
-    """Collectives in compiled HLO text (``compiled.as_text()``), with the mesh axes they span."""
-    out = []
+    """Collectives in compiled HLO text (``compiled.as_text()``), with the mesh axes they span
+    and the times each runs per execution (inside a ``while`` body of known trip count, that
+    many times per run of its caller)."""
+    comps, entry = _computations(hlo_text)
+    runs = _runs(comps, entry)
+    out, current = [], None
     for line in hlo_text.splitlines():
+        head = _COMPUTATION.match(line)
+        if head:
+            current = head.group(1)
+            continue
         line = re.sub(r"/\*.*?\*/", "", line)  # XLA writes /*index=5*/ inside long tuple types
         m = _LINE.search(line)
         if not m or "-done" in line.split("=")[0]:
@@ -178,7 +190,8 @@ def hlo_collectives(hlo_text: str, mesh) -> list[HloCollective]:
             nbytes += n * _BYTES.get(dt, 4)
         out.append(HloCollective(_KINDS[m.group("op")], nbytes,
                                  _axes_of(_groups(line), mesh,
-                                          pairs=m.group("op") == "collective-permute")))
+                                          pairs=m.group("op") == "collective-permute"),
+                                 times=max(1, int(runs.get(current, 1)))))
     return out
 
 
@@ -227,11 +240,8 @@ def summarize(items) -> Counter:
 
 # ---- memory traffic of large buffers ---------------------------------------------------------
 
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) ([\w\-]+)\((.*)$")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _FREE = frozenset({"get-tuple-element", "tuple", "parameter", "bitcast", "constant",
-                   "while", "call", "conditional", "after-all", "opt-barrier"})
+                   "while", "call", "conditional", "async-start", "after-all", "opt-barrier"})
 
 
 def _type_bytes(text: str) -> int:
@@ -259,6 +269,50 @@ class HloTraffic:
     by_kind: dict[str, float]
 
 
+def _computations(hlo_text: str) -> tuple[dict[str, list[tuple[str, str, str, str]]],
+                                           str | None]:
+    """``({computation: [(name, type, opcode, rest)]}, entry)`` of compiled HLO text."""
+    comps: dict[str, list[tuple[str, str, str, str]]] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            current = m.group(1)
+            comps[current] = []
+            if line.startswith("ENTRY"):
+                entry = current
+            continue
+        m = _INSTRUCTION.match(line)
+        if m and current is not None:
+            comps[current].append(m.groups())
+    return comps, entry
+
+
+def _runs(comps: dict[str, list[tuple[str, str, str, str]]], entry: str | None) -> Counter:
+    """Times each computation the entry reaches through ``while`` (a body: its known trip
+    count), ``call``, ``conditional`` and ``async-start`` runs per execution of the module
+    (fusion bodies and reducers are inside their kernel: not listed)."""
+    runs: Counter = Counter()
+
+    def visit(comp: str, times: float) -> None:
+        runs[comp] += times
+        for _, _, opcode, rest in comps.get(comp, ()):
+            if opcode == "while":
+                body = re.search(r"body=%?([\w.\-]+)", rest)
+                trip = _TRIP.search(rest)
+                if body:
+                    visit(body.group(1), times * (int(trip.group(1)) if trip else 1))
+            elif opcode in ("call", "conditional", "async-start"):
+                for callee in re.findall(r"(?:to_apply=|calls=|branch_computations=\{|, )%"
+                                         r"([\w.\-]+)", rest.split("metadata=")[0]):
+                    if callee in comps:
+                        visit(callee, times)
+
+    if entry is not None:
+        visit(entry, 1.0)
+    return runs
+
+
 def hlo_traffic(hlo_text: str, min_bytes: int) -> HloTraffic:
     """The traffic of buffers of at least ``min_bytes`` through device memory in a compiled
     module (``compiled.as_text()``): a floor on the time its kernels take, whatever their
@@ -273,39 +327,10 @@ def hlo_traffic(hlo_text: str, min_bytes: int) -> HloTraffic:
     >>> hlo_traffic(text, 4096).bytes  # read 4 KiB, write 4 KiB
     8192.0
     """
-    comps: dict[str, list[tuple[str, str, str, str]]] = {}
-    entry, current = None, None
-    for line in hlo_text.splitlines():
-        m = _COMPUTATION.match(line)
-        if m:
-            current = m.group(1)
-            comps[current] = []
-            if line.startswith("ENTRY"):
-                entry = current
-            continue
-        m = _INSTRUCTION.match(line)
-        if m and current is not None:
-            comps[current].append(m.groups())
+    comps, entry = _computations(hlo_text)
     sizes = {name: _type_bytes(typ.split("{")[0] if not typ.startswith("(") else typ)
              for body in comps.values() for name, typ, _, _ in body}
-    runs: Counter = Counter()
-
-    def visit(comp: str, times: float) -> None:
-        runs[comp] += times
-        for _, _, opcode, rest in comps.get(comp, ()):
-            if opcode == "while":
-                body = re.search(r"body=%?([\w.\-]+)", rest)
-                trip = _TRIP.search(rest)
-                if body:
-                    visit(body.group(1), times * (int(trip.group(1)) if trip else 1))
-            elif opcode in ("call", "conditional"):
-                for callee in re.findall(r"(?:to_apply|branch_computations=\{|, )%([\w.\-]+)",
-                                         rest.split("metadata=")[0]):
-                    if callee in comps:
-                        visit(callee, times)
-
-    if entry is not None:
-        visit(entry, 1.0)
+    runs = _runs(comps, entry)
     total, kernels, by_kind = 0.0, 0, Counter()
     for comp, times in runs.items():
         for name, _, opcode, rest in comps[comp]:

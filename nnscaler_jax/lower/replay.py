@@ -183,6 +183,13 @@ class Lowering:
         self.layouts[t.id] = Layout(lay.dims)
         return jax.lax.with_sharding_constraint(x, self.sharding(lay))
 
+    def relayout_key(self, t: Tensor, lay: Layout, split: Sequence = ()) -> tuple | None:
+        """Where :meth:`read_as` keeps ``t`` read as ``lay`` by an op split as ``split`` in
+        its ``env`` (None: read as it is, a constant, a scalar or a key)."""
+        if t.role is Role.CONST or t.ndim == 0 or not _is_array_dtype(t.dtype):
+            return None
+        return ("relayout", t.id, Layout(lay.dims), partial_grad_axes(lay, tuple(split)))
+
     def read_as(self, env: dict, t: Tensor, lay: Layout, split: Sequence = ()) -> Any:
         """The value of ``t`` read as ``lay`` by an op split as ``split``: constrained step by
         step along the path the plan priced from where it was made, its gradient along the
@@ -190,12 +197,12 @@ class Lowering:
         it was made is unknown. Readers of the same layout whose gradients are partial over
         the same axes share one relayout (one gradient reduction, as priced)."""
         x = self._read(env, t)
-        if t.role is Role.CONST or t.ndim == 0 or not _is_array_dtype(t.dtype):
+        key = self.relayout_key(t, lay, split)
+        if key is None:
             return x
         src = self.layouts.get(t.id)
         if src is None:
             return jax.lax.with_sharding_constraint(x, self.sharding(lay))
-        key = ("relayout", t.id, Layout(lay.dims), partial_grad_axes(lay, tuple(split)))
         if key not in env:
             size, mesh = np.dtype(t.dtype).itemsize, self.mesh_spec
             fwd = relayout_steps(src, lay, t.shape, size, mesh) or (Layout(lay.dims),)

@@ -76,21 +76,21 @@ class XlaCheck:
 
 
 def collective_totals(hlo_text: str, mesh: Any) -> dict[str, dict[str, int]]:
-    """``{kind: {"count", "bytes", "plan_bytes"}}`` of the collectives in compiled HLO text
-    (``bytes``: result bytes; ``plan_bytes``: as a plan's ``comm_bytes`` counts them, result
+    """``{kind: {"count", "bytes", "plan_bytes"}}`` of the collectives in compiled HLO text,
+    each counted as often as it runs (a loop body's, its trip count) (``bytes``: result bytes; ``plan_bytes``: as a plan's ``comm_bytes`` counts them, result
     bytes for all-reduce, all-gather and permutes, group size x result bytes for
     reduce-scatter and all-to-all)."""
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
     out: dict[str, dict[str, int]] = {}
     for c in hlo_collectives(hlo_text, mesh):
         e = out.setdefault(c.kind, {"count": 0, "bytes": 0, "plan_bytes": 0})
-        e["count"] += 1
-        e["bytes"] += c.bytes
+        e["count"] += c.times
+        e["bytes"] += c.bytes * c.times
         group = 1
         for a in c.axes:
             group *= sizes.get(a, 1)
-        e["plan_bytes"] += c.bytes * (group if c.kind in ("reduce_scatter", "all_to_all")
-                                      else 1)
+        e["plan_bytes"] += c.bytes * c.times * (
+            group if c.kind in ("reduce_scatter", "all_to_all") else 1)
     return dict(sorted(out.items()))
 
 

@@ -239,11 +239,13 @@ def test_a_saved_plan_with_a_bad_block_is_refused(graph):
 
 
 @pytest.mark.slow
-def test_the_head_and_its_loss_run_in_chunks_of_tokens():
+@pytest.mark.parametrize("policy", ["megatron", "zero3"])
+def test_the_head_and_its_loss_run_in_chunks_of_tokens(policy):
     """The chunked loss (issue 47) as a co-sharded block: in a training step's graph the ops
     after the last repeated layer (Llama's final norm, LM head and its cross-entropy) form a
     block along the tokens, and the step run with it in chunks (a scan, the logits of one
-    chunk at a time) trains as the plain loop does."""
+    chunk at a time) trains as the plain loop does; under ZeRO-3 the head's weight is gathered
+    once per loop and its gradient reduced once (tests/train/test_xla_gpu.py)."""
     import optax
 
     spec = models.get("llama", "tiny")
@@ -266,7 +268,7 @@ def test_the_head_and_its_loss_run_in_chunks_of_tokens():
             said.add("before them" in str(e.value))
     assert True in said
     blocks = ((heads[0].seed, heads[0].dim, chunk_counts(heads[0].size, 8)[0]),)
-    plan = make_plan(graph, {"data": 2, "model": 4}, policy="megatron")
+    plan = make_plan(graph, {"data": 2, "model": 4}, policy=policy)
     opt = optax.sgd(0.1)
     p, o, ref = variables["params"], opt.init(variables["params"]), []
     for _ in range(3):

@@ -74,6 +74,26 @@ def test_kinds_bytes_and_async_pairs(mesh):
     assert hlo_collectives(line, mesh) == [HloCollective("ppermute", 16, ("data",))]
 
 
+def test_a_collective_in_a_loop_runs_its_trip_count(mesh):
+    """A co-sharded chunk loop's collective is one instruction that runs once per chunk: the
+    totals a plan's ``comm_bytes`` is compared with count every run."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from nnscaler_jax.train.xla_gpu import collective_totals
+
+    def f(a):
+        return jax.lax.fori_loop(0, 5, lambda i, c: c + jax.lax.psum(c * i, "model"), a)
+
+    step = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("model"), out_specs=P("model")))
+    x = jax.ShapeDtypeStruct((64,), jnp.float32, sharding=NamedSharding(mesh, P("model")))
+    text = step.lower(x).compile().as_text()
+    (c,) = hlo_collectives(text, mesh)
+    assert (c.kind, c.bytes, c.axes, c.times) == ("all_reduce", 16 * 4, ("model",), 5)
+    assert collective_totals(text, mesh)["all_reduce"] == {
+        "count": 5, "bytes": 5 * 64, "plan_bytes": 5 * 64}
+
+
 def test_a_collective_without_groups_spans_nothing(mesh):
     (c,) = hlo_collectives("  %r = f32[2]{0} all-reduce(f32[2] %p), to_apply=%add", mesh)
     assert c.axes == () and c.bytes == 8
