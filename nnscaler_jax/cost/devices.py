@@ -95,7 +95,10 @@ class DeviceSpec:
         bf16_arithmetic: XLA:GPU computes bf16 elementwise arithmetic in bf16 (H100, H200);
             False: in float32 (A100, V100), and its fusions keep the residual sums and
             activations the backward reads in float32 (float16: not measured, priced as is)
-            (:func:`nnscaler_jax.cost.residuals.float32_held`).
+            (:func:`nnscaler_jax.cost.residuals.residual_forms`).
+        rebuilds_tanh: the backward rebuilds a float32 tanh from its input rather than keeping
+            it (XLA:GPU, measured on V100s; XLA:CPU keeps it)
+            (:func:`nnscaler_jax.cost.residuals.residual_forms`).
     """
 
     name: str
@@ -110,6 +113,7 @@ class DeviceSpec:
     launch_s: float = 5e-6
     gemm_workspace_bytes: int = 0
     bf16_arithmetic: bool = True
+    rebuilds_tanh: bool = True
 
     def peak(self, dtype: str, matmul: bool) -> float:
         """Peak FLOP/s for ``dtype`` (16-bit, or 32/64-bit) on matrix or vector units."""
@@ -134,7 +138,8 @@ H100_80G = DeviceSpec("H100-80G", 989 * T, 67 * T, 80 * GB, 3.35 * T, efficiency
 H200 = DeviceSpec("H200", 989 * T, 67 * T, 141 * GB, 4.8 * T, efficiency=0.8,
                   flops_tf32=494.7 * T, kind="NVIDIA H200")
 CPU = DeviceSpec("cpu", flops=1e11, flops_fp32=1e11, memory_bytes=24 * 2**30,
-                 bandwidth=2e10, efficiency=0.5, bandwidth_efficiency=1.0, kind="cpu")
+                 bandwidth=2e10, efficiency=0.5, bandwidth_efficiency=1.0, kind="cpu",
+                 rebuilds_tanh=False)
 """A nominal CPU (nothing measured); :func:`local_cpu` times this machine instead."""
 
 DEVICES: Mapping[str, DeviceSpec] = {
@@ -177,7 +182,8 @@ def local_cpu(n: int = 512, repeats: int = 3) -> DeviceSpec:
     dev = jax.devices()[0]
     return DeviceSpec(f"local-{dev.platform}", flops=flops, flops_fp32=flops,
                       memory_bytes=CPU.memory_bytes, bandwidth=bandwidth, efficiency=1.0,
-                      bandwidth_efficiency=1.0, kind=dev.device_kind)
+                      bandwidth_efficiency=1.0, kind=dev.device_kind,
+                      rebuilds_tanh=dev.platform == "gpu")
 
 
 NVLINK_LATENCY_S = 1e-6

@@ -59,6 +59,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from nnscaler_jax.cost.compute import (
     FREE,
@@ -398,29 +399,35 @@ class CostModel:
     # ---- memory --------------------------------------------------------------------------------
 
     def activation_bytes(self, op: Op, split: Split, outputs: tuple[int, ...] | None = None,
-                         held: frozenset[tuple[int, int]] = frozenset()) -> int:
+                         forms: Mapping[tuple[int, int], str] = MappingProxyType({})) -> int:
         """Bytes of ``op``'s outputs on one device kept for the backward pass (partial sums keep
         their full shape; free layout ops and region ops hold none of their own).
 
         Args:
             outputs: the indices of the outputs that are kept, from
                 :func:`nnscaler_jax.cost.residuals.residual_outputs` (default: all of them).
-            held: :func:`nnscaler_jax.cost.residuals.float32_held` (``(op id, index)`` kept in
-                float32 on a device without bf16 arithmetic).
+            forms: :func:`nnscaler_jax.cost.residuals.residual_forms` (``(op id, index)`` a
+                GPU keeps in another form).
         """
         if op.primitive in FREE or op.regions or outputs == ():
             return 0
         _, outs = op_layouts(op, OpPlan(op.id, op.primitive, op.module_path, split))
         keep = range(len(op.outputs)) if outputs is None else outputs
-        return int(sum(self.residual_bytes(op.outputs[k], outs[k], (op.id, k) in held)
+        return int(sum(self.residual_bytes(op.outputs[k], outs[k], forms.get((op.id, k)))
                        for k in keep) / self.microbatches)
 
-    def residual_bytes(self, t: Tensor, layout: Layout, held_in_float32: bool = False) -> int:
-        """Bytes of residual ``t`` on one device under ``layout``; ``held_in_float32``: a bf16
-        value this device's fusions compute and keep in float32 (``DeviceSpec.bf16_arithmetic``
-        False), twice its bytes."""
+    def residual_bytes(self, t: Tensor, layout: Layout, form: str | None = None) -> int:
+        """Bytes of residual ``t`` on one device under ``layout``, in ``form``
+        (:func:`nnscaler_jax.cost.residuals.residual_forms`): ``"float32"``, a bf16 value this
+        device's fusions compute and keep in float32 (``DeviceSpec.bf16_arithmetic`` False),
+        twice its bytes; ``"rebuilt"``, a float32 tanh this device's backward rebuilds
+        (``DeviceSpec.rebuilds_tanh``), none."""
         n = self._local_bytes(t, layout)
-        return 2 * n if held_in_float32 and not self.device.bf16_arithmetic else n
+        if form == "float32" and not self.device.bf16_arithmetic:
+            return 2 * n
+        if form == "rebuilt" and self.device.rebuilds_tanh:
+            return 0
+        return n
 
     def state_bytes(self, v: Tensor, layout: Layout, dp_axes: tuple[str, ...] = (),
                     zero: int | None = None) -> tuple[float, float, float]:

@@ -8,6 +8,7 @@ per-relayout prices are :class:`~nnscaler_jax.cost.model.CostModel`'s.
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,8 +33,8 @@ from nnscaler_jax.cost.relayout import (
 from nnscaler_jax.cost.residuals import (
     MASKED,
     REGATHERED_COPIES,
-    float32_held,
     follow_weight,
+    residual_forms,
     residual_outputs,
     residual_readers,
     residual_reads,
@@ -195,17 +196,41 @@ def _gathered(model: Any, op: Op, reads: list[int], ins: tuple[Layout, ...],
             kept[(t.id, want)] = max(kept.get((t.id, want), 0.0), grown * mult)
 
 
-def _dense_cotangent(model: Any, op: Op, ins: tuple[Layout, ...], grads: Any) -> float:
+def _dense_cotangent(model: Any, graph: Graph, op: Op, ins: tuple[Layout, ...],
+                     grads: Any) -> float:
     """Bytes of the dense cotangent a gather's transpose builds for a computed operand (the
     labels' ``take_along_axis`` of a loss: a scatter-add into zeros of the logits' shape, in
     their dtype, live while the backward reads it; measured with XLA:GPU, Llama-3-8B's chunked
-    loss). A weight's (an embedding table) is its gradient, priced as such."""
+    loss), with its copy cast back to the logits' type (:func:`_narrowed`). A weight's (an
+    embedding table) is its gradient, priced as such."""
     if op.primitive != "gather" or not op.inputs:
         return 0.0
     t = op.inputs[0]
     if t.role is Role.VARIABLE or t.id not in grads or not is_float(t) or not t.ndim:
         return 0.0
-    return model._local_bytes(t, ins[0])
+    dense = model._local_bytes(t, ins[0])
+    return dense * (1 + _narrowed(graph, t))
+
+
+def _narrowed(graph: Graph, t: Tensor) -> float:
+    """The cotangent of ``t`` is cast back to a narrower type on its way to what computed it
+    (the float32 log-softmax of bf16 logits): the cast copy's bytes, as a fraction of ``t``'s,
+    live with the dense cotangent it is made from (measured with XLA:GPU, Llama-3-8B's chunked
+    loss in bf16: 3.9 GiB of float32 and 2 GiB of bf16 logits cotangent per chunk)."""
+    while True:
+        w = graph.writers.get(t.id)
+        if w is None or w[0].regions or w[0].primitive not in _BACK_TO:
+            return 0.0
+        src = next((x for x in w[0].inputs if x.shape == t.shape and is_float(x)), None)
+        if src is None:
+            return 0.0
+        if w[0].primitive == "convert_element_type":
+            size, narrow = itemsize(t), itemsize(src)
+            return narrow / size if narrow < size else 0.0
+        t = src
+
+
+_BACK_TO = frozenset({"sub", "add", "neg", "mul", "convert_element_type"})
 
 
 def _scan_outputs(scans, layout: Mapping[int, Layout]) -> list[_Edge]:
@@ -249,7 +274,8 @@ def analyze(model: Any, plan: Plan, graph: Graph) -> _Analysis:
     out.activations, out.transient = out.activations / micro, out.transient / micro
     held = model.held_gradients(graph, micro)
     store, var_ids = _storage(model, plan, graph, walk.edges, walk.origin, zero, out, held)
-    _communication(model, walk.edges, store, var_ids, grads, zero, out, held)
+    _communication(model, walk.edges, store, var_ids, grads, zero, out, held, micro,
+                   walk.origin)
     # XLA:GPU's cuBLAS GEMMs take a workspace of their own, live while one runs (the peak is
     # at a matmul of the backward)
     if model.device.gemm_workspace_bytes and any(op.primitive == "dot_general"
@@ -268,7 +294,7 @@ class _Walk:
         self.plans = plan._by_id()
         self.saved = residual_outputs(graph, grads if model.input_grads else None)
         self.reads = residual_reads(graph, grads if model.input_grads else None)
-        self.f32_held = float32_held(graph, grads if model.input_grads else None)
+        self.forms = residual_forms(graph, grads if model.input_grads else None)
         self.traffic = fused_bytes(graph)  # what each op's fusion reads and writes
         self.kinds = boundary_kinds(graph)
         self.sole = sole_read_variables(graph)
@@ -353,7 +379,7 @@ class _Walk:
                 _gathered(model, op, reads, ins, self.layout, self.zero, mult / k, into)
         local = sum(model._local_bytes(t, lay) for t, lay in zip(op.outputs, outs, strict=True))
         out.transient = max(out.transient, local / k)
-        dense = _dense_cotangent(model, op, ins, self.grads)
+        dense = _dense_cotangent(model, self.graph, op, ins, self.grads)
         if dense and remat:  # live with the recomputed block's residuals
             self.remat_sum[remat[0]] = self.remat_sum.get(remat[0], 0.0) + dense * mult / k
         elif dense:
@@ -366,7 +392,7 @@ class _Walk:
             # keeps what its backward and the block's recomputed ops read
             for k in sorted(self.policy[op.id]):
                 self.kept[op.outputs[k].id] = model.residual_bytes(
-                    op.outputs[k], outs[k], (op.id, k) in self.f32_held) * mult
+                    op.outputs[k], outs[k], self.forms.get((op.id, k))) * mult
         elif remat:  # recomputed in the backward: one more forward; while the block's backward
             # runs, its residuals are live again (the block's transient). An op the backward
             # does not need is not run again (dead code); its residuals are still counted in
@@ -380,7 +406,7 @@ class _Walk:
         elif op.primitive not in FREE:
             for k in self.saved.get(op.id, ()):
                 self.kept[op.outputs[k].id] = model.residual_bytes(
-                    op.outputs[k], outs[k], (op.id, k) in self.f32_held) * mult
+                    op.outputs[k], outs[k], self.forms.get((op.id, k))) * mult
 
 
 def _storage(model: Any, plan: Plan, graph: Graph, edges: list[_Edge],
@@ -414,9 +440,15 @@ def _storage(model: Any, plan: Plan, graph: Graph, edges: list[_Edge],
 
 
 def _communication(model: Any, edges: list[_Edge], store: Mapping[int, Layout],
-                   var_ids: set[int], grads, zero: int, out: _Analysis, held: Any) -> None:
-    """Forward paths, then each gradient reduced once per (tensor, layout), added to ``out``."""
+                   var_ids: set[int], grads, zero: int, out: _Analysis, held: Any,
+                   micro: int = 1, origin: Mapping[int, int] = MappingProxyType({})) -> None:
+    """Forward paths, then each gradient reduced once per (tensor, layout), added to ``out``.
+    A weight's relayout from storage and its gradient's reduction run once per micro-batch
+    (``micro``; measured with XLA:GPU, GPT-3 1.3B under ZeRO-3 in 4 micro-batches: every
+    gather and reduction 4 times); an activation's relayouts move the batch's bytes once.
+    ``origin``: the variable a tensor is computed from alone (a weight's cast or slice)."""
     mesh = model.mesh
+    weighty = lambda t: origin.get(t.id, t.id) in var_ids  # noqa: E731
     backward: dict[tuple[int, Layout], tuple[Tensor, Layout, int]] = {}
     gathered: dict[int, int] = {}
     for e in edges:
@@ -424,7 +456,7 @@ def _communication(model: Any, edges: list[_Edge], store: Mapping[int, Layout],
         src = store.get(t.id, e.have)
         if src != e.want:
             ft, fb = relayout_price(src, e.want, t.shape, size, mesh)
-            runs = e.mult * (2 if e.rerun else 1)
+            runs = e.mult * (2 if e.rerun else 1) * (micro if weighty(t) else 1)
             out.comm_time += ft * runs
             out.comm_bytes += fb * runs
             if t.id in var_ids and zero >= 3:  # the gathered weight stays for the backward
@@ -436,8 +468,9 @@ def _communication(model: Any, edges: list[_Edge], store: Mapping[int, Layout],
     for (_, g), (t, dst, mult) in backward.items():
         if g != dst:
             bt, bb = relayout_price(g, dst, t.shape, itemsize(t), mesh)
-            out.comm_time += bt * mult
-            out.comm_bytes += bb * mult
+            runs = mult * (micro if weighty(t) else 1)
+            out.comm_time += bt * runs
+            out.comm_bytes += bb * runs
             if t.id in var_ids and held(t.id):
                 # the local gradient of a held weight before its reduction (one fused buffer;
                 # the others are reduced and consumed one by one)

@@ -45,10 +45,10 @@ __all__ = [
     "REGATHERED_COPIES",
     "accumulated_gradients",
     "combines_all_reductions",
-    "float32_held",
     "follow_weight",
     "residual_outputs",
     "residual_readers",
+    "residual_forms",
     "residual_reads",
     "saved_operands",
 ]
@@ -85,11 +85,11 @@ and or not xor square integer_pow floor ceil round iota stop_gradient
 """)
 
 
-#: 16-bit floats (see float32_held).
+#: 16-bit floats (see residual_forms).
 HALF = frozenset({"bfloat16", "float16"})
 
 #: Elementwise arithmetic whose bf16 results a GPU without bf16 arithmetic computes, and
-#: XLA keeps, in float32 (see float32_held).
+#: XLA keeps, in float32 (see residual_forms).
 ARITHMETIC = _names("add sub neg mul add_any max min abs integer_pow square exp exp2 tanh "
                     "logistic sqrt cbrt rsqrt")
 
@@ -292,28 +292,44 @@ def _stored_sum(op: Op, readers: Mapping[int, Sequence[Op]]) -> bool:
     return False
 
 
-def float32_held(graph: Graph, grads: set[int] | None = None) -> frozenset[tuple[int, int]]:
-    """``(op id, output index)`` of the bf16 residual roots of elementwise arithmetic (a
-    residual sum, a GELU's tanh) that only elementwise transposes read: on a GPU that computes
-    bf16 elementwise arithmetic in float32 (``DeviceSpec.bf16_arithmetic`` False: A100,
-    V100), XLA's fusions write them, and the backward reads them, in float32 (measured: GPT-3
-    1.3B and 6.7B in bf16 on A100s keep the residual sums and the tanh in float32, on H100s in
-    bf16). A root a matmul reads stays 16-bit (the matmul reads it so)."""
+def residual_forms(graph: Graph, grads: set[int] | None = None
+                   ) -> Mapping[tuple[int, int], str]:
+    """``{(op id, output index): form}`` of the residual roots a GPU keeps otherwise than as
+    the graph types them (``CostModel.residual_bytes`` prices each form per device):
+
+    - ``"float32"``: a bf16 root of elementwise arithmetic (a residual sum, a GELU's tanh)
+      that only elementwise transposes read. On a GPU that computes bf16 elementwise
+      arithmetic in float32 (``DeviceSpec.bf16_arithmetic`` False: A100, V100), XLA's fusions
+      write them, and the backward reads them, in float32 (measured: GPT-3 1.3B and 6.7B in
+      bf16 on A100s keep the residual sums and the tanh in float32, on H100s in bf16). A root
+      a matmul reads stays 16-bit (the matmul reads it so).
+    - ``"rebuilt"``: a float32 tanh computed from float32 values (a GELU's) that only
+      elementwise transposes read, from values kept anyway: XLA:GPU rebuilds it in the
+      backward fusion from the GELU's input (``DeviceSpec.rebuilds_tanh``; measured: GPT-3
+      1.3B in float32 on V100s keeps each GELU's input and output, not its tanh); XLA:CPU
+      keeps it.
+    """
     if grads is None:
-        return _MEMO.get(graph, "float32_held",
-                         lambda: float32_held(graph, grad_tensors(graph)))
+        return _MEMO.get(graph, "residual_forms",
+                         lambda: residual_forms(graph, grad_tensors(graph)))
     roots, _, readers = _traced(graph, grads)
     ops = {op.id: op for op in graph.walk()}
-    out = set()
+    kept = {ops[i].outputs[k].id for i, ks in roots.items() for k in ks}
+    out: dict[tuple[int, int], str] = {}
     for i, ks in roots.items():
         op = ops[i]
         if op.regions or op.primitive not in ARITHMETIC:
             continue
         for k in ks:
-            if op.outputs[k].dtype == "bfloat16" and not any(
-                    ops[r].primitive in MASKED for r in readers.get((i, k), ())):
-                out.add((i, k))
-    return frozenset(out)
+            if any(ops[r].primitive in MASKED for r in readers.get((i, k), ())):
+                continue
+            if op.outputs[k].dtype == "bfloat16":
+                out[(i, k)] = "float32"
+            elif op.primitive == "tanh" and op.outputs[k].dtype == "float32" and all(
+                    x.dtype == "float32" and (x.id in kept or x.id not in graph.writers)
+                    for x in _leaves(graph, op)):
+                out[(i, k)] = "rebuilt"
+    return out
 
 
 COMBINE_BYTES = 30 * 2**20

@@ -53,7 +53,7 @@ from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.cost.plan_walk import boundary_kinds
 from nnscaler_jax.cost.relayout import drop_partial, partial_grad_axes
 from nnscaler_jax.cost.residuals import (
-    float32_held,
+    residual_forms,
     residual_outputs,
     residual_readers,
     residual_reads,
@@ -119,7 +119,7 @@ class _Builder(EdgePricing, BlockPricing):
                 self.remat.pop(op_id, None)
                 self.saved[op_id] = tuple(sorted(outs))
         self.reads = residual_reads(self.graph)  # (cheap ops' inputs residuals reach through)
-        self.f32_held = float32_held(self.graph)  # (bf16 residuals some GPUs keep in float32)
+        self.forms = residual_forms(self.graph)  # (residuals a GPU keeps in another form)
         self.traffic = fused_bytes(self.graph)  # what each op's fusion reads and writes
         self.member_memo: dict[tuple, object] = {}  # ours only: per class of identical work
         self.top_inputs = {t.id for t in self.graph.inputs}
@@ -252,7 +252,7 @@ class _Builder(EdgePricing, BlockPricing):
                 if k > 1 and hasattr(cm, "chunk_overhead"):
                     c[i] += w * cm.chunk_overhead(op, split, k, self.traffic)
             if not remat:
-                m[i] += w * cm.activation_bytes(op, split, self.saved.get(op.id, ()), self.f32_held)
+                m[i] += w * cm.activation_bytes(op, split, self.saved.get(op.id, ()), self.forms)
         for k, t in enumerate(op.inputs):
             lifted = self.lifted.get((op.id, k))  # a scan-read weight this body op stores
             if lifted is None and (t.id not in self.top_inputs or (op.id, k) in self.skipped):
@@ -306,7 +306,7 @@ class _Builder(EdgePricing, BlockPricing):
         secs = self.cm.reshard_time(v, have, want, backward=v.id in self.grads)
         if again:
             secs += self.cm.reshard_time(v, have, want, backward=False)
-        return stored, secs
+        return stored, secs * self.cm.microbatches  # once per micro-batch (plan_walk)
 
     # ---- gradient syncs ------------------------------------------------------------------------
 
@@ -384,7 +384,8 @@ class _Builder(EdgePricing, BlockPricing):
                     continue
                 key = (want, axes)
                 if key not in classes:
-                    cost = w * self.cm.grad_sync_time(t, want, split, t.id in self.grads)
+                    cost = w * self.cm.grad_sync_time(t, want, split, t.id in self.grads) * (
+                        self.cm.microbatches if t.role is Role.VARIABLE else 1)
                     if cost <= 0:
                         continue
                     classes[key] = len(costs)

@@ -4,13 +4,15 @@ rules by hand in each test)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
 
 from nnscaler_jax import trace
-from nnscaler_jax.cost.residuals import float32_held, residual_outputs, saved_operands
+from nnscaler_jax.cost.residuals import residual_forms, residual_outputs, saved_operands
 from nnscaler_jax.ir.graph import Op, Tensor
 
 F = lambda i: Tensor(i, (4, 4), "float32")
@@ -206,9 +208,11 @@ def test_a_float32_tanh_of_bf16_values_is_kept_unless_a_reduction_reads_it():
 class PreLN(nn.Module):
     """A bf16 pre-LN block: x + proj(LN(x)), then + fc2(gelu(fc1(LN(.))))."""
 
+    dtype: jnp.dtype = jnp.bfloat16
+
     @nn.compact
     def __call__(self, x):
-        bf16 = jnp.bfloat16
+        bf16 = self.dtype
         x = x + nn.Dense(16, use_bias=False, dtype=bf16, name="proj")(
             nn.LayerNorm(dtype=bf16, name="ln1")(x))
         h = nn.Dense(32, use_bias=False, dtype=bf16, name="fc1")(
@@ -231,12 +235,16 @@ def test_a_16bit_residual_sum_a_layernorm_reads_is_kept_as_the_sum():
     assert ("add", "") in kept and ("dot_general", "proj") not in kept
 
 
+def _float32(g):
+    return [key for key, form in residual_forms(g).items() if form == "float32"]
+
+
 def test_float32_held_are_the_bf16_sums_and_activations_only_elementwise_ops_read():
     # the residual sum (read by ln2's backward) and the GELU's tanh are held in float32 on a
     # GPU without 16-bit arithmetic; the GELU's output, fc2's matmul operand, stays bf16
     g = _pre_ln_graph()
     by_id = {op.id: op for op in g.walk()}
-    held = sorted((by_id[i].primitive, by_id[i].module_path) for i, _ in float32_held(g))
+    held = sorted((by_id[i].primitive, by_id[i].module_path) for i, _ in _float32(g))
     assert held == [("add", ""), ("tanh", "")]
     assert ("mul", "") in {(by_id[i].primitive, by_id[i].module_path)
                            for i in residual_outputs(g)}
@@ -257,6 +265,29 @@ def test_a_gpu_without_bf16_arithmetic_holds_those_residuals_twice_as_large():
     acts = {name: CostModel.for_cluster(cluster_preset(name), dict(plan.mesh))
             .memory_breakdown(plan, g)["activations"] for name in ("a100-80g-8x", "h100-80g-8x")}
     ops = {op.id: op for op in g.walk()}
-    held = sum(ops[i].outputs[k].nbytes for i, k in float32_held(g)) / 8  # batch over 8
+    held = sum(ops[i].outputs[k].nbytes for i, k in _float32(g)) / 8  # batch over 8
     assert held > 0
     assert acts["a100-80g-8x"] - acts["h100-80g-8x"] == pytest.approx(held)
+
+
+def test_a_float32_gelus_tanh_is_rebuilt_on_gpus_and_kept_on_cpus():
+    # in float32 the GELU's tanh is the one form: XLA:GPU rebuilds it in the backward fusion
+    # from the GELU's input, which is kept anyway (measured: GPT-3 1.3B on V100s); XLA:CPU
+    # keeps it. The same plan priced for V100s and for the CPU differs by exactly its bytes
+    from meshes import make_mesh
+
+    from nnscaler_jax.cost.devices import CPU, cluster_preset
+    from nnscaler_jax.cost.model import CostModel
+    from nnscaler_jax.planner import make_plan
+
+    g = trace(PreLN(dtype=jnp.float32), jax.ShapeDtypeStruct((8, 8, 16), jnp.float32))
+    ops = {op.id: op for op in g.walk()}
+    forms = residual_forms(g)
+    assert sorted((ops[i].primitive, form) for (i, _), form in forms.items()) == [
+        ("tanh", "rebuilt")]
+    (i, k), = forms
+    plan = make_plan(g, make_mesh((8,), ("data",)), policy="dp")
+    v100 = CostModel.for_cluster(cluster_preset("v100-32g-8x"), dict(plan.mesh))
+    cpu = dataclasses.replace(v100, device=CPU)
+    acts = {m.device.name: m.memory_breakdown(plan, g)["activations"] for m in (v100, cpu)}
+    assert acts["cpu"] - acts["V100-32G"] == pytest.approx(ops[i].outputs[k].nbytes / 8)

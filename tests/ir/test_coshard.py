@@ -290,14 +290,16 @@ def test_the_head_and_its_loss_run_in_chunks_of_tokens(policy):
     np.testing.assert_allclose(losses, ref, rtol=1e-5)
 
 
-def test_a_chunked_loss_prices_its_labels_dense_cotangent(monkeypatch):
+@pytest.mark.parametrize("dtype,copies", [(jnp.float32, 1.0), (jnp.bfloat16, 1.5)])
+def test_a_chunked_loss_prices_its_labels_dense_cotangent(monkeypatch, dtype, copies):
     """The backward of the labels' ``take_along_axis`` scatters into zeros of the logits'
     shape: a chunk's dense cotangent is live with the head block's residuals (measured with
     XLA:GPU on Llama-3-8B's chunked loss), so the block's transient holds one chunk of the
-    logits more than it would without it."""
+    float32 logits more than it would without it; bf16 logits, cast to float32 for the loss,
+    hold their cotangent's bf16 copy too (half a chunk more)."""
     from nnscaler_jax.cost import plan_walk
 
-    spec = models.get("llama", "tiny")
+    spec = models.get("llama", "tiny", dtype=dtype)
     graph = capture_spec(spec, loss=True).graph
     head = next(c for c in coshard_candidates(graph, ways=8) if c.layer == "")
     k = chunk_counts(head.size, 8)[0]
@@ -310,5 +312,5 @@ def test_a_chunked_loss_prices_its_labels_dense_cotangent(monkeypatch):
     labels = next(op for op in graph.ops if op.primitive == "gather"
                   and op.inputs[0].role.name == "VALUE")
     lay = plan_layouts(labels, plan._by_id(), sole_read_variables(graph))[0][0]
-    assert priced - without == pytest.approx(cm._local_bytes(labels.inputs[0], lay) / k,
-                                             rel=1e-9)
+    assert priced - without == pytest.approx(
+        copies * cm._local_bytes(labels.inputs[0], lay) / k, rel=1e-9)
