@@ -135,8 +135,10 @@ class CostModel:
             several contributions or accumulates over micro-batches.
         microbatches: SPMD gradient accumulation: the batch runs as this many micro-batches, so
             the activations kept and the transients are one micro-batch's (``1 / m``); compute
-            and communication are priced for the whole batch (the same FLOPs and bytes; the
-            extra latency of m smaller collectives and small-shape efficiency are not priced).
+            and activations' relayouts are priced for the whole batch (the same FLOPs and
+            bytes; the extra latency of m smaller collectives and small-shape efficiency are not
+            priced); weights' relayouts from storage and gradient reductions run once per
+            micro-batch (``m`` times the bytes, as XLA runs the step's loop).
             ``plan_cost`` uses the larger of this and the plan's own.
     """
 

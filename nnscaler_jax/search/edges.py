@@ -344,6 +344,8 @@ class EdgePricing:
     def edge(self, edge: tuple, keeps: tuple[bool, bool, int, int, int], count: int) -> None:
         """Add ``count`` x one edge's prices (see :meth:`_ends`) to the tables."""
         t, w, src, dst, (gs, gd), sig = edge
+        # a weight's relayout from storage runs once per micro-batch (plan_walk._communication)
+        runs = self.cm.microbatches if src[0] == "var" else 1
         _gs, _fs, ms, fgs = self.fgroup(src[1])
         _gd, _fd, md, fgd = self.fgroup(dst[1])
         sig = None if sig is None else sig + (
@@ -358,7 +360,7 @@ class EdgePricing:
                                                          zip(ia, ib, strict=True)])
                 if dsig is not None:
                     self.memo[dsig] = got
-            self.comm[gs] += count * got[0]
+            self.comm[gs] += count * runs * got[0]
             if got[1] is not None:
                 self.memory[gs] += count * got[1]
             if got[2] is not None:
@@ -376,7 +378,8 @@ class EdgePricing:
                 self.memo[sig] = got
         key = (gs, gd) if gs < gd else (gd, gs)
         again = self.regathered.setdefault(keeps[2], {}) if got[2] is not None else None
-        for into, mat in ((self.pairs, got[0]), (self.kept, got[1]), (again, got[2])):
+        for into, mat in ((self.pairs, None if got[0] is None else runs * got[0]),
+                          (self.kept, got[1]), (again, got[2])):
             if mat is None:
                 continue
             mat = count * (mat if gs < gd else mat.T)

@@ -6,6 +6,7 @@ on both; the per-module summary by default (``--ops``: every op); sizes in the u
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -123,7 +124,8 @@ def test_compare_prints_gib_sized_figures_in_gib(cli):
                            "v100-32g-8x", "--planners", "dp,megatron"])
     assert code == 0, err
     dp = next(line for line in out.splitlines() if line.startswith("dp "))
-    assert ">= 29.87 GiB" in dp and "MiB" not in dp  # the note's library message too
+    # the estimate (29 GiB, over the V100's budget) in GiB, the note's library message too
+    assert re.search(r">= 29\.\d\d GiB", dp) and "MiB" not in dp, dp
 
 
 @pytest.mark.parametrize("argv", [
