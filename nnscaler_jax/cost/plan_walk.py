@@ -8,7 +8,6 @@ per-relayout prices are :class:`~nnscaler_jax.cost.model.CostModel`'s.
 
 from __future__ import annotations
 
-from types import MappingProxyType
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -441,14 +440,16 @@ def _storage(model: Any, plan: Plan, graph: Graph, edges: list[_Edge],
 
 def _communication(model: Any, edges: list[_Edge], store: Mapping[int, Layout],
                    var_ids: set[int], grads, zero: int, out: _Analysis, held: Any,
-                   micro: int = 1, origin: Mapping[int, int] = MappingProxyType({})) -> None:
+                   micro: int, origin: Mapping[int, int]) -> None:
     """Forward paths, then each gradient reduced once per (tensor, layout), added to ``out``.
     A weight's relayout from storage and its gradient's reduction run once per micro-batch
     (``micro``; measured with XLA:GPU, GPT-3 1.3B under ZeRO-3 in 4 micro-batches: every
     gather and reduction 4 times); an activation's relayouts move the batch's bytes once.
     ``origin``: the variable a tensor is computed from alone (a weight's cast or slice)."""
     mesh = model.mesh
-    weighty = lambda t: origin.get(t.id, t.id) in var_ids  # noqa: E731
+
+    def weighty(t: Tensor) -> bool:
+        return origin.get(t.id, t.id) in var_ids
     backward: dict[tuple[int, Layout], tuple[Tensor, Layout, int]] = {}
     gathered: dict[int, int] = {}
     for e in edges:

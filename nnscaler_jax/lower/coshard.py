@@ -183,8 +183,7 @@ def _whole_reads(lw: Any, ops: Sequence[Op], whole: dict) -> list[tuple]:
     ops, as :meth:`~nnscaler_jax.lower.replay.Lowering.read_as` keys it."""
     out: dict[Any, tuple] = {}
     for op in ops:
-        plan = lw.plan_of(op)
-        split = plan.split if plan is not None else ()
+        split = lw.plan_of(op).split
         for t, lay in zip(op.inputs, plan_layouts(op, lw._plans, lw._sole)[0], strict=True):
             key = lw.relayout_key(t, lay, split) if t.id in whole else None
             if key is not None:
