@@ -108,6 +108,9 @@ REGATHERED_COPIES = 2
 #: Layout ops that are bitcasts in XLA (fold into any consumer, even a matmul operand).
 BITCAST = _names("reshape squeeze expand_dims")
 
+#: Layout ops a weight's view is made of (see weight_views).
+VIEWS = BITCAST | _names("transpose copy copy_p")
+
 
 def saved_operands(op: Op, needs_grad: tuple[bool, ...]) -> tuple[list[int], list[int]]:
     """``(input indices, output indices)`` of ``op`` its transpose reads, given which inputs
@@ -131,7 +134,7 @@ def saved_operands(op: Op, needs_grad: tuple[bool, ...]) -> tuple[list[int], lis
     return list(range(n)), []  # log, pow, erf, sin, max, sort...: their inputs
 
 
-_MEMO = DataflowMemo()
+_MEMO = DataflowMemo(6)
 
 
 def _no_cotangent(graph: Graph) -> set[int]:
@@ -182,6 +185,7 @@ def _traced(graph: Graph, grads: set[int] | None
     reads: set[tuple[int, int]] = set()
     readers: dict[tuple[int, int], set[int]] = {}  # root -> the ops whose transposes read it
     dead = _no_cotangent(graph)
+    views = weight_views(graph)
     memo: dict[tuple[str, int], bool] = {}  # (rule, op id): each op's checks, once
 
     def stored(op: Op) -> bool:
@@ -206,6 +210,11 @@ def _traced(graph: Graph, grads: set[int] | None
             if t not in producer:
                 continue  # a graph input, weight or region body input: held anyway
             op, k = producer[t]
+            if t in views:  # made from the weight where it is read: only a relayout growing
+                for j, x in enumerate(op.inputs):  # the weight on its way in is kept
+                    reads.add((op.id, j))
+                    stack.append(x.id)
+                continue
             if through is CHEAP and stored(op):
                 pass  # XLA writes it in the forward and keeps it: a root
             elif (op.primitive in through or (through is CHEAP and widens(op))) \
@@ -225,16 +234,33 @@ def _traced(graph: Graph, grads: set[int] | None
         # a matmul / convolution transpose reads the saved operand as a matmul operand: XLA
         # materialises it (only bitcasts fold in); so it does the operands of max / min (ReLU's
         # mask: measured on WRN, XLA keeps BatchNorm's output rather than recomputing it);
-        # other elementwise transposes fuse the saved value's producers. (A weight's transpose
-        # read by a matmul is kept too: with the weight laid out as the matmul reads it, XLA
-        # folds it into the dot and keeps no copy, 400 MiB over-priced for GPT-3 1.3B's tied
-        # LM head; relaid out, XLA relays it again in the backward, 2 x 1.5 GiB transient at
-        # T5-8's peak, which the kept copy stands in for. Folding it let the search pick a T5-8
-        # plan XLA had to rematerialize.)
+        # other elementwise transposes fuse the saved value's producers. A weight's view (a
+        # tied LM head's transposed table) is held as the weight is (weight_views).
         through = BITCAST if op.primitive in MASKED else CHEAP
         keep(op, [op.inputs[j].id for j in ins] + [op.outputs[k].id for k in outs], through)
     return ({i: tuple(sorted(ks)) for i, ks in out.items()}, frozenset(reads),
             {key: frozenset(v) for key, v in readers.items()})
+
+
+def weight_views(graph: Graph) -> frozenset[int]:
+    """Ids of the tensors computed from one weight by layout ops alone (``VIEWS``: a tied LM
+    head's transposed embedding table), held as the weight is: XLA reads the weight through
+    the dot's dimension numbers or a layout of its own, so a view keeps no copy of its own
+    from the forward to the backward. A residual is traced through a view to the weight
+    (``residual_reads``): the copy a relayout growing the weight on its way into the view
+    makes is kept (``plan_walk``'s gathered operands), as is a relayout growing the view on
+    its way into the matmul. (Measured with XLA:GPU: GPT-3 1.3B on V100s, its tied head
+    reading the table as stored, keeps no transposed table, 400 MiB a device the residual
+    priced; T5-8 all-to-alls and transposes its table just before the LM head, 1.5 GiB
+    freed at once, keeping the head's gathered copy.)"""
+    def build() -> frozenset[int]:
+        out = {v.id for v in graph.variables}
+        for op in graph.walk():
+            if op.primitive in VIEWS and not op.regions and len(op.inputs) == 1 and \
+                    op.inputs[0].id in out:
+                out.update(t.id for t in op.outputs)
+        return frozenset(out - {v.id for v in graph.variables})
+    return _MEMO.get(graph, "weight_views", build)
 
 
 def _leaves(graph: Graph, op: Op) -> list:

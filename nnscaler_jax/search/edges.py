@@ -20,6 +20,7 @@ from functools import lru_cache
 import numpy as np
 
 from nnscaler_jax.cost.compute import is_float
+from nnscaler_jax.cost.plan_walk import rebuilt_operands
 from nnscaler_jax.cost.relayout import partial_grad_axes
 from nnscaler_jax.cost.residuals import MASKED, REGATHERED_COPIES, saved_operands
 from nnscaler_jax.ir.graph import Op, Role, Tensor
@@ -294,7 +295,11 @@ class EdgePricing:
         """Whether the edge's relayout runs again in a recomputed block's backward
         (``plan_walk.relayout_reruns``): 0 no (the reader is not recomputed), 1 yes, 2 unless
         the producer hands over partial sums (it is not recomputed itself: it reduced them)."""
-        if dst[0] not in ("in", "fin", "ffw") or not self.reruns(dst[1]):
+        if dst[0] not in ("in", "fin", "ffw"):
+            return 0
+        if not self.reruns(dst[1]) and not (
+                dst[1] in self.remat and dst[1] in self.dropped
+                and dst[2] in rebuilt_operands(self.by_id[dst[1]], self.grads)):
             return 0
         return 1 if src[0] == "out" and self.reruns(src[1]) else 2
 

@@ -100,3 +100,35 @@ def test_xla_reruns_the_collectives_the_cost_model_prices_again():
     assert sel["model_all_reduce"] == plain["model_all_reduce"]
     assert redo["predicted"] - plain["predicted"] == pytest.approx(LAYERS * layer, rel=1e-9)
     assert sel["predicted"] == plain["predicted"]
+
+
+def test_a_dropped_matmul_rebuilds_the_operands_its_transpose_reads(monkeypatch):
+    """T5's co-sharded LM head: the chunk loop's backward does not need the head's logits
+    (the dot's output: dead code when recomputed), but its transpose reads the table's
+    transposed view, relaid out for the dot: that relayout runs again in the backward
+    (measured with XLA:GPU on T5-8: the table's chunks are gathered in the backward's chunk
+    loop as in the forward's). Priced: one more forward relayout of the view."""
+    from nnscaler_jax.cost import plan_walk
+    from nnscaler_jax.ir.coshard import chunk_counts, coshard_candidates
+    from nnscaler_jax.plan.layouts import plan_layouts, sole_read_variables
+
+    graph = capture_spec(models.get("t5", "tiny"), loss=True).graph
+    head = next(c for c in coshard_candidates(graph, ways=8) if c.seed_path == "shared")
+    plain = make_plan(graph, AXES, policy="megatron")
+    ops = tuple(dataclasses.replace(p, split=(("data", "d1"), ("model", "d1")))
+                if p.op == head.seed else p for p in plain.ops)  # the view split as stored
+    plan = dataclasses.replace(plain, ops=ops,
+                               coshard=((head.seed, head.dim, chunk_counts(head.size, 8)[0]),))
+    cm = CostModel.for_axes(AXES)
+    priced = cm.plan_cost(plan, graph).comm_bytes
+    monkeypatch.setattr(plan_walk, "rebuilt_operands", lambda *a: frozenset())
+    once = cm.plan_cost(plan, graph).comm_bytes
+    by_id, sole = plan._by_id(), sole_read_variables(graph)
+    view = next(op for op in graph.ops if op.id == head.seed).outputs[0]
+    dot = next(op for op in graph.ops if view in op.inputs)
+    have = plan_layouts(next(op for op in graph.ops if op.id == head.seed), by_id, sole)[1][0]
+    want = plan_layouts(dot, by_id, sole)[0][list(dot.inputs).index(view)]
+    assert have != want
+    again = relayout_price(have, want, view.shape, 4, cm.mesh)[1]
+    assert again > 0
+    assert priced - once == pytest.approx(again, rel=1e-9)

@@ -93,6 +93,23 @@ def test_bitcast_reshapes_fold_into_the_matmul_operand():
     assert _saved_prims(Chain("exp_reshape"), (2, 16)) == [("exp", "", (0,))]
 
 
+class TiedHead(nn.Module):
+    """fc -> logits against a table's transposed view (a tied LM head) -> tanh."""
+
+    @nn.compact
+    def __call__(self, x):
+        table = self.param("embedding", nn.initializers.normal(), (32, 8))
+        h = nn.Dense(8, use_bias=False, name="fc")(x)
+        return jnp.tanh(h @ table.T)
+
+
+def test_a_weights_transposed_view_is_held_as_the_weight_is():
+    # the head's matmul saves its operands: fc's output and table.T, a view of a weight that
+    # XLA reads through the dot's dimension numbers (no copy lives to the backward)
+    assert _saved_prims(TiedHead(), (2, 16)) == [("dot_general", "fc", (0,)),
+                                                 ("tanh", "", (0,))]
+
+
 def test_cheap_producers_fuse_into_an_elementwise_transpose():
     # sin saves its input h * 2; mul is cheap, so XLA recomputes it from fc1's output; fc2
     # reads sin's output (not cheap: kept)
