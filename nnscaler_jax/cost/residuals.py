@@ -46,11 +46,12 @@ __all__ = [
     "accumulated_gradients",
     "combines_all_reductions",
     "follow_weight",
+    "residual_forms",
     "residual_outputs",
     "residual_readers",
-    "residual_forms",
     "residual_reads",
     "saved_operands",
+    "weight_views",
 ]
 
 

@@ -295,11 +295,8 @@ class EdgePricing:
         """Whether the edge's relayout runs again in a recomputed block's backward
         (``plan_walk.relayout_reruns``): 0 no (the reader is not recomputed), 1 yes, 2 unless
         the producer hands over partial sums (it is not recomputed itself: it reduced them)."""
-        if dst[0] not in ("in", "fin", "ffw"):
-            return 0
-        if not self.reruns(dst[1]) and not (
-                dst[1] in self.remat and dst[1] in self.dropped
-                and dst[2] in rebuilt_operands(self.by_id[dst[1]], self.grads)):
+        if dst[0] not in ("in", "fin", "ffw") or not (
+                self.reruns(dst[1]) or self.rebuilds(dst[1], dst[2])):
             return 0
         return 1 if src[0] == "out" and self.reruns(src[1]) else 2
 
@@ -307,6 +304,12 @@ class EdgePricing:
         """Whether an op runs again in its remat boundary's backward."""
         return op_id in self.remat and op_id not in self.dropped and \
             not self.by_id[op_id].regions
+
+    def rebuilds(self, op_id: int, j: int) -> bool:
+        """Whether input ``j`` of a recomputed block's op that does not run again is rebuilt
+        for its transpose in the block's backward (``plan_walk.rebuilt_operands``)."""
+        return op_id in self.remat and op_id in self.dropped and \
+            j in rebuilt_operands(self.by_id[op_id], self.grads)
 
     def _holds_input(self, t: Tensor, src: tuple, dst: tuple) -> bool:
         """Whether ``dst`` is the first read of a value a recomputed block reads from outside
