@@ -18,6 +18,7 @@ from nnscaler_jax.ir.layers import graph_layers
 from nnscaler_jax.mesh.axes import require_stage_axis
 from nnscaler_jax.pipeline.cut import plan_cut
 from nnscaler_jax.pipeline.pricing import RuntimeChoice, RuntimeSetup, runtime_setup
+from nnscaler_jax.pipeline.program import why_cut
 from nnscaler_jax.pipeline.rules import stack_modes
 from nnscaler_jax.pipeline.schedule import Schedule, settings_steps
 from nnscaler_jax.pipeline.stages import stage_of
@@ -49,6 +50,15 @@ def configure_pipeline(plan: Plan, graph: Graph, constraints: Constraints,
                                                  constraints.rules))
     if constraints.pipeline_stages == "auto":
         choice, report = _auto_choice(setup, constraints, cut is not None)
+        if cut is None and _cut_only(choice.schedule):
+            # the DP chose a schedule only the cut program runs: plan and price that program
+            cut = plan_cut(graph, mesh_axes, replace(constraints, schedule=choice.schedule),
+                           plan.policy or None, choice.virtual, model)
+            choice = _priced(cut.setup, choice.microbatches, choice.schedule, choice.virtual,
+                             constraints.max_memory_per_device)
+            report += (f"\n  ({choice.schedule} runs as the program cut at module "
+                       f"boundaries, priced as such: {choice.step_time_s * 1e3:.3f} ms/step, "
+                       f"peak {max(choice.memory_bytes) / 2**20:.2f} MiB)")
     else:
         asked = constraints.schedule or "1f1b"
         virtual = 2 if asked == "interleaved" else getattr(asked, "virtual", 1)
@@ -63,6 +73,12 @@ def configure_pipeline(plan: Plan, graph: Graph, constraints: Constraints,
                                 recompute=choice.recompute,
                                 layer_rules=cut.layer_rules if cut else ())
     return replace(plan, pipeline=settings, cost=_cost(choice))
+
+
+def _cut_only(schedule: str | Schedule) -> bool:
+    """Only the program cut at module boundaries runs ``schedule`` (all-device or recycling
+    blocks), whatever the model: :func:`~nnscaler_jax.pipeline.program.why_cut`."""
+    return why_cut(pivots=False, schedule=schedule, precision=None, collections=False) is not None
 
 
 def _priced(setup: RuntimeSetup, microbatches: int, schedule: str | Schedule,

@@ -41,6 +41,7 @@ from nnscaler_jax.ir.layers import block_paths, graph_layers
 from nnscaler_jax.mesh.axes import require_stage_axis
 from nnscaler_jax.pipeline.in_stage import tensor_axes
 from nnscaler_jax.pipeline.pricing import RuntimeSetup
+from nnscaler_jax.pipeline.program import why_cut
 from nnscaler_jax.pipeline.rules import layer_flags
 from nnscaler_jax.pipeline.units import TP_COLLECTIVES, Unit, largest_output
 from nnscaler_jax.search.entry import plan_spmd
@@ -277,14 +278,17 @@ def _in_stage_splits(graph: Graph, axes: dict[str, int], constraints: Constraint
 def plan_cut(graph: Graph, mesh_axes: dict[str, int], constraints: Constraints, policy: Any,
              virtual: int, model: CostModel | None = None) -> Cut | None:
     """The cut of ``graph`` into ``stages x virtual`` chunks, or None when the model is a stack
-    of layers the identical-layer runtime runs (no pivots given).
+    of layers the identical-layer runtime runs (nothing asks for a cut:
+    :func:`~nnscaler_jax.pipeline.program.why_cut`, the step's rule too).
 
     Raises:
         PlanError: a pivot matching nothing, too few cut points, or a tensor-parallel policy.
     """
     axis = require_stage_axis(mesh_axes)
     S = mesh_axes[axis]
-    if not constraints.pipeline_pivots:
+    colls = any(t.collection not in (None, "params") for t in graph.variables)
+    if why_cut(pivots=bool(constraints.pipeline_pivots), schedule=constraints.schedule,
+               precision=constraints.precision, collections=colls) is None:
         try:
             layers = graph_layers(graph)
         except PlanError:

@@ -143,10 +143,11 @@ def _floats(prog: Any, vec: dict) -> list[str]:
 
 
 def _vjp(prog: Any, seg: int, pvec: dict, shared: list, cin: dict, gout: dict, batch: list,
-         seeded: bool, fresh: bool, kvec: dict) -> tuple:
+         seed: Any, fresh: bool, kvec: dict) -> tuple:
     """``(param grads, shared grads, cotangent of the packed input, loss / M)`` of segment
-    ``seg``, seeded by the loss (``seeded``: it computes the loss) or by ``gout``; the segment
-    reads the collections ``kvec`` and its new ones are dropped."""
+    ``seg``, seeded by the loss's cotangent ``seed`` (``scale / M``) where it computes the loss
+    (else None: by ``gout``); the segment reads the collections ``kvec`` and its new ones are
+    dropped."""
     fl = _floats(prog, cin)
     rest = {k: x for k, x in cin.items() if k not in fl}
 
@@ -156,8 +157,8 @@ def _vjp(prog: Any, seg: int, pvec: dict, shared: list, cin: dict, gout: dict, b
 
     (_, loss), vjp = jax.vjp(f, pvec, shared, {k: cin[k] for k in fl})
     M = prog.schedule.microbatches
-    gy = {k: jnp.zeros_like(cin[k]) if seeded else gout[k] for k in fl}
-    gp, gsh, gc = vjp((gy, jnp.asarray(1.0 / M if seeded else 0.0, jnp.float32)))
+    gy = {k: jnp.zeros_like(cin[k]) if seed is not None else gout[k] for k in fl}
+    gp, gsh, gc = vjp((gy, jnp.asarray(0.0 if seed is None else seed, jnp.float32)))
     gc = {k: gc.get(k, jnp.zeros((n,), k)) for k, n in prog.g_width.items()}
     return gp, gsh, gc, loss / M
 
@@ -177,12 +178,13 @@ def _zl() -> Any:
     return jnp.zeros((), jnp.float32)
 
 
-def _branches(prog: Any, c: Any, it: Any, args: tuple) -> list:
+def _branches(prog: Any, c: Any, it: Any, args: tuple, seed: Any) -> list:
     """The ``lax.switch`` branches of one time step, indexed by
     :data:`~nnscaler_jax.pipeline.loop_tables.CODES`: each returns ``(activation to send,
     cotangent to send, stage param grads, shared grads, loss, new collections)`` for the
     device's chunk ``c`` (``args = (chunk params, shared params, packed input, packed
-    cotangent, micro-batch, chunk collections)``); only ``F`` changes the collections."""
+    cotangent, micro-batch, chunk collections)``; ``seed``: the loss's cotangent); only ``F``
+    changes the collections."""
     C, M = prog.schedule.chunks, prog.schedule.microbatches
     last_seg, seg0, recycling = prog.cut.chunks - 1, prog.seg0, bool(prog.x_vars)
     pv, shared, cin, gout, bm, kv = args
@@ -190,8 +192,9 @@ def _branches(prog: Any, c: Any, it: Any, args: tuple) -> list:
     fresh = lambda c: c > 0 or not recycling  # chunk 0 of recycling reads the last pass
     fwds = [partial(lambda c, *a: run_segment(prog, c + seg0, *a[:3], a[4], fresh(c), a[5]), c)
             for c in range(C)]
-    bwds = [partial(lambda c, *a: _vjp(prog, c + seg0, *a[:5], c + seg0 == last_seg,
-                                       fresh(c), a[5]), c)
+    bwds = [partial(lambda c, *a: _vjp(prog, c + seg0, *a[:5],
+                                       seed if c + seg0 == last_seg else None, fresh(c), a[5]),
+                    c)
             for c in range(C)]
     nfwds = [partial(lambda c, *a: run_segment(prog, c + seg0, *a[:3], a[4],
                                                (it == 0) if c == 0 else True, a[5])[0], c)
@@ -216,11 +219,11 @@ def _branches(prog: Any, c: Any, it: Any, args: tuple) -> list:
         return out, _zeros(prog.g_width), no_p, no_sh, _zl(), kv
 
     def head():
-        _, gsh, gc, loss = _vjp(prog, last_seg, pv, shared, cin, gout, bm, True, True, {})
+        _, gsh, gc, loss = _vjp(prog, last_seg, pv, shared, cin, gout, bm, seed, True, {})
         return _zeros(prog.c_width), gc, no_p, gsh, loss, kv
 
     def embed_bwd():
-        _, gsh, _, _ = _vjp(prog, 0, pv, shared, cin, gout, bm, False, True, {})
+        _, gsh, _, _ = _vjp(prog, 0, pv, shared, cin, gout, bm, None, True, {})
         return _zeros(prog.c_width), _zeros(prog.g_width), no_p, gsh, _zl(), kv
 
     out = [idle, fwd, bwd] + [nograd] * recycling
@@ -229,9 +232,11 @@ def _branches(prog: Any, c: Any, it: Any, args: tuple) -> list:
     return out
 
 
-def local_step(prog: Any, shared: list, stages: dict, batch: list, colls: dict) -> tuple:
+def local_step(prog: Any, shared: list, stages: dict, batch: list, colls: dict,
+               seed: Any) -> tuple:
     """Per-device body of the cut program's shard_map: run the step table, return
-    ``(loss, shared grads, stage grads, new stage collections)``."""
+    ``(loss, shared grads, stage grads, new stage collections)``; ``seed``: the loss's
+    cotangent per micro-batch (``scale / M``)."""
     S, M, tb = prog.schedule.stages, prog.schedule.microbatches, prog.tables
     s = lax.axis_index(prog.axis)
     stages = {k: x[0] for k, x in stages.items()}                 # [V, width]
@@ -255,7 +260,7 @@ def local_step(prog: Any, shared: list, stages: dict, batch: list, colls: dict) 
                 [lax.dynamic_index_in_dim(x, m, keepdims=False) for x in batch],
                 {k: jnp.where(is_b, saved[k], x) for k, x in now.items()})
         out_f, out_b, dp, dsh, loss, new = lax.switch(code,
-                                                      _branches(prog, v * S + s, it, args))
+                                                      _branches(prog, v * S + s, it, args, seed))
         cst = {k: x.at[v].set(jnp.where(is_f, new[k], now[k])) for k, x in cst.items()}
         snap = {k: x.at[v, m].set(jnp.where(is_f, now[k], saved[k])) for k, x in snap.items()}
         g_st = {k: g.at[v].add(dp[k]) for k, g in g_st.items()}

@@ -258,14 +258,16 @@ class CutProgram(PipelineRuntime):
 
     # ---- the step ----------------------------------------------------------------------------
 
-    def _local(self, shared: list, stages: dict, batch: list, colls: dict) -> tuple:
+    def _local(self, shared: list, stages: dict, batch: list, colls: dict,
+               seed: Any) -> tuple:
         """Per-device body of the shard_map (:func:`~nnscaler_jax.pipeline.cut_blocks.
         local_step`)."""
-        return local_step(self, shared, stages, batch, colls)
+        return local_step(self, shared, stages, batch, colls, seed)
 
     def grads(self, pp: dict, batch: tuple, key: Any = None,
-              colls: dict | None = None) -> tuple:
-        """Mean loss over the batch and its gradients in the pipeline layout (traceable);
+              colls: dict | None = None, *, scale: Any = 1.0) -> tuple:
+        """Mean loss over the batch and its gradients (of ``scale x`` the loss, float16's loss
+        scaling) in the pipeline layout (traceable);
         ``key``: the step's key, when the program was traced with rng streams; ``colls``: the
         collections in the pipeline layout (:meth:`collections_to_pipeline`), when the
         program has any: then also their new values, ``(loss, grads, new collections)``."""
@@ -277,26 +279,28 @@ class CutProgram(PipelineRuntime):
         coll_spec = {k: P(self.axis) for k in cst}
         batch_spec = [P(None, data)] * len(shaped)
         fn = jax.shard_map(self._local, mesh=self.mesh,
-                           in_specs=(shared_spec, stage_spec, batch_spec, coll_spec),
+                           in_specs=(shared_spec, stage_spec, batch_spec, coll_spec, P()),
                            out_specs=(P(), shared_spec, stage_spec, coll_spec), check_vma=False)
         rep, st = self.shardings()
         loss, gs, gst, new = fn([place_as(x, rep) for x in pp["shared"]],
                                 {k: place_as(x, st) for k, x in pp["stages"].items()},
                                 [place_as(x, NamedSharding(self.mesh, sp))
                                  for x, sp in zip(shaped, batch_spec, strict=True)],
-                                {k: place_as(x, st) for k, x in cst.items()})
+                                {k: place_as(x, st) for k, x in cst.items()},
+                                jnp.asarray(scale, jnp.float32) / self.schedule.microbatches)
         grads = {"shared": gs, "stages": gst}
         if colls is None:
             return loss, grads
         return loss, grads, {"shared": [], "stages": new}
 
-    def train_step(self, optimizer: Any, *, return_grads: bool = False) -> Callable:
+    def train_step(self, optimizer: Any, *, return_grads: bool = False,
+                   scaling: Any = None) -> Callable:
         """A jitted ``step(state, batch) -> (state, metrics)`` (see
         :meth:`~nnscaler_jax.pipeline.runtime.PipelineProgram.train_step`); a state with
         ``'collections'`` gets them updated."""
         return jitted_step(self.grads, optimizer, self.mesh, store=self._store,
                            view=cached_view(self, optimizer, (self.axis,)),
-                           return_grads=return_grads)
+                           return_grads=return_grads, scaling=scaling)
 
     @functools.cached_property
     def _store(self) -> Callable[[Any], Any]:

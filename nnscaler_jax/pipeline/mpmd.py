@@ -194,7 +194,8 @@ class MpmdProgram(PipelineRuntime):
 
     def _jit_chunk(self, c: int, backward: bool) -> Callable:
         """Chunk ``c``'s forward ``(params, xin, batch) -> (xout, loss)`` or backward
-        ``(params, xin, batch, gout, acc) -> (gin, acc + grads)`` on its stage's sub-mesh.
+        ``(params, xin, batch, gout, acc, seed) -> (gin, acc + grads)`` on its stage's
+        sub-mesh (``seed``: the loss's cotangent, ``scale / M``).
         Boundary values and micro-batch leaves are ``[D, ...]`` (one row per data shard),
         gradient accumulators ``[D, *leaf]``; the loss is the mean over the data shards."""
         M, data = self.schedule.microbatches, self.data_axes
@@ -207,7 +208,7 @@ class MpmdProgram(PipelineRuntime):
             out, loss = self._evaluate(c, params, first(xin), first(batch))
             return rows(out), mean(loss / M)
 
-        def bwd(params, xin, batch, gout, acc):
+        def bwd(params, xin, batch, gout, acc, seed):
             xin, batch, gout = first(xin), first(batch), first(gout)
             fl = [i for i, x in enumerate(xin) if _floating(x)]
 
@@ -221,7 +222,7 @@ class MpmdProgram(PipelineRuntime):
 
             _, vjp, _ = jax.vjp(f, params, [xin[i] for i in fl], has_aux=True)
             gy = [g for g in gout if _floating(g)]
-            gp, gx = vjp((gy, jnp.asarray(1.0 / M if last else 0.0, jnp.float32)))
+            gp, gx = vjp((gy, jnp.asarray(seed if last else 0.0, jnp.float32)))
             gin = [jnp.zeros_like(x) for x in xin]
             for i, g in zip(fl, gx, strict=True):
                 gin[i] = g
@@ -229,7 +230,7 @@ class MpmdProgram(PipelineRuntime):
 
         spec = P(data) if data else P()
         s = self._stage(c)
-        fn, ins, outs = ((bwd, (P(), spec, spec, spec, spec), (spec, spec)) if backward else
+        fn, ins, outs = ((bwd, (P(), spec, spec, spec, spec, P()), (spec, spec)) if backward else
                          (fwd, (P(), spec, spec), (spec, P())))
         if data:  # manual over the data axes; the tensor axes stay GSPMD's (auto)
             fn = jax.shard_map(fn, mesh=self.sub[s], in_specs=ins, out_specs=outs,
@@ -325,8 +326,9 @@ class MpmdProgram(PipelineRuntime):
         with jax.set_mesh(self.sub[s]):
             return self._made[c]()
 
-    def _walk(self, pp: list, batch: tuple, key: Any) -> tuple[Any, list]:
-        """Run the step table: ``(loss, per chunk its gradient accumulators)``."""
+    def _walk(self, pp: list, batch: tuple, key: Any, seed: Any) -> tuple[Any, list]:
+        """Run the step table: ``(loss, per chunk its gradient accumulators)``; ``seed``: the
+        loss's cotangent per micro-batch."""
         S, C = self.schedule.stages, self.schedule.chunks
         # [M, D, b, ...] (+ keys [M, D]); a batch typed on the caller's Explicit mesh is
         # reshaped under that mesh (outside any, its out_sharding has no mesh to name)
@@ -360,18 +362,21 @@ class MpmdProgram(PipelineRuntime):
                         losses.append(loss)
                 else:  # 'B' (the schedules run here have no other blocks)
                     gin, acc[c] = self._bwd[c](params[c], saved.pop((c, m)), micro[s, m],
-                                               gbox.pop((c, m), []), acc[c])
+                                               gbox.pop((c, m), []), acc[c], seed)
                     if c > 0:
                         gbox[c - 1, m] = move(gin, c - 1)
         return sum(float(x) for x in losses), acc
 
-    def grads(self, pp: list, batch: tuple, key: Any = None) -> tuple[Any, list]:
-        """Mean loss over the batch and its gradients, one module-shaped tree per stage (a
+    def grads(self, pp: list, batch: tuple, key: Any = None, *, scale: Any = 1.0
+              ) -> tuple[Any, list]:
+        """Mean loss over the batch and its gradients (of ``scale x`` the loss, float16's loss
+        scaling), one module-shaped tree per stage (a
         leaf several stages read: the sum of their gradients on each); ``key``: the step's
         key, when the program was traced with rng streams (each micro-batch and data shard
         its own, :func:`~nnscaler_jax.pipeline.program.micro_leaves`)."""
         S, C = self.schedule.stages, self.schedule.chunks
-        loss, acc = self._walk(pp, batch, key)
+        seed = np.float32(float(scale) / self.schedule.microbatches)
+        loss, acc = self._walk(pp, batch, key, seed)
         part: dict[tuple[int, int], Any] = {}
         for c in range(C):
             s = self._stage(c)
@@ -395,9 +400,12 @@ class MpmdProgram(PipelineRuntime):
             out.append(jax.tree.unflatten(self.params_tree, gs))
         return jnp.asarray(loss, jnp.float32), out
 
-    def train_step(self, optimizer: Any, *, return_grads: bool = False) -> Callable:
+    def train_step(self, optimizer: Any, *, return_grads: bool = False,
+                   scaling: Any = None) -> Callable:
         """``step(state, batch) -> (state, metrics)``: the step table dispatched stage by
-        stage, then each stage's jitted optax update (donated)."""
+        stage, then each stage's jitted optax update (donated); with ``scaling`` (float16) the
+        gradients are unscaled per stage and a step with any non-finite one updates nothing
+        (:class:`~nnscaler_jax.pipeline.update.LossScaling`, its rules run on the host)."""
         import optax
 
         def update(params, grads, opt_state):
@@ -411,8 +419,11 @@ class MpmdProgram(PipelineRuntime):
 
         counted = [[j for j in mine if first[j] == s]  # (each leaf once in the norm)
                    for s, mine in enumerate(self.stage_leaves)]
-        squares = jax.jit(lambda gs: sum((jnp.sum(jnp.square(g)) for g in gs),
-                                         jnp.zeros((), jnp.float32)))
+        squares = jax.jit(lambda gs: (sum((jnp.sum(jnp.square(g)) for g in gs),
+                                          jnp.zeros((), jnp.float32)),
+                                      jnp.all(jnp.array([jnp.all(jnp.isfinite(g))
+                                                         for g in gs] or [True]))))
+        unscale = jax.jit(lambda g, scale: jax.tree.map(lambda x: x / scale, g))
 
         def step(state: dict, batch: tuple) -> tuple[dict, dict]:
             with jax.set_mesh(None):  # (eager glue between stages: no caller's context mesh)
@@ -422,24 +433,34 @@ class MpmdProgram(PipelineRuntime):
             state, key = dict(state), None
             if "rng" in state:  # a new key per step, as the other runtimes
                 state["rng"], key = jax.random.split(state["rng"])
-            loss, grads = self.grads(state["params"], tuple(batch), key)
-            sq = []
+            scale = None if scaling is None else float(state["loss_scale"])
+            loss, grads = self.grads(state["params"], tuple(batch), key,
+                                     scale=1.0 if scale is None else scale)
+            sq, finite = [], True
             for s, g in enumerate(grads):
-                flat = self.params_tree.flatten_up_to(g)
                 with jax.set_mesh(self.sub[s]):
-                    sq.append(squares([flat[j] for j in counted[s]]))
-            sq = sum(float(x) for x in sq)
-            params, opt = [], []
-            for s, (p, g, o) in enumerate(zip(state["params"], grads, state["opt_state"],
-                                              strict=True)):
-                with jax.set_mesh(self.sub[s]):
-                    p, o = updates[s](p, g, o)
-                params.append(p)
-                opt.append(o)
-            metrics = {"loss": loss, "grad_norm": jnp.sqrt(jnp.asarray(sq, jnp.float32))}
+                    if scale is not None:
+                        grads[s] = g = unscale(g, np.float32(scale))
+                    flat = self.params_tree.flatten_up_to(g)
+                    got = squares([flat[j] for j in counted[s]])
+                sq.append(float(got[0]))
+                finite = finite and bool(got[1])
+            metrics = {"loss": loss, "grad_norm": jnp.sqrt(jnp.asarray(sum(sq), jnp.float32))}
+            if finite:
+                params, opt = [], []
+                for s, (p, g, o) in enumerate(zip(state["params"], grads, state["opt_state"],
+                                                  strict=True)):
+                    with jax.set_mesh(self.sub[s]):
+                        p, o = updates[s](p, g, o)
+                    params.append(p)
+                    opt.append(o)
+                state.update(params=params, opt_state=opt)
+            if scaling is not None:
+                state.update(scaling.advance(state, finite))
+                metrics.update(loss_scale=jnp.float32(scale), finite=jnp.asarray(finite))
             if return_grads:
                 metrics["grads"] = grads
-            return {**state, "params": params, "opt_state": opt}, metrics
+            return state, metrics
 
         def lower(state: dict, batch: tuple) -> Any:
             raise PlanError("step.lower: tensor parallelism inside heterogeneous stages runs "

@@ -57,7 +57,8 @@ from nnscaler_jax.mesh.axes import require_stage_axis
 
 __all__ = ["ModuleCall", "PipelineRuntime", "StepOptions", "check_batch", "collections_error",
            "empty_collection_error", "inputs_error", "micro_leaves", "micro_rows", "micro_setup",
-           "microbatch_rngs", "rng_error", "split_batch", "stage_axis", "trace_micro", "typed_key"]
+           "microbatch_rngs", "rng_error", "split_batch", "stage_axis", "trace_micro", "typed_key",
+           "why_cut"]
 
 
 def microbatch_rngs(key: Any, index: Any, streams: Sequence[str]) -> dict:
@@ -164,14 +165,18 @@ class PipelineRuntime(abc.ABC):
         """The replicated sharding and the stage-split one of the runtime's mesh."""
 
     @abc.abstractmethod
-    def grads(self, pp: Any, batch: tuple, key: Any = None) -> tuple[Any, Any]:
+    def grads(self, pp: Any, batch: tuple, key: Any = None, *, scale: Any = 1.0
+              ) -> tuple[Any, Any]:
         """``(mean loss, gradients in the runtime's layout)`` of one batch, its micro-batches
-        run as the schedule says."""
+        run as the schedule says; ``scale``: the loss scale (float16), the gradients are of
+        ``scale x`` the mean loss (the last chunk's backward seeded with ``scale / M``)."""
 
     @abc.abstractmethod
-    def train_step(self, optimizer: Any, *, return_grads: bool = False) -> Any:
+    def train_step(self, optimizer: Any, *, return_grads: bool = False,
+                   scaling: Any = None) -> Any:
         """The step ``step(state, batch) -> (state, metrics)`` (jitted, or a host-dispatched
-        callable with ``.lower``)."""
+        callable with ``.lower``); ``scaling``: a float16 step's
+        :class:`~nnscaler_jax.pipeline.update.LossScaling` (the state carries its scale)."""
 
     @abc.abstractmethod
     def init_state(self, params: Any, optimizer: Any, collections: Any = None) -> dict:
@@ -181,6 +186,37 @@ class PipelineRuntime(abc.ABC):
     def collections_from_pipeline(self, pc: Any) -> Any:
         """Mutable collections in the runtime's layout as the module's."""
         raise PlanError(f"{type(self).__name__} carries no mutable collections")
+
+
+def why_cut(*, pivots: bool, schedule: Any, precision: str | None, collections: bool
+            ) -> str | None:
+    """Why a model runs as a program cut at module boundaries even where its layers are a stack
+    of identical ones, or None when the identical-layer runtime may run it.
+
+    The one rule of which runtime runs a pipelined plan, read by the planner
+    (:func:`~nnscaler_jax.pipeline.cut.plan_cut`, which prices the runtime it names) and by the
+    step (:class:`~nnscaler_jax.train.pipelined_step.PipelineStep`, which builds it). The
+    identical-layer runtime runs one program on every stage: ``F`` / ``B`` blocks only, in the
+    module's own precision (a compute precision's parameter casts are made where each chunk
+    reads them: the cut program), without mutable collections.
+
+    >>> why_cut(pivots=False, schedule="1f1b", precision=None, collections=False) is None
+    True
+    >>> why_cut(pivots=False, schedule="interlaced", precision=None, collections=False)
+    "schedule 'interlaced' has all-device blocks"
+    """
+    name = getattr(schedule, "name", schedule)
+    if pivots:
+        return "pipeline_pivots name the cuts"
+    if getattr(schedule, "recycles", name == "nf1b"):
+        return f"schedule {name!r} runs no-grad recycling passes"
+    if getattr(schedule, "all_device", name == "interlaced"):
+        return f"schedule {name!r} has all-device blocks"
+    if precision not in (None, "float32"):
+        return f"compute precision {precision} (parameters cast where each chunk reads them)"
+    if collections:
+        return "mutable collections (carried by the cut program)"
+    return None
 
 
 def stage_axis(axes: dict[str, int], sched: Any) -> str:

@@ -240,8 +240,9 @@ class PipelineProgram(PipelineRuntime):
         loss = lax.cond(c == C - 1, post, lambda: jnp.zeros((), jnp.float32))
         return x, loss
 
-    def _local(self, shared, layers, batch):
-        """Per-device body of the shard_map: run the step table, return (loss, grads)."""
+    def _local(self, shared, layers, batch, seed):
+        """Per-device body of the shard_map: run the step table, return (loss, grads);
+        ``seed``: the loss's cotangent per micro-batch (``scale / M``)."""
         S, C, M = self.schedule.stages, self.schedule.chunks, self.schedule.microbatches
         tb = self.tables
         s = lax.axis_index(self.axis)
@@ -274,7 +275,7 @@ class PipelineProgram(PipelineRuntime):
                 _, vjp = jax.vjp(f, p_c, shared, x_in)
                 last = c == C - 1
                 gy = jnp.where(last, jnp.zeros_like(zx), gbuf[gsl])
-                gl = jnp.where(last, 1.0 / M, 0.0).astype(jnp.float32)
+                gl = jnp.where(last, seed, 0.0).astype(jnp.float32)
                 dp, dsh, dx = vjp((gy, gl))
                 return zx, dx, dp, dsh, jnp.zeros((), jnp.float32)
 
@@ -299,9 +300,11 @@ class PipelineProgram(PipelineRuntime):
             loss = lax.pmean(loss, self.data_axes)
         return loss, g_shared, [g[None] for g in g_layers]
 
-    def grads(self, pp: dict, batch: tuple, key: Any = None) -> tuple[jax.Array, dict]:
-        """Mean loss over the batch and its gradients in the pipeline layout (traceable);
-        ``key``: the step's key, when the program was traced with rng streams."""
+    def grads(self, pp: dict, batch: tuple, key: Any = None, *, scale: Any = 1.0
+              ) -> tuple[jax.Array, dict]:
+        """Mean loss over the batch and its gradients (of ``scale x`` the loss) in the
+        pipeline layout (traceable); ``key``: the step's key, when the program was traced with
+        rng streams."""
         data = self.data_axes if self.data_axes else None
         shaped = micro_leaves(self, batch, key)
         shared_spec = [P()] * len(pp["shared"])
@@ -310,14 +313,15 @@ class PipelineProgram(PipelineRuntime):
         # Tensor parallelism: manual over the stage and data axes only, the TP axes stay auto.
         manual = {"axis_names": {self.axis, *self.data_axes}} if self.tp_axes else {}
         fn = jax.shard_map(self._local, mesh=self.mesh,
-                           in_specs=(shared_spec, layer_spec, batch_spec),
+                           in_specs=(shared_spec, layer_spec, batch_spec, P()),
                            out_specs=(P(), shared_spec, layer_spec), check_vma=False, **manual)
         shared_sh, layer_sh = self.leaf_shardings()
         place = lambda xs, shs: [place_as(x, sh)
                                  for x, sh in zip(xs, shs, strict=True)]
         batch_sh = [NamedSharding(self.mesh, sp) for sp in batch_spec]
+        seed = jnp.asarray(scale, jnp.float32) / self.schedule.microbatches
         loss, gs, gl = fn(place(pp["shared"], shared_sh), place(pp["layers"], layer_sh),
-                          place(shaped, batch_sh))
+                          place(shaped, batch_sh), seed)
         if self.tp_axes:
             gs, gl = place(gs, shared_sh), place(gl, layer_sh)
         return loss, {"shared": gs, "layers": gl}
@@ -336,14 +340,16 @@ class PipelineProgram(PipelineRuntime):
         return mirror_store(shapes, {"shared": list(shared_sh), "layers": list(layer_sh)},
                             self.shardings()[0])
 
-    def train_step(self, optimizer: Any, *, return_grads: bool = False) -> Callable:
+    def train_step(self, optimizer: Any, *, return_grads: bool = False,
+                   scaling: Any = None) -> Callable:
         """A jitted ``step(state, batch) -> (state, metrics)`` with
         ``state = {'params': pipeline params, 'opt_state': ...}`` (see :meth:`init_state`) and
         ``metrics = {'loss': mean loss, 'grad_norm': global gradient norm}`` (and ``'grads'``,
-        pipeline layout, with ``return_grads``)."""
+        pipeline layout, with ``return_grads``; ``'loss_scale'`` and ``'finite'`` with
+        ``scaling``, float16)."""
         return jitted_step(self.grads, optimizer, self.mesh, store=self._store,
                            view=cached_view(self, optimizer, (self.axis, *self.tp_axes)),
-                           return_grads=return_grads)
+                           return_grads=return_grads, scaling=scaling)
 
     def init_state(self, params: Any, optimizer: Any, collections: Any = None) -> dict:
         """``{'params': to_pipeline(params), 'opt_state': optimizer.init(...)}``."""

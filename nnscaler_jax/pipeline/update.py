@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding
@@ -23,8 +24,8 @@ from jax.sharding import PartitionSpec as P
 
 from nnscaler_jax.pipeline.leafwise import same_on_layout
 
-__all__ = ["ModuleView", "cached_view", "initial_state", "jitted_step", "mirror_shardings",
-           "mirror_store", "module_view", "per_device_bytes", "place_as"]
+__all__ = ["LossScaling", "ModuleView", "cached_view", "initial_state", "jitted_step",
+           "mirror_shardings", "mirror_store", "module_view", "per_device_bytes", "place_as"]
 
 
 def _keyed(path: Any) -> tuple[str, ...]:
@@ -95,6 +96,56 @@ def _same(tree: Any) -> Any:
 
 
 @dataclass(frozen=True)
+class LossScaling:
+    """Dynamic loss scaling of a float16 step, the SPMD and the pipelined alike.
+
+    The state carries ``'loss_scale'`` (float32, :attr:`INITIAL` at first) and
+    ``'good_steps'``; the backward is seeded with the scale (the SPMD step multiplies the loss,
+    a pipeline seeds the last chunk's backward with ``scale / M``), so float16 cotangents stay
+    above float16's smallest normal. :meth:`settle` divides the gradients by it; a step whose
+    gradients are not all finite keeps the old parameters and optimizer state and halves the
+    scale; ``growth_interval`` finite steps in a row double it.
+
+    >>> LossScaling(growth_interval=3).initial()["loss_scale"]
+    Array(32768., dtype=float32)
+    """
+
+    growth_interval: int = 2000
+    INITIAL = 2.0 ** 15
+
+    def initial(self) -> dict:
+        """The state's ``{'loss_scale', 'good_steps'}`` of a first step."""
+        return {"loss_scale": jnp.float32(self.INITIAL), "good_steps": jnp.zeros((), jnp.int32)}
+
+    @staticmethod
+    def unscale(grads: Any, state: dict) -> Any:
+        """The gradients of the loss itself (the scale's gradients divided by it)."""
+        scale = state["loss_scale"]
+        return jax.tree.map(lambda g: g / scale, grads)
+
+    def settle(self, state: dict, new: dict, grads: Any) -> tuple[dict, dict]:
+        """``(state updates, metrics)`` after an update to ``new`` (``{'params',
+        'opt_state'}``) from the unscaled ``grads``: ``new`` where they are finite, else the
+        state's own, with the scale and good-step count advanced; metrics ``'loss_scale'``
+        (the scale this step used) and ``'finite'``."""
+        scale = state["loss_scale"]
+        finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(g))
+                                    for g in jax.tree_util.tree_leaves(grads)]))
+        out = {k: jax.tree.map(lambda a, b: jnp.where(finite, a, b), v, state[k])
+               for k, v in new.items()}
+        return {**out, **self.advance(state, finite)}, {"loss_scale": scale, "finite": finite}
+
+    def advance(self, state: dict, finite: Any) -> dict:
+        """The next ``{'loss_scale', 'good_steps'}`` after a step whose gradients were
+        ``finite`` or not (traced, or eager on the host)."""
+        scale = state["loss_scale"]
+        good = jnp.where(finite, state["good_steps"] + 1, 0)
+        grow = good >= self.growth_interval
+        return {"loss_scale": jnp.where(finite, jnp.where(grow, scale * 2, scale), scale / 2),
+                "good_steps": jnp.where(grow, 0, good)}
+
+
+@dataclass(frozen=True)
 class ModuleView:
     """The module's parameter tree seen from a pipeline layout, inside the step.
 
@@ -150,25 +201,20 @@ def cached_view(program: Any, optimizer: Any, axes: tuple[str, ...]) -> ModuleVi
 
 
 def jitted_step(grads: Callable, optimizer: Any, mesh: Any, *, store: Callable = _same,
-                view: ModuleView | None = None, return_grads: bool = False) -> Callable:
+                view: ModuleView | None = None, return_grads: bool = False,
+                scaling: LossScaling | None = None) -> Callable:
     """A jitted, donated ``run(state, batch) -> (state, metrics)`` (``run.lower(state, batch)``
     too) under ``mesh``: ``grads(params, batch, key) -> (loss, grads)`` (``key`` split off
     ``state['rng']`` when the state has one, else None), then the optax update;
     ``store`` lays the new parameters and optimizer state out as the program keeps them;
     ``view``: the update runs on the module's tree (the optimizer state kept there).
     A state with ``'collections'`` calls ``grads(params, batch, key, collections) -> (loss,
-    grads, new collections)`` and keeps the new ones."""
+    grads, new collections)`` and keeps the new ones. With ``scaling`` (float16) ``grads``
+    also takes ``scale=`` (the state's loss scale, the backward's seed) and the update is
+    :meth:`LossScaling.settle`'s."""
     import optax
 
-    def step(state, batch):
-        state, key = dict(state), None
-        if "rng" in state:  # a new key per step, as the SPMD step (micro-batches fold it in)
-            state["rng"], key = jax.random.split(state["rng"])
-        if "collections" in state:
-            loss, g, state["collections"] = grads(state["params"], tuple(batch), key,
-                                                  state["collections"])
-        else:
-            loss, g = grads(state["params"], tuple(batch), key)
+    def update(state, g):
         if view is None:
             updates, opt_state = optimizer.update(g, state["opt_state"], state["params"])
             opt_state = store(opt_state)
@@ -176,11 +222,30 @@ def jitted_step(grads: Callable, optimizer: Any, mesh: Any, *, store: Callable =
             updates, opt_state = optimizer.update(view.tree(g), state["opt_state"],
                                                   view.tree(state["params"]))
             updates, opt_state = view.layout(updates), view.store(opt_state)
-        params = store(optax.apply_updates(state["params"], updates))
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(g)}
+        return {"params": store(optax.apply_updates(state["params"], updates)),
+                "opt_state": opt_state}
+
+    def step(state, batch):
+        state, key = dict(state), None
+        if "rng" in state:  # a new key per step, as the SPMD step (micro-batches fold it in)
+            state["rng"], key = jax.random.split(state["rng"])
+        args = (state["params"], tuple(batch), key)
+        if "collections" in state:
+            args += (state["collections"],)
+        kw = {} if scaling is None else {"scale": state["loss_scale"]}
+        loss, g, *colls = grads(*args, **kw)
+        if colls:
+            state["collections"] = colls[0]
+        metrics = {}
+        if scaling is None:
+            new = update(state, g)
+        else:
+            g = LossScaling.unscale(g, state)
+            new, metrics = scaling.settle(state, update(state, g), g)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(g), **metrics}
         if return_grads:
             metrics["grads"] = g
-        return {**state, "params": params, "opt_state": opt_state}, metrics
+        return {**state, **new}, metrics
 
     jitted = jax.jit(step, donate_argnums=(0,))
 

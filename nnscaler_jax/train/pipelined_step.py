@@ -23,6 +23,7 @@ from nnscaler_jax.pipeline.program import (
     check_batch,
     split_batch,
     typed_key,
+    why_cut,
 )
 from nnscaler_jax.pipeline.runtime import PipelineProgram
 from nnscaler_jax.pipeline.split import NotALayerStack
@@ -53,7 +54,10 @@ class PipelineStep(TrainStep):
     micro-batch and data-parallel shard gets its own keys
     (:func:`~nnscaler_jax.pipeline.program.microbatch_rngs`). An nnx module trains its
     ``nnx.Param``; ``step.update(state)`` writes them back into it. ``Constraints(precision=
-    'bfloat16')``: float32 master weights cast where each chunk reads them (the cut program).
+    'bfloat16')`` (or ``'float16'``): float32 master weights cast where each chunk reads them
+    (the cut program); float16 adds the SPMD step's dynamic loss scaling (``state['loss_scale']``
+    seeds the last chunk's backward, :class:`~nnscaler_jax.pipeline.update.LossScaling`:
+    ``metrics['loss_scale']``, ``metrics['finite']``; ``growth_interval=``).
     Mutable collections (linen ``{'params', 'batch_stats'}`` with ``module_kwargs={'train':
     True}``, nnx ``BatchStat``) run in the cut program and live in ``state['collections']``
     (:mod:`~nnscaler_jax.pipeline.mutable`); ``step.variables(state)`` gives them back.
@@ -80,14 +84,6 @@ class PipelineStep(TrainStep):
                             "auto_parallel(mesh, Constraints(pipeline_stages=4, microbatches=8, "
                             "schedule='1f1b')); without stages use pm.apply inside your own "
                             "jax.jit(jax.grad(...))")
-        if self._growth_given:
-            raise PlanError("train_step: growth_interval sets float16 loss scaling, which the "
-                            "pipelined step does not do; drop it (use "
-                            "Constraints(precision='bfloat16'), which needs no scaling)")
-        if pm.precision == "float16":
-            raise PlanError("train_step: the pipelined step has no loss scaling for float16; "
-                            "use Constraints(precision='bfloat16'), or the SPMD step (no "
-                            "pipeline stages), which scales the loss")
         self.options = dataclasses.replace(self.options, precision=pm.precision)
         self.program: PipelineRuntime | None = None
         self.call = None  # (after init: the ModuleCall)
@@ -112,14 +108,13 @@ class PipelineStep(TrainStep):
         args = (self.pm.module, self.loss_fn, self.pm.mesh, sched, params, tuple(batch))
         policy = self.pm.policy if self.pm.policy is not None else plan.policy or None  # (saved)
         kw = {"policy": policy, "rules": c.rules, "call": call, "recompute": pipe.recompute}
-        # a stack of identical layers, unless pivots ask for a cut at module boundaries; any
-        # other model: heterogeneous stages (hetero.py). Other errors of the stacked program
-        # (an in-stage plan that splits nothing) are the user's to see, not a reason to cut.
+        # a stack of identical layers, unless the plan needs a cut (why_cut, the planner's
+        # rule too); any other model: heterogeneous stages (hetero.py). Other errors of the
+        # stacked program (an in-stage plan that splits nothing) are the user's to see, not a
+        # reason to cut.
         stack_error: NotALayerStack | None = None
-        # (recycling and all-device blocks run in the cut runtime only)
-        if not (c.pipeline_pivots or sched.recycles or sched.all_device
-                or self.options.precision  # (casts: made where read, cut program)
-                or call.collections):  # (carried by the cut program, mutable.py)
+        if why_cut(pivots=bool(c.pipeline_pivots), schedule=sched,
+                   precision=self.options.precision, collections=bool(call.collections)) is None:
             try:
                 self.program = PipelineProgram(*args, **kw)
             except NotALayerStack as e:
@@ -130,13 +125,17 @@ class PipelineStep(TrainStep):
                     *args, stage_of=pipe.stage_of, layer_rules=pipe.layer_rules, **kw)
             except PlanError as cut_error:
                 raise cut_error from stack_error
-        self.jitted = self.program.train_step(self.optimizer, return_grads=self.return_grads)
+        fp16 = self.options.precision == "float16"
+        self.jitted = self.program.train_step(self.optimizer, return_grads=self.return_grads,
+                                              scaling=self.scaling if fp16 else None)
         state = self.program.init_state(
             params, self.optimizer, **({"collections": call.collections} if call.collections
                                        else {}))
-        if call.slots:
-            rep = self.program.shardings()[0]  # a copy: the step donates its state
+        rep = self.program.shardings()[0]
+        if call.slots:  # (a copy: the step donates its state)
             state["rng"] = jax.jit(jnp.copy, out_shardings=rep)(typed_key(rng))
+        if fp16:
+            state.update(jax.device_put(self.scaling.initial(), rep))
         return state
 
     def _batch(self, batch: tuple) -> tuple:

@@ -49,12 +49,15 @@ from nnscaler_jax.lower.replay import explicitly_typed
 from nnscaler_jax.mesh.axes import auto_view, data_axes, mesh_axes
 from nnscaler_jax.mesh.gpu import slop_factor
 from nnscaler_jax.pipeline.program import StepOptions, inputs_error, microbatch_rngs
-from nnscaler_jax.pipeline.update import mirror_shardings, per_device_bytes, place_as
+from nnscaler_jax.pipeline.update import (
+    LossScaling,
+    mirror_shardings,
+    per_device_bytes,
+    place_as,
+)
 from nnscaler_jax.plan.zero import zero3_layout
 
 __all__ = ["SpmdStep", "per_device_bytes", "zero_specs"]
-
-INITIAL_LOSS_SCALE = 2.0 ** 15
 
 
 def zero_specs(params: Any, shardings: Any, mesh: Any, zero: int) -> Any:
@@ -187,9 +190,6 @@ class _Nnx:
         return nnx.merge_state(state["params"], state["collections"])
 
 
-GROWTH_INTERVAL = 2000  # float16 loss scaling: finite steps before the scale doubles
-
-
 class TrainStep(abc.ABC):
     """What ``pm.train_step(loss_fn, optimizer, ...)`` returns: one jitted training step for
     the wrapper's plan, with or without pipeline stages.
@@ -200,8 +200,9 @@ class TrainStep(abc.ABC):
     take the same options, validated here (:class:`~nnscaler_jax.pipeline.program.StepOptions`):
     ``inputs`` (the module takes the first ``inputs`` batch arrays, the loss all of them),
     ``module_kwargs`` (static flags of the module call), ``rng_streams`` (a key per micro-batch
-    with ``init(..., rng=key)``), ``return_grads`` and ``growth_interval`` (float16 loss
-    scaling, the SPMD step's: finite steps before the scale doubles, default 2000).
+    with ``init(..., rng=key)``), ``return_grads`` and ``growth_interval`` (float16 dynamic
+    loss scaling, both steps': finite steps before the scale doubles, default 2000;
+    :class:`~nnscaler_jax.pipeline.update.LossScaling`).
 
     >>> # step = pm.train_step(loss_fn, optax.adamw(1e-3))
     >>> # state = step.init(variables, *batch)      # laid out as the plan says
@@ -215,8 +216,14 @@ class TrainStep(abc.ABC):
         self.pm, self.loss_fn, self.optimizer = pm, loss_fn, optimizer
         self.options = StepOptions.of(options)
         self.return_grads = return_grads
-        self.growth_interval = GROWTH_INTERVAL if growth_interval is None else growth_interval
-        self._growth_given = growth_interval is not None
+        if growth_interval is not None and (isinstance(growth_interval, bool) or
+                                            not isinstance(growth_interval, int)
+                                            or growth_interval < 1):
+            raise PlanError(f"train_step: growth_interval={growth_interval!r} must be a "
+                            "positive int (finite float16 steps before the loss scale "
+                            "doubles), e.g. growth_interval=2000")
+        self.scaling = LossScaling(**({} if growth_interval is None
+                                      else {"growth_interval": growth_interval}))
         self.jitted: Callable | None = None
 
     @abc.abstractmethod
@@ -445,8 +452,7 @@ class SpmdStep(TrainStep):
         if rng is not None:
             state["rng"] = jax.device_put(rng, rep)
         if self._plan.precision == "float16":
-            state["loss_scale"] = jax.device_put(jnp.float32(INITIAL_LOSS_SCALE), rep)
-            state["good_steps"] = jax.device_put(jnp.zeros((), jnp.int32), rep)
+            state.update(jax.device_put(self.scaling.initial(), rep))
         return state
 
     def abstract_init(self, variables: Any, *batch: Any, rng: Any = None) -> tuple[dict, tuple]:
@@ -513,24 +519,16 @@ class SpmdStep(TrainStep):
             state["rng"], key = jax.random.split(state["rng"])
         loss, grads, colls = self._grads(state, batch, key)
         grads = jax.tree.map(place_as, grads, self._shardings["grads"])
-        scale = state.get("loss_scale")
-        if scale is not None:
-            grads = jax.tree.map(lambda g: g / scale, grads)
-        updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": loss}
-        if scale is not None:
-            finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(g))
-                                        for g in jax.tree_util.tree_leaves(grads)]))
-            keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-            params, opt_state = keep(params, state["params"]), keep(opt_state, state["opt_state"])
-            good = jnp.where(finite, state["good_steps"] + 1, 0)
-            grow = good >= self.growth_interval
-            state["loss_scale"] = jnp.where(finite, jnp.where(grow, scale * 2, scale), scale / 2)
-            state["good_steps"] = jnp.where(grow, 0, good)
-            metrics["loss_scale"], metrics["finite"] = scale, finite
-        state.update(params=params, opt_state=opt_state, collections=colls,
-                     step=state["step"] + 1)
+        if "loss_scale" in state:
+            grads = LossScaling.unscale(grads, state)
+        updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
+        new = {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}
+        if "loss_scale" in state:
+            new, more = self.scaling.settle(state, new, grads)
+            metrics.update(more)
+        state.update(new)
+        state.update(collections=colls, step=state["step"] + 1)
         if self.return_grads:
             metrics["grads"] = grads
         return state, metrics

@@ -181,3 +181,17 @@ def test_pipelined_plan_cost_is_the_pipeline_pricing(gpt):
             if r.recompute == p.pipeline.recompute]
     assert p.cost.step_time_s == row.step_time_s
     assert p.cost.memory_bytes_per_device == int(max(row.memory_bytes))
+
+
+@pytest.mark.parametrize("precision,cut", [(None, False), ("bfloat16", True)])
+def test_the_planner_prices_the_runtime_the_step_runs(gpt, precision, cut):
+    """One rule (``pipeline.program.why_cut``) says which runtime runs a plan: a bfloat16 stack
+    of identical layers runs as the program cut at module boundaries (its casts are made where
+    each chunk reads them), and the stage DP prices that program, not the stacked one."""
+    spec, tokens, params = gpt
+    pm = auto_parallel(make_mesh((2, 4), ("stage", "data")),
+                       Constraints(pipeline_stages="auto", precision=precision))(spec.module)
+    step = pm.train_step(spec.loss_fn, optax.sgd(0.1))
+    step.init({"params": params}, tokens)
+    assert ("cut at module boundaries" in pm.plan.pipeline.report) == cut
+    assert type(step.program).__name__ == ("CutProgram" if cut else "PipelineProgram")

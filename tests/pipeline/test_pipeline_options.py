@@ -162,8 +162,8 @@ def test_bad_options_are_plan_errors():
     (tokens,) = spec.make_args(rng=jax.random.key(1))
     params = spec.module.init(jax.random.key(0), tokens)["params"]
     pm = _pm(spec.module)
-    with pytest.raises(PlanError, match="growth_interval"):
-        pm.train_step(spec.loss_fn, optax.sgd(LR), growth_interval=10)
+    with pytest.raises(PlanError, match="growth_interval=1.5 must be a positive int"):
+        pm.train_step(spec.loss_fn, optax.sgd(LR), growth_interval=1.5)
     with pytest.raises(PlanError, match="static flags"):
         pm.train_step(spec.loss_fn, optax.sgd(LR), module_kwargs={"mask": jnp.ones(3)})
     with pytest.raises(PlanError, match="rng_streams"):
