@@ -7,8 +7,8 @@ activations, buffers and scratch; ``argument`` = params, optimizer state and bat
 ``--t5``: T5 ``t5-nnscaler-8gpu`` (11.6B, abstract) on the ``v100-32g-8x`` cluster preset, cut
 at module boundaries (:func:`~nnscaler_jax.pipeline.cut.plan_cut`) on 8 devices as (stage, data)
 = (2, 4), (4, 2), (8, 1), global batch 32: each schedule's best priced row (interlaced, 1F1B,
-GPipe, interleaved; :mod:`nnscaler_jax.pipeline.pricing`) and the runtime-restricted stage DP's
-own choice (what ``pipeline_stages="auto"`` picks: fitting first, then fastest).
+eager 1F1B, GPipe, interleaved; :mod:`nnscaler_jax.pipeline.pricing`) and the runtime-restricted
+stage DP's own choice (what ``pipeline_stages="auto"`` picks: fitting first, then fastest).
 
 ``--search``: GPT-3 175B (unrolled, abstract, micro-batch 1) on 64 abstract H100s (8 per
 node, the ``h100-80g-8x`` cluster preset of :mod:`nnscaler_jax.cost.devices`): our stage DP (:func:`search_stages`), the Alpa-style inter-op DP
@@ -185,7 +185,7 @@ def run(layers: int, alpa_limit: float, global_batch: int) -> dict:
 
 T5_CLUSTER = "v100-32g-8x"
 T5_MESHES = [{"stage": 2, "data": 4}, {"stage": 4, "data": 2}, {"stage": 8}]
-T5_SCHEDULES = ["interlaced", "1f1b", "gpipe", "interleaved"]
+T5_SCHEDULES = ("interlaced", "1f1b", "eager-1f1b", "gpipe", "interleaved")
 
 
 def _row(r) -> dict:
@@ -274,7 +274,7 @@ def _t5_md(t: dict) -> list[str]:
              "(predicted)"), "",
              ("Cut at module boundaries (the cut-program runtime). Per schedule its best row "
              "(fitting first, then fastest); `DP choice`: the runtime-restricted stage DP "
-             "(`pipeline_stages=\"auto\"`, schedules gpipe / 1f1b / interleaved / interlaced). Step s / peak GiB per device "
+             "(`pipeline_stages=\"auto\"`, schedules gpipe / 1f1b / eager-1f1b / interleaved / interlaced). Step s / peak GiB per device "
              "/ micro-batches x size."), "",
              "| mesh | budget GiB | " + " | ".join(T5_SCHEDULES) + " | DP choice |",
              "|---" * (len(T5_SCHEDULES) + 3) + "|"]
@@ -289,25 +289,27 @@ def _t5_md(t: dict) -> list[str]:
                      + " | ".join(cell(e["schedules"].get(s)) for s in T5_SCHEDULES)
                      + f" | {dp['schedule'] + ' ' + cell(dp) if dp else '-'} |")
     e = t["meshes"][0]
-    g, o = e["schedules"]["gpipe"], e["schedules"]["1f1b"]
+    g, o, ea = (e["schedules"][k] for k in ("gpipe", "1f1b", "eager-1f1b"))
     shared = e["units"][0]["param_gib"]
     lines += ["", (
-        f"1F1B slower than GPipe at about the same memory ({mesh_of(e)}: {o['step_time_s']:.1f} s "
-        f"vs {g['step_time_s']:.1f} s, {o['peak_gib']:.2f} vs {g['peak_gib']:.2f} GiB) is the "
-        "runtime, not a pricing error: the runtime walks the step table in lock step (each "
-        "time step ends with both `ppermute`s, so it lasts as long as its slowest block), and "
-        "1F1B's table puts one stage's forward beside another's backward in every steady-state "
-        "step, each then lasting a backward (recomputed forward + backward, about 3 forwards); "
-        "GPipe's table pairs forwards with forwards and backwards with backwards. The memory "
-        "is nearly equal because stages keep only their input per in-flight micro-batch "
-        "(recompute): 1F1B saves a few input slots of tens of MiB, while every stage holds "
-        f"the replicated tied embedding ({shared:.1f} GiB, x4 with gradient and Adam state) "
-        "and one chunk's recomputed activations. Interlaced's table pairs like blocks too, "
-        "but its E / H / W blocks (the ops before the first and after the last repeated "
-        "block: the embedding, and the final norm + LM head + loss over the 1,024,000-word "
-        "vocabulary) run whole on one stage each while the others wait, as the runtime runs "
-        "them (not vocabulary-split over all devices as in nnScaler), so it is slower than "
-        "GPipe here; nnScaler's interlaced gain comes from that split, which we do not have.")]
+        f"{mesh_of(e)}: 1F1B {o['step_time_s']:.1f} s, GPipe {g['step_time_s']:.1f} s, eager "
+        f"1F1B {ea['step_time_s']:.1f} s ({o['peak_gib']:.2f} / {g['peak_gib']:.2f} / "
+        f"{ea['peak_gib']:.2f} GiB). The runtime walks the step table in lock step (each time "
+        "step ends with both `ppermute`s, so it lasts as long as its slowest stage): 1F1B's "
+        "table puts one stage's forward beside another's backward in every steady-state "
+        "step, each then lasting a backward (recomputed forward + backward, about 3 "
+        "forwards). Eager 1F1B (`2 (S - s - 1)` warm-up forwards, `paired`) runs a forward "
+        "and a backward on every stage in each steady-state step: GPipe's compute time in "
+        "`M + 2S - 1` time steps instead of `2 (M + S - 1)` (fewer `ppermute` rounds), with "
+        "`2 (S - s) - 1` micro-batches in flight instead of `M`. The memory is nearly equal "
+        "here because stages keep only their input per in-flight micro-batch (recompute), "
+        f"while every stage holds the replicated tied embedding ({shared:.1f} GiB, x4 with "
+        "gradient and Adam state) and one chunk's recomputed activations. Interlaced's E / H "
+        "/ W blocks (the embedding, and the final norm + LM head + loss over the "
+        "1,024,000-word vocabulary) run whole on one stage each while the others wait, as "
+        "the runtime runs them (not vocabulary-split over all devices as in nnScaler), so it "
+        "is slower than GPipe here; nnScaler's interlaced gain comes from that split, which "
+        "we do not have.")]
     return lines + [""]
 
 
@@ -375,7 +377,7 @@ def main() -> None:
                                            f"{args.alpa_limit:.0f} s (default 600 s).")
         _write(data)
         return
-    rows = [measure(s) for s in ("gpipe", "1f1b", "interleaved")]
+    rows = [measure(s) for s in ("gpipe", "1f1b", "eager-1f1b", "interleaved")]
     data.update({"note": "XLA compiled memory_analysis per device of the jitted pipelined "
                  "train step (CPU, 8 virtual devices)", "rows": rows})
     _write(data)

@@ -70,6 +70,8 @@ def configure_pipeline(plan: Plan, graph: Graph, constraints: Constraints,
     layers = cut.stage_of if cut else stage_of(graph_layers(graph).stack, stages, choice.virtual)
     settings = PipelineSettings(stages, choice.microbatches, choice.schedule, choice.virtual,
                                 layers, report, steps=settings_steps(constraints.schedule),
+                                paired=bool(settings_steps(constraints.schedule))
+                                and constraints.schedule.paired,
                                 recompute=choice.recompute,
                                 layer_rules=cut.layer_rules if cut else ())
     return replace(plan, pipeline=settings, cost=_cost(choice))

@@ -247,6 +247,7 @@ def local_step(prog: Any, shared: list, stages: dict, batch: list, colls: dict,
     f_perm = [(i, (i + 1) % S) for i in range(S)]
     b_perm = [(i, (i - 1) % S) for i in range(S)]
     sends = jnp.asarray(tb.sends)
+    pair = [jnp.asarray(a) for a in (tb.b_kind, tb.b_mb, tb.b_virt, tb.b_in, tb.b_g)]
     pick = lambda tree, i: {k: lax.dynamic_index_in_dim(x, i, keepdims=False)
                             for k, x in tree.items()}
 
@@ -264,6 +265,17 @@ def local_step(prog: Any, shared: list, stages: dict, batch: list, colls: dict,
         cst = {k: x.at[v].set(jnp.where(is_f, new[k], now[k])) for k, x in cst.items()}
         snap = {k: x.at[v, m].set(jnp.where(is_f, now[k], saved[k])) for k, x in snap.items()}
         g_st = {k: g.at[v].add(dp[k]) for k, g in g_st.items()}
+        if tb.paired:  # the backward of a pair, after its forward
+            bk, bm, bv, bi, bg = [a[t, s] for a in pair]
+            args = (pick(stages, bv), shared, {k: b[bi] for k, b in inbuf.items()},
+                    {k: b[bg] for k, b in gbuf.items()},
+                    [lax.dynamic_index_in_dim(x, bm, keepdims=False) for x in batch],
+                    pick(pick(snap, bv), bm))
+            br = _branches(prog, bv * S + s, it, args, seed)
+            _, out_b2, dp2, dsh2, _, _ = lax.switch((bk > 0).astype(jnp.int32), [br[0], br[2]])
+            out_b = jax.tree.map(lambda x, y: jnp.where(bk > 0, x, y), out_b2, out_b)
+            g_st = {k: g.at[bv].add(dp2[k]) for k, g in g_st.items()}
+            dsh = [x + y for x, y in zip(dsh, dsh2, strict=True)]
         g_sh = [g + d for g, d in zip(g_sh, dsh, strict=True)]
         recv_f = send_if(sends[t, 0], out_f, prog.axis, f_perm)
         recv_b = send_if(sends[t, 1], out_b, prog.axis, b_perm)

@@ -52,6 +52,18 @@ class LoopTables:
     it: np.ndarray | None = None      # recycling pass of an 'N' block
     keep_f: np.ndarray | None = None  # input slot to keep the step's own output in (-1: none)
     keep_b: np.ndarray | None = None  # cotangent slot to keep its own cotangent in (-1: none)
+    # the backward of a pair (steps.Pair; the tables above hold its forward): its code
+    # (CODES['B'], or 0 where the stage runs no pair), micro-batch, chunk and slots
+    b_kind: np.ndarray | None = None
+    b_mb: np.ndarray | None = None
+    b_virt: np.ndarray | None = None
+    b_in: np.ndarray | None = None
+    b_g: np.ndarray | None = None
+
+    @property
+    def paired(self) -> bool:
+        """Some step runs a pair (the loop runs a second, backward-only branch)."""
+        return self.b_kind is not None and bool(self.b_kind.any())
 
     @property
     def sends(self) -> np.ndarray:
@@ -79,25 +91,18 @@ def loop_tables(sched: sch.Schedule, kinds: str = "FB") -> LoopTables:
     rf, rb, keep_f, keep_b = z(-1), z(-1), z(-1), z(-1)
     last = (C - 1) % S
     bufs = {"in": _Slots(S), "g": _Slots(S)}
-
+    b_kind, b_mb, b_virt, b_in, b_g = z(), z(), z(), z(), z()
+    lanes = ((kind, mb, virt, in_slot, g_slot), (b_kind, b_mb, b_virt, b_in, b_g))
     for t, row in enumerate(table):
         done = []  # (stage, step) each stage runs at t
-        for s, st in enumerate(row):
-            if st is None:
-                continue
-            if st.all_device and s != {"E": 0, "H": last, "W": 0}[st.kind]:
-                continue  # runs on the stage holding its data; the others wait
-            done.append((s, st))
-            kind[t, s] = CODES[st.kind]
-            m, v = st.microbatch, st.virtual
-            mb[t, s], virt[t, s], it[t, s] = m, v, st.it
-            read_in = {"F": ("F", m, v), "B": ("F", m, v), "N": ("N", m, v, st.it),
-                       "H": ("H", m)}.get(st.kind)
-            if read_in is not None:
-                in_slot[t, s] = bufs["in"].read(s, read_in, free=st.kind != "F")
-            read_g = {"B": ("B", m, v), "W": ("W", m)}.get(st.kind)
-            if read_g is not None:
-                g_slot[t, s] = bufs["g"].read(s, read_g, free=True)
+        for s, cell in enumerate(row):
+            for lane, st in zip(lanes, sch.blocks(cell), strict=False):
+                if st.all_device and s != {"E": 0, "H": last, "W": 0}[st.kind]:
+                    continue  # runs on the stage holding its data; the others wait
+                done.append((s, st))
+                _read(lane, bufs, t, s, st)
+                if lane is lanes[0]:
+                    it[t, s] = st.it
         for s, st in done:  # after the step: what arrives from the neighbours, what is kept
             m, c = st.microbatch, st.virtual * S + s
             if st.kind in "FN" and c + 1 < C:
@@ -118,7 +123,22 @@ def loop_tables(sched: sch.Schedule, kinds: str = "FB") -> LoopTables:
             elif st.kind == "H":
                 keep_b[t, s] = bufs["g"].put(s, ("B", m, V - 1))
     return LoopTables(kind, mb, virt, in_slot, g_slot, rf, rb, bufs["in"].size,
-                      bufs["g"].size, it, keep_f, keep_b)
+                      bufs["g"].size, it, keep_f, keep_b, b_kind, b_mb, b_virt, b_in, b_g)
+
+
+def _read(lane: tuple, bufs: dict, t: int, s: int, st: sch.Step) -> None:
+    """Fill one lane's row ``[t, s]`` for block ``st``: its code, micro-batch and chunk, and the
+    slots it reads (an input stays for the backward after a forward; a backward frees it)."""
+    kind, mb, virt, in_slot, g_slot = lane
+    m, v = st.microbatch, st.virtual
+    kind[t, s], mb[t, s], virt[t, s] = CODES[st.kind], m, v
+    read_in = {"F": ("F", m, v), "B": ("F", m, v), "N": ("N", m, v, st.it),
+               "H": ("H", m)}.get(st.kind)
+    if read_in is not None:
+        in_slot[t, s] = bufs["in"].read(s, read_in, free=st.kind != "F")
+    read_g = {"B": ("B", m, v), "W": ("W", m)}.get(st.kind)
+    if read_g is not None:
+        g_slot[t, s] = bufs["g"].read(s, read_g, free=True)
 
 
 class _Slots:

@@ -62,7 +62,7 @@ from nnscaler_jax.pipeline.program import (
     stage_axis,
     trace_micro,
 )
-from nnscaler_jax.pipeline.steps import timeline
+from nnscaler_jax.pipeline.steps import blocks, timeline
 
 __all__ = ["MpmdProgram", "cut_runtime"]
 
@@ -346,9 +346,7 @@ class MpmdProgram(PipelineRuntime):
         move = lambda xs, c: [jax.device_put(x, self._split[self._stage(c)]) for x in xs]
         losses = []
         for row in timeline(self.schedule):
-            for s, st in enumerate(row):
-                if st is None:
-                    continue
+            for s, st in ((s, st) for s, cell in enumerate(row) for st in blocks(cell)):
                 c, m = st.virtual * S + s, st.microbatch
                 if (s, m) not in micro:
                     micro[s, m] = [jax.device_put(x, self._split[s]) for x in shaped[m]]

@@ -80,16 +80,19 @@ class ScheduleDraft:
         recycles: no-grad forward passes (``'N'`` blocks) per micro-batch before its ``F``.
         all_device: the all-device blocks ``E`` / ``H`` / ``W`` exist (interlaced).
         name: the schedule's name (in tables, plans and errors).
+        paired: a stage runs a forward and a backward next to each other in its order in one
+            time step when both are ready (:class:`~nnscaler_jax.pipeline.steps.Pair`).
     """
 
     def __init__(self, stages: int, microbatches: int, *, virtual: int = 1, recycles: int = 0,
-                 all_device: bool = False, name: str = "custom"):
+                 all_device: bool = False, name: str = "custom", paired: bool = False):
         if stages < 1 or microbatches < 1 or virtual < 1 or recycles < 0:
             raise PlanError(f"a schedule needs stages >= 1, microbatches >= 1, virtual >= 1 and "
                             f"recycles >= 0, got stages={stages}, microbatches={microbatches}, "
                             f"virtual={virtual}, recycles={recycles}")
         self.stages, self.microbatches, self.virtual = stages, microbatches, virtual
         self.recycles, self.all_device, self.name = recycles, all_device, name
+        self.paired = paired
         self.pairs: list[tuple[Block, Block]] = []
 
     # ---- blocks --------------------------------------------------------------------------------
@@ -180,11 +183,11 @@ class ScheduleDraft:
         rows = self._total_rows()
         if rows is not None:  # a total order per stage: run as given, checked for deadlocks
             sched = Schedule(self.name, self.stages, self.microbatches, self.virtual, rows,
-                             self.recycles, self.all_device)
+                             self.recycles, self.all_device, self.paired)
             validate(sched)
             return sched
         shell = Schedule(self.name, self.stages, self.microbatches, self.virtual, (),
-                         self.recycles, self.all_device)
+                         self.recycles, self.all_device, self.paired)
         succ: dict[Block, list[tuple[Block, int | None]]] = {b: [] for b in self.blocks()}
         for b in succ:
             for d, ds in deps(b.step, max(b.stage, 0), shell):
@@ -199,7 +202,7 @@ class ScheduleDraft:
         # complete by construction, and deadlock-free: every stage runs its blocks in the order
         # of one topological order of the pairs and the data dependencies
         return Schedule(self.name, self.stages, self.microbatches, self.virtual, rows,
-                        self.recycles, self.all_device)
+                        self.recycles, self.all_device, self.paired)
 
     def _total_rows(self) -> tuple[tuple[Step, ...], ...] | None:
         """Each stage's blocks in the order of its pairs when they chain all of them (one pair

@@ -82,7 +82,8 @@ def runtime_time(sched, fwd: list[float], bwd: list[float], p2p: float,
     """``(step seconds, bubble seconds)`` of a schedule's step table (``plan.schedule``).
 
     The runtime walks the table in lock step: time step ``t`` lasts as long as the slowest
-    stage's work at ``t`` (``fwd[c]`` / ``bwd[c]`` of chunk ``c``; a no-grad forward ``N`` costs
+    stage's work at ``t`` (``fwd[c]`` / ``bwd[c]`` of chunk ``c``, their sum for a
+    :class:`~nnscaler_jax.pipeline.steps.Pair`; a no-grad forward ``N`` costs
     ``fwd[c]``; an all-device block ``all_device[kind]``, run by the stage holding its data,
     ``E`` / ``W`` stage 0 and ``H`` the last chunk's stage, while the others wait) and then both
     ``ppermute``\\ s (``p2p`` seconds together). ``table``: ``sch.timeline(sched)`` when
@@ -93,15 +94,16 @@ def runtime_time(sched, fwd: list[float], bwd: list[float], p2p: float,
     total, busy = 0.0, [0.0] * S
     for row in sch.timeline(sched) if table is None else table:
         dur = 0.0
-        for s, st in enumerate(row):
-            if st is None:
-                continue
-            c = st.virtual * S + s
-            w = (extra.get(st.kind, 0.0) if st.all_device
-                 else bwd[c] if st.kind == "B" else fwd[c])
-            if not st.all_device or runs.get(st.kind, s) == s:
-                busy[s] += w
-            dur = max(dur, w)
+        for s, cell in enumerate(row):
+            here = 0.0  # (a pair: its forward, then its backward)
+            for st in sch.blocks(cell):
+                c = st.virtual * S + s
+                w = (extra.get(st.kind, 0.0) if st.all_device
+                     else bwd[c] if st.kind == "B" else fwd[c])
+                if not st.all_device or runs.get(st.kind, s) == s:
+                    busy[s] += w
+                here += w
+            dur = max(dur, here)
         total += dur + p2p
     return total, total - max(busy)
 
@@ -124,7 +126,7 @@ def runtime_choices(units: list[Unit], stages: int, dp: int, batch: int,
     on every stage), stages data-parallel inside (``dp`` ways), ``batch`` split into
     ``microbatches x dp``, interleaved only with 2 chunks per stage and micro-batches a multiple
     of the stages. Sorted: fitting first, then by step time, then memory. ``schedule``: a
-    name (None: the ones the runtime executes, ``'gpipe'``, ``'1f1b'``, ``'interleaved'``, and
+    name (None: the ones the runtime executes, ``'gpipe'``, ``'1f1b'``, ``'eager-1f1b'``, ``'interleaved'``, and
     ``'interlaced'`` when ``tp`` is 1 (it runs on the cut program, whose stages are
     data-parallel inside); ``'nf1b'`` is priced when named) or a
     :class:`~nnscaler_jax.pipeline.steps.Schedule` (written with ``op_order``: its own

@@ -253,18 +253,20 @@ class PipelineProgram(PipelineRuntime):
         T = tb.kind.shape[0]
         tabs = [jnp.asarray(a) for a in (tb.kind, tb.mb, tb.virt, tb.in_slot, tb.g_slot,
                                          tb.rf_slot, tb.rb_slot)]
+        pair = [jnp.asarray(a) for a in (tb.b_kind, tb.b_mb, tb.b_virt, tb.b_in, tb.b_g)]
         sends, zeros_like = jnp.asarray(tb.sends), lambda t: [jnp.zeros_like(x) for x in t]
+        zl = jnp.zeros((), jnp.float32)
 
-        def body(t, carry):
-            inbuf, gbuf, g_layers, g_shared, loss_acc = carry
-            kind, m, v, isl, gsl, rf, rb = [a[t, s] for a in tabs]
+        def block(kind, m, v, isl, gsl, inbuf, gbuf, codes):
+            """``(activation to send, cotangent to send, layer grads, shared grads, loss)`` of
+            one block of chunk ``v`` (``codes``: the kinds this lane may run)."""
             c = v * S + s
             bm = [lax.dynamic_index_in_dim(x, m, keepdims=False) for x in batch]
             p_c = [lax.dynamic_index_in_dim(x, v, keepdims=False) for x in layers]
             x_in = inbuf[isl]
 
             def idle():
-                return zx, zx, zeros_like(p_c), zeros_like(shared), jnp.zeros((), jnp.float32)
+                return zx, zx, zeros_like(p_c), zeros_like(shared), zl
 
             def fwd():
                 y, loss = self._chunk(c, p_c, shared, x_in, bm)
@@ -277,10 +279,23 @@ class PipelineProgram(PipelineRuntime):
                 gy = jnp.where(last, jnp.zeros_like(zx), gbuf[gsl])
                 gl = jnp.where(last, seed, 0.0).astype(jnp.float32)
                 dp, dsh, dx = vjp((gy, gl))
-                return zx, dx, dp, dsh, jnp.zeros((), jnp.float32)
+                return zx, dx, dp, dsh, zl
 
-            send_f, send_b, dp, dsh, loss = lax.switch(kind, [idle, fwd, bwd])
+            fns = [idle, fwd, bwd]
+            index = kind if len(codes) == 3 else (kind > 0).astype(jnp.int32)
+            return lax.switch(index, [fns[k] for k in codes])
+
+        def body(t, carry):
+            inbuf, gbuf, g_layers, g_shared, loss_acc = carry
+            kind, m, v, isl, gsl, rf, rb = [a[t, s] for a in tabs]
+            send_f, send_b, dp, dsh, loss = block(kind, m, v, isl, gsl, inbuf, gbuf, (0, 1, 2))
             g_layers = [g.at[v].add(d) for g, d in zip(g_layers, dp, strict=True)]
+            if tb.paired:  # the backward of a pair, after its forward
+                bk, bm_, bv, bi, bg = [a[t, s] for a in pair]
+                _, send_b2, dp2, dsh2, _ = block(bk, bm_, bv, bi, bg, inbuf, gbuf, (0, 2))
+                send_b = jnp.where(bk > 0, send_b2, send_b)
+                g_layers = [g.at[bv].add(d) for g, d in zip(g_layers, dp2, strict=True)]
+                dsh = [a + b for a, b in zip(dsh, dsh2, strict=True)]
             g_shared = [g + d for g, d in zip(g_shared, dsh, strict=True)]
             recv_f = send_if(sends[t, 0], send_f, self.axis, [(i, (i + 1) % S) for i in range(S)])
             recv_b = send_if(sends[t, 1], send_b, self.axis, [(i, (i - 1) % S) for i in range(S)])

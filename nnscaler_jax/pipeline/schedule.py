@@ -28,18 +28,23 @@ from typing import Any
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.pipeline.order import Block, ScheduleDraft
 from nnscaler_jax.pipeline.steps import (
+    Pair,
     Schedule,
     Step,
+    blocks,
     peak_in_flight,
     timeline,
     validate,
 )
 
 __all__ = [
+    "Pair",
     "Schedule",
     "ScheduleDraft",
     "Step",
+    "blocks",
     "build",
+    "eager_one_f_one_b",
     "format_schedule",
     "from_settings",
     "gpipe",
@@ -54,8 +59,8 @@ __all__ = [
     "validate",
 ]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "interlaced", "nf1b")
-RUNNABLE = ("1f1b", "gpipe", "interleaved")  # what the stage DP picks among by default
+SCHEDULES = ("gpipe", "1f1b", "eager-1f1b", "interleaved", "interlaced", "nf1b")
+RUNNABLE = ("1f1b", "eager-1f1b", "gpipe", "interleaved")  # the stage DP's default choices
 RECYCLES = 3  # nf1b's default no-grad passes ("3F1B")
 
 
@@ -72,10 +77,11 @@ def _from_rows(draft: ScheduleDraft, row: Callable[[int], list[Block]]) -> Sched
     return draft.finish()
 
 
-def _one_f_one_b_row(d: ScheduleDraft, s: int) -> list[Block]:
-    """1F1B on stage ``s``: ``stages - s - 1`` warm-up forwards, then F and B alternate."""
+def _one_f_one_b_row(d: ScheduleDraft, s: int, warm: int | None = None) -> list[Block]:
+    """1F1B on stage ``s``: ``warm`` (default ``stages - s - 1``) warm-up forwards, then F and
+    B alternate."""
     M = d.microbatches
-    warm = min(d.stages - s - 1, M)
+    warm = min(d.stages - s - 1 if warm is None else warm, M)
     row = [d.F(s, m) for m in range(warm)]
     for i in range(M - warm):
         row += [d.F(s, warm + i), d.B(s, i)]
@@ -95,6 +101,29 @@ def one_f_one_b(stages: int, microbatches: int) -> Schedule:
     _check_sizes(stages, microbatches)
     d = ScheduleDraft(stages, microbatches, name="1f1b")
     return _from_rows(d, lambda s: _one_f_one_b_row(d, s))
+
+
+def eager_one_f_one_b(stages: int, microbatches: int) -> Schedule:
+    """Eager 1F1B: stage ``s`` runs ``2 (stages - s - 1)`` warm-up forwards, then alternates F
+    and B, a ready forward and backward in one time step (``paired``).
+
+    In the runtime's lock step a result is usable one time step after it is made, so a
+    micro-batch's forward on stage 0 and its backward there are ``2 stages - 1`` steps apart:
+    with that many micro-batches in flight each stage runs a forward and a backward in every
+    steady-state step (a :class:`~nnscaler_jax.pipeline.steps.Pair`). The step takes GPipe's
+    time (``(M + S - 1) (f + b)`` for equal stages; 1F1B, whose forwards and backwards of
+    different stages share time steps, up to ``2 (M + S - 1) b``) in ``M + 2 S - 1`` time steps
+    (GPipe's ``2 (M + S - 1)``: fewer ``ppermute`` rounds), with at most ``2 (S - s) - 1``
+    micro-batches in flight on stage ``s`` (1F1B: ``S - s``; GPipe: all ``M``).
+
+    >>> print(format_schedule(eager_one_f_one_b(2, 4)))
+    schedule eager-1f1b: 2 stages x 4 micro-batches, 7 steps
+    stage 0 | F0    F1    F2    F3+B0 B1    B2    B3
+    stage 1 | .     F0    F1+B0 F2+B1 F3+B2 B3    .
+    """
+    _check_sizes(stages, microbatches)
+    d = ScheduleDraft(stages, microbatches, name="eager-1f1b", paired=True)
+    return _from_rows(d, lambda s: _one_f_one_b_row(d, s, 2 * (stages - s - 1)))
 
 
 def interleaved(stages: int, microbatches: int, virtual: int) -> Schedule:
@@ -185,6 +214,8 @@ def build(name: str, stages: int, microbatches: int, virtual: int = 2,
         return gpipe(stages, microbatches)
     if name == "1f1b":
         return one_f_one_b(stages, microbatches)
+    if name == "eager-1f1b":
+        return eager_one_f_one_b(stages, microbatches)
     if name == "interleaved":
         return interleaved(stages, microbatches, virtual)
     if name == "interlaced":
@@ -202,7 +233,7 @@ def from_settings(pipe: Any) -> Schedule:
     rows = getattr(pipe, "steps", ())
     if rows:
         return Schedule.from_lists(pipe.schedule, pipe.stages, pipe.microbatches, pipe.virtual,
-                                   rows)
+                                   rows, paired=getattr(pipe, "paired", False))
     return build(pipe.schedule, pipe.stages, pipe.microbatches, pipe.virtual)
 
 
@@ -249,7 +280,7 @@ def _is_builtin(sched: Schedule) -> bool:
 def format_schedule(sched: Schedule) -> str:
     """A per-device timeline, one line per stage (``.`` = idle)."""
     table = timeline(sched)
-    w = max(len(str(st)) for row in table for st in row if st is not None)
+    w = max(len(str(cell)) for row in table for cell in row if cell is not None)
     lines = [f"schedule {sched.name}: {sched.stages} stages x {sched.microbatches} micro-batches"
              + (f" x {sched.virtual} chunks" if sched.virtual > 1 else "")
              + f", {len(table)} steps"]
@@ -277,19 +308,10 @@ def plot_gantt(sched: Schedule, path: str) -> str:
     cmap = plt.get_cmap("tab10")
     style = {"F": (None, 1.0), "B": ("//", 1.0), "N": ("..", 0.45)}
     for t, row in enumerate(table):
-        for s, st in enumerate(row):
-            if st is None or (st.all_device and s):
-                continue
-            if st.all_device:
-                ax.barh((S - 1) / 2, 1, height=S - 0.2, left=t, color="0.8",
-                        edgecolor="black", hatch="xx" if st.kind == "W" else None)
-                ax.text(t + 0.5, (S - 1) / 2, str(st), ha="center", va="center", fontsize=7,
-                        rotation=90 if S > 1 else 0)
-                continue
-            hatch, alpha = style[st.kind]
-            ax.barh(s, 1, left=t, color=cmap(st.microbatch % 10), alpha=alpha,
-                    edgecolor="black", hatch=hatch)
-            ax.text(t + 0.5, s, str(st), ha="center", va="center", fontsize=6)
+        for s, cell in enumerate(row):
+            parts = blocks(cell)
+            for i, st in enumerate(parts):
+                _draw_block(ax, st, s, t + i / len(parts), 1 / len(parts), S, style, cmap)
     kinds = {st.kind for row in sched.steps for st in row}
     legend = [Patch(facecolor="white", edgecolor="black", hatch=h, alpha=a, label=lab)
               for k, (h, a), lab in (("F", style["F"], "F forward"),
@@ -310,3 +332,20 @@ def plot_gantt(sched: Schedule, path: str) -> str:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def _draw_block(ax: Any, st: Step, s: int, left: float, width: float, S: int, style: dict,
+                cmap: Any) -> None:
+    """One block of :func:`plot_gantt` (``width``: half a step for each of a pair)."""
+    if st.all_device and s:
+        return
+    if st.all_device:
+        ax.barh((S - 1) / 2, width, height=S - 0.2, left=left, color="0.8",
+                edgecolor="black", hatch="xx" if st.kind == "W" else None)
+        ax.text(left + width / 2, (S - 1) / 2, str(st), ha="center", va="center", fontsize=7,
+                rotation=90 if S > 1 else 0)
+        return
+    hatch, alpha = style[st.kind]
+    ax.barh(s, width, left=left, color=cmap(st.microbatch % 10), alpha=alpha,
+            edgecolor="black", hatch=hatch)
+    ax.text(left + width / 2, s, str(st), ha="center", va="center", fontsize=6)

@@ -34,8 +34,8 @@ import networkx as nx
 
 from nnscaler_jax.errors import PlanError
 
-__all__ = ["ALL", "KINDS", "Schedule", "Step", "cycle_text", "deps", "expected_steps",
-           "peak_in_flight", "timeline", "validate"]
+__all__ = ["ALL", "KINDS", "Cell", "Pair", "Schedule", "Step", "blocks", "cycle_text", "deps",
+           "expected_steps", "peak_in_flight", "timeline", "validate"]
 
 KINDS = ("F", "B", "N", "E", "H", "W")
 ALL_DEVICE = frozenset("EHW")
@@ -71,7 +71,7 @@ class Schedule:
     """Per-stage block orders.
 
     Attributes:
-        name: ``'gpipe'``, ``'1f1b'``, ``'interleaved'``, ``'interlaced'``, ``'nf1b'`` or a
+        name: ``'gpipe'``, ``'1f1b'``, ``'eager-1f1b'``, ``'interleaved'``, ``'interlaced'``, ``'nf1b'`` or a
             user's name (``'custom'``).
         stages: devices groups along the stage axis.
         microbatches: micro-batches per training step.
@@ -79,6 +79,8 @@ class Schedule:
         steps: ``steps[s]`` is stage ``s``'s ordered blocks (all-device blocks in every row).
         recycles: no-grad forward passes per micro-batch before its ``F`` (``'N'`` blocks).
         all_device: the schedule has the all-device blocks ``E`` / ``H`` / ``W``.
+        paired: a stage runs a forward and a backward next to each other in its order in one
+            time step when both are ready (:class:`Pair`; ``eager-1f1b``).
     """
 
     name: str
@@ -88,6 +90,7 @@ class Schedule:
     steps: tuple[tuple[Step, ...], ...]
     recycles: int = 0
     all_device: bool = False
+    paired: bool = False
 
     @property
     def chunks(self) -> int:
@@ -100,14 +103,14 @@ class Schedule:
 
     @classmethod
     def from_lists(cls, name: str, stages: int, microbatches: int, virtual: int,
-                   rows: Sequence[Sequence[Sequence]]) -> Schedule:
+                   rows: Sequence[Sequence[Sequence]], *, paired: bool = False) -> Schedule:
         """The inverse of :meth:`to_lists` (recycles / all-device blocks read off the rows)."""
         steps = tuple(tuple(Step(str(x[0]), int(x[1]), int(x[2]) if len(x) > 2 else 0,
                                  int(x[3]) if len(x) > 3 else 0) for x in row) for row in rows)
         flat = [x for row in steps for x in row]
         recycles = max((x.it + 1 for x in flat if x.kind == "N"), default=0)
         return cls(name, stages, microbatches, virtual, steps, recycles,
-                   any(x.all_device for x in flat))
+                   any(x.all_device for x in flat), paired)
 
 
 def expected_steps(sched: Schedule, stage: int) -> Iterator[Step]:
@@ -195,12 +198,39 @@ def _order_graph(sched: Schedule) -> nx.DiGraph:
     return g
 
 
-def timeline(sched: Schedule) -> list[list[Step | None]]:
-    """The step table: ``table[t][s]`` is what stage ``s`` does at time step ``t`` (or idle).
+class Pair(NamedTuple):
+    """A forward and a backward one stage runs in one time step (:func:`timeline`): consecutive
+    in its order, both ready at the step's start. The forward's activation and the backward's
+    cotangent go to the neighbours together after the step."""
+
+    forward: Step
+    backward: Step
+
+    def __str__(self) -> str:
+        return f"{self.forward}+{self.backward}"
+
+
+Cell = Step | Pair | None  # what one stage does in one time step
+
+
+def blocks(cell: Cell) -> tuple[Step, ...]:
+    """The blocks of a :func:`timeline` cell: none, one, or a :class:`Pair`'s two."""
+    if cell is None:
+        return ()
+    return tuple(cell) if isinstance(cell, Pair) else (cell,)
+
+
+def timeline(sched: Schedule) -> list[list[Cell]]:
+    """The step table: ``table[t][s]`` is what stage ``s`` does at time step ``t``: a block, a
+    :class:`Pair` of a forward and a backward, or None (idle).
 
     Each stage runs its blocks in its order, each at the earliest step after its dependencies'
-    steps (unit time per block; results reach the neighbour for the next step); an all-device
-    block runs on every stage at once, when it heads every stage's order.
+    steps (unit time per block; results reach the neighbour for the next step); in a
+    ``paired`` schedule a forward and a backward next to each other in a stage's order that are
+    both ready run in one step (the runtime's loop runs both in it: in lock step the step lasts
+    their sum on that stage, where a forward and a backward of different stages in one step
+    each wait for the slower one). An all-device block runs on every stage at once, when it heads every stage's
+    order.
 
     Raises:
         PlanError: the schedule is invalid (see :func:`validate`).
@@ -209,26 +239,36 @@ def timeline(sched: Schedule) -> list[list[Step | None]]:
     return _place(sched)
 
 
-def _place(sched: Schedule) -> list[list[Step | None]]:
+def _ready(st: Step | None, s: int, sched: Schedule, done: dict, t: int) -> bool:
+    return st is not None and all(done.get(d, t) < t for d in deps(st, s, sched))
+
+
+def _place(sched: Schedule) -> list[list[Cell]]:
     """:func:`timeline` of a schedule whose blocks are checked (a deadlock still raises)."""
     S = sched.stages
     done: dict[tuple[Step, int], int] = {}
     pos = [0] * S
-    table: list[list[Step | None]] = []
+    table: list[list[Cell]] = []
     total, t = sum(len(r) for r in sched.steps), 0
+    at = lambda s, i: sched.steps[s][i] if i < len(sched.steps[s]) else None
     while sum(pos) < total:
-        heads = [sched.steps[s][pos[s]] if pos[s] < len(sched.steps[s]) else None
-                 for s in range(S)]
-        row: list[Step | None] = [None] * S
+        heads = [at(s, pos[s]) for s in range(S)]
+        row: list[Cell] = [None] * S
         for s, st in enumerate(heads):
-            if st is None or not all(done.get(d, t) < t for d in deps(st, s, sched)):
+            if not _ready(st, s, sched, done, t):
                 continue
-            if not st.all_device or all(h == st for h in heads):
-                row[s] = st
+            if st.all_device:
+                row[s] = st if all(h == st for h in heads) else None
+                continue
+            row[s] = st
+            nxt = at(s, pos[s] + 1)
+            if (sched.paired and {st.kind, getattr(nxt, "kind", None)} == {"F", "B"}
+                    and _ready(nxt, s, sched, done, t)):
+                row[s] = Pair(st, nxt) if st.kind == "F" else Pair(nxt, st)
         if not any(row):
             raise _deadlock(sched, heads, pos, done, t)
-        for s, st in enumerate(row):
-            if st is not None:
+        for s, cell in enumerate(row):
+            for st in blocks(cell):
                 done[(st, ALL if st.all_device else s)] = t
                 pos[s] += 1
         table.append(row)

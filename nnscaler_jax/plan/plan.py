@@ -137,6 +137,8 @@ class PipelineSettings:
         layer_rules: ``(layer module path, recomputed on its own)`` pairs the recompute rules
             set (:mod:`nnscaler_jax.pipeline.rules`; a cut program's layers): those layers
             follow them whatever ``recompute`` says.
+        paired: a schedule written with ``op_order`` (``steps``) runs a stage's ready forward
+            and backward in one time step (``ScheduleDraft(paired=True)``; built-ins: by name).
     """
 
     stages: int
@@ -148,6 +150,7 @@ class PipelineSettings:
     steps: tuple[tuple[tuple[Any, ...], ...], ...] = ()
     recompute: str = "chunk"
     layer_rules: tuple[tuple[str, bool], ...] = ()
+    paired: bool = False
 
     def recomputed(self) -> list[str]:
         """The layers recomputed on their own inside their chunk's backward."""
@@ -167,6 +170,8 @@ class PipelineSettings:
             d["recompute"] = self.recompute
         if self.layer_rules:
             d["layer_rules"] = [list(x) for x in self.layer_rules]
+        if self.paired:
+            d["paired"] = True
         return d
 
     @classmethod
@@ -178,7 +183,8 @@ class PipelineSettings:
                    steps=tuple(tuple((str(x[0]), *map(int, x[1:])) for x in row)
                                for row in d.get("steps", ())),
                    recompute=str(d.get("recompute", "chunk")),
-                   layer_rules=tuple((str(n), bool(f)) for n, f in d.get("layer_rules", ())))
+                   layer_rules=tuple((str(n), bool(f)) for n, f in d.get("layer_rules", ())),
+                   paired=bool(d.get("paired", False)))
 
     def lines(self) -> list[str]:
         """The plan text's pipeline section."""

@@ -52,7 +52,7 @@ def test_auto_records_choice_and_trains(gpt):
     ref = spec.loss_fn(spec.module.apply({"params": params}, tokens), tokens)
     np.testing.assert_allclose(metrics["loss"], ref, rtol=1e-4)
     pipe = plan.pipeline
-    assert plan.stages == 2 and pipe.schedule in ("gpipe", "1f1b", "interleaved")
+    assert plan.stages == 2 and pipe.schedule in ("gpipe", "1f1b", "eager-1f1b", "interleaved")
     assert step.program.schedule.microbatches == pipe.microbatches
     assert 16 % (pipe.microbatches * 4) == 0
     assert pipe.virtual == (2 if pipe.schedule == "interleaved" else 1)

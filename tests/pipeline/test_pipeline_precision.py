@@ -86,14 +86,15 @@ def _cast(tree, dtype):
                                          (((2, 2, 2), ("stage", "data", "model")), "megatron")],
                          ids=["cut", "tensor-parallel-stages"])
 def test_float16_pipeline_scales_the_loss_like_one_device(mesh, policy):
-    """float16 in both cut runtimes (one program; one per stage, tensor-parallel inside): the
+    """float16 in both cut runtimes (one program; one per stage, tensor-parallel inside), with
+    eager 1F1B's pairs (a forward and a backward in one time step): the
     last chunk's backward is seeded with the loss scale, the gradients unscaled before the
     update, the scale doubled after ``growth_interval`` finite steps."""
     spec = models.get("gpt", "tiny", batch_size=16, dtype=jnp.float16)
     params = spec.init(jax.random.PRNGKey(0))["params"]
     args = spec.make_args()
     pm = auto_parallel(make_mesh(*mesh), Constraints(pipeline_stages=2, microbatches=4,
-                                                     schedule="1f1b", precision="float16"),
+                                                     schedule="eager-1f1b", precision="float16"),
                        policy=policy)(spec.module)
     step = pm.train_step(spec.loss_fn, optax.sgd(LR), growth_interval=1)
     state = step.init({"params": params}, *args)

@@ -4,6 +4,7 @@ import pytest
 
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.pipeline import schedule as sch
+from nnscaler_jax.pipeline.pricing import runtime_time
 from nnscaler_jax.pipeline.schedule import Schedule, Step
 
 
@@ -72,3 +73,42 @@ def test_printer_and_gantt(tmp_path):
     out = sch.plot_gantt(sch.interleaved(2, 4, 2), str(tmp_path / "g.png"))
     with open(out, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("S,M", [(2, 4), (4, 8), (3, 5), (4, 2), (8, 16)])
+def test_eager_1f1b_pairs_a_forward_and_a_backward_per_step(S, M):
+    """Eager 1F1B in lock step: GPipe's time (f = 1, b = 2 per chunk) in M + 2S - 1 time steps
+    (GPipe: 2 (M + S - 1), one ppermute round each), with 2 (S - s) - 1 micro-batches in
+    flight on stage s; 1F1B (unpaired: a forward and a backward of different stages share a
+    step and wait for the slower) is slower whenever the pipeline has a steady state."""
+    eager, gpipe, one = sch.eager_one_f_one_b(S, M), sch.gpipe(S, M), sch.one_f_one_b(S, M)
+    table = sch.timeline(eager)
+    assert sum(len(sch.blocks(c)) for row in table for c in row) == 2 * S * M
+    assert len(table) == M + 2 * S - 1 < len(sch.timeline(gpipe)) or M < 2
+    assert sch.peak_in_flight(eager) == tuple(min(2 * (S - s) - 1, M) for s in range(S))
+    f, b = [1.0] * S, [2.0] * S
+    t_eager, t_gpipe = runtime_time(eager, f, b, 0.0)[0], runtime_time(gpipe, f, b, 0.0)[0]
+    assert t_eager == t_gpipe == (M + S - 1) * 3.0
+    assert runtime_time(eager, f, b, 0.1)[0] < runtime_time(gpipe, f, b, 0.1)[0]
+    if M > S:
+        assert runtime_time(one, f, b, 0.0)[0] > t_eager
+    # the steady state: a Pair on every stage (each stage's forward then its backward)
+    pairs = [row for row in table if all(isinstance(c, sch.Pair) for c in row)]
+    assert len(pairs) == max(M - 2 * S + 1, 0)
+    assert all(p.forward.kind == "F" and p.backward.kind == "B" for row in pairs for p in row)
+    # 1F1B's own table is not paired
+    assert not any(isinstance(c, sch.Pair) for row in sch.timeline(one) for c in row)
+
+
+def test_a_paired_schedule_written_with_op_order_keeps_its_pairs_in_a_saved_plan():
+    from nnscaler_jax.pipeline.order import ScheduleDraft
+    from nnscaler_jax.plan.plan import PipelineSettings
+
+    d = ScheduleDraft(2, 4, name="mine", paired=True)
+    for s in range(2):
+        d.chain(*sch._one_f_one_b_row(d, s, 2 * (1 - s)))
+    mine = d.finish()
+    settings = PipelineSettings(2, 4, "mine", steps=sch.settings_steps(mine), paired=True)
+    back = PipelineSettings.from_dict(settings.to_dict())
+    again = sch.from_settings(back)
+    assert again.paired and sch.timeline(again) == sch.timeline(sch.eager_one_f_one_b(2, 4))

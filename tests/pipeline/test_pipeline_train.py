@@ -33,10 +33,11 @@ def _close(a, b):
 
 
 # (4 stages x 1f1b x 4 micro-batches is left out: 2 x 1f1b x 4 and 4 x 1f1b x 8 run the same
-# runtime with and without a steady state, 4 x gpipe x 4 the four stages at M = S)
+# runtime with and without a steady state, 4 x gpipe x 4 the four stages at M = S; eager-1f1b
+# runs a forward and a backward in one time step: the loop's second, backward-only branch)
 @pytest.mark.parametrize("preset,stages,schedule,microbatches", [
     ("tiny", 2, "1f1b", 4), ("tiny", 4, "gpipe", 4),
-    ("tiny-scan", 2, "interleaved", 4), ("tiny", 4, "1f1b", 8),
+    ("tiny-scan", 2, "interleaved", 4), ("tiny", 4, "1f1b", 8), ("tiny", 4, "eager-1f1b", 8),
 ])
 def test_pipeline_matches_single_device(preset, stages, schedule, microbatches):
     spec = models.get("gpt", preset, n_layers=4, batch_size=16)
