@@ -266,6 +266,16 @@ def _memory_md(rows: list[dict]) -> list[str]:
                   "schedule-independent terms (one chunk's recomputed activations, the step's "
                   "gradient / update temporaries) are under-priced; see "
                   "results/bench_pipeline_memory.md.")]
+    if "eager-1f1b" in by and "predicted_bytes" in by["eager-1f1b"]:
+        e, o = by["eager-1f1b"], by["1f1b"]
+        lines += ["", (f"Eager 1F1B - 1F1B: predicted "
+                  f"{mib(e['predicted_bytes'] - o['predicted_bytes'])} MiB (its "
+                  f"{e['input_buffer_slots'] - o['input_buffer_slots']} more input slots), "
+                  f"XLA temp {mib(e['temp_bytes'] - o['temp_bytes'])} MiB: the loop step that "
+                  "runs a pair's forward and backward holds "
+                  f"{mib(e['temp_bytes'] - o['temp_bytes'] - e['predicted_bytes'] + o['predicted_bytes'])}"
+                  " MiB more than priced (cause not found; an optimization barrier between the "
+                  "two did not change XLA:CPU's figure).")]
     return lines + [""]
 
 
