@@ -111,7 +111,7 @@ class _Stack(nn.Module):
         return nn.Dense(4, name="head")(x)
 
 
-@pytest.mark.parametrize("schedule,layers", [("1f1b", 2), ("interleaved", 4)])
+@pytest.mark.parametrize("schedule,layers", [("1f1b", 2), ("interleaved", 4), ("eager-1f1b", 2)])
 def test_linen_batch_stats_carried_in_microbatch_order_then_averaged(schedule, layers):
     module, (x, y) = _Stack(layers), _batch()
     variables = module.init(jax.random.key(0), x)
