@@ -76,3 +76,17 @@ def test_interlaced_priced_as_the_cut_runtime_runs_it():
     t = loop_tables(sched, "FBNEHW")
     want = 16 * 4 + (8 + 8) * 4 + (t.n_in + t.n_g) * 4.0 + 10.0
     assert row.memory_bytes == (pytest.approx(want),) * 2
+
+
+def test_eager_1f1b_prices_its_slots_and_its_pairs():
+    """Eager 1F1B over 1F1B: more input slots, and the loop step running a pair holds both
+    blocks' results (one chunk's parameter gradient dominates here: a wide, short model)."""
+    spec = models.get("gpt", "tiny", batch_size=32, n_layers=2, d_model=128, n_heads=2,
+                      seq_len=64, n_positions=64, vocab_size=64)
+    (tokens,) = spec.make_args()
+    variables = spec.init(jax.random.PRNGKey(0))
+    pred_e, xla_e = _step(spec, tokens, variables, "eager-1f1b")
+    pred_o, xla_o = _step(spec, tokens, variables, "1f1b")
+    predicted, measured = pred_e - pred_o, xla_e - xla_o
+    assert measured > 0 and predicted > 0
+    assert abs(measured / predicted - 1) <= TOLERANCE, (predicted, measured)
