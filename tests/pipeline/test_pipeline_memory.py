@@ -31,15 +31,22 @@ def _step(spec, tokens, variables, schedule):
             mem.temp_size_in_bytes + mem.argument_size_in_bytes)
 
 
-def test_1f1b_saves_what_the_pricing_predicts():
-    # activations dominate: long sequence, narrow model; 8 micro-batches of 1 sample x 4 data
-    spec = models.get("gpt", "tiny", batch_size=32, n_layers=2, d_model=32, n_heads=2,
-                      seq_len=512, n_positions=512, vocab_size=64)
+def _difference(more: str, less: str, **size) -> tuple[int, int]:
+    """``(predicted, XLA's)`` memory of schedule ``more``'s step minus ``less``'s (GPT tiny,
+    2 layers, batch 32, ``size``)."""
+    spec = models.get("gpt", "tiny", batch_size=32, n_layers=2, n_heads=2, vocab_size=64,
+                      **size)
     (tokens,) = spec.make_args()
     variables = spec.init(jax.random.PRNGKey(0))
-    pred_g, xla_g = _step(spec, tokens, variables, "gpipe")
-    pred_o, xla_o = _step(spec, tokens, variables, "1f1b")
-    predicted, measured = pred_g - pred_o, xla_g - xla_o
+    pred_a, xla_a = _step(spec, tokens, variables, more)
+    pred_b, xla_b = _step(spec, tokens, variables, less)
+    return pred_a - pred_b, xla_a - xla_b
+
+
+def test_1f1b_saves_what_the_pricing_predicts():
+    # activations dominate: long sequence, narrow model; 8 micro-batches of 1 sample x 4 data
+    predicted, measured = _difference("gpipe", "1f1b", d_model=32, seq_len=512,
+                                      n_positions=512)
     slot = 512 * 32 * 4  # one stage input: [1, 512, 32] float32
     assert predicted == pytest.approx(6 * slot, rel=0.01)  # 8 + 1 vs 2 + 1 buffer slots
     assert measured > 0 and predicted > 0
@@ -81,12 +88,7 @@ def test_interlaced_priced_as_the_cut_runtime_runs_it():
 def test_eager_1f1b_prices_its_slots_and_its_pairs():
     """Eager 1F1B over 1F1B: more input slots, and the loop step running a pair holds both
     blocks' results (one chunk's parameter gradient dominates here: a wide, short model)."""
-    spec = models.get("gpt", "tiny", batch_size=32, n_layers=2, d_model=128, n_heads=2,
-                      seq_len=64, n_positions=64, vocab_size=64)
-    (tokens,) = spec.make_args()
-    variables = spec.init(jax.random.PRNGKey(0))
-    pred_e, xla_e = _step(spec, tokens, variables, "eager-1f1b")
-    pred_o, xla_o = _step(spec, tokens, variables, "1f1b")
-    predicted, measured = pred_e - pred_o, xla_e - xla_o
+    predicted, measured = _difference("eager-1f1b", "1f1b", d_model=128, seq_len=64,
+                                      n_positions=64)
     assert measured > 0 and predicted > 0
     assert abs(measured / predicted - 1) <= TOLERANCE, (predicted, measured)
