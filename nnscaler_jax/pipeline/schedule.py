@@ -128,7 +128,10 @@ def eager_one_f_one_b(stages: int, microbatches: int) -> Schedule:
 
 def interleaved(stages: int, microbatches: int, virtual: int) -> Schedule:
     """Interleaved 1F1B (Megatron): ``virtual`` model chunks per stage, chunk ``v * stages + s``
-    on stage ``s``; micro-batches go through in groups of ``stages``.
+    on stage ``s``; micro-batches go through in groups of ``stages``. Paired: its warm-up is deep
+    enough that a stage's forward and backward are both ready in the steady state, and running
+    them in one lock-step time step takes (with chunks of ``f / V``, ``b / V``) below GPipe's
+    time: 52.5 against 57.0 at 4 stages x 16 micro-batches x 2 chunks (66.0 unpaired).
 
     Raises:
         PlanError: ``microbatches`` is not a multiple of ``stages``.
@@ -139,7 +142,7 @@ def interleaved(stages: int, microbatches: int, virtual: int) -> Schedule:
                         f"a multiple of the stages; use "
                         f"microbatches={stages * max(1, microbatches // stages)}")
     total = microbatches * virtual
-    d = ScheduleDraft(stages, microbatches, virtual=virtual, name="interleaved")
+    d = ScheduleDraft(stages, microbatches, virtual=virtual, name="interleaved", paired=True)
 
     def unit(s: int, i: int, backward: bool) -> Block:
         group, r = divmod(i, stages * virtual)
