@@ -8,7 +8,7 @@ Modules (no import cycles among them; see docs/design.md for the layers):
 - :mod:`~nnscaler_jax.pipeline.steps`: blocks, step tables, their data dependencies and
   timeline; :mod:`~nnscaler_jax.pipeline.order`: schedules written with ``op_order``
   (``ScheduleDraft``); :mod:`~nnscaler_jax.pipeline.schedule`: the built-in ones written with
-  it (GPipe, 1F1B, interleaved, interlaced, NF1B), printing and Gantt charts;
+  it (GPipe, 1F1B, eager 1F1B, interleaved, interlaced, NF1B), printing and Gantt charts;
   :mod:`~nnscaler_jax.pipeline.loop_tables`: a step table as the runtime loop's
   per-(time step, stage) tables.
 - :mod:`~nnscaler_jax.pipeline.units`: the model cut into prefix / layers / suffix, priced per
@@ -24,7 +24,8 @@ Modules (no import cycles among them; see docs/design.md for the layers):
   parallelism inside stages, and the pipelined training step (``pm.train_step``).
 
 Public (docs/api.md, ``__all__``): schedules -- :class:`Schedule`, :class:`ScheduleDraft` (write
-one with ``op_order``), the built-ins :func:`gpipe`, :func:`one_f_one_b`, :func:`interleaved`,
+one with ``op_order``), the built-ins :func:`gpipe`, :func:`one_f_one_b`,
+:func:`eager_one_f_one_b`, :func:`interleaved`,
 :func:`interlaced`, :func:`nf1b` and :func:`build` (one by name), :func:`format_schedule`,
 :func:`plot_gantt`; :func:`microbatch_rngs` (the keys a micro-batch gets) and
 :func:`reference_loss` (nf1b's recycling on one device). Everything else here is internal.
@@ -37,6 +38,7 @@ from nnscaler_jax.pipeline.order import ScheduleDraft as ScheduleDraft
 from nnscaler_jax.pipeline.program import microbatch_rngs as microbatch_rngs
 from nnscaler_jax.pipeline.recycle import reference_loss as reference_loss
 from nnscaler_jax.pipeline.schedule import build as build
+from nnscaler_jax.pipeline.schedule import eager_one_f_one_b as eager_one_f_one_b
 from nnscaler_jax.pipeline.schedule import format_schedule as format_schedule
 from nnscaler_jax.pipeline.schedule import gpipe as gpipe
 from nnscaler_jax.pipeline.schedule import interlaced as interlaced
@@ -46,5 +48,6 @@ from nnscaler_jax.pipeline.schedule import one_f_one_b as one_f_one_b
 from nnscaler_jax.pipeline.schedule import plot_gantt as plot_gantt
 from nnscaler_jax.pipeline.steps import Schedule as Schedule
 
-__all__ = ["Schedule", "ScheduleDraft", "build", "format_schedule", "gpipe", "interlaced",
-           "interleaved", "microbatch_rngs", "nf1b", "one_f_one_b", "plot_gantt", "reference_loss"]
+__all__ = ["Schedule", "ScheduleDraft", "build", "eager_one_f_one_b", "format_schedule", "gpipe",
+           "interlaced", "interleaved", "microbatch_rngs", "nf1b", "one_f_one_b", "plot_gantt",
+           "reference_loss"]
