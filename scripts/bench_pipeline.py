@@ -270,10 +270,10 @@ def _memory_md(rows: list[dict]) -> list[str]:
         e, o = by["eager-1f1b"], by["1f1b"]
         lines += ["", (f"Eager 1F1B - 1F1B: predicted "
                   f"{mib(e['predicted_bytes'] - o['predicted_bytes'])} MiB (its "
-                  f"{e['input_buffer_slots'] - o['input_buffer_slots']} more input slots, and "
-                  "the loop step running a pair holds both blocks' results: one chunk's "
-                  "parameter gradient, the shared parameters' gradient and a cotangent), XLA "
-                  f"temp {mib(e['temp_bytes'] - o['temp_bytes'])} MiB.")]
+                  f"{e['input_buffer_slots'] - o['input_buffer_slots']} more input slots; a "
+                  "pair adds nothing: the loops run a forward lane and a backward lane, so a "
+                  "step holds one set of gradient results either way), XLA temp "
+                  f"{mib(e['temp_bytes'] - o['temp_bytes'])} MiB.")]
     return lines + [""]
 
 

@@ -232,6 +232,34 @@ def _branches(prog: Any, c: Any, it: Any, args: tuple, seed: Any) -> list:
     return out
 
 
+def _two_lanes(prog: Any, first: tuple, second: tuple, seed: Any) -> tuple:
+    """The blocks of a time step of a paired table, as :func:`_branches`' results: the first
+    lane runs every kind but ``B`` (``first = (code, chunk, pass, args)``), the second the
+    backward (``second = (on, chunk, args)``: a pair's, or the step's only block). A step
+    holds one set of gradient results, as in an unpaired table, not one per lane: the
+    forward lane returns none (nor the shared parameters' unless its all-device blocks
+    make some)."""
+    code, c, it, args = first
+    on, cb, b_args = second
+    keep_sh = bool(prog.seg0)  # (E / H / W: shared gradients from the first lane)
+
+    def lane(f):
+        def run():
+            out_f, out_b, _, dsh, loss, new = f()
+            return out_f, out_b, dsh if keep_sh else [], loss, new
+        return run
+
+    fs = _branches(prog, c, it, args, seed)
+    fs[CODES["B"]] = fs[0]  # (a backward runs in the second lane)
+    out_f, out_b, dsh, loss, new = lax.switch(code, [lane(f) for f in fs])
+    br = _branches(prog, cb, it, b_args, seed)
+    _, out_bb, dp, dsh_b, _, _ = lax.cond(on, br[CODES["B"]], br[0])
+    out_b = jax.tree.map(lambda x, y: jnp.where(on, x, y), out_bb, out_b)
+    if keep_sh:
+        dsh_b = [x + y for x, y in zip(dsh, dsh_b, strict=True)]
+    return out_f, out_b, dp, dsh_b, loss, new
+
+
 def local_step(prog: Any, shared: list, stages: dict, batch: list, colls: dict,
                seed: Any) -> tuple:
     """Per-device body of the cut program's shard_map: run the step table, return
@@ -256,26 +284,26 @@ def local_step(prog: Any, shared: list, stages: dict, batch: list, colls: dict,
         code, m, v, it, isl, gsl, rf, rb, kf, kb = [a[t, s] for a in tabs]
         now, saved = pick(cst, v), pick(pick(snap, v), m)  # B reads what its F read
         is_f, is_b = code == CODES["F"], code == CODES["B"]
-        args = (pick(stages, v), shared, {k: b[isl] for k, b in inbuf.items()},
-                {k: b[gsl] for k, b in gbuf.items()},
-                [lax.dynamic_index_in_dim(x, m, keepdims=False) for x in batch],
-                {k: jnp.where(is_b, saved[k], x) for k, x in now.items()})
-        out_f, out_b, dp, dsh, loss, new = lax.switch(code,
-                                                      _branches(prog, v * S + s, it, args, seed))
+        block = lambda m, v, isl, gsl, kv: (
+            pick(stages, v), shared, {k: b[isl] for k, b in inbuf.items()},
+            {k: b[gsl] for k, b in gbuf.items()},
+            [lax.dynamic_index_in_dim(x, m, keepdims=False) for x in batch], kv)
+        args = block(m, v, isl, gsl, {k: jnp.where(is_b, saved[k], x) for k, x in now.items()})
+        if not tb.paired:
+            out_f, out_b, dp, dsh, loss, new = lax.switch(
+                code, _branches(prog, v * S + s, it, args, seed))
+            gv = v
+        else:  # a forward lane and a backward lane (a pair runs both)
+            bk, bm, bv, bi, bg = [a[t, s] for a in pair]
+            sel = lambda a, b: jnp.where(bk > 0, b, a)
+            bm, gv, bi, bg = sel(m, bm), sel(v, bv), sel(isl, bi), sel(gsl, bg)
+            b_args = block(bm, gv, bi, bg, pick(pick(snap, gv), bm))
+            out_f, out_b, dp, dsh, loss, new = _two_lanes(
+                prog, (code, v * S + s, it, args), (is_b | (bk > 0), gv * S + s, b_args),
+                seed)
         cst = {k: x.at[v].set(jnp.where(is_f, new[k], now[k])) for k, x in cst.items()}
         snap = {k: x.at[v, m].set(jnp.where(is_f, now[k], saved[k])) for k, x in snap.items()}
-        g_st = {k: g.at[v].add(dp[k]) for k, g in g_st.items()}
-        if tb.paired:  # the backward of a pair, after its forward
-            bk, bm, bv, bi, bg = [a[t, s] for a in pair]
-            args = (pick(stages, bv), shared, {k: b[bi] for k, b in inbuf.items()},
-                    {k: b[bg] for k, b in gbuf.items()},
-                    [lax.dynamic_index_in_dim(x, bm, keepdims=False) for x in batch],
-                    pick(pick(snap, bv), bm))
-            br = _branches(prog, bv * S + s, it, args, seed)
-            _, out_b2, dp2, dsh2, _, _ = lax.switch((bk > 0).astype(jnp.int32), [br[0], br[2]])
-            out_b = jax.tree.map(lambda x, y: jnp.where(bk > 0, x, y), out_b2, out_b)
-            g_st = {k: g.at[bv].add(dp2[k]) for k, g in g_st.items()}
-            dsh = [x + y for x, y in zip(dsh, dsh2, strict=True)]
+        g_st = {k: g.at[gv].add(dp[k]) for k, g in g_st.items()}
         g_sh = [g + d for g, d in zip(g_sh, dsh, strict=True)]
         recv_f = send_if(sends[t, 0], out_f, prog.axis, f_perm)
         recv_b = send_if(sends[t, 1], out_b, prog.axis, b_perm)

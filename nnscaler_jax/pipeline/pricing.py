@@ -297,9 +297,6 @@ def _price(w: _Ways, name: str | sch.Schedule, V: int, M: int,
     tables = loop_tables(sched, "FBNEHW")
     mem = _stage_memory(w, bounds, mine, params, tables.n_in + tables.n_g, mb,
                         sched.all_device, layer)
-    if tables.paired:  # the loop step running a pair holds both blocks' results at once
-        mem = [m + _pair_results(w, bounds, mine[s], mb, shared_grad)
-               for s, m in enumerate(mem)]
     fits = w.budget is None or max(mem) <= w.budget
     return RuntimeChoice(sched.name, V, M, mb, step, bubble, tuple(mem), fits, compute, comm,
                          sent, recompute)
@@ -317,20 +314,6 @@ def _all_device_work(w: _Ways, mb: int) -> tuple[dict[str, float], list[float]]:
     per_stage[0] += work["E"] + work["W"]
     per_stage[-1] += work["H"]  # the last chunk's stage (interlaced: one chunk per stage)
     return work, per_stage
-
-
-def _pair_results(w: _Ways, bounds: list[tuple[int, int]], chunks: list[int], mb: int,
-                  shared_grad: float) -> float:
-    """What a loop step running a :class:`~nnscaler_jax.pipeline.steps.Pair` holds beside one
-    block's: the second block's results, a chunk's parameter gradient (the largest of the
-    stage's chunks, over the tensor axes), the shared parameters' gradient and the cotangent it
-    sends (measured on XLA:CPU, results/bench_pipeline.md: a switch's results are buffers of
-    their own, the forward's zeros included)."""
-    units = w.units
-    grad = max(sum(u.param_bytes for u in units[max(a, 1):min(b, len(units) - 1)])
-               for a, b in (bounds[c] for c in chunks)) / w.tp
-    sent = max(units[max(a - 1, 0)].out_bytes * mb for a, _ in bounds)
-    return grad + shared_grad + sent
 
 
 def _stage_memory(w: _Ways, bounds: list[tuple[int, int]], mine: list[list[int]],

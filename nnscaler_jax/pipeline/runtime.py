@@ -257,45 +257,41 @@ class PipelineProgram(PipelineRuntime):
         sends, zeros_like = jnp.asarray(tb.sends), lambda t: [jnp.zeros_like(x) for x in t]
         zl = jnp.zeros((), jnp.float32)
 
-        def block(kind, m, v, isl, gsl, inbuf, gbuf, codes):
-            """``(activation to send, cotangent to send, layer grads, shared grads, loss)`` of
-            one block of chunk ``v`` (``codes``: the kinds this lane may run)."""
-            c = v * S + s
+        def chunk_in(m, v, isl, inbuf):
             bm = [lax.dynamic_index_in_dim(x, m, keepdims=False) for x in batch]
             p_c = [lax.dynamic_index_in_dim(x, v, keepdims=False) for x in layers]
-            x_in = inbuf[isl]
+            return v * S + s, p_c, inbuf[isl], bm
 
-            def idle():
-                return zx, zx, zeros_like(p_c), zeros_like(shared), zl
+        def forward(m, v, isl, inbuf):
+            """``(activation to send, loss / M)`` of a forward of chunk ``v``."""
+            c, p_c, x_in, bm = chunk_in(m, v, isl, inbuf)
+            y, loss = self._chunk(c, p_c, shared, x_in, bm)
+            return y, loss / M
 
-            def fwd():
-                y, loss = self._chunk(c, p_c, shared, x_in, bm)
-                return y, zx, zeros_like(p_c), zeros_like(shared), loss / M
-
-            def bwd():
-                f = lambda p, sh, x: self._chunk(c, p, sh, x, bm)
-                _, vjp = jax.vjp(f, p_c, shared, x_in)
-                last = c == C - 1
-                gy = jnp.where(last, jnp.zeros_like(zx), gbuf[gsl])
-                gl = jnp.where(last, seed, 0.0).astype(jnp.float32)
-                dp, dsh, dx = vjp((gy, gl))
-                return zx, dx, dp, dsh, zl
-
-            fns = [idle, fwd, bwd]
-            index = kind if len(codes) == 3 else (kind > 0).astype(jnp.int32)
-            return lax.switch(index, [fns[k] for k in codes])
+        def backward(m, v, isl, gsl, inbuf, gbuf):
+            """``(cotangent to send, layer grads, shared grads)`` of a backward of chunk ``v``."""
+            c, p_c, x_in, bm = chunk_in(m, v, isl, inbuf)
+            _, vjp = jax.vjp(lambda p, sh, x: self._chunk(c, p, sh, x, bm), p_c, shared, x_in)
+            last = c == C - 1
+            gy = jnp.where(last, jnp.zeros_like(zx), gbuf[gsl])
+            dp, dsh, dx = vjp((gy, jnp.where(last, seed, 0.0).astype(jnp.float32)))
+            return dx, dp, dsh
 
         def body(t, carry):
             inbuf, gbuf, g_layers, g_shared, loss_acc = carry
             kind, m, v, isl, gsl, rf, rb = [a[t, s] for a in tabs]
-            send_f, send_b, dp, dsh, loss = block(kind, m, v, isl, gsl, inbuf, gbuf, (0, 1, 2))
-            g_layers = [g.at[v].add(d) for g, d in zip(g_layers, dp, strict=True)]
-            if tb.paired:  # the backward of a pair, after its forward
-                bk, bm_, bv, bi, bg = [a[t, s] for a in pair]
-                _, send_b2, dp2, dsh2, _ = block(bk, bm_, bv, bi, bg, inbuf, gbuf, (0, 2))
-                send_b = jnp.where(bk > 0, send_b2, send_b)
-                g_layers = [g.at[bv].add(d) for g, d in zip(g_layers, dp2, strict=True)]
-                dsh = [a + b for a, b in zip(dsh, dsh2, strict=True)]
+            bk, bm_, bv, bi, bg = [a[t, s] for a in pair]
+            # two lanes: the forward's and the backward's (a pair runs both), so that a step
+            # holds one set of gradient results, as a step running a backward alone does
+            send_f, loss = lax.cond(kind == 1, lambda: forward(m, v, isl, inbuf),
+                                    lambda: (zx, zl))
+            two = bk > 0  # (the backward of a pair: its own micro-batch, chunk and slots)
+            pick = lambda a, b: jnp.where(two, b, a)
+            bm_, bv, bi, bg = pick(m, bm_), pick(v, bv), pick(isl, bi), pick(gsl, bg)
+            send_b, dp, dsh = lax.cond(
+                (kind == 2) | two, lambda: backward(bm_, bv, bi, bg, inbuf, gbuf),
+                lambda: (zx, zeros_like(g[0] for g in layers), zeros_like(shared)))
+            g_layers = [g.at[bv].add(d) for g, d in zip(g_layers, dp, strict=True)]
             g_shared = [g + d for g, d in zip(g_shared, dsh, strict=True)]
             recv_f = send_if(sends[t, 0], send_f, self.axis, [(i, (i + 1) % S) for i in range(S)])
             recv_b = send_if(sends[t, 1], send_b, self.axis, [(i, (i - 1) % S) for i in range(S)])
