@@ -16,7 +16,7 @@ from nnscaler_jax.errors import NoFitError, PlanError
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.ir.layers import graph_layers
 from nnscaler_jax.mesh.axes import require_stage_axis
-from nnscaler_jax.pipeline.cut import plan_cut
+from nnscaler_jax.pipeline.cut import Cut, plan_cut
 from nnscaler_jax.pipeline.pricing import RuntimeChoice, RuntimeSetup, runtime_setup
 from nnscaler_jax.pipeline.program import why_cut
 from nnscaler_jax.pipeline.rules import stack_modes
@@ -50,6 +50,9 @@ def configure_pipeline(plan: Plan, graph: Graph, constraints: Constraints,
                                                  constraints.rules))
     if constraints.pipeline_stages == "auto":
         choice, report = _auto_choice(setup, constraints, cut is not None)
+        if cut is not None and constraints.schedule is None:
+            cut, choice, report = _or_interleaved(graph, plan, constraints, model, cut, choice,
+                                                  report)
         if cut is None and _cut_only(choice.schedule):
             # the DP chose a schedule only the cut program runs: plan and price that program
             cut = plan_cut(graph, mesh_axes, replace(constraints, schedule=choice.schedule),
@@ -75,6 +78,30 @@ def configure_pipeline(plan: Plan, graph: Graph, constraints: Constraints,
                                 recompute=choice.recompute,
                                 layer_rules=cut.layer_rules if cut else ())
     return replace(plan, pipeline=settings, cost=_cost(choice))
+
+
+def _or_interleaved(graph: Graph, plan: Plan, constraints: Constraints,
+                    model: CostModel | None, cut: Cut, choice: RuntimeChoice,
+                    report: str) -> tuple[Cut, RuntimeChoice, str]:
+    """A model cut at module boundaries into one chunk a stage offers the stage DP no
+    interleaved row (it needs two chunks a stage): cut it so too, and keep that cut when its
+    best interleaved row beats the choice (fitting first, then faster)."""
+    try:
+        two = plan_cut(graph, dict(plan.mesh), replace(constraints, schedule="interleaved"),
+                       plan.policy or None, 2, model)
+        rows = two.setup.choices(constraints.max_memory_per_device,
+                                 microbatches=constraints.microbatches, schedule="interleaved")
+    except PlanError:  # (too few module boundaries for two chunks a stage)
+        return cut, choice, report
+    best = rows[0]
+    report += (f"\n  interleaved (cut into 2 chunks a stage): {best.step_time_s * 1e3:.3f} "
+               f"ms/step, peak {max(best.memory_bytes) / 2**20:.2f} MiB"
+               + ("" if best.fits else " (over the budget)"))
+    key = lambda r: (not r.fits, r.step_time_s)
+    if key(best) < key(choice):
+        report += " -- chosen"
+        return two, best, report
+    return cut, choice, report
 
 
 def _cut_only(schedule: str | Schedule) -> bool:

@@ -195,3 +195,22 @@ def test_the_planner_prices_the_runtime_the_step_runs(gpt, precision, cut):
     step.init({"params": params}, tokens)
     assert ("cut at module boundaries" in pm.plan.pipeline.report) == cut
     assert type(step.program).__name__ == ("CutProgram" if cut else "PipelineProgram")
+
+
+def test_auto_weighs_interleaved_for_a_model_cut_at_module_boundaries(gpt):
+    """A model cut at module boundaries (here: bfloat16) is cut into one chunk a stage, which
+    offers no interleaved row; the stage DP also cuts it into two and weighs that row (at 2
+    micro-batches it wins: 0.740 against eager 1F1B's 0.752 ms)."""
+    spec, tokens, params = gpt
+    pm = auto_parallel(make_mesh((2, 4), ("stage", "data")),
+                       Constraints(pipeline_stages="auto", precision="bfloat16",
+                                   microbatches=2))(spec.module)
+    step = pm.train_step(spec.loss_fn, optax.sgd(0.1))
+    state = step.init({"params": params}, tokens)
+    report = pm.plan.pipeline.report
+    assert "cut at module boundaries" in report
+    assert "interleaved (cut into 2 chunks a stage)" in report
+    assert report.endswith("-- chosen") and pm.plan.pipeline.schedule == "interleaved"
+    assert step.program.schedule.virtual == 2 and type(step.program).__name__ == "CutProgram"
+    _, metrics = step(state, tokens)
+    assert np.isfinite(float(metrics["loss"]))
