@@ -71,10 +71,10 @@ def configure_pipeline(plan: Plan, graph: Graph, constraints: Constraints,
         report = ""
     stages = mesh_axes[require_stage_axis(mesh_axes)]
     layers = cut.stage_of if cut else stage_of(graph_layers(graph).stack, stages, choice.virtual)
+    steps = settings_steps(constraints.schedule)  # (a schedule written with op_order)
     settings = PipelineSettings(stages, choice.microbatches, choice.schedule, choice.virtual,
-                                layers, report, steps=settings_steps(constraints.schedule),
-                                paired=bool(settings_steps(constraints.schedule))
-                                and constraints.schedule.paired,
+                                layers, report, steps=steps,
+                                paired=bool(steps) and constraints.schedule.paired,
                                 recompute=choice.recompute,
                                 layer_rules=cut.layer_rules if cut else ())
     return replace(plan, pipeline=settings, cost=_cost(choice))

@@ -63,6 +63,7 @@ from nnscaler_jax.pipeline.program import (
     trace_micro,
 )
 from nnscaler_jax.pipeline.steps import blocks, timeline
+from nnscaler_jax.pipeline.update import LossScaling
 
 __all__ = ["MpmdProgram", "cut_runtime"]
 
@@ -419,9 +420,8 @@ class MpmdProgram(PipelineRuntime):
                    for s, mine in enumerate(self.stage_leaves)]
         squares = jax.jit(lambda gs: (sum((jnp.sum(jnp.square(g)) for g in gs),
                                           jnp.zeros((), jnp.float32)),
-                                      jnp.all(jnp.array([jnp.all(jnp.isfinite(g))
-                                                         for g in gs] or [True]))))
-        unscale = jax.jit(lambda g, scale: jax.tree.map(lambda x: x / scale, g))
+                                      LossScaling.all_finite(gs)))
+        unscale = jax.jit(lambda g, scale: LossScaling.unscale(g, {"loss_scale": scale}))
 
         def step(state: dict, batch: tuple) -> tuple[dict, dict]:
             with jax.set_mesh(None):  # (eager glue between stages: no caller's context mesh)

@@ -123,14 +123,19 @@ class LossScaling:
         scale = state["loss_scale"]
         return jax.tree.map(lambda g: g / scale, grads)
 
+    @staticmethod
+    def all_finite(grads: Any) -> Any:
+        """Whether every gradient entry is finite (a traced bool; True for no leaves)."""
+        return jnp.all(jnp.array([jnp.all(jnp.isfinite(g))
+                                  for g in jax.tree_util.tree_leaves(grads)] or [True]))
+
     def settle(self, state: dict, new: dict, grads: Any) -> tuple[dict, dict]:
         """``(state updates, metrics)`` after an update to ``new`` (``{'params',
         'opt_state'}``) from the unscaled ``grads``: ``new`` where they are finite, else the
         state's own, with the scale and good-step count advanced; metrics ``'loss_scale'``
         (the scale this step used) and ``'finite'``."""
         scale = state["loss_scale"]
-        finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(g))
-                                    for g in jax.tree_util.tree_leaves(grads)]))
+        finite = LossScaling.all_finite(grads)
         out = {k: jax.tree.map(lambda a, b: jnp.where(finite, a, b), v, state[k])
                for k, v in new.items()}
         return {**out, **self.advance(state, finite)}, {"loss_scale": scale, "finite": finite}
