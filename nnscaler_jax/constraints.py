@@ -311,7 +311,7 @@ class Constraints:
                 f"jax.make_mesh(({stages}, 2), ('stage', 'data'))")
 
 
-SCHEDULE_NAMES = ("1f1b", "eager-1f1b", "gpipe", "interleaved", "interlaced", "nf1b")
+SCHEDULE_NAMES = ("1f1b", "eager-1f1b", "gpipe", "interleaved", "interlaced", "nf1b", "zb-h1")
 
 
 def _schedule(sched: Any, stages: Any, microbatches: int | None) -> Any:

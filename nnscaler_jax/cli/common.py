@@ -276,7 +276,8 @@ def add_plan_settings(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline", type=int, default=None, metavar="S", help="S pipeline stages "
                    "along the mesh's 'stage' axis (e.g. --mesh 2x4 --axes stage,data)")
     p.add_argument("--schedule", default=None,
-                   choices=("1f1b", "eager-1f1b", "gpipe", "interleaved", "interlaced", "nf1b"),
+                   choices=("1f1b", "eager-1f1b", "gpipe", "interleaved", "interlaced", "nf1b",
+                            "zb-h1"),
                    help="pipeline schedule (default: the cheapest the runtime executes)")
     p.add_argument("--batch-size", type=int, help="global batch size (default: the preset's)")
     add_attention_flag(p)

@@ -26,7 +26,8 @@ Modules (no import cycles among them; see docs/design.md for the layers):
 Public (docs/api.md, ``__all__``): schedules -- :class:`Schedule`, :class:`ScheduleDraft` (write
 one with ``op_order``), the built-ins :func:`gpipe`, :func:`one_f_one_b`,
 :func:`eager_one_f_one_b`, :func:`interleaved`,
-:func:`interlaced`, :func:`nf1b` and :func:`build` (one by name), :func:`format_schedule`,
+:func:`interlaced`, :func:`nf1b`, :func:`zb_h1` (zero bubble: split backwards) and
+:func:`build` (one by name), :func:`format_schedule`,
 :func:`plot_gantt`; :func:`microbatch_rngs` (the keys a micro-batch gets) and
 :func:`reference_loss` (nf1b's recycling on one device). Everything else here is internal.
 
@@ -46,8 +47,9 @@ from nnscaler_jax.pipeline.schedule import interleaved as interleaved
 from nnscaler_jax.pipeline.schedule import nf1b as nf1b
 from nnscaler_jax.pipeline.schedule import one_f_one_b as one_f_one_b
 from nnscaler_jax.pipeline.schedule import plot_gantt as plot_gantt
+from nnscaler_jax.pipeline.schedule import zb_h1 as zb_h1
 from nnscaler_jax.pipeline.steps import Schedule as Schedule
 
 __all__ = ["Schedule", "ScheduleDraft", "build", "eager_one_f_one_b", "format_schedule", "gpipe",
            "interlaced", "interleaved", "microbatch_rngs", "nf1b", "one_f_one_b", "plot_gantt",
-           "reference_loss"]
+           "reference_loss", "zb_h1"]

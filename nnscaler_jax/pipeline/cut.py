@@ -43,7 +43,7 @@ from nnscaler_jax.pipeline.in_stage import tensor_axes
 from nnscaler_jax.pipeline.pricing import RuntimeSetup
 from nnscaler_jax.pipeline.program import why_cut
 from nnscaler_jax.pipeline.rules import layer_flags
-from nnscaler_jax.pipeline.units import TP_COLLECTIVES, Unit, largest_output
+from nnscaler_jax.pipeline.units import TP_COLLECTIVES, Unit, kept_for_weights, largest_output
 from nnscaler_jax.search.entry import plan_spmd
 
 __all__ = ["Cut", "balance", "chunk_starts", "eqn_path", "first_positions", "identical_layers",
@@ -399,10 +399,13 @@ def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
     def transient(a: int, b: int) -> float:
         return largest_output([op for op in ops[a:b] if op.id not in casts]) / batch
 
+    params = {t.id for t in graph.variables} | {op.outputs[0].id for op in ops
+                                                 if op.id in casts}
     made_at = {t.id: i for i, op in enumerate(ops) for t in op.outputs if op.id not in casts}
     made_at.update((t.id, -1) for t in graph.inputs if t.role is Role.INPUT)
     units = [Unit("<prefix>", *priced(0, e), shared, pre_out / batch,
-                  transient_bytes=transient(0, e))]
+                  transient_bytes=transient(0, e),
+                  wgrad_bytes=kept_for_weights(ops[:e], params) / batch)]
     for c, (a, b) in enumerate(bounds):
         a, b = max(a, e), min(b, h)
         cuts = [a] + sorted(g for g in groups if a < g < b) + [b]
@@ -410,12 +413,15 @@ def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
         kc, lc, again_c = _layer_kept(ops, cuts, made_at, act, fwd, [f is True for f in flag])
         kl, ll, again_l = _layer_kept(ops, cuts, made_at, act, fwd,
                                       [f is not False for f in flag])
-        units.append(Unit(f"<chunk {c}>", seconds(a, b), kc / batch + lc, owned[c], sent[c] / batch,
+        units.append(Unit(f"<chunk {c}>", seconds(a, b), kc / batch + lc, owned[c],
+                          sent[c] / batch,
                           TP_COLLECTIVES * (len(cuts) - 1), layer_in_bytes=kl / batch, layer_act_bytes=ll,
                           transient_bytes=transient(a, b), chunk_again_s=again_c,
-                          layer_again_s=again_l))
+                          layer_again_s=again_l,
+                          wgrad_bytes=kept_for_weights(ops[a:b], params) / batch))
     return units + [Unit("<suffix>", *priced(h, len(ops)), 0.0, 0.0,
-                         transient_bytes=transient(h, len(ops)))]
+                         transient_bytes=transient(h, len(ops)),
+                         wgrad_bytes=kept_for_weights(ops[h:], params) / batch)]
 
 
 def _crossing(graph: Graph, bounds: Sequence[tuple[int, int]], casts: Mapping[int, int],

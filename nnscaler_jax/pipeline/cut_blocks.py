@@ -10,6 +10,9 @@ device runs, by ``lax.switch`` on the table's block code, one of
 - ``F``: its chunk's forward (the last chunk adds the loss unless a head segment follows);
 - ``B``: ``jax.vjp`` of the chunk recomputed from its saved input: parameter gradients and the
   cotangent of its input, seeded by the next chunk's (or the head's, or the loss's);
+- ``B`` / ``G`` of a split backward (``zb-h1``, :mod:`~nnscaler_jax.pipeline.split_backward`):
+  ``B`` the input's cotangent only, keeping what the weight gradients read in a buffer of the
+  schedule's pending ``G`` s; ``G`` the chunk's weight gradients from it;
 - ``N``: a forward without gradient (recycling, ``nf1b``): the model's outputs of the last
   chunk go back to chunk 0 as its inputs for the next pass (pass 0 reads the batch; ``F`` reads
   the last pass's), nothing is kept for a backward;
@@ -41,9 +44,10 @@ from jax import lax
 from jax.extend import core as jcore
 
 from nnscaler_jax.lower.eqns import NO_CONSTRAINTS
-from nnscaler_jax.pipeline.chunks import pack, packing, unpack, vars_of
+from nnscaler_jax.pipeline.chunks import pack, packing, unpack, vars_of, widths
 from nnscaler_jax.pipeline.loop_tables import CODES
 from nnscaler_jax.pipeline.mutable import average
+from nnscaler_jax.pipeline.split_backward import split_backward
 
 __all__ = ["layered", "local_step", "run_segment", "send_if"]
 
@@ -178,17 +182,50 @@ def _zl() -> Any:
     return jnp.zeros((), jnp.float32)
 
 
-def _branches(prog: Any, c: Any, it: Any, args: tuple, seed: Any) -> list:
+class _Split:
+    """The split backwards of a cut program's chunks (``G`` blocks): per chunk its
+    :class:`~nnscaler_jax.pipeline.split_backward.BackwardSplit` and the packing of its kept
+    values, and the kept-values buffer's width per dtype (the widest chunk's)."""
+
+    def __init__(self, prog: Any, args: tuple):
+        C, last_seg, seg0 = prog.schedule.chunks, prog.cut.chunks - 1, prog.seg0
+
+        def backward(c, pv, sh, cin, gout, bm, kv, seed):
+            gp, gsh, gc, _ = _vjp(prog, c + seg0, pv, sh, cin, gout, bm,
+                                  seed if c + seg0 == last_seg else None, True, kv)
+            return (gp, gsh), gc
+
+        # G reads the parameters, the micro-batch, the collections F read and the seed as
+        # they are (unchanged over the step); the input and its cotangent through B
+        self.parts = [split_backward(partial(backward, c), args, available=(0, 1, 4, 5, 6))
+                      for c in range(C)]
+        self.packs = [packing(p.kept_avals) for p in self.parts]
+        self.width = widths(self.packs)
+
+    def input_grads(self, c: int, args: tuple, seed: Any) -> tuple[dict, dict]:
+        gc, kept = self.parts[c].input_grads(*args[:6], seed)
+        return gc, pack(kept, self.packs[c], self.width)
+
+    def weight_grads(self, c: int, args: tuple, seed: Any) -> tuple:
+        pv, sh, _, _, bm, kv, kept = args
+        return self.parts[c].weight_grads((pv, sh, None, None, bm, kv, seed),
+                                          unpack(kept, self.packs[c]))
+
+
+def _branches(prog: Any, c: Any, it: Any, args: tuple, seed: Any,
+              split: _Split | None = None) -> list:
     """The ``lax.switch`` branches of one time step, indexed by
     :data:`~nnscaler_jax.pipeline.loop_tables.CODES`: each returns ``(activation to send,
-    cotangent to send, stage param grads, shared grads, loss, new collections)`` for the
-    device's chunk ``c`` (``args = (chunk params, shared params, packed input, packed
-    cotangent, micro-batch, chunk collections)``; ``seed``: the loss's cotangent); only ``F``
-    changes the collections."""
+    cotangent to send, stage param grads, shared grads, loss, new collections, kept values)``
+    for the device's chunk ``c`` (``args = (chunk params, shared params, packed input, packed
+    cotangent, micro-batch, chunk collections, kept values of a split backward)``; ``seed``:
+    the loss's cotangent; ``split``: the chunks' split backwards, when the schedule has ``G``
+    blocks); only ``F`` changes the collections, only a split ``B`` keeps values."""
     C, M = prog.schedule.chunks, prog.schedule.microbatches
     last_seg, seg0, recycling = prog.cut.chunks - 1, prog.seg0, bool(prog.x_vars)
-    pv, shared, cin, gout, bm, kv = args
+    pv, shared, cin, gout, bm, kv, kept = args
     no_p, no_sh = jax.tree.map(jnp.zeros_like, pv), jax.tree.map(jnp.zeros_like, shared)
+    no_k = jax.tree.map(jnp.zeros_like, kept)
     fresh = lambda c: c > 0 or not recycling  # chunk 0 of recycling reads the last pass
     fwds = [partial(lambda c, *a: run_segment(prog, c + seg0, *a[:3], a[4], fresh(c), a[5]), c)
             for c in range(C)]
@@ -201,63 +238,77 @@ def _branches(prog: Any, c: Any, it: Any, args: tuple, seed: Any) -> list:
              for c in range(C)]
 
     def idle():
-        return _zeros(prog.c_width), _zeros(prog.g_width), no_p, no_sh, _zl(), kv
+        return _zeros(prog.c_width), _zeros(prog.g_width), no_p, no_sh, _zl(), kv, no_k
 
     def fwd():
         out, loss, new = lax.switch(c, fwds, *args)
-        return out, _zeros(prog.g_width), no_p, no_sh, loss / M, new
+        return out, _zeros(prog.g_width), no_p, no_sh, loss / M, new, no_k
 
     def bwd():
+        if split is not None:  # the input's cotangent; the weight gradients in G
+            gc, k = lax.switch(c, [partial(split.input_grads, c, seed=seed) for c in range(C)],
+                               args)
+            return _zeros(prog.c_width), gc, no_p, no_sh, _zl(), kv, k
         gp, gsh, gc, _ = lax.switch(c, bwds, *args)
-        return _zeros(prog.c_width), gc, gp, gsh, _zl(), kv
+        return _zeros(prog.c_width), gc, gp, gsh, _zl(), kv, no_k
+
+    def wgrad():
+        gp, gsh = lax.switch(c, [partial(split.weight_grads, c, seed=seed) for c in range(C)],
+                             args)
+        return _zeros(prog.c_width), _zeros(prog.g_width), gp, gsh, _zl(), kv, no_k
 
     def nograd():  # recycling pass `it`: chunk 0 reads the batch on pass 0
-        return lax.switch(c, nfwds, *args), _zeros(prog.g_width), no_p, no_sh, _zl(), kv
+        return lax.switch(c, nfwds, *args), _zeros(prog.g_width), no_p, no_sh, _zl(), kv, no_k
 
     def embed():
         out, _, _ = run_segment(prog, 0, pv, shared, cin, bm)
-        return out, _zeros(prog.g_width), no_p, no_sh, _zl(), kv
+        return out, _zeros(prog.g_width), no_p, no_sh, _zl(), kv, no_k
 
     def head():
         _, gsh, gc, loss = _vjp(prog, last_seg, pv, shared, cin, gout, bm, seed, True, {})
-        return _zeros(prog.c_width), gc, no_p, gsh, loss, kv
+        return _zeros(prog.c_width), gc, no_p, gsh, loss, kv, no_k
 
     def embed_bwd():
         _, gsh, _, _ = _vjp(prog, 0, pv, shared, cin, gout, bm, None, True, {})
-        return _zeros(prog.c_width), _zeros(prog.g_width), no_p, gsh, _zl(), kv
+        return _zeros(prog.c_width), _zeros(prog.g_width), no_p, gsh, _zl(), kv, no_k
 
     out = [idle, fwd, bwd] + [nograd] * recycling
     if seg0:
         out += [idle] * (4 - len(out)) + [embed, head, embed_bwd]
+    if split is not None:
+        out += [idle] * (CODES["G"] - len(out)) + [wgrad]
     return out
 
 
-def _two_lanes(prog: Any, first: tuple, second: tuple, seed: Any) -> tuple:
+def _two_lanes(prog: Any, first: tuple, second: tuple, seed: Any,
+               split: _Split | None = None) -> tuple:
     """The blocks of a time step of a paired table, as :func:`_branches`' results: the first
     lane runs every kind but ``B`` (``first = (code, chunk, pass, args)``), the second the
     backward (``second = (on, chunk, args)``: a pair's, or the step's only block). A step
     holds one set of gradient results, as in an unpaired table, not one per lane: the
-    forward lane returns none (nor the shared parameters' unless its all-device blocks
-    make some)."""
+    parameter gradients come from the backward lane, or from the first lane's ``G`` where
+    backwards are split (their ``B`` makes none); the first lane's shared gradients are kept
+    where its blocks make some (``E`` / ``H`` / ``W``, ``G``)."""
     code, c, it, args = first
     on, cb, b_args = second
-    keep_sh = bool(prog.seg0)  # (E / H / W: shared gradients from the first lane)
+    keep_sh = bool(prog.seg0) or split is not None
+    keep_p = split is not None
 
     def lane(f):
         def run():
-            out_f, out_b, _, dsh, loss, new = f()
-            return out_f, out_b, dsh if keep_sh else [], loss, new
+            out_f, out_b, dp, dsh, loss, new, _ = f()
+            return out_f, out_b, dp if keep_p else {}, dsh if keep_sh else [], loss, new
         return run
 
-    fs = _branches(prog, c, it, args, seed)
+    fs = _branches(prog, c, it, args, seed, split)
     fs[CODES["B"]] = fs[0]  # (a backward runs in the second lane)
-    out_f, out_b, dsh, loss, new = lax.switch(code, [lane(f) for f in fs])
-    br = _branches(prog, cb, it, b_args, seed)
-    _, out_bb, dp, dsh_b, _, _ = lax.cond(on, br[CODES["B"]], br[0])
+    out_f, out_b, dp_f, dsh, loss, new = lax.switch(code, [lane(f) for f in fs])
+    br = _branches(prog, cb, it, b_args, seed, split)
+    _, out_bb, dp, dsh_b, _, _, kept = lax.cond(on, br[CODES["B"]], br[0])
     out_b = jax.tree.map(lambda x, y: jnp.where(on, x, y), out_bb, out_b)
     if keep_sh:
         dsh_b = [x + y for x, y in zip(dsh, dsh_b, strict=True)]
-    return out_f, out_b, dp, dsh_b, loss, new
+    return out_f, out_b, dp_f if keep_p else dp, dsh_b, loss, new, kept
 
 
 def local_step(prog: Any, shared: list, stages: dict, batch: list, colls: dict,
@@ -270,8 +321,14 @@ def local_step(prog: Any, shared: list, stages: dict, batch: list, colls: dict,
     stages = {k: x[0] for k, x in stages.items()}                 # [V, width]
     colls = {k: x[0] for k, x in colls.items()}                   # [V, width]
     batch = [x[:, 0] for x in batch]                             # [M, b, ...]
+    split = None
+    if prog.schedule.split_backward:  # traced on one block's arguments
+        split = _Split(prog, ({k: x[0] for k, x in stages.items()}, shared,
+                              _zeros(prog.c_width), _zeros(prog.g_width), [x[0] for x in batch],
+                              {k: x[0] for k, x in colls.items()}, seed))
     tabs = [jnp.asarray(a) for a in (tb.kind, tb.mb, tb.virt, tb.it, tb.in_slot, tb.g_slot,
-                                     tb.rf_slot, tb.rb_slot, tb.keep_f, tb.keep_b)]
+                                     tb.rf_slot, tb.rb_slot, tb.keep_f, tb.keep_b, tb.keep_s,
+                                     tb.s_slot)]
     f_perm = [(i, (i + 1) % S) for i in range(S)]
     b_perm = [(i, (i - 1) % S) for i in range(S)]
     sends = jnp.asarray(tb.sends)
@@ -280,27 +337,30 @@ def local_step(prog: Any, shared: list, stages: dict, batch: list, colls: dict,
                             for k, x in tree.items()}
 
     def body(t, carry):
-        inbuf, gbuf, g_st, g_sh, loss_acc, cst, snap = carry
-        code, m, v, it, isl, gsl, rf, rb, kf, kb = [a[t, s] for a in tabs]
-        now, saved = pick(cst, v), pick(pick(snap, v), m)  # B reads what its F read
-        is_f, is_b = code == CODES["F"], code == CODES["B"]
+        inbuf, gbuf, g_st, g_sh, loss_acc, cst, snap, kbuf = carry
+        code, m, v, it, isl, gsl, rf, rb, kf, kb, ks, ssl = [a[t, s] for a in tabs]
+        now, saved = pick(cst, v), pick(pick(snap, v), m)  # B / G read what their F read
+        is_f, is_b = code == CODES["F"], (code == CODES["B"]) | (code == CODES["G"])
         block = lambda m, v, isl, gsl, kv: (
             pick(stages, v), shared, {k: b[isl] for k, b in inbuf.items()},
             {k: b[gsl] for k, b in gbuf.items()},
-            [lax.dynamic_index_in_dim(x, m, keepdims=False) for x in batch], kv)
+            [lax.dynamic_index_in_dim(x, m, keepdims=False) for x in batch], kv,
+            {k: b[ssl] for k, b in kbuf.items()})
         args = block(m, v, isl, gsl, {k: jnp.where(is_b, saved[k], x) for k, x in now.items()})
         if not tb.paired:
-            out_f, out_b, dp, dsh, loss, new = lax.switch(
-                code, _branches(prog, v * S + s, it, args, seed))
+            out_f, out_b, dp, dsh, loss, new, kept = lax.switch(
+                code, _branches(prog, v * S + s, it, args, seed, split))
             gv = v
         else:  # a forward lane and a backward lane (a pair runs both)
             bk, bm, bv, bi, bg = [a[t, s] for a in pair]
             sel = lambda a, b: jnp.where(bk > 0, b, a)
             bm, gv, bi, bg = sel(m, bm), sel(v, bv), sel(isl, bi), sel(gsl, bg)
             b_args = block(bm, gv, bi, bg, pick(pick(snap, gv), bm))
-            out_f, out_b, dp, dsh, loss, new = _two_lanes(
-                prog, (code, v * S + s, it, args), (is_b | (bk > 0), gv * S + s, b_args),
-                seed)
+            out_f, out_b, dp, dsh, loss, new, kept = _two_lanes(
+                prog, (code, v * S + s, it, args), ((code == CODES["B"]) | (bk > 0), gv * S + s,
+                                                    b_args),
+                seed, split)
+            gv = v if split is not None else gv  # (split: a G, in the first lane, has them)
         cst = {k: x.at[v].set(jnp.where(is_f, new[k], now[k])) for k, x in cst.items()}
         snap = {k: x.at[v, m].set(jnp.where(is_f, now[k], saved[k])) for k, x in snap.items()}
         g_st = {k: g.at[gv].add(dp[k]) for k, g in g_st.items()}
@@ -311,14 +371,16 @@ def local_step(prog: Any, shared: list, stages: dict, batch: list, colls: dict,
             slot >= 0, lambda b: {k: b[k].at[slot].set(new[k]) for k in b}, lambda b: b, buf)
         inbuf = put(kf, put(rf, inbuf, recv_f), out_f)
         gbuf = put(kb, put(rb, gbuf, recv_b), out_b)
-        return inbuf, gbuf, g_st, g_sh, loss_acc + loss, cst, snap
+        kbuf = put(ks, kbuf, kept)
+        return inbuf, gbuf, g_st, g_sh, loss_acc + loss, cst, snap, kbuf
 
     carry = ({k: jnp.zeros((tb.n_in, n), k) for k, n in prog.c_width.items()},
              {k: jnp.zeros((tb.n_g, n), k) for k, n in prog.g_width.items()},
              jax.tree.map(jnp.zeros_like, stages), jax.tree.map(jnp.zeros_like, shared), _zl(),
              colls, {k: jnp.zeros((x.shape[0], M) + x.shape[1:], x.dtype)
-                     for k, x in colls.items()})
-    _, _, g_st, g_sh, loss, colls, _ = lax.fori_loop(0, tb.kind.shape[0], body, carry)
+                     for k, x in colls.items()},
+             {k: jnp.zeros((tb.n_s, n), k) for k, n in (split.width if split else {}).items()})
+    _, _, g_st, g_sh, loss, colls, _, _ = lax.fori_loop(0, tb.kind.shape[0], body, carry)
     g_sh = [lax.psum(g, prog.axis) for g in g_sh]
     loss = lax.psum(loss, prog.axis)
     if prog.data_axes:

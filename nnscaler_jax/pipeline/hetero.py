@@ -118,7 +118,7 @@ class CutProgram(PipelineRuntime):
             require_forward_order(sched)
         self._cut(closed, abstract, stage_of)
         self.g_width = {k: n for k, n in self.c_width.items() if _floating(k)} or {"float32": 1}
-        self.tables = loop_tables(sched, "FBNEHW")
+        self.tables = loop_tables(sched, "FBNEHWG")
 
     def _cut(self, closed: Any, abstract: list, stage_of: tuple) -> None:
         """Cut the traced program at ``stage_of``'s segments and lay out what each chunk owns:

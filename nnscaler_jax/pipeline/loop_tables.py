@@ -29,7 +29,7 @@ from nnscaler_jax.pipeline import schedule as sch
 
 __all__ = ["CODES", "LoopTables", "loop_tables"]
 
-CODES = {None: 0, "F": 1, "B": 2, "N": 3, "E": 4, "H": 5, "W": 6}  # table value per block kind
+CODES = {None: 0, "F": 1, "B": 2, "N": 3, "E": 4, "H": 5, "W": 6, "G": 7}  # table value per block kind
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class LoopTables:
         n_in / n_g: input / cotangent buffer slots per stage (at least 1).
     """
 
-    kind: np.ndarray      # CODES: 0 idle, 1 forward, 2 backward, 3 no-grad, 4 E, 5 H, 6 W
+    kind: np.ndarray      # CODES: 0 idle, 1 forward, 2 backward, 3 no-grad, 4 E, 5 H, 6 W, 7 G
     mb: np.ndarray        # micro-batch
     virt: np.ndarray      # virtual chunk on the stage
     in_slot: np.ndarray   # input-buffer slot the step reads
@@ -59,6 +59,11 @@ class LoopTables:
     b_virt: np.ndarray | None = None
     b_in: np.ndarray | None = None
     b_g: np.ndarray | None = None
+    # split backwards (G blocks): the slot of the kept-values buffer a B fills after the step
+    # (-1: none) and the one a G reads
+    keep_s: np.ndarray | None = None
+    s_slot: np.ndarray | None = None
+    n_s: int = 0
 
     @property
     def paired(self) -> bool:
@@ -78,7 +83,7 @@ def loop_tables(sched: sch.Schedule, kinds: str = "FB") -> LoopTables:
 
     Args:
         kinds: the block kinds the calling runtime executes (``'FB'``: the identical-layer
-            runtime; ``'FBNEHW'``: the cut-program runtime).
+            runtime; ``'FBNEHWG'``: the cut-program runtime).
 
     Raises:
         PlanError: the schedule has blocks the calling runtime does not execute.
@@ -90,7 +95,8 @@ def loop_tables(sched: sch.Schedule, kinds: str = "FB") -> LoopTables:
     kind, mb, virt, it, in_slot, g_slot = z(), z(), z(), z(), z(), z()
     rf, rb, keep_f, keep_b = z(-1), z(-1), z(-1), z(-1)
     last = (C - 1) % S
-    bufs = {"in": _Slots(S), "g": _Slots(S)}
+    bufs = {"in": _Slots(S), "g": _Slots(S), "s": _Slots(S)}
+    keep_s, s_slot = z(-1), z()
     b_kind, b_mb, b_virt, b_in, b_g = z(), z(), z(), z(), z()
     lanes = ((kind, mb, virt, in_slot, g_slot), (b_kind, b_mb, b_virt, b_in, b_g))
     for t, row in enumerate(table):
@@ -103,6 +109,8 @@ def loop_tables(sched: sch.Schedule, kinds: str = "FB") -> LoopTables:
                 _read(lane, bufs, t, s, st)
                 if lane is lanes[0]:
                     it[t, s] = st.it
+                if st.kind == "G":
+                    s_slot[t, s] = bufs["s"].read(s, ("G", st.microbatch, st.virtual), free=True)
         for s, st in done:  # after the step: what arrives from the neighbours, what is kept
             m, c = st.microbatch, st.virtual * S + s
             if st.kind in "FN" and c + 1 < C:
@@ -115,6 +123,8 @@ def loop_tables(sched: sch.Schedule, kinds: str = "FB") -> LoopTables:
                 keep_f[t, s] = bufs["in"].put(s, ("H", m))
             elif st.kind == "E":
                 keep_f[t, s] = bufs["in"].put(s, ("F", m, 0))
+            if st.kind == "B" and sched.split_backward:  # what its G reads
+                keep_s[t, s] = bufs["s"].put(s, ("G", m, st.virtual))
             if st.kind == "B" and c > 0:
                 d = (c - 1) % S
                 rb[t, d] = bufs["g"].put(d, ("B", m, (c - 1) // S))
@@ -123,7 +133,8 @@ def loop_tables(sched: sch.Schedule, kinds: str = "FB") -> LoopTables:
             elif st.kind == "H":
                 keep_b[t, s] = bufs["g"].put(s, ("B", m, V - 1))
     return LoopTables(kind, mb, virt, in_slot, g_slot, rf, rb, bufs["in"].size,
-                      bufs["g"].size, it, keep_f, keep_b, b_kind, b_mb, b_virt, b_in, b_g)
+                      bufs["g"].size, it, keep_f, keep_b, b_kind, b_mb, b_virt, b_in, b_g,
+                      keep_s, s_slot, bufs["s"].size if sched.split_backward else 0)
 
 
 def _read(lane: tuple, bufs: dict, t: int, s: int, st: sch.Step) -> None:

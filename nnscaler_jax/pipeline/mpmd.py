@@ -62,6 +62,7 @@ from nnscaler_jax.pipeline.program import (
     stage_axis,
     trace_micro,
 )
+from nnscaler_jax.pipeline.split_backward import split_backward
 from nnscaler_jax.pipeline.steps import blocks, timeline
 from nnscaler_jax.pipeline.update import LossScaling
 
@@ -126,8 +127,8 @@ class MpmdProgram(PipelineRuntime):
         self._cut(closed, len(abstract), stage_of)
         self._meshes(mesh)
         self._made: dict = {}  # (jitted helpers, built once: accumulators, means)
-        self._fwd = [self._jit_chunk(c, backward=False) for c in range(sched.chunks)]
-        self._bwd = [self._jit_chunk(c, backward=True) for c in range(sched.chunks)]
+        kinds = ("F", "B-split", "G") if sched.split_backward else ("F", "B")
+        self._blocks = {k: [self._jit_chunk(c, k) for c in range(sched.chunks)] for k in kinds}
 
     # ---- the cut and where things live -------------------------------------------------------
 
@@ -193,12 +194,16 @@ class MpmdProgram(PipelineRuntime):
             return [env[v] for v in cut.bounds[c]], jnp.zeros((), jnp.float32)
         return [], jnp.asarray(_value(env, jx.outvars[0]), jnp.float32)
 
-    def _jit_chunk(self, c: int, backward: bool) -> Callable:
-        """Chunk ``c``'s forward ``(params, xin, batch) -> (xout, loss)`` or backward
-        ``(params, xin, batch, gout, acc, seed) -> (gin, acc + grads)`` on its stage's
-        sub-mesh (``seed``: the loss's cotangent, ``scale / M``).
-        Boundary values and micro-batch leaves are ``[D, ...]`` (one row per data shard),
-        gradient accumulators ``[D, *leaf]``; the loss is the mean over the data shards."""
+    def _jit_chunk(self, c: int, kind: str) -> Callable:
+        """Chunk ``c``'s block ``kind`` on its stage's sub-mesh: ``'F'`` forward ``(params,
+        xin, batch) -> (xout, loss)``; ``'B'`` backward ``(params, xin, batch, gout, acc,
+        seed) -> (gin, acc + grads)``; a split backward's ``'B-split'`` ``(params, xin,
+        batch, gout, seed) -> (gin, kept values)`` and ``'G'`` ``(params, batch, kept, acc,
+        seed) -> acc + grads`` (:mod:`~nnscaler_jax.pipeline.split_backward`: both trace the
+        chunk's backward alike, so the kept values line up); ``seed``: the loss's cotangent,
+        ``scale / M``. Boundary values, micro-batch leaves and kept values are ``[D, ...]``
+        (one row per data shard), gradient accumulators ``[D, *leaf]``; the loss is the mean
+        over the data shards."""
         M, data = self.schedule.microbatches, self.data_axes
         last = c == self.schedule.chunks - 1
         mean = (lambda x: jax.lax.pmean(x, data)) if data else (lambda x: x)
@@ -209,8 +214,7 @@ class MpmdProgram(PipelineRuntime):
             out, loss = self._evaluate(c, params, first(xin), first(batch))
             return rows(out), mean(loss / M)
 
-        def bwd(params, xin, batch, gout, acc, seed):
-            xin, batch, gout = first(xin), first(batch), first(gout)
+        def backward(params, xin, batch, gout, seed):  # -> (param grads, input grads)
             fl = [i for i, x in enumerate(xin) if _floating(x)]
 
             def f(ps, xf):
@@ -227,16 +231,40 @@ class MpmdProgram(PipelineRuntime):
             gin = [jnp.zeros_like(x) for x in xin]
             for i, g in zip(fl, gx, strict=True):
                 gin[i] = g
+            return gp, gin
+
+        def split(params, xin, batch, gout, seed):  # (G reads params, batch, seed as they are)
+            args = (params, xin, batch, gout, seed)
+            return split_backward(backward, args, available=(0, 2, 4)), args
+
+        def bwd(params, xin, batch, gout, acc, seed):
+            gp, gin = backward(params, first(xin), first(batch), first(gout), seed)
             return rows(gin), [a + g[None] for a, g in zip(acc, gp, strict=True)]
+
+        def bwd_split(params, xin, batch, gout, seed):
+            sp, args = split(params, first(xin), first(batch), first(gout), seed)
+            gin, kept = sp.input_grads(*args)
+            return rows(gin), rows(kept)
+
+        def wgrad(params, batch, kept, acc, seed):
+            shapes = lambda vs: [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in vs]
+            xin = shapes(self.cut.bounds[c - 1] if c else ())  # (shapes: G reads neither)
+            gout = shapes(self.cut.bounds[c] if c < self.schedule.chunks - 1 else ())
+            sp, args = split(params, xin, first(batch), gout, seed)
+            gp = sp.weight_grads(args, first(kept))
+            return [a + g[None] for a, g in zip(acc, gp, strict=True)]
 
         spec = P(data) if data else P()
         s = self._stage(c)
-        fn, ins, outs = ((bwd, (P(), spec, spec, spec, spec, P()), (spec, spec)) if backward else
-                         (fwd, (P(), spec, spec), (spec, P())))
+        fn, ins, outs = {
+            "F": (fwd, (P(), spec, spec), (spec, P())),
+            "B": (bwd, (P(), spec, spec, spec, spec, P()), (spec, spec)),
+            "B-split": (bwd_split, (P(), spec, spec, spec, P()), (spec, spec)),
+            "G": (wgrad, (P(), spec, spec, spec, P()), spec)}[kind]
         if data:  # manual over the data axes; the tensor axes stay GSPMD's (auto)
             fn = jax.shard_map(fn, mesh=self.sub[s], in_specs=ins, out_specs=outs,
                                check_vma=False, axis_names=set(data))
-        jitted = jax.jit(fn, donate_argnums=(4,) if backward else ())
+        jitted = jax.jit(fn, donate_argnums={"B": (4,), "G": (3,)}.get(kind, ()))
 
         def run(*args):
             with jax.set_mesh(self.sub[s]):
@@ -255,7 +283,7 @@ class MpmdProgram(PipelineRuntime):
         batch = [aval(v.aval, self._split[s], (D,))
                  for v in cut.jaxpr.jaxpr.invars[cut.n_params:]]
         with jax.set_mesh(self.sub[s]):
-            return self._fwd[c].jitted.lower(params, xin, batch).compile().as_text()
+            return self._blocks['F'][c].jitted.lower(params, xin, batch).compile().as_text()
 
     # ---- the training state ------------------------------------------------------------------
 
@@ -344,6 +372,7 @@ class MpmdProgram(PipelineRuntime):
         inbox: dict[tuple[int, int], list] = {}
         gbox: dict[tuple[int, int], list] = {}
         saved: dict[tuple[int, int], list] = {}
+        kept: dict[tuple[int, int], list] = {}
         move = lambda xs, c: [jax.device_put(x, self._split[self._stage(c)]) for x in xs]
         losses = []
         for row in timeline(self.schedule):
@@ -353,17 +382,24 @@ class MpmdProgram(PipelineRuntime):
                     micro[s, m] = [jax.device_put(x, self._split[s]) for x in shaped[m]]
                 if st.kind == "F":
                     xin = inbox.pop((c, m), [])
-                    out, loss = self._fwd[c](params[c], xin, micro[s, m])
+                    out, loss = self._blocks["F"][c](params[c], xin, micro[s, m])
                     saved[c, m] = xin
                     if c < C - 1:
                         inbox[c + 1, m] = move(out, c + 1)
                     else:
                         losses.append(loss)
+                    continue
+                if st.kind == "G":  # a split backward's weight gradients (zb-h1)
+                    acc[c] = self._blocks["G"][c](params[c], micro[s, m], kept.pop((c, m)),
+                                                  acc[c], seed)
+                    continue
+                args = (params[c], saved.pop((c, m)), micro[s, m], gbox.pop((c, m), []))
+                if self.schedule.split_backward:  # 'B': the input's cotangent only
+                    gin, kept[c, m] = self._blocks["B-split"][c](*args, seed)
                 else:  # 'B' (the schedules run here have no other blocks)
-                    gin, acc[c] = self._bwd[c](params[c], saved.pop((c, m)), micro[s, m],
-                                               gbox.pop((c, m), []), acc[c], seed)
-                    if c > 0:
-                        gbox[c - 1, m] = move(gin, c - 1)
+                    gin, acc[c] = self._blocks["B"][c](*args, acc[c], seed)
+                if c > 0:
+                    gbox[c - 1, m] = move(gin, c - 1)
         return sum(float(x) for x in losses), acc
 
     def grads(self, pp: list, batch: tuple, key: Any = None, *, scale: Any = 1.0

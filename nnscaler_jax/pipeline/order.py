@@ -39,7 +39,15 @@ from typing import NamedTuple
 import networkx as nx
 
 from nnscaler_jax.errors import PlanError
-from nnscaler_jax.pipeline.steps import ALL, Schedule, Step, cycle_text, deps, validate
+from nnscaler_jax.pipeline.steps import (
+    ALL,
+    Schedule,
+    Step,
+    check_split,
+    cycle_text,
+    deps,
+    validate,
+)
 
 __all__ = ["Block", "ScheduleDraft"]
 
@@ -66,8 +74,8 @@ def _priority(b: Block, chunks: int, stages: int) -> tuple:
     st = b.step
     c = st.virtual * stages + max(b.stage, 0)
     sub = {"N": (0, st.it, c), "E": (1, 0, 0), "F": (2, 0, c), "H": (3, 0, 0),
-           "B": (0, 0, chunks - c), "W": (1, 0, 0)}[st.kind]
-    return (st.kind in "BW", st.microbatch) + sub + (b.stage,)
+           "B": (0, 0, chunks - c), "W": (1, 0, 0), "G": (2, 0, chunks - c)}[st.kind]
+    return (st.kind in "BWG", st.microbatch) + sub + (b.stage,)
 
 
 class ScheduleDraft:
@@ -82,17 +90,21 @@ class ScheduleDraft:
         name: the schedule's name (in tables, plans and errors).
         paired: a stage runs a forward and a backward next to each other in its order in one
             time step when both are ready (:class:`~nnscaler_jax.pipeline.steps.Pair`).
+        split_backward: each backward is two blocks, ``B`` (the chunk input's cotangent) and
+            ``G`` (the chunk's weight gradients, :meth:`G`), ordered like the others.
     """
 
     def __init__(self, stages: int, microbatches: int, *, virtual: int = 1, recycles: int = 0,
-                 all_device: bool = False, name: str = "custom", paired: bool = False):
+                 all_device: bool = False, name: str = "custom", paired: bool = False,
+                 split_backward: bool = False):
         if stages < 1 or microbatches < 1 or virtual < 1 or recycles < 0:
             raise PlanError(f"a schedule needs stages >= 1, microbatches >= 1, virtual >= 1 and "
                             f"recycles >= 0, got stages={stages}, microbatches={microbatches}, "
                             f"virtual={virtual}, recycles={recycles}")
         self.stages, self.microbatches, self.virtual = stages, microbatches, virtual
         self.recycles, self.all_device, self.name = recycles, all_device, name
-        self.paired = paired
+        self.paired, self.split_backward = paired, split_backward
+        check_split(name, split_backward, all_device, recycles)
         self.pairs: list[tuple[Block, Block]] = []
 
     # ---- blocks --------------------------------------------------------------------------------
@@ -108,6 +120,9 @@ class ScheduleDraft:
         if kind == "N" and not 0 <= it < self.recycles:
             raise PlanError(f"N({stage}, {m}, it={it}): the draft has {self.recycles} no-grad "
                             "passes per micro-batch; use ScheduleDraft(..., recycles=R)")
+        if kind == "G" and not self.split_backward:
+            raise PlanError(f"G({stage}, {m}): a weight-gradient block; use ScheduleDraft(..., "
+                            "split_backward=True)")
         if stage == ALL and not self.all_device:
             raise PlanError(f"{kind}({m}): an all-device block; use ScheduleDraft(..., "
                             "all_device=True)")
@@ -120,6 +135,11 @@ class ScheduleDraft:
     def B(self, stage: int, m: int, virtual: int = 0) -> Block:
         """Backward of micro-batch ``m`` on ``stage``'s chunk ``virtual``."""
         return self._block("B", stage, m, virtual)
+
+    def G(self, stage: int, m: int, virtual: int = 0) -> Block:
+        """Weight gradient of micro-batch ``m`` on ``stage``'s chunk ``virtual`` (after its
+        ``B``; ``split_backward`` drafts)."""
+        return self._block("G", stage, m, virtual)
 
     def N(self, stage: int, m: int, it: int = 0, virtual: int = 0) -> Block:
         """No-grad forward (recycling pass ``it``) of micro-batch ``m`` on ``stage``."""
@@ -146,6 +166,7 @@ class ScheduleDraft:
             for s in range(self.stages):
                 for v in range(self.virtual):
                     out += [self.F(s, m, v), self.B(s, m, v)]
+                    out += [self.G(s, m, v)] if self.split_backward else []
                     out += [self.N(s, m, r, v) for r in range(self.recycles)]
         return out
 
@@ -183,11 +204,11 @@ class ScheduleDraft:
         rows = self._total_rows()
         if rows is not None:  # a total order per stage: run as given, checked for deadlocks
             sched = Schedule(self.name, self.stages, self.microbatches, self.virtual, rows,
-                             self.recycles, self.all_device, self.paired)
+                             self.recycles, self.all_device, self.paired, self.split_backward)
             validate(sched)
             return sched
         shell = Schedule(self.name, self.stages, self.microbatches, self.virtual, (),
-                         self.recycles, self.all_device, self.paired)
+                         self.recycles, self.all_device, self.paired, self.split_backward)
         succ: dict[Block, list[tuple[Block, int | None]]] = {b: [] for b in self.blocks()}
         for b in succ:
             for d, ds in deps(b.step, max(b.stage, 0), shell):
@@ -201,13 +222,14 @@ class ScheduleDraft:
                      for s in range(self.stages))
         # complete by construction, and deadlock-free: every stage runs its blocks in the order
         # of one topological order of the pairs and the data dependencies
-        return Schedule(self.name, self.stages, self.microbatches, self.virtual, rows,
-                        self.recycles, self.all_device, self.paired)
+        sched = Schedule(self.name, self.stages, self.microbatches, self.virtual, rows,
+                         self.recycles, self.all_device, self.paired, self.split_backward)
+        return sched
 
     def _total_rows(self) -> tuple[tuple[Step, ...], ...] | None:
         """Each stage's blocks in the order of its pairs when they chain all of them (one pair
         per consecutive two, as :meth:`chain` gives), else None."""
-        per = self.microbatches * (self.virtual * (2 + self.recycles)
+        per = self.microbatches * (self.virtual * (2 + self.recycles + self.split_backward)
                                    + (3 if self.all_device else 0))
         nxt: list[dict[Block, Block]] = [{} for _ in range(self.stages)]
         for a, b in self.pairs:

@@ -78,7 +78,8 @@ class RuntimeChoice:
 
 def runtime_time(sched, fwd: list[float], bwd: list[float], p2p: float,
                  all_device: dict[str, float] | None = None, *,
-                 table: list | None = None) -> tuple[float, float]:
+                 table: list | None = None,
+                 wgrad: list[float] | None = None) -> tuple[float, float]:
     """``(step seconds, bubble seconds)`` of a schedule's step table (``plan.schedule``).
 
     The runtime walks the table in lock step: time step ``t`` lasts as long as the slowest
@@ -87,19 +88,23 @@ def runtime_time(sched, fwd: list[float], bwd: list[float], p2p: float,
     ``fwd[c]``; an all-device block ``all_device[kind]``, run by the stage holding its data,
     ``E`` / ``W`` stage 0 and ``H`` the last chunk's stage, while the others wait) and then both
     ``ppermute``\\ s (``p2p`` seconds together). ``table``: ``sch.timeline(sched)`` when
-    already made.
+    already made. A split backward (``sched.split_backward``): ``G`` costs ``wgrad[c]`` (the
+    chunk's weight gradients; default a third of its backward) and ``B`` the rest of
+    ``bwd[c]``.
     """
     S, extra = sched.stages, all_device or {}
     runs = {"E": 0, "W": 0, "H": (sched.chunks - 1) % S}
     total, busy = 0.0, [0.0] * S
+    split = getattr(sched, "split_backward", False)
+    wg = (wgrad or [b / 3 for b in bwd]) if split else [0.0] * len(bwd)
     for row in sch.timeline(sched) if table is None else table:
         dur = 0.0
         for s, cell in enumerate(row):
             here = 0.0  # (a pair: its forward, then its backward)
             for st in sch.blocks(cell):
                 c = st.virtual * S + s
-                w = (extra.get(st.kind, 0.0) if st.all_device
-                     else bwd[c] if st.kind == "B" else fwd[c])
+                w = (extra.get(st.kind, 0.0) if st.all_device else bwd[c] - wg[c]
+                     if st.kind == "B" else wg[c] if st.kind == "G" else fwd[c])
                 if not st.all_device or runs.get(st.kind, s) == s:
                     busy[s] += w
                 here += w
@@ -210,7 +215,8 @@ class _Ways:
 @dataclass(frozen=True)
 class _ChunkWork:
     """Per chunk: compute seconds (forward + backward), one pass's tensor-parallel all-reduce
-    seconds and bytes sent, the seconds of its forward / backward steps, and the compute /
+    seconds and bytes sent, the seconds of its forward / backward steps (and of a split
+    backward's weight-gradient block ``G``, part of the backward's), and the compute /
     all-reduce seconds and bytes of the layers recomputed again inside its backward
     (``recompute='layer'``; else 0)."""
 
@@ -219,6 +225,7 @@ class _ChunkWork:
     ar_bytes: list[float]
     fwd: list[float]
     bwd: list[float]
+    wgrad: list[float]
     extra: list[float]
     extra_ar: list[float]
     extra_ar_bytes: list[float]
@@ -253,7 +260,11 @@ def _chunk_work(w: _Ways, bounds: list[tuple[int, int]], mb: int,
     fwd = [t / 3 + c for t, c in zip(fb, ar, strict=True)]
     bwd = [t * 2 / 3 + c + f + e + ea  # + recomputed forward (+ the layers' again)
            for t, c, f, e, ea in zip(fb, ar, fwd, ext, ext_ar, strict=True)]
-    return _ChunkWork(fb, ar, ar_b, fwd, bwd, ext, ext_ar, ext_b)
+    # a split backward's G: the weight gradients (a third of the compute, as x^T dy beside
+    # the cotangent's dy w^T); chunk 0's B makes no cotangent (its input is the batch), so
+    # its G runs the whole backward
+    wgrad = [bwd[0]] + [t / 3 for t in fb[1:]]
+    return _ChunkWork(fb, ar, ar_b, fwd, bwd, wgrad, ext, ext_ar, ext_b)
 
 
 def _price(w: _Ways, name: str | sch.Schedule, V: int, M: int,
@@ -273,7 +284,8 @@ def _price(w: _Ways, name: str | sch.Schedule, V: int, M: int,
     p2p = 2 * ppermute_time(w.stage_link, S, msg) if S > 1 else 0.0
     alld, alld_compute = _all_device_work(w, mb) if sched.all_device else ({}, [0.0] * S)
     table = sch.timeline(sched)
-    step, bubble = runtime_time(sched, work.fwd, work.bwd, p2p, alld, table=table)
+    step, bubble = runtime_time(sched, work.fwd, work.bwd, p2p, alld, table=table,
+                                wgrad=work.wgrad)
     params = [sum(sum(u.param_bytes for u in units[max(a, 1):min(b, n - 1)])
                   for c, (a, b) in enumerate(bounds) if c % S == s) / tp
               for s in range(S)]
@@ -294,9 +306,9 @@ def _price(w: _Ways, name: str | sch.Schedule, V: int, M: int,
     sent = (steps * 2 * msg if S > 1 else 0.0) \
         + M * sum(3 * work.ar_bytes[c] + work.extra_ar_bytes[c] for c in mine[top]) \
         + _wire(dp, grad) + _wire(S, shared_grad)
-    tables = loop_tables(sched, "FBNEHW")
+    tables = loop_tables(sched, "FBNEHWG")
     mem = _stage_memory(w, bounds, mine, params, tables.n_in + tables.n_g, mb,
-                        sched.all_device, layer)
+                        sched.all_device, layer, tables.n_s)
     fits = w.budget is None or max(mem) <= w.budget
     return RuntimeChoice(sched.name, V, M, mb, step, bubble, tuple(mem), fits, compute, comm,
                          sent, recompute)
@@ -318,7 +330,7 @@ def _all_device_work(w: _Ways, mb: int) -> tuple[dict[str, float], list[float]]:
 
 def _stage_memory(w: _Ways, bounds: list[tuple[int, int]], mine: list[list[int]],
                   params: list[float], slots: int, mb: int, all_device: bool,
-                  layer: bool = False) -> list[float]:
+                  layer: bool = False, kept: int = 0) -> list[float]:
     """Per stage: its parameters with gradients and optimizer state, the prefix / suffix
     (replicated), the runtime's activation and cotangent buffers and one chunk's activations
     (the backward recomputes the chunk from its saved input; ``all_device``: or the prefix's /
@@ -332,6 +344,14 @@ def _stage_memory(w: _Ways, bounds: list[tuple[int, int]], mine: list[list[int]]
     as wide as the widest chunk input (the cut runtime packs every boundary to the widest); not
     the stage's own in-flight count: a slot is taken when the activation arrives, before the
     stage's forward, and stage 0 keeps the others' count though its chunk-0 input is the batch.
+
+    A split backward (``kept``: the loop's kept-values slots, ``n_s``) keeps, from its ``B``
+    to its ``G``, what the weight gradients read: per slot the most a chunk keeps
+    (:attr:`~nnscaler_jax.pipeline.units.Unit.wgrad_bytes`: the inputs and output cotangents
+    of the ops reading parameters), chunk 0's output cotangent only (its ``B`` runs nothing,
+    its ``G`` the whole backward); and once more, the ``B``'s result beside the buffer before
+    the loop writes it into its slot (as XLA:CPU holds it: the difference over 1F1B of GPT
+    with activations dominating is twice the kept values with one slot).
     """
     units, mem = w.units, []
     inp = max(units[max(a - 1, 0)].out_bytes * mb for a, _ in bounds)
@@ -353,7 +373,11 @@ def _stage_memory(w: _Ways, bounds: list[tuple[int, int]], mine: list[list[int]]
             acts += [units[0].act_bytes / w.tp] * (s == 0) \
                 + [units[-1].act_bytes / w.tp] * (s == w.stages - 1)
         act = max(acts) * mb
-        mem.append(params[s] * (1 + w.optimizer_bytes) + w.shared + slots * inp + act)
+        held = max([sum(u.wgrad_bytes for u in units[slice(*bounds[c])]) / w.tp * mb
+                    for c in range(1, len(bounds))]
+                   + [units[bounds[0][1] - 1].out_bytes * mb]) if kept else 0.0
+        mem.append(params[s] * (1 + w.optimizer_bytes) + w.shared + slots * inp + act
+                   + (kept + 1) * held * bool(kept))
     return mem
 
 

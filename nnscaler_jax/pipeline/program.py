@@ -198,7 +198,7 @@ def why_cut(*, pivots: bool, schedule: Any, precision: str | None, collections: 
     step (:class:`~nnscaler_jax.train.pipelined_step.PipelineStep`, which builds it). The
     identical-layer runtime runs one program on every stage: ``F`` / ``B`` blocks only, in the
     module's own precision (a compute precision's parameter casts are made where each chunk
-    reads them: the cut program), without mutable collections.
+    reads them: the cut program), without mutable collections, backwards unsplit.
 
     >>> why_cut(pivots=False, schedule="1f1b", precision=None, collections=False) is None
     True
@@ -212,6 +212,8 @@ def why_cut(*, pivots: bool, schedule: Any, precision: str | None, collections: 
         return f"schedule {name!r} runs no-grad recycling passes"
     if getattr(schedule, "all_device", name == "interlaced"):
         return f"schedule {name!r} has all-device blocks"
+    if getattr(schedule, "split_backward", name == "zb-h1"):
+        return f"schedule {name!r} splits its backwards (weight-gradient blocks 'G')"
     if precision not in (None, "float32"):
         return f"compute precision {precision} (parameters cast where each chunk reads them)"
     if collections:

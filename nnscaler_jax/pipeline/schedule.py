@@ -57,9 +57,10 @@ __all__ = [
     "require_runnable",
     "timeline",
     "validate",
+    "zb_h1",
 ]
 
-SCHEDULES = ("gpipe", "1f1b", "eager-1f1b", "interleaved", "interlaced", "nf1b")
+SCHEDULES = ("gpipe", "1f1b", "eager-1f1b", "interleaved", "interlaced", "nf1b", "zb-h1")
 RUNNABLE = ("1f1b", "eager-1f1b", "gpipe", "interleaved")  # the stage DP's default choices
 RECYCLES = 3  # nf1b's default no-grad passes ("3F1B")
 
@@ -124,6 +125,60 @@ def eager_one_f_one_b(stages: int, microbatches: int) -> Schedule:
     _check_sizes(stages, microbatches)
     d = ScheduleDraft(stages, microbatches, name="eager-1f1b", paired=True)
     return _from_rows(d, lambda s: _one_f_one_b_row(d, s, 2 * (stages - s - 1)))
+
+
+def zb_h1(stages: int, microbatches: int) -> Schedule:
+    """Zero-bubble ZB-H1 (Qi et al., ICLR'24) for the runtime's lock step: 1F1B's micro-batches
+    in flight with each backward split into ``B`` (the input's cotangent, what the previous
+    stage waits for) and ``G`` (the weight gradients), the ``G`` s run in the time steps a
+    stage would idle or beside a ``B`` (``paired``).
+
+    Written per stage by unit-time lock step (the runtime's): each time step a stage runs a
+    ready ``B`` and, beside it or alone, the oldest pending ``G`` when more than one is pending,
+    else a ready ``F`` while fewer than ``stages - s`` micro-batches are in flight (1F1B's),
+    else a pending ``G`` when no ``B`` runs. At most two backwards' kept values wait for their
+    ``G`` on a stage. Priced (:func:`~nnscaler_jax.pipeline.pricing.runtime_time`), the
+    cool-down's chain of backwards is ``B`` s only and the ``G`` s fill bubbles: below 1F1B's
+    step; GPipe / eager 1F1B, which hold more micro-batches in flight, can be faster.
+
+    >>> print(format_schedule(zb_h1(2, 3)))
+    schedule zb-h1: 2 stages x 3 micro-batches, 8 steps
+    stage 0 | F0    F1    .     F2+B0 G0+B1 G1    B2    G2
+    stage 1 | .     F0    F1+B0 G0+B1 F2    G1+B2 G2    .
+    """
+    _check_sizes(stages, microbatches)
+    d = ScheduleDraft(stages, microbatches, name="zb-h1", split_backward=True, paired=True)
+    rows = _zb_rows(stages, microbatches)
+    return _from_rows(d, lambda s: [getattr(d, k)(s, m) for k, m in rows[s]])
+
+
+def _zb_rows(S: int, M: int) -> list[list[tuple[str, int]]]:
+    """Per stage, ZB-H1's blocks ``(kind, micro-batch)`` by :func:`zb_h1`'s priorities."""
+    done: dict[tuple[str, int, int], int] = {}  # (kind, m, stage) -> time step
+    nxt = [{"F": 0, "B": 0} for _ in range(S)]
+    pending: list[list[int]] = [[] for _ in range(S)]
+    rows: list[list[tuple[str, int]]] = [[] for _ in range(S)]
+    t = 0
+    while any(len(r) < 3 * M for r in rows):
+        for s in range(S):
+            f, b = nxt[s]["F"], nxt[s]["B"]
+            ready = lambda k, m, at, t=t: done.get((k, m, at), t) < t
+            b_ok = b < f and (s == S - 1 or ready("B", b, s + 1)) and ready("F", b, s)
+            f_ok = f < M and f - b < S - s and (s == 0 or ready("F", f, s - 1))
+            cell = []
+            if len(pending[s]) > 1 or (pending[s] and not f_ok and not b_ok):
+                cell.append(("G", pending[s].pop(0)))
+            elif f_ok:
+                cell.append(("F", f))
+            if b_ok:
+                cell.append(("B", b))
+                pending[s].append(b)
+            for k, m in cell:
+                nxt[s][k] = nxt[s].get(k, 0) + 1
+                done[(k, m, s)] = t
+                rows[s].append((k, m))
+        t += 1
+    return rows
 
 
 def interleaved(stages: int, microbatches: int, virtual: int) -> Schedule:
@@ -221,6 +276,8 @@ def build(name: str, stages: int, microbatches: int, virtual: int = 2,
         return eager_one_f_one_b(stages, microbatches)
     if name == "interleaved":
         return interleaved(stages, microbatches, virtual)
+    if name == "zb-h1":
+        return zb_h1(stages, microbatches)
     if name == "interlaced":
         return interlaced(stages, microbatches)
     if name == "nf1b":
@@ -240,7 +297,7 @@ def from_settings(pipe: Any) -> Schedule:
     return build(pipe.schedule, pipe.stages, pipe.microbatches, pipe.virtual)
 
 
-def require_runnable(sched: Schedule, kinds: str = "FBNEHW") -> Schedule:
+def require_runnable(sched: Schedule, kinds: str = "FBNEHWG") -> Schedule:
     """``sched`` itself when a runtime executing block kinds ``kinds`` runs every block of it.
 
     :class:`~nnscaler_jax.pipeline.hetero.CutProgram` runs every kind; the identical-layer
@@ -256,7 +313,8 @@ def require_runnable(sched: Schedule, kinds: str = "FBNEHW") -> Schedule:
         return sched
     raise PlanError(
         f"schedule {sched.name!r} has blocks {extra} ('N': forwards without gradient, "
-        "recycling; 'E' / 'H' / 'W': blocks on all devices) that the identical-layer pipeline "
+        "recycling; 'E' / 'H' / 'W': blocks on all devices; 'G': weight gradients of split "
+        "backwards) that the identical-layer pipeline "
         "runtime does not execute; pm.train_step runs them with the cut program "
         "(nnscaler_jax.pipeline.hetero.CutProgram)")
 
@@ -296,8 +354,9 @@ def format_schedule(sched: Schedule) -> str:
 def plot_gantt(sched: Schedule, path: str) -> str:
     """Write a PNG Gantt chart of the step table (stages down, time across) to ``path``.
 
-    Colour: micro-batch; fill: block type -- forward solid, backward hatched ``//``, no-grad
-    forward dotted and pale, all-device blocks one grey bar across every stage (with a legend).
+    Colour: micro-batch; fill: block type -- forward solid, backward hatched ``//``, weight
+    gradient (split backwards) hatched ``\\\\`` and paler, no-grad forward dotted and pale,
+    all-device blocks one grey bar across every stage (with a legend).
     """
     import matplotlib
 
@@ -309,7 +368,7 @@ def plot_gantt(sched: Schedule, path: str) -> str:
     S = sched.stages
     fig, ax = plt.subplots(figsize=(max(6, len(table) * 0.35), 0.6 * S + 1.6))
     cmap = plt.get_cmap("tab10")
-    style = {"F": (None, 1.0), "B": ("//", 1.0), "N": ("..", 0.45)}
+    style = {"F": (None, 1.0), "B": ("//", 1.0), "N": ("..", 0.45), "G": ("\\\\", 0.6)}
     for t, row in enumerate(table):
         for s, cell in enumerate(row):
             parts = blocks(cell)
@@ -319,7 +378,8 @@ def plot_gantt(sched: Schedule, path: str) -> str:
     legend = [Patch(facecolor="white", edgecolor="black", hatch=h, alpha=a, label=lab)
               for k, (h, a), lab in (("F", style["F"], "F forward"),
                                      ("B", style["B"], "B backward"),
-                                     ("N", style["N"], "N no-grad forward")) if k in kinds]
+                                     ("N", style["N"], "N no-grad forward"),
+                                     ("G", style["G"], "G weight gradient")) if k in kinds]
     if sched.all_device:
         legend.append(Patch(facecolor="0.8", edgecolor="black",
                             label="E / H / W all devices"))

@@ -5,6 +5,10 @@ its blocks ``Step(kind, microbatch, virtual, it)`` on its model chunks (chunk ``
 stage``). Block kinds (:data:`KINDS`):
 
 - ``'F'`` / ``'B'``: forward / backward of micro-batch ``m`` on the stage's chunk ``v``;
+- ``'G'``: the weight gradient of micro-batch ``m`` on chunk ``v``, in a schedule that splits the
+  backward (``split_backward``, zero-bubble ``zb-h1``; the zero-bubble papers' ``W``): ``B`` then
+  computes only the cotangent of the chunk's input (what the previous stage waits for) and
+  keeps what the weight gradients read for ``G``, which may run later, in a bubble;
 - ``'N'``: forward without gradient of recycling pass ``it`` (AlphaFold2 recycling, ``nf1b``):
   pass ``it`` of chunk 0 reads pass ``it - 1``'s output of the last chunk, and ``F`` of chunk 0
   reads the last pass's;
@@ -34,16 +38,18 @@ import networkx as nx
 
 from nnscaler_jax.errors import PlanError
 
-__all__ = ["ALL", "KINDS", "Cell", "Pair", "Schedule", "Step", "blocks", "cycle_text", "deps",
-           "expected_steps", "peak_in_flight", "timeline", "validate"]
+__all__ = ["ALL", "KINDS", "Cell", "Pair", "Schedule", "Step", "blocks", "check_split",
+           "cycle_text", "deps", "expected_steps", "peak_in_flight", "peak_pending_weights",
+           "timeline", "validate"]
 
-KINDS = ("F", "B", "N", "E", "H", "W")
+KINDS = ("F", "B", "N", "E", "H", "W", "G")
 ALL_DEVICE = frozenset("EHW")
 ALL = -1  # the "stage" of an all-device block
 _FIX = ("Order each stage's blocks along the data dependencies: F of (m, chunk c) after F of "
         "(m, c-1); B of (m, c) after F of (m, c) and B of (m, c+1)")
 _WHAT = {"F": "forward", "B": "backward", "N": "no-grad forward", "E": "all-device embedding "
-         "forward", "H": "all-device head + loss", "W": "all-device embedding backward"}
+         "forward", "H": "all-device head + loss", "W": "all-device embedding backward",
+         "G": "weight gradient"}
 
 
 class Step(NamedTuple):
@@ -81,6 +87,8 @@ class Schedule:
         all_device: the schedule has the all-device blocks ``E`` / ``H`` / ``W``.
         paired: a stage runs a forward and a backward next to each other in its order in one
             time step when both are ready (:class:`Pair`; ``eager-1f1b``).
+        split_backward: each backward is split into ``B`` (the input's cotangent) and ``G``
+            (the chunk's weight gradients), two blocks of the orders (``zb-h1``).
     """
 
     name: str
@@ -91,6 +99,7 @@ class Schedule:
     recycles: int = 0
     all_device: bool = False
     paired: bool = False
+    split_backward: bool = False
 
     @property
     def chunks(self) -> int:
@@ -110,7 +119,7 @@ class Schedule:
         flat = [x for row in steps for x in row]
         recycles = max((x.it + 1 for x in flat if x.kind == "N"), default=0)
         return cls(name, stages, microbatches, virtual, steps, recycles,
-                   any(x.all_device for x in flat), paired)
+                   any(x.all_device for x in flat), paired, any(x.kind == "G" for x in flat))
 
 
 def expected_steps(sched: Schedule, stage: int) -> Iterator[Step]:
@@ -121,6 +130,8 @@ def expected_steps(sched: Schedule, stage: int) -> Iterator[Step]:
         for v in range(sched.virtual):
             yield Step("F", m, v)
             yield Step("B", m, v)
+            if sched.split_backward:
+                yield Step("G", m, v)
             yield from (Step("N", m, v, r) for r in range(sched.recycles))
 
 
@@ -133,6 +144,8 @@ def deps(step: Step, stage: int, sched: Schedule) -> list[tuple[Step, int]]:
     if step.all_device:
         return {"E": [], "H": [at("F", C - 1)], "W": [at("B", 0)]}[step.kind]
     c = step.virtual * S + stage
+    if step.kind == "G":  # (B keeps what the weight gradients read)
+        return [at("B", c)]
     if step.kind in ("F", "N"):
         if c > 0:
             return [at(step.kind, c - 1, step.it)]
@@ -199,9 +212,10 @@ def _order_graph(sched: Schedule) -> nx.DiGraph:
 
 
 class Pair(NamedTuple):
-    """A forward and a backward one stage runs in one time step (:func:`timeline`): consecutive
-    in its order, both ready at the step's start. The forward's activation and the backward's
-    cotangent go to the neighbours together after the step."""
+    """Two blocks one stage runs in one time step (:func:`timeline`): consecutive in its order,
+    both ready at the step's start: a backward ``B`` and ``forward``, a forward ``F`` or a
+    weight gradient ``G`` (of an earlier backward: split-backward schedules). The forward's
+    activation and the backward's cotangent go to the neighbours together after the step."""
 
     forward: Step
     backward: Step
@@ -262,9 +276,10 @@ def _place(sched: Schedule) -> list[list[Cell]]:
                 continue
             row[s] = st
             nxt = at(s, pos[s] + 1)
-            if (sched.paired and {st.kind, getattr(nxt, "kind", None)} == {"F", "B"}
+            kinds = {st.kind, getattr(nxt, "kind", None)}
+            if (sched.paired and kinds in ({"F", "B"}, {"G", "B"})
                     and _ready(nxt, s, sched, done, t)):
-                row[s] = Pair(st, nxt) if st.kind == "F" else Pair(nxt, st)
+                row[s] = Pair(nxt, st) if st.kind == "B" else Pair(st, nxt)
         if not any(row):
             raise _deadlock(sched, heads, pos, done, t)
         for s, cell in enumerate(row):
@@ -292,6 +307,19 @@ def _deadlock(sched: Schedule, heads: list, pos: list[int], done: dict, t: int) 
                      + ". " + _FIX)
 
 
+def check_split(name: str, split_backward: bool, all_device: bool, recycles: int) -> None:
+    """Backwards are split (``G`` blocks) only in schedules of ``F`` / ``B`` blocks.
+
+    Raises:
+        PlanError: a split schedule with all-device blocks or no-grad passes.
+    """
+    if split_backward and (all_device or recycles):
+        other = "all-device blocks (E / H / W)" if all_device else "no-grad passes (N)"
+        raise PlanError(f"schedule {name!r} splits backwards into B and G blocks and has "
+                        f"{other}; the runtime splits the backwards of F / B schedules only: "
+                        "drop split_backward, or the other blocks")
+
+
 def validate(sched: Schedule, *, _table: bool = True) -> None:
     """Check that ``sched`` is a complete, executable schedule.
 
@@ -301,6 +329,7 @@ def validate(sched: Schedule, *, _table: bool = True) -> None:
     Raises:
         PlanError: naming the offending block and stage (a deadlock: the blocks of the cycle).
     """
+    check_split(sched.name, sched.split_backward, sched.all_device, sched.recycles)
     if len(sched.steps) != sched.stages:
         raise PlanError(f"schedule {sched.name!r} lists {len(sched.steps)} stages, declares "
                         f"{sched.stages}")
@@ -328,12 +357,26 @@ def validate(sched: Schedule, *, _table: bool = True) -> None:
                                 f"({_WHAT[st.kind]} of micro-batch {st.microbatch}, chunk "
                                 f"{st.virtual})")
         for i, st in enumerate(row):
-            if st.kind == "B" and seen[Step("F", st.microbatch, st.virtual)] > i:
+            before = {"B": ("F", "forward"), "G": ("B", "backward")}.get(st.kind)
+            if before and seen[Step(before[0], st.microbatch, st.virtual)] > i:
+                first = Step(before[0], st.microbatch, st.virtual)
                 raise PlanError(f"schedule {sched.name!r}: stage {s} step {i} '{st}' comes "
-                                f"before its forward 'F{st.microbatch}' (step "
-                                f"{seen[Step('F', st.microbatch, st.virtual)]})")
+                                f"before its {before[1]} '{first}' (step {seen[first]})")
     if _table:
         _place(sched)
+
+
+def peak_pending_weights(sched: Schedule) -> tuple[int, ...]:
+    """Per stage, the most backwards whose weight gradient (``G``) has not run yet at once: the
+    sets of values a ``B`` keeps for its ``G`` (0 where the schedule does not split backwards)."""
+    peaks = []
+    for row in sched.steps:
+        live = peak = 0
+        for st in row:
+            live += {"B": 1, "G": -1}.get(st.kind, 0) if sched.split_backward else 0
+            peak = max(peak, live)
+        peaks.append(peak)
+    return tuple(peaks)
 
 
 def peak_in_flight(sched: Schedule) -> tuple[int, ...]:

@@ -28,7 +28,7 @@ from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.ir.layers import graph_layers
 
-__all__ = ["TP_COLLECTIVES", "Unit", "largest_output", "layer_units"]
+__all__ = ["TP_COLLECTIVES", "Unit", "kept_for_weights", "largest_output", "layer_units"]
 
 TP_COLLECTIVES = 4
 """All-reduces of a layer's output per forward + backward under Megatron tensor parallelism."""
@@ -57,6 +57,10 @@ class Unit:
             pipeline.rules`) with ``recompute='chunk'`` / ``'layer'`` (None: the unit's whole
             forward, ``time_s / 3``). A cut chunk with such layers has them priced into
             ``act_bytes`` / ``layer_in_bytes`` too.
+        wgrad_bytes: what a split backward keeps from its ``B`` for its weight gradients
+            (``G``, :mod:`~nnscaler_jax.pipeline.split_backward`), per sample: the inputs
+            of the ops reading a parameter (other than parameters) and the cotangents of
+            their outputs, each tensor once.
     """
 
     name: str
@@ -70,12 +74,41 @@ class Unit:
     transient_bytes: float = 0.0
     chunk_again_s: float = 0.0
     layer_again_s: float | None = None
+    wgrad_bytes: float = 0.0
 
 
 def largest_output(ops) -> float:
     """The largest bytes one op (not a layout op, not a region) writes, among ``ops``."""
     return float(max((sum(math.prod(t.shape) * itemsize(t) for t in o.outputs) for o in ops
                       if not o.regions and o.primitive not in FREE), default=0))
+
+
+def kept_for_weights(ops, params: set[int]) -> float:
+    """Bytes a split backward keeps from its ``B`` for its weight gradients over ``ops``
+    (:attr:`Unit.wgrad_bytes`): per op reading a parameter (``params``: parameter ids; what is
+    computed from parameters alone, casts, reshapes, broadcasts, counts as one), its other
+    inputs (``x`` of ``x^T dy``; none for a bias ``add`` / ``sub``) and the cotangent of its
+    output (``dy``; one for a bias added to another such op's output: the same cotangent),
+    each tensor once."""
+    size = lambda t: math.prod(t.shape) * itemsize(t)
+    kept, params, made = {}, set(params), set()
+    for o in ops:
+        if o.regions or not o.inputs:
+            continue
+        if all(t.id in params for t in o.inputs):  # (a parameter's reshape, cast)
+            params.update(t.id for t in o.outputs)
+            continue
+        if not any(t.id in params for t in o.inputs):
+            continue
+        xs = [t for t in o.inputs if t.id not in params]
+        if o.primitive in ("add", "sub"):
+            if all(t.id in made for t in xs):  # a bias: its dy is the producer's
+                made.update(t.id for t in o.outputs)
+                continue
+            xs = []
+        kept.update((t.id, size(t)) for t in (*xs, *o.outputs))
+        made.update(t.id for t in o.outputs)
+    return float(sum(kept.values()))
 
 
 def layer_units(graph: Graph, batch: int = 1, model: CostModel | None = None) -> list[Unit]:
@@ -108,7 +141,8 @@ def layer_units(graph: Graph, batch: int = 1, model: CostModel | None = None) ->
         p = params_of(ops) if param_bytes is None else param_bytes
         # a layer recomputed inside its chunk keeps its input (the previous layer's output)
         return Unit(name, t, act, p, ob, tp_coll, *((ob, act) if layer else (None, None)),
-                    largest_output(flat) / batch)
+                    largest_output(flat) / batch,
+                    wgrad_bytes=kept_for_weights(flat, set(var_bytes)) / batch)
 
     ops, stack = graph.ops, where.stack
     units = [unit("<prefix>", ops[:where.start])]

@@ -24,10 +24,10 @@ RTOL, ATOL = 1e-4, 1e-6  # float32; ATOL for gradients that are exactly 0 in the
 M, D, LR = 4, 4, 0.1
 
 
-def _pm(module):
+def _pm(module, schedule="1f1b"):
     mesh = make_mesh((2, D), ("stage", "data"))
     return auto_parallel(mesh, Constraints(pipeline_stages=2, microbatches=M,
-                                           schedule="1f1b"))(module)
+                                           schedule=schedule))(module)
 
 
 def _sgd_reference(loss_of_block, params, batch, *, grads=False):
@@ -51,12 +51,15 @@ def _close(a, b):
                                    err_msg=jax.tree_util.keystr(path))
 
 
-def test_linen_dropout_and_module_kwargs_match_per_microbatch_keys():
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_linen_dropout_and_module_kwargs_match_per_microbatch_keys(schedule):
+    # zb-h1: the split backward's B recomputes the forward with the micro-batch's key, its G
+    # reads the masks B kept
     spec = models.get("gpt", "tiny-dropout", batch_size=2 * M * D)
     (tokens,) = spec.make_args(rng=jax.random.key(1))
     params = spec.module.init(jax.random.key(0), tokens)["params"]
     rng = jax.random.key(7)
-    step = _pm(spec.module).train_step(spec.loss_fn, optax.sgd(LR), inputs=1,
+    step = _pm(spec.module, schedule).train_step(spec.loss_fn, optax.sgd(LR), inputs=1,
                                        module_kwargs={"deterministic": False})
     state = step.init({"params": params}, tokens, rng=rng)
     state, metrics = step(state, tokens)
