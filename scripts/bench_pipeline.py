@@ -184,8 +184,11 @@ def run(layers: int, alpa_limit: float, global_batch: int) -> dict:
 # ---- T5 (nnScaler's 8-GPU artifact) on V100s: schedules of the cut program, priced ----------
 
 T5_CLUSTER = "v100-32g-8x"
-T5_MESHES = [{"stage": 2, "data": 4}, {"stage": 4, "data": 2}, {"stage": 8}]
-T5_SCHEDULES = ("interlaced", "1f1b", "eager-1f1b", "gpipe", "interleaved")
+# (mesh, policy): stages data-parallel inside (the cut program, lock step), and nnScaler's
+# shape, 2 stages x tensor-parallel 4 (Megatron inside; one program per stage, events)
+T5_MESHES = [({"stage": 2, "data": 4}, None), ({"stage": 4, "data": 2}, None),
+             ({"stage": 8}, None), ({"stage": 2, "model": 4}, "megatron")]
+T5_SCHEDULES = ("interlaced", "1f1b", "eager-1f1b", "gpipe", "interleaved", "zb-h1")
 
 
 def _row(r) -> dict:
@@ -209,15 +212,16 @@ def t5(global_batch: int = 32) -> dict:
     graph = capture_spec(models.get("t5", "t5-nnscaler-8gpu", batch_size=global_batch)).graph
     out = {"model": "t5-nnscaler-8gpu (11.6B, vocab 1,024,000 tied, seq 1024 / 1024), fp32 "
            "params + Adam", "cluster": T5_CLUSTER, "global_batch": global_batch, "meshes": []}
-    for axes in T5_MESHES:
+    for axes, policy in T5_MESHES:
         cm = CostModel.for_cluster(cluster, axes)
         budget = default_budget(axes, cluster)
-        entry = {"mesh": axes, "budget_gib": budget / 2**30, "schedules": {}}
+        entry = {"mesh": axes, "policy": policy, "budget_gib": budget / 2**30,
+                 "schedules": {}}
         for name in T5_SCHEDULES:
             try:
                 cut = plan_cut(graph, axes, Constraints(pipeline_stages=axes["stage"],
                                                         schedule=name),
-                               None, 2 if name == "interleaved" else 1, cm)
+                               policy, 2 if name == "interleaved" else 1, cm)
                 rows = cut.setup.choices(budget, schedule=name)
             except PlanError as e:
                 entry["schedules"][name] = {"error": str(e).splitlines()[0][:200]}
@@ -282,8 +286,11 @@ def _t5_md(t: dict) -> list[str]:
              "(predicted)"), "",
              ("Cut at module boundaries (the cut-program runtime). Per schedule its best row "
              "(fitting first, then fastest); `DP choice`: the runtime-restricted stage DP "
-             "(`pipeline_stages=\"auto\"`, schedules gpipe / 1f1b / eager-1f1b / interleaved / interlaced). Step s / peak GiB per device "
-             "/ micro-batches x size."), "",
+             "(`pipeline_stages=\"auto\"`, schedules gpipe / 1f1b / eager-1f1b / interleaved / "
+             "zb-h1 / interlaced). Step s / peak GiB per device / micro-batches x size. Stages "
+             "data-parallel inside run as one program in lock step; `stage 2 x model 4` "
+             "(Megatron inside the stages, nnScaler's shape) runs one program per stage, each "
+             "stage running its blocks as their inputs arrive, and is priced so (events)."), "",
              "| mesh | budget GiB | " + " | ".join(T5_SCHEDULES) + " | DP choice |",
              "|---" * (len(T5_SCHEDULES) + 3) + "|"]
     mesh_of = lambda e: " x ".join(f"{k} {v}" for k, v in e["mesh"].items())

@@ -42,7 +42,7 @@ def test_rule_prints_only_what_it_sets():
 
 @pytest.mark.parametrize(("kw", "what"), [
     ({"zero": 4}, "ZeRO stage"),
-    ({"schedule": "zb-h1"}, "schedule"),
+    ({"schedule": "dualpipe"}, "schedule"),
     ({"max_memory_per_device": 0}, "positive byte count"),
     ({"rules": ("fc1",)}, "takes Rule values"),
     ({"microbatches": 0}, "positive int"),  # refused when given, pipelined or not

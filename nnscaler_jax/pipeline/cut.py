@@ -319,7 +319,8 @@ def plan_cut(graph: Graph, mesh_axes: dict[str, int], constraints: Constraints, 
     setup = RuntimeSetup(units, axis, data, tensor, S,
                          math.prod(mesh_axes[a] for a in data), tp, batch, link(axis),
                          link(data[0]) if data else link(axis),
-                         link(tensor[0]) if tensor else link(axis))
+                         link(tensor[0]) if tensor else link(axis),
+                         lockstep=not tensor)  # (tensor-parallel cut stages: mpmd.py's events)
     return Cut(starts, stage_of, setup, tuple((n, flags[n]) for _, n in cands if n in flags))
 
 

@@ -24,6 +24,7 @@ from nnscaler_jax.mesh.topology import LinkCost, all_reduce_time, ppermute_time
 from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.in_stage import tensor_axes
 from nnscaler_jax.pipeline.loop_tables import loop_tables
+from nnscaler_jax.pipeline.steps import Step, deps, peak_pending_weights
 from nnscaler_jax.pipeline.units import Unit, layer_units
 
 __all__ = ["RuntimeChoice", "RuntimeSetup", "runtime_choices", "runtime_setup", "runtime_time"]
@@ -78,8 +79,8 @@ class RuntimeChoice:
 
 def runtime_time(sched, fwd: list[float], bwd: list[float], p2p: float,
                  all_device: dict[str, float] | None = None, *,
-                 table: list | None = None,
-                 wgrad: list[float] | None = None) -> tuple[float, float]:
+                 table: list | None = None, wgrad: list[float] | None = None,
+                 lockstep: bool = True) -> tuple[float, float]:
     """``(step seconds, bubble seconds)`` of a schedule's step table (``plan.schedule``).
 
     The runtime walks the table in lock step: time step ``t`` lasts as long as the slowest
@@ -91,12 +92,18 @@ def runtime_time(sched, fwd: list[float], bwd: list[float], p2p: float,
     already made. A split backward (``sched.split_backward``): ``G`` costs ``wgrad[c]`` (the
     chunk's weight gradients; default a third of its backward) and ``B`` the rest of
     ``bwd[c]``.
+
+    ``lockstep=False``: the per-stage runtime (:mod:`~nnscaler_jax.pipeline.mpmd`), whose
+    stages run their blocks as the host dispatches them, each when its inputs have arrived:
+    not time steps but events (:func:`_event_time`; ``p2p / 2`` per message).
     """
     S, extra = sched.stages, all_device or {}
     runs = {"E": 0, "W": 0, "H": (sched.chunks - 1) % S}
     total, busy = 0.0, [0.0] * S
     split = getattr(sched, "split_backward", False)
     wg = (wgrad or [b / 3 for b in bwd]) if split else [0.0] * len(bwd)
+    if not lockstep:
+        return _event_time(sched, fwd, bwd, p2p / 2, wg)[:2]
     for row in sch.timeline(sched) if table is None else table:
         dur = 0.0
         for s, cell in enumerate(row):
@@ -113,6 +120,52 @@ def runtime_time(sched, fwd: list[float], bwd: list[float], p2p: float,
     return total, total - max(busy)
 
 
+def _event_time(sched, fwd: list[float], bwd: list[float], send: float,
+                wg: list[float]) -> tuple[float, float, list[int]]:
+    """``(step seconds, bubble seconds, per stage the most inputs held at once)`` of stages
+    that each run their order as soon as a block's inputs are there: a block starts when its
+    stage is free and every block it depends on has finished (plus ``send`` seconds when that
+    block ran on another stage). ``F`` / ``N`` cost ``fwd[c]``, ``B`` ``bwd[c] - wg[c]``,
+    ``G`` ``wg[c]``. An input is held from its arrival (the previous chunk's forward + the
+    send) to its chunk's backward (chunk 0's input is the batch: not held).
+
+    >>> from nnscaler_jax.pipeline import schedule as sch
+    >>> [_event_time(sch.build(n, 2, 4), [1.0] * 2, [2.0] * 2, 0.0, [0.0] * 2)[0::2]
+    ...  for n in ("gpipe", "1f1b")]
+    [(15.0, [0, 4]), (15.0, [0, 2])]
+    """
+    S = sched.stages
+    cost = {"B": lambda c: bwd[c] - wg[c], "G": lambda c: wg[c]}
+    finish: dict = {}
+    free, busy, pos = [0.0] * S, [0.0] * S, [0] * S
+    left = sum(len(r) for r in sched.steps)
+    while left:
+        moved = False
+        for s in range(S):
+            row = sched.steps[s]
+            while pos[s] < len(row):
+                st = row[pos[s]]
+                ds = deps(st, s, sched)
+                if any(d not in finish for d in ds):
+                    break
+                c = st.virtual * S + s
+                ready = max((finish[d] + (send if d[1] != s else 0.0) for d in ds), default=0.0)
+                w = cost.get(st.kind, lambda c: fwd[c])(c)
+                finish[(st, s)] = free[s] = max(free[s], ready) + w
+                busy[s] += w
+                pos[s], left, moved = pos[s] + 1, left - 1, True
+        if not moved:  # (a schedule that passed validate() never gets here)
+            raise PlanError(f"schedule {sched.name!r} deadlocks")
+    total = max(free)
+    held = []
+    for s in range(S):
+        spans = [(finish[(Step("F", m, (c - 1) // S), (c - 1) % S)] + send,
+                  finish[(Step("B", m, c // S), s)])
+                 for c in range(s, sched.chunks, S) if c for m in range(sched.microbatches)]
+        held.append(max((sum(a <= t < b for a, b in spans) for t, _ in spans), default=0))
+    return total, total - max(busy), held
+
+
 def _wire(p: int, n: float) -> float:
     """Bytes one device sends in a ring all-reduce of ``n`` bytes over ``p`` devices."""
     return 2 * (p - 1) / p * n if p > 1 else 0.0
@@ -123,7 +176,8 @@ def runtime_choices(units: list[Unit], stages: int, dp: int, batch: int,
                     schedule: str | None = None, optimizer_bytes: float = 3.0,
                     stage_link: LinkCost = NVLINK_H100, data_link: LinkCost = NVLINK_H100,
                     tp: int = 1, tp_link: LinkCost = NVLINK_H100,
-                    modes: tuple[str, ...] = ("chunk", "layer")) -> list[RuntimeChoice]:
+                    modes: tuple[str, ...] = ("chunk", "layer"),
+                    lockstep: bool = True) -> list[RuntimeChoice]:
     """Every (schedule, micro-batch count) :mod:`nnscaler_jax.pipeline.runtime` can run, priced.
 
     The runtime's restrictions: ``stages x virtual`` equal contiguous chunks of the layer stack
@@ -131,7 +185,8 @@ def runtime_choices(units: list[Unit], stages: int, dp: int, batch: int,
     on every stage), stages data-parallel inside (``dp`` ways), ``batch`` split into
     ``microbatches x dp``, interleaved only with 2 chunks per stage and micro-batches a multiple
     of the stages. Sorted: fitting first, then by step time, then memory. ``schedule``: a
-    name (None: the ones the runtime executes, ``'gpipe'``, ``'1f1b'``, ``'eager-1f1b'``, ``'interleaved'``, and
+    name (None: the ones the runtime executes, ``'gpipe'``, ``'1f1b'``, ``'eager-1f1b'``,
+    ``'interleaved'``, ``'zb-h1'`` (on the cut program: a stack's plan is re-cut), and
     ``'interlaced'`` when ``tp`` is 1 (it runs on the cut program, whose stages are
     data-parallel inside); ``'nf1b'`` is priced when named) or a
     :class:`~nnscaler_jax.pipeline.steps.Schedule` (written with ``op_order``: its own
@@ -156,6 +211,9 @@ def runtime_choices(units: list[Unit], stages: int, dp: int, batch: int,
     forward of the layers, with its all-reduces); ``modes`` narrows them (recompute rules on a
     stack of identical layers, :func:`~nnscaler_jax.pipeline.rules.stack_modes`).
 
+    ``lockstep=False``: the per-stage runtime (tensor-parallel cut stages), whose stages run as
+    their inputs arrive (:func:`runtime_time`), holding the inputs that have arrived.
+
     Raises:
         PlanError: no configuration the runtime can execute (layers or batch do not divide).
     """
@@ -171,7 +229,7 @@ def runtime_choices(units: list[Unit], stages: int, dp: int, batch: int,
     ms = [m for m in range(1, batch // dp + 1) if batch % (m * dp) == 0
           and microbatches in (None, m)]
     ways = _Ways(units, S, dp, tp, batch, optimizer_bytes, stage_link, data_link, tp_link,
-                 memory_per_device)
+                 memory_per_device, lockstep)
     if not any(u.layer_in_bytes is not None for u in units):
         modes = ("chunk",)
     out = [_price(ways, name, V, M, rc) for name, V in kinds for M in ms for rc in modes
@@ -204,6 +262,7 @@ class _Ways:
     data_link: LinkCost
     tp_link: LinkCost
     budget: float | None
+    lockstep: bool = True
 
     @property
     def shared(self) -> float:
@@ -285,7 +344,7 @@ def _price(w: _Ways, name: str | sch.Schedule, V: int, M: int,
     alld, alld_compute = _all_device_work(w, mb) if sched.all_device else ({}, [0.0] * S)
     table = sch.timeline(sched)
     step, bubble = runtime_time(sched, work.fwd, work.bwd, p2p, alld, table=table,
-                                wgrad=work.wgrad)
+                                wgrad=work.wgrad, lockstep=w.lockstep)
     params = [sum(sum(u.param_bytes for u in units[max(a, 1):min(b, n - 1)])
                   for c, (a, b) in enumerate(bounds) if c % S == s) / tp
               for s in range(S)]
@@ -298,7 +357,9 @@ def _price(w: _Ways, name: str | sch.Schedule, V: int, M: int,
                 for p in params) if dp > 1 else 0.0
     ssync = all_reduce_time(w.stage_link, S, shared_grad) if S > 1 else 0.0
     step = step + dsync + ssync
-    steps = len(table)
+    # ppermute rounds: one per time step (both directions); per-stage runtime: one message
+    # each way per micro-batch and chunk
+    steps = len(table) if w.lockstep else M * V
     compute = M * (sum(work.compute[c] * (4 + sched.recycles) / 3 + work.extra[c]
                        for c in mine[top]) + alld_compute[top])
     comm = steps * p2p + M * sum(3 * work.ar[c] + work.extra_ar[c] for c in mine[top]) \
@@ -306,9 +367,16 @@ def _price(w: _Ways, name: str | sch.Schedule, V: int, M: int,
     sent = (steps * 2 * msg if S > 1 else 0.0) \
         + M * sum(3 * work.ar_bytes[c] + work.extra_ar_bytes[c] for c in mine[top]) \
         + _wire(dp, grad) + _wire(S, shared_grad)
-    tables = loop_tables(sched, "FBNEHWG")
-    mem = _stage_memory(w, bounds, mine, params, tables.n_in + tables.n_g, mb,
-                        sched.all_device, layer, tables.n_s)
+    if w.lockstep:  # the loop's buffers, alike on every device (+ the B's kept result)
+        tables = loop_tables(sched, "FBNEHWG")
+        slots = [tables.n_in + tables.n_g] * S
+        kept = [tables.n_s + 1 if tables.n_s else 0] * S
+    else:  # what each stage's dispatched programs hold: arrived inputs, one cotangent
+        held = _event_time(sched, work.fwd, work.bwd, p2p / 2,
+                           work.wgrad if sched.split_backward else [0.0] * C)[2]
+        slots = [h + 1 for h in held]
+        kept = list(peak_pending_weights(sched))
+    mem = _stage_memory(w, bounds, mine, params, slots, mb, sched.all_device, layer, kept)
     fits = w.budget is None or max(mem) <= w.budget
     return RuntimeChoice(sched.name, V, M, mb, step, bubble, tuple(mem), fits, compute, comm,
                          sent, recompute)
@@ -329,8 +397,8 @@ def _all_device_work(w: _Ways, mb: int) -> tuple[dict[str, float], list[float]]:
 
 
 def _stage_memory(w: _Ways, bounds: list[tuple[int, int]], mine: list[list[int]],
-                  params: list[float], slots: int, mb: int, all_device: bool,
-                  layer: bool = False, kept: int = 0) -> list[float]:
+                  params: list[float], slots: list[int], mb: int, all_device: bool,
+                  layer: bool = False, kept: list[int] | None = None) -> list[float]:
     """Per stage: its parameters with gradients and optimizer state, the prefix / suffix
     (replicated), the runtime's activation and cotangent buffers and one chunk's activations
     (the backward recomputes the chunk from its saved input; ``all_device``: or the prefix's /
@@ -339,19 +407,23 @@ def _stage_memory(w: _Ways, bounds: list[tuple[int, int]], mine: list[list[int]]
     largest op output of the chunk live beside them in its backward; all split over the tensor
     axes but the layers' inputs (replicated there, as Megatron keeps them).
 
-    The buffers are the loop's carry (:func:`~nnscaler_jax.pipeline.loop_tables.loop_tables`:
-    ``n_in + n_g`` = ``slots``), allocated alike on every device of the SPMD program, each slot
-    as wide as the widest chunk input (the cut runtime packs every boundary to the widest); not
-    the stage's own in-flight count: a slot is taken when the activation arrives, before the
-    stage's forward, and stage 0 keeps the others' count though its chunk-0 input is the batch.
+    ``slots[s]``: the inputs and cotangents stage ``s`` holds at once, each as wide as the
+    widest chunk input. In-graph programs: the loop's carry (:func:`~nnscaler_jax.pipeline.
+    loop_tables.loop_tables`: ``n_in + n_g``), allocated alike on every device of the SPMD
+    program (the cut runtime packs every boundary to the widest); not the stage's own
+    in-flight count: a slot is taken when the activation arrives, before the stage's forward,
+    and stage 0 keeps the others' count though its chunk-0 input is the batch. Per-stage
+    programs: the inputs arrived and not yet backwarded (:func:`_event_time`), and one
+    cotangent.
 
-    A split backward (``kept``: the loop's kept-values slots, ``n_s``) keeps, from its ``B``
-    to its ``G``, what the weight gradients read: per slot the most a chunk keeps
+    A split backward (``kept[s]`` sets of values on stage ``s``) keeps, from its ``B`` to its
+    ``G``, what the weight gradients read: per set the most a chunk keeps
     (:attr:`~nnscaler_jax.pipeline.units.Unit.wgrad_bytes`: the inputs and output cotangents
     of the ops reading parameters), chunk 0's output cotangent only (its ``B`` runs nothing,
-    its ``G`` the whole backward); and once more, the ``B``'s result beside the buffer before
-    the loop writes it into its slot (as XLA:CPU holds it: the difference over 1F1B of GPT
-    with activations dominating is twice the kept values with one slot).
+    its ``G`` the whole backward). In-graph programs: the loop's kept-values slots ``n_s``
+    and once more, the ``B``'s result beside the buffer before the loop writes it into its
+    slot (as XLA:CPU holds it: the difference over 1F1B of GPT with activations dominating is
+    twice the kept values with one slot); per-stage programs: the pending ``G`` s.
     """
     units, mem = w.units, []
     inp = max(units[max(a - 1, 0)].out_bytes * mb for a, _ in bounds)
@@ -376,8 +448,8 @@ def _stage_memory(w: _Ways, bounds: list[tuple[int, int]], mine: list[list[int]]
         held = max([sum(u.wgrad_bytes for u in units[slice(*bounds[c])]) / w.tp * mb
                     for c in range(1, len(bounds))]
                    + [units[bounds[0][1] - 1].out_bytes * mb]) if kept else 0.0
-        mem.append(params[s] * (1 + w.optimizer_bytes) + w.shared + slots * inp + act
-                   + (kept + 1) * held * bool(kept))
+        mem.append(params[s] * (1 + w.optimizer_bytes) + w.shared + slots[s] * inp + act
+                   + (kept[s] * held if kept else 0.0))
     return mem
 
 
@@ -391,6 +463,9 @@ class RuntimeSetup:
             data-parallel / tensor-parallel (:func:`nnscaler_jax.pipeline.in_stage.tensor_axes`).
         stages / dp / tp / batch: sizes; ``*_link``: the cost model's link of the first axis of
             each kind.
+        lockstep: the runtime walks the step table in lock step (the in-graph programs), or
+            its stages run as their inputs arrive (False: the per-stage runtime of
+            tensor-parallel cut stages, :mod:`~nnscaler_jax.pipeline.mpmd`).
     """
 
     units: list[Unit]
@@ -405,12 +480,14 @@ class RuntimeSetup:
     data_link: LinkCost
     tp_link: LinkCost
     modes: tuple[str, ...] = ("chunk", "layer")
+    lockstep: bool = True
 
     def choices(self, memory_per_device: float | None = None, **kw) -> list[RuntimeChoice]:
         """:func:`runtime_choices` for this setup (``kw``: microbatches, schedule, ...)."""
         return runtime_choices(self.units, self.stages, self.dp, self.batch, memory_per_device,
                                stage_link=self.stage_link, data_link=self.data_link, tp=self.tp,
-                               tp_link=self.tp_link, modes=self.modes, **kw)
+                               tp_link=self.tp_link, modes=self.modes, lockstep=self.lockstep,
+                               **kw)
 
 
 def runtime_setup(graph: Graph, mesh_axes: dict[str, int], policy,

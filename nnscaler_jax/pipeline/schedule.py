@@ -61,7 +61,7 @@ __all__ = [
 ]
 
 SCHEDULES = ("gpipe", "1f1b", "eager-1f1b", "interleaved", "interlaced", "nf1b", "zb-h1")
-RUNNABLE = ("1f1b", "eager-1f1b", "gpipe", "interleaved")  # the stage DP's default choices
+RUNNABLE = ("1f1b", "eager-1f1b", "gpipe", "interleaved", "zb-h1")  # the stage DP's default choices
 RECYCLES = 3  # nf1b's default no-grad passes ("3F1B")
 
 

@@ -209,8 +209,8 @@ def test_pricing_new_and_custom_schedules():
 def test_stage_dp_weighs_interlaced_only_where_it_runs():
     # interlaced runs on the cut program (stages data-parallel inside): a candidate when tp == 1
     names = lambda tp: {r.schedule for r in runtime_choices(_units(), 2, 1, 8, tp=tp)}
-    assert names(1) == {"gpipe", "1f1b", "eager-1f1b", "interleaved", "interlaced"}
-    assert names(2) == {"gpipe", "1f1b", "eager-1f1b", "interleaved"}
+    assert names(1) == {"gpipe", "1f1b", "eager-1f1b", "interleaved", "interlaced", "zb-h1"}
+    assert names(2) == {"gpipe", "1f1b", "eager-1f1b", "interleaved", "zb-h1"}
 
 
 @pytest.fixture(scope="module")

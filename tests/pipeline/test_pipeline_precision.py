@@ -29,12 +29,14 @@ LR = 0.1
 
 
 @pytest.mark.slow
-def test_bfloat16_pipeline_matches_the_same_casts_on_one_device():
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_bfloat16_pipeline_matches_the_same_casts_on_one_device(schedule):
+    # zb-h1: the split backward's G reads the float32 parameters and the kept bf16 values
     spec = models.get("gpt", "tiny", batch_size=16, dtype=jnp.bfloat16)
     params = spec.init(jax.random.PRNGKey(0))["params"]
     args = spec.make_args()
     pm = auto_parallel(make_mesh((2, 4), ("stage", "data")),
-                       Constraints(pipeline_stages=2, microbatches=4, schedule="1f1b",
+                       Constraints(pipeline_stages=2, microbatches=4, schedule=schedule,
                                    precision="bfloat16"))(spec.module)
     opt = optax.sgd(LR)
     step = pm.train_step(spec.loss_fn, opt)
