@@ -62,6 +62,7 @@ from nnscaler_jax.pipeline.program import (
     stage_axis,
     trace_micro,
 )
+from nnscaler_jax.pipeline.recycle import recycling_program
 from nnscaler_jax.pipeline.split_backward import split_backward
 from nnscaler_jax.pipeline.steps import blocks, timeline
 from nnscaler_jax.pipeline.update import LossScaling
@@ -103,10 +104,10 @@ class MpmdProgram(PipelineRuntime):
         axes = mesh_axes(mesh)
         self.axis = stage_axis(axes, sched)
         M = sched.microbatches
-        if sched.recycles or sched.all_device:
+        if sched.all_device:
             raise PlanError(f"schedule {sched.name!r}: tensor parallelism inside heterogeneous "
-                            "stages runs forward / backward blocks only (no recycling passes or "
-                            "all-device blocks); use schedule='1f1b' or 'gpipe'")
+                            "stages runs no all-device blocks (E / H / W); use another "
+                            "schedule, or policy='dp' (stages data-parallel inside)")
         self.tp_axes = tensor_axes(axes, self.axis, policy)
         self.mesh, self.user_mesh = auto_view(mesh), mesh
         self.data_axes = tuple(a for a in mesh.axis_names
@@ -114,7 +115,11 @@ class MpmdProgram(PipelineRuntime):
         self.dp = int(np.prod([axes[a] for a in self.data_axes], dtype=np.int64))
         self.mb_size = micro_rows(batch, M, self.dp, self.data_axes)
         call = call or ModuleCall.plain(module, params)
-        closed, abstract = trace_micro(self, params, batch, call)
+        if sched.recycles:  # nf1b: the module's outputs are its next pass's inputs
+            closed, abstract, self.x_vars = recycling_program(self, params, batch, call)
+        else:
+            closed, abstract = trace_micro(self, params, batch, call)
+            self.x_vars = ()
         if self.coll_avals:
             raise PlanError(f"train_step: {type(module).__name__} has mutable collections "
                             f"({self.coll_paths[:3]}); tensor parallelism inside heterogeneous "
@@ -127,7 +132,8 @@ class MpmdProgram(PipelineRuntime):
         self._cut(closed, len(abstract), stage_of)
         self._meshes(mesh)
         self._made: dict = {}  # (jitted helpers, built once: accumulators, means)
-        kinds = ("F", "B-split", "G") if sched.split_backward else ("F", "B")
+        kinds = (("F", "B-split", "G") if sched.split_backward else ("F", "B")) \
+            + ("N", "N-fresh") * bool(sched.recycles)
         self._blocks = {k: [self._jit_chunk(c, k) for c in range(sched.chunks)] for k in kinds}
 
     # ---- the cut and where things live -------------------------------------------------------
@@ -141,7 +147,7 @@ class MpmdProgram(PipelineRuntime):
         layer = self.recompute == "layer"
         self.layer_starts = {id(eqns[first[m]]): self.layer_rules.get(m, layer)
                              for m, _ in stage_of if m in first}
-        self.cut = cut = cut_program(closed, n, starts)
+        self.cut = cut = cut_program(closed, n, starts, made_first=self.x_vars)
         invars = cut.jaxpr.jaxpr.invars
         reads = [{v for e in seg for v in vars_of(e.invars)} for seg in cut.segments]
         # per chunk, the parameter leaves it reads (its own and shared ones), in leaf order
@@ -174,15 +180,22 @@ class MpmdProgram(PipelineRuntime):
 
     # ---- one chunk's programs ----------------------------------------------------------------
 
-    def _evaluate(self, c: int, params: list, xin: list, batch: list) -> tuple[list, Any]:
-        """Chunk ``c`` of one data shard's micro-batch: ``(values it passes on, loss or 0)``."""
-        cut, C = self.cut, self.schedule.chunks
+    def _evaluate(self, c: int, params: list, xin: list, batch: list, *,
+                  recycled: bool = False) -> tuple[list, Any]:
+        """Chunk ``c`` of one data shard's micro-batch: ``(values it passes on, loss or 0)``.
+
+        Recycling (``nf1b``): chunk 0 reads the module's inputs from ``xin`` (the last pass's
+        outputs) unless ``xin`` is empty (the first pass: the batch's leading arrays); with
+        ``recycled`` the last chunk passes on the model's outputs (a no-grad pass)."""
+        cut, C, n_x = self.cut, self.schedule.chunks, len(self.x_vars)
         jx = cut.jaxpr.jaxpr
         env = dict(zip(jx.constvars, cut.jaxpr.consts, strict=True))
         env.update((jx.invars[j], x) for j, x in zip(self.reads[c], params, strict=True))
-        env.update(zip(jx.invars[cut.n_params:], batch, strict=True))
+        env.update(zip(jx.invars[cut.n_params + n_x:], batch, strict=True))
         if c:
             env.update(zip(cut.bounds[c - 1], xin, strict=True))
+        elif n_x:
+            env.update(zip(self.x_vars, xin or batch[:n_x], strict=True))
         seg = cut.segments[c]
         if self.recompute == "layer" or any(self.layer_starts.values()):
             needed = [*vars_of(jx.outvars), *(cut.bounds[c] if c < C - 1 else ())]
@@ -192,7 +205,8 @@ class MpmdProgram(PipelineRuntime):
             self.stage_plan.evaluate(seg, env)
         if c < C - 1:
             return [env[v] for v in cut.bounds[c]], jnp.zeros((), jnp.float32)
-        return [], jnp.asarray(_value(env, jx.outvars[0]), jnp.float32)
+        outs = [_value(env, v) for v in jx.outvars[1:]] if recycled else []
+        return outs, jnp.asarray(_value(env, jx.outvars[0]), jnp.float32)
 
     def _jit_chunk(self, c: int, kind: str) -> Callable:
         """Chunk ``c``'s block ``kind`` on its stage's sub-mesh: ``'F'`` forward ``(params,
@@ -213,6 +227,10 @@ class MpmdProgram(PipelineRuntime):
         def fwd(params, xin, batch):
             out, loss = self._evaluate(c, params, first(xin), first(batch))
             return rows(out), mean(loss / M)
+
+        def nograd(params, xin, batch):  # a recycling pass ('N-fresh': chunk 0's first)
+            out, _ = self._evaluate(c, params, first(xin), first(batch), recycled=True)
+            return rows(out)
 
         def backward(params, xin, batch, gout, seed):  # -> (param grads, input grads)
             fl = [i for i, x in enumerate(xin) if _floating(x)]
@@ -260,7 +278,9 @@ class MpmdProgram(PipelineRuntime):
             "F": (fwd, (P(), spec, spec), (spec, P())),
             "B": (bwd, (P(), spec, spec, spec, spec, P()), (spec, spec)),
             "B-split": (bwd_split, (P(), spec, spec, spec, P()), (spec, spec)),
-            "G": (wgrad, (P(), spec, spec, spec, P()), spec)}[kind]
+            "G": (wgrad, (P(), spec, spec, spec, P()), spec),
+            "N": (nograd, (P(), spec, spec), spec),
+            "N-fresh": (lambda p, b: nograd(p, [], b), (P(), spec), spec)}[kind]
         if data:  # manual over the data axes; the tensor axes stay GSPMD's (auto)
             fn = jax.shard_map(fn, mesh=self.sub[s], in_specs=ins, out_specs=outs,
                                check_vma=False, axis_names=set(data))
@@ -281,7 +301,7 @@ class MpmdProgram(PipelineRuntime):
         params = [aval(self.param_avals[j], self.leaf_sharding(s, j)) for j in self.reads[c]]
         xin = [aval(v.aval, self._split[s], (D,)) for v in (cut.bounds[c - 1] if c else ())]
         batch = [aval(v.aval, self._split[s], (D,))
-                 for v in cut.jaxpr.jaxpr.invars[cut.n_params:]]
+                 for v in cut.jaxpr.jaxpr.invars[cut.n_params + len(self.x_vars):]]
         with jax.set_mesh(self.sub[s]):
             return self._blocks['F'][c].jitted.lower(params, xin, batch).compile().as_text()
 
@@ -380,7 +400,10 @@ class MpmdProgram(PipelineRuntime):
                 c, m = st.virtual * S + s, st.microbatch
                 if (s, m) not in micro:
                     micro[s, m] = [jax.device_put(x, self._split[s]) for x in shaped[m]]
-                if st.kind == "F":
+                if st.kind == "N":  # a recycling pass (nf1b)
+                    self._recycle(st, c, params[c], micro[s, m], inbox, move)
+                    continue
+                if st.kind == "F":  # (chunk 0 of nf1b: the last pass's outputs)
                     xin = inbox.pop((c, m), [])
                     out, loss = self._blocks["F"][c](params[c], xin, micro[s, m])
                     saved[c, m] = xin
@@ -401,6 +424,23 @@ class MpmdProgram(PipelineRuntime):
                 if c > 0:
                     gbox[c - 1, m] = move(gin, c - 1)
         return sum(float(x) for x in losses), acc
+
+    def _recycle(self, st: Any, c: int, params: list, micro: list, inbox: dict,
+                 move: Callable) -> None:
+        """Run the no-grad pass ``st`` (``'N'``) of chunk ``c``: chunk 0's first pass reads
+        the batch, the others what reached ``inbox``; the last chunk's outputs go to chunk 0,
+        for its next pass or, after the last, its forward."""
+        C, R, m = self.schedule.chunks, self.schedule.recycles, st.microbatch
+        if c == 0 and st.it == 0:
+            out = self._blocks["N-fresh"][0](params, micro)
+        else:
+            out = self._blocks["N"][c](params, inbox.pop(("N", c, m, st.it)), micro)
+        if c < C - 1:
+            inbox["N", c + 1, m, st.it] = move(out, c + 1)
+        elif st.it + 1 < R:
+            inbox["N", 0, m, st.it + 1] = move(out, 0)
+        else:
+            inbox[0, m] = move(out, 0)
 
     def grads(self, pp: list, batch: tuple, key: Any = None, *, scale: Any = 1.0
               ) -> tuple[Any, list]:

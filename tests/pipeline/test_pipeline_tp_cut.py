@@ -20,13 +20,16 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from meshes import make_mesh
+from one_device import assert_same_params
 
 import models
 from nnscaler_jax import Constraints, PlanError, Rule, auto_parallel, trace
 from nnscaler_jax.lower.hlo import hlo_collectives
+from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.cut import plan_cut
 from nnscaler_jax.pipeline.in_stage import tensor_axes
 from nnscaler_jax.pipeline.leafwise import leafwise
+from nnscaler_jax.pipeline.recycle import reference_loss
 
 RTOL, ATOL = 1e-4, 1e-6   # float32; ATOL for entries whose true value is ~0
 MESH = ((2, 2, 2), ("stage", "data", "model"))
@@ -274,3 +277,27 @@ def test_an_unread_parameter_and_a_pytree_mask():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL, atol=ATOL,
                                    err_msg=jax.tree_util.keystr(path))
     assert not np.allclose(np.asarray(step.params(state)["unused"]), params["unused"])
+
+
+@pytest.mark.slow
+def test_nf1b_evoformer_on_tensor_parallel_stages_recycles_like_one_device():
+    # AlphaFold2's recycling (2 no-grad passes per micro-batch, then 1F1B) on stages that run
+    # Megatron inside, one program per stage: the last chunk's outputs go back to chunk 0
+    spec = models.get("evoformer", "tiny", batch_size=16)
+    params = spec.init(jax.random.PRNGKey(0))["params"]
+    args = spec.make_args()
+    pm = auto_parallel(make_mesh(*MESH), Constraints(pipeline_stages=2, microbatches=4,
+                                                     schedule=sch.nf1b(2, 4, recycles=2)),
+                       policy="megatron")(spec.module)
+    step = pm.train_step(spec.loss_fn, optax.sgd(0.1))
+    state = step.init({"params": params}, *args)
+    prog = step.program
+    assert type(prog).__name__ == "MpmdProgram" and prog.tp_axes == ("model",)
+    state, metrics = step(state, *args)
+    loss, grads = jax.jit(jax.value_and_grad(reference_loss(spec.module, spec.loss_fn, 2)))(
+        params, *args)
+    np.testing.assert_allclose(metrics["loss"], loss, rtol=RTOL)
+    assert_same_params(step.params(state), jax.tree.map(lambda p, g: p - 0.1 * g, params, grads),
+                       RTOL, ATOL)
+    kinds = {(k.kind, tuple(k.axes)) for k in hlo_collectives(prog.chunk_text(0), prog.sub[0])}
+    assert ("all_reduce", ("model",)) in kinds, kinds
