@@ -128,6 +128,10 @@ def _axes_of(groups: list[list[int]] | None, mesh, pairs: bool = False) -> tuple
         return ()
     ids = np.vectorize(lambda d: d.id)(mesh.devices)
     pos = {int(d): i for i, d in enumerate(ids.reshape(-1))}  # device id -> flat mesh position
+    if not all(i in pos for g in groups for i in g):
+        # a program compiled for a sub-mesh (a pipeline stage's devices 4..7) numbers its
+        # devices 0..n-1 in the mesh's order
+        pos = {i: i for i in range(ids.size)}
     try:
         want = {frozenset(pos[i] for i in g) for g in groups if len(g) > 1}
     except KeyError:
