@@ -273,7 +273,6 @@ class MpmdProgram(PipelineRuntime):
             return [a + g[None] for a, g in zip(acc, gp, strict=True)]
 
         spec = P(data) if data else P()
-        s = self._stage(c)
         fn, ins, outs = {
             "F": (fwd, (P(), spec, spec), (spec, P())),
             "B": (bwd, (P(), spec, spec, spec, spec, P()), (spec, spec)),
@@ -281,10 +280,18 @@ class MpmdProgram(PipelineRuntime):
             "G": (wgrad, (P(), spec, spec, spec, P()), spec),
             "N": (nograd, (P(), spec, spec), spec),
             "N-fresh": (lambda p, b: nograd(p, [], b), (P(), spec), spec)}[kind]
-        if data:  # manual over the data axes; the tensor axes stay GSPMD's (auto)
+        return self._on_stage(self._stage(c), fn, ins, outs,
+                              {"B": (4,), "G": (3,)}.get(kind, ()))
+
+    def _on_stage(self, s: int, fn: Callable, ins: tuple, outs: Any,
+                  donate: tuple[int, ...]) -> Callable:
+        """``fn`` jitted on stage ``s``'s sub-mesh, manual over the data axes (``ins`` /
+        ``outs``: their specs; the tensor axes stay GSPMD's), called inside that mesh; the
+        jitted function is its ``.jitted``."""
+        if self.data_axes:
             fn = jax.shard_map(fn, mesh=self.sub[s], in_specs=ins, out_specs=outs,
-                               check_vma=False, axis_names=set(data))
-        jitted = jax.jit(fn, donate_argnums={"B": (4,), "G": (3,)}.get(kind, ()))
+                               check_vma=False, axis_names=set(self.data_axes))
+        jitted = jax.jit(fn, donate_argnums=donate)
 
         def run(*args):
             with jax.set_mesh(self.sub[s]):
