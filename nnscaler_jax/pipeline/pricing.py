@@ -100,8 +100,7 @@ def runtime_time(sched, fwd: list[float], bwd: list[float], p2p: float,
     S, extra = sched.stages, all_device or {}
     runs = {"E": 0, "W": 0, "H": (sched.chunks - 1) % S}
     total, busy = 0.0, [0.0] * S
-    split = getattr(sched, "split_backward", False)
-    wg = (wgrad or [b / 3 for b in bwd]) if split else [0.0] * len(bwd)
+    wg = _weight_share(sched, bwd, wgrad)
     if not lockstep:
         return _event_time(sched, fwd, bwd, p2p / 2, wg)[:2]
     for row in sch.timeline(sched) if table is None else table:
@@ -118,6 +117,14 @@ def runtime_time(sched, fwd: list[float], bwd: list[float], p2p: float,
             dur = max(dur, here)
         total += dur + p2p
     return total, total - max(busy)
+
+
+def _weight_share(sched, bwd: list[float], wgrad: list[float] | None) -> list[float]:
+    """Per chunk, the seconds of its backward a ``G`` block runs: ``wgrad`` (default a third)
+    where the schedule splits backwards, else 0."""
+    if not getattr(sched, "split_backward", False):
+        return [0.0] * len(bwd)
+    return wgrad or [b / 3 for b in bwd]
 
 
 def _event_time(sched, fwd: list[float], bwd: list[float], send: float,
@@ -342,9 +349,13 @@ def _price(w: _Ways, name: str | sch.Schedule, V: int, M: int,
     msg = max(units[b - 1].out_bytes * mb for a, b in bounds)
     p2p = 2 * ppermute_time(w.stage_link, S, msg) if S > 1 else 0.0
     alld, alld_compute = _all_device_work(w, mb) if sched.all_device else ({}, [0.0] * S)
-    table = sch.timeline(sched)
-    step, bubble = runtime_time(sched, work.fwd, work.bwd, p2p, alld, table=table,
-                                wgrad=work.wgrad, lockstep=w.lockstep)
+    if w.lockstep:
+        table = sch.timeline(sched)
+        step, bubble = runtime_time(sched, work.fwd, work.bwd, p2p, alld, table=table,
+                                    wgrad=work.wgrad)
+    else:  # (one event walk: the step and the inputs each stage holds)
+        step, bubble, held = _event_time(sched, work.fwd, work.bwd, p2p / 2,
+                                         _weight_share(sched, work.bwd, work.wgrad))
     params = [sum(sum(u.param_bytes for u in units[max(a, 1):min(b, n - 1)])
                   for c, (a, b) in enumerate(bounds) if c % S == s) / tp
               for s in range(S)]
@@ -372,8 +383,6 @@ def _price(w: _Ways, name: str | sch.Schedule, V: int, M: int,
         slots = [tables.n_in + tables.n_g] * S
         kept = [tables.n_s + 1 if tables.n_s else 0] * S
     else:  # what each stage's dispatched programs hold: arrived inputs, one cotangent
-        held = _event_time(sched, work.fwd, work.bwd, p2p / 2,
-                           work.wgrad if sched.split_backward else [0.0] * C)[2]
         slots = [h + 1 for h in held]
         kept = list(peak_pending_weights(sched))
     mem = _stage_memory(w, bounds, mine, params, slots, mb, sched.all_device, layer, kept)

@@ -174,7 +174,8 @@ def _zb_rows(S: int, M: int) -> list[list[tuple[str, int]]]:
                 cell.append(("B", b))
                 pending[s].append(b)
             for k, m in cell:
-                nxt[s][k] = nxt[s].get(k, 0) + 1
+                if k != "G":  # (G: the oldest pending, popped above)
+                    nxt[s][k] += 1
                 done[(k, m, s)] = t
                 rows[s].append((k, m))
         t += 1

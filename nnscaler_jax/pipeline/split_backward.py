@@ -77,7 +77,6 @@ class BackwardSplit:
     kept: tuple
     available: tuple[int, ...]
     arg_of: tuple[int, ...]   # per flat input, its argument's position
-    in_tree: Any
     w_tree: Any
     x_tree: Any
     n_w: int
@@ -89,8 +88,7 @@ class BackwardSplit:
     def _env(self, flat: Sequence[Any]) -> dict:
         jx = self.closed.jaxpr
         env = dict(zip(jx.constvars, self.closed.consts, strict=True))
-        env.update((v, x) for v, x, a in zip(jx.invars, flat, self.arg_of, strict=True)
-                   if x is not None or a in self.available)
+        env.update((v, x) for v, x in zip(jx.invars, flat, strict=True) if x is not None)
         return env
 
     def input_grads(self, *args: Any) -> tuple[Any, list]:
@@ -143,4 +141,4 @@ def split_backward(fn: Callable, args: tuple, available: Sequence[int]) -> Backw
     kept = tuple(dict.fromkeys(v for v in reads if isinstance(v, jcore.Var)
                                and v not in made_g and v not in direct))
     return BackwardSplit(closed, tuple(b_eqns), tuple(g_eqns), kept, tuple(available), arg_of,
-                         in_tree, trees["w"], trees["x"], n_w)
+                         trees["w"], trees["x"], n_w)
