@@ -123,23 +123,29 @@ def _groups(line: str) -> list[list[int]] | None:
 
 def _axes_of(groups: list[list[int]] | None, mesh, pairs: bool = False) -> tuple[str, ...]:
     """The fewest mesh axes whose device groups are ``groups`` (``pairs``: a permute's
-    (source, target) pairs, each inside one group)."""
+    (source, target) pairs, each inside one group). Groups name devices by id, or by position
+    in the mesh's order (a program compiled for a sub-mesh, a pipeline stage's devices 4..7
+    numbered 0..3; or for a mesh whose order is not the ids', as the all-device blocks' mesh
+    with the stage axis folded into a tensor axis): ids first, then positions."""
     if groups is None:
         return ()
-    ids = np.vectorize(lambda d: d.id)(mesh.devices)
-    pos = {int(d): i for i, d in enumerate(ids.reshape(-1))}  # device id -> flat mesh position
-    if not all(i in pos for g in groups for i in g):
-        # a program compiled for a sub-mesh (a pipeline stage's devices 4..7) numbers its
-        # devices 0..n-1 in the mesh's order
-        pos = {i: i for i in range(ids.size)}
-    try:
+    ids = np.vectorize(lambda d: d.id)(mesh.devices).reshape(-1)
+    for pos in ({int(d): i for i, d in enumerate(ids)}, {i: i for i in range(ids.size)}):
+        if not all(i in pos for g in groups for i in g):
+            continue
         want = {frozenset(pos[i] for i in g) for g in groups if len(g) > 1}
-    except KeyError:
-        return ("?",)
-    if not want:
-        return ()
+        if not want:
+            return ()
+        found = _axes_grouping(want, mesh, pairs)
+        if found is not None:
+            return found
+    return ("?",)
+
+
+def _axes_grouping(want: set, mesh, pairs: bool) -> tuple[str, ...] | None:
+    """The fewest mesh axes whose groups of flat positions are ``want``, or None."""
     names = list(mesh.axis_names)
-    flat = np.arange(ids.size).reshape(ids.shape)
+    flat = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
     for r in range(1, len(names) + 1):
         for subset in itertools.combinations(range(len(names)), r):
             moved = np.moveaxis(flat, subset, range(len(names) - r, len(names)))
@@ -147,7 +153,7 @@ def _axes_of(groups: list[list[int]] | None, mesh, pairs: bool = False) -> tuple
                      moved.reshape(-1, int(np.prod([flat.shape[i] for i in subset])))}
             if want <= parts or pairs and all(any(w <= p for p in parts) for w in want):
                 return tuple(names[i] for i in subset)
-    return ("?",)
+    return None
 
 
 def _result_type(text: str, op: str, start: bool) -> str:

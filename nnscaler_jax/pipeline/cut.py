@@ -39,6 +39,7 @@ from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Graph, Op, Role
 from nnscaler_jax.ir.layers import block_paths, graph_layers
 from nnscaler_jax.mesh.axes import require_stage_axis
+from nnscaler_jax.pipeline.chunks import param_casts, vars_of
 from nnscaler_jax.pipeline.in_stage import tensor_axes
 from nnscaler_jax.pipeline.pricing import RuntimeSetup
 from nnscaler_jax.pipeline.program import why_cut
@@ -208,6 +209,66 @@ def segment_starts(paths: Sequence[str], stage_of: Sequence[tuple[str, int]], st
     return (0, e) + tuple(starts[1:]) + (h,)
 
 
+def taken_by_embedding(paths: Sequence[str], ins: Sequence[set], outs: Sequence[set],
+                       params: set, free: set, names: Sequence[str], e: int,
+                       h: int) -> list[int]:
+    """The ops of ``e:h`` (between interlaced's embedding and head segments) its embedding
+    block ``E`` takes over, nnScaler's T5 plan (both embeddings in ``E``): outside the
+    pipelined modules ``names``, computable from ``free`` values alone (parameters, batch
+    inputs, constants, the embedding segment's values, or ops taken), and reading a parameter
+    (of ``params``) the embedding or head segments read (``ops[:e]`` / ``ops[h:]``: the tied table T5's
+    decoder embeds its tokens with), or feeding such an op. Moved before ``e``, their
+    parameters stay with the all-device blocks and their outputs cross the boundaries.
+
+    ``ins`` / ``outs``: per op the keys of the values it reads (a parameter's cast keyed as
+    the parameter) and writes.
+
+    >>> taken_by_embedding(["emb", "blk_0", "glue", "emb2", "blk_1", "head"],
+    ...                    [{"tab", "x"}, {"e"}, {"y"}, {"tab", "y2"}, {"b0", "d"}, {"tab", "b1"}],
+    ...                    [{"e"}, {"b0"}, {"y2"}, {"d"}, {"b1"}, {"out"}],
+    ...                    {"tab", "b0", "b1"}, {"tab", "x", "y", "e", "b0", "b1"},
+    ...                    ["blk_0", "blk_1"], 1, 5)
+    [2, 3]
+    """
+    inside = lambda p: any(p == n or p.startswith(n + "/") for n in names)
+    wanted = set().union(set(), *ins[:e], *ins[h:]) & params
+    ok, cands = set(free), []
+    for i in range(e, h):
+        if not inside(paths[i]) and ins[i] <= ok:
+            cands.append(i)
+            ok |= outs[i]
+    taken, need = set(), set()
+    for i in reversed(cands):
+        if ins[i] & wanted or outs[i] & need:
+            taken.add(i)
+            need |= ins[i]
+    return sorted(taken)
+
+
+def embedding_first(closed: Any, n_params: int, root: str, stage_of: Sequence[tuple[str, int]],
+                    stages: int, chunks: int) -> Any:
+    """``closed`` (the micro-batch program, ``n_params`` parameters first) with the equations
+    interlaced's embedding block takes over (:func:`taken_by_embedding`) moved into its
+    segment, before the first pipelined module (the parameters' casts first); ``closed``
+    itself when none is. Both runtimes cut this program (:func:`segment_starts`)."""
+    eqns, casts = param_casts(closed, n_params)
+    paths = [eqn_path(q, root) for q in eqns]
+    starts = segment_starts(paths, stage_of, stages, chunks, all_device=True)
+    e, h = starts[1], starts[-1]
+    key = {v: q.invars[0] for v, q in casts.items()}  # (a cast read as its parameter)
+    ins = [{key.get(v, v) for v in vars_of(q.invars)} for q in eqns]
+    outs = [set(q.outvars) for q in eqns]
+    jx = closed.jaxpr
+    free = set(jx.invars) | set(jx.constvars) | {v for q in eqns[:e] for v in q.outvars}
+    taken = taken_by_embedding(paths, ins, outs, set(jx.invars[:n_params]), free,
+                               _pipelined(paths, stage_of), e, h)
+    if not taken:
+        return closed
+    rest = [q for i, q in enumerate(eqns) if i >= e and i not in set(taken)]
+    order = list(casts.values()) + eqns[:e] + [eqns[i] for i in taken] + rest
+    return closed.replace(jaxpr=jx.replace(eqns=order))
+
+
 def identical_layers(graph: Graph, bounds: Sequence[tuple[int, int]]) -> bool:
     """Whether the layers at these op ranges are what the identical-layer runtime runs
     (:func:`~nnscaler_jax.pipeline.split.split_program`): the same primitives on the same
@@ -310,12 +371,13 @@ def plan_cut(graph: Graph, mesh_axes: dict[str, int], constraints: Constraints, 
     link = model.mesh.link
     batch = next((t.shape[0] for t in graph.inputs if t.role is Role.INPUT and t.shape), 1)
     ends = _outside(paths, stage_of, starts)
+    taken = _taken_ops(graph, paths, _pipelined(paths, stage_of), ends, casts)
     flags = layer_flags([n for _, n in cands], paths, constraints.rules)
     tp = math.prod(mesh_axes[a] for a in tensor)
     splits = (_in_stage_splits(graph, {a: mesh_axes[a] for a in tensor}, constraints, policy)
               if tensor else None)
     units = _chunk_units(graph, starts, batch, model, ends,
-                         {p: flags.get(n) for p, n in cands}, splits, tp)
+                         {p: flags.get(n) for p, n in cands}, splits, tp, taken)
     setup = RuntimeSetup(units, axis, data, tensor, S,
                          math.prod(mesh_axes[a] for a in data), tp, batch, link(axis),
                          link(data[0]) if data else link(axis),
@@ -330,6 +392,24 @@ def _param_casts(graph: Graph) -> dict[int, int]:
     return {op.id: op.inputs[0].id for op in graph.ops
             if op.primitive == "convert_element_type" and len(op.inputs) == 1
             and op.inputs[0].id in var_ids}
+
+
+def _taken_ops(graph: Graph, paths: list[str], names: list[str], ends: tuple[int, int],
+               casts: Mapping[int, int]) -> frozenset[int]:
+    """The op indices interlaced's embedding block takes over (:func:`taken_by_embedding`,
+    the runtime's :func:`embedding_first`), given the ops ``ends`` leaves outside the
+    pipelined modules ``names``."""
+    e, h = ends
+    if (e, h) == (0, len(paths)):
+        return frozenset()
+    ops = graph.ops
+    alias = {op.outputs[0].id: casts[op.id] for op in ops if op.id in casts}
+    ins = [{alias.get(t.id, t.id) for t in op.inputs} for op in ops]
+    outs = [{t.id for t in op.outputs} for op in ops]
+    params = {t.id for t in graph.variables}
+    free = {t.id for op in ops for t in op.inputs if t.role is not Role.VALUE} \
+        | {t for o in outs[:e] for t in o} | set(alias)
+    return frozenset(taken_by_embedding(paths, ins, outs, params, free, names, e, h))
 
 
 def _outside(paths: list[str], stage_of: tuple, starts: tuple[int, ...]) -> tuple[int, int]:
@@ -351,7 +431,8 @@ def _outside(paths: list[str], stage_of: tuple, starts: tuple[int, ...]) -> tupl
 def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
                  model: CostModel, ends: tuple[int, int] | None = None,
                  groups: Mapping[int, bool | None] | None = None,
-                 splits: Mapping[int, Any] | None = None, tp: int = 1) -> list[Unit]:
+                 splits: Mapping[int, Any] | None = None, tp: int = 1,
+                 taken: frozenset[int] = frozenset()) -> list[Unit]:
     """``[prefix, chunk 0, ..., chunk C-1, suffix]`` priced per sample: compute, kept
     activations, owned parameter bytes and the bytes sent to the next chunk. The prefix / suffix
     are the ops before / from ``ends`` (the embedding and the head + loss: interlaced runs them
@@ -366,14 +447,17 @@ def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
     ``splits`` (tensor-parallel stages, ``tp`` ways): compute and activations are one device's
     under the in-stage plan's splits (an op it leaves whole counts whole), times ``tp``: the
     runtime's pricing divides units by ``tp`` (:func:`~nnscaler_jax.pipeline.pricing.
-    runtime_choices`), as for a Megatron layer split evenly."""
+    runtime_choices`), as for a Megatron layer split evenly. ``taken``: the ops interlaced's
+    embedding block takes over (:func:`taken_by_embedding`): a chunk's ``shared_bytes``
+    leave out what they read (their compute, tiny, stays with the chunk)."""
     groups = groups or {}
     ops = graph.ops
     e, h = ends or (0, len(ops))
     bounds = list(zip(starts, list(starts[1:]) + [len(ops)], strict=True))
     casts = _param_casts(graph)
     sizes = {t.id: math.prod(t.shape) * itemsize(t) for op in ops for t in op.outputs}
-    sent, owned, shared = _crossing(graph, bounds, casts, sizes)
+    skip = taken | set(range(e)) | set(range(h, len(ops)))  # (read: the chunks' own ops)
+    sent, owned, shared, read = _crossing(graph, bounds, casts, sizes, skip)
     saved, traffic = residual_outputs(graph), fused_bytes(graph)
 
     split = (splits or {}).get
@@ -419,26 +503,33 @@ def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
                           TP_COLLECTIVES * (len(cuts) - 1), layer_in_bytes=kl / batch, layer_act_bytes=ll,
                           transient_bytes=transient(a, b), chunk_again_s=again_c,
                           layer_again_s=again_l,
-                          wgrad_bytes=kept_for_weights(ops[a:b], params) / batch))
+                          wgrad_bytes=kept_for_weights(ops[a:b], params) / batch,
+                          shared_bytes=read[c]))
     return units + [Unit("<suffix>", *priced(h, len(ops)), 0.0, 0.0,
                          transient_bytes=transient(h, len(ops)),
                          wgrad_bytes=kept_for_weights(ops[h:], params) / batch)]
 
 
 def _crossing(graph: Graph, bounds: Sequence[tuple[int, int]], casts: Mapping[int, int],
-              sizes: Mapping[int, int]) -> tuple[list[float], list[float], float]:
+              sizes: Mapping[int, int], skip: frozenset[int] | set[int] = frozenset()
+              ) -> tuple[list[float], list[float], float, list[float]]:
     """Per chunk the bytes it sends on (values later chunks read) and the parameter bytes only
-    it reads; and the bytes of the parameters several chunks (or none) read."""
+    it reads; the bytes of the parameters several chunks (or none) read; and per chunk the
+    bytes of those its ops read, but the ops at ``skip`` (the embedding / head segments and
+    what interlaced's embedding block takes over)."""
     ops, C = graph.ops, len(bounds)
     chunk = [c for c, (a, b) in enumerate(bounds) for _ in range(a, b)]
     alias = {op.outputs[0].id: casts[op.id] for op in ops if op.id in casts}
     made: dict[int, int] = {}
     readers: dict[int, set[int]] = {}
+    kept: dict[int, set[int]] = {}  # (the readers but the taken ops)
     for i, op in enumerate(ops):
         if op.id in casts:
             continue
         for t in op.inputs:
             readers.setdefault(alias.get(t.id, t.id), set()).add(chunk[i])
+            if i not in skip:
+                kept.setdefault(alias.get(t.id, t.id), set()).add(chunk[i])
         made.update((t.id, chunk[i]) for t in op.outputs)
     for t in graph.outputs:
         readers.setdefault(t.id, set()).add(C)
@@ -447,14 +538,16 @@ def _crossing(graph: Graph, bounds: Sequence[tuple[int, int]], casts: Mapping[in
         last = max(readers.get(tid, {c0}))
         for c in range(c0, min(last, C - 1)):
             sent[c] += sizes[tid]
-    owned, shared = [0.0] * C, 0.0
+    owned, shared, read = [0.0] * C, 0.0, [0.0] * C
     for t in graph.variables:
         users = readers.get(t.id, set()) - {C}  # (an output that is a variable: nnx state)
         if len(users) == 1:
             owned[next(iter(users))] += t.nbytes
-        else:
-            shared += t.nbytes
-    return sent, owned, shared
+            continue
+        shared += t.nbytes
+        for c in kept.get(t.id, set()) - {C}:
+            read[c] += t.nbytes
+    return sent, owned, shared, read
 
 
 def _layer_kept(ops: Sequence[Op], cuts: Sequence[int], made_at: Mapping[int, int],

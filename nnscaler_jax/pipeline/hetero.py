@@ -42,7 +42,13 @@ from nnscaler_jax.errors import PlanError
 from nnscaler_jax.mesh.axes import auto_view, mesh_axes
 from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.chunks import cut_program, pack, packing, param_casts, unpack, widths
-from nnscaler_jax.pipeline.cut import eqn_path, first_positions, segment_starts, tp_error
+from nnscaler_jax.pipeline.cut import (
+    embedding_first,
+    eqn_path,
+    first_positions,
+    segment_starts,
+    tp_error,
+)
 from nnscaler_jax.pipeline.cut_blocks import local_step
 from nnscaler_jax.pipeline.in_stage import tensor_axes
 from nnscaler_jax.pipeline.loop_tables import loop_tables
@@ -127,6 +133,9 @@ class CutProgram(PipelineRuntime):
         sched, C = self.schedule, self.schedule.chunks
         np_, nc = len(abstract), len(self.coll_avals)
         self.seg0 = int(sched.all_device)  # the embedding segment comes first (interlaced)
+        if sched.all_device:  # (the decoder's embedding too: T5's tied table)
+            closed = embedding_first(closed, np_ + nc, type(self.module).__name__, stage_of,
+                                     sched.stages, C)
         eqns, _ = param_casts(closed, np_ + nc)  # (casts go where they are read)
         paths = [eqn_path(e, type(self.module).__name__) for e in eqns]
         starts = segment_starts(paths, stage_of, sched.stages, C, all_device=sched.all_device)

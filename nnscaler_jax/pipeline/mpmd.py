@@ -27,14 +27,20 @@ stage's norm: such an optimizer is refused (:func:`~nnscaler_jax.pipeline.leafwi
 probes it).
 
 Rng streams (dropout) get each micro-batch and data shard its own keys, as in the other
-runtimes. Not run here (a :class:`PlanError`): mutable collections, recycling (``nf1b``) and
-all-device blocks (``interlaced``); they run data-parallel in the cut program.
+runtimes. Recycling (``nf1b``: ``N`` blocks) and split backwards (``zb-h1``: ``G`` blocks) run.
+The all-device blocks of ``interlaced`` (``E`` / ``H`` / ``W``: the embedding before the first
+chunk, the head + loss after the last) run as nnScaler runs them: one program on every device,
+a mesh whose first tensor axis folds in the stage axis (group ``S``, ``sub[S]``), their
+parameters split over it on their largest dim (the vocabulary), GSPMD partitioning the lookup
+and the softmax cross-entropy from there. Not run here (a :class:`PlanError`): mutable
+collections (the cut program carries them, stages data-parallel inside).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import jax
@@ -45,11 +51,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnscaler_jax.errors import PlanError
+from nnscaler_jax.lower.eqns import NO_CONSTRAINTS
 from nnscaler_jax.lower.replay import explicitly_typed
 from nnscaler_jax.mesh.axes import auto_view, mesh_axes, require_stage_axis
 from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.chunks import cut_program, param_casts, vars_of
-from nnscaler_jax.pipeline.cut import eqn_path, first_positions, segment_starts
+from nnscaler_jax.pipeline.cut import embedding_first, eqn_path, first_positions, segment_starts
 from nnscaler_jax.pipeline.cut_blocks import layered
 from nnscaler_jax.pipeline.hetero import CutProgram
 from nnscaler_jax.pipeline.in_stage import plan_in_stage, tensor_axes
@@ -104,10 +111,6 @@ class MpmdProgram(PipelineRuntime):
         axes = mesh_axes(mesh)
         self.axis = stage_axis(axes, sched)
         M = sched.microbatches
-        if sched.all_device:
-            raise PlanError(f"schedule {sched.name!r}: tensor parallelism inside heterogeneous "
-                            "stages runs no all-device blocks (E / H / W); use another "
-                            "schedule, or policy='dp' (stages data-parallel inside)")
         self.tp_axes = tensor_axes(axes, self.axis, policy)
         self.mesh, self.user_mesh = auto_view(mesh), mesh
         self.data_axes = tuple(a for a in mesh.axis_names
@@ -133,61 +136,95 @@ class MpmdProgram(PipelineRuntime):
         self._meshes(mesh)
         self._made: dict = {}  # (jitted helpers, built once: accumulators, means)
         kinds = (("F", "B-split", "G") if sched.split_backward else ("F", "B")) \
-            + ("N", "N-fresh") * bool(sched.recycles)
-        self._blocks = {k: [self._jit_chunk(c, k) for c in range(sched.chunks)] for k in kinds}
+            + ("N", "N-fresh") * bool(sched.recycles) + ("H",) * sched.all_device
+        self._blocks = {k: [self._jit_chunk(k_, k) for k_ in range(self.cut.chunks)]
+                        for k in kinds}
 
     # ---- the cut and where things live -------------------------------------------------------
 
     def _cut(self, closed: Any, n: int, stage_of: tuple) -> None:
-        sched, C = self.schedule, self.schedule.chunks
+        """Cut the traced program into its segments: the chunks, and with all-device blocks
+        (``interlaced``) the embedding segment before them and the head segment after them
+        (``seg0`` = 1), which run on every device (``seg_stage``: the group ``S``)."""
+        sched, C, S = self.schedule, self.schedule.chunks, self.schedule.stages
+        if sched.all_device:  # (the decoder's embedding too: T5's tied table)
+            closed = embedding_first(closed, n, type(self.module).__name__, stage_of, S, C)
         eqns, _ = param_casts(closed, n)
         paths = [eqn_path(e, type(self.module).__name__) for e in eqns]
-        starts = segment_starts(paths, stage_of, sched.stages, C)
+        starts = segment_starts(paths, stage_of, S, C, all_device=sched.all_device)
         first = first_positions(paths)
         layer = self.recompute == "layer"
         self.layer_starts = {id(eqns[first[m]]): self.layer_rules.get(m, layer)
                              for m, _ in stage_of if m in first}
         self.cut = cut = cut_program(closed, n, starts, made_first=self.x_vars)
+        self.seg0 = int(sched.all_device)
+        self.seg_stage = tuple(S if not 0 <= k - self.seg0 < C else (k - self.seg0) % S
+                               for k in range(cut.chunks))
         invars = cut.jaxpr.jaxpr.invars
         reads = [{v for e in seg for v in vars_of(e.invars)} for seg in cut.segments]
-        # per chunk, the parameter leaves it reads (its own and shared ones), in leaf order
-        self.reads = tuple(tuple(j for j in range(n) if invars[j] in reads[c])
-                           for c in range(C))
+        # per segment, the parameter leaves it reads (its own and shared ones), in leaf order
+        self.reads = tuple(tuple(j for j in range(n) if invars[j] in reads[k])
+                           for k in range(cut.chunks))
         unread = set(range(n)) - {j for r in self.reads for j in r}  # (kept on stage 0)
-        self.stage_leaves = tuple(sorted({j for c in range(s, C, sched.stages)
-                                          for j in self.reads[c]} | (unread if s == 0 else set()))
-                                  for s in range(sched.stages))
+        self.stage_leaves = tuple(
+            sorted({j for k, r in enumerate(self.reads) if self.seg_stage[k] == s for j in r}
+                   | (unread if s == 0 else set()))
+            for s in range(S + self.seg0))
         self.owner = {j: min(s for s, mine in enumerate(self.stage_leaves) if j in mine)
                       for j in range(n)}
 
     def _meshes(self, mesh: Mesh) -> None:
-        """Each stage's sub-mesh (its devices, the data and tensor axes, Auto types)."""
+        """Each stage's sub-mesh (its devices, the data and tensor axes, Auto types); with
+        all-device blocks also the mesh of every device (group ``S``), the stage axis folded
+        into the first tensor axis (which then spans ``stages x`` its devices), so the
+        in-stage plan's splits over it split over all devices there (nnScaler's
+        vocabulary-split embedding and head)."""
         k = mesh.axis_names.index(self.axis)
         names = tuple(a for a in mesh.axis_names if a != self.axis)
-        self.sub = [Mesh(np.take(mesh.devices, s, axis=k), names,
-                         axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+        auto = (jax.sharding.AxisType.Auto,) * len(names)
+        self.sub = [Mesh(np.take(mesh.devices, s, axis=k), names, axis_types=auto)
                     for s in range(self.schedule.stages)]
+        if self.seg0:
+            t = mesh.axis_names.index(self.tp_axes[0])
+            devs = np.moveaxis(mesh.devices, k, t - (k < t))  # (stage just before it)
+            shape = [n for i, n in enumerate(mesh.devices.shape) if i != k]
+            shape[names.index(self.tp_axes[0])] *= self.schedule.stages
+            self.sub.append(Mesh(devs.reshape(shape), names, axis_types=auto))
         data = self.data_axes if self.data_axes else None
         self._split = [NamedSharding(m, P(data)) for m in self.sub]
         self._rep = [NamedSharding(m, P()) for m in self.sub]
 
     def leaf_sharding(self, s: int, j: int) -> NamedSharding:
-        """Where stage ``s`` keeps parameter leaf ``j``: split as the in-stage plan stores it."""
-        return NamedSharding(self.sub[s], P(*self.stage_plan.var_specs[j]))
+        """Where group ``s`` keeps parameter leaf ``j``: a stage as the in-stage plan stores
+        it; every device (``s == S``, the all-device blocks' leaves) split on its largest dim
+        the folded axis divides (the vocabulary of an embedding table or LM head), vectors
+        (norm scales, biases) replicated: split, they would split the activations' features
+        and GSPMD would gather them back for the head's matmul."""
+        if s < self.schedule.stages:
+            return NamedSharding(self.sub[s], P(*self.stage_plan.var_specs[j]))
+        shape, axis = self.param_avals[j].shape, self.tp_axes[0]
+        n = self.sub[s].shape[axis]
+        dims = [i for i, d in enumerate(shape) if d % n == 0 and len(shape) > 1]
+        if not dims:
+            return self._rep[s]
+        i = max(dims, key=lambda i: shape[i])
+        return NamedSharding(self.sub[s], P(*(None,) * i, axis))
 
-    def _stage(self, c: int) -> int:
-        return c % self.schedule.stages
+    def _stage(self, k: int) -> int:
+        """The group running segment ``k``: its stage, or ``S`` (every device)."""
+        return self.seg_stage[k]
 
     # ---- one chunk's programs ----------------------------------------------------------------
 
     def _evaluate(self, c: int, params: list, xin: list, batch: list, *,
                   recycled: bool = False) -> tuple[list, Any]:
-        """Chunk ``c`` of one data shard's micro-batch: ``(values it passes on, loss or 0)``.
+        """Segment ``c`` of one data shard's micro-batch: ``(values it passes on, loss or 0)``
+        (the segments are the chunks, and the embedding and head with all-device blocks).
 
         Recycling (``nf1b``): chunk 0 reads the module's inputs from ``xin`` (the last pass's
         outputs) unless ``xin`` is empty (the first pass: the batch's leading arrays); with
         ``recycled`` the last chunk passes on the model's outputs (a no-grad pass)."""
-        cut, C, n_x = self.cut, self.schedule.chunks, len(self.x_vars)
+        cut, C, n_x = self.cut, self.cut.chunks, len(self.x_vars)
         jx = cut.jaxpr.jaxpr
         env = dict(zip(jx.constvars, cut.jaxpr.consts, strict=True))
         env.update((jx.invars[j], x) for j, x in zip(self.reads[c], params, strict=True))
@@ -197,21 +234,47 @@ class MpmdProgram(PipelineRuntime):
         elif n_x:
             env.update(zip(self.x_vars, xin or batch[:n_x], strict=True))
         seg = cut.segments[c]
+        # (the all-device blocks: GSPMD partitions them from their parameters' split)
+        evaluate = NO_CONSTRAINTS.evaluate if self._stage(c) == self.schedule.stages \
+            else self.stage_plan.evaluate
         if self.recompute == "layer" or any(self.layer_starts.values()):
             needed = [*vars_of(jx.outvars), *(cut.bounds[c] if c < C - 1 else ())]
-            layered(seg, env, self.layer_starts, needed, self.recompute == "layer",
-                    self.stage_plan.evaluate)
+            layered(seg, env, self.layer_starts, needed, self.recompute == "layer", evaluate)
         else:
-            self.stage_plan.evaluate(seg, env)
+            evaluate(seg, env)
         if c < C - 1:
             return [env[v] for v in cut.bounds[c]], jnp.zeros((), jnp.float32)
         outs = [_value(env, v) for v in jx.outvars[1:]] if recycled else []
         return outs, jnp.asarray(_value(env, jx.outvars[0]), jnp.float32)
 
+    def _backward(self, c: int, last: bool, params: list, xin: list, batch: list,
+                  gout: list, seed: Any) -> tuple[list, list, Any]:
+        """``jax.vjp`` of segment ``c`` on one data shard's micro-batch, seeded by the next
+        segment's cotangents ``gout`` and (``last``: it computes the loss) the loss's
+        ``seed``: ``(parameter grads, input grads, loss)``."""
+        fl = [i for i, x in enumerate(xin) if _floating(x)]
+
+        def f(ps, xf):
+            xs = list(xin)
+            for i, x in zip(fl, xf, strict=True):
+                xs[i] = x
+            out, loss = self._evaluate(c, ps, xs, batch)
+            return ([o for o in out if _floating(o)], loss), \
+                [o for o in out if not _floating(o)]
+
+        (_, loss), vjp, _ = jax.vjp(f, params, [xin[i] for i in fl], has_aux=True)
+        gy = [g for g in gout if _floating(g)]
+        gp, gx = vjp((gy, jnp.asarray(seed if last else 0.0, jnp.float32)))
+        gin = [jnp.zeros_like(x) for x in xin]
+        for i, g in zip(fl, gx, strict=True):
+            gin[i] = g
+        return gp, gin, loss
+
     def _jit_chunk(self, c: int, kind: str) -> Callable:
-        """Chunk ``c``'s block ``kind`` on its stage's sub-mesh: ``'F'`` forward ``(params,
+        """Segment ``c``'s block ``kind`` on its group's mesh: ``'F'`` forward ``(params,
         xin, batch) -> (xout, loss)``; ``'B'`` backward ``(params, xin, batch, gout, acc,
-        seed) -> (gin, acc + grads)``; a split backward's ``'B-split'`` ``(params, xin,
+        seed) -> (gin, acc + grads)``; ``'H'`` the head's ``(params, xin, batch, acc, seed)
+        -> (gin, acc + grads, loss)``; a split backward's ``'B-split'`` ``(params, xin,
         batch, gout, seed) -> (gin, kept values)`` and ``'G'`` ``(params, batch, kept, acc,
         seed) -> acc + grads`` (:mod:`~nnscaler_jax.pipeline.split_backward`: both trace the
         chunk's backward alike, so the kept values line up); ``seed``: the loss's cotangent,
@@ -219,7 +282,7 @@ class MpmdProgram(PipelineRuntime):
         (one row per data shard), gradient accumulators ``[D, *leaf]``; the loss is the mean
         over the data shards."""
         M, data = self.schedule.microbatches, self.data_axes
-        last = c == self.schedule.chunks - 1
+        last = c == self.cut.chunks - 1
         mean = (lambda x: jax.lax.pmean(x, data)) if data else (lambda x: x)
         first = lambda xs: [x[0] for x in xs]
         rows = lambda xs: [x[None] for x in xs]
@@ -232,24 +295,8 @@ class MpmdProgram(PipelineRuntime):
             out, _ = self._evaluate(c, params, first(xin), first(batch), recycled=True)
             return rows(out)
 
-        def backward(params, xin, batch, gout, seed):  # -> (param grads, input grads)
-            fl = [i for i, x in enumerate(xin) if _floating(x)]
-
-            def f(ps, xf):
-                xs = list(xin)
-                for i, x in zip(fl, xf, strict=True):
-                    xs[i] = x
-                out, loss = self._evaluate(c, ps, xs, batch)
-                return ([o for o in out if _floating(o)], loss), \
-                    [o for o in out if not _floating(o)]
-
-            _, vjp, _ = jax.vjp(f, params, [xin[i] for i in fl], has_aux=True)
-            gy = [g for g in gout if _floating(g)]
-            gp, gx = vjp((gy, jnp.asarray(seed if last else 0.0, jnp.float32)))
-            gin = [jnp.zeros_like(x) for x in xin]
-            for i, g in zip(fl, gx, strict=True):
-                gin[i] = g
-            return gp, gin
+        backward_loss = partial(self._backward, c, last)
+        backward = lambda *args: backward_loss(*args)[:2]
 
         def split(params, xin, batch, gout, seed):  # (G reads params, batch, seed as they are)
             args = (params, xin, batch, gout, seed)
@@ -259,6 +306,11 @@ class MpmdProgram(PipelineRuntime):
             gp, gin = backward(params, first(xin), first(batch), first(gout), seed)
             return rows(gin), [a + g[None] for a, g in zip(acc, gp, strict=True)]
 
+        def head(params, xin, batch, acc, seed):  # forward, loss and backward at once
+            gp, gin, loss = backward_loss(params, first(xin), first(batch), [], seed)
+            return rows(gin), [a + g[None] for a, g in zip(acc, gp, strict=True)], \
+                mean(loss / M)
+
         def bwd_split(params, xin, batch, gout, seed):
             sp, args = split(params, first(xin), first(batch), first(gout), seed)
             gin, kept = sp.input_grads(*args)
@@ -267,7 +319,7 @@ class MpmdProgram(PipelineRuntime):
         def wgrad(params, batch, kept, acc, seed):
             shapes = lambda vs: [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in vs]
             xin = shapes(self.cut.bounds[c - 1] if c else ())  # (shapes: G reads neither)
-            gout = shapes(self.cut.bounds[c] if c < self.schedule.chunks - 1 else ())
+            gout = shapes(self.cut.bounds[c] if not last else ())
             sp, args = split(params, xin, first(batch), gout, seed)
             gp = sp.weight_grads(args, first(kept))
             return [a + g[None] for a, g in zip(acc, gp, strict=True)]
@@ -276,12 +328,13 @@ class MpmdProgram(PipelineRuntime):
         fn, ins, outs = {
             "F": (fwd, (P(), spec, spec), (spec, P())),
             "B": (bwd, (P(), spec, spec, spec, spec, P()), (spec, spec)),
+            "H": (head, (P(), spec, spec, spec, P()), (spec, spec, P())),
             "B-split": (bwd_split, (P(), spec, spec, spec, P()), (spec, spec)),
             "G": (wgrad, (P(), spec, spec, spec, P()), spec),
             "N": (nograd, (P(), spec, spec), spec),
             "N-fresh": (lambda p, b: nograd(p, [], b), (P(), spec), spec)}[kind]
         return self._on_stage(self._stage(c), fn, ins, outs,
-                              {"B": (4,), "G": (3,)}.get(kind, ()))
+                              {"B": (4,), "G": (3,), "H": (3,)}.get(kind, ()))
 
     def _on_stage(self, s: int, fn: Callable, ins: tuple, outs: Any,
                   donate: tuple[int, ...]) -> Callable:
@@ -300,8 +353,10 @@ class MpmdProgram(PipelineRuntime):
         run.jitted = jitted
         return run
 
-    def chunk_text(self, c: int) -> str:
-        """Chunk ``c``'s forward program compiled (HLO text: the collectives it runs)."""
+    def chunk_text(self, c: int, kind: str = "F") -> str:
+        """Segment ``c``'s forward program (``kind='H'``: the head's forward and backward)
+        compiled: HLO text, the collectives it runs. The segments are the chunks (with
+        all-device blocks: after the embedding, segment 0; the head last)."""
         s, D, cut = self._stage(c), self.dp, self.cut
         aval = lambda a, sh, lead=(): jax.ShapeDtypeStruct((*lead, *a.shape), a.dtype,
                                                            sharding=sh)
@@ -309,8 +364,13 @@ class MpmdProgram(PipelineRuntime):
         xin = [aval(v.aval, self._split[s], (D,)) for v in (cut.bounds[c - 1] if c else ())]
         batch = [aval(v.aval, self._split[s], (D,))
                  for v in cut.jaxpr.jaxpr.invars[cut.n_params + len(self.x_vars):]]
+        args = (params, xin, batch)
+        if kind == "H":
+            acc = [aval(self.param_avals[j], sh, (D,))
+                   for j, sh in zip(self.reads[c], self._acc_shardings(c), strict=True)]
+            args += (acc, jax.ShapeDtypeStruct((), jnp.float32))
         with jax.set_mesh(self.sub[s]):
-            return self._blocks['F'][c].jitted.lower(params, xin, batch).compile().as_text()
+            return self._blocks[kind][c].jitted.lower(*args).compile().as_text()
 
     # ---- the training state ------------------------------------------------------------------
 
@@ -369,13 +429,18 @@ class MpmdProgram(PipelineRuntime):
 
     # ---- the step ----------------------------------------------------------------------------
 
+    def _acc_shardings(self, c: int) -> list[NamedSharding]:
+        """Where segment ``c``'s gradient accumulators live: per leaf it reads, its storage
+        with a leading dim over the data axes."""
+        s, data = self._stage(c), self.data_axes if self.data_axes else None
+        return [NamedSharding(self.sub[s], P(data, *self.leaf_sharding(s, j).spec))
+                for j in self.reads[c]]
+
     def _zeros(self, c: int) -> list:
-        """Chunk ``c``'s gradient accumulators, ``[D, *leaf]`` per leaf it reads."""
+        """Segment ``c``'s gradient accumulators, ``[D, *leaf]`` per leaf it reads."""
         s, D = self._stage(c), self.dp
-        data = self.data_axes if self.data_axes else None
         avals = [self.param_avals[j] for j in self.reads[c]]
-        shs = [NamedSharding(self.sub[s], P(data, *self.stage_plan.var_specs[j]))
-               for j in self.reads[c]]
+        shs = self._acc_shardings(c)
         if c not in self._made:
             make = lambda: [jnp.zeros((D, *a.shape), a.dtype) for a in avals]
             self._made[c] = jax.jit(make, out_shardings=shs)
@@ -383,9 +448,9 @@ class MpmdProgram(PipelineRuntime):
             return self._made[c]()
 
     def _walk(self, pp: list, batch: tuple, key: Any, seed: Any) -> tuple[Any, list]:
-        """Run the step table: ``(loss, per chunk its gradient accumulators)``; ``seed``: the
+        """Run the step table: ``(loss, per segment its gradient accumulators)``; ``seed``: the
         loss's cotangent per micro-batch."""
-        S, C = self.schedule.stages, self.schedule.chunks
+        S, K, e = self.schedule.stages, self.cut.chunks, self.seg0
         # [M, D, b, ...] (+ keys [M, D]); a batch typed on the caller's Explicit mesh is
         # reshaped under that mesh (outside any, its out_sharding has no mesh to name)
         typed = any(explicitly_typed(x) for x in jax.tree.leaves(batch))
@@ -393,43 +458,53 @@ class MpmdProgram(PipelineRuntime):
             shaped = micro_leaves(self, batch, key)
             shaped = [[x[m] for x in shaped] for m in range(self.schedule.microbatches)]
         leaves = [self.params_tree.flatten_up_to(t) for t in pp]
-        params = [[leaves[self._stage(c)][j] for j in self.reads[c]] for c in range(C)]
-        acc = [self._zeros(c) for c in range(C)]
+        params = [[leaves[self._stage(k)][j] for j in self.reads[k]] for k in range(K)]
+        acc = [self._zeros(k) for k in range(K)]
         micro: dict[tuple[int, int], list] = {}
         inbox: dict[tuple[int, int], list] = {}
         gbox: dict[tuple[int, int], list] = {}
         saved: dict[tuple[int, int], list] = {}
         kept: dict[tuple[int, int], list] = {}
-        move = lambda xs, c: [jax.device_put(x, self._split[self._stage(c)]) for x in xs]
+        move = lambda xs, k: [jax.device_put(x, self._split[self._stage(k)]) for x in xs]
         losses = []
         for row in timeline(self.schedule):
             for s, st in ((s, st) for s, cell in enumerate(row) for st in blocks(cell)):
-                c, m = st.virtual * S + s, st.microbatch
-                if (s, m) not in micro:
-                    micro[s, m] = [jax.device_put(x, self._split[s]) for x in shaped[m]]
-                if st.kind == "N":  # a recycling pass (nf1b)
-                    self._recycle(st, c, params[c], micro[s, m], inbox, move)
+                if st.all_device and s:  # (in every stage's cell: run once)
                     continue
-                if st.kind == "F":  # (chunk 0 of nf1b: the last pass's outputs)
-                    xin = inbox.pop((c, m), [])
-                    out, loss = self._blocks["F"][c](params[c], xin, micro[s, m])
-                    saved[c, m] = xin
-                    if c < C - 1:
-                        inbox[c + 1, m] = move(out, c + 1)
+                k, m = {"E": 0, "W": 0, "H": K - 1}.get(st.kind, st.virtual * S + s + e), \
+                    st.microbatch
+                g = self._stage(k)
+                if (g, m) not in micro:
+                    micro[g, m] = [jax.device_put(x, self._split[g]) for x in shaped[m]]
+                if st.kind == "N":  # a recycling pass (nf1b)
+                    self._recycle(st, k, params[k], micro[g, m], inbox, move)
+                    continue
+                if st.kind in "FE":  # (chunk 0 of nf1b: the last pass's outputs)
+                    xin = inbox.pop((k, m), [])
+                    out, loss = self._blocks["F"][k](params[k], xin, micro[g, m])
+                    saved[k, m] = xin
+                    if k < K - 1:
+                        inbox[k + 1, m] = move(out, k + 1)
                     else:
                         losses.append(loss)
                     continue
                 if st.kind == "G":  # a split backward's weight gradients (zb-h1)
-                    acc[c] = self._blocks["G"][c](params[c], micro[s, m], kept.pop((c, m)),
-                                                  acc[c], seed)
+                    acc[k] = self._blocks["G"][k](params[k], micro[g, m], kept.pop((k, m)),
+                                                  acc[k], seed)
                     continue
-                args = (params[c], saved.pop((c, m)), micro[s, m], gbox.pop((c, m), []))
+                if st.kind == "H":  # the head: forward, loss and backward on every device
+                    gin, acc[k], loss = self._blocks["H"][k](
+                        params[k], inbox.pop((k, m)), micro[g, m], acc[k], seed)
+                    losses.append(loss)
+                    gbox[k - 1, m] = move(gin, k - 1)
+                    continue
+                args = (params[k], saved.pop((k, m)), micro[g, m], gbox.pop((k, m), []))
                 if self.schedule.split_backward:  # 'B': the input's cotangent only
-                    gin, kept[c, m] = self._blocks["B-split"][c](*args, seed)
-                else:  # 'B' (the schedules run here have no other blocks)
-                    gin, acc[c] = self._blocks["B"][c](*args, acc[c], seed)
-                if c > 0:
-                    gbox[c - 1, m] = move(gin, c - 1)
+                    gin, kept[k, m] = self._blocks["B-split"][k](*args, seed)
+                else:  # 'B' (and 'W', the embedding's)
+                    gin, acc[k] = self._blocks["B"][k](*args, acc[k], seed)
+                if k > 0:
+                    gbox[k - 1, m] = move(gin, k - 1)
         return sum(float(x) for x in losses), acc
 
     def _recycle(self, st: Any, c: int, params: list, micro: list, inbox: dict,
@@ -456,11 +531,11 @@ class MpmdProgram(PipelineRuntime):
         leaf several stages read: the sum of their gradients on each); ``key``: the step's
         key, when the program was traced with rng streams (each micro-batch and data shard
         its own, :func:`~nnscaler_jax.pipeline.program.micro_leaves`)."""
-        S, C = self.schedule.stages, self.schedule.chunks
+        S = self.schedule.stages + self.seg0  # (the groups: stages, all devices)
         seed = np.float32(float(scale) / self.schedule.microbatches)
         loss, acc = self._walk(pp, batch, key, seed)
         part: dict[tuple[int, int], Any] = {}
-        for c in range(C):
+        for c in range(self.cut.chunks):
             s = self._stage(c)
             if ("mean", c) not in self._made:  # the mean over the data shards' rows
                 shs = [self.leaf_sharding(s, j) for j in self.reads[c]]

@@ -24,7 +24,7 @@ from nnscaler_jax.mesh.topology import LinkCost, all_reduce_time, ppermute_time
 from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.in_stage import tensor_axes
 from nnscaler_jax.pipeline.loop_tables import loop_tables
-from nnscaler_jax.pipeline.steps import Step, deps, peak_pending_weights
+from nnscaler_jax.pipeline.steps import ALL, Step, deps, peak_pending_weights
 from nnscaler_jax.pipeline.units import Unit, layer_units
 
 __all__ = ["RuntimeChoice", "RuntimeSetup", "runtime_choices", "runtime_setup", "runtime_time"]
@@ -102,7 +102,7 @@ def runtime_time(sched, fwd: list[float], bwd: list[float], p2p: float,
     total, busy = 0.0, [0.0] * S
     wg = _weight_share(sched, bwd, wgrad)
     if not lockstep:
-        return _event_time(sched, fwd, bwd, p2p / 2, wg)[:2]
+        return _event_time(sched, fwd, bwd, p2p / 2, wg, extra)[:2]
     for row in sch.timeline(sched) if table is None else table:
         dur = 0.0
         for s, cell in enumerate(row):
@@ -128,47 +128,63 @@ def _weight_share(sched, bwd: list[float], wgrad: list[float] | None) -> list[fl
 
 
 def _event_time(sched, fwd: list[float], bwd: list[float], send: float,
-                wg: list[float]) -> tuple[float, float, list[int]]:
+                wg: list[float], alld: dict[str, float] | None = None
+                ) -> tuple[float, float, list[int]]:
     """``(step seconds, bubble seconds, per stage the most inputs held at once)`` of stages
     that each run their order as soon as a block's inputs are there: a block starts when its
     stage is free and every block it depends on has finished (plus ``send`` seconds when that
     block ran on another stage). ``F`` / ``N`` cost ``fwd[c]``, ``B`` ``bwd[c] - wg[c]``,
-    ``G`` ``wg[c]``. An input is held from its arrival (the previous chunk's forward + the
-    send) to its chunk's backward (chunk 0's input is the batch: not held).
+    ``G`` ``wg[c]``; an all-device block (``E`` / ``H`` / ``W``, ``alld[kind]``) starts on
+    every stage at once, when all are free and have reached it. An input is held from its
+    arrival (the previous chunk's forward, or ``E``, + the send) to its chunk's backward
+    (chunk 0's input is the batch: not held).
 
     >>> from nnscaler_jax.pipeline import schedule as sch
     >>> [_event_time(sch.build(n, 2, 4), [1.0] * 2, [2.0] * 2, 0.0, [0.0] * 2)[0::2]
     ...  for n in ("gpipe", "1f1b")]
     [(15.0, [0, 4]), (15.0, [0, 2])]
     """
-    S = sched.stages
+    S, alld = sched.stages, alld or {}
     cost = {"B": lambda c: bwd[c] - wg[c], "G": lambda c: wg[c]}
     finish: dict = {}
     free, busy, pos = [0.0] * S, [0.0] * S, [0] * S
     left = sum(len(r) for r in sched.steps)
+    ready = lambda ds, s: max((finish[d] + (send if d[1] != s else 0.0) for d in ds),
+                              default=0.0)
     while left:
         moved = False
         for s in range(S):
             row = sched.steps[s]
-            while pos[s] < len(row):
+            while pos[s] < len(row) and not row[pos[s]].all_device:
                 st = row[pos[s]]
                 ds = deps(st, s, sched)
                 if any(d not in finish for d in ds):
                     break
                 c = st.virtual * S + s
-                ready = max((finish[d] + (send if d[1] != s else 0.0) for d in ds), default=0.0)
                 w = cost.get(st.kind, lambda c: fwd[c])(c)
-                finish[(st, s)] = free[s] = max(free[s], ready) + w
+                finish[(st, s)] = free[s] = max(free[s], ready(ds, s)) + w
                 busy[s] += w
                 pos[s], left, moved = pos[s] + 1, left - 1, True
+        heads = {sched.steps[s][pos[s]] if pos[s] < len(sched.steps[s]) else None
+                 for s in range(S)}
+        st = next(iter(heads))
+        if len(heads) == 1 and st is not None and st.all_device \
+                and all(d in finish for d in deps(st, 0, sched)):
+            end = max(*free, ready(deps(st, 0, sched), ALL)) + alld.get(st.kind, 0.0)
+            finish[(st, ALL)] = end
+            for s in range(S):
+                free[s], busy[s], pos[s] = end, busy[s] + alld.get(st.kind, 0.0), pos[s] + 1
+            left, moved = left - S, True
         if not moved:  # (a schedule that passed validate() never gets here)
             raise PlanError(f"schedule {sched.name!r} deadlocks")
     total = max(free)
     held = []
     for s in range(S):
-        spans = [(finish[(Step("F", m, (c - 1) // S), (c - 1) % S)] + send,
-                  finish[(Step("B", m, c // S), s)])
-                 for c in range(s, sched.chunks, S) if c for m in range(sched.microbatches)]
+        arrive = lambda c, m: (finish[(Step("F", m, (c - 1) // S), (c - 1) % S)] if c
+                               else finish[(Step("E", m), ALL)]) + send
+        spans = [(arrive(c, m), finish[(Step("B", m, c // S), s)])
+                 for c in range(s, sched.chunks, S) if c or sched.all_device
+                 for m in range(sched.microbatches)]
         held.append(max((sum(a <= t < b for a, b in spans) for t, _ in spans), default=0))
     return total, total - max(busy), held
 
@@ -193,17 +209,18 @@ def runtime_choices(units: list[Unit], stages: int, dp: int, batch: int,
     ``microbatches x dp``, interleaved only with 2 chunks per stage and micro-batches a multiple
     of the stages. Sorted: fitting first, then by step time, then memory. ``schedule``: a
     name (None: the ones the runtime executes, ``'gpipe'``, ``'1f1b'``, ``'eager-1f1b'``,
-    ``'interleaved'``, ``'zb-h1'`` (on the cut program: a stack's plan is re-cut), and
-    ``'interlaced'`` when ``tp`` is 1 (it runs on the cut program, whose stages are
-    data-parallel inside); ``'nf1b'`` is priced when named) or a
+    ``'interleaved'``, ``'zb-h1'`` (on the cut program: a stack's plan is re-cut) and
+    ``'interlaced'``; ``'nf1b'`` is priced when named) or a
     :class:`~nnscaler_jax.pipeline.steps.Schedule` (written with ``op_order``: its own
     micro-batch count).
 
     ``'interlaced'`` (all-device blocks): the prefix (embedding, ``E`` / ``W``) and suffix (head
-    + loss, ``H``) run as their own blocks, not with chunk 0 / the last chunk, each on the one
-    stage holding its data while the others wait (as the cut runtime executes them, not
-    vocabulary-split as in nnScaler); their parameters replicated on every stage. ``'nf1b'``:
-    each no-grad pass costs a chunk's forward.
+    + loss, ``H``) run as their own blocks, not with chunk 0 / the last chunk. The cut runtime
+    (``lockstep``) runs each on the one stage holding its data while the others wait, their
+    parameters replicated on every stage; the per-stage runtime runs them on every device at
+    once, split over all stages' tensor-parallel devices as the in-stage plan splits them
+    (nnScaler's vocabulary-split embedding and head: :func:`_all_device_work`), their
+    parameters too. ``'nf1b'``: each no-grad pass costs a chunk's forward.
 
     ``tp`` > 1: stages are also tensor-parallel inside (:mod:`nnscaler_jax.pipeline.in_stage`),
     priced as Megatron, like :func:`~nnscaler_jax.pipeline.stage_dp.search_stages`: unit compute
@@ -230,7 +247,7 @@ def runtime_choices(units: list[Unit], stages: int, dp: int, batch: int,
             raise PlanError(f"pipeline: the schedule {schedule.name!r} has {schedule.stages} "
                             f"stages, the mesh's stage axis {S}")
         microbatches = microbatches or schedule.microbatches
-    names = (sch.RUNNABLE + ("interlaced",) * (tp == 1)) if schedule is None else (schedule,)
+    names = (*sch.RUNNABLE, "interlaced") if schedule is None else (schedule,)
     kinds = [(s, 2 if s == "interleaved" else getattr(s, "virtual", 1)) for s in names]
     kinds = [(s, v) for s, v in kinds if L % (S * v) == 0]
     ms = [m for m in range(1, batch // dp + 1) if batch % (m * dp) == 0
@@ -272,9 +289,18 @@ class _Ways:
     lockstep: bool = True
 
     @property
-    def shared(self) -> float:
-        """Prefix + suffix parameter, gradient and optimizer bytes per device (replicated)."""
-        return ((self.units[0].param_bytes + self.units[-1].param_bytes) / self.tp
+    def everywhere(self) -> int:
+        """Devices the all-device blocks (interlaced's prefix and suffix) split over: every
+        stage in the per-stage runtime (the in-stage plan's tensor-parallel splits over
+        ``stages x tp`` devices, nnScaler's vocabulary-split embedding and head; data-parallel
+        over the rest), else ``tp`` (the cut runtime runs them on one stage)."""
+        return self.tp if self.lockstep else self.tp * self.stages
+
+    def shared(self, all_device: bool = False) -> float:
+        """Prefix + suffix parameter, gradient and optimizer bytes per device: replicated over
+        the stages, or split over :attr:`everywhere` where all-device blocks run them."""
+        ways = self.everywhere if all_device else self.tp
+        return ((self.units[0].param_bytes + self.units[-1].param_bytes) / ways
                 * (1 + self.optimizer_bytes))
 
 
@@ -348,25 +374,31 @@ def _price(w: _Ways, name: str | sch.Schedule, V: int, M: int,
     work = _chunk_work(w, bounds, mb, layer)
     msg = max(units[b - 1].out_bytes * mb for a, b in bounds)
     p2p = 2 * ppermute_time(w.stage_link, S, msg) if S > 1 else 0.0
-    alld, alld_compute = _all_device_work(w, mb) if sched.all_device else ({}, [0.0] * S)
+    alld, alld_compute, alld_ar = _all_device_work(w, mb) if sched.all_device \
+        else ({}, [0.0] * S, 0.0)
     if w.lockstep:
         table = sch.timeline(sched)
         step, bubble = runtime_time(sched, work.fwd, work.bwd, p2p, alld, table=table,
                                     wgrad=work.wgrad)
     else:  # (one event walk: the step and the inputs each stage holds)
         step, bubble, held = _event_time(sched, work.fwd, work.bwd, p2p / 2,
-                                         _weight_share(sched, work.bwd, work.wgrad))
-    params = [sum(sum(u.param_bytes for u in units[max(a, 1):min(b, n - 1)])
+                                         _weight_share(sched, work.bwd, work.wgrad), alld)
+    # (split over every device, the prefix's shared parameters leave a copy on each stage
+    # whose chunks read them too: T5's tied table in the decoder)
+    copies = sched.all_device and w.everywhere > tp
+    params = [sum(sum(u.param_bytes + u.shared_bytes * copies
+                      for u in units[max(a, 1):min(b, n - 1)])
                   for c, (a, b) in enumerate(bounds) if c % S == s) / tp
               for s in range(S)]
     mine = [[c for c in range(C) if c % S == s] for s in range(S)]
     top = max(range(S), key=lambda s: sum(work.fwd[c] + work.bwd[c] for c in mine[s])
               + alld_compute[s])
-    shared_grad = w.shared / (1 + w.optimizer_bytes)
+    shared_grad = w.shared(sched.all_device) / (1 + w.optimizer_bytes)
     grad = params[top] + shared_grad
     dsync = max(all_reduce_time(w.data_link, dp, p + shared_grad)
                 for p in params) if dp > 1 else 0.0
-    ssync = all_reduce_time(w.stage_link, S, shared_grad) if S > 1 else 0.0
+    ssync = all_reduce_time(w.stage_link, S, shared_grad) \
+        if S > 1 and w.everywhere == w.tp else 0.0  # (split over all stages: one copy)
     step = step + dsync + ssync
     # ppermute rounds: one per time step (both directions); per-stage runtime: one message
     # each way per micro-batch and chunk
@@ -374,7 +406,7 @@ def _price(w: _Ways, name: str | sch.Schedule, V: int, M: int,
     compute = M * (sum(work.compute[c] * (4 + sched.recycles) / 3 + work.extra[c]
                        for c in mine[top]) + alld_compute[top])
     comm = steps * p2p + M * sum(3 * work.ar[c] + work.extra_ar[c] for c in mine[top]) \
-        + dsync + ssync
+        + dsync + ssync + M * alld_ar
     sent = (steps * 2 * msg if S > 1 else 0.0) \
         + M * sum(3 * work.ar_bytes[c] + work.extra_ar_bytes[c] for c in mine[top]) \
         + _wire(dp, grad) + _wire(S, shared_grad)
@@ -391,18 +423,27 @@ def _price(w: _Ways, name: str | sch.Schedule, V: int, M: int,
                          sent, recompute)
 
 
-def _all_device_work(w: _Ways, mb: int) -> tuple[dict[str, float], list[float]]:
-    """Seconds of the all-device blocks (interlaced), each on one stage (the cut runtime's
-    ``embed`` / ``head`` / ``embed_bwd``): ``E`` the prefix's forward, ``H`` the suffix's
-    forward + backward (one ``vjp``), ``W`` the prefix's backward (a ``vjp`` recomputing its
-    forward); and per stage the compute seconds per micro-batch they put on it."""
-    pre, post, S = w.units[0], w.units[-1], w.stages
-    t = lambda u: u.time_s * mb / w.tp
+def _all_device_work(w: _Ways, mb: int) -> tuple[dict[str, float], list[float], float]:
+    """Seconds of the all-device blocks (interlaced): ``E`` the prefix's forward, ``H`` the
+    suffix's forward + backward (one ``vjp``), ``W`` the prefix's backward (a ``vjp``
+    recomputing its forward); per stage the compute seconds per micro-batch they put on it;
+    and the seconds of their all-reduces. The cut runtime runs each on one stage (its
+    ``embed`` / ``head`` / ``embed_bwd``) while the others wait; the per-stage runtime splits
+    them over :attr:`_Ways.everywhere` devices, all stages busy, with an all-reduce of the
+    embedding's output (its vocabulary-split partial sums) and of the head input's cotangent
+    over them, each in its block."""
+    pre, post, S, n = w.units[0], w.units[-1], w.stages, w.everywhere
+    t = lambda u: u.time_s * mb / n
+    ar = lambda b: all_reduce_time(w.stage_link, n, b * mb) if n > w.tp else 0.0
+    comm = {"E": ar(pre.out_bytes), "H": ar(w.units[-2].out_bytes), "W": 0.0}
     work = {"E": t(pre) / 3, "H": t(post), "W": t(pre)}
     per_stage = [0.0] * S
-    per_stage[0] += work["E"] + work["W"]
-    per_stage[-1] += work["H"]  # the last chunk's stage (interlaced: one chunk per stage)
-    return work, per_stage
+    if n > w.tp:  # on every stage at once
+        per_stage = [sum(work.values())] * S
+    else:
+        per_stage[0] += work["E"] + work["W"]
+        per_stage[-1] += work["H"]  # the last chunk's stage (interlaced: one chunk per stage)
+    return {k: work[k] + comm[k] for k in work}, per_stage, sum(comm.values())
 
 
 def _stage_memory(w: _Ways, bounds: list[tuple[int, int]], mine: list[list[int]],
@@ -450,14 +491,16 @@ def _stage_memory(w: _Ways, bounds: list[tuple[int, int]], mine: list[list[int]]
 
     for s in range(w.stages):
         acts = [chunk_act(a, b) for a, b in (bounds[c] for c in mine[s])]
-        if all_device:
-            acts += [units[0].act_bytes / w.tp] * (s == 0) \
-                + [units[-1].act_bytes / w.tp] * (s == w.stages - 1)
+        if all_device:  # (on every stage, split over all of them: the per-stage runtime)
+            n, here = w.everywhere, w.everywhere > w.tp
+            acts += [units[0].act_bytes / n] * (s == 0 or here) \
+                + [units[-1].act_bytes / n] * (s == w.stages - 1 or here)
         act = max(acts) * mb
         held = max([sum(u.wgrad_bytes for u in units[slice(*bounds[c])]) / w.tp * mb
                     for c in range(1, len(bounds))]
                    + [units[bounds[0][1] - 1].out_bytes * mb]) if kept else 0.0
-        mem.append(params[s] * (1 + w.optimizer_bytes) + w.shared + slots[s] * inp + act
+        mem.append(params[s] * (1 + w.optimizer_bytes) + w.shared(all_device) + slots[s] * inp
+                   + act
                    + (kept[s] * held if kept else 0.0))
     return mem
 

@@ -61,6 +61,10 @@ class Unit:
             (``G``, :mod:`~nnscaler_jax.pipeline.split_backward`), per sample: the inputs
             of the ops reading a parameter (other than parameters) and the cotangents of
             their outputs, each tensor once.
+        shared_bytes: of a cut chunk, the bytes of the shared parameters (several chunks
+            read them; the prefix carries them in ``param_bytes``) its own ops read too: a
+            copy on its stage where the prefix's parameters live elsewhere (interlaced's
+            all-device blocks on tensor-parallel stages).
     """
 
     name: str
@@ -75,6 +79,7 @@ class Unit:
     chunk_again_s: float = 0.0
     layer_again_s: float | None = None
     wgrad_bytes: float = 0.0
+    shared_bytes: float = 0.0
 
 
 def largest_output(ops) -> float:

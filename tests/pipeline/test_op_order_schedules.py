@@ -5,6 +5,7 @@ raise ``PlanError`` naming the blocks of the cycle; interlaced / NF1B tables val
 are priced; a custom schedule survives a saved plan and trains like the single-device step.
 """
 
+import dataclasses
 import itertools
 
 import jax
@@ -206,11 +207,46 @@ def test_pricing_new_and_custom_schedules():
         runtime_choices(units, 2, 1, 8, schedule=sch.one_f_one_b(4, 4))
 
 
-def test_stage_dp_weighs_interlaced_only_where_it_runs():
-    # interlaced runs on the cut program (stages data-parallel inside): a candidate when tp == 1
+def test_stage_dp_weighs_interlaced_as_each_runtime_runs_it():
+    # interlaced runs on both runtimes: a candidate whatever the stages' tensor parallelism
     names = lambda tp: {r.schedule for r in runtime_choices(_units(), 2, 1, 8, tp=tp)}
-    assert names(1) == {"gpipe", "1f1b", "eager-1f1b", "interleaved", "interlaced", "zb-h1"}
-    assert names(2) == {"gpipe", "1f1b", "eager-1f1b", "interleaved", "zb-h1"}
+    assert names(1) == names(2) == {"gpipe", "1f1b", "eager-1f1b", "interleaved", "interlaced",
+                                    "zb-h1"}
+    # the cut program (lock step) runs E / H / W on one stage, their parameters replicated on
+    # both; the per-stage runtime (tensor-parallel stages) on every device at once, split over
+    # stages x tp: the prefix / suffix parameters per device halve (the rest of the difference:
+    # the inputs each runtime holds, 1-2 %), every stage runs them
+    units = _units()
+    price = lambda lockstep: runtime_choices(units, 2, 1, 8, microbatches=4, tp=2,
+                                             schedule="interlaced", lockstep=lockstep,
+                                             modes=("chunk",))[0]
+    one, every = price(True), price(False)
+    shared = (units[0].param_bytes + units[-1].param_bytes) * 4  # (+ gradient, Adam)
+    np.testing.assert_allclose(np.subtract(one.memory_bytes, every.memory_bytes), shared / 4,
+                               rtol=0.05)
+    assert every.compute_s < one.compute_s  # (the busiest stage's share of E / H / W)
+    # a chunk reading a shared parameter too (T5's tied table in the decoder) keeps a copy of
+    # it on its stage there (with gradient and Adam state, split over tp); in lock step the
+    # shared parameters are on every stage anyway
+    tied = units[:2] + [dataclasses.replace(units[2], shared_bytes=1e6)] + units[3:]
+    again = lambda lockstep: runtime_choices(tied, 2, 1, 8, microbatches=4, tp=2,
+                                             schedule="interlaced", lockstep=lockstep,
+                                             modes=("chunk",))[0].memory_bytes
+    np.testing.assert_allclose(np.subtract(again(False), every.memory_bytes), [2e6, 0])
+    assert again(True) == one.memory_bytes
+
+
+def test_events_run_all_device_blocks_on_every_stage_at_once():
+    # one stage, one micro-batch: E, F, H, B, W one after another
+    t, _ = runtime_time(sch.interlaced(1, 1), [1.0], [2.0], 0.0,
+                        {"E": 0.5, "H": 3.0, "W": 0.25}, lockstep=False)
+    assert t == 0.5 + 1.0 + 3.0 + 2.0 + 0.25
+    # two stages: a block of every device waits for both stages to be free
+    t2, bubble = runtime_time(sch.interlaced(2, 2), [1.0] * 2, [2.0] * 2, 0.0,
+                              {"E": 0.5, "H": 3.0, "W": 0.25}, lockstep=False)
+    lock, _ = runtime_time(sch.interlaced(2, 2), [1.0] * 2, [2.0] * 2, 0.0,
+                           {"E": 0.5, "H": 3.0, "W": 0.25})
+    assert 2 * (0.5 + 3.0 + 0.25) + 2 * 3.0 < t2 <= lock and bubble > 0
 
 
 @pytest.fixture(scope="module")

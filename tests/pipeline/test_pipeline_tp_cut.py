@@ -279,27 +279,63 @@ def test_an_unread_parameter_and_a_pytree_mask():
     assert not np.allclose(np.asarray(step.params(state)["unused"]), params["unused"])
 
 
-@pytest.mark.slow
-def test_nf1b_evoformer_on_tensor_parallel_stages_recycles_like_one_device():
-    # AlphaFold2's recycling (2 no-grad passes per micro-batch, then 1F1B) on stages that run
-    # Megatron inside, one program per stage: the last chunk's outputs go back to chunk 0
-    spec = models.get("evoformer", "tiny", batch_size=16)
+def _sgd_step_like_one_device(name, schedule, loss=None):
+    """One SGD step of the zoo's tiny ``name`` with ``schedule`` on Megatron stages (2 stages x
+    2 data x 2 model, 4 micro-batches) against one device (``loss``: its loss of the params
+    and batch, default the module's); returns the program and the state after it."""
+    spec = models.get(name, "tiny", batch_size=16)
     params = spec.init(jax.random.PRNGKey(0))["params"]
     args = spec.make_args()
     pm = auto_parallel(make_mesh(*MESH), Constraints(pipeline_stages=2, microbatches=4,
-                                                     schedule=sch.nf1b(2, 4, recycles=2)),
+                                                     schedule=schedule),
                        policy="megatron")(spec.module)
     step = pm.train_step(spec.loss_fn, optax.sgd(0.1))
     state = step.init({"params": params}, *args)
     prog = step.program
     assert type(prog).__name__ == "MpmdProgram" and prog.tp_axes == ("model",)
     state, metrics = step(state, *args)
-    loss, grads = jax.jit(jax.value_and_grad(reference_loss(spec.module, spec.loss_fn, 2)))(
-        params, *args)
-    np.testing.assert_allclose(metrics["loss"], loss, rtol=RTOL)
+    loss = loss or (lambda p, *b: spec.loss_fn(spec.module.apply({"params": p}, *b), *b))
+    ref, grads = jax.jit(jax.value_and_grad(loss))(params, *args)
+    np.testing.assert_allclose(metrics["loss"], ref, rtol=RTOL)
     assert_same_params(step.params(state), jax.tree.map(lambda p, g: p - 0.1 * g, params, grads),
                        RTOL, ATOL)
+    return prog, state
+
+
+@pytest.mark.slow
+def test_nf1b_evoformer_on_tensor_parallel_stages_recycles_like_one_device():
+    # AlphaFold2's recycling (2 no-grad passes per micro-batch, then 1F1B) on stages that run
+    # Megatron inside, one program per stage: the last chunk's outputs go back to chunk 0
+    spec = models.get("evoformer", "tiny", batch_size=16)
+    prog, _ = _sgd_step_like_one_device("evoformer", sch.nf1b(2, 4, recycles=2),
+                                        reference_loss(spec.module, spec.loss_fn, 2))
     for s in range(2):  # (stage 1's program numbers its devices 0..3 in its sub-mesh)
         kinds = {(k.kind, tuple(k.axes))
                  for k in hlo_collectives(prog.chunk_text(s), prog.sub[s])}
         assert ("all_reduce", ("model",)) in kinds, (s, kinds)
+
+
+@pytest.mark.slow
+def test_interlaced_t5_vocabulary_split_over_all_devices_trains_like_one_device():
+    # nnScaler's T5 plan: the encoder and decoder pipelined on tensor-parallel stages, the
+    # embedding (E / W) and the LM head + loss (H) run on all 8 devices at once, the tied
+    # table split on its vocabulary over them (stage x model: 4 ways, data-parallel over 2)
+    prog, state = _sgd_step_like_one_device("t5", "interlaced")
+    assert prog.seg0 == 1 and prog.seg_stage == (2, 0, 1, 2)  # embedding, encoder, decoder, head
+    # the all-device group's table: on all 8 devices, a quarter of the vocabulary on each;
+    # no stage keeps a copy (E embeds the decoder's tokens too, as nnScaler's T5 plan)
+    table = state["params"][2]["shared"]["embedding"]
+    assert [t["shared"]["embedding"].size for t in state["params"][:2]] == [0, 0]
+    assert table.sharding.device_set == set(np.asarray(make_mesh(*MESH).devices).flat)
+    assert table.addressable_shards[0].data.shape == (table.shape[0] // 4, table.shape[1])
+    # E: each device looks up its rows, the partial embeddings all-reduced over the folded
+    # axis; H: the logits of a quarter of the vocabulary per device, the softmax's max and
+    # sum and the input's cotangent all-reduced, the table never gathered
+    kinds = lambda text: {(k.kind, tuple(k.axes)) for k in hlo_collectives(text, prog.sub[2])}
+    assert ("all_reduce", ("model",)) in kinds(prog.chunk_text(0))
+    head = prog.chunk_text(3, "H")
+    assert ("all_reduce", ("model",)) in kinds(head)
+    assert not any(k == "all_gather" for k, _ in kinds(head)), kinds(head)
+    vocab = table.shape[0]
+    logits = [ln for ln in head.splitlines() if " dot(" in ln and f",{vocab // 4}]" in ln]
+    assert logits and not any(f",{vocab}]" in ln for ln in head.splitlines() if " dot(" in ln)
