@@ -569,7 +569,17 @@ class MpmdProgram(PipelineRuntime):
             updates, opt_state = optimizer.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state
 
-        updates = [jax.jit(update, donate_argnums=(0, 2)) for _ in self.sub]
+        updates: dict[int, Callable] = {}
+
+        def updated(s: int, p: Any, g: Any, o: Any) -> tuple:
+            """Stage ``s``'s update, its results laid out as its state came (from ``init``):
+            every step after the first reuses the program."""
+            if s not in updates:
+                laid = lambda t: jax.tree.map(lambda x: x.sharding, t)
+                updates[s] = jax.jit(update, donate_argnums=(0, 2),
+                                     out_shardings=(laid(p), laid(o)))
+            return updates[s](p, g, o)
+
         first = {j: min(s for s, mine in enumerate(self.stage_leaves) if j in mine)
                  for j in range(len(self.param_avals))
                  if any(j in mine for mine in self.stage_leaves)}
@@ -607,7 +617,7 @@ class MpmdProgram(PipelineRuntime):
                 for s, (p, g, o) in enumerate(zip(state["params"], grads, state["opt_state"],
                                                   strict=True)):
                     with jax.set_mesh(self.sub[s]):
-                        p, o = updates[s](p, g, o)
+                        p, o = updated(s, p, g, o)
                     params.append(p)
                     opt.append(o)
                 state.update(params=params, opt_state=opt)

@@ -61,6 +61,23 @@ def test_gpt_tiny_compiles_one_step_for_three(constraints, axes):
 
 
 @slow
+@pytest.mark.parametrize("schedule", ["1f1b", "interlaced"])
+def test_tensor_parallel_stages_compile_one_step_for_three(schedule):
+    # the per-stage runtime (one program per stage and block, Megatron inside the stages):
+    # each stage's optax update lays its results out as init laid its state (it compiled
+    # the update again at step 2)
+    spec = models.get("t5", "tiny", batch_size=16)
+    pm = auto_parallel(make_mesh((2, 2, 2), ("stage", "data", "model")),
+                       Constraints(pipeline_stages=2, microbatches=4, schedule=schedule),
+                       policy="megatron")(spec.module)
+    step = pm.train_step(spec.loss_fn, optax.adamw(1e-3))
+    args = spec.make_args()
+    state = step.init(spec.init(jax.random.PRNGKey(0)), *args)
+    assert type(step.program).__name__ == "MpmdProgram"
+    assert _after_the_first(step, state, args) == []
+
+
+@slow
 def test_transformers_gpt2_pipelined_compiles_one_step_for_three():
     model, args, loss_fn = tiny_gpt2(16, 8)
     pm = auto_parallel(make_mesh((2, 4), ("stage", "data")), PIPELINED)(model.module)
