@@ -193,6 +193,8 @@ def _ratio_text(p: str, r: float, row: dict) -> str:
 def _shapes(cases: dict) -> list[str]:
     """``--pipelines``: every shape each planner tried, with its step or smallest estimate."""
     rows = [f"| {key} | {p} | " + " x ".join(f"{a} {k}" for a, k in c["mesh"].items())
+            + " | " + (f"{c['schedule']}, {c['microbatches']} micro-batches"
+                       if "schedule" in c else "-")
             + " | " + ("yes" if c["fits"] else "no" if c["fits"] is False else "-") + " | "
             + (f"{c['step_time_s']:.3g}" if c["fits"] else "-") + " | "
             + (f"{c['memory_bytes_per_device'] / 2**30:.1f}"
@@ -203,8 +205,8 @@ def _shapes(cases: dict) -> list[str]:
     if not rows:
         return []
     return ["Shapes tried (memory: the estimate, or the smallest when nothing fits):", "",
-            "| case | planner | shape | fits | step (s) | memory (GiB) | why not run |",
-            "|---|---|---|---|---|---|---|"] + rows + [""]
+            "| case | planner | shape | pipeline | fits | step (s) | memory (GiB) | why not run |",
+            "|---|---|---|---|---|---|---|---|"] + rows + [""]
 
 
 def _markdown(results: dict) -> str:

@@ -69,7 +69,8 @@ def plan_features(plan: Any) -> dict[str, Any]:
     block (``Plan.coshard``) its seed op's; empty for a pipelined plan, whose runtime does not
     run its SPMD part's co-sharding (chunks run data-parallel, or tensor-parallel with an
     in-stage plan, which refuses co-sharded ops); ``microbatches``: the
-    pipeline's (or the plan's gradient accumulation), 1 without; ``stages``: pipeline stages.
+    pipeline's (or the plan's gradient accumulation), 1 without; ``stages``: pipeline stages;
+    ``schedule``: the pipeline's (a pipelined plan only).
     """
     def jsonable(x: Any) -> Any:
         if isinstance(x, str | int | float) or x is None:
@@ -93,7 +94,8 @@ def plan_features(plan: Any) -> dict[str, Any]:
     return {"recompute": [jsonable(g) for g in groups],
             "fused_attention": fused,
             "cosharded": cosharded if plan.pipeline is None else [],
-            "microbatches": int(micro or 1), "stages": int(plan.stages)}
+            "microbatches": int(micro or 1), "stages": int(plan.stages),
+            **({"schedule": plan.pipeline.schedule} if plan.pipeline is not None else {})}
 
 
 _SMALLEST = re.compile(r"(?:smallest estimate(?: found)? is|needs(?: an estimated)?)\s+~?"
@@ -258,8 +260,11 @@ def best_over_meshes(name: str, graph: Any, mesh: Any, cluster: Any,
     entry = dict(entry, mesh=axes, search_s=sum(t[2]["search_s"] for t in tried),
                  candidates=[{"mesh": a, "fits": r["fits"], "step_time_s": r["step_time_s"],
                               "memory_bytes_per_device": r["memory_bytes_per_device"],
-                              **({"error": r["error"]} if "error" in r else {})}
-                             for a, _, r in tried])
+                              **({"error": r["error"]} if "error" in r else {}),
+                              **({"schedule": p.pipeline.schedule,
+                                  "microbatches": p.pipeline.microbatches}
+                                 if p is not None and p.pipeline is not None else {})}
+                             for a, p, r in tried])
     return plan, entry
 
 

@@ -152,6 +152,11 @@ def test_pipelines_let_the_search_use_stages_when_they_are_faster_within_the_bud
     assert flat["fits"] is True and flat["step_time_s"] > e["step_time_s"]
     assert e["memory_bytes_per_device"] <= 380_000 and e["features"]["stages"] == 2
     assert plan.pipeline is not None and plan.stages == 2 and dict(plan.mesh) == e["mesh"]
+    # a pipelined candidate names the stage DP's schedule and micro-batches, the flat one none
+    chosen = by_mesh[(("stage", 2), ("data", 4))]
+    assert (chosen["schedule"], chosen["microbatches"]) == (plan.pipeline.schedule,
+                                                            plan.pipeline.microbatches)
+    assert "schedule" not in flat
     assert "cut points" in by_mesh[(("stage", 8),)]["error"]
     # nothing fits: the smallest estimate over every shape (the flat search's, here)
     _, none = best_over_meshes("auto", gpt16, {"data": 2, "model": 4}, None, 1000)

@@ -30,6 +30,7 @@ def test_pipelined_plan_lists_no_cosharding():
     assert plan_features(flat)["cosharded"] == [["h_0/attn/query", "dot_general", "m0", 2]]
     f = plan_features(piped)
     assert f["cosharded"] == [] and f["stages"] == 2 and f["microbatches"] == 2
+    assert f["schedule"] == piped.pipeline.schedule and "schedule" not in plan_features(flat)
     # co-sharded blocks (Plan.coshard) of the SPMD part do not run in the pipeline either
     cand = coshard_candidates(graph)[0]
     blocks = ((cand.seed, cand.dim, 2),)
