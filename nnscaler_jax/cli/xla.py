@@ -11,8 +11,10 @@ mesh of compile-only GPUs of the cluster shaped as the plan's mesh. The JSON ent
 
 ``over_estimate``: XLA's peak / the plan's ``memory_bytes_per_device``. A plan that the estimate
 says fits and XLA's peak does not (or that XLA had to rematerialize) says so in ``notes`` and in
-the command's table; a pipelined plan is not compiled (``error``): its stages are programs of
-their own.
+the command's table. A pipelined plan whose stages run one program each (tensor-parallel cut
+stages) is compiled per stage (:func:`~nnscaler_jax.train.xla_gpu.check_stages`: ``stages``,
+each with its programs; ``peak_bytes`` the largest stage's); one whose stages run as one
+program (stages data-parallel inside) says so (``error``).
 """
 
 from __future__ import annotations
@@ -48,10 +50,8 @@ def xla_entry(spec: Any, plan: Any, cluster: Any, axes: dict[str, int],
     from nnscaler_jax.api import auto_parallel
     from nnscaler_jax.cost.devices import compile_only_mesh
     from nnscaler_jax.errors import PlanError
-    from nnscaler_jax.train.xla_gpu import check_step
+    from nnscaler_jax.train.xla_gpu import check_stages, check_step
 
-    if plan.pipeline is not None:
-        return {"error": "a pipelined plan's stages compile as separate programs: not checked"}
     if spec.kind != "linen":
         return {"error": "--xla compiles linen models' steps (an nnx module holds its arrays)"}
     try:
@@ -61,6 +61,8 @@ def xla_entry(spec: Any, plan: Any, cluster: Any, axes: dict[str, int],
                              rng_streams=spec.rng_streams or ("dropout",))
         args, variables = abstract_inputs(spec)
         rng = jax.random.key(0) if spec.rng_streams else None
+        if plan.pipeline is not None:  # one program per stage (tensor-parallel cut stages)
+            return _stages_entry(check_stages(step, variables, args, rng=rng), plan)
         check = check_step(step, variables, args, rng=rng, traffic_min_bytes=traffic_min_bytes)
     except PlanError as e:
         return {"error": str(e).splitlines()[0]}
@@ -73,6 +75,18 @@ def xla_entry(spec: Any, plan: Any, cluster: Any, axes: dict[str, int],
         out["notes"].append(f"does not fit by XLA:GPU: peak {fmt_bytes(check.peak_bytes)} "
                             f"over the device's {fmt_bytes(check.device_memory_bytes)}")
     return out
+
+
+def _stages_entry(got: dict[str, Any], plan: Any) -> dict[str, Any]:
+    """The ``xla`` entry of a pipelined plan from :func:`~nnscaler_jax.train.xla_gpu.
+    check_stages`: its figures with ``over_estimate`` and ``notes``."""
+    est = plan.cost.memory_bytes_per_device if plan.cost is not None else None
+    notes = [f"stage {s['stage']} does not fit by XLA:GPU: {fmt_bytes(s['peak_bytes'])} over "
+             f"the device's {fmt_bytes(got['device_memory_bytes'])}"
+             for s in got["stages"] if not s["fits"]]
+    return {**got, "over_estimate": got["peak_bytes"] / est if est else None,
+            "notes": [*notes, ("per stage: its programs compiled apart (check_stages); the "
+                               "boundary values held between blocks are not counted")]}
 
 
 def xla_text(entry: dict[str, Any] | None) -> tuple[str, str]:

@@ -72,7 +72,7 @@ from nnscaler_jax.pipeline.program import (
 from nnscaler_jax.pipeline.recycle import recycling_program
 from nnscaler_jax.pipeline.split_backward import split_backward
 from nnscaler_jax.pipeline.steps import blocks, timeline
-from nnscaler_jax.pipeline.update import LossScaling
+from nnscaler_jax.pipeline.update import LossScaling, mirror_shardings
 
 __all__ = ["MpmdProgram", "cut_runtime"]
 
@@ -91,6 +91,17 @@ def _value(env: dict, v: Any) -> Any:
 
 def _floating(x: Any) -> bool:
     return jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def _updater(optimizer: Any) -> Callable:
+    """``update(params, grads, opt_state) -> (params, opt_state)``: one optax step."""
+    import optax
+
+    def update(params: Any, grads: Any, opt_state: Any) -> tuple[Any, Any]:
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return update
 
 
 class MpmdProgram(PipelineRuntime):
@@ -353,24 +364,64 @@ class MpmdProgram(PipelineRuntime):
         run.jitted = jitted
         return run
 
+    def abstract_args(self, c: int, kind: str) -> tuple:
+        """What segment ``c``'s block ``kind`` (``'F'``, ``'N'``, ``'B'``, ``'B-split'``,
+        ``'H'``) is called with, as ``jax.ShapeDtypeStruct`` values laid out on its group's
+        mesh (see :meth:`_jit_chunk`)."""
+        s, D, cut = self._stage(c), self.dp, self.cut
+        aval = lambda a, sh, lead=(): jax.ShapeDtypeStruct((*lead, *a.shape), a.dtype,
+                                                           sharding=sh)
+        rows = lambda vs: [aval(v.aval, self._split[s], (D,)) for v in vs]
+        params = [aval(self.param_avals[j], self.leaf_sharding(s, j)) for j in self.reads[c]]
+        xin = rows(cut.bounds[c - 1] if c else ())
+        batch = rows(cut.jaxpr.jaxpr.invars[cut.n_params + len(self.x_vars):])
+        gout = rows(cut.bounds[c] if c < cut.chunks - 1 else ())
+        acc = [aval(self.param_avals[j], sh, (D,))
+               for j, sh in zip(self.reads[c], self._acc_shardings(c), strict=True)]
+        seed = jax.ShapeDtypeStruct((), jnp.float32)
+        return {"F": (params, xin, batch), "N": (params, xin, batch),
+                "B": (params, xin, batch, gout, acc, seed),
+                "B-split": (params, xin, batch, gout, seed),
+                "H": (params, xin, batch, acc, seed)}[kind]
+
+    def block_programs(self, optimizer: Any) -> list[tuple[int, str, Any]]:
+        """Every program the step runs, lowered for its group's devices (compile-only ones
+        too: nothing runs): ``(group, name, jax.stages.Lowered)``, each segment's blocks
+        (``'F 1'``, ``'B 1'``, ...) and each group's optax update (``'update'``). A split
+        backward's ``G`` is not among them (its kept values' shapes come from tracing)."""
+        out = []
+        for c in range(self.cut.chunks):
+            head = self.seg0 and c == self.cut.chunks - 1  # (H: forward and backward)
+            kinds = ["H"] if head else [k for k in ("F", "N", "B", "B-split")
+                                        if k in self._blocks]
+            for kind in kinds:
+                with jax.set_mesh(self.sub[self._stage(c)]):
+                    lowered = self._blocks[kind][c].jitted.lower(*self.abstract_args(c, kind))
+                out.append((self._stage(c), f"{kind} {c}", lowered))
+        update = _updater(optimizer)
+        for s, mine in enumerate(self.stage_leaves):
+            leaf = lambda j, s=s, mine=mine: (
+                jax.ShapeDtypeStruct(self.param_avals[j].shape, self.param_avals[j].dtype,
+                                     sharding=self.leaf_sharding(s, j)) if j in mine else
+                jax.ShapeDtypeStruct((0,), self.param_avals[j].dtype, sharding=self._rep[s]))
+            tree = jax.tree.unflatten(self.params_tree,
+                                      [leaf(j) for j in range(len(self.param_avals))])
+            with jax.set_mesh(self.sub[s]):
+                state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                                        sharding=sh),
+                                     jax.eval_shape(optimizer.init, tree),
+                                     self._opt_layout(s, tree, optimizer))
+                out.append((s, "update", jax.jit(update, donate_argnums=(0, 2)).lower(
+                    tree, tree, state)))
+        return out
+
     def chunk_text(self, c: int, kind: str = "F") -> str:
         """Segment ``c``'s forward program (``kind='H'``: the head's forward and backward)
         compiled: HLO text, the collectives it runs. The segments are the chunks (with
         all-device blocks: after the embedding, segment 0; the head last)."""
-        s, D, cut = self._stage(c), self.dp, self.cut
-        aval = lambda a, sh, lead=(): jax.ShapeDtypeStruct((*lead, *a.shape), a.dtype,
-                                                           sharding=sh)
-        params = [aval(self.param_avals[j], self.leaf_sharding(s, j)) for j in self.reads[c]]
-        xin = [aval(v.aval, self._split[s], (D,)) for v in (cut.bounds[c - 1] if c else ())]
-        batch = [aval(v.aval, self._split[s], (D,))
-                 for v in cut.jaxpr.jaxpr.invars[cut.n_params + len(self.x_vars):]]
-        args = (params, xin, batch)
-        if kind == "H":
-            acc = [aval(self.param_avals[j], sh, (D,))
-                   for j, sh in zip(self.reads[c], self._acc_shardings(c), strict=True)]
-            args += (acc, jax.ShapeDtypeStruct((), jnp.float32))
-        with jax.set_mesh(self.sub[s]):
-            return self._blocks[kind][c].jitted.lower(*args).compile().as_text()
+        with jax.set_mesh(self.sub[self._stage(c)]):
+            return self._blocks[kind][c].jitted.lower(
+                *self.abstract_args(c, kind)).compile().as_text()
 
     # ---- the training state ------------------------------------------------------------------
 
@@ -418,8 +469,17 @@ class MpmdProgram(PipelineRuntime):
         opt = []
         for s, tree in enumerate(pp):
             with jax.set_mesh(self.sub[s]):
-                opt.append(jax.jit(optimizer.init)(tree))
+                opt.append(jax.jit(optimizer.init,
+                                   out_shardings=self._opt_layout(s, tree, optimizer))(tree))
         return {"params": pp, "opt_state": opt}
+
+    def _opt_layout(self, s: int, tree: Any, optimizer: Any) -> Any:
+        """Shardings of group ``s``'s optimizer state for its parameters ``tree``: moments as
+        their parameters (split over the tensor axes where they are), the rest (step counts)
+        replicated (``zeros_like`` carries no sharding: jitted alone, every moment came out
+        replicated, the whole parameter on each device of the stage)."""
+        return mirror_shardings(jax.eval_shape(optimizer.init, tree), tree,
+                                jax.tree.map(lambda x: x.sharding, tree), self._rep[s])
 
     def shardings(self) -> tuple[NamedSharding, NamedSharding]:
         """Replicated on the whole mesh (the step's rng key, unused here), and split over
@@ -563,12 +623,7 @@ class MpmdProgram(PipelineRuntime):
         stage, then each stage's jitted optax update (donated); with ``scaling`` (float16) the
         gradients are unscaled per stage and a step with any non-finite one updates nothing
         (:class:`~nnscaler_jax.pipeline.update.LossScaling`, its rules run on the host)."""
-        import optax
-
-        def update(params, grads, opt_state):
-            updates, opt_state = optimizer.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
-
+        update = _updater(optimizer)
         updates: dict[int, Callable] = {}
 
         def updated(s: int, p: Any, g: Any, o: Any) -> tuple:

@@ -91,6 +91,25 @@ class PipelineStep(TrainStep):
     def init(self, variables: Any, *batch: Any, rng: Any = None) -> dict:
         """Plan, build the program for ``batch``'s shapes and lay out the training state
         (``{'params', 'opt_state'}``, ``'collections'`` with any, ``'rng'`` with rng streams)."""
+        params, rng = self.build(variables, *batch, rng=rng)
+        call = self.call
+        fp16 = self.options.precision == "float16"
+        state = self.program.init_state(
+            params, self.optimizer, **({"collections": call.collections} if call.collections
+                                       else {}))
+        rep = self.program.shardings()[0]
+        if call.slots:  # (a copy: the step donates its state)
+            state["rng"] = jax.jit(jnp.copy, out_shardings=rep)(typed_key(rng))
+        if fp16:
+            state.update(jax.device_put(self.scaling.initial(), rep))
+        return state
+
+    def build(self, variables: Any, *batch: Any, rng: Any = None) -> tuple[Any, Any]:
+        """Plan and build the program (:attr:`program`, :attr:`jitted`) for ``batch``'s
+        shapes, laying nothing out: ``(the module's params, the rng key)``. :meth:`init`
+        then lays out the state; without it ``variables`` and ``batch`` may be abstract
+        (``jax.ShapeDtypeStruct``) and the mesh's devices compile-only (the per-stage
+        programs compiled for a GPU: :func:`~nnscaler_jax.train.xla_gpu.check_stages`)."""
         self.call = call = ModuleCall(self.pm.module, variables, self.options, rng)
         self.program = None
         params, rng = call.params, rng if rng is not None else call.default_rng
@@ -128,15 +147,7 @@ class PipelineStep(TrainStep):
         fp16 = self.options.precision == "float16"
         self.jitted = self.program.train_step(self.optimizer, return_grads=self.return_grads,
                                               scaling=self.scaling if fp16 else None)
-        state = self.program.init_state(
-            params, self.optimizer, **({"collections": call.collections} if call.collections
-                                       else {}))
-        rep = self.program.shardings()[0]
-        if call.slots:  # (a copy: the step donates its state)
-            state["rng"] = jax.jit(jnp.copy, out_shardings=rep)(typed_key(rng))
-        if fp16:
-            state.update(jax.device_put(self.scaling.initial(), rep))
-        return state
+        return params, rng
 
     def _batch(self, batch: tuple) -> tuple:
         self._check()

@@ -32,7 +32,7 @@ from typing import Any
 from nnscaler_jax.cost.devices import default_budget_of
 from nnscaler_jax.lower.hlo import hlo_collectives, hlo_traffic, xla_stderr
 
-__all__ = ["XlaCheck", "check_compiled", "check_step", "collective_totals"]
+__all__ = ["XlaCheck", "check_compiled", "check_stages", "check_step", "collective_totals"]
 
 # the suite's XLA:CPU remat flag (mesh/cpu.py) has no meaning on GPU, where it breaks the
 # compile ("Unsupported instruction opcode: opt-barrier"): every GPU compile runs all passes
@@ -166,3 +166,78 @@ def check_step(step: Any, variables: Any, batch: Sequence[Any], *, rng: Any = No
                            traffic_min_bytes)
     return check if note is None else replace(check, notes=(*check.notes, note))
 
+
+
+def check_stages(step: Any, variables: Any, batch: Sequence[Any], *,
+                 rng: Any = None) -> dict[str, Any]:
+    """Compile every program of a pipelined step that runs one program per stage
+    (``pm.train_step`` of tensor-parallel cut stages, :class:`~nnscaler_jax.pipeline.mpmd.
+    MpmdProgram`, over a compile-only mesh) for its GPU, and judge each stage: nothing is
+    allocated (``variables`` and ``batch`` may be abstract).
+
+    Per stage: the :class:`XlaCheck` figures of the programs on its devices (its blocks and
+    optax update; with ``interlaced`` also those of every device, ``'all H 3'``...) and
+    ``peak_bytes``: the largest of an optax update's peak (parameters, gradients, optimizer
+    state, scratch) beside the other group's state, and, per block program, what the devices
+    hold (``state_bytes``: parameters, optimizer state and gradient accumulators of the stage
+    and of the all-device blocks) with the block's scratch and new results (temp + output -
+    alias). Not counted: the boundary values a stage holds between its blocks (one activation
+    per micro-batch in flight). The entry: ``{"stages": [...], "peak_bytes", "fits",
+    "xla_remat", "involuntary_remat", "device", "device_memory_bytes", "compile_s"}``.
+
+    Raises:
+        PlanError: a step whose program is not per stage (the in-graph runtimes compile as
+            one program: ``step.lower``).
+    """
+    import numpy as np
+
+    from nnscaler_jax.errors import PlanError
+
+    step.build(variables, *batch, rng=rng)
+    prog = step.program
+    if not hasattr(prog, "block_programs"):
+        raise PlanError(f"check_stages compiles the per-stage programs of tensor-parallel cut "
+                        f"stages; this step runs {type(prog).__name__} (one program: "
+                        "step.lower(...).compile())")
+    size = lambda j, sh: int(np.prod(sh.shard_shape(prog.param_avals[j].shape))) \
+        * np.dtype(prog.param_avals[j].dtype).itemsize
+    groups: dict[int, dict[str, Any]] = {}
+    t0 = time.perf_counter()
+    for g, name, lowered in prog.block_programs(step.optimizer):
+        with xla_stderr() as log:
+            compiled = lowered.compile(GPU_COMPILER_OPTIONS)
+        check = check_compiled(compiled, log[0], prog.sub[g])
+        groups.setdefault(g, {})[name] = check
+    S = prog.schedule.stages
+
+    def state(g: int) -> int:  # parameters, optimizer state, gradient accumulators
+        params = sum(size(j, prog.leaf_sharding(g, j)) for j in prog.stage_leaves[g])
+        acc = sum(size(j, prog.leaf_sharding(g, j)) for c in range(prog.cut.chunks)
+                  if prog.seg_stage[c] == g for j in prog.reads[c])
+        return groups[g]["update"].argument_bytes - params + acc  # (update: params, grads,
+        # optimizer state)
+
+    extra = lambda c: c.temp_bytes + c.output_bytes - c.alias_bytes
+    every = {g: state(g) for g in groups if g >= S}  # (on the stages' devices too)
+    out = []
+    for g in range(S):
+        mine = {**{n: c for n, c in groups[g].items()},
+                **{f"all {n}": c for a in every for n, c in groups[a].items()}}
+        resident = state(g) + sum(every.values())
+        peak = max([groups[g]["update"].peak_bytes + sum(every.values())]
+                   + [groups[a]["update"].peak_bytes + state(g) for a in every]
+                   + [resident + extra(c) for n, c in mine.items() if "update" not in n])
+        memory = groups[g]["update"].device_memory_bytes
+        out.append({"stage": g, "device": groups[g]["update"].device, "peak_bytes": peak,
+                    "state_bytes": resident, "fits": memory == 0 or peak <= memory,
+                    "programs": {n: {k: v for k, v in c.to_json().items()
+                                     if k in ("peak_bytes", "temp_bytes", "argument_bytes",
+                                              "output_bytes", "alias_bytes", "xla_remat",
+                                              "involuntary_remat", "notes")}
+                                 for n, c in mine.items()}})
+    flat = [c for checks in groups.values() for c in checks.values()]
+    return {"stages": out, "peak_bytes": max(s["peak_bytes"] for s in out),
+            "fits": all(s["fits"] for s in out), "xla_remat": any(c.xla_remat for c in flat),
+            "involuntary_remat": sum(c.involuntary_remat for c in flat),
+            "device": flat[0].device, "device_memory_bytes": flat[0].device_memory_bytes,
+            "compile_s": time.perf_counter() - t0}

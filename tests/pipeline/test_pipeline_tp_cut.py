@@ -89,6 +89,11 @@ def test_tensor_parallel_stages_train_like_one_device(name):
                 split += 1
                 assert x.addressable_shards[0].data.size * 2 == x.size
     assert split >= 4
+    # Adam's moments split as their parameters (replicated, each device held whole ones)
+    for t, o in zip(state["params"], state["opt_state"], strict=True):
+        for mom in (o[0].mu, o[0].nu):
+            for x, m in zip(jax.tree.leaves(t), jax.tree.leaves(mom), strict=True):
+                assert m.sharding == x.sharding
     held = [sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(t))
             for t in state["params"]]
     assert step.memory(state)["params"] == max(held)  # (stages on their own devices)

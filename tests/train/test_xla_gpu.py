@@ -268,3 +268,27 @@ def test_the_check_counts_large_buffer_traffic_when_asked():
     assert small["bytes"] > 0 and small["kernels"] > 0 and small["min_bytes"] == 1
     assert sum(small["by_kind"].values()) == small["bytes"]
     assert large["bytes"] == 0   # no buffer of a TiB
+
+
+def test_a_pipelined_plan_is_compiled_per_stage(capsys):
+    """``plan --xla`` of tensor-parallel cut stages (one program per stage and block):
+    every program compiled for the GPU, interlaced's all-device blocks on each stage's
+    devices too; a stage's peak holds its state and its largest block's scratch."""
+    code = main(["plan", "--model", "t5", "--mesh", "2x2x2", "--axes", "stage,data,model",
+                 "--policy", "megatron", "--pipeline", "2", "--schedule", "interlaced",
+                 "--microbatches", "4", "--batch-size", "16", "--cluster", "h100-80g-8x",
+                 "--xla", "--json"])
+    assert code == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    x = res["xla"]
+    assert "error" not in x and x["fits"] and not x["xla_remat"]
+    assert [s["stage"] for s in x["stages"]] == [0, 1]
+    for s in x["stages"]:
+        progs = s["programs"]
+        assert {"update", "all update", "all F 0", "all B 0", "all H 3"} <= set(progs)
+        assert {f"F {s['stage'] + 1}", f"B {s['stage'] + 1}"} <= set(progs)
+        scratch = max(p["temp_bytes"] for n, p in progs.items() if "update" not in n)
+        assert s["peak_bytes"] >= s["state_bytes"] + scratch
+    assert x["peak_bytes"] == max(s["peak_bytes"] for s in x["stages"])
+    assert x["over_estimate"] == pytest.approx(
+        x["peak_bytes"] / res["cost"]["memory_bytes_per_device"])
