@@ -17,7 +17,10 @@ stage priced by the same pricer (:func:`price_stage`: its intra-op plan by our I
 Alpa-style ILP / the megatron policy, the cost model at the micro-batch, recompute) and the same
 objective ``sum t + (B - 1) max t + max sync``. Writes results/bench_pipeline.json (+ .md).
 
-    .venv/bin/python scripts/bench_pipeline.py [--t5] [--search [--layers 8] [--alpa-limit 600]]
+    .venv/bin/python scripts/bench_pipeline.py [--t5 [--xla]] [--search [--layers 8] [--alpa-limit 600]]
+
+``--t5 --xla``: the per-stage runtime's interlaced and 1F1B plans (2 stages x Megatron 4) also
+compiled by XLA:GPU for the V100, program by program (``check_stages``).
 """
 
 import json
@@ -26,10 +29,11 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # (before jax: the CUDA plugin's compile-only
+# devices for --xla, and no failing GPU start-up)
 from nnscaler_jax.mesh.cpu import cpu_xla_flags  # starts no JAX backend
 
 os.environ["XLA_FLAGS"] = cpu_xla_flags(os.environ.get("XLA_FLAGS", ""))
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 import optax
@@ -242,6 +246,46 @@ def t5(global_batch: int = 32) -> dict:
     return out
 
 
+def t5_xla(t: dict, schedules: tuple[str, ...] = ("interlaced", "1f1b")) -> None:
+    """``--t5 --xla``: on the meshes whose stages run one program each (a policy inside),
+    each of ``schedules``' best row planned again (its micro-batches; under the budget when it
+    fits) and compiled by XLA:GPU for the cluster's GPU program by program
+    (:func:`nnscaler_jax.train.xla_gpu.check_stages`); the entry gains ``xla``."""
+    from nnscaler_jax.capture.trace import capture_spec
+    from nnscaler_jax.cli.xla import xla_entry
+    from nnscaler_jax.cost.model import CostModel
+    from nnscaler_jax.planner import plan_and_report
+
+    cluster = cluster_preset(T5_CLUSTER)
+    spec = models.get("t5", "t5-nnscaler-8gpu", batch_size=t["global_batch"])
+    graph = capture_spec(spec).graph
+    for e in t["meshes"]:
+        if not e.get("policy"):
+            continue
+        axes = e["mesh"]
+        e["xla"] = {}
+        for name in schedules:
+            row = e["schedules"].get(name)
+            if row is None or "error" in row:
+                continue
+            # (a row over the budget: planned without one, as priced)
+            budget = e["budget_gib"] * 2**30 if row["fits"] else 2.0**50
+            plan = plan_and_report(graph, axes, policy=e["policy"],
+                                   cost_model=CostModel.for_cluster(cluster, axes),
+                                   constraints=Constraints(
+                                       pipeline_stages=axes["stage"], schedule=name,
+                                       microbatches=row["microbatches"],
+                                       max_memory_per_device=budget)).plan
+            x = xla_entry(spec, plan, cluster, axes)
+            e["xla"][name] = x if "error" in x else {
+                "estimate_gib": plan.cost.memory_bytes_per_device / 2**30,
+                "peak_gib": x["peak_bytes"] / 2**30, "over_estimate": x["over_estimate"],
+                "fits": x["fits"], "xla_remat": x["xla_remat"],
+                "involuntary_remat": x["involuntary_remat"], "compile_s": x["compile_s"],
+                "stages_gib": [st["peak_bytes"] / 2**30 for st in x["stages"]]}
+            print("xla", axes, name, e["xla"][name], flush=True)
+
+
 # ---- results/bench_pipeline.md from the JSON ------------------------------------------------
 
 
@@ -281,6 +325,21 @@ def _memory_md(rows: list[dict]) -> list[str]:
                   "step holds one set of gradient results either way), XLA temp "
                   f"{mib(e['temp_bytes'] - o['temp_bytes'])} MiB.")]
     return lines + [""]
+
+
+def _xla_text(e: dict) -> str:
+    """`` Compiled by XLA:GPU for the V100 ...`` of a mesh entry with ``--xla`` figures."""
+    xs = {k: x for k, x in (e.get("xla") or {}).items() if "error" not in x}
+    if not xs:
+        return ""
+    return (" Compiled by XLA:GPU for the V100, program by program (compile-only devices, no "
+            "autotuning; the boundary values a stage holds between blocks not counted): "
+            + "; ".join(f"{k} {x['peak_gib']:.1f} GiB a device ({x['over_estimate']:.2f} of "
+                        f"its {x['estimate_gib']:.1f} GiB estimate; stages "
+                        + " / ".join(f"{g:.1f}" for g in x["stages_gib"]) + ")"
+                        + (", XLA rematerialized" if x["xla_remat"] else "")
+                        + ("" if x["fits"] else ", over the device")
+                        for k, x in xs.items()) + ".")
 
 
 def _fit_text(r: dict | None) -> str:
@@ -345,10 +404,12 @@ def _t5_md(t: dict) -> list[str]:
             + ". Stages that run as their inputs arrive give 1F1B GPipe's time at equal "
             "micro-batches; zb-h1's weight gradients fill the bubbles, for the values its "
             "backwards keep. The other schedules keep the tied 1,024,000-word embedding and "
-            "LM head on both stages (split over the 4 model devices); interlaced, as "
+            "LM head on both stages (priced split over the 4 model devices, as every "
+            "parameter of a tensor-parallel stage; Megatron's in-stage plan stores the table "
+            "whole, which XLA:GPU's figure for 1F1B below shows); interlaced, as "
             "nnScaler's T5 plan, runs them on all 8 devices at once, the table split on its "
             "vocabulary 8 ways (both embeddings in E, the head + loss in H), so only its "
-            "shape fits: " + _fit_text(r.get("interlaced")) + ".")]
+            "shape fits: " + _fit_text(r.get("interlaced")) + "." + _xla_text(e))]
     return lines + [""]
 
 
@@ -403,10 +464,14 @@ def main() -> None:
     ap.add_argument("--alpa-limit", type=float, default=600.0, help="Alpa profiling seconds")
     ap.add_argument("--global-batch", type=int, default=1536)
     ap.add_argument("--t5", action="store_true", help="T5 schedules on v100-32g-8x (priced)")
+    ap.add_argument("--xla", action="store_true",
+                    help="with --t5: the per-stage runtime's plans compiled by XLA:GPU")
     args = ap.parse_args()
     data = _load()
     if args.t5:
         data["t5"] = t5()
+        if args.xla:
+            t5_xla(data["t5"])
         _write(data)
         return
     if args.search:
