@@ -218,14 +218,14 @@ def check_stages(step: Any, variables: Any, batch: Sequence[Any], *,
         # optimizer state)
 
     extra = lambda c: c.temp_bytes + c.output_bytes - c.alias_bytes
-    every = {g: state(g) for g in groups if g >= S}  # (on the stages' devices too)
+    held = {g: state(g) for g in groups}
+    every = {g: held[g] for g in groups if g >= S}  # (on the stages' devices too)
     out = []
     for g in range(S):
-        mine = {**{n: c for n, c in groups[g].items()},
-                **{f"all {n}": c for a in every for n, c in groups[a].items()}}
-        resident = state(g) + sum(every.values())
+        mine = {**groups[g], **{f"all {n}": c for a in every for n, c in groups[a].items()}}
+        resident = held[g] + sum(every.values())
         peak = max([groups[g]["update"].peak_bytes + sum(every.values())]
-                   + [groups[a]["update"].peak_bytes + state(g) for a in every]
+                   + [groups[a]["update"].peak_bytes + held[g] for a in every]
                    + [resident + extra(c) for n, c in mine.items() if "update" not in n])
         memory = groups[g]["update"].device_memory_bytes
         out.append({"stage": g, "device": groups[g]["update"].device, "peak_bytes": peak,
