@@ -176,6 +176,15 @@ class Constraints:
     otherwise. ``"ring"`` / ``"zigzag"``: fused, and a sequence-split op runs with that layout
     (the search prices it so). None (the default): attention runs as the model writes it.
 
+    ``pipeline_executor``: how a pipelined plan runs. ``"in-graph"``: one program over the
+    stage axis walking the schedule's step table in lock step (a time step lasts as long as
+    its slowest stage); ``"per-stage"``: one program per stage dispatched from the host, each
+    stage running its blocks as their inputs arrive (1F1B then takes GPipe's time), a model
+    cut at module boundaries; the only one for tensor-parallel stages of a cut model. None
+    (the default): in-graph where it runs, but with ``pipeline_stages="auto"`` the stage DP
+    prices both where both run and keeps the faster (ties: in-graph). The plan records it
+    (``plan.pipeline.executor``).
+
     >>> Constraints(precision="bf16").precision
     'bfloat16'
     """
@@ -190,6 +199,7 @@ class Constraints:
     precision: Literal["float32", "bfloat16", "float16"] | None = None
     pipeline_pivots: tuple[str, ...] = ()
     attention: Literal["fused", "ring", "zigzag"] | None = None
+    pipeline_executor: Literal["in-graph", "per-stage"] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.rules, Rule | str) or not _iterable(self.rules):
@@ -223,6 +233,11 @@ class Constraints:
                                   "attention block as one flash kernel, the search choosing how "
                                   "a split sequence runs), 'ring' or 'zigzag' (fused, a split "
                                   "sequence runs that way) or None (as written)")
+        if self.pipeline_executor not in (None, "in-graph", "per-stage"):
+            raise ConstraintError(
+                f"Constraints(pipeline_executor={self.pipeline_executor!r}): use 'in-graph' "
+                "(one program over the stage axis, in lock step), 'per-stage' (one program per "
+                "stage, each running as its inputs arrive) or None (the planner picks)")
         if self.max_memory_per_device is not None:
             object.__setattr__(self, "max_memory_per_device",
                                parse_bytes(self.max_memory_per_device))

@@ -189,7 +189,7 @@ def run(layers: int, alpa_limit: float, global_batch: int) -> dict:
 # ---- T5 (nnScaler's 8-GPU artifact) on V100s: schedules of the cut program, priced ----------
 
 T5_CLUSTER = "v100-32g-8x"
-# (mesh, policy): stages data-parallel inside (the cut program, lock step), and nnScaler's
+# (mesh, policy): stages data-parallel inside (either runtime, priced both ways), and nnScaler's
 # shape, 2 stages x tensor-parallel 4 (Megatron inside; one program per stage, events)
 T5_MESHES = [({"stage": 2, "data": 4}, None), ({"stage": 4, "data": 2}, None),
              ({"stage": 8}, None), ({"stage": 2, "model": 4}, "megatron")]
@@ -201,7 +201,7 @@ def _row(r) -> dict:
             "microbatch_size": r.microbatch_size, "step_time_s": r.step_time_s,
             "bubble_s": r.bubble_s, "compute_s": r.compute_s, "comm_s": r.comm_s,
             "memory_gib": [m / 2**30 for m in r.memory_bytes],
-            "peak_gib": max(r.memory_bytes) / 2**30, "fits": r.fits}
+            "peak_gib": max(r.memory_bytes) / 2**30, "fits": r.fits, "executor": r.executor}
 
 
 def t5(global_batch: int = 32) -> dict:
@@ -224,7 +224,8 @@ def t5(global_batch: int = 32) -> dict:
                  "schedules": {}}
         for name in T5_SCHEDULES:
             try:
-                cut = plan_cut(graph, axes, Constraints(pipeline_stages=axes["stage"],
+                # ("auto": both runtimes priced where both run, as the stage DP weighs them)
+                cut = plan_cut(graph, axes, Constraints(pipeline_stages="auto",
                                                         schedule=name),
                                policy, 2 if name == "interleaved" else 1, cm)
                 rows = cut.setup.choices(budget, schedule=name)
@@ -232,6 +233,9 @@ def t5(global_batch: int = 32) -> dict:
                 entry["schedules"][name] = {"error": str(e).splitlines()[0][:200]}
                 continue
             entry["schedules"][name] = _row(rows[0])
+            entry.setdefault("by_executor", {})[name] = {
+                ex: _row(next(r for r in rows if r.executor == ex))
+                for ex in cut.setup.executors if any(r.executor == ex for r in rows)}
             if name == "1f1b":  # the runtime-restricted stage DP (pipeline_stages="auto")
                 entry["dp_choice"] = _row(cut.setup.choices(budget)[0])
                 entry["units"] = [{"name": u.name, "time_s": u.time_s,
@@ -356,16 +360,19 @@ def _t5_md(t: dict) -> list[str]:
              ("Cut at module boundaries (the cut-program runtime). Per schedule its best row "
              "(fitting first, then fastest); `DP choice`: the runtime-restricted stage DP "
              "(`pipeline_stages=\"auto\"`, schedules gpipe / 1f1b / eager-1f1b / interleaved / "
-             "zb-h1 / interlaced). Step s / peak GiB per device / micro-batches x size. Stages "
-             "data-parallel inside run as one program in lock step; `stage 2 x model 4` "
-             "(Megatron inside the stages, nnScaler's shape) runs one program per stage, each "
-             "stage running its blocks as their inputs arrive, and is priced so (events)."), "",
+             "zb-h1 / interlaced). Step s / peak GiB per device / micro-batches x size; `ps`: "
+             "run one program per stage (each stage running its blocks as their inputs "
+             "arrive, priced by events), else one program in lock step. Stages data-parallel "
+             "inside run either, the planner pricing both (`PipelineSettings.executor`); "
+             "`stage 2 x model 4` (Megatron inside the stages, nnScaler's shape) runs one "
+             "program per stage."), "",
              "| mesh | budget GiB | " + " | ".join(T5_SCHEDULES) + " | DP choice |",
              "|---" * (len(T5_SCHEDULES) + 3) + "|"]
     mesh_of = lambda e: " x ".join(f"{k} {v}" for k, v in e["mesh"].items())
     cell = lambda r: ("-" if r is None or "error" in r else
                       f"{r['step_time_s']:.1f} / {r['peak_gib']:.1f} / {r['microbatches']} x "
-                      f"{r['microbatch_size']}" + ("" if r["fits"] else " (over)"))
+                      f"{r['microbatch_size']}" + (" ps" if r.get("executor") == "per-stage"
+                                                    else "") + ("" if r["fits"] else " (over)"))
     for e in t["meshes"]:
         mesh = mesh_of(e)
         dp = e.get("dp_choice")
@@ -373,19 +380,25 @@ def _t5_md(t: dict) -> list[str]:
                      + " | ".join(cell(e["schedules"].get(s)) for s in T5_SCHEDULES)
                      + f" | {dp['schedule'] + ' ' + cell(dp) if dp else '-'} |")
     e = t["meshes"][0]
-    g, o, ea = (e["schedules"][k] for k in ("gpipe", "1f1b", "eager-1f1b"))
+    ex = e["by_executor"]
+    g, o, ea = (ex[k]["in-graph"] for k in ("gpipe", "1f1b", "eager-1f1b"))
+    og, gg = ex["1f1b"].get("per-stage"), ex["gpipe"].get("per-stage")
     shared = e["units"][0]["param_gib"]
     lines += ["", (
-        f"{mesh_of(e)}: 1F1B {o['step_time_s']:.1f} s, GPipe {g['step_time_s']:.1f} s, eager "
+        f"{mesh_of(e)}, at {o['microbatches']} micro-batches: one program per stage, 1F1B "
+        f"{og['step_time_s']:.1f} s = GPipe {gg['step_time_s']:.1f} s ({og['peak_gib']:.2f} / "
+        f"{gg['peak_gib']:.2f} GiB): each stage runs as its inputs arrive. In one program in "
+        f"lock step: 1F1B {o['step_time_s']:.1f} s, GPipe {g['step_time_s']:.1f} s, eager "
         f"1F1B {ea['step_time_s']:.1f} s ({o['peak_gib']:.2f} / {g['peak_gib']:.2f} / "
-        f"{ea['peak_gib']:.2f} GiB). The runtime walks the step table in lock step (each time "
+        f"{ea['peak_gib']:.2f} GiB). That runtime walks the step table in lock step (each time "
         "step ends with both `ppermute`s, so it lasts as long as its slowest stage): 1F1B's "
         "table puts one stage's forward beside another's backward in every steady-state "
         "step, each then lasting a backward (recomputed forward + backward, about 3 "
         "forwards). Eager 1F1B (`2 (S - s - 1)` warm-up forwards, `paired`) runs a forward "
         "and a backward on every stage in each steady-state step: GPipe's compute time in "
         "`M + 2S - 1` time steps instead of `2 (M + S - 1)` (fewer `ppermute` rounds), with "
-        "`2 (S - s) - 1` micro-batches in flight instead of `M`. The memory is nearly equal "
+        "`2 (S - s) - 1` micro-batches in flight instead of `M`. So the planner runs 1F1B "
+        "one program per stage there. The memory is nearly equal "
         "here because stages keep only their input per in-flight micro-batch (recompute), "
         f"while every stage holds the replicated tied embedding ({shared:.1f} GiB, x4 with "
         "gradient and Adam state) and one chunk's recomputed activations. Interlaced's E / H "

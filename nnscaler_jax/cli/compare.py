@@ -95,7 +95,8 @@ def plan_features(plan: Any) -> dict[str, Any]:
             "fused_attention": fused,
             "cosharded": cosharded if plan.pipeline is None else [],
             "microbatches": int(micro or 1), "stages": int(plan.stages),
-            **({"schedule": plan.pipeline.schedule} if plan.pipeline is not None else {})}
+            **({"schedule": plan.pipeline.schedule, "executor": plan.pipeline.executor}
+               if plan.pipeline is not None else {})}
 
 
 _SMALLEST = re.compile(r"(?:smallest estimate(?: found)? is|needs(?: an estimated)?)\s+~?"
@@ -262,7 +263,8 @@ def best_over_meshes(name: str, graph: Any, mesh: Any, cluster: Any,
                               "memory_bytes_per_device": r["memory_bytes_per_device"],
                               **({"error": r["error"]} if "error" in r else {}),
                               **({"schedule": p.pipeline.schedule,
-                                  "microbatches": p.pipeline.microbatches}
+                                  "microbatches": p.pipeline.microbatches,
+                                  "executor": p.pipeline.executor}
                                  if p is not None and p.pipeline is not None else {})}
                              for a, p, r in tried])
     return plan, entry

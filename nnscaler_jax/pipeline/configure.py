@@ -69,6 +69,9 @@ def configure_pipeline(plan: Plan, graph: Graph, constraints: Constraints,
                                                                     setup.stages),
                          asked, virtual, constraints.max_memory_per_device)
         report = ""
+    if cut is None and not setup.tensor and constraints.pipeline_executor is None \
+            and constraints.pipeline_stages == "auto":
+        cut, choice, report = _or_per_stage(graph, plan, constraints, model, choice, report)
     stages = mesh_axes[require_stage_axis(mesh_axes)]
     layers = cut.stage_of if cut else stage_of(graph_layers(graph).stack, stages, choice.virtual)
     steps = settings_steps(constraints.schedule)  # (a schedule written with op_order)
@@ -76,7 +79,8 @@ def configure_pipeline(plan: Plan, graph: Graph, constraints: Constraints,
                                 layers, report, steps=steps,
                                 paired=bool(steps) and constraints.schedule.paired,
                                 recompute=choice.recompute,
-                                layer_rules=cut.layer_rules if cut else ())
+                                layer_rules=cut.layer_rules if cut else (),
+                                executor=choice.executor)
     return replace(plan, pipeline=settings, cost=_cost(choice))
 
 
@@ -102,6 +106,34 @@ def _or_interleaved(graph: Graph, plan: Plan, constraints: Constraints,
         report += " -- chosen"
         return two, best, report
     return cut, choice, report
+
+
+def _or_per_stage(graph: Graph, plan: Plan, constraints: Constraints,
+                  model: CostModel | None, choice: RuntimeChoice,
+                  report: str) -> tuple[Cut | None, RuntimeChoice, str]:
+    """The stage DP's choice for a stack of identical layers on stages data-parallel inside
+    runs in one program in lock step; cut at module boundaries it can run one program per
+    stage instead, each stage as its inputs arrive: keep that cut when its best row (with the
+    choice's chunks a stage) beats the choice (fitting first, then faster; a tie stays in one
+    program)."""
+    asked = replace(constraints, pipeline_executor="per-stage")
+    try:
+        cut = plan_cut(graph, dict(plan.mesh), asked, plan.policy or None, choice.virtual,
+                       model)
+        rows = [r for r in cut.setup.choices(
+                    constraints.max_memory_per_device, schedule=asked.schedule,
+                    microbatches=constraints.microbatches)
+                if r.virtual == choice.virtual]
+    except PlanError:  # (too few module boundaries for the chunks)
+        return None, choice, report
+    key = lambda r: (not r.fits, r.step_time_s)
+    if not rows or key(rows[0]) >= key(choice):
+        return None, choice, report
+    best = rows[0]
+    return cut, best, report + (
+        ("\n" if report else "") + f"  ({best.schedule} cut at module boundaries, one program "
+        f"per stage: {best.step_time_s * 1e3:.3f} ms/step against {choice.step_time_s * 1e3:.3f}"
+        f" in one program, peak {max(best.memory_bytes) / 2**20:.2f} MiB -- chosen)")
 
 
 def _cut_only(schedule: str | Schedule) -> bool:

@@ -327,13 +327,19 @@ def _op_cost(model: CostModel, op: Op, traffic: Mapping[int, float],
 
 
 def _in_stage_splits(graph: Graph, axes: dict[str, int], constraints: Constraints,
-                     policy: Any) -> dict[int, Any]:
-    """Op id -> split of the policy's plan on the tensor-parallel ``axes`` alone: the in-stage
-    plan the runtime makes for one micro-batch (:func:`~nnscaler_jax.pipeline.in_stage.
-    plan_in_stage`), here of the whole graph."""
+                     policy: Any) -> tuple[dict[int, Any], dict[int, int]]:
+    """The policy's plan on the tensor-parallel ``axes`` alone, the in-stage plan the runtime
+    makes for one micro-batch (:func:`~nnscaler_jax.pipeline.in_stage.plan_in_stage`), here
+    of the whole graph: op id -> split, and variable id -> the devices it is stored split
+    over (Megatron leaves norms, biases and a tied embedding whole)."""
     rules = tuple(replace(r, recompute=None) for r in constraints.rules)
-    planned = plan_spmd(graph, axes, policy=policy, constraints=Constraints(rules=rules))
-    return {p.op: p.split for p in planned.plan.ops}
+    plan = plan_spmd(graph, axes, policy=policy, constraints=Constraints(rules=rules)).plan
+    ways = {}
+    for t in graph.variables:
+        spec = plan.variable_spec(t.name) or ()
+        names = [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
+        ways[t.id] = math.prod(axes[a] for a in names)
+    return {p.op: p.split for p in plan.ops}, ways
 
 
 def plan_cut(graph: Graph, mesh_axes: dict[str, int], constraints: Constraints, policy: Any,
@@ -349,7 +355,8 @@ def plan_cut(graph: Graph, mesh_axes: dict[str, int], constraints: Constraints, 
     S = mesh_axes[axis]
     colls = any(t.collection not in (None, "params") for t in graph.variables)
     if why_cut(pivots=bool(constraints.pipeline_pivots), schedule=constraints.schedule,
-               precision=constraints.precision, collections=colls) is None:
+               precision=constraints.precision, collections=colls) is None \
+            and constraints.pipeline_executor != "per-stage":
         try:
             layers = graph_layers(graph)
         except PlanError:
@@ -374,16 +381,44 @@ def plan_cut(graph: Graph, mesh_axes: dict[str, int], constraints: Constraints, 
     taken = _taken_ops(graph, paths, _pipelined(paths, stage_of), ends, casts)
     flags = layer_flags([n for _, n in cands], paths, constraints.rules)
     tp = math.prod(mesh_axes[a] for a in tensor)
-    splits = (_in_stage_splits(graph, {a: mesh_axes[a] for a in tensor}, constraints, policy)
-              if tensor else None)
+    splits, ways = (_in_stage_splits(graph, {a: mesh_axes[a] for a in tensor}, constraints,
+                                     policy) if tensor else (None, None))
     units = _chunk_units(graph, starts, batch, model, ends,
-                         {p: flags.get(n) for p, n in cands}, splits, tp, taken)
+                         {p: flags.get(n) for p, n in cands}, splits, tp, taken, ways)
     setup = RuntimeSetup(units, axis, data, tensor, S,
                          math.prod(mesh_axes[a] for a in data), tp, batch, link(axis),
                          link(data[0]) if data else link(axis),
                          link(tensor[0]) if tensor else link(axis),
-                         lockstep=not tensor)  # (tensor-parallel cut stages: mpmd.py's events)
+                         executors=_executors(tensor, colls, constraints))
     return Cut(starts, stage_of, setup, tuple((n, flags[n]) for _, n in cands if n in flags))
+
+
+def _executors(tensor: Sequence[str], collections: bool,
+               constraints: Constraints) -> tuple[str, ...]:
+    """The runtimes a cut is priced for (:attr:`~nnscaler_jax.pipeline.pricing.RuntimeSetup.
+    executors`): those that can run it, narrowed to ``Constraints.pipeline_executor``, or
+    without it to the first (one program where it runs) unless ``pipeline_stages="auto"``
+    (the stage DP weighs both). Tensor-parallel stages run only one program per stage (the
+    one program's branches would wait for every device's collectives); stages data-parallel
+    inside either, but only the one program carries mutable collections.
+
+    Raises:
+        PlanError: the executor asked is not one of them.
+    """
+    can = ("per-stage",) if tensor else ("in-graph",) if collections \
+        else ("in-graph", "per-stage")
+    asked = constraints.pipeline_executor
+    if asked is None:
+        return can if constraints.pipeline_stages == "auto" else can[:1]
+    if asked in can:
+        return (asked,)
+    why = (f"its stages are tensor-parallel over mesh axes {list(tensor)} (one program's "
+           "stage branches would wait on each other's collectives)" if tensor else
+           "the model has mutable collections (BatchNorm statistics), which only the one "
+           "program carries")
+    raise PlanError(f"Constraints(pipeline_executor={asked!r}): this pipelined plan runs only "
+                    f"{can[0]!r}: {why}. Drop pipeline_executor, or use "
+                    + ("policy='dp'" if tensor else "a model without mutable collections"))
 
 
 def _param_casts(graph: Graph) -> dict[int, int]:
@@ -432,7 +467,8 @@ def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
                  model: CostModel, ends: tuple[int, int] | None = None,
                  groups: Mapping[int, bool | None] | None = None,
                  splits: Mapping[int, Any] | None = None, tp: int = 1,
-                 taken: frozenset[int] = frozenset()) -> list[Unit]:
+                 taken: frozenset[int] = frozenset(),
+                 ways: Mapping[int, int] | None = None) -> list[Unit]:
     """``[prefix, chunk 0, ..., chunk C-1, suffix]`` priced per sample: compute, kept
     activations, owned parameter bytes and the bytes sent to the next chunk. The prefix / suffix
     are the ops before / from ``ends`` (the embedding and the head + loss: interlaced runs them
@@ -447,7 +483,10 @@ def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
     ``splits`` (tensor-parallel stages, ``tp`` ways): compute and activations are one device's
     under the in-stage plan's splits (an op it leaves whole counts whole), times ``tp``: the
     runtime's pricing divides units by ``tp`` (:func:`~nnscaler_jax.pipeline.pricing.
-    runtime_choices`), as for a Megatron layer split evenly. ``taken``: the ops interlaced's
+    runtime_choices`), as for a Megatron layer split evenly; so are parameters, as the plan
+    stores them (``ways``: variable id -> devices it is split over; a whole one counts ``tp``
+    times), but the prefix's ``whole_param_bytes`` (interlaced's all-device blocks split
+    them over every device themselves). ``taken``: the ops interlaced's
     embedding block takes over (:func:`taken_by_embedding`): a chunk's ``shared_bytes``
     leave out what they read (their compute, tiny, stays with the chunk)."""
     groups = groups or {}
@@ -457,7 +496,9 @@ def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
     casts = _param_casts(graph)
     sizes = {t.id: math.prod(t.shape) * itemsize(t) for op in ops for t in op.outputs}
     skip = taken | set(range(e)) | set(range(h, len(ops)))  # (read: the chunks' own ops)
-    sent, owned, shared, read = _crossing(graph, bounds, casts, sizes, skip)
+    stored = (lambda t: tp / ways.get(t.id, tp)) if ways else (lambda t: 1.0)
+    sent, owned, shared, read = _crossing(graph, bounds, casts, sizes, skip, stored)
+    whole = _crossing(graph, bounds, casts, sizes, skip)[2]
     saved, traffic = residual_outputs(graph), fused_bytes(graph)
 
     split = (splits or {}).get
@@ -469,20 +510,11 @@ def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
     def seconds(a: int, b: int) -> float:  # forward + backward, per sample
         return tp * sum(_op_cost(model, op, traffic, splits) for op in ops[a:b]) / batch
 
-    def priced(a: int, b: int) -> tuple[float, float]:
-        return seconds(a, b), act(a, b)
-
-    def fwd(a: int, b: int) -> float:
-        return seconds(a, b) / 3
-
-    last_read: dict[int, int] = {}
-    for i, op in enumerate(ops):
-        for t in op.inputs:
-            last_read[t.id] = i
-    pre_out = sum(sizes[t.id] for op in ops[:e] if op.id not in casts for t in op.outputs
-                  if last_read.get(t.id, -1) >= e)
-    def transient(a: int, b: int) -> float:
-        return largest_output([op for op in ops[a:b] if op.id not in casts]) / batch
+    priced = lambda a, b: (seconds(a, b), act(a, b))
+    fwd = lambda a, b: seconds(a, b) / 3
+    pre_out = _made_before(ops, e, casts, sizes)
+    transient = lambda a, b: largest_output([op for op in ops[a:b] if op.id not in casts]) \
+        / batch
 
     params = {t.id for t in graph.variables} | {op.outputs[0].id for op in ops
                                                  if op.id in casts}
@@ -490,7 +522,8 @@ def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
     made_at.update((t.id, -1) for t in graph.inputs if t.role is Role.INPUT)
     units = [Unit("<prefix>", *priced(0, e), shared, pre_out / batch,
                   transient_bytes=transient(0, e),
-                  wgrad_bytes=kept_for_weights(ops[:e], params) / batch)]
+                  wgrad_bytes=kept_for_weights(ops[:e], params) / batch,
+                  whole_param_bytes=whole)]
     for c, (a, b) in enumerate(bounds):
         a, b = max(a, e), min(b, h)
         cuts = [a] + sorted(g for g in groups if a < g < b) + [b]
@@ -499,9 +532,8 @@ def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
         kl, ll, again_l = _layer_kept(ops, cuts, made_at, act, fwd,
                                       [f is not False for f in flag])
         units.append(Unit(f"<chunk {c}>", seconds(a, b), kc / batch + lc, owned[c],
-                          sent[c] / batch,
-                          TP_COLLECTIVES * (len(cuts) - 1), layer_in_bytes=kl / batch, layer_act_bytes=ll,
-                          transient_bytes=transient(a, b), chunk_again_s=again_c,
+                          sent[c] / batch, TP_COLLECTIVES * (len(cuts) - 1),
+                          layer_in_bytes=kl / batch, layer_act_bytes=ll, transient_bytes=transient(a, b), chunk_again_s=again_c,
                           layer_again_s=again_l,
                           wgrad_bytes=kept_for_weights(ops[a:b], params) / batch,
                           shared_bytes=read[c]))
@@ -510,13 +542,27 @@ def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
                          wgrad_bytes=kept_for_weights(ops[h:], params) / batch)]
 
 
+def _made_before(ops: Sequence[Op], e: int, casts: Mapping[int, int],
+                 sizes: Mapping[int, int]) -> float:
+    """Bytes of the values ops ``[:e]`` make (not parameter casts) that ops from ``e`` on
+    read: what the prefix passes on."""
+    last_read: dict[int, int] = {}
+    for i, op in enumerate(ops):
+        for t in op.inputs:
+            last_read[t.id] = i
+    return sum(sizes[t.id] for op in ops[:e] if op.id not in casts for t in op.outputs
+               if last_read.get(t.id, -1) >= e)
+
+
 def _crossing(graph: Graph, bounds: Sequence[tuple[int, int]], casts: Mapping[int, int],
-              sizes: Mapping[int, int], skip: frozenset[int] | set[int] = frozenset()
+              sizes: Mapping[int, int], skip: frozenset[int] | set[int] = frozenset(),
+              weigh: Callable[[Any], float] = lambda t: 1.0,
               ) -> tuple[list[float], list[float], float, list[float]]:
     """Per chunk the bytes it sends on (values later chunks read) and the parameter bytes only
     it reads; the bytes of the parameters several chunks (or none) read; and per chunk the
     bytes of those its ops read, but the ops at ``skip`` (the embedding / head segments and
-    what interlaced's embedding block takes over)."""
+    what interlaced's embedding block takes over). A parameter's bytes count ``weigh(t)``
+    times."""
     ops, C = graph.ops, len(bounds)
     chunk = [c for c, (a, b) in enumerate(bounds) for _ in range(a, b)]
     alias = {op.outputs[0].id: casts[op.id] for op in ops if op.id in casts}
@@ -541,12 +587,13 @@ def _crossing(graph: Graph, bounds: Sequence[tuple[int, int]], casts: Mapping[in
     owned, shared, read = [0.0] * C, 0.0, [0.0] * C
     for t in graph.variables:
         users = readers.get(t.id, set()) - {C}  # (an output that is a variable: nnx state)
+        size = t.nbytes * weigh(t)
         if len(users) == 1:
-            owned[next(iter(users))] += t.nbytes
+            owned[next(iter(users))] += size
             continue
-        shared += t.nbytes
+        shared += size
         for c in kept.get(t.id, set()) - {C}:
-            read[c] += t.nbytes
+            read[c] += size
     return sent, owned, shared, read
 
 

@@ -77,12 +77,14 @@ from nnscaler_jax.pipeline.update import LossScaling, mirror_shardings
 __all__ = ["MpmdProgram", "cut_runtime"]
 
 
-def cut_runtime(mesh: Any, policy: Any) -> type:
-    """The runtime of a model cut into chunks: :class:`MpmdProgram` when ``policy`` makes the
-    stages tensor-parallel inside, else the one-program :class:`~nnscaler_jax.pipeline.hetero.
-    CutProgram`."""
+def cut_runtime(mesh: Any, policy: Any, executor: str = "in-graph") -> type:
+    """The runtime of a model cut into chunks, as the plan was priced
+    (``PipelineSettings.executor``): :class:`MpmdProgram` for ``'per-stage'`` and whenever
+    ``policy`` makes the stages tensor-parallel inside, else the one-program
+    :class:`~nnscaler_jax.pipeline.hetero.CutProgram`."""
     axes = mesh_axes(mesh)
-    return MpmdProgram if tensor_axes(axes, require_stage_axis(axes), policy) else CutProgram
+    tensor = tensor_axes(axes, require_stage_axis(axes), policy)
+    return MpmdProgram if tensor or executor == "per-stage" else CutProgram
 
 
 def _value(env: dict, v: Any) -> Any:
@@ -453,11 +455,17 @@ class MpmdProgram(PipelineRuntime):
                   for j in range(len(self.param_avals))]
         return jax.tree.unflatten(self.params_tree, leaves)
 
+    def updates_alone(self, optimizer: Any) -> bool:
+        """Whether ``optimizer`` run on each stage's parameters alone updates them as on the
+        whole tree (:func:`~nnscaler_jax.pipeline.leafwise.leafwise`; this runtime's
+        premise)."""
+        shaped = jax.tree.unflatten(self.params_tree, self.param_avals)
+        return leafwise(optimizer, shaped, self.stage_leaves)
+
     def init_state(self, params: Any, optimizer: Any, collections: Any = None) -> dict:
         """``{'params': [per stage], 'opt_state': [optimizer.init per stage]}``."""
         del collections  # (refused at construction)
-        shaped = jax.tree.unflatten(self.params_tree, self.param_avals)
-        if not leafwise(optimizer, shaped, self.stage_leaves):
+        if not self.updates_alone(optimizer):
             raise PlanError(
                 "train_step: this optimizer, run on each stage's parameters alone, does not "
                 "update them as on the whole tree (it couples leaves: optax.clip_by_global_norm, "

@@ -27,7 +27,14 @@ from nnscaler_jax.pipeline.loop_tables import loop_tables
 from nnscaler_jax.pipeline.steps import ALL, Step, deps, peak_pending_weights
 from nnscaler_jax.pipeline.units import Unit, layer_units
 
-__all__ = ["RuntimeChoice", "RuntimeSetup", "runtime_choices", "runtime_setup", "runtime_time"]
+__all__ = ["HOST_DISPATCH_S", "RuntimeChoice", "RuntimeSetup", "runtime_choices", "runtime_setup",
+           "runtime_time"]
+
+HOST_DISPATCH_S = 1e-4
+"""Seconds the host takes to dispatch one program or transfer of the per-stage runtime (a
+jitted call with ~20 arguments on a 4-device sub-mesh: 212 us on this project's 2-core CPU
+machine, call included; a ``device_put`` between sub-meshes 148 us). The host dispatches every
+stage's blocks and transfers in turn, so a step takes at least their count times this."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +61,9 @@ class RuntimeChoice:
             as ``2 (p - 1) / p`` x buffer, as ring all-reduces send).
         recompute: ``PipelineSettings.recompute``: ``'chunk'``, or ``'layer'`` (every layer
             also recomputed inside its chunk's backward: one more forward of the layers).
+        executor: ``PipelineSettings.executor``: ``'in-graph'`` (one program walking the step
+            table in lock step) or ``'per-stage'`` (one program per stage, dispatched from
+            the host, each stage running its blocks as their inputs arrive).
     """
 
     schedule: str
@@ -68,10 +78,12 @@ class RuntimeChoice:
     comm_s: float = 0.0
     comm_bytes: float = 0.0
     recompute: str = "chunk"
+    executor: str = "in-graph"
 
     def row(self) -> str:
         name = (self.schedule + (f" x{self.virtual}" if self.virtual > 1 else "")
-                + (" +rc" if self.recompute == "layer" else ""))
+                + (" +rc" if self.recompute == "layer" else "")
+                + (" /ps" if self.executor == "per-stage" else ""))
         return (f"{name:<14} {self.microbatches:>4} x {self.microbatch_size:<4} "
                 f"{self.step_time_s * 1e3:>10.3f} {self.bubble_s * 1e3:>9.3f} "
                 f"{max(self.memory_bytes) / 2**20:>10.2f}{'' if self.fits else '  over budget'}")
@@ -235,8 +247,10 @@ def runtime_choices(units: list[Unit], stages: int, dp: int, batch: int,
     forward of the layers, with its all-reduces); ``modes`` narrows them (recompute rules on a
     stack of identical layers, :func:`~nnscaler_jax.pipeline.rules.stack_modes`).
 
-    ``lockstep=False``: the per-stage runtime (tensor-parallel cut stages), whose stages run as
-    their inputs arrive (:func:`runtime_time`), holding the inputs that have arrived.
+    ``lockstep=False``: the per-stage runtime (:mod:`~nnscaler_jax.pipeline.mpmd`), whose
+    stages run as their inputs arrive (:func:`runtime_time`), holding the inputs that have
+    arrived, no faster than its host dispatches (:data:`HOST_DISPATCH_S`); without tensor
+    axes it runs no all-device schedule.
 
     Raises:
         PlanError: no configuration the runtime can execute (layers or batch do not divide).
@@ -249,7 +263,8 @@ def runtime_choices(units: list[Unit], stages: int, dp: int, batch: int,
         microbatches = microbatches or schedule.microbatches
     names = (*sch.RUNNABLE, "interlaced") if schedule is None else (schedule,)
     kinds = [(s, 2 if s == "interleaved" else getattr(s, "virtual", 1)) for s in names]
-    kinds = [(s, v) for s, v in kinds if L % (S * v) == 0]
+    kinds = [(s, v) for s, v in kinds if L % (S * v) == 0
+             and (lockstep or tp > 1 or not _all_device(s))]  # (per-stage: folds into tp)
     ms = [m for m in range(1, batch // dp + 1) if batch % (m * dp) == 0
           and microbatches in (None, m)]
     ways = _Ways(units, S, dp, tp, batch, optimizer_bytes, stage_link, data_link, tp_link,
@@ -299,9 +314,12 @@ class _Ways:
     def shared(self, all_device: bool = False) -> float:
         """Prefix + suffix parameter, gradient and optimizer bytes per device: replicated over
         the stages, or split over :attr:`everywhere` where all-device blocks run them."""
-        ways = self.everywhere if all_device else self.tp
-        return ((self.units[0].param_bytes + self.units[-1].param_bytes) / ways
-                * (1 + self.optimizer_bytes))
+        ends = (self.units[0], self.units[-1])
+        if not all_device:
+            return sum(u.param_bytes for u in ends) / self.tp * (1 + self.optimizer_bytes)
+        whole = sum(u.param_bytes if u.whole_param_bytes is None else u.whole_param_bytes
+                    for u in ends)
+        return whole / self.everywhere * (1 + self.optimizer_bytes)
 
 
 @dataclass(frozen=True)
@@ -383,6 +401,8 @@ def _price(w: _Ways, name: str | sch.Schedule, V: int, M: int,
     else:  # (one event walk: the step and the inputs each stage holds)
         step, bubble, held = _event_time(sched, work.fwd, work.bwd, p2p / 2,
                                          _weight_share(sched, work.bwd, work.wgrad), alld)
+        host = _dispatches(sched) * HOST_DISPATCH_S
+        step, bubble = max(step, host), bubble + max(0.0, host - step)
     # (split over every device, the prefix's shared parameters leave a copy on each stage
     # whose chunks read them too: T5's tied table in the decoder)
     copies = sched.all_device and w.everywhere > tp
@@ -420,7 +440,21 @@ def _price(w: _Ways, name: str | sch.Schedule, V: int, M: int,
     mem = _stage_memory(w, bounds, mine, params, slots, mb, sched.all_device, layer, kept)
     fits = w.budget is None or max(mem) <= w.budget
     return RuntimeChoice(sched.name, V, M, mb, step, bubble, tuple(mem), fits, compute, comm,
-                         sent, recompute)
+                         sent, recompute, "in-graph" if w.lockstep else "per-stage")
+
+
+def _all_device(name: str | sch.Schedule) -> bool:
+    """A schedule with all-device blocks (``interlaced``, or one written so)."""
+    return name.all_device if isinstance(name, sch.Schedule) else name == "interlaced"
+
+
+def _dispatches(sched) -> int:
+    """Programs and transfers the per-stage runtime's host dispatches in one step: every block
+    (an all-device one once), a send of each block's result to another stage, and each
+    stage's optax update."""
+    blocks = {(st, ALL if st.all_device else s) for s, row in enumerate(sched.steps)
+              for st in row}
+    return len(blocks) + 2 * sched.microbatches * (sched.chunks - 1) + sched.stages
 
 
 def _all_device_work(w: _Ways, mb: int) -> tuple[dict[str, float], list[float], float]:
@@ -515,9 +549,12 @@ class RuntimeSetup:
             data-parallel / tensor-parallel (:func:`nnscaler_jax.pipeline.in_stage.tensor_axes`).
         stages / dp / tp / batch: sizes; ``*_link``: the cost model's link of the first axis of
             each kind.
-        lockstep: the runtime walks the step table in lock step (the in-graph programs), or
-            its stages run as their inputs arrive (False: the per-stage runtime of
-            tensor-parallel cut stages, :mod:`~nnscaler_jax.pipeline.mpmd`).
+        executors: the runtimes that can run the plan, each priced as it runs
+            (:attr:`RuntimeChoice.executor`): ``'in-graph'`` walks the step table in lock step
+            (one program), ``'per-stage'`` runs each stage as its inputs arrive
+            (:mod:`~nnscaler_jax.pipeline.mpmd`; the only one for tensor-parallel cut stages,
+            and for stages data-parallel inside where nothing bars it: no mutable
+            collections, no all-device blocks, which it folds into a tensor axis).
     """
 
     units: list[Unit]
@@ -532,14 +569,31 @@ class RuntimeSetup:
     data_link: LinkCost
     tp_link: LinkCost
     modes: tuple[str, ...] = ("chunk", "layer")
-    lockstep: bool = True
+    executors: tuple[str, ...] = ("in-graph",)
 
     def choices(self, memory_per_device: float | None = None, **kw) -> list[RuntimeChoice]:
-        """:func:`runtime_choices` for this setup (``kw``: microbatches, schedule, ...)."""
-        return runtime_choices(self.units, self.stages, self.dp, self.batch, memory_per_device,
-                               stage_link=self.stage_link, data_link=self.data_link, tp=self.tp,
-                               tp_link=self.tp_link, modes=self.modes, lockstep=self.lockstep,
-                               **kw)
+        """:func:`runtime_choices` for this setup (``kw``: microbatches, schedule, ...), for
+        each of its executors; sorted as :func:`runtime_choices` sorts, the in-graph runtime
+        first where both price the same.
+
+        Raises:
+            PlanError: no executor runs anything asked.
+        """
+        out: list[RuntimeChoice] = []
+        error = None
+        for ex in self.executors:
+            try:
+                out += runtime_choices(
+                    self.units, self.stages, self.dp, self.batch, memory_per_device,
+                    stage_link=self.stage_link, data_link=self.data_link, tp=self.tp,
+                    tp_link=self.tp_link, modes=self.modes, lockstep=ex == "in-graph", **kw)
+            except PlanError as e:
+                error = error or e
+        if not out:
+            raise error
+        out.sort(key=lambda r: (not r.fits, r.step_time_s, max(r.memory_bytes),
+                                r.executor != "in-graph"))
+        return out
 
 
 def runtime_setup(graph: Graph, mesh_axes: dict[str, int], policy,

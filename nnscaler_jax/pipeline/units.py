@@ -65,6 +65,10 @@ class Unit:
             read them; the prefix carries them in ``param_bytes``) its own ops read too: a
             copy on its stage where the prefix's parameters live elsewhere (interlaced's
             all-device blocks on tensor-parallel stages).
+        whole_param_bytes: of a cut model's prefix on tensor-parallel stages: its parameter
+            bytes before the in-stage plan's storage (``param_bytes`` counts a parameter the
+            plan stores whole ``tp`` times, as the runtime pricing divides by ``tp``), which
+            interlaced's all-device blocks split over every device themselves; None: equal.
     """
 
     name: str
@@ -80,6 +84,7 @@ class Unit:
     layer_again_s: float | None = None
     wgrad_bytes: float = 0.0
     shared_bytes: float = 0.0
+    whole_param_bytes: float | None = None
 
 
 def largest_output(ops) -> float:

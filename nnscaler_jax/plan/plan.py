@@ -139,6 +139,10 @@ class PipelineSettings:
             follow them whatever ``recompute`` says.
         paired: a schedule written with ``op_order`` (``steps``) runs a stage's ready forward
             and backward in one time step (``ScheduleDraft(paired=True)``; built-ins: by name).
+        executor: the runtime the plan was priced for and runs on: ``'in-graph'`` (one
+            program walking the step table in lock step) or ``'per-stage'`` (one program per
+            stage dispatched from the host, each stage running as its inputs arrive; always
+            so for tensor-parallel cut stages).
     """
 
     stages: int
@@ -151,6 +155,7 @@ class PipelineSettings:
     recompute: str = "chunk"
     layer_rules: tuple[tuple[str, bool], ...] = ()
     paired: bool = False
+    executor: str = "in-graph"
 
     def recomputed(self) -> list[str]:
         """The layers recomputed on their own inside their chunk's backward."""
@@ -172,6 +177,8 @@ class PipelineSettings:
             d["layer_rules"] = [list(x) for x in self.layer_rules]
         if self.paired:
             d["paired"] = True
+        if self.executor != "in-graph":
+            d["executor"] = self.executor
         return d
 
     @classmethod
@@ -184,7 +191,8 @@ class PipelineSettings:
                                for row in d.get("steps", ())),
                    recompute=str(d.get("recompute", "chunk")),
                    layer_rules=tuple((str(n), bool(f)) for n, f in d.get("layer_rules", ())),
-                   paired=bool(d.get("paired", False)))
+                   paired=bool(d.get("paired", False)),
+                   executor=str(d.get("executor", "in-graph")))
 
     def lines(self) -> list[str]:
         """The plan text's pipeline section."""
@@ -195,6 +203,7 @@ class PipelineSettings:
                  f"schedule {self.schedule}" + (f" x {self.virtual} virtual"
                                                 if self.virtual > 1 else "")
                  + (" (written with op_order)" if self.steps else "")
+                 + (", one program per stage" if self.executor == "per-stage" else "")
                  + _recomputed_text(self.recomputed(), len(self.stage_of))]
         lines += [f"  stage {st}: {', '.join(ns)}" for st, ns in sorted(by.items())]
         return lines + (self.report.splitlines() if self.report else [])

@@ -6,6 +6,7 @@ MpmdProgram` for models cut at module boundaries) and runs its jitted step."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +17,8 @@ from flax import nnx
 from nnscaler_jax.constraints import Constraints
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.pipeline import schedule as sch
-from nnscaler_jax.pipeline.mpmd import cut_runtime
+from nnscaler_jax.pipeline.hetero import CutProgram
+from nnscaler_jax.pipeline.mpmd import MpmdProgram, cut_runtime
 from nnscaler_jax.pipeline.program import (
     ModuleCall,
     PipelineRuntime,
@@ -132,22 +134,40 @@ class PipelineStep(TrainStep):
         # stacked program (an in-stage plan that splits nothing) are the user's to see, not a
         # reason to cut.
         stack_error: NotALayerStack | None = None
-        if why_cut(pivots=bool(c.pipeline_pivots), schedule=sched,
-                   precision=self.options.precision, collections=bool(call.collections)) is None:
+        if pipe.executor == "in-graph" and why_cut(
+                pivots=bool(c.pipeline_pivots), schedule=sched,
+                precision=self.options.precision, collections=bool(call.collections)) is None:
             try:
                 self.program = PipelineProgram(*args, **kw)
             except NotALayerStack as e:
                 stack_error = e
         if self.program is None:
             try:
-                self.program = cut_runtime(self.pm.mesh, policy)(
-                    *args, stage_of=pipe.stage_of, layer_rules=pipe.layer_rules, **kw)
+                self.program = self._cut_program(args, pipe, kw)
             except PlanError as cut_error:
                 raise cut_error from stack_error
         fp16 = self.options.precision == "float16"
         self.jitted = self.program.train_step(self.optimizer, return_grads=self.return_grads,
                                               scaling=self.scaling if fp16 else None)
         return params, rng
+
+    def _cut_program(self, args: tuple, pipe: Any, kw: dict) -> Any:
+        """The runtime of a model cut into chunks the plan was priced for
+        (:func:`~nnscaler_jax.pipeline.mpmd.cut_runtime`). Stages data-parallel inside priced
+        for one program per stage run as one program when the optimizer couples leaves across
+        stages (``optax.clip_by_global_norm``: the per-stage update would see one stage's
+        part), with a warning: the plan's time is then the per-stage runtime's."""
+        kw = {**kw, "stage_of": pipe.stage_of, "layer_rules": pipe.layer_rules}
+        program = cut_runtime(self.pm.mesh, kw["policy"], pipe.executor)(*args, **kw)
+        if isinstance(program, MpmdProgram) and not program.tp_axes \
+                and not program.updates_alone(self.optimizer):
+            warnings.warn(
+                "train_step: the plan runs its stages as one program each (its executor "
+                "'per-stage'), but this optimizer couples leaves across stages (a global "
+                "norm or whole-tree statistic); running them as one program (CutProgram) "
+                "instead, whose step the plan's predicted time does not price", stacklevel=3)
+            program = CutProgram(*args, **kw)
+        return program
 
     def _batch(self, batch: tuple) -> tuple:
         self._check()

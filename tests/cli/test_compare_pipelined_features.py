@@ -31,6 +31,7 @@ def test_pipelined_plan_lists_no_cosharding():
     f = plan_features(piped)
     assert f["cosharded"] == [] and f["stages"] == 2 and f["microbatches"] == 2
     assert f["schedule"] == piped.pipeline.schedule and "schedule" not in plan_features(flat)
+    assert f["executor"] == piped.pipeline.executor == "in-graph"  # (tiny blocks: one program)
     # co-sharded blocks (Plan.coshard) of the SPMD part do not run in the pipeline either
     cand = coshard_candidates(graph)[0]
     blocks = ((cand.seed, cand.dim, 2),)

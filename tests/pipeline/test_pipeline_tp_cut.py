@@ -148,6 +148,20 @@ def test_the_stages_are_priced_tensor_parallel():
     for u, w in zip(chunks, dp_only.setup.units[1:-1], strict=True):
         assert w.time_s < u.time_s < 2 * w.time_s
         assert w.act_bytes < u.act_bytes < 2 * w.act_bytes
+    # parameters as the in-stage plan stores them (Megatron leaves norm scales, biases of
+    # unsplit outputs and the tied embedding whole): the priced bytes a device of each stage
+    # holds equal what the runtime lays out there (the shared table on both stages)
+    step = pm.train_step(spec.loss_fn, optax.sgd(0.1))
+    step.build(spec.init(jax.random.PRNGKey(0)), *spec.make_args())
+    prog = step.program
+    stored = lambda s: sum(
+        int(np.prod(prog.leaf_sharding(s, j).shard_shape(prog.param_avals[j].shape)))
+        * prog.param_avals[j].dtype.itemsize for j in prog.stage_leaves[s])
+    units = setup.units
+    priced = [(units[0].param_bytes + u.param_bytes + units[-1].param_bytes) / setup.tp
+              for u in chunks]
+    assert priced == [stored(0), stored(1)]
+    assert units[0].whole_param_bytes < units[0].param_bytes  # (whole: tp times its bytes)
     pm.make_plan(*spec.make_args())
     assert pm.plan.pipeline is not None and pm.plan.stages == 2
 
