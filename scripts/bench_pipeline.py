@@ -337,7 +337,7 @@ def _xla_text(e: dict) -> str:
     if not xs:
         return ""
     return (" Compiled by XLA:GPU for the V100, program by program (compile-only devices, no "
-            "autotuning; the boundary values a stage holds between blocks not counted): "
+            "autotuning; with the chunk inputs a stage keeps for its backwards): "
             + "; ".join(f"{k} {x['peak_gib']:.1f} GiB a device ({x['over_estimate']:.2f} of "
                         f"its {x['estimate_gib']:.1f} GiB estimate; stages "
                         + " / ".join(f"{g:.1f}" for g in x["stages_gib"]) + ")"

@@ -11,10 +11,10 @@ mesh of compile-only GPUs of the cluster shaped as the plan's mesh. The JSON ent
 
 ``over_estimate``: XLA's peak / the plan's ``memory_bytes_per_device``. A plan that the estimate
 says fits and XLA's peak does not (or that XLA had to rematerialize) says so in ``notes`` and in
-the command's table. A pipelined plan whose stages run one program each (tensor-parallel cut
-stages) is compiled per stage (:func:`~nnscaler_jax.train.xla_gpu.check_stages`: ``stages``,
-each with its programs; ``peak_bytes`` the largest stage's); one whose stages run as one
-program (stages data-parallel inside) says so (``error``).
+the command's table. A pipelined plan whose stages run one program each (``executor``
+``'per-stage'``: tensor-parallel cut stages, or others the stage DP runs so) is compiled per
+stage (:func:`~nnscaler_jax.train.xla_gpu.check_stages`: ``stages``, each with its programs;
+``peak_bytes`` the largest stage's); one whose stages run as one program says so (``error``).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def xla_entry(spec: Any, plan: Any, cluster: Any, axes: dict[str, int],
                              rng_streams=spec.rng_streams or ("dropout",))
         args, variables = abstract_inputs(spec)
         rng = jax.random.key(0) if spec.rng_streams else None
-        if plan.pipeline is not None:  # one program per stage (tensor-parallel cut stages)
+        if plan.pipeline is not None:  # one program per stage (executor 'per-stage')
             return _stages_entry(check_stages(step, variables, args, rng=rng), plan)
         check = check_step(step, variables, args, rng=rng, traffic_min_bytes=traffic_min_bytes)
     except PlanError as e:
@@ -85,8 +85,8 @@ def _stages_entry(got: dict[str, Any], plan: Any) -> dict[str, Any]:
              f"the device's {fmt_bytes(got['device_memory_bytes'])}"
              for s in got["stages"] if not s["fits"]]
     return {**got, "over_estimate": got["peak_bytes"] / est if est else None,
-            "notes": [*notes, ("per stage: its programs compiled apart (check_stages); the "
-                               "boundary values held between blocks are not counted")]}
+            "notes": [*notes, ("per stage: its programs compiled apart (check_stages), "
+                               "with the chunk inputs held for the backwards")]}
 
 
 def xla_text(entry: dict[str, Any] | None) -> tuple[str, str]:

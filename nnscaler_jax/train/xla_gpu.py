@@ -168,6 +168,22 @@ def check_step(step: Any, variables: Any, batch: Sequence[Any], *, rng: Any = No
 
 
 
+def _boundary_bytes(prog: Any, g: int) -> int:
+    """Bytes a device of stage ``g`` keeps of its chunks' inputs (the boundary values the
+    previous stage sent) for their backwards: the schedule's peak micro-batch chunks in
+    flight on the stage times its largest chunk input."""
+    import numpy as np
+
+    from nnscaler_jax.pipeline.steps import peak_in_flight
+
+    def nbytes(a: Any) -> int:
+        return int(np.prod(a.sharding.shard_shape(a.shape))) * np.dtype(a.dtype).itemsize
+
+    sizes = [sum(nbytes(a) for a in prog.abstract_args(c, "F")[1])
+             for c in range(prog.cut.chunks) if prog.seg_stage[c] == g]
+    return peak_in_flight(prog.schedule)[g] * max(sizes, default=0)
+
+
 def check_stages(step: Any, variables: Any, batch: Sequence[Any], *,
                  rng: Any = None) -> dict[str, Any]:
     """Compile every program of a pipelined step that runs one program per stage
@@ -180,9 +196,9 @@ def check_stages(step: Any, variables: Any, batch: Sequence[Any], *,
     ``peak_bytes``: the largest of an optax update's peak (parameters, gradients, optimizer
     state, scratch) beside the other group's state, and, per block program, what the devices
     hold (``state_bytes``: parameters, optimizer state and gradient accumulators of the stage
-    and of the all-device blocks) with the block's scratch and new results (temp + output -
-    alias). Not counted: the boundary values a stage holds between its blocks (one activation
-    per micro-batch in flight). The entry: ``{"stages": [...], "peak_bytes", "fits",
+    and of the all-device blocks, and the chunk inputs it keeps for its backwards: the
+    schedule's peak micro-batches in flight times its largest chunk input: ``inputs_bytes``)
+    with the block's scratch and new results (temp + output - alias). The entry: ``{"stages": [...], "peak_bytes", "fits",
     "xla_remat", "involuntary_remat", "device", "device_memory_bytes", "compile_s"}``.
 
     Raises:
@@ -218,7 +234,8 @@ def check_stages(step: Any, variables: Any, batch: Sequence[Any], *,
         # optimizer state)
 
     extra = lambda c: c.temp_bytes + c.output_bytes - c.alias_bytes
-    held = {g: state(g) for g in groups}
+    inputs = {g: _boundary_bytes(prog, g) if g < S else 0 for g in groups}
+    held = {g: state(g) + inputs[g] for g in groups}
     every = {g: held[g] for g in groups if g >= S}  # (on the stages' devices too)
     out = []
     for g in range(S):
@@ -229,7 +246,7 @@ def check_stages(step: Any, variables: Any, batch: Sequence[Any], *,
                    + [resident + extra(c) for n, c in mine.items() if "update" not in n])
         memory = groups[g]["update"].device_memory_bytes
         out.append({"stage": g, "device": groups[g]["update"].device, "peak_bytes": peak,
-                    "state_bytes": resident, "fits": memory == 0 or peak <= memory,
+                    "state_bytes": resident, "inputs_bytes": inputs[g], "fits": memory == 0 or peak <= memory,
                     "programs": {n: {k: v for k, v in c.to_json().items()
                                      if k in ("peak_bytes", "temp_bytes", "argument_bytes",
                                               "output_bytes", "alias_bytes", "xla_remat",

@@ -289,6 +289,12 @@ def test_a_pipelined_plan_is_compiled_per_stage(capsys):
         assert {f"F {s['stage'] + 1}", f"B {s['stage'] + 1}"} <= set(progs)
         scratch = max(p["temp_bytes"] for n, p in progs.items() if "update" not in n)
         assert s["peak_bytes"] >= s["state_bytes"] + scratch
+        # the chunk inputs kept for the backwards (float32, 2 rows a device): stage 0 up to 3
+        # of the encoder's (embedded tokens [2, 16, 32], position bias [4, 16, 16], the
+        # decoder's embedding [2, 8, 32]), stage 1 one of the decoder's ([2, 8, 32] and the
+        # encoder's output [2, 16, 32])
+        want = [3 * (2 * 16 * 32 + 4 * 16 * 16 + 2 * 8 * 32), 2 * 8 * 32 + 2 * 16 * 32]
+        assert s["inputs_bytes"] == 4 * want[s["stage"]]
     assert x["peak_bytes"] == max(s["peak_bytes"] for s in x["stages"])
     assert x["over_estimate"] == pytest.approx(
         x["peak_bytes"] / res["cost"]["memory_bytes_per_device"])
