@@ -417,9 +417,8 @@ def _t5_md(t: dict) -> list[str]:
             + ". Stages that run as their inputs arrive give 1F1B GPipe's time at equal "
             "micro-batches; zb-h1's weight gradients fill the bubbles, for the values its "
             "backwards keep. The other schedules keep the tied 1,024,000-word embedding and "
-            "LM head on both stages (priced split over the 4 model devices, as every "
-            "parameter of a tensor-parallel stage; Megatron's in-stage plan stores the table "
-            "whole, which XLA:GPU's figure for 1F1B below shows); interlaced, as "
+            "LM head on both stages, whole on every device as Megatron's in-stage plan stores "
+            "it (priced as the in-stage plan stores each parameter); interlaced, as "
             "nnScaler's T5 plan, runs them on all 8 devices at once, the table split on its "
             "vocabulary 8 ways (both embeddings in E, the head + loss in H), so only its "
             "shape fits: " + _fit_text(r.get("interlaced")) + "." + _xla_text(e))]
