@@ -12,7 +12,9 @@ pair of jitted programs on its stage's devices, the stage's sub-mesh (data x ten
   policy's plan of one micro-batch on the tensor-parallel axes; GSPMD inserts the
   collectives) inside a ``shard_map`` manual over the data axes only;
 - **backward** ``B``: ``jax.vjp`` of the chunk recomputed from its saved input (as the cut
-  program's), adding the parameter gradients to per-data-shard accumulators.
+  program's), adding the parameter gradients to per-data-shard accumulators, one per leaf
+  and group (a leaf two of its segments read, the tied table of interlaced's embedding and
+  head, has one).
 
 Python walks the schedule's step table (:func:`~nnscaler_jax.pipeline.steps.timeline`),
 dispatching each block to its stage; dispatch is asynchronous, so stages run concurrently,
@@ -504,19 +506,26 @@ class MpmdProgram(PipelineRuntime):
         return [NamedSharding(self.sub[s], P(data, *self.leaf_sharding(s, j).spec))
                 for j in self.reads[c]]
 
-    def _zeros(self, c: int) -> list:
-        """Segment ``c``'s gradient accumulators, ``[D, *leaf]`` per leaf it reads."""
-        s, D = self._stage(c), self.dp
-        avals = [self.param_avals[j] for j in self.reads[c]]
-        shs = self._acc_shardings(c)
-        if c not in self._made:
-            make = lambda: [jnp.zeros((D, *a.shape), a.dtype) for a in avals]
-            self._made[c] = jax.jit(make, out_shardings=shs)
-        with jax.set_mesh(self.sub[s]):
-            return self._made[c]()
+    def acc_leaves(self, g: int) -> tuple[int, ...]:
+        """The leaves group ``g``'s segments read: one gradient accumulator each, shared by
+        its segments (a tied table read by the embedding and the head: one)."""
+        return tuple(sorted({j for c in range(self.cut.chunks) if self._stage(c) == g
+                             for j in self.reads[c]}))
 
-    def _walk(self, pp: list, batch: tuple, key: Any, seed: Any) -> tuple[Any, list]:
-        """Run the step table: ``(loss, per segment its gradient accumulators)``; ``seed``: the
+    def _zeros(self, g: int) -> dict[int, Any]:
+        """Group ``g``'s gradient accumulators, ``{leaf: [D, *leaf]}``."""
+        D, leaves, data = self.dp, self.acc_leaves(g), self.data_axes or None
+        if ("zeros", g) not in self._made:
+            avals = [self.param_avals[j] for j in leaves]
+            shs = [NamedSharding(self.sub[g], P(data, *self.leaf_sharding(g, j).spec))
+                   for j in leaves]
+            make = lambda: [jnp.zeros((D, *a.shape), a.dtype) for a in avals]
+            self._made["zeros", g] = jax.jit(make, out_shardings=shs)
+        with jax.set_mesh(self.sub[g]):
+            return dict(zip(leaves, self._made["zeros", g](), strict=True))
+
+    def _walk(self, pp: list, batch: tuple, key: Any, seed: Any) -> tuple[Any, dict]:
+        """Run the step table: ``(loss, per group its gradient accumulators)``; ``seed``: the
         loss's cotangent per micro-batch."""
         S, K, e = self.schedule.stages, self.cut.chunks, self.seg0
         # [M, D, b, ...] (+ keys [M, D]); a batch typed on the caller's Explicit mesh is
@@ -527,7 +536,12 @@ class MpmdProgram(PipelineRuntime):
             shaped = [[x[m] for x in shaped] for m in range(self.schedule.microbatches)]
         leaves = [self.params_tree.flatten_up_to(t) for t in pp]
         params = [[leaves[self._stage(k)][j] for j in self.reads[k]] for k in range(K)]
-        acc = [self._zeros(k) for k in range(K)]
+        acc = {g: self._zeros(g) for g in sorted(set(self.seg_stage))}
+        mine = lambda k: [acc[self._stage(k)][j] for j in self.reads[k]]
+
+        def added(k: int, new: list) -> None:  # (the block donated the old ones)
+            acc[self._stage(k)].update(zip(self.reads[k], new, strict=True))
+
         micro: dict[tuple[int, int], list] = {}
         inbox: dict[tuple[int, int], list] = {}
         gbox: dict[tuple[int, int], list] = {}
@@ -557,12 +571,13 @@ class MpmdProgram(PipelineRuntime):
                         losses.append(loss)
                     continue
                 if st.kind == "G":  # a split backward's weight gradients (zb-h1)
-                    acc[k] = self._blocks["G"][k](params[k], micro[g, m], kept.pop((k, m)),
-                                                  acc[k], seed)
+                    added(k, self._blocks["G"][k](params[k], micro[g, m], kept.pop((k, m)),
+                                                  mine(k), seed))
                     continue
                 if st.kind == "H":  # the head: forward, loss and backward on every device
-                    gin, acc[k], loss = self._blocks["H"][k](
-                        params[k], inbox.pop((k, m)), micro[g, m], acc[k], seed)
+                    gin, new, loss = self._blocks["H"][k](
+                        params[k], inbox.pop((k, m)), micro[g, m], mine(k), seed)
+                    added(k, new)
                     losses.append(loss)
                     gbox[k - 1, m] = move(gin, k - 1)
                     continue
@@ -570,7 +585,8 @@ class MpmdProgram(PipelineRuntime):
                 if self.schedule.split_backward:  # 'B': the input's cotangent only
                     gin, kept[k, m] = self._blocks["B-split"][k](*args, seed)
                 else:  # 'B' (and 'W', the embedding's)
-                    gin, acc[k] = self._blocks["B"][k](*args, acc[k], seed)
+                    gin, new = self._blocks["B"][k](*args, mine(k), seed)
+                    added(k, new)
                 if k > 0:
                     gbox[k - 1, m] = move(gin, k - 1)
         return sum(float(x) for x in losses), acc
@@ -603,16 +619,15 @@ class MpmdProgram(PipelineRuntime):
         seed = np.float32(float(scale) / self.schedule.microbatches)
         loss, acc = self._walk(pp, batch, key, seed)
         part: dict[tuple[int, int], Any] = {}
-        for c in range(self.cut.chunks):
-            s = self._stage(c)
-            if ("mean", c) not in self._made:  # the mean over the data shards' rows
-                shs = [self.leaf_sharding(s, j) for j in self.reads[c]]
-                self._made["mean", c] = jax.jit(lambda xs: [jnp.mean(x, 0) for x in xs],
+        for s, sums in acc.items():
+            leaves = self.acc_leaves(s)
+            if ("mean", s) not in self._made:  # the mean over the data shards' rows
+                shs = [self.leaf_sharding(s, j) for j in leaves]
+                self._made["mean", s] = jax.jit(lambda xs: [jnp.mean(x, 0) for x in xs],
                                                 out_shardings=shs)
             with jax.set_mesh(self.sub[s]):
-                means = self._made["mean", c](acc[c])
-            for j, g in zip(self.reads[c], means, strict=True):
-                part[s, j] = g if (s, j) not in part else part[s, j] + g
+                means = self._made["mean", s]([sums[j] for j in leaves])
+            part.update(((s, j), g) for j, g in zip(leaves, means, strict=True))
         out = []
         for s, mine in enumerate(self.stage_leaves):
             gs = [self._hole(s, j) for j in range(len(self.param_avals))]

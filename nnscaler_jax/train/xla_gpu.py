@@ -228,8 +228,7 @@ def check_stages(step: Any, variables: Any, batch: Sequence[Any], *,
 
     def state(g: int) -> int:  # parameters, optimizer state, gradient accumulators
         params = sum(size(j, prog.leaf_sharding(g, j)) for j in prog.stage_leaves[g])
-        acc = sum(size(j, prog.leaf_sharding(g, j)) for c in range(prog.cut.chunks)
-                  if prog.seg_stage[c] == g for j in prog.reads[c])
+        acc = sum(size(j, prog.leaf_sharding(g, j)) for j in prog.acc_leaves(g))
         return groups[g]["update"].argument_bytes - params + acc  # (update: params, grads,
         # optimizer state)
 

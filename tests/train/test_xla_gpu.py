@@ -295,6 +295,10 @@ def test_a_pipelined_plan_is_compiled_per_stage(capsys):
         # encoder's output [2, 16, 32])
         want = [3 * (2 * 16 * 32 + 4 * 16 * 16 + 2 * 8 * 32), 2 * 8 * 32 + 2 * 16 * 32]
         assert s["inputs_bytes"] == 4 * want[s["stage"]]
+        # one gradient accumulator per leaf and group, as large as the gradients an update
+        # reads (the tied table: one, though the embedding and the head both read it)
+        assert s["state_bytes"] - s["inputs_bytes"] == (progs["update"]["argument_bytes"]
+                                                        + progs["all update"]["argument_bytes"])
     assert x["peak_bytes"] == max(s["peak_bytes"] for s in x["stages"])
     assert x["over_estimate"] == pytest.approx(
         x["peak_bytes"] / res["cost"]["memory_bytes_per_device"])
