@@ -1,4 +1,7 @@
-"""Tensor parallelism inside heterogeneous stages: one program per stage (MPMD).
+"""One program per stage (MPMD): tensor parallelism inside heterogeneous stages, and any cut
+stages whose plan runs them so (``PipelineSettings.executor == 'per-stage'``: stages
+data-parallel inside too, where the stage DP prices them faster than the one program's lock
+step, each stage running its blocks as their inputs arrive).
 
 :class:`~nnscaler_jax.pipeline.hetero.CutProgram` runs every stage in one SPMD program, its
 chunks in branches of ``lax.switch``. Tensor-parallel chunks cannot run that way on XLA:CPU:
@@ -707,8 +710,12 @@ class MpmdProgram(PipelineRuntime):
             return state, metrics
 
         def lower(state: dict, batch: tuple) -> Any:
-            raise PlanError("step.lower: tensor parallelism inside heterogeneous stages runs "
-                            "one program per stage and chunk (no single program to lower)")
+            raise PlanError("step.lower: this pipelined plan runs one program per stage and "
+                            "chunk (plan.pipeline.executor 'per-stage'; tensor-parallel cut "
+                            "stages always): no single program to lower. Compile its programs "
+                            "with nnscaler_jax.train.check_stages, or plan with "
+                            "Constraints(pipeline_executor='in-graph') where the stages are "
+                            "data-parallel inside")
 
         step.lower = lower
         return step

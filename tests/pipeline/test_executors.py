@@ -100,3 +100,26 @@ def test_per_stage_data_parallel_stages_train_like_one_device():
         assert_trains_like_one_device(step, spec, variables, args, clipped, steps=2)
     assert type(step.program).__name__ == "CutProgram"
     assert any("couples leaves across stages" in str(w.message) for w in seen)
+
+
+def test_auto_weighs_a_stack_run_one_program_per_stage():
+    """``pipeline_stages="auto"`` on a stack of identical layers (the stacked program in lock
+    step) also prices it cut into one program per stage, and keeps that where it is faster;
+    the plan records it and names it in its report."""
+    spec = models.get("gpt", "tiny", batch_size=32, n_layers=4, d_model=256)
+    args, variables = spec.make_args(abstract=True), spec.init_abstract()
+    mesh = make_mesh((2, 4), ("stage", "data"))
+    plans = {}
+    for ex in ("in-graph", "per-stage", None):
+        pm = auto_parallel(mesh, Constraints(pipeline_stages="auto", microbatches=8,
+                                             schedule="1f1b", pipeline_executor=ex),
+                           policy="dp")(spec.module)
+        plans[ex] = pm.make_plan(*args, variables=variables)
+    lock, per, auto = plans["in-graph"], plans["per-stage"], plans[None]
+    assert lock.pipeline.executor == "in-graph" and per.pipeline.executor == "per-stage"
+    assert per.cost.step_time_s < lock.cost.step_time_s  # (1F1B: no lock step)
+    assert auto.pipeline.executor == "per-stage"
+    assert auto.cost.step_time_s == pytest.approx(per.cost.step_time_s, rel=1e-9)
+    assert "one program per stage" in auto.pipeline.report
+    where = dict(auto.pipeline.stage_of)  # (cut at module boundaries, 2 layers a stage)
+    assert [where[f"h_{i}"] for i in range(4)] == [0, 0, 1, 1]
