@@ -254,7 +254,7 @@ PLAN_HELP = ("run the plan saved by 'plan --out FILE' instead of planning; one f
 # the flags that shape a plan, as ``--flag`` -> the attribute (``plan`` and ``train`` share them)
 PLAN_FLAGS = {"--policy": "policy", "--zero": "zero", "--microbatches": "microbatches",
               "--precision": "precision", "--pipeline": "pipeline", "--schedule": "schedule",
-              "--attention": "attention", "--budget": "budget"}
+              "--attention": "attention", "--budget": "budget", "--executor": "executor"}
 
 
 def add_plan_settings(p: argparse.ArgumentParser) -> None:
@@ -279,6 +279,11 @@ def add_plan_settings(p: argparse.ArgumentParser) -> None:
                    choices=("1f1b", "eager-1f1b", "gpipe", "interleaved", "interlaced", "nf1b",
                             "zb-h1"),
                    help="pipeline schedule (default: the cheapest the runtime executes)")
+    p.add_argument("--executor", default=None, choices=("in-graph", "per-stage"),
+                   help="how a pipelined plan runs: in-graph (one program over the stage "
+                        "axis, in lock step) or per-stage (one program per stage, each as its "
+                        "inputs arrive; tensor-parallel stages of a cut model always); default "
+                        "in-graph where it runs")
     p.add_argument("--batch-size", type=int, help="global batch size (default: the preset's)")
     add_attention_flag(p)
 
@@ -303,6 +308,7 @@ def plan_constraints(args: argparse.Namespace) -> Any:
                            precision=args.precision, pipeline_stages=args.pipeline or None,
                            schedule=getattr(args, "schedule", None),
                            attention=getattr(args, "attention", None),
+                           pipeline_executor=getattr(args, "executor", None),
                            max_memory_per_device=budget)
     except PlanError as e:
         raise UsageError(cli_terms(str(e).splitlines()[0], args)) from None
@@ -362,6 +368,8 @@ _CLI_TERMS: tuple[tuple[str, Any], ...] = (
     (r"Constraints\(microbatches=(\d+)\)", r"--microbatches \1"),
     (r"Constraints\(precision='?(\w+)'?\)", r"--precision \1"),
     (r"Constraints\(schedule='?(\w+)'?\)", r"--schedule \1"),
+    (r"Constraints\(pipeline_executor='?([\w-]+)'?\)", r"--executor \1"),
+    (r"Constraints\(pipeline_executor=\.\.\.\)", "--executor"),
     (r"Constraints\(max_memory_per_device=(\d+)\)", r"--budget \1"),
     (r"policy='(\w+)'", r"--policy \1"),
     (r"re-plan for these inputs \(policy=\.\.\. or make_plan\(\) without plan=\)",

@@ -57,6 +57,21 @@ def test_plan_prints_the_pipeline_train_runs(cli):
     assert "schedule 1f1b: 2 stages x 2 micro-batches" in out
 
 
+def test_plan_takes_the_pipeline_executor(cli):
+    """``--executor per-stage``: the plan runs one program per stage (its JSON, its text);
+    asked of tensor-parallel cut stages, in-graph is refused in the command line's terms."""
+    code, out, err = cli(["plan", *PIPELINED, "--batch-size", "8", "--executor", "per-stage",
+                          "--json"])
+    assert code == 0, err
+    res = _last_json(out)
+    assert res["pipeline"]["executor"] == res["plan"]["pipeline"]["executor"] == "per-stage"
+    code, out, err = cli(["plan", "--model", "t5", "--mesh", "2x2x2", "--axes",
+                          "stage,data,model", "--policy", "megatron", "--pipeline", "2",
+                          "--batch-size", "16", "--executor", "in-graph"])
+    assert code == 2 and "Traceback" not in err
+    assert "--executor in-graph" in err and "runs only 'per-stage'" in err
+
+
 @pytest.mark.slow
 def test_train_runs_the_pipeline_plan_printed(cli):
     code, out, err = cli(["plan", *PIPELINED, "--batch-size", "8", "--json"])
