@@ -194,7 +194,8 @@ def _shapes(cases: dict) -> list[str]:
     """``--pipelines``: every shape each planner tried, with its step or smallest estimate."""
     rows = [f"| {key} | {p} | " + " x ".join(f"{a} {k}" for a, k in c["mesh"].items())
             + " | " + (f"{c['schedule']}, {c['microbatches']} micro-batches"
-                       if "schedule" in c else "-")
+                       + (", one program per stage" if c.get("executor") == "per-stage"
+                          else "") if "schedule" in c else "-")
             + " | " + ("yes" if c["fits"] else "no" if c["fits"] is False else "-") + " | "
             + (f"{c['step_time_s']:.3g}" if c["fits"] else "-") + " | "
             + (f"{c['memory_bytes_per_device'] / 2**30:.1f}"
