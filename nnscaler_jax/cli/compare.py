@@ -70,7 +70,8 @@ def plan_features(plan: Any) -> dict[str, Any]:
     run its SPMD part's co-sharding (chunks run data-parallel, or tensor-parallel with an
     in-stage plan, which refuses co-sharded ops); ``microbatches``: the
     pipeline's (or the plan's gradient accumulation), 1 without; ``stages``: pipeline stages;
-    ``schedule``: the pipeline's (a pipelined plan only).
+    ``schedule`` / ``executor``: the pipeline's schedule and runtime (``'in-graph'`` or
+    ``'per-stage'``; a pipelined plan only).
     """
     def jsonable(x: Any) -> Any:
         if isinstance(x, str | int | float) or x is None:
