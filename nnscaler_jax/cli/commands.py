@@ -165,7 +165,8 @@ def _pipeline_schedule(args: argparse.Namespace, pipe: Any) -> tuple[str, dict[s
     lines = [sch.format_schedule(sched), "peak micro-batches in flight per stage: "
              + ", ".join(map(str, sch.peak_in_flight(sched)))]
     obj = {"stages": pipe.stages, "microbatches": pipe.microbatches, "schedule": pipe.schedule,
-           "executor": pipe.executor, "virtual": sched.virtual, "stage_of": [list(x) for x in pipe.stage_of],
+           "executor": pipe.executor, "virtual": sched.virtual,
+           "stage_of": [list(x) for x in pipe.stage_of],
            "steps": sched.to_lists(), "peak_in_flight": list(sch.peak_in_flight(sched))}
     if args.gantt:
         try:

@@ -38,6 +38,7 @@ from nnscaler_jax.cost.residuals import residual_outputs
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Graph, Op, Role
 from nnscaler_jax.ir.layers import block_paths, graph_layers
+from nnscaler_jax.layout import Layout
 from nnscaler_jax.mesh.axes import require_stage_axis
 from nnscaler_jax.pipeline.chunks import param_casts, vars_of
 from nnscaler_jax.pipeline.in_stage import tensor_axes
@@ -334,11 +335,8 @@ def _in_stage_splits(graph: Graph, axes: dict[str, int], constraints: Constraint
     over (Megatron leaves norms, biases and a tied embedding whole)."""
     rules = tuple(replace(r, recompute=None) for r in constraints.rules)
     plan = plan_spmd(graph, axes, policy=policy, constraints=Constraints(rules=rules)).plan
-    ways = {}
-    for t in graph.variables:
-        spec = plan.variable_spec(t.name) or ()
-        names = [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
-        ways[t.id] = math.prod(axes[a] for a in names)
+    ways = {t.id: math.prod(axes[a] for a in Layout.from_pspec(
+        plan.variable_spec(t.name) or (), t.ndim).split_axes) for t in graph.variables}
     return {p.op: p.split for p in plan.ops}, ways
 
 
@@ -497,8 +495,7 @@ def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
     sizes = {t.id: math.prod(t.shape) * itemsize(t) for op in ops for t in op.outputs}
     skip = taken | set(range(e)) | set(range(h, len(ops)))  # (read: the chunks' own ops)
     stored = (lambda t: tp / ways.get(t.id, tp)) if ways else (lambda t: 1.0)
-    sent, owned, shared, read = _crossing(graph, bounds, casts, sizes, skip, stored)
-    whole = _crossing(graph, bounds, casts, sizes, skip)[2]
+    sent, owned, shared, read, whole = _crossing(graph, bounds, casts, sizes, skip, stored)
     saved, traffic = residual_outputs(graph), fused_bytes(graph)
 
     split = (splits or {}).get
@@ -523,7 +520,7 @@ def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
     units = [Unit("<prefix>", *priced(0, e), shared, pre_out / batch,
                   transient_bytes=transient(0, e),
                   wgrad_bytes=kept_for_weights(ops[:e], params) / batch,
-                  whole_param_bytes=whole)]
+                  whole_param_bytes=whole if ways else None)]
     for c, (a, b) in enumerate(bounds):
         a, b = max(a, e), min(b, h)
         cuts = [a] + sorted(g for g in groups if a < g < b) + [b]
@@ -533,7 +530,8 @@ def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
                                       [f is not False for f in flag])
         units.append(Unit(f"<chunk {c}>", seconds(a, b), kc / batch + lc, owned[c],
                           sent[c] / batch, TP_COLLECTIVES * (len(cuts) - 1),
-                          layer_in_bytes=kl / batch, layer_act_bytes=ll, transient_bytes=transient(a, b), chunk_again_s=again_c,
+                          layer_in_bytes=kl / batch, layer_act_bytes=ll,
+                          transient_bytes=transient(a, b), chunk_again_s=again_c,
                           layer_again_s=again_l,
                           wgrad_bytes=kept_for_weights(ops[a:b], params) / batch,
                           shared_bytes=read[c]))
@@ -557,12 +555,12 @@ def _made_before(ops: Sequence[Op], e: int, casts: Mapping[int, int],
 def _crossing(graph: Graph, bounds: Sequence[tuple[int, int]], casts: Mapping[int, int],
               sizes: Mapping[int, int], skip: frozenset[int] | set[int] = frozenset(),
               weigh: Callable[[Any], float] = lambda t: 1.0,
-              ) -> tuple[list[float], list[float], float, list[float]]:
+              ) -> tuple[list[float], list[float], float, list[float], float]:
     """Per chunk the bytes it sends on (values later chunks read) and the parameter bytes only
     it reads; the bytes of the parameters several chunks (or none) read; and per chunk the
     bytes of those its ops read, but the ops at ``skip`` (the embedding / head segments and
-    what interlaced's embedding block takes over). A parameter's bytes count ``weigh(t)``
-    times."""
+    what interlaced's embedding block takes over); then the shared bytes again, unweighed. A
+    parameter's bytes count ``weigh(t)`` times."""
     ops, C = graph.ops, len(bounds)
     chunk = [c for c, (a, b) in enumerate(bounds) for _ in range(a, b)]
     alias = {op.outputs[0].id: casts[op.id] for op in ops if op.id in casts}
@@ -584,17 +582,17 @@ def _crossing(graph: Graph, bounds: Sequence[tuple[int, int]], casts: Mapping[in
         last = max(readers.get(tid, {c0}))
         for c in range(c0, min(last, C - 1)):
             sent[c] += sizes[tid]
-    owned, shared, read = [0.0] * C, 0.0, [0.0] * C
+    owned, shared, whole, read = [0.0] * C, 0.0, 0.0, [0.0] * C
     for t in graph.variables:
         users = readers.get(t.id, set()) - {C}  # (an output that is a variable: nnx state)
         size = t.nbytes * weigh(t)
         if len(users) == 1:
             owned[next(iter(users))] += size
             continue
-        shared += size
+        shared, whole = shared + size, whole + t.nbytes
         for c in kept.get(t.id, set()) - {C}:
             read[c] += size
-    return sent, owned, shared, read
+    return sent, owned, shared, read, whole
 
 
 def _layer_kept(ops: Sequence[Op], cuts: Sequence[int], made_at: Mapping[int, int],

@@ -35,6 +35,7 @@ from nnscaler_jax.cost.devices import H100_80G, IB_NDR, NVLINK_H100, DeviceSpec
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Graph, Role
+from nnscaler_jax.layout import Layout
 from nnscaler_jax.mesh.topology import LinkCost, all_reduce_time
 from nnscaler_jax.pipeline.clustering import cluster_layers
 from nnscaler_jax.search.entry import plan_spmd
@@ -130,8 +131,7 @@ def price_stage(graph: Graph, start: int, end: int, dp: int, tp: int, policy: st
     br = cm.memory_breakdown(plan, sub)
     sync = 0.0
     for v in sub.variables:
-        spec = plan.variable_spec(v.name) or ()
-        split = {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
+        split = set(Layout.from_pspec(plan.variable_spec(v.name) or (), v.ndim).split_axes)
         local = v.nbytes / math.prod(axes[a] for a in split if a in axes)
         if dp > 1 and "data" not in split:
             sync += all_reduce_time(data_link, dp, local)

@@ -464,8 +464,11 @@ class MpmdProgram(PipelineRuntime):
         """Whether ``optimizer`` run on each stage's parameters alone updates them as on the
         whole tree (:func:`~nnscaler_jax.pipeline.leafwise.leafwise`; this runtime's
         premise)."""
-        shaped = jax.tree.unflatten(self.params_tree, self.param_avals)
-        return leafwise(optimizer, shaped, self.stage_leaves)
+        key = ("leafwise", id(optimizer))  # (probed once: the step's set-up and init ask)
+        if key not in self._made:
+            shaped = jax.tree.unflatten(self.params_tree, self.param_avals)
+            self._made[key] = (optimizer, leafwise(optimizer, shaped, self.stage_leaves))
+        return self._made[key][1]
 
     def init_state(self, params: Any, optimizer: Any, collections: Any = None) -> dict:
         """``{'params': [per stage], 'opt_state': [optimizer.init per stage]}``."""
@@ -502,12 +505,15 @@ class MpmdProgram(PipelineRuntime):
 
     # ---- the step ----------------------------------------------------------------------------
 
-    def _acc_shardings(self, c: int) -> list[NamedSharding]:
-        """Where segment ``c``'s gradient accumulators live: per leaf it reads, its storage
+    def _acc_sharding(self, g: int, j: int) -> NamedSharding:
+        """Where group ``g``'s gradient accumulator of leaf ``j`` lives: the leaf's storage
         with a leading dim over the data axes."""
-        s, data = self._stage(c), self.data_axes if self.data_axes else None
-        return [NamedSharding(self.sub[s], P(data, *self.leaf_sharding(s, j).spec))
-                for j in self.reads[c]]
+        return NamedSharding(self.sub[g], P(self.data_axes or None,
+                                            *self.leaf_sharding(g, j).spec))
+
+    def _acc_shardings(self, c: int) -> list[NamedSharding]:
+        """Segment ``c``'s gradient accumulators' shardings, per leaf it reads."""
+        return [self._acc_sharding(self._stage(c), j) for j in self.reads[c]]
 
     def acc_leaves(self, g: int) -> tuple[int, ...]:
         """The leaves group ``g``'s segments read: one gradient accumulator each, shared by
@@ -517,11 +523,10 @@ class MpmdProgram(PipelineRuntime):
 
     def _zeros(self, g: int) -> dict[int, Any]:
         """Group ``g``'s gradient accumulators, ``{leaf: [D, *leaf]}``."""
-        D, leaves, data = self.dp, self.acc_leaves(g), self.data_axes or None
+        D, leaves = self.dp, self.acc_leaves(g)
         if ("zeros", g) not in self._made:
             avals = [self.param_avals[j] for j in leaves]
-            shs = [NamedSharding(self.sub[g], P(data, *self.leaf_sharding(g, j).spec))
-                   for j in leaves]
+            shs = [self._acc_sharding(g, j) for j in leaves]
             make = lambda: [jnp.zeros((D, *a.shape), a.dtype) for a in avals]
             self._made["zeros", g] = jax.jit(make, out_shardings=shs)
         with jax.set_mesh(self.sub[g]):

@@ -264,7 +264,8 @@ def runtime_choices(units: list[Unit], stages: int, dp: int, batch: int,
     names = (*sch.RUNNABLE, "interlaced") if schedule is None else (schedule,)
     kinds = [(s, 2 if s == "interleaved" else getattr(s, "virtual", 1)) for s in names]
     kinds = [(s, v) for s, v in kinds if L % (S * v) == 0
-             and (lockstep or tp > 1 or not _all_device(s))]  # (per-stage: folds into tp)
+             and (lockstep or tp > 1  # (per-stage: all-device blocks fold into tp)
+                  or not getattr(s, "all_device", s == "interlaced"))]
     ms = [m for m in range(1, batch // dp + 1) if batch % (m * dp) == 0
           and microbatches in (None, m)]
     ways = _Ways(units, S, dp, tp, batch, optimizer_bytes, stage_link, data_link, tp_link,
@@ -441,11 +442,6 @@ def _price(w: _Ways, name: str | sch.Schedule, V: int, M: int,
     fits = w.budget is None or max(mem) <= w.budget
     return RuntimeChoice(sched.name, V, M, mb, step, bubble, tuple(mem), fits, compute, comm,
                          sent, recompute, "in-graph" if w.lockstep else "per-stage")
-
-
-def _all_device(name: str | sch.Schedule) -> bool:
-    """A schedule with all-device blocks (``interlaced``, or one written so)."""
-    return name.all_device if isinstance(name, sch.Schedule) else name == "interlaced"
 
 
 def _dispatches(sched) -> int:

@@ -187,9 +187,10 @@ def _boundary_bytes(prog: Any, g: int) -> int:
 def check_stages(step: Any, variables: Any, batch: Sequence[Any], *,
                  rng: Any = None) -> dict[str, Any]:
     """Compile every program of a pipelined step that runs one program per stage
-    (``pm.train_step`` of tensor-parallel cut stages, :class:`~nnscaler_jax.pipeline.mpmd.
-    MpmdProgram`, over a compile-only mesh) for its GPU, and judge each stage: nothing is
-    allocated (``variables`` and ``batch`` may be abstract).
+    (``pm.train_step`` of a plan whose executor is ``'per-stage'``: tensor-parallel cut
+    stages, :class:`~nnscaler_jax.pipeline.mpmd.MpmdProgram`, over a compile-only mesh) for its
+    GPU, and judge each stage: nothing is allocated (``variables`` and ``batch`` may be
+    abstract).
 
     Per stage: the :class:`XlaCheck` figures of the programs on its devices (its blocks and
     optax update; with ``interlaced`` also those of every device, ``'all H 3'``...) and
@@ -198,8 +199,9 @@ def check_stages(step: Any, variables: Any, batch: Sequence[Any], *,
     hold (``state_bytes``: parameters, optimizer state and gradient accumulators of the stage
     and of the all-device blocks, and the chunk inputs it keeps for its backwards: the
     schedule's peak micro-batches in flight times its largest chunk input: ``inputs_bytes``)
-    with the block's scratch and new results (temp + output - alias). The entry: ``{"stages": [...], "peak_bytes", "fits",
-    "xla_remat", "involuntary_remat", "device", "device_memory_bytes", "compile_s"}``.
+    with the block's scratch and new results (temp + output - alias). The entry:
+    ``{"stages": [...], "peak_bytes", "fits", "xla_remat", "involuntary_remat", "device",
+    "device_memory_bytes", "compile_s"}``.
 
     Raises:
         PlanError: a step whose program is not per stage (the in-graph runtimes compile as
@@ -245,7 +247,8 @@ def check_stages(step: Any, variables: Any, batch: Sequence[Any], *,
                    + [resident + extra(c) for n, c in mine.items() if "update" not in n])
         memory = groups[g]["update"].device_memory_bytes
         out.append({"stage": g, "device": groups[g]["update"].device, "peak_bytes": peak,
-                    "state_bytes": resident, "inputs_bytes": inputs[g], "fits": memory == 0 or peak <= memory,
+                    "state_bytes": resident, "inputs_bytes": inputs[g],
+                    "fits": memory == 0 or peak <= memory,
                     "programs": {n: {k: v for k, v in c.to_json().items()
                                      if k in ("peak_bytes", "temp_bytes", "argument_bytes",
                                               "output_bytes", "alias_bytes", "xla_remat",
