@@ -23,7 +23,7 @@ from nnscaler_jax.rules import annotate as rules_annotate
 
 log = logging.getLogger(__name__)
 
-__all__ = ["graph_from_jaxpr", "InputInfo"]
+__all__ = ["InputInfo", "Sources", "graph_from_jaxpr", "graph_with_sources"]
 
 INLINE = {"jit", "pjit", "closed_call", "core_call"}
 BOUNDARY = REMAT_KINDS | {"custom_jvp_call", "custom_vjp_call",
@@ -58,12 +58,34 @@ def _closed(j: Any) -> jcore.ClosedJaxpr:
     return j if isinstance(j, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(j, ())
 
 
+@dataclass(frozen=True)
+class Sources:
+    """Where a graph came from in its jaxpr: what runs a cut of the jaxpr's equations (the
+    pipeline's chunks) as a range of the graph's ops.
+
+    Attributes:
+        tensors: jaxpr variable -> the tensor it is (the program's and its bodies' variables;
+            a sub-jaxpr inlined at several calls keeps its first).
+        ops: ``id(eqn)`` -> the ids of the ops the equation became (a call or a remat
+            boundary: every op inside it; a ``scan``: the one op, its body's equations have
+            their own entries).
+    """
+
+    tensors: dict[Any, Tensor] = field(default_factory=dict)
+    ops: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+
 @dataclass
 class _Builder:
     annotate: Callable[[str, dict, list, list], str | None]
     root: str
     ids: itertools.count = field(default_factory=itertools.count)
     missing: dict[str, set[str]] = field(default_factory=dict)
+    sources: Sources = field(default_factory=Sources)
+
+    def bind(self, env: dict, v: Any, t: Tensor) -> None:
+        env[v] = t
+        self.sources.tensors.setdefault(v, t)
 
     def tensor(self, aval: Any, role: Role = Role.VALUE, name: str = "", collection=None,
                value=None) -> Tensor:
@@ -89,10 +111,10 @@ class _Builder:
         const_tensors = []
         for v, c in zip(jaxpr.constvars, consts, strict=True):
             t = self.tensor(v.aval, Role.CONST, value=c)
-            env[v] = t
+            self.bind(env, v, t)
             const_tensors.append(t)
         for v, t in zip(jaxpr.invars, in_tensors, strict=True):
-            env[v] = t
+            self.bind(env, v, t)
         ops: list[Op] = []
         boundaries: list[Boundary] = []
         self._eqns(jaxpr.eqns, env, ops, boundaries, stack, ())
@@ -106,50 +128,55 @@ class _Builder:
 
     def _eqns(self, eqns, env, ops, boundaries, stack, boundary) -> None:
         for eqn in eqns:
-            name = eqn.primitive.name
-            here = "/".join(p for p in (stack, str(eqn.source_info.name_stack)) if p)
-            ins = [self.read(env, v) for v in eqn.invars]
-            if name in INLINE or name in BOUNDARY:
-                sub = _sub_jaxpr(eqn.params, "jaxpr", "call_jaxpr", "fun_jaxpr")
-                if sub is not None:
-                    closed = _closed(sub)
-                    inner_env: dict[Any, Tensor] = {}
-                    for v, c in zip(closed.jaxpr.constvars, closed.consts, strict=True):
-                        inner_env[v] = self.tensor(v.aval, Role.CONST, value=c)
-                    for v, t in zip(closed.jaxpr.invars, ins, strict=True):
-                        inner_env[v] = t
-                    inner_boundary = boundary
-                    if name in BOUNDARY:
-                        bid = next(self.ids)
-                        inner_boundary = boundary + (bid,)
-                    self._eqns(closed.jaxpr.eqns, inner_env, ops, boundaries, here,
-                               inner_boundary)
-                    outs = [self.read(inner_env, v) for v in closed.jaxpr.outvars]
-                    for v, t in zip(eqn.outvars, outs, strict=True):
-                        env[v] = t
-                    if name in BOUNDARY:
-                        boundaries.append(Boundary(bid, name, tuple(ins), tuple(outs), eqn))
-                    continue
-            outs = [self.tensor(v.aval) for v in eqn.outvars]
-            for v, t in zip(eqn.outvars, outs, strict=True):
-                env[v] = t
-            regions: tuple[Graph, ...] = ()
-            if name in REGIONS:
-                regions = self._regions(eqn, here)
-                anno, annotated = _region_anno(eqn, regions, ins, outs)
-            else:
-                anno = self.annotate(name, eqn.params, [v.aval for v in eqn.invars],
-                                     [v.aval for v in eqn.outvars])
-                annotated = anno is not None
-                if anno is None:
-                    anno = ", ".join("?" for _ in ins) + " -> " + ", ".join("?" for _ in outs)
-                    self.missing.setdefault(name, set()).add(self.module_path(here))
-            path = self.module_path(here)
-            if regions and not path:  # a region belongs to the module all its body ops share
-                body_paths = [op.module_path for g in regions for op in g.walk()]
-                path = _common_prefix(body_paths)
-            ops.append(Op(next(self.ids), name, tuple(ins), tuple(outs), str(anno), annotated,
-                          path, boundary, regions, eqn))
+            first = len(ops)
+            self._eqn(eqn, env, ops, boundaries, stack, boundary)
+            self.sources.ops.setdefault(id(eqn), tuple(op.id for op in ops[first:]))
+
+    def _eqn(self, eqn, env, ops, boundaries, stack, boundary) -> None:
+        name = eqn.primitive.name
+        here = "/".join(p for p in (stack, str(eqn.source_info.name_stack)) if p)
+        ins = [self.read(env, v) for v in eqn.invars]
+        if name in INLINE or name in BOUNDARY:
+            sub = _sub_jaxpr(eqn.params, "jaxpr", "call_jaxpr", "fun_jaxpr")
+            if sub is not None:
+                closed = _closed(sub)
+                inner_env: dict[Any, Tensor] = {}
+                for v, c in zip(closed.jaxpr.constvars, closed.consts, strict=True):
+                    inner_env[v] = self.tensor(v.aval, Role.CONST, value=c)
+                for v, t in zip(closed.jaxpr.invars, ins, strict=True):
+                    inner_env[v] = t
+                inner_boundary = boundary
+                if name in BOUNDARY:
+                    bid = next(self.ids)
+                    inner_boundary = boundary + (bid,)
+                self._eqns(closed.jaxpr.eqns, inner_env, ops, boundaries, here,
+                           inner_boundary)
+                outs = [self.read(inner_env, v) for v in closed.jaxpr.outvars]
+                for v, t in zip(eqn.outvars, outs, strict=True):
+                    self.bind(env, v, t)
+                if name in BOUNDARY:
+                    boundaries.append(Boundary(bid, name, tuple(ins), tuple(outs), eqn))
+                return
+        outs = [self.tensor(v.aval) for v in eqn.outvars]
+        for v, t in zip(eqn.outvars, outs, strict=True):
+            self.bind(env, v, t)
+        regions: tuple[Graph, ...] = ()
+        if name in REGIONS:
+            regions = self._regions(eqn, here)
+            anno, annotated = _region_anno(eqn, regions, ins, outs)
+        else:
+            anno = self.annotate(name, eqn.params, [v.aval for v in eqn.invars],
+                                 [v.aval for v in eqn.outvars])
+            annotated = anno is not None
+            if anno is None:
+                anno = ", ".join("?" for _ in ins) + " -> " + ", ".join("?" for _ in outs)
+                self.missing.setdefault(name, set()).add(self.module_path(here))
+        path = self.module_path(here)
+        if regions and not path:  # a region belongs to the module all its body ops share
+            body_paths = [op.module_path for g in regions for op in g.walk()]
+            path = _common_prefix(body_paths)
+        ops.append(Op(next(self.ids), name, tuple(ins), tuple(outs), str(anno), annotated,
+                      path, boundary, regions, eqn))
 
     def _regions(self, eqn, stack: str) -> tuple[Graph, ...]:
         p = eqn.params
@@ -247,8 +274,20 @@ def graph_from_jaxpr(
     Returns:
         The graph and, per primitive without a rule, the module paths where it appears.
     """
+    graph, missing, _ = graph_with_sources(closed, inputs, root=root, annotate=annotate)
+    return graph, missing
+
+
+def graph_with_sources(
+    closed: jcore.ClosedJaxpr,
+    inputs: Sequence[InputInfo],
+    *,
+    root: str = "",
+    annotate: Callable[[str, dict, list, list], Any] | None = None,
+) -> tuple[Graph, dict[str, set[str]], Sources]:
+    """:func:`graph_from_jaxpr`, and where each of the graph's tensors and ops came from."""
     b = _Builder(annotate or rules_annotate, root)
     in_tensors = [b.tensor(v.aval, info.role, info.name, info.collection)
                   for v, info in zip(closed.jaxpr.invars, inputs, strict=True)]
     graph = b.build(closed.jaxpr, closed.consts, in_tensors)
-    return graph, b.missing
+    return graph, b.missing, b.sources

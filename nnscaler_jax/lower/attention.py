@@ -130,6 +130,6 @@ def run_fused_attention(lw: Any, op: Op, ins: Sequence[Any], in_lays: Sequence[L
         return attention_reference(op, q, k, v)
 
     spec = lambda lay: Layout(lay.dims).to_pspec()  # (no partial sums: nothing is reduced)
-    fn = jax.shard_map(body, mesh=lw.region_mesh(), in_specs=tuple(spec(l) for l in in_lays),
-                       out_specs=spec(out_lays[0]), check_vma=False)
+    fn = lw.shard_map(body, tuple(spec(l) for l in in_lays),
+                      spec(out_lays[0]))
     return [fn(*[jnp.asarray(x) for x in ins])]

@@ -1,120 +1,44 @@
-"""A plan's sharding constraints on raw jaxpr equations, and the evaluator that applies them.
+"""Running cuts of a traced program's equations: as they are, or as the plan lowers their ops.
 
-:class:`~nnscaler_jax.lower.replay.Lowering` replays a whole :class:`~nnscaler_jax.ir.graph.Graph`
-op by op. The pipeline runtime instead runs pieces of a program cut by module path (a prefix,
-one layer template, a suffix: lists of equations, :mod:`nnscaler_jax.pipeline.split`), so it
-needs the same constraints keyed by equation. :class:`EqnConstraints` derives them from a
-``Lowering`` (the same layouts: ``op_layouts`` with partial sums resolved to what the first
-consumer needs) and evaluates equation lists under them; :data:`NO_CONSTRAINTS` evaluates
-without any (data-parallel stages). An input whose producer is known reaches its layout along
-the priced path, one constraint per step (:func:`nnscaler_jax.lower.relayout.relayout_steps`),
-as in the replay.
+The pipeline's chunks are ranges of the micro-batch program's equations (a prefix, one layer
+template, a suffix; or a cut at module boundaries, :mod:`nnscaler_jax.pipeline.chunks`). An
+:class:`EqnEvaluator` runs such a range on an environment of jaxpr variables:
+:data:`NO_CONSTRAINTS` binds the equations as they are (data-parallel stages, where GSPMD has
+nothing to decide), :class:`LoweredEqns` runs the graph ops the equations became through the
+one :class:`~nnscaler_jax.lower.replay.Lowering` of the in-stage plan, so a chunk runs what a
+flat plan runs: the layouts and their priced relayout paths, partial sums, co-sharded blocks,
+recompute groups, ``shard_map`` regions (manual over the stage's axes, inside the pipeline's
+``shard_map`` over the stage and data axes).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import abc
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-import numpy as np
 from jax.extend import core as jcore
-from jax.sharding import PartitionSpec as P
 
-from nnscaler_jax.capture.jaxpr import BOUNDARY, INLINE
-from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
+from nnscaler_jax.capture.jaxpr import INLINE, Sources
+from nnscaler_jax.errors import PlanError
+from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.lower.local import bind_eqn
-from nnscaler_jax.lower.relayout import relayout_steps
 from nnscaler_jax.lower.replay import Lowering
 from nnscaler_jax.plan.layouts import op_layouts
 
-__all__ = ["NO_CONSTRAINTS", "EqnConstraints"]
-
-Specs = tuple[P | None, ...]
+__all__ = ["NO_CONSTRAINTS", "EqnEvaluator", "LoweredEqns"]
 
 
-@dataclass(frozen=True)
-class EqnConstraints:
-    """Sharding constraints keyed by equation.
+class EqnEvaluator(abc.ABC):
+    """Runs lists of a traced program's equations on ``env`` (jaxpr variable -> value)."""
 
-    Attributes:
-        op_specs: ``id(eqn) -> (input specs, output specs)`` (None: leave unconstrained).
-        boundary_specs: ``id(eqn) -> output specs`` of custom-derivative calls bound whole.
-        steps: ``id(eqn) -> per input, the specs it passes through before its input spec``
-            (the relayout path from its producer's layout; empty: none).
-    """
-
-    op_specs: dict[int, tuple[Specs, Specs]] = field(default_factory=dict)
-    boundary_specs: dict[int, Specs] = field(default_factory=dict)
-    steps: dict[int, tuple[Specs, ...]] = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, lowering: Lowering) -> EqnConstraints:
-        """The constraints ``lowering`` applies, keyed by its graph's equations."""
-        graph = lowering.graph
-        producer = graph.writers
-
-        def out_specs(op: Op) -> list[P | None]:
-            _, outs = op_layouts(op, lowering.plan_of(op))
-            return [_spec(t, lowering.resolve(t, lay))
-                    for t, lay in zip(op.outputs, outs, strict=True)]
-
-        made = {t.id: lowering.input_layout(t) for t in graph.inputs}
-        for op in graph.walk():
-            _, outs = op_layouts(op, lowering.plan_of(op))
-            made.update((t.id, lowering.resolve(t, lay))
-                        for t, lay in zip(op.outputs, outs, strict=True))
-        op_specs, steps = {}, {}
-        for op in graph.walk():
-            if op.eqn is not None:
-                ins, _ = op_layouts(op, lowering.plan_of(op))
-                op_specs[id(op.eqn)] = (
-                    tuple(_spec(t, lay) for t, lay in zip(op.inputs, ins, strict=True)),
-                    tuple(out_specs(op)))
-                path = tuple(_steps(lowering, t, made.get(t.id), lay)
-                             for t, lay in zip(op.inputs, ins, strict=True))
-                n = max((len(x) for x in path), default=0)
-                if n:  # shorter paths wait (None: no constraint) and end with the others
-                    steps[id(op.eqn)] = tuple((None,) * (n - len(x)) + x for x in path)
-        boundary_specs = {}
-        for g in _graphs(graph):
-            for b in g.boundaries:
-                boundary_specs[id(b.eqn)] = tuple(
-                    out_specs(producer[t.id][0])[producer[t.id][1]] if t.id in producer else None
-                    for t in b.outputs)
-        return cls(op_specs, boundary_specs, steps)
-
-    def evaluate(self, eqns: Any, env: dict) -> None:
-        """Evaluate ``eqns`` into ``env`` (jaxpr var -> value) under the constraints: calls
-        (``pjit``...) are inlined, remat bodies evaluated under ``jax.checkpoint``."""
-        def read(v):
-            return v.val if isinstance(v, jcore.Literal) else env[v]
-
-        for e in eqns:
-            name = e.primitive.name
-            ins = [read(v) for v in e.invars]
-            sub = e.params.get("jaxpr") if name in INLINE else None
-            if sub is not None:
-                outs = self.call(sub, ins)
-            elif name in REMAT_KINDS:
-                body = e.params["jaxpr"]
-                fn: Callable = lambda *a, body=body: self.call(body, list(a))
-                outs = jax.checkpoint(fn, prevent_cse=e.params.get("prevent_cse", True),
-                                      policy=e.params.get("policy"))(*ins)
-            else:
-                in_specs, out_specs = self.op_specs.get(id(e), (None, None))
-                for specs in zip(*self.steps.get(id(e), ())):  # the relayouts' steps, in order
-                    ins = _constrain(ins, specs)
-                ins = _constrain(ins, in_specs)  # outside the equation's context (its mesh)
-                with e.ctx.manager:
-                    outs = bind_eqn(e, ins)
-                if name in BOUNDARY:
-                    out_specs = self.boundary_specs.get(id(e))
-                outs = _constrain(outs, out_specs)
-            for v, o in zip(e.outvars, outs, strict=True):
-                env[v] = o
+    @abc.abstractmethod
+    def evaluate(self, eqns: Sequence[Any], env: dict) -> None:
+        """Evaluate ``eqns`` into ``env``."""
 
     def call(self, sub: Any, ins: list[Any]) -> list[Any]:
         """Evaluate a (closed) jaxpr on ``ins``; its outputs."""
@@ -126,39 +50,110 @@ class EqnConstraints:
                 for v in closed.jaxpr.outvars]
 
 
+class _Plain(EqnEvaluator):
+    """The equations as they are: calls (``pjit``...) inlined, remat bodies under
+    ``jax.checkpoint``."""
+
+    def evaluate(self, eqns: Sequence[Any], env: dict) -> None:
+        for e in eqns:
+            ins = [v.val if isinstance(v, jcore.Literal) else env[v] for v in e.invars]
+            for v, o in zip(e.outvars, self.bind(e, ins), strict=True):
+                env[v] = o
+
+    def bind(self, e: Any, ins: list[Any]) -> list[Any]:
+        name = e.primitive.name
+        sub = e.params.get("jaxpr") if name in INLINE else None
+        if sub is not None:
+            return self.call(sub, ins)
+        if name in REMAT_KINDS:
+            body = e.params["jaxpr"]
+            fn: Callable = lambda *a: self.call(body, list(a))
+            return jax.checkpoint(fn, prevent_cse=e.params.get("prevent_cse", True),
+                                  policy=e.params.get("policy"))(*ins)
+        with e.ctx.manager:
+            return bind_eqn(e, ins)
+
+
 #: Evaluates equations as they are (no constraints).
-NO_CONSTRAINTS = EqnConstraints()
+NO_CONSTRAINTS = _Plain()
 
 
-def _graphs(graph: Graph) -> list[Graph]:
-    out = [graph]
-    for g in out:
-        for op in g.ops:
-            out.extend(op.regions)
-    return out
+@dataclass(eq=False)
+class LoweredEqns(EqnEvaluator):
+    """Equations run as the graph ops they became (``sources``), through ``lowering``.
 
+    ``lowering``'s graph is the one built from the equations' program
+    (:func:`~nnscaler_jax.capture.jaxpr.graph_with_sources`); an equation it has no ops for
+    (made after the graph, e.g. a rewritten program's) is bound as it is. Every value's layout
+    where it is made is known before any chunk runs, so a chunk reads a value another chunk
+    made along the priced path from that layout."""
 
-def _spec(t: Tensor, lay: Layout) -> P | None:
-    if t.role is Role.CONST or t.ndim == 0:
-        return None
-    try:
-        np.dtype(t.dtype)
-    except TypeError:
-        return None
-    return lay.to_pspec(allow_partial=True)
+    lowering: Lowering
+    sources: Sources
+    _ops: dict[int, Op] = field(default_factory=dict, init=False)
+    _home: dict[int, tuple[Graph, int]] = field(default_factory=dict, init=False)
+    _members: dict[int, set[int]] = field(default_factory=dict, init=False)
 
+    def __post_init__(self) -> None:
+        low = self.lowering
+        levels = [low.graph]
+        for g in levels:
+            for i, op in enumerate(g.ops):
+                self._ops[op.id] = op
+                self._home[op.id] = (g, i)
+                for b in op.boundary:
+                    self._members.setdefault(b, set()).add(op.id)
+                levels.extend(op.regions)
+        for t in low.graph.inputs:  # where each value is made (the start of its relayouts)
+            low.layouts.setdefault(t.id, Layout(low.input_layout(t).dims))
+        for op in low.graph.walk():
+            _, outs = op_layouts(op, low.plan_of(op))
+            for t, lay in zip(op.outputs, outs, strict=True):
+                low.layouts.setdefault(t.id, Layout(low.resolve(t, lay).dims))
 
-def _steps(lowering: Lowering, t: Tensor, src: Layout | None, lay: Layout) -> Specs:
-    """The specs ``t`` passes through from ``src`` before it is read as ``lay`` (the last
-    step, ``lay`` itself, is the input spec)."""
-    if src is None or _spec(t, lay) is None:
-        return ()
-    path = relayout_steps(src, lay, t.shape, np.dtype(t.dtype).itemsize, lowering.mesh_spec)
-    return tuple(step.to_pspec() for step in path[:-1])
+    def evaluate(self, eqns: Sequence[Any], env: dict) -> None:
+        run: list[Any] = []
+        for e in eqns:
+            if self.sources.ops.get(id(e)) is None:
+                self._lowered(run, env)
+                run = []
+                NO_CONSTRAINTS.evaluate([e], env)
+            else:
+                run.append(e)
+        self._lowered(run, env)
 
+    def _lowered(self, eqns: list[Any], env: dict) -> None:
+        """Run the ops of ``eqns`` (in their graph's order) on ``env``."""
+        if not eqns:
+            return
+        ids = {i for e in eqns for i in self.sources.ops[id(e)] if i in self._ops}
+        ops = sorted((self._ops[i] for i in ids), key=lambda op: self._home[op.id][1])
+        graphs = {id(self._home[op.id][0]): self._home[op.id][0] for op in ops}
+        if len(graphs) > 1:
+            raise PlanError("a pipeline chunk's equations span a loop body and its program")
+        ops = [self._whole(op, ids) for op in ops]
+        tensors = self.sources.tensors
+        tenv: dict[Any, Any] = {}
+        for v, x in env.items():
+            t = tensors.get(v)
+            if t is not None:
+                tenv[t.id] = x
+        (graph,) = graphs.values() or (self.lowering.graph,)
+        self.lowering.run(ops, tenv, {b.id: b for b in graph.boundaries})
+        for e in eqns:
+            for v in e.outvars:
+                t = tensors.get(v)
+                if t is not None and t.id in tenv and not isinstance(v, jcore.DropVar):
+                    env[v] = tenv[t.id]
 
-def _constrain(xs: list[Any], specs: Specs | None) -> list[Any]:
-    if specs is None:
-        return xs
-    return [x if s is None else jax.lax.with_sharding_constraint(x, s)
-            for x, s in zip(xs, specs, strict=True)]
+    def _whole(self, op: Op, ids: set[int]) -> Op:
+        """``op``, checked to run with the rest of its block: a parameter's cast another
+        chunk re-makes (:func:`~nnscaler_jax.pipeline.chunks.cut_program`) runs outside it."""
+        if not op.boundary or self._members[op.boundary[0]] <= ids:
+            return op
+        if op.primitive == "convert_element_type" and op.inputs[0].role is Role.VARIABLE:
+            return dataclasses.replace(op, boundary=())
+        raise PlanError(
+            f"pipeline stages: a chunk cut at '{op.module_path}' splits a co-sharded or "
+            f"recomputed block (op '{op.primitive}'). Fix: cut the stages at another module, "
+            "or leave the block whole (its rule's module path)")

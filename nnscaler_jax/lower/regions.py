@@ -94,8 +94,8 @@ def run_cosharded(lw: Any, op: Op, plan: OpPlan, ins: Sequence[Any],
         return [jax.lax.psum(o, tuple(partial)) if partial else o for o in outs]
 
     local_ins = [_as_array(x) for x in ins]
-    fn = jax.shard_map(body, mesh=lw.region_mesh(), in_specs=tuple(_spec(l) for l in in_lays),
-                       out_specs=[_spec(l) for l in out_lays], check_vma=False)
+    fn = lw.shard_map(body, tuple(_spec(l) for l in in_lays),
+                      [_spec(l) for l in out_lays])
     return list(fn(*local_ins))
 
 
@@ -113,8 +113,8 @@ def run_sharded(lw: Any, op: Op, plan: OpPlan, ins: Sequence[Any],
         outs = bind_local(op, local, ways)
         return [jax.lax.psum(o, partial) if partial else o for o in outs]
 
-    fn = jax.shard_map(body, mesh=lw.region_mesh(), in_specs=tuple(_spec(l) for l in in_lays),
-                       out_specs=[_spec(l) for l in out_lays], check_vma=False)
+    fn = lw.shard_map(body, tuple(_spec(l) for l in in_lays),
+                      [_spec(l) for l in out_lays])
     return list(fn(*[_as_array(x) for x in ins]))
 
 
@@ -180,9 +180,8 @@ def run_value_chain(lw: Any, ops: Sequence[Op], env: dict[int, Any]) -> None:
     # external inputs reach the region's layouts along the plan's paths (lower/relayout.py)
     args = [_as_array(lw.read_as(env, t, lay, split) if t.id in env else t.value)
             for t, lay, split in ext.values()]
-    fn = jax.shard_map(body, mesh=lw.region_mesh(),
-                       in_specs=tuple(_spec(lay) for _, lay, _ in ext.values()),
-                       out_specs=[_spec(l) for l in exit_lays], check_vma=False)
+    fn = lw.shard_map(body, tuple(_spec(lay) for _, lay, _ in ext.values()),
+                      [_spec(l) for l in exit_lays])
     for t, x, lay in zip(exits, fn(*args), exit_lays, strict=True):
         env[t.id] = x
         lw.layouts[t.id] = Layout(lay.dims)

@@ -71,7 +71,9 @@ def explicitly_typed(x: Any) -> bool:
 @dataclass(eq=False)
 class Lowering:
     """Replays ``graph`` under ``plan`` on ``mesh`` (``explicit``: inputs carry Explicit
-    sharding types; ``result_specs``: on an Explicit mesh, the types of the outputs the user's
+    sharding types; ``in_context``: it runs inside a program
+that sets the mesh (the pipeline's stages: constraints are specs of the context mesh, regions
+manual over its axes not yet manual); ``result_specs``: on an Explicit mesh, the types of the outputs the user's
     code reads (:func:`nnscaler_jax.lower.explicit.result_specs`; None entries: the plan's);
     ``mesh_spec``: the link costs the plan was priced with, which choose each relayout's path
     (None: :data:`~nnscaler_jax.mesh.topology.DEFAULT_LINK` on every axis, as the default
@@ -82,6 +84,7 @@ class Lowering:
     mesh: Mesh
 
     explicit: bool = False
+    in_context: bool = False
     result_specs: Sequence[PartitionSpec | None] | None = None
     mesh_spec: MeshSpec | None = None
 
@@ -126,11 +129,27 @@ class Lowering:
         """What ``with_sharding_constraint`` takes inside the program: on an Explicit mesh the
         program runs under ``auto_axes`` and constraints are specs of the context mesh."""
         spec = layout.to_pspec(allow_partial=True)
-        return spec if self.explicit else NamedSharding(self.mesh, spec)
+        return spec if self.explicit or self.in_context else NamedSharding(self.mesh, spec)
 
     def region_mesh(self) -> Any:
         """The mesh ``shard_map`` regions use: the context (Auto) mesh under ``auto_axes``."""
-        return jax.sharding.get_abstract_mesh() if self.explicit else self.mesh
+        return jax.sharding.get_abstract_mesh() if self.explicit or self.in_context \
+            else self.mesh
+
+    def shard_map(self, body: Any, in_specs: Any, out_specs: Any) -> Any:
+        """``body`` as a region: manual over the mesh axes not already manual (a stage's
+        region inside the pipeline's ``shard_map`` over its stage and data axes)."""
+        mesh = self.region_mesh()
+        manual = jax.sharding.AxisType.Manual
+        names = frozenset(a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+                          if t != manual)
+        return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                             axis_names=names, check_vma=False)
+
+    def run(self, ops: Sequence[Op], env: dict, boundaries: dict) -> None:
+        """Run ``ops`` (consecutive ops of one graph, whole boundaries) on ``env`` (tensor id
+        -> value): what the pipeline's chunks run (:mod:`nnscaler_jax.lower.eqns`)."""
+        self._run(list(ops), 0, env, boundaries)
 
     def named(self, layout: Layout) -> NamedSharding:
         return NamedSharding(self.mesh, layout.to_pspec(allow_partial=True))

@@ -85,14 +85,13 @@ class CutProgram(PipelineRuntime):
     :meth:`grads` gives the loss and gradients, :meth:`train_step` the jitted optax step.
     """
 
-    stage_plan = None
     tp_axes: tuple[str, ...] = ()
 
     def __init__(self, module: Any, loss_fn: Callable, mesh: Any, sched: sch.Schedule,
                  params: Any, batch: tuple, *, stage_of: tuple, policy: Any = None,
                  rules: tuple = (), call: ModuleCall | None = None, recompute: str = "chunk",
-                 layer_rules: tuple = ()):
-        del rules  # (stages are data-parallel inside; recompute rules: the plan's layer_rules)
+                 layer_rules: tuple = (), budget: float | None = None):
+        del rules, budget  # (stages data-parallel inside; recompute rules: layer_rules)
         self.layer_rules = dict(layer_rules)  # layer -> recomputed on its own (rules.py)
         self.module, self.loss_fn, self.schedule = module, loss_fn, sched
         self.mesh = auto_view(mesh)  # (Auto types: the optimizer's ModuleView slices leaves)

@@ -6,13 +6,14 @@ that ``shard_map`` is *partial-manual*: manual over the stage axis and the data-
 (named like :data:`~nnscaler_jax.mesh.axes.DATA_AXES`), while the remaining axes (e.g.
 ``'model'``) stay in GSPMD's auto mode inside the body. The policy plans the micro-batch training
 program (``loss_fn(module.apply(...))`` on one data shard's micro-batch) on the mesh of those
-tensor-parallel axes only; the chunk functions then evaluate the cut program with every op's
-inputs and outputs constrained (``with_sharding_constraint``) to the layouts the plan gives that
-op (:func:`nnscaler_jax.plan.layouts.op_layouts`, partial sums resolved to what their consumer
-needs, as :class:`~nnscaler_jax.lower.replay.Lowering` does), so GSPMD inserts the Megatron
-collectives (an all-reduce over ``'model'`` after each row-parallel matmul, forward and
-backward). Layer parameters are stored ``P(stage, None, None, *plan spec)``: each device holds its
-stage's chunk of layers and its slice over ``'model'``.
+tensor-parallel axes only; the chunk functions then run the ops their equations became through
+that plan's one :class:`~nnscaler_jax.lower.replay.Lowering` (:class:`~nnscaler_jax.lower.eqns.
+LoweredEqns`), as a flat plan runs: every op's inputs and outputs constrained to its layouts,
+partial sums reduced where their consumer needs them, co-sharded blocks and value-split chains
+in ``shard_map`` regions manual over the tensor-parallel axes (nested in the pipeline's), so
+GSPMD inserts the plan's collectives (an all-reduce over ``'model'`` after each row-parallel
+matmul, forward and backward). Layer parameters are stored ``P(stage, None, None, *plan
+spec)``: each device holds its stage's chunk of layers and its slice over ``'model'``.
 
 Why partial-manual and not a fully manual ``shard_map`` with explicit ``psum`` over ``'model'``:
 checked on jax 0.10 CPU, ``with_sharding_constraint`` over the auto axes works inside
@@ -26,24 +27,25 @@ mesh (same devices, names and specs).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 from jax.sharding import Mesh
 
-from nnscaler_jax.capture.jaxpr import InputInfo, graph_from_jaxpr
+from nnscaler_jax.capture.jaxpr import InputInfo, Sources, graph_with_sources
 from nnscaler_jax.constraints import Constraints
 from nnscaler_jax.errors import PlanError
-from nnscaler_jax.ir.graph import Graph, Role
+from nnscaler_jax.ir.graph import Graph, Role, Tensor
 from nnscaler_jax.layout import Layout
-from nnscaler_jax.lower.eqns import EqnConstraints
+from nnscaler_jax.lower.eqns import LoweredEqns
 from nnscaler_jax.lower.replay import Lowering
 from nnscaler_jax.mesh.axes import DATA_AXES, auto_view, mesh_axes
-from nnscaler_jax.plan.plan import VALUE, Plan
+from nnscaler_jax.plan.plan import Plan
 from nnscaler_jax.search.entry import SEARCHES, plan_spmd
 
-__all__ = ["InStagePlan", "plan_in_stage", "tensor_axes"]
+__all__ = ["InStagePlan", "part_graph", "plan_in_stage", "tensor_axes"]
 
 
 
@@ -75,8 +77,9 @@ class InStagePlan:
     Attributes:
         axes: the tensor-parallel mesh axes (auto inside the ``shard_map``).
         graph / plan: the micro-batch program's graph and the policy's plan for it.
-        constraints: the plan's sharding constraints keyed by equation (what the chunk
-            functions evaluate under).
+        constraints: what the chunk functions evaluate equations with: the ops they became,
+            run through the plan's one ``Lowering`` (layouts, relayout paths, partial sums,
+            co-sharded blocks and recompute groups, ``shard_map`` regions).
         var_specs: per parameter leaf (flat index), its storage ``PartitionSpec`` entries.
         body_specs: ``scan`` body input var -> the layout its first consumer wants (the
             per-layer storage of an ``nn.scan`` stack, whose stacked variable the policies may
@@ -86,7 +89,7 @@ class InStagePlan:
     axes: tuple[str, ...]
     graph: Graph
     plan: Plan
-    constraints: EqnConstraints
+    constraints: LoweredEqns
     var_specs: tuple[tuple, ...]
     body_specs: dict
 
@@ -110,8 +113,11 @@ def _sub_mesh(mesh: Mesh, axes: tuple[str, ...]) -> Mesh:
 
 
 def plan_in_stage(closed: Any, param_paths: list[str], n_params: int, mesh: Mesh, stage: str,
-                  policy: Any, *, root: str = "", rules: tuple = ()) -> InStagePlan:
-    """Plan the micro-batch program ``closed`` with ``policy`` on the tensor-parallel axes.
+                  policy: Any, *, root: str = "", rules: tuple = (),
+                  stages: Sequence[tuple[Sequence[Any], float | None]] | None = None
+                  ) -> InStagePlan | list[InStagePlan]:
+    """Plan the micro-batch program ``closed`` with ``policy`` on the tensor-parallel axes:
+    the whole program (one plan every stage runs), or with ``stages`` each stage's part.
 
     Args:
         closed: ``(param leaves..., batch leaves...) -> loss`` of one data shard's micro-batch.
@@ -120,11 +126,15 @@ def plan_in_stage(closed: Any, param_paths: list[str], n_params: int, mesh: Mesh
         mesh: the whole mesh; stage: its stage axis; policy: the module's policy.
         root: the root module's name in name stacks (stripped from module paths).
         rules: ``Constraints.rules`` for the in-stage search.
+        stages: per stage, ``(its equations, budget)``: the stage's ops (the equations of its
+            chunks) planned as one program under ``budget`` bytes a device (None: none), as
+            a flat plan is: the search picks the stage's layouts, recompute groups and
+            co-sharded blocks for one micro-batch's pass through its chunks.
 
     Raises:
         PlanError: the policy fails on the in-stage mesh (e.g. it assigns ops to the stage
-            axis), leaves a tensor-parallel axis unused (no dim it splits divides), or uses
-            value-split / co-sharding (not supported inside stages).
+            axis), nothing fits a stage's budget, or a tensor-parallel axis is unused by
+            every stage (no dim it splits divides, or no split pays for itself).
     """
     sizes = mesh_axes(mesh)
     axes = tensor_axes(sizes, stage, policy)
@@ -132,44 +142,78 @@ def plan_in_stage(closed: Any, param_paths: list[str], n_params: int, mesh: Mesh
     infos = [InputInfo(Role.VARIABLE, f"params/{p}", "params") for p in param_paths]
     infos += [InputInfo(Role.INPUT, f"args/{i}") for i in range(len(closed.jaxpr.invars) -
                                                                  n_params)]
-    graph, _ = graph_from_jaxpr(closed, infos, root=root)
+    graph, _, sources = graph_with_sources(closed, infos, root=root)
     sub = _sub_mesh(mesh, axes)
-    try:
-        plan = plan_spmd(graph, sub, policy=policy,
-                         constraints=Constraints(rules=tuple(rules))).plan
-    except PlanError as e:
-        raise _stage_error(policy, tp, f"failed: {e}", f"In-stage policies see only the "
-                           f"tensor-parallel axes {list(tp)}: the stage axis '{stage}' and the "
-                           "data axes are pipelined / data-parallel by the pipeline itself") from e
-    used = {a for p in plan.ops for a, _ in p.split}
-    for a in axes:
-        if a not in used:
-            if policy in SEARCHES:  # the search's choice: no split pays for its collectives
-                raise _stage_error(
-                    policy, tp, f"splits no op over mesh axis '{a}' (size {tp[a]}): at these "
-                    "sizes every split the search priced costs more in communication than it "
-                    "saves in compute, so each device of the axis would compute the same",
-                    f"Name the axis 'data' to run it data-parallel, use fewer devices on "
-                    f"'{a}', or policy='megatron' to split the heads and MLP over it anyway")
+    parts = [(graph, None)] if stages is None else \
+        [(part_graph(graph, sources, eqns), budget) for eqns, budget in stages]
+    plans = []
+    for g, budget in parts:
+        # (a stage's part: the rules selecting its ops; the whole program's were checked)
+        mine = tuple(r for r in rules if stages is None or any(r.matches(op) for op in g.walk()))
+        try:
+            plans.append(plan_spmd(g, sub, policy=policy, constraints=Constraints(
+                rules=mine, max_memory_per_device=budget)).plan)
+        except PlanError as e:
+            where = "" if stages is None else f" (stage {len(plans)})"
+            raise _stage_error(policy, tp, f"failed{where}: {e}", "In-stage policies see "
+                               f"only the tensor-parallel axes {list(tp)}: the stage axis "
+                               f"'{stage}' and the data axes are pipelined / data-parallel "
+                               "by the pipeline itself") from e
+    _check_used(plans, policy, tp)
+    out = []
+    for (g, _), plan in zip(parts, plans, strict=True):
+        low = Lowering(g, plan, sub, in_context=True)
+        var_specs = []
+        for t in graph.inputs[:n_params]:
+            spec = plan.variable_spec(t.name)
+            var_specs.append(tuple(spec) + (None,) * (t.ndim - len(spec)) if spec is not None
+                             else (None,) * t.ndim)
+        out.append(InStagePlan(axes, g, plan, LoweredEqns(low, sources), tuple(var_specs),
+                               _body_specs(low)))
+    return out[0] if stages is None else out
+
+
+def part_graph(graph: Graph, sources: Sources, eqns: Sequence[Any]) -> Graph:
+    """The part of ``graph`` the equations ``eqns`` became, as a program: its inputs the
+    values it reads and does not make (parameters first, in ``graph``'s order), its outputs
+    the values it makes that other ops or the program's outputs read."""
+    ids = {i for e in eqns for i in sources.ops.get(id(e), ())}
+    ops = tuple(op for op in graph.ops if op.id in ids)
+    made = {t.id for op in ops for t in op.outputs}
+    read: dict[int, Tensor] = {}
+    for op in ops:
+        read.update((t.id, t) for t in op.inputs if t.id not in made and t.role is not Role.CONST)
+    order = {t.id: k for k, t in enumerate(graph.inputs)}
+    inputs = sorted(read.values(), key=lambda t: (order.get(t.id, len(order)), t.id))
+    later = {t.id for op in graph.ops if op.id not in ids for t in op.inputs}
+    later |= {t.id for t in graph.outputs}
+    outputs = tuple(t for op in ops for t in op.outputs if t.id in later)
+    inside = {b for op in ops for b in op.boundary}
+    consts = {t.id for op in ops for t in op.inputs if t.role is Role.CONST}
+    return Graph(ops, tuple(inputs), outputs,
+                 tuple(b for b in graph.boundaries if b.id in inside),
+                 tuple(c for c in graph.consts if c.id in consts))
+
+
+def _check_used(plans: Sequence[Plan], policy: Any, tp: dict[str, int]) -> None:
+    """Every tensor-parallel axis split by some stage's plan (else its devices compute the
+    same everywhere, which the user should hear)."""
+    used = {a for plan in plans for p in plan.ops for a, _ in p.split}
+    for a, n in tp.items():
+        if a in used:
+            continue
+        if policy in SEARCHES:  # the search's choice: no split pays for its collectives
             raise _stage_error(
-                policy, tp, f"splits no op over mesh axis '{a}' (size {tp[a]}): no dim the "
-                "policy would split (attention heads, MLP hidden, ...) divides by it",
-                f"Use a '{a}' size that divides the heads and hidden sizes, e.g. 2, or name "
-                f"the axis 'data' to make it data-parallel")
-    bad = [p for p in plan.ops if p.chunks or p.keep_partial or any(d == VALUE
-                                                                     for _, d in p.split)]
-    if bad:
-        raise _stage_error(policy, tp, f"value-splits or co-shards op '{bad[0].primitive}' at "
-                           f"'{bad[0].module_path}'", "Inside pipeline stages only dim splits "
-                           "run; use policy='megatron' or 'auto'")
-    low = Lowering(graph, plan, sub)
-    var_specs = []
-    for t in graph.inputs[:n_params]:
-        spec = plan.variable_spec(t.name)
-        var_specs.append(tuple(spec) + (None,) * (t.ndim - len(spec)) if spec is not None
-                         else (None,) * t.ndim)
-    return InStagePlan(axes, graph, plan, EqnConstraints.of(low), tuple(var_specs),
-                       _body_specs(low))
+                policy, tp, f"splits no op over mesh axis '{a}' (size {n}): at these "
+                "sizes every split the search priced costs more in communication than it "
+                "saves in compute, so each device of the axis would compute the same",
+                f"Name the axis 'data' to run it data-parallel, use fewer devices on "
+                f"'{a}', or policy='megatron' to split the heads and MLP over it anyway")
+        raise _stage_error(
+            policy, tp, f"splits no op over mesh axis '{a}' (size {n}): no dim the "
+            "policy would split (attention heads, MLP hidden, ...) divides by it",
+            f"Use a '{a}' size that divides the heads and hidden sizes, e.g. 2, or name "
+            f"the axis 'data' to make it data-parallel")
 
 
 def _body_specs(low: Lowering) -> dict:

@@ -76,7 +76,7 @@ from nnscaler_jax.pipeline.program import (
 )
 from nnscaler_jax.pipeline.recycle import recycling_program
 from nnscaler_jax.pipeline.split_backward import split_backward
-from nnscaler_jax.pipeline.steps import blocks, timeline
+from nnscaler_jax.pipeline.steps import blocks, peak_in_flight, timeline
 from nnscaler_jax.pipeline.update import LossScaling, mirror_shardings
 
 __all__ = ["MpmdProgram", "cut_runtime"]
@@ -90,6 +90,10 @@ def cut_runtime(mesh: Any, policy: Any, executor: str = "in-graph") -> type:
     axes = mesh_axes(mesh)
     tensor = tensor_axes(axes, require_stage_axis(axes), policy)
     return MpmdProgram if tensor or executor == "per-stage" else CutProgram
+
+
+def _nbytes(aval: Any) -> int:
+    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
 
 def _value(env: dict, v: Any) -> Any:
@@ -123,7 +127,7 @@ class MpmdProgram(PipelineRuntime):
     def __init__(self, module: Any, loss_fn: Callable, mesh: Any, sched: sch.Schedule,
                  params: Any, batch: tuple, *, stage_of: tuple, policy: Any = None,
                  rules: tuple = (), call: ModuleCall | None = None, recompute: str = "chunk",
-                 layer_rules: tuple = ()):
+                 layer_rules: tuple = (), budget: float | None = None):
         self.module, self.loss_fn, self.schedule = module, loss_fn, sched
         self.recompute, self.layer_rules = recompute, dict(layer_rules)
         axes = mesh_axes(mesh)
@@ -147,10 +151,11 @@ class MpmdProgram(PipelineRuntime):
                             "stages does not carry them. Use policy='dp' (stages data-parallel "
                             "inside), or no pipeline stages")
         self.param_avals = abstract
-        strip = tuple(dataclasses.replace(r, recompute=None) for r in rules)
-        self.stage_plan = plan_in_stage(closed, self.param_paths, len(abstract), mesh, self.axis,
-                                        policy, root=type(module).__name__, rules=strip)
         self._cut(closed, len(abstract), stage_of)
+        strip = tuple(dataclasses.replace(r, recompute=None) for r in rules)
+        self.stage_plans = tuple(plan_in_stage(
+            closed, self.param_paths, len(abstract), mesh, self.axis, policy,
+            root=type(module).__name__, rules=strip, stages=self._stage_parts(budget)))
         self._meshes(mesh)
         self._made: dict = {}  # (jitted helpers, built once: accumulators, means)
         kinds = (("F", "B-split", "G") if sched.split_backward else ("F", "B")) \
@@ -191,6 +196,23 @@ class MpmdProgram(PipelineRuntime):
         self.owner = {j: min(s for s, mine in enumerate(self.stage_leaves) if j in mine)
                       for j in range(n)}
 
+    def _stage_parts(self, budget: float | None) -> list[tuple[list, float | None]]:
+        """Per stage, the equations of its chunks and the budget its in-stage search plans
+        one micro-batch's pass under: the device's, less the chunk inputs the schedule keeps
+        for the stage's other micro-batches in flight (a chunk's backward recomputes its
+        forward from its input; the search prices the one pass recomputing)."""
+        cut, S = self.cut, self.schedule.stages
+        flight = peak_in_flight(self.schedule)
+        parts = []
+        for s in range(S):
+            mine = [k for k in range(cut.chunks) if self.seg_stage[k] == s]
+            held = max((sum(_nbytes(v.aval) for v in cut.bounds[k - 1]) for k in mine if k),
+                       default=0)
+            eqns = [e for k in mine for e in cut.segments[k]]
+            parts.append((eqns, None if budget is None
+                          else max(budget - (flight[s] - 1) * held, 0.0)))
+        return parts
+
     def _meshes(self, mesh: Mesh) -> None:
         """Each stage's sub-mesh (its devices, the data and tensor axes, Auto types); with
         all-device blocks also the mesh of every device (group ``S``), the stage axis folded
@@ -219,7 +241,7 @@ class MpmdProgram(PipelineRuntime):
         (norm scales, biases) replicated: split, they would split the activations' features
         and GSPMD would gather them back for the head's matmul."""
         if s < self.schedule.stages:
-            return NamedSharding(self.sub[s], P(*self.stage_plan.var_specs[j]))
+            return NamedSharding(self.sub[s], P(*self.stage_plans[s].var_specs[j]))
         shape, axis = self.param_avals[j].shape, self.tp_axes[0]
         n = self.sub[s].shape[axis]
         dims = [i for i, d in enumerate(shape) if d % n == 0 and len(shape) > 1]
@@ -254,7 +276,7 @@ class MpmdProgram(PipelineRuntime):
         seg = cut.segments[c]
         # (the all-device blocks: GSPMD partitions them from their parameters' split)
         evaluate = NO_CONSTRAINTS.evaluate if self._stage(c) == self.schedule.stages \
-            else self.stage_plan.evaluate
+            else self.stage_plans[self._stage(c)].evaluate
         if self.recompute == "layer" or any(self.layer_starts.values()):
             needed = [*vars_of(jx.outvars), *(cut.bounds[c] if c < C - 1 else ())]
             layered(seg, env, self.layer_starts, needed, self.recompute == "layer", evaluate)

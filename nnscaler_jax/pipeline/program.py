@@ -144,12 +144,14 @@ class PipelineRuntime(abc.ABC):
     Attributes:
         mesh: the mesh the step's state and batch live on (its Auto view).
         data_axes: the mesh axes the batch is split over.
-        stage_plan: the in-stage plan of one micro-batch (tensor-parallel axes), or None.
+        stage_plans: per stage, its in-stage plan (tensor-parallel axes:
+            :class:`~nnscaler_jax.pipeline.in_stage.InStagePlan`); empty when the stages are
+            data-parallel inside.
     """
 
     mesh: Any
     data_axes: tuple[str, ...]
-    stage_plan: Any = None
+    stage_plans: tuple = ()
 
     @abc.abstractmethod
     def to_pipeline(self, params: Any) -> Any:

@@ -81,7 +81,9 @@ class PipelineProgram(PipelineRuntime):
 
     def __init__(self, module: Any, loss_fn: Callable, mesh: Any, sched: sch.Schedule,
                  params: Any, batch: tuple, *, policy: Any = None, rules: tuple = (),
-                 call: ModuleCall | None = None, recompute: str = "chunk"):
+                 call: ModuleCall | None = None, recompute: str = "chunk",
+                 budget: float | None = None):
+        del budget  # (one in-stage plan of the whole micro-batch program, every stage's)
         self.module, self.loss_fn, self.mesh, self.schedule = module, loss_fn, mesh, sched
         self.recompute = recompute  # 'layer': each layer of a chunk under jax.checkpoint
         axes = mesh_axes(mesh)
@@ -110,6 +112,7 @@ class PipelineProgram(PipelineRuntime):
                                             rules=tuple(dataclasses.replace(r, recompute=None)
                                                         for r in rules))
             self._eval = self.stage_plan.evaluate
+            self.stage_plans = (self.stage_plan,) * sched.stages  # (one plan, every stage)
         C, L = sched.chunks, self.split.n_layers
         if L % C:
             raise PlanError(f"{L} layers do not split into {sched.stages} stages x "

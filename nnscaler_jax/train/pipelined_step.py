@@ -43,7 +43,7 @@ class PipelineStep(TrainStep):
     ``'dp'`` the other mesh axes are data-parallel inside each stage; with another policy
     (``'megatron'``, ``'auto'``, a function) the axes named like data axes stay data-parallel and
     the rest (e.g. ``'model'``) are tensor-parallel as the policy plans one micro-batch
-    (:attr:`stage_plan`).
+    (:attr:`stage_plans`).
 
     >>> # step = pm.train_step(models_loss_fn, optax.adam(1e-3))
     >>> # state = step.init(variables, tokens)        # params in the pipeline layout
@@ -72,11 +72,20 @@ class PipelineStep(TrainStep):
     """
 
     @property
+    def stage_plans(self) -> tuple:
+        """Per stage, its in-stage :class:`~nnscaler_jax.plan.plan.Plan` (tensor-parallel axes
+        only) of one micro-batch; empty when stages are data-parallel inside (after
+        :meth:`init`). A stack of identical layers runs one plan on every stage; a cut model
+        plans each stage's chunks on their own, under the stage's budget."""
+        sps = self.program.stage_plans if self.program is not None else ()
+        return tuple(sp.plan for sp in sps)
+
+    @property
     def stage_plan(self) -> Any:
-        """The in-stage :class:`~nnscaler_jax.plan.plan.Plan` (tensor-parallel axes only) of one
-        micro-batch, or None when stages are data-parallel inside (after :meth:`init`)."""
-        sp = self.program.stage_plan if self.program is not None else None
-        return sp.plan if sp is not None else None
+        """The in-stage plan every stage runs (a stack of identical layers), else None
+        (:attr:`stage_plans`)."""
+        plans = self.stage_plans
+        return plans[0] if plans and all(p is plans[0] for p in plans) else None
 
     def __init__(self, pm: Any, loss_fn: Callable, optimizer: Any, **options: Any):
         super().__init__(pm, loss_fn, optimizer, **options)
@@ -128,7 +137,8 @@ class PipelineStep(TrainStep):
                             "schedule='1f1b'")
         args = (self.pm.module, self.loss_fn, self.pm.mesh, sched, params, tuple(batch))
         policy = self.pm.policy if self.pm.policy is not None else plan.policy or None  # (saved)
-        kw = {"policy": policy, "rules": c.rules, "call": call, "recompute": pipe.recompute}
+        kw = {"policy": policy, "rules": c.rules, "call": call, "recompute": pipe.recompute,
+              "budget": c.max_memory_per_device}
         # a stack of identical layers, unless the plan needs a cut (why_cut, the planner's
         # rule too); any other model: heterogeneous stages (hetero.py). Other errors of the
         # stacked program (an in-stage plan that splits nothing) are the user's to see, not a
