@@ -66,9 +66,9 @@ def plan_features(plan: Any) -> dict[str, Any]:
     recomputed on their own inside their chunks, ``PipelineSettings.recomputed``);
     ``cosharded``: ``[module path,
     primitive, dim, chunks]`` per op run as ``chunks`` sequential pieces, and per co-sharded
-    block (``Plan.coshard``) its seed op's; empty for a pipelined plan, whose runtime does not
-    run its SPMD part's co-sharding (chunks run data-parallel, or tensor-parallel with an
-    in-stage plan, which refuses co-sharded ops); ``microbatches``: the
+    block (``Plan.coshard``) its seed op's; a pipelined plan's come from the in-stage plans
+    it priced its stages with (``PipelineSettings.stage_plans``: tensor-parallel cut stages
+    under a budget), as do its recompute groups beyond the layers; ``microbatches``: the
     pipeline's (or the plan's gradient accumulation), 1 without; ``stages``: pipeline stages;
     ``schedule`` / ``executor``: the pipeline's schedule and runtime (``'in-graph'`` or
     ``'per-stage'``; a pipelined plan only).
@@ -82,22 +82,31 @@ def plan_features(plan: Any) -> dict[str, Any]:
 
     micro = (plan.pipeline.microbatches if plan.pipeline is not None
              else getattr(plan, "microbatches", 1))
-    by_id = {p.op: p for p in plan.ops}
-    blocks = [[by_id[s].module_path, by_id[s].primitive, d, int(k)] if s in by_id else
-              [f"op {s}", "", d, int(k)] for s, d, k in getattr(plan, "coshard", ()) or ()]
-    cosharded = [[p.module_path, p.primitive, p.chunks[0], int(p.chunks[1])]
-                 for p in plan.ops if p.chunks] + blocks
-    # (a pipelined plan runs its own recompute and no co-sharding: its SPMD part's groups and
-    # chunked ops do not run)
-    groups = (plan.pipeline.recomputed() if plan.pipeline is not None
-              else list(getattr(plan, "recompute", ()) or ()))
+    # (a pipelined plan runs its own recompute and its stages' in-stage plans, not its SPMD
+    # part's groups and chunked ops)
+    if plan.pipeline is None:
+        groups, cosharded = list(getattr(plan, "recompute", ()) or ()), _cosharded(plan)
+    else:
+        stage_plans = plan.pipeline.stage_plans
+        groups = plan.pipeline.recomputed() + [g for sp in stage_plans for g in sp.recompute]
+        cosharded = [row for sp in stage_plans for row in _cosharded(sp)]
     fused = [list(row) for row in fused_attention_rows(plan)]
     return {"recompute": [jsonable(g) for g in groups],
             "fused_attention": fused,
-            "cosharded": cosharded if plan.pipeline is None else [],
+            "cosharded": cosharded,
             "microbatches": int(micro or 1), "stages": int(plan.stages),
             **({"schedule": plan.pipeline.schedule, "executor": plan.pipeline.executor}
                if plan.pipeline is not None else {})}
+
+
+def _cosharded(plan: Any) -> list[list[Any]]:
+    """``[module path, primitive, dim, chunks]`` per op of ``plan`` run in sequential chunks,
+    and per co-sharded block its seed op's."""
+    by_id = {p.op: p for p in plan.ops}
+    blocks = [[by_id[s].module_path, by_id[s].primitive, d, int(k)] if s in by_id else
+              [f"op {s}", "", d, int(k)] for s, d, k in getattr(plan, "coshard", ()) or ()]
+    return [[p.module_path, p.primitive, p.chunks[0], int(p.chunks[1])]
+            for p in plan.ops if p.chunks] + blocks
 
 
 _SMALLEST = re.compile(r"(?:smallest estimate(?: found)? is|needs(?: an estimated)?)\s+~?"

@@ -80,7 +80,7 @@ def configure_pipeline(plan: Plan, graph: Graph, constraints: Constraints,
                                 paired=bool(steps) and constraints.schedule.paired,
                                 recompute=choice.recompute,
                                 layer_rules=cut.layer_rules if cut else (),
-                                executor=choice.executor)
+                                executor=choice.executor, stage_plans=choice.stage_plans)
     return replace(plan, pipeline=settings, cost=_cost(choice))
 
 

@@ -40,13 +40,15 @@ from nnscaler_jax.ir.graph import Graph, Op, Role
 from nnscaler_jax.ir.layers import block_paths, graph_layers
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.mesh.axes import require_stage_axis
+from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.chunks import param_casts, vars_of
-from nnscaler_jax.pipeline.in_stage import tensor_axes
+from nnscaler_jax.pipeline.in_stage import part_graph, tensor_axes
 from nnscaler_jax.pipeline.pricing import RuntimeSetup
 from nnscaler_jax.pipeline.program import why_cut
 from nnscaler_jax.pipeline.rules import layer_flags
+from nnscaler_jax.pipeline.steps import peak_in_flight
 from nnscaler_jax.pipeline.units import TP_COLLECTIVES, Unit, kept_for_weights, largest_output
-from nnscaler_jax.search.entry import plan_spmd
+from nnscaler_jax.search.entry import SEARCHES, plan_spmd
 
 __all__ = ["Cut", "balance", "chunk_starts", "eqn_path", "first_positions", "identical_layers",
            "plan_cut", "segment_starts", "tp_error"]
@@ -383,12 +385,80 @@ def plan_cut(graph: Graph, mesh_axes: dict[str, int], constraints: Constraints, 
                                      policy) if tensor else (None, None))
     units = _chunk_units(graph, starts, batch, model, ends,
                          {p: flags.get(n) for p, n in cands}, splits, tp, taken, ways)
+    searched = _stage_search(graph, starts, S, {a: mesh_axes[a] for a in tensor}, policy,
+                             constraints, model, units) \
+        if tensor and policy in SEARCHES and constraints.max_memory_per_device else None
     setup = RuntimeSetup(units, axis, data, tensor, S,
                          math.prod(mesh_axes[a] for a in data), tp, batch, link(axis),
                          link(data[0]) if data else link(axis),
                          link(tensor[0]) if tensor else link(axis),
-                         executors=_executors(tensor, colls, constraints))
+                         executors=_executors(tensor, colls, constraints), searched=searched)
     return Cut(starts, stage_of, setup, tuple((n, flags[n]) for _, n in cands if n in flags))
+
+
+def _stage_search(graph: Graph, starts: tuple[int, ...], S: int, tensor: dict[str, int],
+                  policy: Any, constraints: Constraints, model: CostModel,
+                  units: Sequence[Unit]) -> Callable:
+    """``memory(row, budget)``: per stage, the bytes a device holds when the in-stage search
+    plans the stage's part (the ops of its chunks, as the runtime plans it:
+    :func:`~nnscaler_jax.pipeline.in_stage.plan_in_stage`) for one micro-batch under the
+    budget less the chunk inputs the schedule keeps for its other micro-batches in flight,
+    plus those inputs, the stages' plans, and the seconds the busiest stage's plan adds to
+    a step (its recompute and co-sharded chunks against its plan without a budget, one data
+    shard's share); None when a stage's search finds nothing (or the row's schedule runs
+    all-device blocks, which the stages' parts leave out). The search prices one
+    micro-batch's activations of this full-batch graph (``CostModel.microbatches``)."""
+    bounds = list(zip(starts, list(starts[1:]) + [len(graph.ops)], strict=True))
+    casts = _param_casts(graph)
+    rules = tuple(replace(r, recompute=None) for r in constraints.rules)
+    sub = model.mesh
+    links = tuple(sub.links[sub.axis_names.index(a)] for a in tensor)
+    mesh = replace(sub, axis_names=tuple(tensor), axis_sizes=tuple(tensor.values()),
+                   links=links)
+    parts: dict[int, Graph] = {}
+
+    def part(s: int) -> Graph:
+        if s not in parts:
+            ids = {graph.ops[i].id for c in range(s, len(bounds), S) for i in range(*bounds[c])
+                   if graph.ops[i].id not in casts}  # (casts: made where read, as the runtime)
+            reads = {t.id for op in graph.ops if op.id in ids for t in op.inputs}
+            ids |= {op.id for op in graph.ops if op.id in casts and op.outputs[0].id in reads}
+            parts[s] = part_graph(graph, ids)
+        return parts[s]
+
+    free: dict[tuple[int, int], float] = {}
+
+    def extra_s(s: int, m: int, plan: Any, cost: CostModel, mine: tuple) -> float:
+        """Seconds a step of stage ``s`` spends on what ``plan`` recomputes or runs in chunks
+        beyond the stage's plan without a budget (over the whole batch: all data shards')."""
+        if (s, m) not in free:
+            free[s, m] = plan_spmd(part(s), tensor, policy=policy, cost_model=cost,
+                                   constraints=Constraints(rules=mine)).plan.cost.compute_time_s
+        return max(0.0, plan.cost.compute_time_s - free[s, m])
+
+    def memory(row: Any, budget: float) -> tuple[tuple[float, ...], tuple, float] | None:
+        if row.schedule in ("interlaced",) or len(bounds) != S * row.virtual:
+            return None
+        flight = peak_in_flight(sch.build(row.schedule, S, row.microbatches, row.virtual))
+        cost = replace(model, mesh=mesh, microbatches=max(1, units_batch // row.microbatch_size))
+        out, plans, extra = [], [], 0.0
+        for s in range(S):
+            inputs = max((units[1 + c - 1].out_bytes for c in range(s, len(bounds), S) if c),
+                         default=0.0) * row.microbatch_size * (flight[s] - 1)
+            g = part(s)
+            mine = tuple(r for r in rules if any(r.matches(op) for op in g.walk()))
+            try:
+                plan = plan_spmd(g, tensor, policy=policy, cost_model=cost, constraints=(
+                    Constraints(rules=mine, max_memory_per_device=budget - inputs))).plan
+            except PlanError:
+                return None
+            out.append(plan.cost.memory_bytes_per_device + inputs)
+            plans.append(plan)
+            extra = max(extra, extra_s(s, cost.microbatches, plan, cost, mine))
+        return tuple(out), tuple(plans), extra
+
+    units_batch = next((t.shape[0] for t in graph.inputs if t.role is Role.INPUT and t.shape), 1)
+    return memory
 
 
 def _executors(tensor: Sequence[str], collections: bool,

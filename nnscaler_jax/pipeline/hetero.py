@@ -90,8 +90,9 @@ class CutProgram(PipelineRuntime):
     def __init__(self, module: Any, loss_fn: Callable, mesh: Any, sched: sch.Schedule,
                  params: Any, batch: tuple, *, stage_of: tuple, policy: Any = None,
                  rules: tuple = (), call: ModuleCall | None = None, recompute: str = "chunk",
-                 layer_rules: tuple = (), budget: float | None = None):
-        del rules, budget  # (stages data-parallel inside; recompute rules: layer_rules)
+                 layer_rules: tuple = (), budget: float | None = None,
+                 stage_plans: tuple = ()):
+        del rules, budget, stage_plans  # (stages data-parallel inside; recompute: layer_rules)
         self.layer_rules = dict(layer_rules)  # layer -> recomputed on its own (rules.py)
         self.module, self.loss_fn, self.schedule = module, loss_fn, sched
         self.mesh = auto_view(mesh)  # (Auto types: the optimizer's ModuleView slices leaves)

@@ -27,6 +27,7 @@ mesh (same devices, names and specs).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +35,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from nnscaler_jax.capture.jaxpr import InputInfo, Sources, graph_with_sources
+from nnscaler_jax.capture.jaxpr import InputInfo, graph_with_sources
 from nnscaler_jax.constraints import Constraints
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Graph, Role, Tensor
@@ -43,6 +44,7 @@ from nnscaler_jax.lower.eqns import LoweredEqns
 from nnscaler_jax.lower.replay import Lowering
 from nnscaler_jax.mesh.axes import DATA_AXES, auto_view, mesh_axes
 from nnscaler_jax.plan.plan import Plan
+from nnscaler_jax.plan.reuse import renumbered
 from nnscaler_jax.search.entry import SEARCHES, plan_spmd
 
 __all__ = ["InStagePlan", "part_graph", "plan_in_stage", "tensor_axes"]
@@ -114,7 +116,8 @@ def _sub_mesh(mesh: Mesh, axes: tuple[str, ...]) -> Mesh:
 
 def plan_in_stage(closed: Any, param_paths: list[str], n_params: int, mesh: Mesh, stage: str,
                   policy: Any, *, root: str = "", rules: tuple = (),
-                  stages: Sequence[tuple[Sequence[Any], float | None]] | None = None
+                  stages: Sequence[tuple[Sequence[Any], float | None, Plan | None]] | None
+                  = None
                   ) -> InStagePlan | list[InStagePlan]:
     """Plan the micro-batch program ``closed`` with ``policy`` on the tensor-parallel axes:
     the whole program (one plan every stage runs), or with ``stages`` each stage's part.
@@ -126,10 +129,12 @@ def plan_in_stage(closed: Any, param_paths: list[str], n_params: int, mesh: Mesh
         mesh: the whole mesh; stage: its stage axis; policy: the module's policy.
         root: the root module's name in name stacks (stripped from module paths).
         rules: ``Constraints.rules`` for the in-stage search.
-        stages: per stage, ``(its equations, budget)``: the stage's ops (the equations of its
-            chunks) planned as one program under ``budget`` bytes a device (None: none), as
-            a flat plan is: the search picks the stage's layouts, recompute groups and
-            co-sharded blocks for one micro-batch's pass through its chunks.
+        stages: per stage, ``(its equations, budget, plan)``: the stage's ops (the equations
+            of its chunks) planned as one program under ``budget`` bytes a device (None:
+            none), as a flat plan is: the search picks the stage's layouts, recompute groups
+            and co-sharded blocks for one micro-batch's pass through its chunks; or ``plan``,
+            the planner's plan of the same ops (:func:`~nnscaler_jax.pipeline.cut.plan_cut`
+            priced the stage with it), run as it is.
 
     Raises:
         PlanError: the policy fails on the in-stage mesh (e.g. it assigns ops to the stage
@@ -144,10 +149,19 @@ def plan_in_stage(closed: Any, param_paths: list[str], n_params: int, mesh: Mesh
                                                                  n_params)]
     graph, _, sources = graph_with_sources(closed, infos, root=root)
     sub = _sub_mesh(mesh, axes)
-    parts = [(graph, None)] if stages is None else \
-        [(part_graph(graph, sources, eqns), budget) for eqns, budget in stages]
+    parts = [(graph, None, None)] if stages is None else \
+        [(part_graph(graph, {i for e in eqns for i in sources.ops.get(id(e), ())}), budget,
+          given) for eqns, budget, given in stages]
     plans = []
-    for g, budget in parts:
+    for g, budget, given in parts:
+        mapped = renumbered(given, g) if given is not None else None
+        if mapped is not None:
+            plans.append(mapped)
+            continue
+        if given is not None:
+            warnings.warn(f"pipeline stage {len(plans)}: the planner's in-stage plan does not "
+                          "match the traced stage's ops; planning the stage again under its "
+                          "budget", stacklevel=4)
         # (a stage's part: the rules selecting its ops; the whole program's were checked)
         mine = tuple(r for r in rules if stages is None or any(r.matches(op) for op in g.walk()))
         try:
@@ -161,7 +175,7 @@ def plan_in_stage(closed: Any, param_paths: list[str], n_params: int, mesh: Mesh
                                "by the pipeline itself") from e
     _check_used(plans, policy, tp)
     out = []
-    for (g, _), plan in zip(parts, plans, strict=True):
+    for (g, _, _), plan in zip(parts, plans, strict=True):
         low = Lowering(g, plan, sub, in_context=True)
         var_specs = []
         for t in graph.inputs[:n_params]:
@@ -173,11 +187,10 @@ def plan_in_stage(closed: Any, param_paths: list[str], n_params: int, mesh: Mesh
     return out[0] if stages is None else out
 
 
-def part_graph(graph: Graph, sources: Sources, eqns: Sequence[Any]) -> Graph:
-    """The part of ``graph`` the equations ``eqns`` became, as a program: its inputs the
+def part_graph(graph: Graph, ids: set[int]) -> Graph:
+    """The ops of ``graph`` with these ids (a stage's chunks), as a program: its inputs the
     values it reads and does not make (parameters first, in ``graph``'s order), its outputs
     the values it makes that other ops or the program's outputs read."""
-    ids = {i for e in eqns for i in sources.ops.get(id(e), ())}
     ops = tuple(op for op in graph.ops if op.id in ids)
     made = {t.id for op in ops for t in op.outputs}
     read: dict[int, Tensor] = {}

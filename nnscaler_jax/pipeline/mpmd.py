@@ -127,7 +127,8 @@ class MpmdProgram(PipelineRuntime):
     def __init__(self, module: Any, loss_fn: Callable, mesh: Any, sched: sch.Schedule,
                  params: Any, batch: tuple, *, stage_of: tuple, policy: Any = None,
                  rules: tuple = (), call: ModuleCall | None = None, recompute: str = "chunk",
-                 layer_rules: tuple = (), budget: float | None = None):
+                 layer_rules: tuple = (), budget: float | None = None,
+                 stage_plans: tuple = ()):
         self.module, self.loss_fn, self.schedule = module, loss_fn, sched
         self.recompute, self.layer_rules = recompute, dict(layer_rules)
         axes = mesh_axes(mesh)
@@ -155,7 +156,8 @@ class MpmdProgram(PipelineRuntime):
         strip = tuple(dataclasses.replace(r, recompute=None) for r in rules)
         self.stage_plans = tuple(plan_in_stage(
             closed, self.param_paths, len(abstract), mesh, self.axis, policy,
-            root=type(module).__name__, rules=strip, stages=self._stage_parts(budget)))
+            root=type(module).__name__, rules=strip,
+            stages=self._stage_parts(budget, stage_plans)))
         self._meshes(mesh)
         self._made: dict = {}  # (jitted helpers, built once: accumulators, means)
         kinds = (("F", "B-split", "G") if sched.split_backward else ("F", "B")) \
@@ -196,11 +198,12 @@ class MpmdProgram(PipelineRuntime):
         self.owner = {j: min(s for s, mine in enumerate(self.stage_leaves) if j in mine)
                       for j in range(n)}
 
-    def _stage_parts(self, budget: float | None) -> list[tuple[list, float | None]]:
-        """Per stage, the equations of its chunks and the budget its in-stage search plans
-        one micro-batch's pass under: the device's, less the chunk inputs the schedule keeps
-        for the stage's other micro-batches in flight (a chunk's backward recomputes its
-        forward from its input; the search prices the one pass recomputing)."""
+    def _stage_parts(self, budget: float | None, plans: tuple = ()) -> list[tuple]:
+        """Per stage, the equations of its chunks, the budget its in-stage search plans one
+        micro-batch's pass under (the device's, less the chunk inputs the schedule keeps for
+        the stage's other micro-batches in flight: a chunk's backward recomputes its forward
+        from its input; the search prices the one pass recomputing) and the plan the planner
+        priced it with (``PipelineSettings.stage_plans``; None: search)."""
         cut, S = self.cut, self.schedule.stages
         flight = peak_in_flight(self.schedule)
         parts = []
@@ -210,7 +213,8 @@ class MpmdProgram(PipelineRuntime):
                        default=0)
             eqns = [e for k in mine for e in cut.segments[k]]
             parts.append((eqns, None if budget is None
-                          else max(budget - (flight[s] - 1) * held, 0.0)))
+                          else max(budget - (flight[s] - 1) * held, 0.0),
+                          plans[s] if plans else None))
         return parts
 
     def _meshes(self, mesh: Mesh) -> None:

@@ -13,7 +13,8 @@ prices a graph's units on it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from nnscaler_jax.cost.devices import NVLINK_H100
 from nnscaler_jax.cost.model import CostModel
@@ -64,6 +65,8 @@ class RuntimeChoice:
         executor: ``PipelineSettings.executor``: ``'in-graph'`` (one program walking the step
             table in lock step) or ``'per-stage'`` (one program per stage, dispatched from
             the host, each stage running its blocks as their inputs arrive).
+        stage_plans: ``PipelineSettings.stage_plans``: the in-stage search's plans the row's
+            memory was priced with (:attr:`RuntimeSetup.searched`), else empty.
     """
 
     schedule: str
@@ -79,6 +82,7 @@ class RuntimeChoice:
     comm_bytes: float = 0.0
     recompute: str = "chunk"
     executor: str = "in-graph"
+    stage_plans: tuple = field(default=(), compare=False)
 
     def row(self) -> str:
         name = (self.schedule + (f" x{self.virtual}" if self.virtual > 1 else "")
@@ -551,6 +555,10 @@ class RuntimeSetup:
             (:mod:`~nnscaler_jax.pipeline.mpmd`; the only one for tensor-parallel cut stages,
             and for stages data-parallel inside where nothing bars it: no mutable
             collections, no all-device blocks, which it folds into a tensor axis).
+        searched: ``(row, budget) -> (memory per stage, stage plans, extra seconds) | None``:
+            the row's stages planned by the in-stage search under the budget (tensor-parallel
+            cut stages and a search policy: :func:`~nnscaler_jax.pipeline.cut.plan_cut`),
+            asked only when no row fits as priced (:meth:`choices`).
     """
 
     units: list[Unit]
@@ -566,6 +574,8 @@ class RuntimeSetup:
     tp_link: LinkCost
     modes: tuple[str, ...] = ("chunk", "layer")
     executors: tuple[str, ...] = ("in-graph",)
+    searched: Callable[[RuntimeChoice, float], tuple[tuple[float, ...], tuple, float] | None] \
+        | None = field(default=None, compare=False)
 
     def choices(self, memory_per_device: float | None = None, **kw) -> list[RuntimeChoice]:
         """:func:`runtime_choices` for this setup (``kw``: microbatches, schedule, ...), for
@@ -587,9 +597,33 @@ class RuntimeSetup:
                 error = error or e
         if not out:
             raise error
+        if memory_per_device is not None and self.searched is not None \
+                and not any(r.fits for r in out):
+            out = self._searched(out, memory_per_device)
         out.sort(key=lambda r: (not r.fits, r.step_time_s, max(r.memory_bytes),
                                 r.executor != "in-graph"))
         return out
+
+    def _searched(self, rows: list[RuntimeChoice], budget: float) -> list[RuntimeChoice]:
+        """``rows`` none of which fits as priced (Megatron's splits, nothing recomputed but
+        the runtime's chunks and layers), judged again by :attr:`searched` (tensor-parallel
+        cut stages: each stage's part planned by the in-stage search under the stage's
+        budget, recompute and co-sharding included): the fastest chunk-recomputing row
+        whose stages all fit that way, with the memory the search priced and the busiest
+        stage's extra compute (what its plan recomputes or runs in chunks) added to its step
+        (the row's other stages wait on it in the step table: priced as one more serial
+        stretch, not re-walked through the table)."""
+        for k, r in sorted(enumerate(rows), key=lambda kr: kr[1].step_time_s):
+            if r.recompute != "chunk":
+                continue
+            got = self.searched(r, budget)
+            if got is not None and max(got[0]) <= budget:
+                extra = got[2] / self.dp
+                return rows[:k] + [replace(
+                    r, memory_bytes=tuple(got[0]), fits=True, stage_plans=got[1],
+                    step_time_s=r.step_time_s + extra, compute_s=r.compute_s + extra)] \
+                    + rows[k + 1:]
+        return rows
 
 
 def runtime_setup(graph: Graph, mesh_axes: dict[str, int], policy,

@@ -143,6 +143,10 @@ class PipelineSettings:
             program walking the step table in lock step) or ``'per-stage'`` (one program per
             stage dispatched from the host, each stage running as its inputs arrive; always
             so for tensor-parallel cut stages).
+        stage_plans: per stage, the in-stage plan the planner priced it with (tensor-parallel
+            cut stages whose Megatron-style pricing did not fit the budget: each stage's part
+            planned by the search, recompute and co-sharding included); the runtime runs
+            these. Empty: the runtime plans the stages itself.
     """
 
     stages: int
@@ -156,6 +160,7 @@ class PipelineSettings:
     layer_rules: tuple[tuple[str, bool], ...] = ()
     paired: bool = False
     executor: str = "in-graph"
+    stage_plans: tuple[Plan, ...] = ()
 
     def recomputed(self) -> list[str]:
         """The layers recomputed on their own inside their chunk's backward."""
@@ -179,6 +184,8 @@ class PipelineSettings:
             d["paired"] = True
         if self.executor != "in-graph":
             d["executor"] = self.executor
+        if self.stage_plans:
+            d["stage_plans"] = [json.loads(p.to_json()) for p in self.stage_plans]
         return d
 
     @classmethod
@@ -192,7 +199,9 @@ class PipelineSettings:
                    recompute=str(d.get("recompute", "chunk")),
                    layer_rules=tuple((str(n), bool(f)) for n, f in d.get("layer_rules", ())),
                    paired=bool(d.get("paired", False)),
-                   executor=str(d.get("executor", "in-graph")))
+                   executor=str(d.get("executor", "in-graph")),
+                   stage_plans=tuple(Plan.from_json(json.dumps(x))
+                                     for x in d.get("stage_plans", ())))
 
     def lines(self) -> list[str]:
         """The plan text's pipeline section."""
@@ -205,8 +214,23 @@ class PipelineSettings:
                  + (" (written with op_order)" if self.steps else "")
                  + (", one program per stage" if self.executor == "per-stage" else "")
                  + _recomputed_text(self.recomputed(), len(self.stage_of))]
-        lines += [f"  stage {st}: {', '.join(ns)}" for st, ns in sorted(by.items())]
+        lines += [f"  stage {st}: {', '.join(ns)}" + _in_stage_text(self.stage_plans, st)
+                  for st, ns in sorted(by.items())]
         return lines + (self.report.splitlines() if self.report else [])
+
+
+def _in_stage_text(plans: tuple, st: int) -> str:
+    """What stage ``st``'s in-stage plan recomputes and co-shards (the planner's search)."""
+    if st >= len(plans):
+        return ""
+    sp, out = plans[st], []
+    if sp.recompute:
+        out.append(f"recomputes {', '.join(sp.recompute)}")
+    if sp.coshard:
+        paths = {p.op: p.module_path for p in sp.ops}
+        out.append("co-shards " + ", ".join(f"{paths.get(i, f'op {i}')} ({k} chunks)"
+                                            for i, _, k in sp.coshard))
+    return f" ({'; '.join(out)})" if out else ""
 
 
 def _recomputed_text(names: list[str], of: int) -> str:

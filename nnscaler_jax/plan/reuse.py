@@ -23,7 +23,7 @@ from nnscaler_jax.ir.coshard import block_of
 from nnscaler_jax.ir.graph import Graph, Op, Role
 from nnscaler_jax.plan.plan import VALUE, OpPlan, Plan, graph_fingerprint
 
-__all__ = ["check_reuse", "module_part", "saved_plan"]
+__all__ = ["check_reuse", "module_part", "renumbered", "saved_plan"]
 
 REPLAN = "re-plan for these inputs (policy=... or make_plan() without plan=)"
 
@@ -34,17 +34,37 @@ def module_part(plan: Plan, graph: Graph) -> Plan | None:
     the module's ops, in the same order, primitives and module paths (their ids shift by the
     loss's own inputs), so the plan's first ops, renumbered, are the module's. None when
     ``graph`` is not such a part of the plan's graph, or the variables differ."""
+    return _renumbered(plan, graph, prefix=True)
+
+
+def renumbered(plan: Plan, graph: Graph) -> Plan | None:
+    """``plan`` of another graph of the same ops (primitives and module paths, in the same
+    order within each module, its variables named alike: the same program traced again, e.g.
+    at another batch size) as a plan of ``graph``; None when ``graph`` is not such a graph.
+    ``graph`` may have more ops (a module's plan on a graph with its loss): they keep no
+    plan (whole on every device, as the lowering runs an op without one)."""
+    return _renumbered(plan, graph, prefix=False)
+
+
+def _renumbered(plan: Plan, graph: Graph, prefix: bool) -> Plan | None:
     fingerprint = graph_fingerprint(graph)
-    if plan.fused_attention:  # the step's blocks fused: the module's too, to match them
+    if plan.fused_attention:  # the plan's blocks fused: this graph's too, to match them
         graph = with_fused_attention(graph, fusable_blocks(graph))
     ops = list(graph.walk())
-    if len(ops) >= len(plan.ops) or any(
-            (p.primitive, p.module_path) != (op.primitive, op.module_path)
-            for p, op in zip(plan.ops, ops, strict=False)):
-        return None
+    if prefix:
+        if len(ops) >= len(plan.ops) or any(
+                (p.primitive, p.module_path) != (op.primitive, op.module_path)
+                for p, op in zip(plan.ops, ops, strict=False)):
+            return None
+        ids = {p.op: op.id for p, op in zip(plan.ops, ops, strict=False)}
+    else:  # (the same ops, perhaps in another topological order: matched per module)
+        mine = dict(zip(_occurrences(ops), ops, strict=True))
+        theirs = _occurrences(plan.ops)
+        if not set(theirs) <= set(mine):
+            return None
+        ids = {p.op: mine[k].id for k, p in zip(theirs, plan.ops, strict=True)}
     if not {n for n, _ in plan.variables} <= {t.name for t in graph.variables}:
         return None
-    ids = {p.op: op.id for p, op in zip(plan.ops, ops, strict=False)}
     return replace(plan, fingerprint=fingerprint,
                    ops=tuple(replace(p, op=ids[p.op]) for p in plan.ops[:len(ops)]),
                    order=tuple((ids[a], ids[b]) for a, b in plan.order
@@ -52,7 +72,18 @@ def module_part(plan: Plan, graph: Graph) -> Plan | None:
                    coshard=tuple((ids[c[0]], *c[1:]) for c in plan.coshard if c[0] in ids),
                    fused_attention=tuple(ids[i] for i in plan.fused_attention if i in ids),
                    ring_layouts=tuple((ids[i], x) for i, x in plan.ring_layouts if i in ids),
-                   cost=None)
+                   cost=None if prefix else plan.cost)
+
+
+def _occurrences(ops: list[Any]) -> list[tuple[str, str, int]]:
+    """Per op, ``(module path, primitive, how many such ops of its module came before)``."""
+    seen: dict[tuple[str, str], int] = {}
+    out = []
+    for op in ops:
+        key = (op.module_path, op.primitive)
+        out.append((*key, seen.get(key, 0)))
+        seen[key] = seen.get(key, 0) + 1
+    return out
 
 
 def check_reuse(plan: Plan, graph: Graph, mesh_axes: dict[str, int]) -> None:

@@ -167,7 +167,8 @@ class PipelineStep(TrainStep):
         for one program per stage run as one program when the optimizer couples leaves across
         stages (``optax.clip_by_global_norm``: the per-stage update would see one stage's
         part), with a warning: the plan's time is then the per-stage runtime's."""
-        kw = {**kw, "stage_of": pipe.stage_of, "layer_rules": pipe.layer_rules}
+        kw = {**kw, "stage_of": pipe.stage_of, "layer_rules": pipe.layer_rules,
+              "stage_plans": pipe.stage_plans}
         program = cut_runtime(self.pm.mesh, kw["policy"], pipe.executor)(*args, **kw)
         if isinstance(program, MpmdProgram) and not program.tp_axes \
                 and not program.updates_alone(self.optimizer):
