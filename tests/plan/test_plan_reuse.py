@@ -171,3 +171,31 @@ def test_a_plan_saved_with_a_size_fingerprint_still_loads():
     assert make_plan(_graph(16), AXES, plan=old) == old
     with pytest.raises(PlanFormatError, match="another model"):
         make_plan(_graph(8, nn.Dense(4)), AXES, plan=old)
+
+
+# ---- renumbered: a plan onto the same ops traced again (pipeline stage plans) ----------------
+
+class _NetAndLoss(nn.Module):
+    """Net's ops, then its loss's (as a pipeline stage with the loss the planned part lacks)."""
+
+    @nn.compact
+    def __call__(self, x):
+        y = nn.Dense(16, name="fc2")(nn.relu(nn.Dense(32, name="fc1")(x)))
+        return jnp.mean(y * y)
+
+
+def test_renumbered_maps_a_plan_onto_the_same_ops_traced_again():
+    from nnscaler_jax.plan.reuse import renumbered
+
+    plan = make_plan(_graph(8), AXES, policy="megatron")
+    key = lambda ops, ids: [(ops[i].module_path, ops[i].primitive) for i in ids]
+    for other in (_graph(16), trace(_NetAndLoss(), jax.ShapeDtypeStruct((8, 16), jnp.float32))):
+        got = renumbered(plan, other)
+        ops = {op.id: op for op in other.walk()}
+        assert got is not None and got.variables == plan.variables
+        assert [p.split for p in got.ops] == [p.split for p in plan.ops]
+        assert key(ops, [p.op for p in got.ops]) == [(p.module_path, p.primitive)
+                                                      for p in plan.ops]
+    # other modules: not the plan's ops
+    assert renumbered(plan, trace(nn.Sequential([Net()]),
+                                  jax.ShapeDtypeStruct((8, 16), jnp.float32))) is None
