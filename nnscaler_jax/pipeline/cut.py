@@ -430,11 +430,12 @@ def _stage_search(graph: Graph, starts: tuple[int, ...], S: int, tensor: dict[st
 
     def extra_s(s: int, m: int, plan: Any, cost: CostModel, mine: tuple) -> float:
         """Seconds a step of stage ``s`` spends on what ``plan`` recomputes or runs in chunks
-        beyond the stage's plan without a budget (over the whole batch: all data shards')."""
+        beyond the stage's plan without a budget (their priced steps, over the whole batch:
+        all data shards')."""
         if (s, m) not in free:
             free[s, m] = plan_spmd(part(s), tensor, policy=policy, cost_model=cost,
-                                   constraints=Constraints(rules=mine)).plan.cost.compute_time_s
-        return max(0.0, plan.cost.compute_time_s - free[s, m])
+                                   constraints=Constraints(rules=mine)).plan.cost.step_time_s
+        return max(0.0, plan.cost.step_time_s - free[s, m])
 
     def memory(row: Any, budget: float) -> tuple[tuple[float, ...], tuple, float] | None:
         if row.schedule in ("interlaced",) or len(bounds) != S * row.virtual:
