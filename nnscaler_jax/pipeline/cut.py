@@ -42,7 +42,7 @@ from nnscaler_jax.layout import Layout
 from nnscaler_jax.mesh.axes import require_stage_axis
 from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.chunks import param_casts, vars_of
-from nnscaler_jax.pipeline.in_stage import part_graph, tensor_axes
+from nnscaler_jax.pipeline.in_stage import part_graph, stage_rules, tensor_axes
 from nnscaler_jax.pipeline.pricing import RuntimeSetup
 from nnscaler_jax.pipeline.program import why_cut
 from nnscaler_jax.pipeline.rules import layer_flags
@@ -335,8 +335,8 @@ def _in_stage_splits(graph: Graph, axes: dict[str, int], constraints: Constraint
     makes for one micro-batch (:func:`~nnscaler_jax.pipeline.in_stage.plan_in_stage`), here
     of the whole graph: op id -> split, and variable id -> the devices it is stored split
     over (Megatron leaves norms, biases and a tied embedding whole)."""
-    rules = tuple(replace(r, recompute=None) for r in constraints.rules)
-    plan = plan_spmd(graph, axes, policy=policy, constraints=Constraints(rules=rules)).plan
+    plan = plan_spmd(graph, axes, policy=policy,
+                     constraints=Constraints(rules=stage_rules(constraints.rules))).plan
     ways = {t.id: math.prod(axes[a] for a in Layout.from_pspec(
         plan.variable_spec(t.name) or (), t.ndim).split_axes) for t in graph.variables}
     return {p.op: p.split for p in plan.ops}, ways
@@ -386,7 +386,7 @@ def plan_cut(graph: Graph, mesh_axes: dict[str, int], constraints: Constraints, 
     units = _chunk_units(graph, starts, batch, model, ends,
                          {p: flags.get(n) for p, n in cands}, splits, tp, taken, ways)
     searched = _stage_search(graph, starts, S, {a: mesh_axes[a] for a in tensor}, policy,
-                             constraints, model, units) \
+                             constraints, model, units, batch) \
         if tensor and policy in SEARCHES and constraints.max_memory_per_device else None
     setup = RuntimeSetup(units, axis, data, tensor, S,
                          math.prod(mesh_axes[a] for a in data), tp, batch, link(axis),
@@ -398,7 +398,7 @@ def plan_cut(graph: Graph, mesh_axes: dict[str, int], constraints: Constraints, 
 
 def _stage_search(graph: Graph, starts: tuple[int, ...], S: int, tensor: dict[str, int],
                   policy: Any, constraints: Constraints, model: CostModel,
-                  units: Sequence[Unit]) -> Callable:
+                  units: Sequence[Unit], batch: int) -> Callable:
     """``memory(row, budget)``: per stage, the bytes a device holds when the in-stage search
     plans the stage's part (the ops of its chunks, as the runtime plans it:
     :func:`~nnscaler_jax.pipeline.in_stage.plan_in_stage`) for one micro-batch under the
@@ -410,7 +410,6 @@ def _stage_search(graph: Graph, starts: tuple[int, ...], S: int, tensor: dict[st
     micro-batch's activations of this full-batch graph (``CostModel.microbatches``)."""
     bounds = list(zip(starts, list(starts[1:]) + [len(graph.ops)], strict=True))
     casts = _param_casts(graph)
-    rules = tuple(replace(r, recompute=None) for r in constraints.rules)
     sub = model.mesh
     links = tuple(sub.links[sub.axis_names.index(a)] for a in tensor)
     mesh = replace(sub, axis_names=tuple(tensor), axis_sizes=tuple(tensor.values()),
@@ -441,13 +440,13 @@ def _stage_search(graph: Graph, starts: tuple[int, ...], S: int, tensor: dict[st
         if row.schedule in ("interlaced",) or len(bounds) != S * row.virtual:
             return None
         flight = peak_in_flight(sch.build(row.schedule, S, row.microbatches, row.virtual))
-        cost = replace(model, mesh=mesh, microbatches=max(1, units_batch // row.microbatch_size))
+        cost = replace(model, mesh=mesh, microbatches=max(1, batch // row.microbatch_size))
         out, plans, extra = [], [], 0.0
         for s in range(S):
             inputs = max((units[1 + c - 1].out_bytes for c in range(s, len(bounds), S) if c),
                          default=0.0) * row.microbatch_size * (flight[s] - 1)
             g = part(s)
-            mine = tuple(r for r in rules if any(r.matches(op) for op in g.walk()))
+            mine = stage_rules(constraints.rules, g)
             try:
                 plan = plan_spmd(g, tensor, policy=policy, cost_model=cost, constraints=(
                     Constraints(rules=mine, max_memory_per_device=budget - inputs))).plan
@@ -458,7 +457,6 @@ def _stage_search(graph: Graph, starts: tuple[int, ...], S: int, tensor: dict[st
             extra = max(extra, extra_s(s, cost.microbatches, plan, cost, mine))
         return tuple(out), tuple(plans), extra
 
-    units_batch = next((t.shape[0] for t in graph.inputs if t.role is Role.INPUT and t.shape), 1)
     return memory
 
 

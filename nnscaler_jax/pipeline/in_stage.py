@@ -29,14 +29,14 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
 from jax.sharding import Mesh
 
 from nnscaler_jax.capture.jaxpr import InputInfo, graph_with_sources
-from nnscaler_jax.constraints import Constraints
+from nnscaler_jax.constraints import Constraints, Rule
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Graph, Role, Tensor
 from nnscaler_jax.layout import Layout
@@ -47,7 +47,7 @@ from nnscaler_jax.plan.plan import Plan
 from nnscaler_jax.plan.reuse import renumbered
 from nnscaler_jax.search.entry import SEARCHES, plan_spmd
 
-__all__ = ["InStagePlan", "part_graph", "plan_in_stage", "tensor_axes"]
+__all__ = ["InStagePlan", "part_graph", "plan_in_stage", "stage_rules", "tensor_axes"]
 
 
 
@@ -128,7 +128,7 @@ def plan_in_stage(closed: Any, param_paths: list[str], n_params: int, mesh: Mesh
         n_params: number of parameter leaves (the first inputs).
         mesh: the whole mesh; stage: its stage axis; policy: the module's policy.
         root: the root module's name in name stacks (stripped from module paths).
-        rules: ``Constraints.rules`` for the in-stage search.
+        rules: ``Constraints.rules`` for the in-stage search (:func:`stage_rules`).
         stages: per stage, ``(its equations, budget, plan)``: the stage's ops (the equations
             of its chunks) planned as one program under ``budget`` bytes a device (None:
             none), as a flat plan is: the search picks the stage's layouts, recompute groups
@@ -162,11 +162,10 @@ def plan_in_stage(closed: Any, param_paths: list[str], n_params: int, mesh: Mesh
             warnings.warn(f"pipeline stage {len(plans)}: the planner's in-stage plan does not "
                           "match the traced stage's ops; planning the stage again under its "
                           "budget", stacklevel=4)
-        # (a stage's part: the rules selecting its ops; the whole program's were checked)
-        mine = tuple(r for r in rules if stages is None or any(r.matches(op) for op in g.walk()))
         try:
             plans.append(plan_spmd(g, sub, policy=policy, constraints=Constraints(
-                rules=mine, max_memory_per_device=budget)).plan)
+                rules=stage_rules(rules, None if stages is None else g),
+                max_memory_per_device=budget)).plan)
         except PlanError as e:
             where = "" if stages is None else f" (stage {len(plans)})"
             raise _stage_error(policy, tp, f"failed{where}: {e}", "In-stage policies see "
@@ -185,6 +184,16 @@ def plan_in_stage(closed: Any, param_paths: list[str], n_params: int, mesh: Mesh
         out.append(InStagePlan(axes, g, plan, LoweredEqns(low, sources), tuple(var_specs),
                                _body_specs(low)))
     return out[0] if stages is None else out
+
+
+def stage_rules(rules: Sequence[Rule], part: Graph | None = None) -> tuple[Rule, ...]:
+    """``Constraints.rules`` as the in-stage search takes them: without their recompute
+    flags (the pipeline's layer rules: :mod:`~nnscaler_jax.pipeline.rules`), and for a
+    stage's part only those selecting one of its ops (the whole program's were checked)."""
+    out = tuple(replace(r, recompute=None) for r in rules)
+    if part is None:
+        return out
+    return tuple(r for r in out if any(r.matches(op) for op in part.walk()))
 
 
 def part_graph(graph: Graph, ids: set[int]) -> Graph:

@@ -43,7 +43,6 @@ collections (the cut program carries them, stages data-parallel inside).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -153,10 +152,9 @@ class MpmdProgram(PipelineRuntime):
                             "inside), or no pipeline stages")
         self.param_avals = abstract
         self._cut(closed, len(abstract), stage_of)
-        strip = tuple(dataclasses.replace(r, recompute=None) for r in rules)
         self.stage_plans = tuple(plan_in_stage(
             closed, self.param_paths, len(abstract), mesh, self.axis, policy,
-            root=type(module).__name__, rules=strip,
+            root=type(module).__name__, rules=rules,
             stages=self._stage_parts(budget, stage_plans)))
         self._meshes(mesh)
         self._made: dict = {}  # (jitted helpers, built once: accumulators, means)

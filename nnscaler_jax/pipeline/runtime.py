@@ -28,7 +28,6 @@ constraints, with layer parameters stored split as that plan says
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -108,9 +107,7 @@ class PipelineProgram(PipelineRuntime):
         self._eval = NO_CONSTRAINTS.evaluate
         if self.tp_axes:
             self.stage_plan = plan_in_stage(closed, paths, n_params, mesh, self.axis, policy,
-                                            root=type(module).__name__,
-                                            rules=tuple(dataclasses.replace(r, recompute=None)
-                                                        for r in rules))
+                                            root=type(module).__name__, rules=rules)
             self._eval = self.stage_plan.evaluate
             self.stage_plans = (self.stage_plan,) * sched.stages  # (one plan, every stage)
         C, L = sched.chunks, self.split.n_layers
