@@ -24,16 +24,19 @@ the values of a boundary), so that chunks of different shapes fit one buffer of 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-__all__ = ["Packing", "ProgramCut", "cut_program", "pack", "packing", "param_casts", "unpack",
-           "vars_of", "widths"]
+from nnscaler_jax.lower.eqns import NO_CONSTRAINTS
+
+__all__ = ["Packing", "ProgramCut", "cut_program", "layered", "pack", "packing", "param_casts",
+           "run_chunk", "unpack", "vars_of", "widths"]
 
 
 @dataclass(frozen=True)
@@ -192,3 +195,69 @@ def cut_program(closed: Any, n_params: int, starts: Sequence[int],
     out_made = tuple(-1 if isinstance(v, jcore.Literal) else made.get(v, -1)
                      for v in jaxpr.outvars)
     return ProgramCut(closed, n_params, segments, bounds, owned, shared, out_made)
+
+
+def layered(eqns: Any, env: dict, starts: dict, needed: Any, lead: bool = True,
+            evaluate: Callable = NO_CONSTRAINTS.evaluate) -> None:
+    """Evaluate ``eqns`` into ``env`` as layers (a new layer at each equation whose id is in
+    ``starts``), those ``starts`` flags (``lead``: the layer before the first start) under
+    ``jax.checkpoint``: differentiated, such a layer keeps only the values it reads and is
+    recomputed in the backward. ``needed``: the variables read after ``eqns``; ``evaluate``:
+    how equations run (tensor-parallel stages: through the in-stage plan's lowering)."""
+    layers: list[list[Any]] = [[]]
+    checkpointed = [lead]
+    for e in eqns:
+        if id(e) in starts and layers[-1]:
+            layers.append([])
+            checkpointed.append(starts[id(e)])
+        elif id(e) in starts:
+            checkpointed[-1] = starts[id(e)]
+        layers[-1].append(e)
+    later = [set(needed)]
+    for lay in reversed(layers[1:]):
+        later.append(later[-1] | {v for e in lay for v in vars_of(e.invars)})
+    for lay, read_after, ck in zip(layers, reversed(later), checkpointed, strict=True):
+        if not ck:
+            evaluate(lay, env)
+            continue
+        made = {v: None for e in lay for v in e.outvars}
+        ins = list({v: None for e in lay for v in vars_of(e.invars) if v not in made})
+        outs = [v for v in made if v in read_after]
+
+        def run(*xs, lay=lay, ins=ins, outs=outs):
+            local = dict(zip(ins, xs, strict=True))
+            evaluate(lay, local)
+            return [local[v] for v in outs]
+
+        env.update(zip(outs, jax.checkpoint(run)(*[env[v] for v in ins]), strict=True))
+
+
+def run_chunk(cut: ProgramCut, seg: int, params: Iterable[tuple[Any, Any]], batch: Sequence[Any],
+              xin: Sequence[Any], *, x_vars: Sequence[Any] = (), layer_starts: dict,
+              recompute_layers: bool, evaluate: Callable = NO_CONSTRAINTS.evaluate) -> dict:
+    """Segment ``seg`` of ``cut`` run on one micro-batch: the environment of every value it
+    reads and makes. The one chunk evaluator of the cut runtimes (in-graph and per-stage).
+
+    ``params``: ``(input variable, value)`` pairs of the parameter-like inputs it reads
+    (parameters, carried collections); ``batch``: the program's batch inputs after the
+    module inputs ``x_vars`` a recycling program's chunk 0 provides; ``xin``: the values of
+    boundary ``seg - 1``, or for segment 0 those of ``x_vars``. Layers start at the equations
+    ``layer_starts`` names, each under ``jax.checkpoint`` as its flag says
+    (``recompute_layers``: the one before the first start); ``evaluate`` runs equations (the
+    in-stage plan's :class:`~nnscaler_jax.lower.eqns.EqnEvaluator`).
+    """
+    jx = cut.jaxpr.jaxpr
+    env = dict(zip(jx.constvars, cut.jaxpr.consts, strict=True))
+    env.update(params)
+    env.update(zip(jx.invars[cut.n_params + len(x_vars):], batch, strict=True))
+    if seg:
+        env.update(zip(cut.bounds[seg - 1], xin, strict=True))
+    elif x_vars:
+        env.update(zip(x_vars, xin, strict=True))
+    eqns = cut.segments[seg]
+    if recompute_layers or any(layer_starts.values()):
+        needed = [*vars_of(jx.outvars), *(cut.bounds[seg] if seg < cut.chunks - 1 else ())]
+        layered(eqns, env, layer_starts, needed, recompute_layers, evaluate)
+    else:
+        evaluate(eqns, env)
+    return env

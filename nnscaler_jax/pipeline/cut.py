@@ -41,7 +41,7 @@ from nnscaler_jax.ir.layers import block_paths, graph_layers
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.mesh.axes import require_stage_axis
 from nnscaler_jax.pipeline import schedule as sch
-from nnscaler_jax.pipeline.chunks import param_casts, vars_of
+from nnscaler_jax.pipeline.chunks import ProgramCut, cut_program, param_casts, vars_of
 from nnscaler_jax.pipeline.in_stage import part_graph, stage_rules, tensor_axes
 from nnscaler_jax.pipeline.pricing import RuntimeSetup
 from nnscaler_jax.pipeline.program import why_cut
@@ -50,8 +50,8 @@ from nnscaler_jax.pipeline.steps import peak_in_flight
 from nnscaler_jax.pipeline.units import TP_COLLECTIVES, Unit, kept_for_weights, largest_output
 from nnscaler_jax.search.entry import SEARCHES, plan_spmd
 
-__all__ = ["Cut", "balance", "chunk_starts", "eqn_path", "first_positions", "identical_layers",
-           "plan_cut", "segment_starts", "tp_error"]
+__all__ = ["Cut", "balance", "chunk_starts", "cut_traced", "eqn_path", "first_positions",
+           "identical_layers", "plan_cut", "segment_starts", "tp_error"]
 
 
 def eqn_path(eqn: Any, root: str) -> str:
@@ -270,6 +270,31 @@ def embedding_first(closed: Any, n_params: int, root: str, stage_of: Sequence[tu
     rest = [q for i, q in enumerate(eqns) if i >= e and i not in set(taken)]
     order = list(casts.values()) + eqns[:e] + [eqns[i] for i in taken] + rest
     return closed.replace(jaxpr=jx.replace(eqns=order))
+
+
+def cut_traced(closed: Any, n_params: int, root: str, stage_of: Sequence[tuple[str, int]],
+               sched: sch.Schedule, *, layer_rules: Mapping[str, bool], recompute: str,
+               made_first: Sequence[Any] = (),
+               carried: Sequence[tuple[int, int]] = ()) -> tuple[ProgramCut, dict]:
+    """The traced micro-batch program ``closed`` (``n_params`` parameter-like inputs first)
+    cut where the plan's ``stage_of`` says, as both cut runtimes run it: its segments (with
+    all-device blocks the embedding segment first and the head last, interlaced's E / H,
+    :func:`segment_starts`; :func:`~nnscaler_jax.pipeline.chunks.cut_program` for
+    ``made_first`` and ``carried``) and each recorded module's first equation (by id) with
+    whether its layer runs under ``jax.checkpoint`` (``layer_rules``, else ``recompute ==
+    'layer'``), for :func:`~nnscaler_jax.pipeline.chunks.run_chunk`."""
+    S, C = sched.stages, sched.chunks
+    if sched.all_device:  # (the decoder's embedding too: T5's tied table)
+        closed = embedding_first(closed, n_params, root, stage_of, S, C)
+    eqns, _ = param_casts(closed, n_params)  # (casts go where they are read)
+    paths = [eqn_path(e, root) for e in eqns]
+    starts = segment_starts(paths, stage_of, S, C, all_device=sched.all_device)
+    first = first_positions(paths)  # layers: the recorded cut points' modules
+    layer = recompute == "layer"
+    layer_starts = {id(eqns[first[m]]): layer_rules.get(m, layer)
+                    for m, _ in stage_of if m in first}
+    return cut_program(closed, n_params, starts, made_first=made_first,
+                       carried=carried), layer_starts
 
 
 def identical_layers(graph: Graph, bounds: Sequence[tuple[int, int]]) -> bool:

@@ -43,13 +43,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
 
-from nnscaler_jax.lower.eqns import NO_CONSTRAINTS
-from nnscaler_jax.pipeline.chunks import pack, packing, unpack, vars_of, widths
+from nnscaler_jax.pipeline.chunks import pack, packing, run_chunk, unpack, widths
 from nnscaler_jax.pipeline.loop_tables import CODES
 from nnscaler_jax.pipeline.mutable import average
 from nnscaler_jax.pipeline.split_backward import split_backward
 
-__all__ = ["layered", "local_step", "run_segment", "send_if"]
+__all__ = ["local_step", "run_segment", "send_if"]
 
 
 def _value(env: dict, v: Any) -> Any:
@@ -67,33 +66,28 @@ def run_segment(prog: Any, seg: int, pvec: dict, shared: list, cin: dict, batch:
     """
     cut = prog.cut
     cj = cut.jaxpr
-    env = dict(zip(cj.jaxpr.constvars, cj.consts, strict=True))
-    env.update((cj.jaxpr.invars[j], x) for j, x in zip(prog.shared, shared, strict=True))
-    n_x = len(prog.x_vars)
-    b_vars = cj.jaxpr.invars[cut.n_params + n_x:]
-    env.update(zip(b_vars, batch, strict=True))
+    invars, n_x = cj.jaxpr.invars, len(prog.x_vars)
+    params = [(invars[j], x) for j, x in zip(prog.shared, shared, strict=True)]
     c = seg - prog.seg0
     chunk = 0 <= c < prog.schedule.chunks
     own = prog.coll_owned[c] if chunk else ()
     if chunk:
-        env.update((cj.jaxpr.invars[j], x)
-                   for j, x in zip(prog.owned[c], unpack(pvec, prog.p_pack[c]), strict=True))
-        env.update(zip([prog.coll_in[k] for k in own], unpack(kvec or {}, prog.coll_pack[c]),
-                       strict=True))
+        params += zip([invars[j] for j in prog.owned[c]], unpack(pvec, prog.p_pack[c]),
+                      strict=True)
+        params += zip([prog.coll_in[k] for k in own], unpack(kvec or {}, prog.coll_pack[c]),
+                      strict=True)
     if seg > 0:
-        env.update(zip(cut.bounds[seg - 1], unpack(cin, prog.c_pack[seg - 1]), strict=True))
+        xin = unpack(cin, prog.c_pack[seg - 1])
     elif n_x:  # the module's inputs: the batch (first pass) or the recycled outputs
         prev, first = unpack(cin, prog.r_pack), batch[:n_x]  # (the module's leading inputs)
         if isinstance(fresh, bool):
-            xs = first if fresh else prev
+            xin = first if fresh else prev
         else:
-            xs = [jnp.where(fresh, b, p) for b, p in zip(first, prev, strict=True)]
-        env.update(zip(prog.x_vars, xs, strict=True))
-    if prog.recompute == "layer" or any(prog.layer_starts.values()):
-        needed = [*vars_of(cj.jaxpr.outvars), *(cut.bounds[seg] if seg < cut.chunks - 1 else ())]
-        layered(cut.segments[seg], env, prog.layer_starts, needed, prog.recompute == "layer")
+            xin = [jnp.where(fresh, b, p) for b, p in zip(first, prev, strict=True)]
     else:
-        NO_CONSTRAINTS.evaluate(cut.segments[seg], env)
+        xin = []
+    env = run_chunk(cut, seg, params, batch, xin, x_vars=prog.x_vars,
+                    layer_starts=prog.layer_starts, recompute_layers=prog.recompute == "layer")
     new = pack([_value(env, prog.coll_out[k]) for k in own],
                prog.coll_pack[c] if chunk else packing([]), prog.coll_width)
     if seg < cut.chunks - 1:
@@ -105,41 +99,6 @@ def run_segment(prog: Any, seg: int, pvec: dict, shared: list, cin: dict, batch:
     else:
         out = {dt: jnp.zeros((n,), dt) for dt, n in prog.c_width.items()}
     return out, jnp.asarray(_value(env, loss), jnp.float32), new
-
-
-def layered(eqns: Any, env: dict, starts: dict, needed: Any, lead: bool = True,
-            evaluate: Any = NO_CONSTRAINTS.evaluate) -> None:
-    """Evaluate ``eqns`` into ``env`` as layers (a new layer at each equation whose id is in
-    ``starts``), those ``starts`` flags (``lead``: the layer before the first start) under
-    ``jax.checkpoint``: differentiated, such a layer keeps only the values it reads and is
-    recomputed in the backward. ``needed``: the variables read after ``eqns``; ``evaluate``:
-    how equations run (tensor-parallel stages: under the in-stage plan's constraints)."""
-    layers: list[list[Any]] = [[]]
-    checkpointed = [lead]
-    for e in eqns:
-        if id(e) in starts and layers[-1]:
-            layers.append([])
-            checkpointed.append(starts[id(e)])
-        elif id(e) in starts:
-            checkpointed[-1] = starts[id(e)]
-        layers[-1].append(e)
-    later = [set(needed)]
-    for lay in reversed(layers[1:]):
-        later.append(later[-1] | {v for e in lay for v in vars_of(e.invars)})
-    for lay, read_after, ck in zip(layers, reversed(later), checkpointed, strict=True):
-        if not ck:
-            evaluate(lay, env)
-            continue
-        made = {v: None for e in lay for v in e.outvars}
-        ins = list({v: None for e in lay for v in vars_of(e.invars) if v not in made})
-        outs = [v for v in made if v in read_after]
-
-        def run(*xs, lay=lay, ins=ins, outs=outs):
-            local = dict(zip(ins, xs, strict=True))
-            evaluate(lay, local)
-            return [local[v] for v in outs]
-
-        env.update(zip(outs, jax.checkpoint(run)(*[env[v] for v in ins]), strict=True))
 
 
 def _floats(prog: Any, vec: dict) -> list[str]:

@@ -41,14 +41,8 @@ from jax.sharding import PartitionSpec as P
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.mesh.axes import auto_view, mesh_axes
 from nnscaler_jax.pipeline import schedule as sch
-from nnscaler_jax.pipeline.chunks import cut_program, pack, packing, param_casts, unpack, widths
-from nnscaler_jax.pipeline.cut import (
-    embedding_first,
-    eqn_path,
-    first_positions,
-    segment_starts,
-    tp_error,
-)
+from nnscaler_jax.pipeline.chunks import pack, packing, unpack, widths
+from nnscaler_jax.pipeline.cut import cut_traced, tp_error
 from nnscaler_jax.pipeline.cut_blocks import local_step
 from nnscaler_jax.pipeline.in_stage import tensor_axes
 from nnscaler_jax.pipeline.loop_tables import loop_tables
@@ -133,20 +127,11 @@ class CutProgram(PipelineRuntime):
         sched, C = self.schedule, self.schedule.chunks
         np_, nc = len(abstract), len(self.coll_avals)
         self.seg0 = int(sched.all_device)  # the embedding segment comes first (interlaced)
-        if sched.all_device:  # (the decoder's embedding too: T5's tied table)
-            closed = embedding_first(closed, np_ + nc, type(self.module).__name__, stage_of,
-                                     sched.stages, C)
-        eqns, _ = param_casts(closed, np_ + nc)  # (casts go where they are read)
-        paths = [eqn_path(e, type(self.module).__name__) for e in eqns]
-        starts = segment_starts(paths, stage_of, sched.stages, C, all_device=sched.all_device)
-        first = first_positions(paths)  # layers: the recorded cut points' modules
-        # each layer's first equation -> whether it runs under jax.checkpoint (recompute rules
-        # first; else the plan's mode): the layers before the first such module with the mode
-        layer = self.recompute == "layer"
-        self.layer_starts = {id(eqns[first[n]]): self.layer_rules.get(n, layer)
-                             for n, _ in stage_of if n in first}
-        self.cut = cut = cut_program(closed, np_ + nc, starts, made_first=self.x_vars,
-                                     carried=[(np_ + k, 1 + k) for k in range(nc)])
+        cut, self.layer_starts = cut_traced(
+            closed, np_ + nc, type(self.module).__name__, stage_of, sched,
+            layer_rules=self.layer_rules, recompute=self.recompute, made_first=self.x_vars,
+            carried=[(np_ + k, 1 + k) for k in range(nc)])
+        self.cut = cut
         # chunk c is segment c + seg0; the embedding / head segments' parameters are shared
         owned = cut.owned[self.seg0:self.seg0 + C]
         self.owned = tuple(tuple(j for j in own if j < np_) for own in owned)

@@ -59,9 +59,8 @@ from nnscaler_jax.lower.eqns import NO_CONSTRAINTS
 from nnscaler_jax.lower.replay import explicitly_typed
 from nnscaler_jax.mesh.axes import auto_view, mesh_axes, require_stage_axis
 from nnscaler_jax.pipeline import schedule as sch
-from nnscaler_jax.pipeline.chunks import cut_program, param_casts, vars_of
-from nnscaler_jax.pipeline.cut import embedding_first, eqn_path, first_positions, segment_starts
-from nnscaler_jax.pipeline.cut_blocks import layered
+from nnscaler_jax.pipeline.chunks import run_chunk, vars_of
+from nnscaler_jax.pipeline.cut import cut_traced
 from nnscaler_jax.pipeline.hetero import CutProgram
 from nnscaler_jax.pipeline.in_stage import plan_in_stage, tensor_axes
 from nnscaler_jax.pipeline.leafwise import leafwise
@@ -170,16 +169,10 @@ class MpmdProgram(PipelineRuntime):
         (``interlaced``) the embedding segment before them and the head segment after them
         (``seg0`` = 1), which run on every device (``seg_stage``: the group ``S``)."""
         sched, C, S = self.schedule, self.schedule.chunks, self.schedule.stages
-        if sched.all_device:  # (the decoder's embedding too: T5's tied table)
-            closed = embedding_first(closed, n, type(self.module).__name__, stage_of, S, C)
-        eqns, _ = param_casts(closed, n)
-        paths = [eqn_path(e, type(self.module).__name__) for e in eqns]
-        starts = segment_starts(paths, stage_of, S, C, all_device=sched.all_device)
-        first = first_positions(paths)
-        layer = self.recompute == "layer"
-        self.layer_starts = {id(eqns[first[m]]): self.layer_rules.get(m, layer)
-                             for m, _ in stage_of if m in first}
-        self.cut = cut = cut_program(closed, n, starts, made_first=self.x_vars)
+        cut, self.layer_starts = cut_traced(
+            closed, n, type(self.module).__name__, stage_of, sched,
+            layer_rules=self.layer_rules, recompute=self.recompute, made_first=self.x_vars)
+        self.cut = cut
         self.seg0 = int(sched.all_device)
         self.seg_stage = tuple(S if not 0 <= k - self.seg0 < C else (k - self.seg0) % S
                                for k in range(cut.chunks))
@@ -268,22 +261,13 @@ class MpmdProgram(PipelineRuntime):
         ``recycled`` the last chunk passes on the model's outputs (a no-grad pass)."""
         cut, C, n_x = self.cut, self.cut.chunks, len(self.x_vars)
         jx = cut.jaxpr.jaxpr
-        env = dict(zip(jx.constvars, cut.jaxpr.consts, strict=True))
-        env.update((jx.invars[j], x) for j, x in zip(self.reads[c], params, strict=True))
-        env.update(zip(jx.invars[cut.n_params + n_x:], batch, strict=True))
-        if c:
-            env.update(zip(cut.bounds[c - 1], xin, strict=True))
-        elif n_x:
-            env.update(zip(self.x_vars, xin or batch[:n_x], strict=True))
-        seg = cut.segments[c]
         # (the all-device blocks: GSPMD partitions them from their parameters' split)
         evaluate = NO_CONSTRAINTS.evaluate if self._stage(c) == self.schedule.stages \
             else self.stage_plans[self._stage(c)].evaluate
-        if self.recompute == "layer" or any(self.layer_starts.values()):
-            needed = [*vars_of(jx.outvars), *(cut.bounds[c] if c < C - 1 else ())]
-            layered(seg, env, self.layer_starts, needed, self.recompute == "layer", evaluate)
-        else:
-            evaluate(seg, env)
+        env = run_chunk(cut, c, zip([jx.invars[j] for j in self.reads[c]], params, strict=True),
+                        batch, xin if c else (xin or batch[:n_x]),
+                        x_vars=self.x_vars, layer_starts=self.layer_starts,
+                        recompute_layers=self.recompute == "layer", evaluate=evaluate)
         if c < C - 1:
             return [env[v] for v in cut.bounds[c]], jnp.zeros((), jnp.float32)
         outs = [_value(env, v) for v in jx.outvars[1:]] if recycled else []
