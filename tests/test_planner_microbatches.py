@@ -1,11 +1,17 @@
 """SPMD gradient accumulation in planning (issue 15): Constraints(microbatches=m) prices one
 micro-batch's activations; under a budget the planner takes the fewest micro-batches that fit."""
+import math
+
+import jax
+import numpy as np
+import optax
 import pytest
 
 import models
 from nnscaler_jax import Constraints, Plan, auto_parallel
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.errors import NoFitError
+from nnscaler_jax.plan.policies import batch_dims
 from nnscaler_jax.planner import microbatch_candidates
 
 
@@ -80,3 +86,21 @@ def test_search_under_budget_may_split_instead(mesh, gpt):
     full = plan_of(mesh, module, args).cost.memory_bytes_per_device
     plan = plan_of(mesh, module, args, policy="auto", max_memory_per_device=int(full * 0.7))
     assert plan.cost.memory_bytes_per_device <= int(full * 0.7)
+
+
+def test_the_search_splits_the_batch_only_as_far_as_a_microbatch_goes(mesh):
+    """GPT tiny, batch 16 in 4 micro-batches of 4 rows on 2 x 4 devices: the whole batch
+    splits 8 ways, a micro-batch at most 4; the search offers only what divides a micro-batch
+    (it split the batch 8 ways, and the step refused the plan), and the step runs it."""
+    spec = models.get("gpt", "tiny", batch_size=16)
+    pm = auto_parallel(mesh, Constraints(microbatches=4), policy="auto")(spec.module)
+    args = spec.make_args()
+    plan = pm.make_plan(*args)
+    axes, by_id = dict(plan.mesh), {p.op: p for p in plan.ops}
+    for op, dim, size in batch_dims(pm.graph):
+        ways = math.prod(axes[a] for a, d in by_id[op.id].split if d == dim)
+        assert (size // 4) % ways == 0, (op.module_path, op.primitive, dim, ways)
+    step = pm.train_step(spec.loss_fn, optax.sgd(1e-2))
+    state = step.init(spec.init(jax.random.PRNGKey(0)), *args)
+    _, metrics = step(state, *args)
+    assert np.isfinite(float(metrics["loss"]))

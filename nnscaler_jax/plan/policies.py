@@ -24,7 +24,7 @@ from nnscaler_jax.plan.plan import Plan, Unsplit
 from nnscaler_jax.plan.zero import zero3_storage
 from nnscaler_jax.primitives import Draft, op_assign, op_trans
 
-__all__ = ["batch_unsplit", "dp", "megatron", "zero3"]
+__all__ = ["batch_dims", "batch_unsplit", "dp", "megatron", "zero3"]
 
 
 def _ident_classes(op: Op, classes: DimClasses) -> dict[str, Any]:
@@ -198,7 +198,7 @@ def megatron(graph: Draft, mesh: Any) -> Plan:
 _BATCH_DIMS: dict[int, tuple[weakref.ref, tuple[tuple[Op, str, int], ...]]] = {}
 
 
-def _batch_dims(graph: Graph) -> tuple[tuple[Op, str, int], ...]:
+def batch_dims(graph: Graph) -> tuple[tuple[Op, str, int], ...]:
     """Each op with a batch dim, that dim's name and size (the plan does not change them:
     computed once per graph, as a search prices many plans of one graph)."""
     hit = _BATCH_DIMS.get(id(graph))
@@ -225,7 +225,7 @@ def batch_unsplit(graph: Graph, plan: Plan, axes: dict[str, int]) -> tuple[Unspl
     data = [a for a in data_axes(axes) if axes[a] > 1]
     by_id = {p.op: p for p in plan.ops}
     out: list[Unsplit] = []
-    for op, dim, size in _batch_dims(graph) if data else ():
+    for op, dim, size in batch_dims(graph) if data else ():
         split = by_id[op.id].split if op.id in by_id else ()
         ways = math.prod(axes[a] for a, d in split if d == dim)
         for a in data:

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from nnscaler_jax.ir.coshard import chunk_counts, coshard_candidates
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.ir.remat import in_group
+from nnscaler_jax.search.space import run_sizes
 
 __all__ = ["coshard_choice"]
 
@@ -31,17 +32,24 @@ _MAX_CHUNKS = 64
 
 
 def coshard_choice(graph: Graph, mesh_axes: Mapping[str, int], budget: float | None,
-                   forbidden: Sequence[str] = ()) -> tuple[tuple[int, str, int], ...]:
+                   forbidden: Sequence[str] = (), microbatches: int = 1
+                   ) -> tuple[tuple[int, str, int], ...]:
     """``(seed op id, identifier, chunks)`` of every block worth co-sharding (one per repeated
-    layer, none in a module a ``Rule(recompute=False)`` selects); empty without a budget."""
+    layer, none in a module a ``Rule(recompute=False)`` selects); empty without a budget.
+    With ``microbatches``, a block along the batch chunks one micro-batch's rows."""
     if budget is None:
         return ()
     devices = math.prod(mesh_axes.values())
+    rows = run_sizes(graph, microbatches)
     out = []
     for cand in coshard_candidates(graph, ways=devices):
         if any(in_group(cand.seed_path, f) or in_group(cand.layer, f) for f in forbidden):
             continue
-        counts = chunk_counts(cand.size, devices, _MAX_CHUNKS)
+        # a micro-batch's rows are few: the chunks may leave fewer ways to split them (the
+        # search's space divides the block's dim by its chunks, run_sizes)
+        size = rows.get(cand.seed, {}).get(cand.dim)
+        counts = chunk_counts(cand.size, devices, _MAX_CHUNKS) if size is None \
+            else chunk_counts(size, 1, _MAX_CHUNKS)
         if not counts:
             continue
         fits = [k for k in counts if cand.largest_bytes / (devices * k) <= budget / _SHARE]

@@ -156,8 +156,10 @@ def plan_spmd(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto"
     if name in BASELINES:  # full recompute
         forced = forced + recompute_candidates(graph, forced, forbidden)
     if name in SEARCHES:  # recompute (ours: and co-sharding) are the searches' decisions
-        blocks = (lambda: coshard_choice(graph, axes, constraints.max_memory_per_device,
-                                         forbidden)) if name == "auto" else None
+        blocks = (lambda: coshard_choice(
+            graph, axes, constraints.max_memory_per_device, forbidden,
+            cost_model.microbatches if cost_model is not None else 1)) \
+            if name == "auto" else None
         with _steady_heap():
             result, draft = _choose(run_priced, graph, forced, forbidden, blocks)
             # the rules' groups, no more: did they pay? (not for a pipeline's whole-model

@@ -466,7 +466,7 @@ def _search(graph, mesh_axes, constraints, cost_model, planner, time_limit, draf
     cm = cost_model or CostModel.for_axes(mesh_axes, zero=zero)
     space = build_space(graph, mesh_axes, constraints.rules, followers=True,
                         share_layers=planner != "alpa", fixed=fixed_decisions(draft),
-                        pinned=_pins(graph, draft, partitioning))
+                        pinned=_pins(graph, draft, partitioning), microbatches=cm.microbatches)
     log.info("%s: %s", planner, space.summary())
     tables = build_tables(space, cm, zero)
     t1 = time.perf_counter()

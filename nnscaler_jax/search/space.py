@@ -28,19 +28,22 @@ from typing import Any
 
 from nnscaler_jax.constraints import Rule
 from nnscaler_jax.cost.compute import grad_sources
+from nnscaler_jax.ir.coshard import COSHARD
 from nnscaler_jax.ir.graph import DataflowMemo, Graph, Op
+from nnscaler_jax.plan.policies import batch_dims
 from nnscaler_jax.search.sharing import follower_groups, layer_keys, op_classes, shared_buckets
 from nnscaler_jax.search.strategies import (
     Split,
     allowed_splits,
     check_rules,
     enumerate_splits,
+    op_sizes,
     op_splits,
     pinned_readers,
 )
 
 __all__ = ["FGroup", "Group", "SearchSpace", "Split", "build_space", "check_rules",
-           "enumerate_splits", "first_uses", "op_splits", "walk_graphs"]
+           "enumerate_splits", "first_uses", "op_splits", "run_sizes", "walk_graphs"]
 
 
 @dataclass(frozen=True)
@@ -161,7 +164,8 @@ def first_uses(graph: Graph) -> dict[int, tuple[int, int]]:
 def build_space(graph: Graph, mesh_axes: Mapping[str, int], rules: Sequence[Rule] = (), *,
                 followers: bool = True, share_layers: bool = True,
                 fixed: Mapping[int, Split] | None = None,
-                pinned: Mapping[int, tuple] | None = None) -> SearchSpace:
+                pinned: Mapping[int, tuple] | None = None, microbatches: int = 1
+                ) -> SearchSpace:
     """The strategy space of ``graph`` on a mesh with ``mesh_axes`` sizes.
 
     Args:
@@ -176,6 +180,9 @@ def build_space(graph: Graph, mesh_axes: Mapping[str, int], rules: Sequence[Rule
         pinned: variable tensor id -> mesh axes per dim (Flax partitioning metadata, a
             policy's ``store_variable``): the variable's first reader (its storage) must split
             each dim over exactly those axes (size-1 axes ignored).
+        microbatches: the graph's batch runs as this many micro-batches (gradient
+            accumulation, a pipeline stage's micro-batch): a split of a batch dim must divide
+            one micro-batch's rows (:func:`~nnscaler_jax.plan.policies.batch_dims`).
     """
     mesh_axes = dict(mesh_axes)
     fixed = {k: tuple(v) for k, v in (fixed or {}).items()}
@@ -184,18 +191,38 @@ def build_space(graph: Graph, mesh_axes: Mapping[str, int], rules: Sequence[Rule
     # the space reads no boundaries: the recompute probes of one graph share it (op order is
     # in the key: the first reader of a variable, the order of a layer's ops)
     key = (tuple(op.id for op in graph.walk()), tuple(mesh_axes.items()), rules, followers,
-           share_layers, tuple(fixed.items()), tuple((pinned or {}).items()))
+           share_layers, tuple(fixed.items()), tuple((pinned or {}).items()), microbatches)
     space = _SPACES.get(graph, key, lambda: _build(graph, mesh_axes, rules, followers,
-                                                   share_layers, fixed, pinned))
+                                                   share_layers, fixed, pinned, microbatches))
     return space if space.graph is graph else replace(space, graph=graph)
 
 
 _SPACES = DataflowMemo(size=2)
 
 
+def run_sizes(graph: Graph, microbatches: int = 1) -> dict[int, dict[str, int]]:
+    """op id -> ``{identifier: its size where the op runs}``, for the identifiers whose size
+    there is not the graph's: a batch dim (:func:`~nnscaler_jax.plan.policies.batch_dims`)
+    holds one micro-batch's rows when the batch runs as ``microbatches`` micro-batches, and
+    the dim a co-sharded block chunks holds one chunk (a split of it must divide that)."""
+    out: dict[int, dict[str, int]] = {}
+    if microbatches > 1:
+        for op, dim, size in batch_dims(graph):
+            if size % microbatches == 0:
+                out[op.id] = {dim: size // microbatches}
+    blocks = {b.id: b.eqn.params for b in graph.boundaries if b.kind == COSHARD}
+    for op in graph.walk() if blocks else ():
+        for b in op.boundary:
+            if b in blocks and op.id in blocks[b]["idents"]:
+                dim, k = blocks[b]["idents"][op.id], blocks[b]["chunks"]
+                size = out.get(op.id, {}).get(dim, op_sizes(op).get(dim, 0))
+                out.setdefault(op.id, {})[dim] = size // k if size % k == 0 else 0
+    return out
+
+
 def _build(graph: Graph, mesh_axes: dict[str, int], rules: tuple[Rule, ...], followers: bool,
-           share_layers: bool, fixed: dict[int, Split], pinned: Mapping[int, tuple] | None
-           ) -> SearchSpace:
+           share_layers: bool, fixed: dict[int, Split], pinned: Mapping[int, tuple] | None,
+           microbatches: int) -> SearchSpace:
     ops = list(graph.walk())
     by_id = {op.id: op for op in ops}
     uses = first_uses(graph)
@@ -208,7 +235,8 @@ def _build(graph: Graph, mesh_axes: dict[str, int], rules: tuple[Rule, ...], fol
             weights[op.id] = w
     # ours computes each class of identical ops once (same primitive, annotation, shapes, rules)
     allowed, log10_full, removed = allowed_splits(ops, op_class, mesh_axes, rules, pin_ops,
-                                                  fixed, share_layers)
+                                                  fixed, share_layers,
+                                                  run_sizes(graph, microbatches))
     ruled = {op.id for op in ops for r in rules if r.matches(op)} | set(fixed) | set(pin_ops)
     fg_ops, fg_splits, fg_lids = follower_groups(
         [g for g, _, _ in walk_graphs(graph)], allowed, op_class, ruled, mesh_axes,

@@ -77,11 +77,15 @@ def enumerate_splits(sizes: Mapping[str, int], names: Sequence[str],
     return tuple(out)
 
 
-def op_splits(op: Op, mesh_axes: Mapping[str, int]) -> tuple[Split, ...]:
-    """The full strategy set of ``op`` (replicate-only when unannotated)."""
+def op_splits(op: Op, mesh_axes: Mapping[str, int],
+              sizes: Mapping[str, int] | None = None) -> tuple[Split, ...]:
+    """The full strategy set of ``op`` (replicate-only when unannotated); ``sizes``: the
+    sizes some of its identifiers have where it runs (a micro-batch's rows), if not the
+    graph's."""
     if not op.annotated:
         return ((),)
-    return enumerate_splits(op_sizes(op), splittable_of(op.anno), mesh_axes)
+    return enumerate_splits({**op_sizes(op), **(sizes or {})}, splittable_of(op.anno),
+                            mesh_axes)
 
 
 # ---- rules and pins ------------------------------------------------------------------------------
@@ -166,21 +170,25 @@ def pin_filter(op: Op, keep: tuple[Split, ...], pins, mesh_axes) -> tuple[Split,
 
 def allowed_splits(ops: Sequence[Op], op_class: Mapping[int, int], mesh_axes: Mapping[str, int],
                    rules: Sequence[Rule], pin_ops: Mapping[int, list[tuple[int, tuple]]],
-                   fixed: Mapping[int, Split], per_class: bool
+                   fixed: Mapping[int, Split], per_class: bool,
+                   run_sizes: Mapping[int, dict[str, int]] | None = None
                    ) -> tuple[dict[int, tuple[Split, ...]], float, dict[str, int]]:
     """``(op id -> the strategies it may take, log10 of the unshrunk space, rule -> strategies it
     removed)``: rules, then pins, narrow each op's full set; a fixed op keeps its one split.
     ``per_class``: compute each class of identical ops (same primitive, annotation, shapes,
-    rules) once (ours)."""
+    rules) once (ours). ``run_sizes``: op id -> identifier sizes where it runs, when not the
+    graph's (a micro-batch's rows: a split must divide them)."""
     removed = {str(r): 0 for r in rules}
     allowed: dict[int, tuple[Split, ...]] = {}
     log10_full = 0.0
-    done_by_class: dict[int, tuple] = {}
+    done_by_class: dict[tuple, tuple] = {}
+    run_sizes = run_sizes or {}
     for op in ops:
-        cls = op_class[op.id]
+        sizes = run_sizes.get(op.id)
+        cls = (op_class[op.id], tuple(sorted((sizes or {}).items())))
         done = done_by_class.get(cls) if per_class else None
         if done is None:
-            splits = op_splits(op, mesh_axes)
+            splits = op_splits(op, mesh_axes, sizes)
             keep = splits
             cut = []
             for r in rules:

@@ -7,7 +7,10 @@ Swin tiny on 2 stages x model 4, 1F1B, 4 micro-batches: at 150,000 bytes a devic
 pricing's smallest is ~241 KB, every layer recomputed) both stages' MLP blocks (``fc1`` and
 what follows it along the tokens) are co-sharded in 2 chunks, priced slower than the plan
 without a budget; the chunk programs run them as chunk loops, and one SGD step equals one
-device's (float32, rtol 1e-4).
+device's (float32, rtol 1e-4). With 8 x 8 windows (the attention scores then outgrow the
+blocks' inputs; at 4 x 4 they do not, and co-sharding them would save nothing) and the cut at
+``layers_1``, 200,000 bytes make the first stage co-shard its two blocks whole along the
+micro-batch rows: window attention and MLP, nnScaler's Swin plan.
 """
 
 import jax
@@ -19,27 +22,45 @@ from meshes import make_mesh
 import models
 from nnscaler_jax import Constraints, Plan, PlanError, auto_parallel
 from nnscaler_jax.cli.compare import plan_features
+from nnscaler_jax.ir.coshard import block_of
 
 RTOL, ATOL = 1e-4, 1e-6
 BUDGET = 150_000
 
 
-def _swin(budget):
-    spec = models.get("swin", "tiny", batch_size=8)
+def _swin(budget, pivots=(), **config):
+    spec = models.get("swin", "tiny", batch_size=8, **config)
     cons = Constraints(pipeline_stages=2, microbatches=4, schedule="1f1b",
-                       max_memory_per_device=budget)
+                       max_memory_per_device=budget, pipeline_pivots=pivots)
     pm = auto_parallel(make_mesh((2, 4), ("stage", "model")), cons, policy="auto")(spec.module)
     return spec, pm
+
+
+def _step(spec, pm):
+    """The batch, optimizer, pipelined step and its initial state."""
+    args, opt = spec.make_args(), optax.sgd(1e-2)
+    step = pm.train_step(spec.loss_fn, opt)
+    return args, opt, step, step.init(spec.init(jax.random.PRNGKey(0)), *args)
+
+
+def _trains_like_one_device(spec, step, state, args, opt):
+    params = spec.init(jax.random.PRNGKey(0))["params"]
+    state, metrics = step(state, *args)
+    loss, grads = jax.jit(jax.value_and_grad(
+        lambda p: spec.loss_fn(spec.module.apply({"params": p}, *args), *args)))(params)
+    want = optax.apply_updates(params, opt.update(grads, opt.init(params), params)[0])
+    np.testing.assert_allclose(metrics["loss"], loss, rtol=RTOL)
+    got = step.params(state)
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(got)[0],
+                            jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=RTOL, atol=ATOL,
+                                   err_msg=jax.tree_util.keystr(path))
 
 
 @pytest.mark.slow
 def test_cosharded_stages_train_like_one_device():
     spec, pm = _swin(BUDGET)
-    params = spec.init(jax.random.PRNGKey(0))["params"]
-    args = spec.make_args()
-    opt = optax.sgd(1e-2)
-    step = pm.train_step(spec.loss_fn, opt)
-    state = step.init({"params": params}, *args)
+    args, opt, step, state = _step(spec, pm)
     plan = pm.plan
     stage_plans = plan.pipeline.stage_plans
     assert len(stage_plans) == 2 and all(sp.coshard for sp in stage_plans)
@@ -61,16 +82,31 @@ def test_cosharded_stages_train_like_one_device():
     again = Plan.from_json(plan.to_json()).pipeline.stage_plans
     assert [sp.coshard for sp in again] == [sp.coshard for sp in stage_plans]
 
-    state, metrics = step(state, *args)
-    loss, grads = jax.jit(jax.value_and_grad(
-        lambda p: spec.loss_fn(spec.module.apply({"params": p}, *args), *args)))(params)
-    want = optax.apply_updates(params, opt.update(grads, opt.init(params), params)[0])
-    np.testing.assert_allclose(metrics["loss"], loss, rtol=RTOL)
-    got = step.params(state)
-    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(got)[0],
-                            jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=RTOL, atol=ATOL,
-                                   err_msg=jax.tree_util.keystr(path))
+    _trains_like_one_device(spec, step, state, args, opt)
+
+
+@pytest.mark.slow
+def test_window_attention_and_mlp_cosharded_in_the_first_stage():
+    spec, pm = _swin(200_000, pivots=("layers_1",), window_size=8)
+    args, opt, step, state = _step(spec, pm)
+    plan = pm.plan
+    assert plan.pipeline.stage_of == (("layers_1", 1),)
+    assert plan.cost.memory_bytes_per_device <= 200_000
+    first = plan.pipeline.stage_plans[0]
+    assert sorted(d for _, d, _ in first.coshard) == ["b0", "b0"]
+    # each block is a whole Swin block: its window attention and its MLP, in 2 chunks of rows
+    ran = step.program.stage_plans[0]
+    ops = {op.id: op for op in ran.graph.ops}
+    assert len(ran.plan.coshard) == 2
+    for seed, dim, _ in ran.plan.coshard:
+        block = block_of(ran.graph, seed, dim)
+        paths = {ops[i].module_path.split("/", 2)[-1] for i in block.ops}
+        assert {"attn/q", "attn", "attn/proj", "fc1", "fc2"} <= paths, paths
+    cosharded = plan_features(plan)["cosharded"]
+    assert sorted(row[0] for row in cosharded) == ["layers_0/blocks_0/attn",
+                                                   "layers_0/blocks_1/attn"]
+    assert all(row[3] == 2 for row in cosharded)
+    _trains_like_one_device(spec, step, state, args, opt)
 
 
 def test_without_a_budget_the_stages_are_not_searched():
