@@ -93,6 +93,16 @@ def resolve_policy(policy: str | Callable | None, *, cost_model: CostModel | Non
                     "function policy(graph, mesh) -> Plan written with op_trans / op_assign")
 
 
+def _as_plan(result: Any, label: str) -> Plan:
+    """A policy's answer as a plan (a draft finished), else the policy's error."""
+    if isinstance(result, Draft):
+        result = result.finish()
+    if not isinstance(result, Plan):
+        raise PlanError(f"policy {label!r} returned {type(result).__name__}, not a Plan: "
+                        "end the policy with `return graph.finish()`")
+    return result
+
+
 def plan_spmd(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto",
               constraints: Constraints | None = None, partitioning: dict | None = None,
               cost_model: CostModel | None = None, time_limit: float | None = None) -> Planned:
@@ -127,12 +137,7 @@ def plan_spmd(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto"
         draft = Draft(with_boundaries(graph, blocks, groups), axes, constraints=constraints,
                       partitioning=partitioning or None, beat_s=beat)
         draft.policy = label
-        result = fn(draft, mesh)
-        if isinstance(result, Draft):
-            result = result.finish()
-        if not isinstance(result, Plan):
-            raise PlanError(f"policy {label!r} returned {type(result).__name__}, not a Plan: "
-                            "end the policy with `return graph.finish()`")
+        result = _as_plan(fn(draft, mesh), label)
         # the draft's graph has the boundaries; the plan is for the model's graph (reuse)
         return replace(result, recompute=groups, coshard=blocks, fused_attention=fused,
                        ring_layouts=_ring_layouts(graph, result, cost_model, axes),
