@@ -44,6 +44,7 @@ from nnscaler_jax.lower.eqns import LoweredEqns
 from nnscaler_jax.lower.replay import Lowering
 from nnscaler_jax.mesh.axes import DATA_AXES, auto_view, mesh_axes
 from nnscaler_jax.plan.plan import Plan
+from nnscaler_jax.plan.policies import BATCH_INPUTS, batch_led
 from nnscaler_jax.plan.reuse import renumbered
 from nnscaler_jax.search.entry import SEARCHES, plan_spmd
 
@@ -199,7 +200,10 @@ def stage_rules(rules: Sequence[Rule], part: Graph | None = None) -> tuple[Rule,
 def part_graph(graph: Graph, ids: set[int]) -> Graph:
     """The ops of ``graph`` with these ids (a stage's chunks), as a program: its inputs the
     values it reads and does not make (parameters first, in ``graph``'s order), its outputs
-    the values it makes that other ops or the program's outputs read."""
+    the values it makes that other ops or the program's outputs read. Its ``meta`` names the
+    inputs that lead with ``graph``'s batch (the earlier stages' activations:
+    :data:`~nnscaler_jax.plan.policies.BATCH_INPUTS`), so its batch dims are found as the
+    whole graph's are."""
     ops = tuple(op for op in graph.ops if op.id in ids)
     made = {t.id for op in ops for t in op.outputs}
     read: dict[int, Tensor] = {}
@@ -212,9 +216,10 @@ def part_graph(graph: Graph, ids: set[int]) -> Graph:
     outputs = tuple(t for op in ops for t in op.outputs if t.id in later)
     inside = {b for op in ops for b in op.boundary}
     consts = {t.id for op in ops for t in op.inputs if t.role is Role.CONST}
+    led = batch_led(graph, [t for t in inputs if t.role is Role.VALUE])
     return Graph(ops, tuple(inputs), outputs,
                  tuple(b for b in graph.boundaries if b.id in inside),
-                 tuple(c for c in graph.consts if c.id in consts))
+                 tuple(c for c in graph.consts if c.id in consts), meta={BATCH_INPUTS: led})
 
 
 def _check_used(plans: Sequence[Plan], policy: Any, tp: dict[str, int]) -> None:

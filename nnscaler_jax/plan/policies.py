@@ -13,18 +13,19 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.anno import parse_anno
 from nnscaler_jax.ir.dims import DimClasses, graph_dim_classes
-from nnscaler_jax.ir.graph import Graph, Op, Role
+from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
 from nnscaler_jax.mesh.axes import MODEL_AXES, data_axes, model_axes
 from nnscaler_jax.plan.plan import Plan, Unsplit
 from nnscaler_jax.plan.zero import zero3_storage
 from nnscaler_jax.primitives import Draft, op_assign, op_trans
 
-__all__ = ["batch_dims", "batch_unsplit", "dp", "megatron", "zero3"]
+__all__ = ["BATCH_INPUTS", "batch_dims", "batch_led", "batch_unsplit", "dp", "megatron", "zero3"]
 
 
 def _ident_classes(op: Op, classes: DimClasses) -> dict[str, Any]:
@@ -64,10 +65,16 @@ def _split(graph: Draft, subs: list[Any], dim: str, axes: list[str]) -> list[Any
     return subs
 
 
+#: ``Graph.meta`` key: ids of the inputs other than example arguments that lead with the batch
+#: (a pipeline stage's part of a graph reads the activations of the stages before it).
+BATCH_INPUTS = "batch_inputs"
+
+
 def _batch_classes(graph: Graph, classes: DimClasses) -> set:
     out = set()
+    led = graph.meta.get(BATCH_INPUTS, ()) if isinstance(graph.meta, dict) else ()
     for t in graph.inputs:
-        if t.role is Role.INPUT and t.ndim >= 1:
+        if (t.role is Role.INPUT or t.id in led) and t.ndim >= 1:
             c = classes.cls(t.id, 0)
             if c is not None and c not in classes.frozen:
                 out.add(c)
@@ -215,6 +222,14 @@ def batch_dims(graph: Graph) -> tuple[tuple[Op, str, int], ...]:
             out.append((op, dim, op.dim_sizes()[dim]))
     _BATCH_DIMS[id(graph)] = (weakref.ref(graph), tuple(out))
     return tuple(out)
+
+
+def batch_led(graph: Graph, tensors: Iterable[Tensor]) -> tuple[int, ...]:
+    """The ids of ``tensors`` (of ``graph``) whose leading axis is ``graph``'s batch (the class
+    of axis 0 of its example arguments)."""
+    classes = graph_dim_classes(graph)
+    batch = _batch_classes(graph, classes)
+    return tuple(t.id for t in tensors if t.ndim >= 1 and classes.cls(t.id, 0) in batch)
 
 
 def batch_unsplit(graph: Graph, plan: Plan, axes: dict[str, int]) -> tuple[Unsplit, ...]:

@@ -79,11 +79,14 @@ def layer_keys(ops: Sequence[Op], signatures: Mapping[int, Hashable]) -> dict[in
 
 def op_classes(ops: Sequence[Op], first_use: set[tuple[int, int]], rules: Sequence[Rule],
                grads: Mapping[int, int], fixed: Mapping[int, Split],
-               pin_ops: Mapping[int, list]) -> dict[int, int]:
-    """op id -> class id: equal signatures (and equal hand-fixed splits and pins), equal ids."""
-    sigs = {op.id: _op_signature(op, first_use, rules, grads) + (fixed.get(op.id),
-                                                             tuple(pin_ops.get(op.id, ())))
-            for op in ops}
+               pin_ops: Mapping[int, list],
+               run_sizes: Mapping[int, Mapping[str, int]] | None = None) -> dict[int, int]:
+    """op id -> class id: equal signatures (and equal hand-fixed splits, pins and sizes where
+    they run, ``run_sizes``), equal ids."""
+    run_sizes = run_sizes or {}
+    sigs = {op.id: _op_signature(op, first_use, rules, grads) + (
+        fixed.get(op.id), tuple(pin_ops.get(op.id, ())),
+        tuple(sorted(run_sizes.get(op.id, {}).items()))) for op in ops}
     interned: dict[tuple, int] = {}
     return {i: interned.setdefault(sig, len(interned)) for i, sig in sigs.items()}
 
@@ -132,13 +135,17 @@ def _leader_input(op: Op, producer: Mapping[int, Op], sizes: Mapping[str, int],
 
 def follower_groups(graphs: Iterable[Graph], allowed: Mapping[int, tuple[Split, ...]],
                     op_class: Mapping[int, int], ruled: set[int], mesh_axes: Mapping[str, int],
-                    *, followers: bool, share_layers: bool
+                    *, followers: bool, share_layers: bool,
+                    run_sizes: Mapping[int, Mapping[str, int]] | None = None
                     ) -> tuple[list[list[int]], list[list[tuple[Split, ...]]], list[list[int]]]:
     """Follower groups, built in program order per graph: per group its op ids (leader first),
     per member its split under each strategy of the group, and per member an id of that
     strategy list (equal lists, equal ids: interned as they are made, each list hashed once;
     the follow memo and the cost tables key on them). Ops in ``ruled`` (a rule matches, fixed
-    or pinned) lead their own group. ``share_layers``: memoise per class (ours)."""
+    or pinned) lead their own group. ``share_layers``: memoise per class (ours).
+    ``run_sizes``: op id -> identifier sizes where it runs, when not the graph's."""
+    run_sizes = run_sizes or {}
+    sizes_of = lambda op: {**op_sizes(op), **run_sizes.get(op.id, {})}
     fg_ops: list[list[int]] = []
     fg_splits: list[list[tuple[Split, ...]]] = []
     fg_lids: list[list[int]] = []
@@ -155,10 +162,10 @@ def follower_groups(graphs: Iterable[Graph], allowed: Mapping[int, tuple[Split, 
                 if share_layers:
                     lk = (op_class[op.id], tuple(t.id in producer for t in op.inputs))
                     if lk not in lead_memo:
-                        lead_memo[lk] = _leader_input(op, producer, op_sizes(op), mesh_axes)
+                        lead_memo[lk] = _leader_input(op, producer, sizes_of(op), mesh_axes)
                     j = lead_memo[lk]
                 else:
-                    j = _leader_input(op, producer, op_sizes(op), mesh_axes)
+                    j = _leader_input(op, producer, sizes_of(op), mesh_axes)
             if j is None:
                 member[op.id] = (len(fg_ops), 0)
                 fg_ops.append([op.id])
@@ -178,7 +185,7 @@ def follower_groups(graphs: Iterable[Graph], allowed: Mapping[int, tuple[Split, 
             if hit is not None:
                 mine, lid = hit
             else:
-                mine = _followed(prod, k, fg_splits[f][m], op, j, mesh_axes)
+                mine = _followed(prod, k, fg_splits[f][m], op, j, mesh_axes, sizes_of(op))
                 lid = lists.setdefault(mine, len(lists))
                 if share_layers:
                     follow_memo[fk] = (mine, lid)
@@ -190,10 +197,9 @@ def follower_groups(graphs: Iterable[Graph], allowed: Mapping[int, tuple[Split, 
 
 
 def _followed(prod: Op, k: int, prod_splits: tuple[Split, ...], op: Op, j: int,
-              mesh_axes: Mapping[str, int]) -> tuple[Split, ...]:
-    """Per strategy of producer ``prod``, the split of ``op`` reading its output ``k`` as
-    input ``j`` as the producer leaves it."""
-    sizes = op_sizes(op)
+              mesh_axes: Mapping[str, int], sizes: Mapping[str, int]) -> tuple[Split, ...]:
+    """Per strategy of producer ``prod``, the split of ``op`` (its identifiers' ``sizes``)
+    reading its output ``k`` as input ``j`` as the producer leaves it."""
     out = []
     for s in prod_splits:
         _, outs = op_layouts(prod, OpPlan(prod.id, prod.primitive, prod.module_path, s))

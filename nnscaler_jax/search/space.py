@@ -228,19 +228,19 @@ def _build(graph: Graph, mesh_axes: dict[str, int], rules: tuple[Rule, ...], fol
     uses = first_uses(graph)
     pin_ops = pinned_readers(graph, pinned or {}, uses, by_id, mesh_axes)
     grads = grad_sources(graph)
-    op_class = op_classes(ops, set(uses.values()), rules, grads, fixed, pin_ops)
+    sizes = run_sizes(graph, microbatches)
+    op_class = op_classes(ops, set(uses.values()), rules, grads, fixed, pin_ops, sizes)
     weights: dict[int, float] = {}
     for g, w, _ in walk_graphs(graph):
         for op in g.ops:
             weights[op.id] = w
     # ours computes each class of identical ops once (same primitive, annotation, shapes, rules)
     allowed, log10_full, removed = allowed_splits(ops, op_class, mesh_axes, rules, pin_ops,
-                                                  fixed, share_layers,
-                                                  run_sizes(graph, microbatches))
+                                                  fixed, share_layers, sizes)
     ruled = {op.id for op in ops for r in rules if r.matches(op)} | set(fixed) | set(pin_ops)
     fg_ops, fg_splits, fg_lids = follower_groups(
         [g for g, _, _ in walk_graphs(graph)], allowed, op_class, ruled, mesh_axes,
-        followers=followers, share_layers=share_layers)
+        followers=followers, share_layers=share_layers, run_sizes=sizes)
     # isomorphism keys (also memoize costs of copies when not shared) interned to small ints
     # (cheap to hash: the cost tables key their memos on them)
     keys = layer_keys(ops, op_class)

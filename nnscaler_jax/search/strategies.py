@@ -181,14 +181,13 @@ def allowed_splits(ops: Sequence[Op], op_class: Mapping[int, int], mesh_axes: Ma
     removed = {str(r): 0 for r in rules}
     allowed: dict[int, tuple[Split, ...]] = {}
     log10_full = 0.0
-    done_by_class: dict[tuple, tuple] = {}
+    done_by_class: dict[int, tuple] = {}
     run_sizes = run_sizes or {}
     for op in ops:
-        sizes = run_sizes.get(op.id)
-        cls = (op_class[op.id], tuple(sorted((sizes or {}).items())))
+        cls = op_class[op.id]  # (equal sizes where they run: op_classes)
         done = done_by_class.get(cls) if per_class else None
         if done is None:
-            splits = op_splits(op, mesh_axes, sizes)
+            splits = op_splits(op, mesh_axes, run_sizes.get(op.id))
             keep = splits
             cut = []
             for r in rules:

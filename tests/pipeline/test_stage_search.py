@@ -28,11 +28,11 @@ RTOL, ATOL = 1e-4, 1e-6
 BUDGET = 150_000
 
 
-def _swin(budget, pivots=(), **config):
-    spec = models.get("swin", "tiny", batch_size=8, **config)
+def _swin(budget, pivots=(), batch=8, mesh=((2, 4), ("stage", "model")), **config):
+    spec = models.get("swin", "tiny", batch_size=batch, **config)
     cons = Constraints(pipeline_stages=2, microbatches=4, schedule="1f1b",
                        max_memory_per_device=budget, pipeline_pivots=pivots)
-    pm = auto_parallel(make_mesh((2, 4), ("stage", "model")), cons, policy="auto")(spec.module)
+    pm = auto_parallel(make_mesh(*mesh), cons, policy="auto")(spec.module)
     return spec, pm
 
 
@@ -106,6 +106,21 @@ def test_window_attention_and_mlp_cosharded_in_the_first_stage():
     assert sorted(row[0] for row in cosharded) == ["layers_0/blocks_0/attn",
                                                    "layers_0/blocks_1/attn"]
     assert all(row[3] == 2 for row in cosharded)
+    _trains_like_one_device(spec, step, state, args, opt)
+
+
+@pytest.mark.slow
+def test_stages_with_data_parallel_devices_chunk_one_shards_microbatch():
+    """2 stages x data 2 x model 2, batch 16 in 4 micro-batches: a data shard's micro-batch
+    has 2 rows. The second stage's part reads the first's activations (no example inputs),
+    its batch dims found through them: its MLP blocks run in 2 chunks of those rows, not in
+    the 8 the whole batch allowed."""
+    spec, pm = _swin(260_000, batch=16, mesh=((2, 2, 2), ("stage", "data", "model")))
+    args, opt, step, state = _step(spec, pm)
+    plan = pm.plan
+    assert plan.cost.memory_bytes_per_device <= 260_000
+    cosharded = plan_features(plan)["cosharded"]
+    assert cosharded and all(row[3] == 2 for row in cosharded), cosharded
     _trains_like_one_device(spec, step, state, args, opt)
 
 
