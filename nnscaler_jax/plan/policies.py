@@ -202,7 +202,19 @@ def megatron(graph: Draft, mesh: Any) -> Plan:
     return graph.finish()
 
 
+_BATCH: dict[int, tuple[weakref.ref, tuple[DimClasses, set]]] = {}
 _BATCH_DIMS: dict[int, tuple[weakref.ref, tuple[tuple[Op, str, int], ...]]] = {}
+
+
+def _batch_of(graph: Graph) -> tuple[DimClasses, set]:
+    """``graph``'s dim classes and its batch classes, computed once per graph."""
+    hit = _BATCH.get(id(graph))
+    if hit is not None and hit[0]() is graph:
+        return hit[1]
+    classes = graph_dim_classes(graph)
+    out = (classes, _batch_classes(graph, classes))
+    _BATCH[id(graph)] = (weakref.ref(graph), out)
+    return out
 
 
 def batch_dims(graph: Graph) -> tuple[tuple[Op, str, int], ...]:
@@ -211,8 +223,7 @@ def batch_dims(graph: Graph) -> tuple[tuple[Op, str, int], ...]:
     hit = _BATCH_DIMS.get(id(graph))
     if hit is not None and hit[0]() is graph:
         return hit[1]
-    classes = graph_dim_classes(graph)
-    batch = _batch_classes(graph, classes)
+    classes, batch = _batch_of(graph)
     out = []
     for op in graph.walk() if batch else ():
         idents = _ident_classes(op, classes) if op.annotated else {}
@@ -227,8 +238,7 @@ def batch_dims(graph: Graph) -> tuple[tuple[Op, str, int], ...]:
 def batch_led(graph: Graph, tensors: Iterable[Tensor]) -> tuple[int, ...]:
     """The ids of ``tensors`` (of ``graph``) whose leading axis is ``graph``'s batch (the class
     of axis 0 of its example arguments)."""
-    classes = graph_dim_classes(graph)
-    batch = _batch_classes(graph, classes)
+    classes, batch = _batch_of(graph)
     return tuple(t.id for t in tensors if t.ndim >= 1 and classes.cls(t.id, 0) in batch)
 
 

@@ -216,7 +216,8 @@ def run_sizes(graph: Graph, microbatches: int = 1) -> dict[int, dict[str, int]]:
             if b in blocks and op.id in blocks[b]["idents"]:
                 dim, k = blocks[b]["idents"][op.id], blocks[b]["chunks"]
                 size = out.get(op.id, {}).get(dim, op_sizes(op).get(dim, 0))
-                out.setdefault(op.id, {})[dim] = size // k if size % k == 0 else 0
+                # (a size no chunk divides: 1, which no split divides)
+                out.setdefault(op.id, {})[dim] = size // k if size % k == 0 else 1
     return out
 
 
