@@ -185,6 +185,13 @@ class Constraints:
     prices both where both run and keeps the faster (ties: in-graph). The plan records it
     (``plan.pipeline.executor``).
 
+    ``pipeline_overlap``: the in-graph runtime sends each time step's activations and
+    cotangents to the neighbouring stages during the next step, beside its compute (True),
+    or after the step (False). Overlapped, a step lasts its compute or its transfers,
+    whichever is longer, but a result reaches the next stage a step later (a longer step
+    table). None (the default): the planner prices both and keeps the faster (ties: after
+    the step). The plan records it (``plan.pipeline.overlap``).
+
     >>> Constraints(precision="bf16").precision
     'bfloat16'
     """
@@ -200,6 +207,7 @@ class Constraints:
     pipeline_pivots: tuple[str, ...] = ()
     attention: Literal["fused", "ring", "zigzag"] | None = None
     pipeline_executor: Literal["in-graph", "per-stage"] | None = None
+    pipeline_overlap: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.rules, Rule | str) or not _iterable(self.rules):
@@ -238,6 +246,16 @@ class Constraints:
                 f"Constraints(pipeline_executor={self.pipeline_executor!r}): use 'in-graph' "
                 "(one program over the stage axis, in lock step), 'per-stage' (one program per "
                 "stage, each running as its inputs arrive) or None (the planner picks)")
+        if self.pipeline_overlap not in (None, True, False):
+            raise ConstraintError(
+                f"Constraints(pipeline_overlap={self.pipeline_overlap!r}): use True (the "
+                "in-graph runtime sends a time step's results during the next step), False "
+                "(after it) or None (the planner prices both)")
+        if self.pipeline_overlap and self.pipeline_executor == "per-stage":
+            raise ConstraintError(
+                "Constraints(pipeline_overlap=True, pipeline_executor='per-stage'): the "
+                "per-stage runtime sends each result as its block ends; overlap is the "
+                "in-graph runtime's. Drop one of them")
         if self.max_memory_per_device is not None:
             object.__setattr__(self, "max_memory_per_device",
                                parse_bytes(self.max_memory_per_device))

@@ -201,7 +201,8 @@ def _row(r) -> dict:
             "microbatch_size": r.microbatch_size, "step_time_s": r.step_time_s,
             "bubble_s": r.bubble_s, "compute_s": r.compute_s, "comm_s": r.comm_s,
             "memory_gib": [m / 2**30 for m in r.memory_bytes],
-            "peak_gib": max(r.memory_bytes) / 2**30, "fits": r.fits, "executor": r.executor}
+            "peak_gib": max(r.memory_bytes) / 2**30, "fits": r.fits, "executor": r.executor,
+            "overlap": r.overlap}
 
 
 def t5(global_batch: int = 32) -> dict:
@@ -228,16 +229,22 @@ def t5(global_batch: int = 32) -> dict:
                 cut = plan_cut(graph, axes, Constraints(pipeline_stages="auto",
                                                         schedule=name),
                                policy, 2 if name == "interleaved" else 1, cm)
-                rows = cut.setup.choices(budget, schedule=name)
+                rows = cut.setup.choices(budget, schedule=name, overlap=None)
             except PlanError as e:
                 entry["schedules"][name] = {"error": str(e).splitlines()[0][:200]}
                 continue
             entry["schedules"][name] = _row(rows[0])
             entry.setdefault("by_executor", {})[name] = {
-                ex: _row(next(r for r in rows if r.executor == ex))
-                for ex in cut.setup.executors if any(r.executor == ex for r in rows)}
+                ex: _row(next(r for r in rows if r.executor == ex and not r.overlap))
+                for ex in cut.setup.executors
+                if any(r.executor == ex and not r.overlap for r in rows)}
+            lock = [r for r in rows if r.executor == "in-graph"]
+            if any(r.overlap for r in lock):  # the in-graph runtime's transfers overlapped
+                entry.setdefault("by_overlap", {})[name] = {
+                    k: _row(next(r for r in lock if r.overlap is o))
+                    for k, o in (("after", False), ("overlapped", True))}
             if name == "1f1b":  # the runtime-restricted stage DP (pipeline_stages="auto")
-                entry["dp_choice"] = _row(cut.setup.choices(budget)[0])
+                entry["dp_choice"] = _row(cut.setup.choices(budget, overlap=None)[0])
                 entry["units"] = [{"name": u.name, "time_s": u.time_s,
                                    "param_gib": u.param_bytes / 2**30,
                                    "act_gib_per_sample": u.act_bytes / 2**30,
@@ -362,7 +369,9 @@ def _t5_md(t: dict) -> list[str]:
              "(`pipeline_stages=\"auto\"`, schedules gpipe / 1f1b / eager-1f1b / interleaved / "
              "zb-h1 / interlaced). Step s / peak GiB per device / micro-batches x size; `ps`: "
              "run one program per stage (each stage running its blocks as their inputs "
-             "arrive, priced by events), else one program in lock step. Stages data-parallel "
+             "arrive, priced by events), else one program in lock step; `ov`: in lock step "
+             "with each step's transfers overlapped with the next step's compute "
+             "(`Constraints(pipeline_overlap=)`, priced both ways). Stages data-parallel "
              "inside run either, the planner pricing both (`PipelineSettings.executor`); "
              "`stage 2 x model 4` (Megatron inside the stages, nnScaler's shape) runs one "
              "program per stage."), "",
@@ -372,7 +381,8 @@ def _t5_md(t: dict) -> list[str]:
     cell = lambda r: ("-" if r is None or "error" in r else
                       f"{r['step_time_s']:.1f} / {r['peak_gib']:.1f} / {r['microbatches']} x "
                       f"{r['microbatch_size']}" + (" ps" if r.get("executor") == "per-stage"
-                                                    else "") + ("" if r["fits"] else " (over)"))
+                                                    else "") + (" ov" if r.get("overlap") else "")
+                      + ("" if r["fits"] else " (over)"))
     for e in t["meshes"]:
         mesh = mesh_of(e)
         dp = e.get("dp_choice")
@@ -406,6 +416,7 @@ def _t5_md(t: dict) -> list[str]:
         "1,024,000-word vocabulary) run whole on one stage each while the others wait, as "
         "this runtime runs them (stages data-parallel inside), so it is slower than GPipe "
         "here; on tensor-parallel stages they run vocabulary-split over all devices (below).")]
+    lines += _overlap_md(t, mesh_of)
     for e in t["meshes"]:
         if not e.get("policy"):
             continue
@@ -423,6 +434,26 @@ def _t5_md(t: dict) -> list[str]:
             "vocabulary 8 ways (both embeddings in E, the head + loss in H), so only its "
             "shape fits: " + _fit_text(r.get("interlaced")) + "." + _xla_text(e))]
     return lines + [""]
+
+
+def _overlap_md(t: dict, mesh_of) -> list[str]:
+    """In lock step, each schedule's best row with the transfers after each step and
+    overlapped with the next (``by_overlap``)."""
+    out = []
+    for e in t["meshes"]:
+        pairs = e.get("by_overlap", {})
+        if not pairs:
+            continue
+        text = "; ".join(
+            f"{k} {v['after']['step_time_s']:.2f} -> {v['overlapped']['step_time_s']:.2f} s "
+            f"({v['after']['microbatches']} / {v['overlapped']['microbatches']} micro-batches)"
+            for k, v in pairs.items())
+        out += ["", (f"{mesh_of(e)}, one program in lock step, transfers after each step -> "
+                     f"overlapped with the next step's compute (each the schedule's best row): "
+                     f"{text}. Overlapped, a step lasts its compute or its transfers, the "
+                     "longer, on a table one step longer a hop (and two more stage inputs "
+                     "held).")]
+    return out
 
 
 def _search_md(d: dict) -> list[str]:

@@ -254,7 +254,8 @@ PLAN_HELP = ("run the plan saved by 'plan --out FILE' instead of planning; one f
 # the flags that shape a plan, as ``--flag`` -> the attribute (``plan`` and ``train`` share them)
 PLAN_FLAGS = {"--policy": "policy", "--zero": "zero", "--microbatches": "microbatches",
               "--precision": "precision", "--pipeline": "pipeline", "--schedule": "schedule",
-              "--attention": "attention", "--budget": "budget", "--executor": "executor"}
+              "--attention": "attention", "--budget": "budget", "--executor": "executor",
+              "--overlap": "overlap"}
 
 
 def add_plan_settings(p: argparse.ArgumentParser) -> None:
@@ -284,6 +285,10 @@ def add_plan_settings(p: argparse.ArgumentParser) -> None:
                         "axis, in lock step) or per-stage (one program per stage, each as its "
                         "inputs arrive; tensor-parallel stages of a cut model always); default "
                         "in-graph where it runs")
+    p.add_argument("--overlap", default=None, choices=("on", "off"),
+                   help="in-graph pipelines: send each time step's results during the next "
+                        "step, beside its compute (on), or after it (off); default: the "
+                        "planner prices both")
     p.add_argument("--batch-size", type=int, help="global batch size (default: the preset's)")
     add_attention_flag(p)
 
@@ -309,6 +314,8 @@ def plan_constraints(args: argparse.Namespace) -> Any:
                            schedule=getattr(args, "schedule", None),
                            attention=getattr(args, "attention", None),
                            pipeline_executor=getattr(args, "executor", None),
+                           pipeline_overlap={"on": True, "off": False}.get(
+                               getattr(args, "overlap", None)),
                            max_memory_per_device=budget)
     except PlanError as e:
         raise UsageError(cli_terms(str(e).splitlines()[0], args)) from None
@@ -370,6 +377,8 @@ _CLI_TERMS: tuple[tuple[str, Any], ...] = (
     (r"Constraints\(schedule='?(\w+)'?\)", r"--schedule \1"),
     (r"Constraints\(pipeline_executor='?([\w-]+)'?\)", r"--executor \1"),
     (r"Constraints\(pipeline_executor=\.\.\.\)", "--executor"),
+    (r"Constraints\(pipeline_overlap=True\)", "--overlap on"),
+    (r"Drop pipeline_overlap", "Drop --overlap"),
     (r"Constraints\(max_memory_per_device=(\d+)\)", r"--budget \1"),
     (r"policy='(\w+)'", r"--policy \1"),
     (r"re-plan for these inputs \(policy=\.\.\. or make_plan\(\) without plan=\)",

@@ -236,7 +236,9 @@ def run_chunk(cut: ProgramCut, seg: int, params: Iterable[tuple[Any, Any]], batc
               xin: Sequence[Any], *, x_vars: Sequence[Any] = (), layer_starts: dict,
               recompute_layers: bool, evaluate: Callable = NO_CONSTRAINTS.evaluate) -> dict:
     """Segment ``seg`` of ``cut`` run on one micro-batch: the environment of every value it
-    reads and makes. The one chunk evaluator of the cut runtimes (in-graph and per-stage).
+    reads and makes. The one chunk evaluator of the pipeline runtimes: the cut ones (in-graph
+    and per-stage) and the stacked one (its prefix, layer template and suffix as three
+    segments).
 
     ``params``: ``(input variable, value)`` pairs of the parameter-like inputs it reads
     (parameters, carried collections); ``batch``: the program's batch inputs after the

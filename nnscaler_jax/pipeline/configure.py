@@ -54,23 +54,18 @@ def configure_pipeline(plan: Plan, graph: Graph, constraints: Constraints,
             cut, choice, report = _or_interleaved(graph, plan, constraints, model, cut, choice,
                                                   report)
         if cut is None and _cut_only(choice.schedule):
-            # the DP chose a schedule only the cut program runs: plan and price that program
-            cut = plan_cut(graph, mesh_axes, replace(constraints, schedule=choice.schedule),
-                           plan.policy or None, choice.virtual, model)
-            choice = _priced(cut.setup, choice.microbatches, choice.schedule, choice.virtual,
-                             constraints.max_memory_per_device)
-            report += (f"\n  ({choice.schedule} runs as the program cut at module "
-                       f"boundaries, priced as such: {choice.step_time_s * 1e3:.3f} ms/step, "
-                       f"peak {max(choice.memory_bytes) / 2**20:.2f} MiB)")
+            cut, choice, report = _as_cut(graph, plan, constraints, model, setup, choice,
+                                          report)
     else:
         asked = constraints.schedule or "1f1b"
         virtual = 2 if asked == "interleaved" else getattr(asked, "virtual", 1)
         choice = _priced(setup, constraints.microbatches or getattr(asked, "microbatches",
                                                                     setup.stages),
-                         asked, virtual, constraints.max_memory_per_device)
+                         asked, virtual, constraints.max_memory_per_device,
+                         constraints.pipeline_overlap)
         report = ""
     if cut is None and not setup.tensor and constraints.pipeline_executor is None \
-            and constraints.pipeline_stages == "auto":
+            and constraints.pipeline_stages == "auto" and not constraints.pipeline_overlap:
         cut, choice, report = _or_per_stage(graph, plan, constraints, model, choice, report)
     stages = mesh_axes[require_stage_axis(mesh_axes)]
     layers = cut.stage_of if cut else stage_of(graph_layers(graph).stack, stages, choice.virtual)
@@ -80,8 +75,33 @@ def configure_pipeline(plan: Plan, graph: Graph, constraints: Constraints,
                                 paired=bool(steps) and constraints.schedule.paired,
                                 recompute=choice.recompute,
                                 layer_rules=cut.layer_rules if cut else (),
-                                executor=choice.executor, stage_plans=choice.stage_plans)
+                                executor=choice.executor, stage_plans=choice.stage_plans,
+                                overlap=choice.overlap)
     return replace(plan, pipeline=settings, cost=_cost(choice))
+
+
+def _as_cut(graph: Graph, plan: Plan, constraints: Constraints, model: CostModel | None,
+            setup: RuntimeSetup, choice: RuntimeChoice, report: str
+            ) -> tuple[Cut | None, RuntimeChoice, str]:
+    """The stage DP over a stack of identical layers chose a schedule only the program cut at
+    module boundaries runs (:func:`_cut_only`): plan and price that program, and keep it
+    unless the stack's best row of the schedules it runs itself beats it (fitting first, then
+    faster)."""
+    cut = plan_cut(graph, dict(plan.mesh), replace(constraints, schedule=choice.schedule),
+                   plan.policy or None, choice.virtual, model)
+    priced = _priced(cut.setup, choice.microbatches, choice.schedule, choice.virtual,
+                     constraints.max_memory_per_device, constraints.pipeline_overlap)
+    said = (f"({priced.schedule} runs as the program cut at module boundaries, priced as "
+            f"such: {priced.step_time_s * 1e3:.3f} ms/step, peak "
+            f"{max(priced.memory_bytes) / 2**20:.2f} MiB")
+    try:
+        kept, kept_report = _auto_choice(setup, constraints, stack_only=True)
+    except PlanError:  # (nothing else runs, or fits)
+        return cut, priced, report + f"\n  {said})"
+    key = lambda r: (not r.fits, r.step_time_s)
+    if key(priced) < key(kept):
+        return cut, priced, report + f"\n  {said})"
+    return None, kept, kept_report + f"\n  {said}: slower, not chosen)"
 
 
 def _or_interleaved(graph: Graph, plan: Plan, constraints: Constraints,
@@ -94,7 +114,8 @@ def _or_interleaved(graph: Graph, plan: Plan, constraints: Constraints,
         two = plan_cut(graph, dict(plan.mesh), replace(constraints, schedule="interleaved"),
                        plan.policy or None, 2, model)
         rows = two.setup.choices(constraints.max_memory_per_device,
-                                 microbatches=constraints.microbatches, schedule="interleaved")
+                                 microbatches=constraints.microbatches, schedule="interleaved",
+                                 overlap=constraints.pipeline_overlap)
     except PlanError:  # (too few module boundaries for two chunks a stage)
         return cut, choice, report
     best = rows[0]
@@ -122,7 +143,7 @@ def _or_per_stage(graph: Graph, plan: Plan, constraints: Constraints,
                        model)
         rows = [r for r in cut.setup.choices(
                     constraints.max_memory_per_device, schedule=asked.schedule,
-                    microbatches=constraints.microbatches)
+                    microbatches=constraints.microbatches, overlap=False)
                 if r.virtual == choice.virtual]
     except PlanError:  # (too few module boundaries for the chunks)
         return None, choice, report
@@ -143,11 +164,14 @@ def _cut_only(schedule: str | Schedule) -> bool:
 
 
 def _priced(setup: RuntimeSetup, microbatches: int, schedule: str | Schedule,
-            virtual: int, budget: float | None = None) -> RuntimeChoice:
+            virtual: int, budget: float | None = None, overlap: bool | None = None
+            ) -> RuntimeChoice:
     """The asked configuration priced: the fastest row that fits ``budget`` (every layer
-    recomputed inside its chunk only when keeping the chunk's activations does not fit), else
-    the fastest."""
-    rows = [r for r in setup.choices(budget, microbatches=microbatches, schedule=schedule)
+    recomputed inside its chunk only when keeping the chunk's activations does not fit;
+    transfers overlapped with the next step where ``overlap`` is None and that is faster),
+    else the fastest."""
+    rows = [r for r in setup.choices(budget, microbatches=microbatches, schedule=schedule,
+                                     overlap=overlap)
             if r.virtual == virtual]
     if not rows:
         raise PlanError(f"pipeline: schedule {getattr(schedule, 'name', schedule)!r} with "
@@ -174,13 +198,22 @@ def _cost(r: RuntimeChoice) -> PlanCost:
 
 
 def _auto_choice(setup: RuntimeSetup, constraints: Constraints,
-                 cut: bool = False) -> tuple[RuntimeChoice, str]:
+                 cut: bool = False, stack_only: bool = False) -> tuple[RuntimeChoice, str]:
     """The runtime-restricted stage DP's choice and its report (``cut``: the model is cut at
-    module boundaries, one unit per chunk)."""
+    module boundaries, one unit per chunk; ``stack_only``: of the schedules a stack of
+    identical layers runs itself, :func:`_cut_only`'s others left out).
+
+    Raises:
+        PlanError: ``stack_only`` and no such schedule was asked; NoFitError: nothing fits.
+    """
     S, dp, tp, batch = setup.stages, setup.dp, setup.tp, setup.batch
     budget = constraints.max_memory_per_device
     rows = setup.choices(budget, microbatches=constraints.microbatches,
-                         schedule=constraints.schedule)
+                         schedule=constraints.schedule, overlap=constraints.pipeline_overlap)
+    if stack_only:
+        rows = [r for r in rows if not _cut_only(r.schedule)]
+        if not rows:
+            raise PlanError("pipeline: no schedule a stack of identical layers runs itself")
     par = f"{dp} data-parallel" + (f" x {tp} tensor-parallel ({', '.join(setup.tensor)})"
                                    if tp > 1 else "")
     best = rows[0]

@@ -500,6 +500,14 @@ def _executors(tensor: Sequence[str], collections: bool,
     can = ("per-stage",) if tensor else ("in-graph",) if collections \
         else ("in-graph", "per-stage")
     asked = constraints.pipeline_executor
+    if constraints.pipeline_overlap and tensor:
+        raise PlanError(
+            f"Constraints(pipeline_overlap=True): this pipelined plan's stages are "
+            f"tensor-parallel over mesh axes {list(tensor)}, which only the per-stage runtime "
+            "runs, and it sends each result as its block ends; overlap is the in-graph "
+            "runtime's. Drop pipeline_overlap, or use policy='dp'")
+    if asked is None and constraints.pipeline_overlap:
+        return ("in-graph",)
     if asked is None:
         return can if constraints.pipeline_stages == "auto" else can[:1]
     if asked in can:

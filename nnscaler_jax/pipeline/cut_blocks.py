@@ -48,7 +48,8 @@ from nnscaler_jax.pipeline.loop_tables import CODES
 from nnscaler_jax.pipeline.mutable import average
 from nnscaler_jax.pipeline.split_backward import split_backward
 
-__all__ = ["local_step", "run_segment", "send_if"]
+__all__ = ["OVERLAP_OPTIONS", "compiler_options", "exchange", "local_step", "run_segment",
+           "send_if"]
 
 
 def _value(env: dict, v: Any) -> Any:
@@ -131,6 +132,38 @@ def send_if(needed: Any, vec: dict, axis: str, perm: list) -> dict:
     same on every device, so all take one branch of the ``cond`` around the collective)."""
     return lax.cond(needed, lambda v: jax.tree.map(lambda x: lax.ppermute(x, axis, perm), v),
                     lambda v: v, vec)
+
+
+def exchange(tb: Any, sends: Any, now: tuple, pending: tuple, axis: str, stages: int
+             ) -> tuple[tuple, tuple]:
+    """A time step's transfers: ``(received, pending)``. ``now``: the step's results for the
+    next and the previous stage (activation, cotangent); ``sends``: the step's row of
+    ``tb.sends``. With ``tb.overlap`` the step sends ``pending`` (the previous step's
+    results), at every step and outside any branch: nothing the step's blocks compute feeds
+    it, so XLA runs the ``ppermute`` beside them (a collective inside a ``cond`` ends
+    inside it); ``now`` becomes pending. Else the step sends ``now`` where some stage
+    receives it (and ``pending`` is empty)."""
+    perms = ([(i, (i + 1) % stages) for i in range(stages)],
+             [(i, (i - 1) % stages) for i in range(stages)])
+    if tb.overlap:
+        got = tuple(jax.tree.map(lambda x, k=k: lax.ppermute(x, axis, perms[k]), pending[k])
+                    for k in range(2))
+        return got, now
+    return tuple(send_if(sends[k], now[k], axis, perms[k]) for k in range(2)), ()
+
+
+OVERLAP_OPTIONS = {"xla_gpu_experimental_parallel_collective_overlap_limit": 2}
+"""XLA:GPU's options for a step whose transfers overlap (:func:`exchange`): both
+``ppermute``\\ s in flight at once. With XLA's default (one), its scheduler starts the
+second after the first is done: one direction's transfer overlaps a block, the other none
+(seen in the compiled loop of a 4-stage 1F1B on compile-only H100s)."""
+
+
+def compiler_options(tb: Any, mesh: Any) -> dict | None:
+    """The XLA options of a step running ``tb`` on ``mesh``: :data:`OVERLAP_OPTIONS` for an
+    overlapping step on GPUs, else None."""
+    gpu = getattr(mesh.devices.flat[0], "platform", "cpu") == "gpu"
+    return dict(OVERLAP_OPTIONS) if tb.overlap and gpu else None
 
 
 def _zeros(width: dict) -> dict:
@@ -288,15 +321,13 @@ def local_step(prog: Any, shared: list, stages: dict, batch: list, colls: dict,
     tabs = [jnp.asarray(a) for a in (tb.kind, tb.mb, tb.virt, tb.it, tb.in_slot, tb.g_slot,
                                      tb.rf_slot, tb.rb_slot, tb.keep_f, tb.keep_b, tb.keep_s,
                                      tb.s_slot)]
-    f_perm = [(i, (i + 1) % S) for i in range(S)]
-    b_perm = [(i, (i - 1) % S) for i in range(S)]
     sends = jnp.asarray(tb.sends)
     pair = [jnp.asarray(a) for a in (tb.b_kind, tb.b_mb, tb.b_virt, tb.b_in, tb.b_g)]
     pick = lambda tree, i: {k: lax.dynamic_index_in_dim(x, i, keepdims=False)
                             for k, x in tree.items()}
 
     def body(t, carry):
-        inbuf, gbuf, g_st, g_sh, loss_acc, cst, snap, kbuf = carry
+        inbuf, gbuf, g_st, g_sh, loss_acc, cst, snap, kbuf, pend = carry
         code, m, v, it, isl, gsl, rf, rb, kf, kb, ks, ssl = [a[t, s] for a in tabs]
         now, saved = pick(cst, v), pick(pick(snap, v), m)  # B / G read what their F read
         is_f, is_b = code == CODES["F"], (code == CODES["B"]) | (code == CODES["G"])
@@ -324,22 +355,24 @@ def local_step(prog: Any, shared: list, stages: dict, batch: list, colls: dict,
         snap = {k: x.at[v, m].set(jnp.where(is_f, now[k], saved[k])) for k, x in snap.items()}
         g_st = {k: g.at[gv].add(dp[k]) for k, g in g_st.items()}
         g_sh = [g + d for g, d in zip(g_sh, dsh, strict=True)]
-        recv_f = send_if(sends[t, 0], out_f, prog.axis, f_perm)
-        recv_b = send_if(sends[t, 1], out_b, prog.axis, b_perm)
+        (recv_f, recv_b), pend = exchange(tb, sends[t], (out_f, out_b), pend, prog.axis, S)
         put = lambda slot, buf, new: lax.cond(
             slot >= 0, lambda b: {k: b[k].at[slot].set(new[k]) for k in b}, lambda b: b, buf)
         inbuf = put(kf, put(rf, inbuf, recv_f), out_f)
         gbuf = put(kb, put(rb, gbuf, recv_b), out_b)
         kbuf = put(ks, kbuf, kept)
-        return inbuf, gbuf, g_st, g_sh, loss_acc + loss, cst, snap, kbuf
+        return inbuf, gbuf, g_st, g_sh, loss_acc + loss, cst, snap, kbuf, pend
 
+    sent = ({k: jnp.zeros((n,), k) for k, n in prog.c_width.items()},
+            {k: jnp.zeros((n,), k) for k, n in prog.g_width.items()})
     carry = ({k: jnp.zeros((tb.n_in, n), k) for k, n in prog.c_width.items()},
              {k: jnp.zeros((tb.n_g, n), k) for k, n in prog.g_width.items()},
              jax.tree.map(jnp.zeros_like, stages), jax.tree.map(jnp.zeros_like, shared), _zl(),
              colls, {k: jnp.zeros((x.shape[0], M) + x.shape[1:], x.dtype)
                      for k, x in colls.items()},
-             {k: jnp.zeros((tb.n_s, n), k) for k, n in (split.width if split else {}).items()})
-    _, _, g_st, g_sh, loss, colls, _, _ = lax.fori_loop(0, tb.kind.shape[0], body, carry)
+             {k: jnp.zeros((tb.n_s, n), k) for k, n in (split.width if split else {}).items()},
+             sent if tb.overlap else ())
+    _, _, g_st, g_sh, loss, colls, _, _, _ = lax.fori_loop(0, tb.kind.shape[0], body, carry)
     g_sh = [lax.psum(g, prog.axis) for g in g_sh]
     loss = lax.psum(loss, prog.axis)
     if prog.data_axes:

@@ -43,7 +43,7 @@ from nnscaler_jax.mesh.axes import auto_view, mesh_axes
 from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.chunks import pack, packing, unpack, widths
 from nnscaler_jax.pipeline.cut import cut_traced, tp_error
-from nnscaler_jax.pipeline.cut_blocks import local_step
+from nnscaler_jax.pipeline.cut_blocks import compiler_options, local_step
 from nnscaler_jax.pipeline.in_stage import tensor_axes
 from nnscaler_jax.pipeline.loop_tables import loop_tables
 from nnscaler_jax.pipeline.mutable import require_forward_order, schedule_error, shared_error
@@ -85,7 +85,7 @@ class CutProgram(PipelineRuntime):
                  params: Any, batch: tuple, *, stage_of: tuple, policy: Any = None,
                  rules: tuple = (), call: ModuleCall | None = None, recompute: str = "chunk",
                  layer_rules: tuple = (), budget: float | None = None,
-                 stage_plans: tuple = ()):
+                 stage_plans: tuple = (), overlap: bool = False):
         del rules, budget, stage_plans  # (stages data-parallel inside; recompute: layer_rules)
         self.layer_rules = dict(layer_rules)  # layer -> recomputed on its own (rules.py)
         self.module, self.loss_fn, self.schedule = module, loss_fn, sched
@@ -118,7 +118,7 @@ class CutProgram(PipelineRuntime):
             require_forward_order(sched)
         self._cut(closed, abstract, stage_of)
         self.g_width = {k: n for k, n in self.c_width.items() if _floating(k)} or {"float32": 1}
-        self.tables = loop_tables(sched, "FBNEHWG")
+        self.tables = loop_tables(sched, "FBNEHWG", overlap=overlap)
 
     def _cut(self, closed: Any, abstract: list, stage_of: tuple) -> None:
         """Cut the traced program at ``stage_of``'s segments and lay out what each chunk owns:
@@ -294,7 +294,8 @@ class CutProgram(PipelineRuntime):
         ``'collections'`` gets them updated."""
         return jitted_step(self.grads, optimizer, self.mesh, store=self._store,
                            view=cached_view(self, optimizer, (self.axis,)),
-                           return_grads=return_grads, scaling=scaling)
+                           return_grads=return_grads, scaling=scaling,
+                           compiler_options=compiler_options(self.tables, self.mesh))
 
     @functools.cached_property
     def _store(self) -> Callable[[Any], Any]:

@@ -64,6 +64,9 @@ class LoopTables:
     keep_s: np.ndarray | None = None
     s_slot: np.ndarray | None = None
     n_s: int = 0
+    # the neighbours' results arrive one step late (``loop_tables(..., overlap=True)``): what
+    # a stage sends after step t moves during step t + 1 (``rf_slot`` / ``rb_slot`` row t + 1)
+    overlap: bool = False
 
     @property
     def paired(self) -> bool:
@@ -76,20 +79,33 @@ class LoopTables:
         cotangent (``[:, 1]``) from a neighbour; the runtime skips the other ``ppermute``s."""
         return np.stack([self.rf_slot.max(axis=1) >= 0, self.rb_slot.max(axis=1) >= 0], 1)
 
+    @property
+    def transfers(self) -> np.ndarray:
+        """``[T]`` bool: the runtime moves values between the stages at step ``t``: where
+        some stage receives one, or at every step with :attr:`overlap` (the ``ppermute`` then
+        runs outside any branch, so that XLA can run it beside the step's blocks)."""
+        if self.overlap:
+            return np.ones(self.kind.shape[0], bool)
+        return self.sends.any(axis=1)
 
-def loop_tables(sched: sch.Schedule, kinds: str = "FB") -> LoopTables:
+
+def loop_tables(sched: sch.Schedule, kinds: str = "FB", *, overlap: bool = False
+                ) -> LoopTables:
     """The tables of ``sched``'s step table (:func:`~nnscaler_jax.pipeline.schedule.timeline`):
     what each stage does at each time step and which buffer slots it reads and fills.
 
     Args:
         kinds: the block kinds the calling runtime executes (``'FB'``: the identical-layer
             runtime; ``'FBNEHWG'``: the cut-program runtime).
+        overlap: the runtime sends a step's results to the neighbours during the next step,
+            beside its compute (the step table placed with ``lag=1``, so no block reads a
+            neighbour's result before it arrives): ``rf_slot`` / ``rb_slot`` move one row down.
 
     Raises:
         PlanError: the schedule has blocks the calling runtime does not execute.
     """
     sch.require_runnable(sched, kinds)
-    table = sch.timeline(sched)
+    table = sch.timeline(sched, lag=int(overlap))
     T, S, C, V = len(table), sched.stages, sched.chunks, sched.virtual
     z = lambda fill=0: np.full((T, S), fill, np.int32)
     kind, mb, virt, it, in_slot, g_slot = z(), z(), z(), z(), z(), z()
@@ -99,6 +115,13 @@ def loop_tables(sched: sch.Schedule, kinds: str = "FB") -> LoopTables:
     keep_s, s_slot = z(-1), z()
     b_kind, b_mb, b_virt, b_in, b_g = z(), z(), z(), z(), z()
     lanes = ((kind, mb, virt, in_slot, g_slot), (b_kind, b_mb, b_virt, b_in, b_g))
+    later: list = []  # (overlap) values on their way: their slots taken once they arrive
+
+    def arrive(table_: np.ndarray, t: int, d: int, buf: str, key: tuple) -> None:
+        later.append((table_, t, d, buf, key))
+        if not overlap:  # (a value sent after step t is there at its end)
+            _flush(later, bufs)
+
     for t, row in enumerate(table):
         done = []  # (stage, step) each stage runs at t
         for s, cell in enumerate(row):
@@ -111,14 +134,15 @@ def loop_tables(sched: sch.Schedule, kinds: str = "FB") -> LoopTables:
                     it[t, s] = st.it
                 if st.kind == "G":
                     s_slot[t, s] = bufs["s"].read(s, ("G", st.microbatch, st.virtual), free=True)
+        _flush(later, bufs)  # (overlap: what step t - 1 sent arrives at the end of step t)
         for s, st in done:  # after the step: what arrives from the neighbours, what is kept
             m, c = st.microbatch, st.virtual * S + s
             if st.kind in "FN" and c + 1 < C:
                 d, key = (c + 1) % S, (st.kind, m, (c + 1) // S) + ((st.it,) * (st.kind == "N"))
-                rf[t, d] = bufs["in"].put(d, key)
+                arrive(rf, t, d, "in", key)
             elif st.kind == "N":  # last chunk: the recycled state goes to chunk 0 (stage 0)
                 nxt = ("N", m, 0, st.it + 1) if st.it + 1 < sched.recycles else ("F", m, 0)
-                rf[t, 0] = bufs["in"].put(0, nxt)
+                arrive(rf, t, 0, "in", nxt)
             elif st.kind == "F" and sched.all_device:  # last chunk: its output feeds H here
                 keep_f[t, s] = bufs["in"].put(s, ("H", m))
             elif st.kind == "E":
@@ -127,14 +151,41 @@ def loop_tables(sched: sch.Schedule, kinds: str = "FB") -> LoopTables:
                 keep_s[t, s] = bufs["s"].put(s, ("G", m, st.virtual))
             if st.kind == "B" and c > 0:
                 d = (c - 1) % S
-                rb[t, d] = bufs["g"].put(d, ("B", m, (c - 1) // S))
+                arrive(rb, t, d, "g", ("B", m, (c - 1) // S))
             elif st.kind == "B" and sched.all_device:
                 keep_b[t, s] = bufs["g"].put(s, ("W", m))
             elif st.kind == "H":
                 keep_b[t, s] = bufs["g"].put(s, ("B", m, V - 1))
+    _flush(later, bufs)
+    tabs = [kind, mb, virt, in_slot, g_slot, it, keep_f, keep_b, b_kind, b_mb, b_virt, b_in,
+            b_g, keep_s, s_slot]
+    if overlap:
+        tabs, (rf, rb) = _deferred(tabs, rf, rb)
+    kind, mb, virt, in_slot, g_slot, it, keep_f, keep_b, b_kind, b_mb, b_virt, b_in, b_g, \
+        keep_s, s_slot = tabs
     return LoopTables(kind, mb, virt, in_slot, g_slot, rf, rb, bufs["in"].size,
                       bufs["g"].size, it, keep_f, keep_b, b_kind, b_mb, b_virt, b_in, b_g,
-                      keep_s, s_slot, bufs["s"].size if sched.split_backward else 0)
+                      keep_s, s_slot, bufs["s"].size if sched.split_backward else 0, overlap)
+
+
+def _flush(later: list, bufs: dict) -> None:
+    """Give the values in ``later`` their slots (row ``t`` of the table each was sent at)."""
+    for table, t, d, buf, key in later:
+        table[t, d] = bufs[buf].put(d, key)
+    later.clear()
+
+
+def _deferred(tabs: list[np.ndarray], rf: np.ndarray, rb: np.ndarray
+              ) -> tuple[list[np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """The tables with the receive slots one row later (sent during the next step); a last
+    row that sends adds an idle step for its transfer. A slot is taken where the value
+    arrives (after the reads of the step it moves in: a slot read then is free for it)."""
+    idle = lambda a, fill: np.full((1, a.shape[1]), fill, a.dtype)
+    rf, rb = (np.concatenate([idle(x, -1), x]) for x in (rf, rb))
+    if rf[-1].max() < 0 and rb[-1].max() < 0:
+        return tabs, (rf[:-1], rb[:-1])
+    fills = [0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0, 0, -1, 0]
+    return [np.concatenate([a, idle(a, f)]) for a, f in zip(tabs, fills, strict=True)], (rf, rb)
 
 
 def _read(lane: tuple, bufs: dict, t: int, s: int, st: sch.Step) -> None:

@@ -126,7 +126,12 @@ class MpmdProgram(PipelineRuntime):
                  params: Any, batch: tuple, *, stage_of: tuple, policy: Any = None,
                  rules: tuple = (), call: ModuleCall | None = None, recompute: str = "chunk",
                  layer_rules: tuple = (), budget: float | None = None,
-                 stage_plans: tuple = ()):
+                 stage_plans: tuple = (), overlap: bool = False):
+        if overlap:
+            raise PlanError("pipeline: the per-stage runtime sends each result as its block "
+                            "ends, beside the stages' other work; overlap=True (transfers one "
+                            "time step late) is the in-graph runtime's. Drop it, or use "
+                            "Constraints(pipeline_executor='in-graph')")
         self.module, self.loss_fn, self.schedule = module, loss_fn, sched
         self.recompute, self.layer_rules = recompute, dict(layer_rules)
         axes = mesh_axes(mesh)

@@ -13,8 +13,9 @@ prices a graph's units on it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from nnscaler_jax.cost.devices import NVLINK_H100
 from nnscaler_jax.cost.model import CostModel
@@ -67,6 +68,8 @@ class RuntimeChoice:
             the host, each stage running its blocks as their inputs arrive).
         stage_plans: ``PipelineSettings.stage_plans``: the in-stage search's plans the row's
             memory was priced with (:attr:`RuntimeSetup.searched`), else empty.
+        overlap: ``PipelineSettings.overlap``: the in-graph runtime sends a time step's
+            results during the next step, beside its compute (:func:`runtime_time`).
     """
 
     schedule: str
@@ -83,11 +86,13 @@ class RuntimeChoice:
     recompute: str = "chunk"
     executor: str = "in-graph"
     stage_plans: tuple = field(default=(), compare=False)
+    overlap: bool = False
 
     def row(self) -> str:
         name = (self.schedule + (f" x{self.virtual}" if self.virtual > 1 else "")
                 + (" +rc" if self.recompute == "layer" else "")
-                + (" /ps" if self.executor == "per-stage" else ""))
+                + (" /ps" if self.executor == "per-stage" else "")
+                + (" /ov" if self.overlap else ""))
         return (f"{name:<14} {self.microbatches:>4} x {self.microbatch_size:<4} "
                 f"{self.step_time_s * 1e3:>10.3f} {self.bubble_s * 1e3:>9.3f} "
                 f"{max(self.memory_bytes) / 2**20:>10.2f}{'' if self.fits else '  over budget'}")
@@ -96,7 +101,8 @@ class RuntimeChoice:
 def runtime_time(sched, fwd: list[float], bwd: list[float], p2p: float,
                  all_device: dict[str, float] | None = None, *,
                  table: list | None = None, wgrad: list[float] | None = None,
-                 lockstep: bool = True) -> tuple[float, float]:
+                 lockstep: bool = True, overlap: bool = False,
+                 moves: Sequence[bool] | None = None) -> tuple[float, float]:
     """``(step seconds, bubble seconds)`` of a schedule's step table (``plan.schedule``).
 
     The runtime walks the table in lock step: time step ``t`` lasts as long as the slowest
@@ -104,8 +110,13 @@ def runtime_time(sched, fwd: list[float], bwd: list[float], p2p: float,
     :class:`~nnscaler_jax.pipeline.steps.Pair`; a no-grad forward ``N`` costs
     ``fwd[c]``; an all-device block ``all_device[kind]``, run by the stage holding its data,
     ``E`` / ``W`` stage 0 and ``H`` the last chunk's stage, while the others wait) and then both
-    ``ppermute``\\ s (``p2p`` seconds together). ``table``: ``sch.timeline(sched)`` when
-    already made. A split backward (``sched.split_backward``): ``G`` costs ``wgrad[c]`` (the
+    ``ppermute``\\ s (``p2p`` seconds together) where it moves values (``moves[t]``, the loop
+    tables' ``transfers``: where some stage receives a result). ``overlap``: the runtime
+    sends a step's results during the next one, at every step
+    (:func:`~nnscaler_jax.pipeline.loop_tables.loop_tables`), so a step lasts its slowest
+    stage's work or its transfers, the longer, and the table places a result read on
+    another stage one step later. ``table``: ``sch.timeline(sched,
+    lag=overlap)`` and ``moves`` when already made. A split backward (``sched.split_backward``): ``G`` costs ``wgrad[c]`` (the
     chunk's weight gradients; default a third of its backward) and ``B`` the rest of
     ``bwd[c]``.
 
@@ -119,8 +130,11 @@ def runtime_time(sched, fwd: list[float], bwd: list[float], p2p: float,
     wg = _weight_share(sched, bwd, wgrad)
     if not lockstep:
         return _event_time(sched, fwd, bwd, p2p / 2, wg, extra)[:2]
-    for row in sch.timeline(sched) if table is None else table:
-        dur = 0.0
+    table = sch.timeline(sched, lag=int(overlap)) if table is None else table
+    if moves is None:
+        moves = loop_tables(sched, "FBNEHWG", overlap=overlap).transfers
+    for t, move in enumerate(moves):
+        row, dur = table[t] if t < len(table) else (), 0.0
         for s, cell in enumerate(row):
             here = 0.0  # (a pair: its forward, then its backward)
             for st in sch.blocks(cell):
@@ -131,7 +145,7 @@ def runtime_time(sched, fwd: list[float], bwd: list[float], p2p: float,
                     busy[s] += w
                 here += w
             dur = max(dur, here)
-        total += dur + p2p
+        total += max(dur, p2p * move) if overlap else dur + p2p * move
     return total, total - max(busy)
 
 
@@ -215,8 +229,8 @@ def runtime_choices(units: list[Unit], stages: int, dp: int, batch: int,
                     schedule: str | None = None, optimizer_bytes: float = 3.0,
                     stage_link: LinkCost = NVLINK_H100, data_link: LinkCost = NVLINK_H100,
                     tp: int = 1, tp_link: LinkCost = NVLINK_H100,
-                    modes: tuple[str, ...] = ("chunk", "layer"),
-                    lockstep: bool = True) -> list[RuntimeChoice]:
+                    modes: tuple[str, ...] = ("chunk", "layer"), lockstep: bool = True,
+                    overlap: bool | None = False) -> list[RuntimeChoice]:
     """Every (schedule, micro-batch count) :mod:`nnscaler_jax.pipeline.runtime` can run, priced.
 
     The runtime's restrictions: ``stages x virtual`` equal contiguous chunks of the layer stack
@@ -256,6 +270,10 @@ def runtime_choices(units: list[Unit], stages: int, dp: int, batch: int,
     arrived, no faster than its host dispatches (:data:`HOST_DISPATCH_S`); without tensor
     axes it runs no all-device schedule.
 
+    ``overlap``: the in-graph runtime (2+ stages) sends a step's results during the next step
+    (True: :func:`runtime_time`; two more values held), after it (False), or both are priced
+    (None: the planner's default, ``Constraints.pipeline_overlap``).
+
     Raises:
         PlanError: no configuration the runtime can execute (layers or batch do not divide).
     """
@@ -276,20 +294,29 @@ def runtime_choices(units: list[Unit], stages: int, dp: int, batch: int,
                  memory_per_device, lockstep)
     if not any(u.layer_in_bytes is not None for u in units):
         modes = ("chunk",)
-    out = [_price(ways, name, V, M, rc) for name, V in kinds for M in ms for rc in modes
-           if not (name == "interleaved" and M % S)
+    overlaps = [o for o in ((False, True) if overlap is None else (overlap,))
+                if not o or (lockstep and S > 1)]
+    out = [_price(ways, name, V, M, rc, ov) for name, V in kinds for M in ms for rc in modes
+           for ov in overlaps if not (name == "interleaved" and M % S)
            and getattr(name, "microbatches", M) == M]
     if not out:
-        par = f"{dp} data-parallel" + (f" x {tp} tensor-parallel" if tp > 1 else "")
-        raise PlanError(
-            f"pipeline: no schedule the runtime can execute for {L} layers on {S} stages x {par} "
-            f"ways with batch {batch}"
-            + (f", microbatches={microbatches}" if microbatches else "")
-            + (f", schedule={getattr(schedule, 'name', schedule)!r}" if schedule else "")
-            + f"; the layers must divide into {S} (x2 for interleaved) equal chunks and the "
-            f"batch into micro-batches x {dp}")
+        raise _nothing_runs(L, S, dp, tp, batch, microbatches, schedule,
+                            bool(overlap and not overlaps))
     out.sort(key=lambda r: (not r.fits, r.step_time_s, max(r.memory_bytes)))
     return out
+
+
+def _nothing_runs(L: int, S: int, dp: int, tp: int, batch: int, microbatches: int | None,
+                  schedule: Any, overlap: bool) -> PlanError:
+    par = f"{dp} data-parallel" + (f" x {tp} tensor-parallel" if tp > 1 else "")
+    return PlanError(
+        f"pipeline: no schedule the runtime can execute for {L} layers on {S} stages x {par} "
+        f"ways with batch {batch}"
+        + (f", microbatches={microbatches}" if microbatches else "")
+        + (f", schedule={getattr(schedule, 'name', schedule)!r}" if schedule else "")
+        + (", overlap=True (the in-graph runtime's, on 2 or more stages)" if overlap else "")
+        + f"; the layers must divide into {S} (x2 for interleaved) equal chunks and the "
+        f"batch into micro-batches x {dp}")
 
 
 @dataclass(frozen=True)
@@ -383,8 +410,8 @@ def _chunk_work(w: _Ways, bounds: list[tuple[int, int]], mb: int,
 
 
 def _price(w: _Ways, name: str | sch.Schedule, V: int, M: int,
-           recompute: str = "chunk") -> RuntimeChoice:
-    """One (schedule, virtual, micro-batches, recompute) priced (see
+           recompute: str = "chunk", overlap: bool = False) -> RuntimeChoice:
+    """One (schedule, virtual, micro-batches, recompute, overlap) priced (see
     :func:`runtime_choices`)."""
     units, S, dp, tp = w.units, w.stages, w.dp, w.tp
     n, C = len(units), S * V
@@ -400,9 +427,11 @@ def _price(w: _Ways, name: str | sch.Schedule, V: int, M: int,
     alld, alld_compute, alld_ar = _all_device_work(w, mb) if sched.all_device \
         else ({}, [0.0] * S, 0.0)
     if w.lockstep:
-        table = sch.timeline(sched)
+        table = sch.timeline(sched, lag=int(overlap))
+        tables = loop_tables(sched, "FBNEHWG", overlap=overlap)
+        moves = tables.transfers
         step, bubble = runtime_time(sched, work.fwd, work.bwd, p2p, alld, table=table,
-                                    wgrad=work.wgrad)
+                                    wgrad=work.wgrad, overlap=overlap, moves=moves)
     else:  # (one event walk: the step and the inputs each stage holds)
         step, bubble, held = _event_time(sched, work.fwd, work.bwd, p2p / 2,
                                          _weight_share(sched, work.bwd, work.wgrad), alld)
@@ -425,9 +454,9 @@ def _price(w: _Ways, name: str | sch.Schedule, V: int, M: int,
     ssync = all_reduce_time(w.stage_link, S, shared_grad) \
         if S > 1 and w.everywhere == w.tp else 0.0  # (split over all stages: one copy)
     step = step + dsync + ssync
-    # ppermute rounds: one per time step (both directions); per-stage runtime: one message
-    # each way per micro-batch and chunk
-    steps = len(table) if w.lockstep else M * V
+    # ppermute rounds: one per time step a stage receives in (both directions); per-stage
+    # runtime: one message each way per micro-batch and chunk
+    steps = int(moves.sum()) if w.lockstep else M * V
     compute = M * (sum(work.compute[c] * (4 + sched.recycles) / 3 + work.extra[c]
                        for c in mine[top]) + alld_compute[top])
     comm = steps * p2p + M * sum(3 * work.ar[c] + work.extra_ar[c] for c in mine[top]) \
@@ -435,9 +464,9 @@ def _price(w: _Ways, name: str | sch.Schedule, V: int, M: int,
     sent = (steps * 2 * msg if S > 1 else 0.0) \
         + M * sum(3 * work.ar_bytes[c] + work.extra_ar_bytes[c] for c in mine[top]) \
         + _wire(dp, grad) + _wire(S, shared_grad)
-    if w.lockstep:  # the loop's buffers, alike on every device (+ the B's kept result)
-        tables = loop_tables(sched, "FBNEHWG")
-        slots = [tables.n_in + tables.n_g] * S
+    if w.lockstep:  # the loop's buffers, alike on every device (+ the B's kept result,
+        # + with overlap the activation and cotangent on their way)
+        slots = [tables.n_in + tables.n_g + 2 * overlap] * S
         kept = [tables.n_s + 1 if tables.n_s else 0] * S
     else:  # what each stage's dispatched programs hold: arrived inputs, one cotangent
         slots = [h + 1 for h in held]
@@ -445,7 +474,8 @@ def _price(w: _Ways, name: str | sch.Schedule, V: int, M: int,
     mem = _stage_memory(w, bounds, mine, params, slots, mb, sched.all_device, layer, kept)
     fits = w.budget is None or max(mem) <= w.budget
     return RuntimeChoice(sched.name, V, M, mb, step, bubble, tuple(mem), fits, compute, comm,
-                         sent, recompute, "in-graph" if w.lockstep else "per-stage")
+                         sent, recompute, "in-graph" if w.lockstep else "per-stage",
+                         overlap=overlap)
 
 
 def _dispatches(sched) -> int:

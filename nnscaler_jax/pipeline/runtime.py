@@ -44,7 +44,8 @@ from nnscaler_jax.errors import PlanError
 from nnscaler_jax.lower.eqns import NO_CONSTRAINTS
 from nnscaler_jax.mesh.axes import auto_view, mesh_axes, require_stage_axis
 from nnscaler_jax.pipeline import schedule as sch
-from nnscaler_jax.pipeline.cut_blocks import send_if
+from nnscaler_jax.pipeline.chunks import ProgramCut, run_chunk
+from nnscaler_jax.pipeline.cut_blocks import compiler_options, exchange
 from nnscaler_jax.pipeline.in_stage import InStagePlan, plan_in_stage, tensor_axes
 from nnscaler_jax.pipeline.loop_tables import loop_tables
 from nnscaler_jax.pipeline.program import (
@@ -81,7 +82,7 @@ class PipelineProgram(PipelineRuntime):
     def __init__(self, module: Any, loss_fn: Callable, mesh: Any, sched: sch.Schedule,
                  params: Any, batch: tuple, *, policy: Any = None, rules: tuple = (),
                  call: ModuleCall | None = None, recompute: str = "chunk",
-                 budget: float | None = None):
+                 budget: float | None = None, overlap: bool = False):
         del budget  # (one in-stage plan of the whole micro-batch program, every stage's)
         self.module, self.loss_fn, self.mesh, self.schedule = module, loss_fn, mesh, sched
         self.recompute = recompute  # 'layer': each layer of a chunk under jax.checkpoint
@@ -115,7 +116,7 @@ class PipelineProgram(PipelineRuntime):
             raise PlanError(f"{L} layers do not split into {sched.stages} stages x "
                             f"{sched.virtual} chunks; use a stage count dividing {L}")
         self.per_chunk = L // C
-        self.tables = loop_tables(sched)
+        self.tables = loop_tables(sched, overlap=overlap)
         self.param_avals, self.param_shapes = abstract, [tuple(a.shape) for a in abstract]
 
     # ---- parameter layout --------------------------------------------------------------------
@@ -195,30 +196,31 @@ class PipelineProgram(PipelineRuntime):
 
     # ---- the step ----------------------------------------------------------------------------
 
+    @functools.cached_property
+    def _cut(self) -> ProgramCut:
+        """The split as three segments for :func:`~nnscaler_jax.pipeline.chunks.run_chunk`
+        (the one chunk evaluator): the prefix, one layer (the template) and the suffix,
+        reading the template's input and the suffix's."""
+        sp = self.split
+        return ProgramCut(sp.jaxpr, sp.n_params, (sp.pre, sp.layer_eqns, sp.post),
+                          ((sp.layer_x,), (sp.xl,)), (), sp.shared)
+
     def _chunk(self, c, layer_p, shared, x_in, batch):
-        """Chunk ``c``'s forward: prefix if first, its layers, suffix + loss if last."""
-        sp, C = self.split, self.schedule.chunks
-        cj = sp.jaxpr
-        base = dict(zip(cj.jaxpr.constvars, cj.consts, strict=True))
-        for j, x in zip(sp.shared, shared, strict=True):
-            base[cj.jaxpr.invars[j]] = x
-        for v, x in zip(cj.jaxpr.invars[sp.n_params:], batch, strict=True):
-            base[v] = x
-
-        def pre():
-            env = dict(base)
-            self._eval(sp.pre, env)
-            return env[sp.x0]
-
-        x = lax.cond(c == 0, pre, lambda: x_in)
+        """Chunk ``c``'s forward: prefix if first, its layers (the template's segment, scanned
+        over their stacked parameters), suffix + loss if last."""
+        sp, C, jx = self.split, self.schedule.chunks, self.split.jaxpr.jaxpr
+        own = list(zip([jx.invars[j] for j in sp.shared], shared, strict=True))
+        run = lambda seg, pairs, xin: run_chunk(self._cut, seg, pairs, batch, xin,
+                                                layer_starts={}, recompute_layers=False,
+                                                evaluate=self._eval)
+        outer = {**dict(zip(jx.constvars, sp.jaxpr.consts, strict=True)), **dict(own),
+                 **dict(zip(jx.invars[sp.n_params:], batch, strict=True))}
+        consts = [(tv, ov.val if isinstance(ov, jcore.Literal) else outer[ov])
+                  for tv, ov in sp.layer_consts]
+        x = lax.cond(c == 0, lambda: run(0, own, ())[sp.x0], lambda: x_in)
 
         def layer(x, p):
-            env = dict(base)
-            for tv, ov in sp.layer_consts:
-                env[tv] = ov.val if isinstance(ov, jcore.Literal) else base[ov]
-            env[sp.layer_x] = x
-            env.update(zip(sp.layer_params, p, strict=True))
-            self._eval(sp.layer_eqns, env)
+            env = run(1, own + consts + list(zip(sp.layer_params, p, strict=True)), (x,))
             return env[sp.layer_y], None
 
         # chunk: unrolled, so XLA fuses across the layers as in one program (a loop stacks
@@ -230,10 +232,8 @@ class PipelineProgram(PipelineRuntime):
             x, _ = lax.scan(layer, x, layer_p, unroll=True)
 
         def post():
-            env = dict(base)
-            env[sp.xl] = x
-            self._eval(sp.post, env)
-            (out,) = cj.jaxpr.outvars
+            env = run(2, own, (x,))
+            (out,) = jx.outvars
             return jnp.asarray(out.val if isinstance(out, jcore.Literal) else env[out],
                                jnp.float32)
 
@@ -257,52 +257,56 @@ class PipelineProgram(PipelineRuntime):
         sends, zeros_like = jnp.asarray(tb.sends), lambda t: [jnp.zeros_like(x) for x in t]
         zl = jnp.zeros((), jnp.float32)
 
-        def chunk_in(m, v, isl, inbuf):
+        # (the blocks read their buffer slots outside the branches: a branch holding a whole
+        # buffer would be ordered before the step's receives, which write into it)
+        def chunk_in(m, v):
             bm = [lax.dynamic_index_in_dim(x, m, keepdims=False) for x in batch]
             p_c = [lax.dynamic_index_in_dim(x, v, keepdims=False) for x in layers]
-            return v * S + s, p_c, inbuf[isl], bm
+            return v * S + s, p_c, bm
 
-        def forward(m, v, isl, inbuf):
+        def forward(m, v, x_in):
             """``(activation to send, loss / M)`` of a forward of chunk ``v``."""
-            c, p_c, x_in, bm = chunk_in(m, v, isl, inbuf)
+            c, p_c, bm = chunk_in(m, v)
             y, loss = self._chunk(c, p_c, shared, x_in, bm)
             return y, loss / M
 
-        def backward(m, v, isl, gsl, inbuf, gbuf):
+        def backward(m, v, x_in, g_in):
             """``(cotangent to send, layer grads, shared grads)`` of a backward of chunk ``v``."""
-            c, p_c, x_in, bm = chunk_in(m, v, isl, inbuf)
+            c, p_c, bm = chunk_in(m, v)
             _, vjp = jax.vjp(lambda p, sh, x: self._chunk(c, p, sh, x, bm), p_c, shared, x_in)
             last = c == C - 1
-            gy = jnp.where(last, jnp.zeros_like(zx), gbuf[gsl])
+            gy = jnp.where(last, jnp.zeros_like(zx), g_in)
             dp, dsh, dx = vjp((gy, jnp.where(last, seed, 0.0).astype(jnp.float32)))
             return dx, dp, dsh
 
         def body(t, carry):
-            inbuf, gbuf, g_layers, g_shared, loss_acc = carry
+            inbuf, gbuf, g_layers, g_shared, loss_acc, pend = carry
             kind, m, v, isl, gsl, rf, rb = [a[t, s] for a in tabs]
             bk, bm_, bv, bi, bg = [a[t, s] for a in pair]
             # two lanes: the forward's and the backward's (a pair runs both), so that a step
             # holds one set of gradient results, as a step running a backward alone does
-            send_f, loss = lax.cond(kind == 1, lambda: forward(m, v, isl, inbuf),
-                                    lambda: (zx, zl))
+            x_f = inbuf[isl]
+            send_f, loss = lax.cond(kind == 1, lambda: forward(m, v, x_f), lambda: (zx, zl))
             two = bk > 0  # (the backward of a pair: its own micro-batch, chunk and slots)
             pick = lambda a, b: jnp.where(two, b, a)
             bm_, bv, bi, bg = pick(m, bm_), pick(v, bv), pick(isl, bi), pick(gsl, bg)
+            x_b, g_b = inbuf[bi], gbuf[bg]
             send_b, dp, dsh = lax.cond(
-                (kind == 2) | two, lambda: backward(bm_, bv, bi, bg, inbuf, gbuf),
+                (kind == 2) | two, lambda: backward(bm_, bv, x_b, g_b),
                 lambda: (zx, zeros_like(g[0] for g in layers), zeros_like(shared)))
             g_layers = [g.at[bv].add(d) for g, d in zip(g_layers, dp, strict=True)]
             g_shared = [g + d for g, d in zip(g_shared, dsh, strict=True)]
-            recv_f = send_if(sends[t, 0], send_f, self.axis, [(i, (i + 1) % S) for i in range(S)])
-            recv_b = send_if(sends[t, 1], send_b, self.axis, [(i, (i - 1) % S) for i in range(S)])
+            (recv_f, recv_b), pend = exchange(tb, sends[t], (send_f, send_b), pend,
+                                              self.axis, S)
             inbuf = lax.cond(rf >= 0, lambda b: b.at[rf].set(recv_f), lambda b: b, inbuf)
             gbuf = lax.cond(rb >= 0, lambda b: b.at[rb].set(recv_b), lambda b: b, gbuf)
-            return inbuf, gbuf, g_layers, g_shared, loss_acc + loss
+            return inbuf, gbuf, g_layers, g_shared, loss_acc + loss, pend
 
         carry = (jnp.zeros((tb.n_in,) + xs.shape, xs.dtype),
                  jnp.zeros((tb.n_g,) + xs.shape, xs.dtype),
-                 zeros_like(layers), zeros_like(shared), jnp.zeros((), jnp.float32))
-        _, _, g_layers, g_shared, loss = lax.fori_loop(0, T, body, carry)
+                 zeros_like(layers), zeros_like(shared), jnp.zeros((), jnp.float32),
+                 (zx, zx) if tb.overlap else ())
+        _, _, g_layers, g_shared, loss, _ = lax.fori_loop(0, T, body, carry)
         g_shared = [lax.psum(g, self.axis) for g in g_shared]
         loss = lax.psum(loss, self.axis)
         if self.data_axes:
@@ -360,7 +364,8 @@ class PipelineProgram(PipelineRuntime):
         ``scaling``, float16)."""
         return jitted_step(self.grads, optimizer, self.mesh, store=self._store,
                            view=cached_view(self, optimizer, (self.axis, *self.tp_axes)),
-                           return_grads=return_grads, scaling=scaling)
+                           return_grads=return_grads, scaling=scaling,
+                           compiler_options=compiler_options(self.tables, self.mesh))
 
     def init_state(self, params: Any, optimizer: Any, collections: Any = None) -> dict:
         """``{'params': to_pipeline(params), 'opt_state': optimizer.init(...)}``."""

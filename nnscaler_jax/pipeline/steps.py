@@ -234,7 +234,7 @@ def blocks(cell: Cell) -> tuple[Step, ...]:
     return tuple(cell) if isinstance(cell, Pair) else (cell,)
 
 
-def timeline(sched: Schedule) -> list[list[Cell]]:
+def timeline(sched: Schedule, lag: int = 0) -> list[list[Cell]]:
     """The step table: ``table[t][s]`` is what stage ``s`` does at time step ``t``: a block, a
     :class:`Pair` of a forward and a backward, or None (idle).
 
@@ -246,18 +246,27 @@ def timeline(sched: Schedule) -> list[list[Cell]]:
     each wait for the slower one). An all-device block runs on every stage at once, when it heads every stage's
     order.
 
+    ``lag``: time steps a result takes to reach another stage beyond the next step (1: the
+    runtime sends a step's results during the next step, overlapping its compute, so they
+    are read two steps later; results a stage keeps, and those of all-device blocks, are
+    read the next step).
+
     Raises:
         PlanError: the schedule is invalid (see :func:`validate`).
     """
     validate(sched, _table=False)
-    return _place(sched)
+    return _place(sched, lag)
 
 
-def _ready(st: Step | None, s: int, sched: Schedule, done: dict, t: int) -> bool:
-    return st is not None and all(done.get(d, t) < t for d in deps(st, s, sched))
+def _ready(st: Step | None, s: int, sched: Schedule, done: dict, t: int, lag: int = 0
+           ) -> bool:
+    if st is None:
+        return False
+    late = lambda ds: lag if ds not in (s, ALL) and not st.all_device else 0
+    return all(done.get((d, ds), t) < t - late(ds) for d, ds in deps(st, s, sched))
 
 
-def _place(sched: Schedule) -> list[list[Cell]]:
+def _place(sched: Schedule, lag: int = 0) -> list[list[Cell]]:
     """:func:`timeline` of a schedule whose blocks are checked (a deadlock still raises)."""
     S = sched.stages
     done: dict[tuple[Step, int], int] = {}
@@ -269,7 +278,7 @@ def _place(sched: Schedule) -> list[list[Cell]]:
         heads = [at(s, pos[s]) for s in range(S)]
         row: list[Cell] = [None] * S
         for s, st in enumerate(heads):
-            if not _ready(st, s, sched, done, t):
+            if not _ready(st, s, sched, done, t, lag):
                 continue
             if st.all_device:
                 row[s] = st if all(h == st for h in heads) else None
@@ -278,9 +287,10 @@ def _place(sched: Schedule) -> list[list[Cell]]:
             nxt = at(s, pos[s] + 1)
             kinds = {st.kind, getattr(nxt, "kind", None)}
             if (sched.paired and kinds in ({"F", "B"}, {"G", "B"})
-                    and _ready(nxt, s, sched, done, t)):
+                    and _ready(nxt, s, sched, done, t, lag)):
                 row[s] = Pair(nxt, st) if st.kind == "B" else Pair(st, nxt)
-        if not any(row):
+        if not any(row) and not (lag and any(_ready(h, s, sched, done, t + lag, lag)
+                                             for s, h in enumerate(heads))):
             raise _deadlock(sched, heads, pos, done, t)
         for s, cell in enumerate(row):
             for st in blocks(cell):

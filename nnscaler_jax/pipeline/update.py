@@ -207,7 +207,8 @@ def cached_view(program: Any, optimizer: Any, axes: tuple[str, ...]) -> ModuleVi
 
 def jitted_step(grads: Callable, optimizer: Any, mesh: Any, *, store: Callable = _same,
                 view: ModuleView | None = None, return_grads: bool = False,
-                scaling: LossScaling | None = None) -> Callable:
+                scaling: LossScaling | None = None,
+                compiler_options: dict | None = None) -> Callable:
     """A jitted, donated ``run(state, batch) -> (state, metrics)`` (``run.lower(state, batch)``
     too) under ``mesh``: ``grads(params, batch, key) -> (loss, grads)`` (``key`` split off
     ``state['rng']`` when the state has one, else None), then the optax update;
@@ -216,7 +217,7 @@ def jitted_step(grads: Callable, optimizer: Any, mesh: Any, *, store: Callable =
     A state with ``'collections'`` calls ``grads(params, batch, key, collections) -> (loss,
     grads, new collections)`` and keeps the new ones. With ``scaling`` (float16) ``grads``
     also takes ``scale=`` (the state's loss scale, the backward's seed) and the update is
-    :meth:`LossScaling.settle`'s."""
+    :meth:`LossScaling.settle`'s. ``compiler_options``: XLA's, for the jitted step."""
     import optax
 
     def update(state, g):
@@ -252,7 +253,7 @@ def jitted_step(grads: Callable, optimizer: Any, mesh: Any, *, store: Callable =
             metrics["grads"] = g
         return {**state, **new}, metrics
 
-    jitted = jax.jit(step, donate_argnums=(0,))
+    jitted = jax.jit(step, donate_argnums=(0,), compiler_options=compiler_options)
 
     def run(state, batch):
         with jax.set_mesh(mesh):

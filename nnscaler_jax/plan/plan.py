@@ -147,6 +147,10 @@ class PipelineSettings:
             cut stages whose Megatron-style pricing did not fit the budget: each stage's part
             planned by the search, recompute and co-sharding included); the runtime runs
             these. Empty: the runtime plans the stages itself.
+        overlap: the in-graph runtime sends each time step's results to the neighbouring
+            stages during the next step, beside its compute (the step table placed so that
+            no block reads a result before it arrives); priced so
+            (:func:`~nnscaler_jax.pipeline.pricing.runtime_time`).
     """
 
     stages: int
@@ -161,6 +165,7 @@ class PipelineSettings:
     paired: bool = False
     executor: str = "in-graph"
     stage_plans: tuple[Plan, ...] = ()
+    overlap: bool = False
 
     def recomputed(self) -> list[str]:
         """The layers recomputed on their own inside their chunk's backward."""
@@ -184,6 +189,8 @@ class PipelineSettings:
             d["paired"] = True
         if self.executor != "in-graph":
             d["executor"] = self.executor
+        if self.overlap:
+            d["overlap"] = True
         if self.stage_plans:
             d["stage_plans"] = [json.loads(p.to_json()) for p in self.stage_plans]
         return d
@@ -200,6 +207,7 @@ class PipelineSettings:
                    layer_rules=tuple((str(n), bool(f)) for n, f in d.get("layer_rules", ())),
                    paired=bool(d.get("paired", False)),
                    executor=str(d.get("executor", "in-graph")),
+                   overlap=bool(d.get("overlap", False)),
                    stage_plans=tuple(Plan.from_json(json.dumps(x))
                                      for x in d.get("stage_plans", ())))
 
@@ -213,6 +221,7 @@ class PipelineSettings:
                                                 if self.virtual > 1 else "")
                  + (" (written with op_order)" if self.steps else "")
                  + (", one program per stage" if self.executor == "per-stage" else "")
+                 + (", transfers overlapped with the next step" if self.overlap else "")
                  + _recomputed_text(self.recomputed(), len(self.stage_of))]
         lines += [f"  stage {st}: {', '.join(ns)}" + _in_stage_text(self.stage_plans, st)
                   for st, ns in sorted(by.items())]

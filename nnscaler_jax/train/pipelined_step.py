@@ -138,7 +138,7 @@ class PipelineStep(TrainStep):
         args = (self.pm.module, self.loss_fn, self.pm.mesh, sched, params, tuple(batch))
         policy = self.pm.policy if self.pm.policy is not None else plan.policy or None  # (saved)
         kw = {"policy": policy, "rules": c.rules, "call": call, "recompute": pipe.recompute,
-              "budget": c.max_memory_per_device}
+              "budget": c.max_memory_per_device, "overlap": pipe.overlap}
         # a stack of identical layers, unless the plan needs a cut (why_cut, the planner's
         # rule too); any other model: heterogeneous stages (hetero.py). Other errors of the
         # stacked program (an in-stage plan that splits nothing) are the user's to see, not a

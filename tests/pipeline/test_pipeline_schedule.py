@@ -78,8 +78,8 @@ def test_printer_and_gantt(tmp_path):
 @pytest.mark.parametrize("S,M", [(2, 4), (4, 8), (3, 5), (4, 2), (8, 16)])
 def test_eager_1f1b_pairs_a_forward_and_a_backward_per_step(S, M):
     """Eager 1F1B in lock step: GPipe's time (f = 1, b = 2 per chunk) in M + 2S - 1 time steps
-    (GPipe: 2 (M + S - 1), one ppermute round each), with 2 (S - s) - 1 micro-batches in
-    flight on stage s; 1F1B (unpaired: a forward and a backward of different stages share a
+    (GPipe: 2 (M + S - 1); fewer ppermute rounds where the steps send, M > S), with
+    2 (S - s) - 1 micro-batches in flight on stage s; 1F1B (unpaired: a forward and a backward of different stages share a
     step and wait for the slower) is slower whenever the pipeline has a steady state."""
     eager, gpipe, one = sch.eager_one_f_one_b(S, M), sch.gpipe(S, M), sch.one_f_one_b(S, M)
     table = sch.timeline(eager)
@@ -89,7 +89,8 @@ def test_eager_1f1b_pairs_a_forward_and_a_backward_per_step(S, M):
     f, b = [1.0] * S, [2.0] * S
     t_eager, t_gpipe = runtime_time(eager, f, b, 0.0)[0], runtime_time(gpipe, f, b, 0.0)[0]
     assert t_eager == t_gpipe == (M + S - 1) * 3.0
-    assert runtime_time(eager, f, b, 0.1)[0] < runtime_time(gpipe, f, b, 0.1)[0]
+    slower = runtime_time(gpipe, f, b, 0.1)[0] - runtime_time(eager, f, b, 0.1)[0]
+    assert slower > 0.05 if M > S else slower >= 0
     if M > S:
         assert runtime_time(one, f, b, 0.0)[0] > t_eager
     # the steady state: a Pair on every stage (each stage's forward then its backward)

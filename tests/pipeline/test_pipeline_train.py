@@ -18,8 +18,8 @@ pytestmark = pytest.mark.slow  # compiles and runs programs over the mesh
 RTOL, ATOL = 1e-4, 1e-6  # float32; ATOL for gradients that are exactly 0 in theory (key bias)
 
 
-def _reference(spec, params, tokens, opt):
-    loss_fn = lambda p: spec.loss_fn(spec.module.apply({"params": p}, tokens), tokens)
+def _reference(spec, params, args, opt):
+    loss_fn = lambda p: spec.loss_fn(spec.module.apply({"params": p}, *args), *args)
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, _ = opt.update(grads, opt.init(params), params)
     return loss, grads, optax.apply_updates(params, updates)
@@ -52,7 +52,7 @@ def test_pipeline_matches_single_device(preset, stages, schedule, microbatches):
     step = pm.train_step(spec.loss_fn, opt, return_grads=True)
     state = step.init({"params": params}, tokens)
     state, metrics = step(state, tokens)
-    ref_loss, ref_grads, ref_params = _reference(spec, params, tokens, opt)
+    ref_loss, ref_grads, ref_params = _reference(spec, params, (tokens,), opt)
     np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=RTOL)
     _close(metrics["grads"], ref_grads)  # (the module's tree, as SpmdStep gives them)
     _close(step.params(state), ref_params)
@@ -88,3 +88,35 @@ def test_unsupported_model_and_mesh_errors():
                         policy="dp")(gpt.module)
     with pytest.raises(PlanError, match="needs a mesh axis 'stage'"):
         bad.make_plan(tokens)
+
+
+# transfers overlapped with compute (Constraints(pipeline_overlap=True)): each step sends the
+# previous step's results beside its own blocks, on a table one step longer a hop
+# (test_pipeline_overlap.py prices and places it; tests/train/test_xla_gpu.py: XLA:GPU's schedule)
+@pytest.mark.parametrize("model,preset,S,schedule,M,program", [
+    ("gpt", "tiny", 4, "1f1b", 8, "PipelineProgram"),
+    ("gpt", "tiny", 4, "eager-1f1b", 8, "PipelineProgram"),  # pairs: two lanes a step
+    ("gpt", "tiny-scan", 2, "interleaved", 4, "PipelineProgram"),
+    ("gpt", "tiny", 2, "zb-h1", 4, "CutProgram"),             # split backwards
+    ("t5", "tiny", 2, "interlaced", 2, "CutProgram"),         # all-device E / H / W
+    ("swin", "tiny", 2, "1f1b", 2, "CutProgram"),             # cut at module boundaries
+])
+def test_overlapped_steps_train_like_one_device(model, preset, S, schedule, M, program):
+    kw = {"n_layers": 4, "batch_size": 16} if model == "gpt" else {"batch_size": 8}
+    spec = models.get(model, preset, **kw)
+    args = spec.make_args()
+    params = spec.init(jax.random.PRNGKey(0))["params"]
+    opt = optax.adam(1e-2, eps=1e-3)
+    pm = auto_parallel(make_mesh((S, 8 // S), ("stage", "data")),
+                       Constraints(pipeline_stages=S, microbatches=M, schedule=schedule,
+                                   pipeline_overlap=True))(spec.module)
+    step = pm.train_step(spec.loss_fn, opt, return_grads=True)
+    state = step.init({"params": params}, *args)
+    state, metrics = step(state, *args)
+    assert type(step.program).__name__ == program and step.program.tables.overlap
+    assert pm.plan.pipeline.overlap and "transfers overlapped" in str(pm.plan)
+    ref_loss, ref_grads, ref_params = _reference(spec, params, args, opt)
+    np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=RTOL)
+    _close(metrics["grads"], ref_grads)
+    _close(step.params(state), ref_params)
+    assert type(pm.plan).from_json(pm.plan.to_json()) == pm.plan
