@@ -25,14 +25,14 @@ from nnscaler_jax.pipeline.recycle import reference_loss
 RTOL, ATOL = 1e-4, 1e-6  # float32
 
 
-def _one_step(spec, schedule, loss=None, batch_size=16):
+def _one_step(spec, schedule, loss=None, batch_size=16, overlap=None):
     """One pipelined SGD step on 2 stages x 4 data against ``jax.grad`` on one device."""
     params = spec.init(jax.random.PRNGKey(0))["params"]
     args = spec.make_args()
     opt = optax.sgd(0.1)
     pm = auto_parallel(make_mesh((2, 4), ("stage", "data")),
-                       Constraints(pipeline_stages=2, microbatches=4, schedule=schedule))(
-        spec.module)
+                       Constraints(pipeline_stages=2, microbatches=4, schedule=schedule,
+                                   pipeline_overlap=overlap))(spec.module)
     step = pm.train_step(spec.loss_fn, opt)
     state = step.init({"params": params}, *args)
     state, metrics = step(state, *args)
@@ -64,10 +64,14 @@ def test_interlaced_gpt_stack_runs_cut():
 
 
 @pytest.mark.slow
-def test_nf1b_evoformer_recycles_like_one_device():
+@pytest.mark.parametrize("overlap", [None, True])  # (True: the recycled state one step late)
+def test_nf1b_evoformer_recycles_like_one_device(overlap):
     spec = models.get("evoformer", "tiny", batch_size=16)
     sched = sch.nf1b(2, 4, recycles=2)
-    _, loss = _one_step(spec, sched, reference_loss(spec.module, spec.loss_fn, 2))
+    step, loss = _one_step(spec, sched, reference_loss(spec.module, spec.loss_fn, 2),
+                           overlap=overlap)
+    assert step.program.tables.overlap == step.plan.pipeline.overlap  # (None: by price)
+    assert step.program.tables.overlap or not overlap
     # the recycling passes matter: without them the loss is another number
     params = spec.init(jax.random.PRNGKey(0))["params"]
     plain = reference_loss(spec.module, spec.loss_fn, 0)(params, *spec.make_args())

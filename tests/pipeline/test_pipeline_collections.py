@@ -31,10 +31,10 @@ RTOL, ATOL = 1e-4, 1e-6  # float32; ATOL for entries whose true value is ~0
 M, D, LR, WIDTH = 4, 4, 0.1, 16
 
 
-def _pm(module, schedule="1f1b"):
+def _pm(module, schedule="1f1b", overlap=None):
     mesh = make_mesh((2, D), ("stage", "data"))
     return auto_parallel(mesh, Constraints(pipeline_stages=2, microbatches=M,
-                                           schedule=schedule))(module)
+                                           schedule=schedule, pipeline_overlap=overlap))(module)
 
 
 def _mse(out, x, y):
@@ -111,15 +111,20 @@ class _Stack(nn.Module):
         return nn.Dense(4, name="head")(x)
 
 
-@pytest.mark.parametrize("schedule,layers", [("1f1b", 2), ("interleaved", 4), ("eager-1f1b", 2)])
-def test_linen_batch_stats_carried_in_microbatch_order_then_averaged(schedule, layers):
+@pytest.mark.parametrize("schedule,layers,overlap", [
+    ("1f1b", 2, None), ("interleaved", 4, None), ("eager-1f1b", 2, None),
+    ("1f1b", 2, True)])  # (transfers overlapped: the collections carried as before)
+def test_linen_batch_stats_carried_in_microbatch_order_then_averaged(schedule, layers,
+                                                                     overlap):
     module, (x, y) = _Stack(layers), _batch()
     variables = module.init(jax.random.key(0), x)
     params, stats = variables["params"], variables["batch_stats"]
-    step = _pm(module, schedule).train_step(_mse, optax.sgd(LR), inputs=1,
+    step = _pm(module, schedule, overlap).train_step(_mse, optax.sgd(LR), inputs=1,
                                             module_kwargs={"train": True})
     state = step.init(variables, x, y)
     assert type(step.program).__name__ == "CutProgram"
+    assert step.program.tables.overlap == step.plan.pipeline.overlap  # (None: by price)
+    assert step.program.tables.overlap or not overlap
     assert step.program.schedule.virtual == layers // 2  # (interleaved: 2 chunks a stage)
     assert set(state) == {"params", "opt_state", "collections"}
 

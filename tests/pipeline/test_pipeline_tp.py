@@ -66,11 +66,12 @@ def _model(preset, abstract=False):
     return spec, tokens, init(spec.init, jax.random.PRNGKey(0))["params"]
 
 
-def _step(preset, shape, names, schedule, policy="megatron", abstract=False):
+def _step(preset, shape, names, schedule, policy="megatron", abstract=False, overlap=None):
     spec, tokens, params = _model(preset, abstract)
     mesh = make_mesh(shape, names)
     pm = auto_parallel(mesh, Constraints(pipeline_stages=shape[0], microbatches=8,
-                                         schedule=schedule), policy=policy)(spec.module)
+                                         schedule=schedule, pipeline_overlap=overlap),
+                       policy=policy)(spec.module)
     return spec, tokens, params, pm
 
 
@@ -78,9 +79,13 @@ def _step(preset, shape, names, schedule, policy="megatron", abstract=False):
     ("tiny", (4, 2), ("stage", "model"), "gpipe"),
     ("tiny", (4, 2), ("stage", "model"), "1f1b"),
     ("tiny-scan", (2, 2, 2), ("stage", "data", "model"), "1f1b"),
+    # transfers overlapped with the next step (outside the branches, model axis auto)
+    ("tiny", (2, 2, 2), ("stage", "data", "model"), "1f1b+overlap"),
 ])
 def test_tensor_parallel_stages_match_single_device(preset, shape, names, schedule):
-    spec, tokens, params, pm = _step(preset, shape, names, schedule)
+    overlap = schedule.endswith("+overlap") or None
+    spec, tokens, params, pm = _step(preset, shape, names, schedule.split("+")[0],
+                                     overlap=overlap)
     step = pm.train_step(spec.loss_fn, _opt(), return_grads=True)
     state = step.init({"params": params}, tokens)
     compiled = step.lower(state, tokens).compile()   # the step's program, compiled once
@@ -93,6 +98,8 @@ def test_tensor_parallel_stages_match_single_device(preset, shape, names, schedu
     # Stored split over 'model': leaf k of the layers is [stages, virtual, layers per chunk,
     # ...]; the query kernel (d_model, heads, head_dim) keeps half the heads per device.
     prog = step.program
+    assert prog.tables.overlap == pm.plan.pipeline.overlap  # (None: the planner's choice)
+    assert prog.tables.overlap or not overlap
     assert prog.tp_axes == ("model",)
     assert prog.data_axes == tuple(a for a in names if a not in ("stage", "model"))
     paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
