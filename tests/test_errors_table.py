@@ -165,6 +165,11 @@ def _():
     Constraints(schedule="zigzag")
 
 
+@trigger("overlap-on-per-stage")
+def _():
+    Constraints(pipeline_overlap=True, pipeline_executor="per-stage")
+
+
 @trigger("unknown-precision")
 def _():
     Constraints(precision="int8")
