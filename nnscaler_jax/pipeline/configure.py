@@ -49,12 +49,12 @@ def configure_pipeline(plan: Plan, graph: Graph, constraints: Constraints,
         setup = replace(setup, modes=stack_modes(names, (op.module_path for op in graph.walk()),
                                                  constraints.rules))
     if constraints.pipeline_stages == "auto":
-        choice, report = _auto_choice(setup, constraints, cut is not None)
+        choice, report, rows = _auto_choice(setup, constraints, cut is not None)
         if cut is not None and constraints.schedule is None:
             cut, choice, report = _or_interleaved(graph, plan, constraints, model, cut, choice,
                                                   report)
         if cut is None and _cut_only(choice.schedule):
-            cut, choice, report = _as_cut(graph, plan, constraints, model, setup, choice,
+            cut, choice, report = _as_cut(graph, plan, constraints, model, setup, rows,
                                           report)
     else:
         asked = constraints.schedule or "1f1b"
@@ -81,12 +81,13 @@ def configure_pipeline(plan: Plan, graph: Graph, constraints: Constraints,
 
 
 def _as_cut(graph: Graph, plan: Plan, constraints: Constraints, model: CostModel | None,
-            setup: RuntimeSetup, choice: RuntimeChoice, report: str
+            setup: RuntimeSetup, rows: list[RuntimeChoice], report: str
             ) -> tuple[Cut | None, RuntimeChoice, str]:
-    """The stage DP over a stack of identical layers chose a schedule only the program cut at
-    module boundaries runs (:func:`_cut_only`): plan and price that program, and keep it
-    unless the stack's best row of the schedules it runs itself beats it (fitting first, then
-    faster)."""
+    """The stage DP over a stack of identical layers chose ``rows[0]``, a schedule only the
+    program cut at module boundaries runs (:func:`_cut_only`): plan and price that program,
+    and keep it unless the stack's best row of the schedules it runs itself beats it
+    (fitting first, then faster)."""
+    choice = rows[0]
     cut = plan_cut(graph, dict(plan.mesh), replace(constraints, schedule=choice.schedule),
                    plan.policy or None, choice.virtual, model)
     priced = _priced(cut.setup, choice.microbatches, choice.schedule, choice.virtual,
@@ -95,7 +96,8 @@ def _as_cut(graph: Graph, plan: Plan, constraints: Constraints, model: CostModel
             f"such: {priced.step_time_s * 1e3:.3f} ms/step, peak "
             f"{max(priced.memory_bytes) / 2**20:.2f} MiB")
     try:
-        kept, kept_report = _auto_choice(setup, constraints, stack_only=True)
+        kept, kept_report, _ = _auto_choice(
+            setup, constraints, rows=[r for r in rows if not _cut_only(r.schedule)])
     except PlanError:  # (nothing else runs, or fits)
         return cut, priced, report + f"\n  {said})"
     key = lambda r: (not r.fits, r.step_time_s)
@@ -197,23 +199,24 @@ def _cost(r: RuntimeChoice) -> PlanCost:
                     comm_time_s=r.comm_s)
 
 
-def _auto_choice(setup: RuntimeSetup, constraints: Constraints,
-                 cut: bool = False, stack_only: bool = False) -> tuple[RuntimeChoice, str]:
-    """The runtime-restricted stage DP's choice and its report (``cut``: the model is cut at
-    module boundaries, one unit per chunk; ``stack_only``: of the schedules a stack of
-    identical layers runs itself, :func:`_cut_only`'s others left out).
+def _auto_choice(setup: RuntimeSetup, constraints: Constraints, cut: bool = False,
+                 rows: list[RuntimeChoice] | None = None
+                 ) -> tuple[RuntimeChoice, str, list[RuntimeChoice]]:
+    """The runtime-restricted stage DP's choice, its report and the rows it chose from
+    (``cut``: the model is cut at module boundaries, one unit per chunk; ``rows``: those
+    priced already, else priced here).
 
     Raises:
-        PlanError: ``stack_only`` and no such schedule was asked; NoFitError: nothing fits.
+        PlanError: ``rows`` given empty; NoFitError: nothing fits.
     """
     S, dp, tp, batch = setup.stages, setup.dp, setup.tp, setup.batch
     budget = constraints.max_memory_per_device
-    rows = setup.choices(budget, microbatches=constraints.microbatches,
-                         schedule=constraints.schedule, overlap=constraints.pipeline_overlap)
-    if stack_only:
-        rows = [r for r in rows if not _cut_only(r.schedule)]
-        if not rows:
-            raise PlanError("pipeline: no schedule a stack of identical layers runs itself")
+    if rows is None:
+        rows = setup.choices(budget, microbatches=constraints.microbatches,
+                             schedule=constraints.schedule,
+                             overlap=constraints.pipeline_overlap)
+    if not rows:
+        raise PlanError("pipeline: no schedule the runtime runs was asked")
     par = f"{dp} data-parallel" + (f" x {tp} tensor-parallel ({', '.join(setup.tensor)})"
                                    if tp > 1 else "")
     best = rows[0]
@@ -236,4 +239,4 @@ def _auto_choice(setup: RuntimeSetup, constraints: Constraints,
               f"{'MiB/device':>10}")] + [f"  {r.row()}" for r in rows[:8]]
     if len(rows) > 8:
         table.append(f"  ... {len(rows) - 8} more")
-    return best, "\n".join([head] + table)
+    return best, "\n".join([head] + table), rows

@@ -21,7 +21,7 @@ stages wait for that time step, as the table places the block on every stage at 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
@@ -89,8 +89,8 @@ class LoopTables:
         return self.sends.any(axis=1)
 
 
-def loop_tables(sched: sch.Schedule, kinds: str = "FB", *, overlap: bool = False
-                ) -> LoopTables:
+def loop_tables(sched: sch.Schedule, kinds: str = "FB", *, overlap: bool = False,
+                table: list | None = None) -> LoopTables:
     """The tables of ``sched``'s step table (:func:`~nnscaler_jax.pipeline.schedule.timeline`):
     what each stage does at each time step and which buffer slots it reads and fills.
 
@@ -100,12 +100,13 @@ def loop_tables(sched: sch.Schedule, kinds: str = "FB", *, overlap: bool = False
         overlap: the runtime sends a step's results to the neighbours during the next step,
             beside its compute (the step table placed with ``lag=1``, so no block reads a
             neighbour's result before it arrives): ``rf_slot`` / ``rb_slot`` move one row down.
+        table: the step table, ``timeline(sched, lag=overlap)``, when already made.
 
     Raises:
         PlanError: the schedule has blocks the calling runtime does not execute.
     """
     sch.require_runnable(sched, kinds)
-    table = sch.timeline(sched, lag=int(overlap))
+    table = sch.timeline(sched, lag=int(overlap)) if table is None else table
     T, S, C, V = len(table), sched.stages, sched.chunks, sched.virtual
     z = lambda fill=0: np.full((T, S), fill, np.int32)
     kind, mb, virt, it, in_slot, g_slot = z(), z(), z(), z(), z(), z()
@@ -157,15 +158,10 @@ def loop_tables(sched: sch.Schedule, kinds: str = "FB", *, overlap: bool = False
             elif st.kind == "H":
                 keep_b[t, s] = bufs["g"].put(s, ("B", m, V - 1))
     _flush(later, bufs)
-    tabs = [kind, mb, virt, in_slot, g_slot, it, keep_f, keep_b, b_kind, b_mb, b_virt, b_in,
-            b_g, keep_s, s_slot]
-    if overlap:
-        tabs, (rf, rb) = _deferred(tabs, rf, rb)
-    kind, mb, virt, in_slot, g_slot, it, keep_f, keep_b, b_kind, b_mb, b_virt, b_in, b_g, \
-        keep_s, s_slot = tabs
-    return LoopTables(kind, mb, virt, in_slot, g_slot, rf, rb, bufs["in"].size,
-                      bufs["g"].size, it, keep_f, keep_b, b_kind, b_mb, b_virt, b_in, b_g,
-                      keep_s, s_slot, bufs["s"].size if sched.split_backward else 0, overlap)
+    tb = LoopTables(kind, mb, virt, in_slot, g_slot, rf, rb, bufs["in"].size,
+                    bufs["g"].size, it, keep_f, keep_b, b_kind, b_mb, b_virt, b_in, b_g,
+                    keep_s, s_slot, bufs["s"].size if sched.split_backward else 0)
+    return _deferred(tb) if overlap else tb
 
 
 def _flush(later: list, bufs: dict) -> None:
@@ -175,17 +171,23 @@ def _flush(later: list, bufs: dict) -> None:
     later.clear()
 
 
-def _deferred(tabs: list[np.ndarray], rf: np.ndarray, rb: np.ndarray
-              ) -> tuple[list[np.ndarray], tuple[np.ndarray, np.ndarray]]:
-    """The tables with the receive slots one row later (sent during the next step); a last
-    row that sends adds an idle step for its transfer. A slot is taken where the value
-    arrives (after the reads of the step it moves in: a slot read then is free for it)."""
-    idle = lambda a, fill: np.full((1, a.shape[1]), fill, a.dtype)
-    rf, rb = (np.concatenate([idle(x, -1), x]) for x in (rf, rb))
-    if rf[-1].max() < 0 and rb[-1].max() < 0:
-        return tabs, (rf[:-1], rb[:-1])
-    fills = [0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0, 0, -1, 0]
-    return [np.concatenate([a, idle(a, f)]) for a, f in zip(tabs, fills, strict=True)], (rf, rb)
+_SLOTS = ("rf_slot", "rb_slot", "keep_f", "keep_b", "keep_s")  # (-1: no slot)
+
+
+def _deferred(tb: LoopTables) -> LoopTables:
+    """``tb`` with the receive slots one row later (sent during the next step); a last row
+    that sends adds an idle step for its transfer. A slot is taken where the value arrives
+    (after the reads of the step it moves in: a slot read then is free for it)."""
+    steps = {f.name: getattr(tb, f.name) for f in fields(tb)
+             if isinstance(getattr(tb, f.name), np.ndarray)}
+    idle = lambda name, a: np.full((1, a.shape[1]), -1 if name in _SLOTS else 0, a.dtype)
+    moved = {k: np.concatenate([idle(k, steps[k]), steps[k]]) for k in ("rf_slot", "rb_slot")}
+    if moved["rf_slot"][-1].max() < 0 and moved["rb_slot"][-1].max() < 0:
+        moved = {k: a[:-1] for k, a in moved.items()}
+    else:
+        moved.update((k, np.concatenate([a, idle(k, a)])) for k, a in steps.items()
+                     if k not in moved)
+    return replace(tb, overlap=True, **moved)
 
 
 def _read(lane: tuple, bufs: dict, t: int, s: int, st: sch.Step) -> None:

@@ -115,10 +115,10 @@ def runtime_time(sched, fwd: list[float], bwd: list[float], p2p: float,
     sends a step's results during the next one, at every step
     (:func:`~nnscaler_jax.pipeline.loop_tables.loop_tables`), so a step lasts its slowest
     stage's work or its transfers, the longer, and the table places a result read on
-    another stage one step later. ``table``: ``sch.timeline(sched,
-    lag=overlap)`` and ``moves`` when already made. A split backward (``sched.split_backward``): ``G`` costs ``wgrad[c]`` (the
-    chunk's weight gradients; default a third of its backward) and ``B`` the rest of
-    ``bwd[c]``.
+    another stage one step later. ``table``: ``sch.timeline(sched, lag=overlap)`` and
+    ``moves`` when already made. A split backward (``sched.split_backward``): ``G`` costs
+    ``wgrad[c]`` (the chunk's weight gradients; default a third of its backward) and ``B``
+    the rest of ``bwd[c]``.
 
     ``lockstep=False``: the per-stage runtime (:mod:`~nnscaler_jax.pipeline.mpmd`), whose
     stages run their blocks as the host dispatches them, each when its inputs have arrived:
@@ -132,7 +132,7 @@ def runtime_time(sched, fwd: list[float], bwd: list[float], p2p: float,
         return _event_time(sched, fwd, bwd, p2p / 2, wg, extra)[:2]
     table = sch.timeline(sched, lag=int(overlap)) if table is None else table
     if moves is None:
-        moves = loop_tables(sched, "FBNEHWG", overlap=overlap).transfers
+        moves = loop_tables(sched, "FBNEHWG", overlap=overlap, table=table).transfers
     for t, move in enumerate(moves):
         row, dur = table[t] if t < len(table) else (), 0.0
         for s, cell in enumerate(row):
@@ -428,7 +428,7 @@ def _price(w: _Ways, name: str | sch.Schedule, V: int, M: int,
         else ({}, [0.0] * S, 0.0)
     if w.lockstep:
         table = sch.timeline(sched, lag=int(overlap))
-        tables = loop_tables(sched, "FBNEHWG", overlap=overlap)
+        tables = loop_tables(sched, "FBNEHWG", overlap=overlap, table=table)
         moves = tables.transfers
         step, bubble = runtime_time(sched, work.fwd, work.bwd, p2p, alld, table=table,
                                     wgrad=work.wgrad, overlap=overlap, moves=moves)
