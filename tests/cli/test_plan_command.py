@@ -72,6 +72,23 @@ def test_plan_takes_the_pipeline_executor(cli):
     assert "--executor in-graph" in err and "runs only 'per-stage'" in err
 
 
+def test_plan_takes_the_overlap_flag(cli):
+    """``--overlap on|off``: the plan's pipeline overlaps its transfers or not (its JSON, its
+    text); asked of tensor-parallel cut stages, refused in the command line's terms."""
+    for flag, want in (("on", True), ("off", False)):
+        code, out, err = cli(["plan", *PIPELINED, "--batch-size", "8", "--overlap", flag,
+                              "--json"])
+        assert code == 0, err
+        assert _last_json(out)["plan"]["pipeline"].get("overlap", False) is want
+    code, out, _ = cli(["plan", *PIPELINED, "--batch-size", "8", "--overlap", "on"])
+    assert "transfers overlapped with the next step" in out
+    code, out, err = cli(["plan", "--model", "t5", "--mesh", "2x2x2", "--axes",
+                          "stage,data,model", "--policy", "megatron", "--pipeline", "2",
+                          "--batch-size", "16", "--overlap", "on"])
+    assert code == 2 and "Traceback" not in err
+    assert "--overlap on" in err and "Drop --overlap" in err
+
+
 @pytest.mark.slow
 def test_train_runs_the_pipeline_plan_printed(cli):
     code, out, err = cli(["plan", *PIPELINED, "--batch-size", "8", "--json"])
