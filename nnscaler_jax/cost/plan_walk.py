@@ -40,7 +40,7 @@ from nnscaler_jax.cost.residuals import (
     saved_operands,
 )
 from nnscaler_jax.ir.attention import with_fused_attention
-from nnscaler_jax.ir.coshard import COSHARD, chunks_of, with_boundaries
+from nnscaler_jax.ir.coshard import COSHARD, chunks_of, whole_reads, with_boundaries
 from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
 from nnscaler_jax.ir.remat import remat_roles
 from nnscaler_jax.layout import Layout
@@ -60,6 +60,9 @@ class _Edge:
     mult: int
     region: bool = False  # the consumer is a region op: its body's edges reduce the gradients
     rerun: bool = False  # the consumer is recomputed: the relayout runs again in its backward
+    # the consumer's co-sharded block reads the tensor whole in each of this many chunks: its
+    # gradient is reduced in each (ir.coshard.whole_reads)
+    chunks: int = 1
 
 
 @dataclass
@@ -323,6 +326,7 @@ class _Walk:
         self.first_want: dict[int, Layout] = {}
         self.scans: list[tuple[Op, tuple[Layout, ...], int]] = []
         self.chunks = chunks_of(graph)  # op id -> chunks of its co-sharded block
+        self.whole = whole_reads(graph)  # op id -> (chunks, what its block reads whole)
         self.again: set[int] = set()  # ops recomputed in their block's backward
         # ops their remat boundary's policy keeps, and recomputed ones nothing needs
         roles = remat_roles(graph, lambda: residual_readers(
@@ -359,13 +363,15 @@ class _Walk:
         if again:
             self.again.add(op.id)
         rebuilt = rebuilt_operands(op, self.grads) if remat and op.id in self.dropped else ()
+        k, whole = self.whole.get(op.id, (1, frozenset()))
         for j, (t, want) in enumerate(zip(op.inputs, ins, strict=True)):
             have = self.layout.get(t.id)
             if have is not None and t.ndim:
                 w = self.graph.writers.get(t.id)
                 rerun = (again or j in rebuilt) and relayout_reruns(
                     have, w is not None and w[0].id in self.again)
-                self.edges.append(_Edge(t, have, want, p.split, mult, bool(op.regions), rerun))
+                self.edges.append(_Edge(t, have, want, p.split, mult, bool(op.regions), rerun,
+                                        k if t.id in whole else 1))
                 self.first_want.setdefault(t.id, want)
         for t, lay in zip(op.outputs, outs, strict=True):
             self.layout[t.id] = lay
@@ -451,10 +457,25 @@ def _storage(model: Any, plan: Plan, graph: Graph, edges: list[_Edge],
     return store, var_ids
 
 
+def _scattered(g: Layout, dst: Layout) -> Layout | None:
+    """What a co-sharded block's chunk loop holds of a gradient reduced from ``g`` to ``dst``
+    (the chunks reading the tensor whole), when the reduction reduce-scatters (a partial axis of
+    ``g`` splits a dim of ``dst``): ``dst`` still partial over the other axes. XLA makes that in
+    every chunk, and all-reduces those axes once after the loop (its while-loop all-reduce code
+    motion; no such motion of a reduce-scatter applies here, the flag
+    ``xla_gpu_enable_while_loop_reduce_scatter_code_motion`` left Llama-3-8B's loops alike).
+    None when the reduction is an all-reduce alone (moved out of the loop: one)."""
+    split = {a for d in dst.dims for a in d}
+    if not split & set(g.partial):
+        return None
+    return Layout(dst.dims, tuple(a for a in g.partial if a not in split))
+
+
 def _communication(model: Any, edges: list[_Edge], store: Mapping[int, Layout],
                    var_ids: set[int], grads, zero: int, out: _Analysis, held: Any,
                    micro: int, origin: Mapping[int, int]) -> None:
-    """Forward paths, then each gradient reduced once per (tensor, layout), added to ``out``.
+    """Forward paths, then each gradient reduced once per (tensor, layout) (in every chunk of
+    a co-sharded block that reads the tensor whole), added to ``out``.
     A weight's relayout from storage and its gradient's reduction run once per micro-batch
     (``micro``; measured with XLA:GPU, GPT-3 1.3B under ZeRO-3 in 4 micro-batches: every
     gather and reduction 4 times); an activation's relayouts move the batch's bytes once.
@@ -477,14 +498,19 @@ def _communication(model: Any, edges: list[_Edge], store: Mapping[int, Layout],
                 gathered[t.id] = max(gathered.get(t.id, 0), model._local_bytes(t, e.want))
         if t.id in grads and not e.region:
             g = grad_source(e.want, e.split)
-            backward.setdefault((t.id, g), (t, drop_partial(src), e.mult))
+            _, _, mult, chunks = backward.get((t.id, g), (t, None, e.mult, 1))
+            backward[t.id, g] = (t, drop_partial(src), mult, max(chunks, e.chunks))
     synced: dict[int, int] = {}
-    for (_, g), (t, dst, mult) in backward.items():
+    for (_, g), (t, dst, mult, chunks) in backward.items():
         if g != dst:
-            bt, bb = relayout_price(g, dst, t.shape, itemsize(t), mesh)
-            runs = mult * (micro if weighty(t) else 1)
-            out.comm_time += bt * runs
-            out.comm_bytes += bb * runs
+            mid = _scattered(g, dst) if chunks > 1 else None
+            steps = [(g, dst, 1)] if mid is None else \
+                [(g, mid, chunks)] + ([(mid, dst, 1)] if mid != dst else [])
+            for a, b, k in steps:
+                bt, bb = relayout_price(a, b, t.shape, itemsize(t), mesh)
+                runs = mult * k * (micro if weighty(t) else 1)
+                out.comm_time += bt * runs
+                out.comm_bytes += bb * runs
             if t.id in var_ids and held(t.id):
                 # the local gradient of a held weight before its reduction (one fused buffer;
                 # the others are reduced and consumed one by one)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 import sys
 from importlib import resources
 from typing import Any
@@ -33,7 +34,7 @@ from typing import Any
 from nnscaler_jax.errors import PlanError
 
 __all__ = ["GPU_SPECS", "SCHEDULER_FRACTION", "compile_only_devices", "gpu_spec_text",
-           "slop_factor", "use_cpu_platform", "xla_gpu_missing"]
+           "slop_factor", "use_cpu_platform", "xla_gpu_missing", "xla_memory_bytes"]
 
 GPU_SPECS: dict[str, str] = {
     "Tesla V100-SXM2-32GB": "v100_32.txtpb",
@@ -93,6 +94,17 @@ def gpu_spec_text(kind: str) -> str:
 
 
 @functools.cache
+def xla_memory_bytes(kind: str) -> int | None:
+    """The device memory XLA:GPU budgets for a GPU of ``kind`` (its target config's
+    ``device_memory_size``: what CUDA reports, e.g. 31.75 GiB on a V100-32GB, where the
+    cluster preset's figure is 32 GiB); None without a spec for the kind."""
+    if kind not in GPU_SPECS:
+        return None
+    found = re.search(r"device_memory_size:\s*(\d+)", gpu_spec_text(kind))
+    return int(found.group(1)) if found else None
+
+
+@functools.cache
 def _topology(kind: str, hosts: int, per_host: int) -> Any:
     from jax.experimental import topologies
 
@@ -123,17 +135,23 @@ def compile_only_devices(kind: str, n: int, per_host: int = 8) -> list[Any]:
 
 SCHEDULER_FRACTION = 0.8
 """XLA:GPU's memory limit for its scheduler and rematerialization (``GetSchedulerMemoryLimit``):
-80% of the device's memory, less the program's inputs and outputs, times
-``--xla_gpu_memory_limit_slop_factor`` (95%) — jaxlib sets no ``device_memory_size`` of its own.
-A V100-32GB program is rematerialized by XLA above ~24.6 GiB, under the 28.8 GiB budget a plan
-gets by default (memory less a 10% reserve), so :func:`slop_factor` tells XLA the plan's budget
+80% of the device's memory (XLA's figure, :func:`xla_memory_bytes`), less the program's inputs
+that no output aliases, times ``--xla_gpu_memory_limit_slop_factor`` (95%); the
+rematerialization measures the temporaries and the outputs against it (measured on
+compile-only V100s: a donated 1 GiB input subtracts nothing, a kept one 1 GiB). A V100-32GB
+program is rematerialized by XLA above ~24 GiB, under the 28.8 GiB budget a plan gets by
+default (memory less a 10% reserve), so :func:`slop_factor` tells XLA the plan's budget
 instead."""
 
 
 def slop_factor(budget: int, io_bytes: int, device_memory: int) -> int:
     """The ``xla_gpu_memory_limit_slop_factor`` (percent) that puts XLA:GPU's memory limit at
-    ``budget`` for a program whose inputs and outputs take ``io_bytes`` per device on a GPU of
-    ``device_memory`` bytes (at least XLA's default, 95).
+    ``budget`` or above for a program whose inputs (donated or not) take ``io_bytes`` per
+    device on a GPU XLA gives ``device_memory`` bytes (at least XLA's default, 95). Which
+    donated inputs XLA counts as aliased when it rematerializes is its own (T5-8's step: all
+    but 4.2 of 16.2 GiB): the factor assumes none, the largest it can need when the budget is
+    above XLA's 80%. With the preset's 32 GiB for a V100 where XLA has 31.75, T5-8's step was
+    rematerialized at 28.62 GiB, its peak 28.77 GiB by XLA's count under a 28.8 GiB budget.
 
     >>> slop_factor(28 * 2**30, 9 * 2**30, 32 * 2**30)
     115

@@ -47,7 +47,7 @@ from nnscaler_jax.errors import PlanError, PlanFormatError
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.lower.replay import explicitly_typed
 from nnscaler_jax.mesh.axes import auto_view, data_axes, mesh_axes
-from nnscaler_jax.mesh.gpu import slop_factor
+from nnscaler_jax.mesh.gpu import slop_factor, xla_memory_bytes
 from nnscaler_jax.pipeline.program import StepOptions, inputs_error, microbatch_rngs
 from nnscaler_jax.pipeline.update import (
     LossScaling,
@@ -430,7 +430,9 @@ class SpmdStep(TrainStep):
         io = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
                  for x in jax.tree.leaves(self._abstract)
                  if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended))
-        slop = slop_factor(int(budget or default.bytes), io, default.memory_bytes)
+        kind = str(self.mesh.devices.flat[0].device_kind)
+        slop = slop_factor(int(budget or default.bytes), io,
+                           xla_memory_bytes(kind) or default.memory_bytes)
         return {"xla_gpu_memory_limit_slop_factor": slop}
 
     def init(self, variables: Any, *batch: Any, rng: Any = None) -> dict:
