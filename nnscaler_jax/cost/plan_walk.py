@@ -40,7 +40,7 @@ from nnscaler_jax.cost.residuals import (
     saved_operands,
 )
 from nnscaler_jax.ir.attention import with_fused_attention
-from nnscaler_jax.ir.coshard import COSHARD, chunks_of, whole_reads, with_boundaries
+from nnscaler_jax.ir.coshard import COSHARD, whole_reads, with_boundaries
 from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
 from nnscaler_jax.ir.remat import remat_roles
 from nnscaler_jax.layout import Layout
@@ -325,8 +325,8 @@ class _Walk:
         self.origin: dict[int, int] = {v.id: v.id for v in graph.variables}
         self.first_want: dict[int, Layout] = {}
         self.scans: list[tuple[Op, tuple[Layout, ...], int]] = []
-        self.chunks = chunks_of(graph)  # op id -> chunks of its co-sharded block
         self.whole = whole_reads(graph)  # op id -> (chunks, what its block reads whole)
+        self.chunks = {op: k for op, (k, _) in self.whole.items()}  # op id -> its block's chunks
         self.again: set[int] = set()  # ops recomputed in their block's backward
         # ops their remat boundary's policy keeps, and recomputed ones nothing needs
         roles = remat_roles(graph, lambda: residual_readers(
@@ -485,6 +485,7 @@ def _communication(model: Any, edges: list[_Edge], store: Mapping[int, Layout],
     def weighty(t: Tensor) -> bool:
         return origin.get(t.id, t.id) in var_ids
     backward: dict[tuple[int, Layout], tuple[Tensor, Layout, int]] = {}
+    chunks: dict[tuple[int, Layout], int] = {}  # the chunks of a loop reducing it in each
     gathered: dict[int, int] = {}
     for e in edges:
         t, size = e.tensor, itemsize(e.tensor)
@@ -498,14 +499,15 @@ def _communication(model: Any, edges: list[_Edge], store: Mapping[int, Layout],
                 gathered[t.id] = max(gathered.get(t.id, 0), model._local_bytes(t, e.want))
         if t.id in grads and not e.region:
             g = grad_source(e.want, e.split)
-            _, _, mult, chunks = backward.get((t.id, g), (t, None, e.mult, 1))
-            backward[t.id, g] = (t, drop_partial(src), mult, max(chunks, e.chunks))
+            backward.setdefault((t.id, g), (t, drop_partial(src), e.mult))
+            chunks[t.id, g] = max(chunks.get((t.id, g), 1), e.chunks)
     synced: dict[int, int] = {}
-    for (_, g), (t, dst, mult, chunks) in backward.items():
+    for key, (t, dst, mult) in backward.items():
+        g = key[1]
         if g != dst:
-            mid = _scattered(g, dst) if chunks > 1 else None
+            mid = _scattered(g, dst) if chunks[key] > 1 else None
             steps = [(g, dst, 1)] if mid is None else \
-                [(g, mid, chunks)] + ([(mid, dst, 1)] if mid != dst else [])
+                [(g, mid, chunks[key])] + ([(mid, dst, 1)] if mid != dst else [])
             for a, b, k in steps:
                 bt, bb = relayout_price(a, b, t.shape, itemsize(t), mesh)
                 runs = mult * k * (micro if weighty(t) else 1)

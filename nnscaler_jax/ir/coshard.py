@@ -527,8 +527,7 @@ def _boundary(ops: list[Op], pos: dict[int, int], readers: dict[int, set[int]], 
 
 def chunks_of(graph: Graph) -> dict[int, int]:
     """op id -> the chunk count of the co-sharded block it runs in (ops of no block absent)."""
-    k = {b.id: b.eqn.params["chunks"] for b in graph.boundaries if b.kind == COSHARD}
-    return {op.id: k[b] for op in graph.walk() for b in op.boundary if b in k}
+    return {op: k for op, (k, _) in whole_reads(graph).items()}
 
 
 def whole_reads(graph: Graph) -> dict[int, tuple[int, frozenset[int]]]:
