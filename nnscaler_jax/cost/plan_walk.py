@@ -25,14 +25,12 @@ from nnscaler_jax.cost.relayout import (
     Split,
     drop_partial,
     grad_source,
-    partial_grad_axes,
     relayout_price,
     storage_layout,
 )
 from nnscaler_jax.cost.residuals import (
     MASKED,
     REGATHERED_COPIES,
-    follow_weight,
     residual_forms,
     residual_outputs,
     residual_readers,
@@ -41,12 +39,13 @@ from nnscaler_jax.cost.residuals import (
 )
 from nnscaler_jax.ir.attention import with_fused_attention
 from nnscaler_jax.ir.coshard import COSHARD, whole_reads, with_boundaries
-from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
+from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor, follow_weight
 from nnscaler_jax.ir.remat import remat_roles
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.mesh.axes import data_axes
 from nnscaler_jax.plan.layouts import plan_layouts, sole_read_variables, unstack
 from nnscaler_jax.plan.plan import OpPlan, Plan
+from nnscaler_jax.plan.zero import gradient_axes
 
 __all__ = ["analyze", "backward_held", "boundary_kinds", "loop_stacks"]
 
@@ -433,11 +432,7 @@ def _storage(model: Any, plan: Plan, graph: Graph, edges: list[_Edge],
     """Data-parallel axes of each weight and its storage under the ZeRO stage (parameters,
     gradients and optimizer state added to ``out``): ``(variable -> storage, variable ids)``."""
     var_ids = {v.id for v in graph.variables}
-    dp: dict[int, tuple[str, ...]] = {v.id: () for v in graph.variables}
-    for e in edges:
-        v = origin.get(e.tensor.id, e.tensor.id)
-        if v in var_ids and not e.region:  # a region's body edges carry its gradients' axes
-            dp[v] = tuple(dict.fromkeys(dp[v] + partial_grad_axes(e.want, e.split)))
+    dp = gradient_axes(plan, graph)
     # ZeRO 1 / 2 shard optimizer state / gradients over all of the mesh's data axes (as the
     # training step does), also for a weight whose gradient is reduced downstream of its
     # readers (a position table sliced, then broadcast over the batch)

@@ -17,7 +17,7 @@ from nnscaler_jax.ir.graph import Tensor
 from nnscaler_jax.layout import Layout, comm_path
 from nnscaler_jax.layout.rvd import interned
 from nnscaler_jax.mesh.topology import MeshSpec
-from nnscaler_jax.plan.plan import VALUE
+from nnscaler_jax.plan.layouts import partial_grad_axes
 from nnscaler_jax.plan.zero import zero3_layout
 
 __all__ = ["Split", "drop_partial", "grad_source", "partial_grad_axes", "reduced_layout",
@@ -33,13 +33,6 @@ def drop_partial(lay: Layout) -> Layout:
 
 
 @lru_cache(maxsize=65536)
-def partial_grad_axes(want: Layout, split: Split) -> tuple[str, ...]:
-    """Axes a consumer splits (by a dim) while reading the operand replicated: its gradient
-    comes back as partial sums over them (the operand's data-parallel axes)."""
-    used = set(want.split_axes) | set(want.partial)
-    return tuple(dict.fromkeys(a for a, d in split if d != VALUE and a not in used))
-
-
 @lru_cache(maxsize=65536)
 def grad_source(want: Layout, split: Split) -> Layout:
     """The layout of the gradient a consumer hands back for an operand it read as ``want``

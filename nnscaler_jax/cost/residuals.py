@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from nnscaler_jax.cost.compute import MATMUL, TRAINABLE, grad_tensors, is_float
-from nnscaler_jax.ir.graph import DataflowMemo, Graph, Op, Role
+from nnscaler_jax.ir.graph import DataflowMemo, Graph, Op, follow_weight
 
 __all__ = [
     "CHEAP",
@@ -45,7 +45,6 @@ __all__ = [
     "REGATHERED_COPIES",
     "accumulated_gradients",
     "combines_all_reductions",
-    "follow_weight",
     "residual_forms",
     "residual_outputs",
     "residual_readers",
@@ -397,14 +396,3 @@ def accumulated_gradients(graph: Graph) -> frozenset[int]:
         for v in srcs:
             reads[v] = reads.get(v, 0) + (2 if op.regions else 1)
     return frozenset(v for v, n in reads.items() if n > 1)
-
-
-def follow_weight(op: Op, origin: dict[int, int]) -> bool:
-    """Whether ``op`` computes its outputs from one weight alone (``origin``: tensor -> the
-    variable it is computed from; constants aside), as a cast or a reshape does; if so its
-    outputs join ``origin``."""
-    srcs = {origin[t.id] for t in op.inputs if t.id in origin}
-    if len(srcs) != 1 or not all(t.id in origin or t.role is Role.CONST for t in op.inputs):
-        return False
-    origin.update({t.id: next(iter(srcs)) for t in op.outputs})
-    return True

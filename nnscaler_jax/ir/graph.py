@@ -21,7 +21,7 @@ import numpy as np
 
 from nnscaler_jax.ir.anno import Anno, AnnoSyntaxError, parse_anno
 
-__all__ = ["Boundary", "DataflowMemo", "Graph", "Op", "Role", "Tensor"]
+__all__ = ["Boundary", "DataflowMemo", "Graph", "Op", "Role", "Tensor", "follow_weight"]
 
 
 class Role(enum.Enum):
@@ -337,3 +337,15 @@ class DataflowMemo:
         with self._lock:
             self._items = [(weakref.ref(root), key, value)] + self._items[: self.size - 1]
         return value
+
+
+def follow_weight(op: Op, origin: dict[int, int]) -> bool:
+    """Whether ``op`` computes its outputs from one weight alone (``origin``: tensor -> the
+    variable it is computed from; constants aside), as a cast or a reshape does; if so its
+    outputs join ``origin``."""
+    srcs = {origin[t.id] for t in op.inputs if t.id in origin}
+    if len(srcs) != 1 or not all(t.id in origin or t.role is Role.CONST for t in op.inputs):
+        return False
+    origin.update({t.id: next(iter(srcs)) for t in op.outputs})
+    return True
+

@@ -10,8 +10,8 @@ from nnscaler_jax.layout import Layout
 from nnscaler_jax.layout.rvd import interned
 from nnscaler_jax.plan.plan import VALUE, OpPlan
 
-__all__ = ["lift", "op_layouts", "plan_layouts", "scan_read_layouts", "scan_stored_inputs",
-           "sole_read_variables", "split_for_layout", "unstack"]
+__all__ = ["lift", "op_layouts", "partial_grad_axes", "plan_layouts", "scan_read_layouts",
+           "scan_stored_inputs", "sole_read_variables", "split_for_layout", "unstack"]
 
 
 @lru_cache(maxsize=65536)
@@ -136,3 +136,10 @@ def plan_layouts(op: Op, plans, sole: frozenset[int] = frozenset()
         if reads:
             ins = tuple(reads.get(k, lay) for k, lay in enumerate(ins))
     return ins, outs
+
+
+def partial_grad_axes(want: Layout, split: tuple[tuple[str, str], ...]) -> tuple[str, ...]:
+    """Axes a consumer splits (by a dim) while reading the operand replicated: its gradient
+    comes back as partial sums over them (the operand's data-parallel axes)."""
+    used = set(want.split_axes) | set(want.partial)
+    return tuple(dict.fromkeys(a for a, d in split if d != VALUE and a not in used))

@@ -2,7 +2,11 @@
 
 :func:`zero3_layout` is the one rule deciding where ZeRO-3 puts a variable's data axes; the plan's
 storage (:func:`zero3_storage`) and the cost model's and search tables' pricing of a plan whose
-storage was left unsharded (``cost/relayout.py``, ``search/tables.py``) both call it.
+storage was left unsharded (``cost/relayout.py``, ``search/tables.py``) both call it. A
+variable's data-parallel axes are the mesh's data axes and the axes its gradient is reduced
+over (:func:`gradient_axes`: a reader splits its work over them while reading it whole);
+:func:`state_layout` places both, for the stored weight (ZeRO-3) and the training step's
+optimizer state and gradients (ZeRO 1-3) alike, as the cost model prices them.
 
 >>> from nnscaler_jax.layout import Layout
 >>> mesh = {"data": 2, "fsdp": 2, "model": 2}
@@ -20,11 +24,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+from nnscaler_jax.ir.graph import follow_weight
+from nnscaler_jax.ir.regions import region_links
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.mesh.axes import data_axes
+from nnscaler_jax.plan.layouts import partial_grad_axes, plan_layouts, sole_read_variables
 from nnscaler_jax.plan.plan import Plan
 
-__all__ = ["apply_zero", "zero3_layout", "zero3_storage"]
+__all__ = ["apply_zero", "gradient_axes", "state_layout", "zero3_layout", "zero3_storage"]
 
 
 def zero3_layout(shape: Sequence[int], layout: Layout, axes: Sequence[str],
@@ -67,6 +74,49 @@ def zero3_layout(shape: Sequence[int], layout: Layout, axes: Sequence[str],
     return layout
 
 
+def gradient_axes(plan: Plan, graph: Any) -> dict[int, tuple[str, ...]]:
+    """Variable id -> its data-parallel axes under ``plan``: the mesh axes its gradient comes
+    back partial over, because a reader splits its work over them by a dim while reading the
+    variable unsplit there (a cast or reshape of it, or a region body's input tied to it, reads
+    it too). ZeRO shards the variable's state over them; the cost model prices the gradient
+    reductions over them. Beyond the mesh's data axes these are the axes a plan uses for data
+    parallelism of some ops only (tokens split over ``model`` in a sequence-parallel block)."""
+    plans = plan._by_id()
+    sole = sole_read_variables(graph)
+    origin = {v.id: v.id for v in graph.variables}
+    dp: dict[int, tuple[str, ...]] = {v.id: () for v in graph.variables}
+    for op in graph.walk():
+        if op.regions:  # a region's body reads carry its gradients' axes
+            try:
+                links = region_links(op)
+            except ValueError:  # a body unlike its op's operands: its reads unseen
+                links = []
+            outer = {t.id for t in op.inputs}
+            for (o, _i), (inner, _j) in links:
+                if o in outer and o in origin:
+                    origin.setdefault(inner, origin[o])
+            continue
+        p = plans.get(op.id)
+        ins, _ = plan_layouts(op, plans, sole)
+        for t, want in zip(op.inputs, ins, strict=True):
+            v = origin.get(t.id)
+            if v is not None and t.ndim and p is not None:
+                dp[v] = tuple(dict.fromkeys(dp[v] + partial_grad_axes(want, p.split)))
+        follow_weight(op, origin)
+    return dp
+
+
+def state_layout(shape: Sequence[int], layout: Layout, axes: Sequence[str],
+                 own: Sequence[str], mesh_axes: Mapping[str, int]) -> Layout:
+    """Where ZeRO puts a variable's sharded state (its parameter under ZeRO-3, its optimizer
+    state under ZeRO 1-3): its ``layout`` also split over the mesh's data ``axes`` as one block
+    (:func:`zero3_layout`, ``joint=True``), then over its own other data-parallel axes ``own``
+    (:func:`gradient_axes`), one at a time, as the cost model prices them (``joint=False``)."""
+    lay = zero3_layout(shape, layout, axes, mesh_axes)
+    rest = [a for a in own if a not in axes]
+    return zero3_layout(shape, lay, rest, mesh_axes, joint=False) if rest else lay
+
+
 def apply_zero(plan: Plan, graph: Any, zero: int | None) -> Plan:
     """``plan`` with ZeRO stage ``zero`` recorded (None: as the policy left it); stage 3 also
     shards every variable's storage over the mesh's data axes (all axes if none is named so)."""
@@ -79,18 +129,21 @@ def apply_zero(plan: Plan, graph: Any, zero: int | None) -> Plan:
 
 
 def zero3_storage(plan: Plan, graph: Any, axes: list[str]) -> Plan:
-    """``plan`` with every variable's storage also sharded over the data ``axes`` (ZeRO-3), as
-    :func:`zero3_layout` (``joint=True``) places them; other spec entries are kept as written."""
+    """``plan`` with every variable's storage also sharded over the data ``axes`` and its own
+    data-parallel axes (ZeRO-3), as :func:`state_layout` places them; other spec entries are
+    kept as written."""
     mesh_axes = dict(plan.mesh)
     specs = dict(plan.variables)
+    own = gradient_axes(plan, graph)
     for t in graph.variables:
         spec = list(specs.get(t.name, (None,) * t.ndim))
         lay = Layout.from_pspec(spec, t.ndim)
-        new = zero3_layout(t.shape, lay, axes, mesh_axes)
-        if new is lay:
+        new = state_layout(t.shape, lay, axes, own[t.id], mesh_axes)
+        if new == lay:
             continue
-        i = next(i for i, (a, b) in enumerate(zip(lay.dims, new.dims, strict=True)) if a != b)
-        spec += [None] * (i + 1 - len(spec))
-        spec[i] = new.dims[i][0] if len(new.dims[i]) == 1 else new.dims[i]
+        spec += [None] * (t.ndim - len(spec))
+        for i, (a, b) in enumerate(zip(lay.dims, new.dims, strict=True)):
+            if a != b:
+                spec[i] = b[0] if len(b) == 1 else b
         specs[t.name] = tuple(spec)
     return replace(plan, zero=3, variables=tuple(sorted(specs.items())))

@@ -8,7 +8,8 @@ gradients summed over micro-batches inside a ``lax.scan`` (one gradient synchron
 the scan adds local partial gradients, XLA reduces once after it), then the optax update, all
 in one ``jax.jit`` with the state donated.
 
-Where the state lives (``Plan.zero``, over the mesh's data axes, :func:`zero_specs`):
+Where the state lives (``Plan.zero``, over the mesh's data axes and each weight's other
+data-parallel axes, :func:`zero_specs`):
 
 - ZeRO 0: parameters, gradients and optimizer state as the plan stores the parameters;
 - ZeRO 1: optimizer state also sharded over the data axes (the update runs sharded, the new
@@ -39,7 +40,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnscaler_jax.capture.flax import assigned_state, with_loss
+from nnscaler_jax.capture.flax import assigned_state, path_str, with_loss
 from nnscaler_jax.capture.metadata import unbox
 from nnscaler_jax.cost.devices import default_budget_of, device_for_kind
 from nnscaler_jax.cost.model import CostModel
@@ -55,27 +56,45 @@ from nnscaler_jax.pipeline.update import (
     per_device_bytes,
     place_as,
 )
-from nnscaler_jax.plan.zero import zero3_layout
+from nnscaler_jax.plan.zero import gradient_axes, state_layout
 
-__all__ = ["SpmdStep", "per_device_bytes", "zero_specs"]
+__all__ = ["SpmdStep", "own_axes", "per_device_bytes", "zero_specs"]
 
 
-def zero_specs(params: Any, shardings: Any, mesh: Any, zero: int) -> Any:
+def zero_specs(params: Any, shardings: Any, mesh: Any, zero: int, own: Any = None) -> Any:
     """The shardings of the optimizer state's parameter-shaped leaves (and of ZeRO-2's
     gradients): each parameter's own sharding, for ``zero >= 1`` also split over the mesh's
-    data axes on the first dim they divide (:func:`~nnscaler_jax.plan.zero.zero3_layout`)."""
+    data axes and over the parameter's ``own`` data-parallel axes (a list of axis tuples in
+    ``params``' leaf order, :func:`own_axes`), on the first dims they divide
+    (:func:`~nnscaler_jax.plan.zero.state_layout`: where the cost model prices them)."""
     axes = mesh_axes(mesh)
     dp = data_axes(axes)
-    if zero < 1 or not dp:
+    if zero < 1 or not (dp or own):
         return shardings
-
-    def one(x: Any, s: NamedSharding) -> NamedSharding:
+    leaves, tree = jax.tree_util.tree_flatten(params)
+    out = []
+    for k, (x, s) in enumerate(zip(leaves, tree.flatten_up_to(shardings), strict=True)):
         lay = Layout.from_pspec(s.spec, x.ndim)
-        lay = zero3_layout(x.shape, lay, dp, axes)
-        return NamedSharding(mesh, P(*[(d if len(d) > 1 else d[0]) if d else None
-                                       for d in lay.dims]))
+        lay = state_layout(x.shape, lay, dp, own[k] if own else (), axes)
+        out.append(NamedSharding(mesh, P(*[(d if len(d) > 1 else d[0]) if d else None
+                                           for d in lay.dims])))
+    return jax.tree_util.tree_unflatten(tree, out)
 
-    return jax.tree.map(one, params, shardings)
+
+def own_axes(params: Any, plan: Any, graph: Any) -> list[tuple[str, ...]]:
+    """Each parameter's data-parallel axes under ``plan`` (in ``params``' leaf order;
+    :func:`~nnscaler_jax.plan.zero.gradient_axes`), found by its variable's name in ``graph``
+    (linen: ``params/<path>``; nnx: the module's state path; boxed leaves end in ``value``);
+    a leaf of no variable (an nnx rng counter) has none."""
+    found = gradient_axes(plan, graph)
+    by_name = {v.name: found[v.id] for v in graph.variables}
+    out = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = path_str(path).removesuffix("/value")
+        hit = next((by_name[n] for n in (name, "params/" + name, name.removeprefix("module/"))
+                    if n in by_name), ())
+        out.append(hit)
+    return out
 
 
 def _split_micro(x: jax.Array, m: int) -> jax.Array:
@@ -377,7 +396,8 @@ class SpmdStep(TrainStep):
         # (state the plan does not lay out, an nnx rng counter, is replicated)
         p_sh, c_sh = jax.tree.map(lambda s: NamedSharding(mesh, getattr(s, "spec", P())),
                                   (p_sh, c_sh))
-        z_sh = zero_specs(params, p_sh, mesh, plan.zero)
+        z_sh = zero_specs(params, p_sh, mesh, plan.zero,
+                          own_axes(params, plan, self._graph) if plan.zero else None)
         opt_shapes = jax.eval_shape(self.optimizer.init, params)
         rep = NamedSharding(mesh, P())
         state_sh = {"params": p_sh, "opt_state": mirror_shardings(opt_shapes, params, z_sh, rep),

@@ -14,19 +14,20 @@ from nnscaler_jax.cost.relayout import storage_layout
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.mesh.topology import DEFAULT_LINK, MeshSpec
 from nnscaler_jax.plan.plan import Plan
-from nnscaler_jax.plan.zero import zero3_layout, zero3_storage
+from nnscaler_jax.plan.zero import state_layout, zero3_layout, zero3_storage
 
 SIZES = {"data": 2, "fsdp": 2, "model": 2}
 
 
 def _var(name, shape):
-    return SimpleNamespace(name=name, shape=shape, ndim=len(shape))
+    return SimpleNamespace(name=name, shape=shape, ndim=len(shape), id=0)
 
 
 def _storage(spec, shape, axes, sizes=SIZES):
     plan = Plan(mesh=tuple(sizes.items()), fingerprint="f", ops=(),
                 variables=(("w", tuple(spec)),) if spec is not None else ())
-    out = zero3_storage(plan, SimpleNamespace(variables=[_var("w", shape)]), list(axes))
+    graph = SimpleNamespace(variables=[_var("w", shape)], consumers={}, walk=lambda: iter(()))
+    out = zero3_storage(plan, graph, list(axes))
     assert out.zero == 3
     return dict(out.variables).get("w")
 
@@ -39,6 +40,17 @@ def test_joint_places_the_block_major_on_the_first_dim_it_divides():
     assert _storage((None, "model"), (2, 8), ("data", "fsdp")) == (None, ("data", "fsdp", "model"))
     assert _storage(None, (4, 8), ("data", "fsdp")) == (("data", "fsdp"), None)
     assert _storage(None, (2, 8), ("data",)) == ("data", None)
+
+
+def test_state_layout_adds_the_variables_own_axes_after_the_data_block():
+    """A weight whose gradient is also reduced over 'model' (its readers split tokens there):
+    the data axes as one block, then 'model' on the first dim it divides, minor-most."""
+    lay = Layout.replicated(2)
+    got = state_layout((4, 6), lay, ("data", "fsdp"), ("data", "model"), SIZES)
+    assert got == Layout((("data", "fsdp"), ("model",)))
+    got = state_layout((8, 6), Layout.of(2, {0: "data"}), ("data",), ("model",), SIZES)
+    assert got == Layout((("data", "model"), ()))
+    assert state_layout((3, 5), lay, ("data",), ("model",), SIZES) == lay  # no dim divides
 
 
 def test_joint_leaves_a_variable_alone():
