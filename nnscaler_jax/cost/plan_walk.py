@@ -31,6 +31,7 @@ from nnscaler_jax.cost.relayout import (
 from nnscaler_jax.cost.residuals import (
     MASKED,
     REGATHERED_COPIES,
+    copies_cotangent,
     residual_forms,
     residual_outputs,
     residual_readers,
@@ -224,6 +225,16 @@ def _dense_cotangent(model: Any, graph: Graph, op: Op, ins: tuple[Layout, ...],
     return dense * (1 + _narrowed(graph, t))
 
 
+def _transposed_cotangent(model: Any, graph: Graph, op: Op, ins: tuple[Layout, ...],
+                          grads: Any) -> float:
+    """Bytes of the copy XLA makes of the cotangent of a transposed matmul output
+    (:func:`~nnscaler_jax.cost.residuals.copies_cotangent`)."""
+    if op.primitive != "transpose" or op.inputs[0].id not in grads or \
+            not copies_cotangent(op, graph):
+        return 0.0
+    return float(model._local_bytes(op.inputs[0], ins[0]))
+
+
 def _narrowed(graph: Graph, t: Tensor) -> float:
     """The cotangent of ``t`` is cast back to a narrower type on its way to what computed it
     (the float32 log-softmax of bf16 logits): the cast copy's bytes, as a fraction of ``t``'s,
@@ -396,7 +407,8 @@ class _Walk:
                 _gathered(model, op, reads, ins, self.layout, self.zero, mult / k, into)
         local = sum(model._local_bytes(t, lay) for t, lay in zip(op.outputs, outs, strict=True))
         out.transient = max(out.transient, local / k)
-        dense = _dense_cotangent(model, self.graph, op, ins, self.grads)
+        dense = _dense_cotangent(model, self.graph, op, ins, self.grads) + \
+            _transposed_cotangent(model, self.graph, op, ins, self.grads)
         if dense and remat:  # live with the recomputed block's residuals
             self.remat_sum[remat[0]] = self.remat_sum.get(remat[0], 0.0) + dense * mult / k
         elif dense:

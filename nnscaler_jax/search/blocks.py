@@ -17,6 +17,7 @@ import numpy as np
 
 from nnscaler_jax.cost.compute import FREE
 from nnscaler_jax.cost.plan_walk import backward_held
+from nnscaler_jax.cost.residuals import copies_cotangent
 from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Role, Tensor
 from nnscaler_jax.search.objective import Edge, GatherSet
 
@@ -39,16 +40,21 @@ class BlockPricing:
         for op_id, b in self.remat.items():
             op = self.by_id[op_id]
             saved = self.saved.get(op_id, ())
-            if op.primitive in FREE or op.regions or not saved:
+            # (a transposed matmul output: its cotangent's copy, live with the residuals)
+            copy = op.primitive == "transpose" and op.inputs[0].id in self.grads and \
+                copies_cotangent(op, self.graph)
+            if op.primitive in FREE or op.regions or not (saved or copy):
                 continue
             g, _f, mi, fg = self.fgroup(op_id)
             k, w = self.chunks.get(op_id, 1), self.space.weights[op_id]
-            key = ("rs", self.space.op_class.get(op_id), fg.split_ids[mi], k, w, saved)
+            key = ("rs", self.space.op_class.get(op_id), fg.split_ids[mi], k, w, saved, copy)
             vec = self.member_memo.get(key) if self.space.shared else None
             if vec is None:
                 vec = np.array([sum(self.cm._local_bytes(op.outputs[j],
                                                          self.lays[op_id, sp][1][j])
-                                    for j in saved) for sp in fg.splits[mi]],
+                                    for j in saved) +
+                                (self.cm._local_bytes(op.inputs[0], self.lays[op_id, sp][0][0])
+                                 if copy else 0) for sp in fg.splits[mi]],
                                dtype=float) * w / k / self.cm.microbatches
                 if self.space.shared:
                     self.member_memo[key] = vec

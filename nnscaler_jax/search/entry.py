@@ -20,6 +20,7 @@ benchmarks plan for 512 devices on a laptop. Pipelined plans add stages on top o
 from __future__ import annotations
 
 import gc
+import math
 import os
 import time
 import warnings
@@ -253,9 +254,15 @@ def _choose(run_priced: Callable, graph: Graph, forced: tuple[str, ...],
         chunked_f = pool.submit(search, lambda g, beat=None: run_priced(g, blocks, beat),
                                 _bisect) \
             if blocks else None
-        (plain, err), chunked = plain_f.result(), chunked_f.result()[0] if chunked_f else None
+        (plain, err), (chunked, c_err) = plain_f.result(), \
+            chunked_f.result() if chunked_f else (None, None)
     found = [r for r in (plain, chunked) if r is not None]
-    if not found:  # (a search is outpriced only by the other's plan)
+    if not found:  # (a search is outpriced only by the other's plan) the smaller miss
+        if c_err is not None and (err is None or (c_err.smallest_bytes or math.inf) <
+                                  (err.smallest_bytes or math.inf)):
+            raise NoFitError(f"{c_err} (With {len(blocks)} blocks co-sharded.)",
+                             smallest_bytes=c_err.smallest_bytes,
+                             budget_bytes=c_err.budget_bytes) from None
         raise err
     return min(found, key=price)
 

@@ -308,3 +308,26 @@ def test_a_float32_gelus_tanh_is_rebuilt_on_gpus_and_kept_on_cpus():
     cpu = dataclasses.replace(v100, device=CPU)
     acts = {m.device.name: m.memory_breakdown(plan, g)["activations"] for m in (v100, cpu)}
     assert acts["cpu"] - acts["V100-32G"] == pytest.approx(ops[i].outputs[k].nbytes / 8)
+
+
+def test_grouped_query_scores_transposed_copy_their_cotangent():
+    """Grouped-query attention computes its scores with the queries' two free dims (tokens,
+    head groups) and transposes them apart: the backward copies the scores' cotangent back
+    into the matmul's order (XLA:GPU, Llama-3-8B); so does its output (the values' head
+    groups and features, transposed apart). A transpose keeping one free dim per operand
+    (GPT's attention output) needs no copy."""
+    import models
+    from nnscaler_jax.capture.trace import capture_spec
+    from nnscaler_jax.cost.residuals import copies_cotangent
+
+    def copies(name):
+        graph = capture_spec(models.get(name, "tiny"), loss=True).graph
+        return [(op.inputs[0].shape, copies_cotangent(op, graph)) for op in graph.walk()
+                if op.primitive == "transpose" and
+                getattr(graph.producer.get(op.inputs[0].id), "primitive", "") == "dot_general"]
+
+    llama = copies("llama")
+    assert [c for _, c in llama] == [True, True] * 2  # per layer: scores, then the output
+    assert llama[0][0] == (2, 2, 16, 16, 2)  # [batch, kv heads, keys, queries, groups]
+    gpt = copies("gpt")
+    assert gpt and not any(c for _, c in gpt)

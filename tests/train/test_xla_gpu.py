@@ -140,9 +140,11 @@ def test_a_chunk_loop_moves_one_chunk_and_its_reductions_are_priced():
     moving the stack: an all-to-all of the whole stack in every chunk, 137 GB a step, when
     the cotangents' stacks were left split along the chunk axis. The rest of the gap is the
     chunks' own relayouts in the backward (all-to-all, 33 GB by XLA, 18 GB priced).
-    (3) The weights the chunks read whole (tokens split over 'model' too) are stored split over
-    both axes, as priced: XLA held 14.07 GiB where the plan priced 10.35 (the step had split
-    them over 'data' alone), 11.24 now; the rest is the attention backward's score buffers."""
+    (3) XLA holds what the plan priced within 5% (11.28 GiB by XLA, 11.42 priced; it held 14.07
+    where 10.35 was priced): the weights the chunks read whole (tokens split over 'model' too)
+    are stored split over both axes, as priced (the step had split them over 'data' alone), and
+    the attention backward's third score-sized buffer is priced (grouped-query attention's
+    scores cotangent, copied back to the matmul's order)."""
     spec = models.get("llama", "llama3-8b-128k", n_layers=2, dtype=jnp.bfloat16)
     args, variables = spec_inputs(spec)
     mesh = compile_only_mesh("h100-80g-8x", (2, 4), ("data", "model"))
@@ -163,7 +165,8 @@ def test_a_chunk_loop_moves_one_chunk_and_its_reductions_are_priced():
     priced = step.plan.cost.comm_bytes
     assert abs(priced / check.comm_bytes - 1) < 0.2, (priced, check.comm_bytes)
     estimate = step.predicted_memory()["peak"]
-    assert check.peak_bytes < 1.1 * estimate, (check.peak_bytes / 2**30, estimate / 2**30)
+    assert abs(check.peak_bytes / estimate - 1) < 0.05, (check.peak_bytes / 2**30,
+                                                          estimate / 2**30)
 
 
 def test_abstract_init_lays_out_the_batch_and_state():
