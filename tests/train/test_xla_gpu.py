@@ -169,6 +169,23 @@ def test_a_chunk_loop_moves_one_chunk_and_its_reductions_are_priced():
                                                           estimate / 2**30)
 
 
+def test_a_budget_nothing_meets_names_the_co_sharded_searchs_estimate():
+    """Llama-3-8B at 128K cut to 4 layers under 10 GiB: neither the plain search nor the
+    co-sharded one fits (co-sharded, every layer recomputed: 11.03 GiB, its three score-sized
+    buffers in the attention's backward). The error gives the co-sharded search's estimate,
+    the nearer miss (it gave the plain search's 394.56 GiB)."""
+    from nnscaler_jax.errors import NoFitError
+
+    spec = models.get("llama", "llama3-8b-128k", n_layers=4, dtype=jnp.bfloat16)
+    args, variables = spec_inputs(spec)
+    mesh = compile_only_mesh("h100-80g-8x", (2, 4), ("data", "model"))
+    cons = Constraints(precision="bfloat16", max_memory_per_device=10 * 2**30)
+    pm = auto_parallel(mesh, cons)(spec.module)
+    with pytest.raises(NoFitError, match="co-sharded") as err:
+        pm.train_step(spec.loss_fn, optax.adamw(1e-4)).abstract_init(variables, *args)
+    assert 10 * 2**30 < err.value.smallest_bytes < 12 * 2**30, err.value.smallest_bytes
+
+
 def test_abstract_init_lays_out_the_batch_and_state():
     spec = models.get("gpt", "tiny")
     args, variables = spec_inputs(spec)
