@@ -15,6 +15,9 @@ Writes ``results/bench_xla_gpu.json`` after every case (a run of some cases is m
 ``results/bench_xla_gpu.md``. Run from the repository root:
 
     .venv/bin/python scripts/bench_xla_gpu.py [--only swin-8gpu,gpt3-1.3b-v100] [--planners auto]
+
+``--reprice`` re-plans the stored cases without compiling and adds what each plan priced per
+collective kind beside XLA's (kept only where the plan is the one compiled).
 """
 
 from __future__ import annotations
@@ -105,12 +108,71 @@ def _outside(results: dict) -> list[str]:
             if e.get("comm_bytes") and x.get("comm_bytes") and \
                     abs(x["comm_bytes"] / e["comm_bytes"] - 1) > 0.10:
                 what.append(f"collectives {x['comm_bytes'] / e['comm_bytes']:.2f}")
+            what += [f"{kind} {ratio}" for kind, ratio in _kinds_outside(e, x)]
             if x.get("xla_remat"):
                 what.append("XLA rematerialized")
             if what:
                 why = CAUSES.get((name, planner), "not traced")
                 out.append(f"- {name} / {planner} ({', '.join(what)}): {why}.")
     return out
+
+
+def _kinds_outside(e: dict, x: dict) -> list[tuple[str, str]]:
+    """The collective kinds whose bytes XLA and the plan's pricing put more than 10% apart,
+    among those carrying at least 2% of the plan's or XLA's total (``XLA / priced``; ``"only
+    XLA"`` / ``"only priced"`` where one side has none)."""
+    total = max(e.get("comm_bytes") or 0, x.get("comm_bytes") or 0)
+    out = []
+    for kind, c in sorted((x.get("collectives") or {}).items()):
+        got, priced = c.get("plan_bytes", 0), c.get("priced_bytes")
+        if priced is None or max(got, priced) < 0.02 * total:
+            continue
+        if not priced or not got:
+            out.append((kind, "only XLA" if got else "only priced"))
+        elif abs(got / priced - 1) > 0.10:
+            out.append((kind, f"{got / priced:.2f}"))
+    return out
+
+
+def _kinds_table(results: dict) -> list[str]:
+    """Per (case, planner) and collective kind: bytes priced and XLA's (the same convention)."""
+    rows = ["| case | planner | kind | priced GB | XLA GB | XLA / priced | XLA count |",
+            "|---|---|---|---|---|---|---|"]
+    for name, case in results.items():
+        for planner, e in case["planners"].items():
+            for kind, c in sorted(((e.get("xla") or {}).get("collectives") or {}).items()):
+                if c.get("priced_bytes") is None:
+                    continue
+                ratio = f"{c['plan_bytes'] / c['priced_bytes']:.3f}" if c["priced_bytes"] \
+                    else "-"
+                rows.append(f"| {name} | {planner} | {kind} | {c['priced_bytes'] / 1e9:.2f} | "
+                            f"{c['plan_bytes'] / 1e9:.2f} | {ratio} | {c['count']} |")
+    return rows if len(rows) > 2 else []
+
+
+def _reprice(name: str, stored: dict) -> None:
+    """Re-plan case ``name``'s planners and add each plan's priced bytes per collective kind
+    to the stored XLA figures, where the plan is the one compiled (its step time, memory and
+    communication equal to the stored; else it says so and leaves the entry)."""
+    from nnscaler_jax.cli.xla import add_priced
+
+    model, preset, cl, precision, batch, _default, budgeted = CASES[name]
+    spec = model_spec(model, preset, precision, **({"batch_size": batch} if batch else {}))
+    graph = capture_model(spec, mutable=spec_mutable(spec), precision=precision,
+                          loss=True).graph
+    mesh = jax.sharding.AbstractMesh(tuple(MESH.values()), tuple(MESH))
+    for planner, e in stored["planners"].items():
+        x = e.get("xla") or {}
+        if "collectives" not in x:
+            continue
+        plan, _ = one_planner(planner, graph, mesh, cluster_preset(cl),
+                              None if budgeted else NO_BUDGET)
+        same = plan is not None and (plan.cost.comm_bytes, plan.cost.memory_bytes_per_device) \
+            == (e["comm_bytes"], e["memory_bytes_per_device"])
+        print(f"{name} {planner}: {'priced by kind' if same else 'a different plan: left'}",
+              flush=True)
+        if same:
+            add_priced(x["collectives"], plan)
 
 
 def _case(name: str, planners: list[str] | None) -> dict:
@@ -182,6 +244,11 @@ def _markdown(results: dict) -> str:
             "on the training step's graph (the module and its loss, as `train_step` plans it); "
             "a case marked (module only) was planned on the module alone, its loss outside the "
             "plan and its estimate (not yet re-run).\n\n")
+    kinds = _kinds_table(results)
+    if kinds:
+        note = ("Collectives by kind (bytes as in `comm_bytes`; the plan's pricing against "
+                "XLA:GPU's HLO after its combiners):")
+        rows += ["", note, "", *kinds]
     outside = _outside(results)
     tail = ("\n## Outside 5% (memory) or 10% (collective bytes), XLA / estimate\n\n"
             + "\n".join(outside) + "\n") if outside else ""
@@ -192,11 +259,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="comma separated case names")
     ap.add_argument("--planners", default="", help="comma separated (default: per case)")
+    ap.add_argument("--reprice", action="store_true",
+                    help="re-plan the stored cases and add the priced bytes per collective kind "
+                         "(no compile; a plan that changed is left as it was)")
     a = ap.parse_args()
     names = [n for n in a.only.split(",") if n] or list(CASES)
     results = json.loads(OUT.read_text()) if OUT.exists() else {}
     for name in names:
-        results[name] = _case(name, [p for p in a.planners.split(",") if p] or None)
+        if a.reprice:
+            if results.get(name, {}).get("graph") == "step":
+                _reprice(name, results[name])
+        else:
+            results[name] = _case(name, [p for p in a.planners.split(",") if p] or None)
         OUT.write_text(json.dumps(results, indent=1, default=str))
         OUT.with_suffix(".md").write_text(_markdown(results))
 

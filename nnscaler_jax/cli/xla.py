@@ -5,15 +5,20 @@ The step is the one ``train`` runs: ``pm.train_step(spec.loss_fn, optax.adamw(..
 backward, Adam's update, the state donated) on the plan, at the plan's precision, compiled over a
 mesh of compile-only GPUs of the cluster shaped as the plan's mesh. The JSON entry::
 
-    {"peak_bytes", "fits", "xla_remat", "involuntary_remat", "collectives": {kind: {count,
-     bytes}}, "compile_s", "device", "device_memory_bytes", "argument_bytes", "output_bytes",
-     "temp_bytes", "alias_bytes", "notes", "over_estimate"}
+    {"peak_bytes", "fits", "xla_remat", "involuntary_remat",
+     "collectives": {kind: {count, bytes, plan_bytes, priced_bytes}}, "compile_s", "device",
+     "device_memory_bytes", "argument_bytes", "output_bytes", "temp_bytes", "alias_bytes",
+     "notes", "over_estimate"}
 
-``over_estimate``: XLA's peak / the plan's ``memory_bytes_per_device``. A plan that the estimate
-says fits and XLA's peak does not (or that XLA had to rematerialize) says so in ``notes`` and in
-the command's table. A pipelined plan whose stages run one program each (``executor``
-``'per-stage'``: tensor-parallel cut stages, or others the stage DP runs so) is compiled per
-stage (:func:`~nnscaler_jax.train.xla_gpu.check_stages`: ``stages``, each with its programs;
+``over_estimate``: XLA's peak / the plan's ``memory_bytes_per_device``. Per kind of
+collective, ``plan_bytes`` is XLA's in the convention of the plan's ``comm_bytes`` (all-reduce /
+all-gather result bytes, reduce-scatter / all-to-all group x result bytes) and
+``priced_bytes`` what the plan priced of that kind (``PlanCost.comm_kinds``; None where the
+plan's cost has no breakdown). A plan that the estimate says fits and XLA's peak does not (or
+that XLA had to rematerialize) says so in ``notes`` and in the command's table. A pipelined
+plan whose stages run one program each (``executor`` ``'per-stage'``: tensor-parallel cut
+stages, or others the stage DP runs so) is compiled per stage
+(:func:`~nnscaler_jax.train.xla_gpu.check_stages`: ``stages``, each with its programs;
 ``peak_bytes`` the largest stage's); one whose stages run as one program says so (``error``).
 """
 
@@ -23,7 +28,7 @@ from typing import Any
 
 from nnscaler_jax.cli.common import UsageError, abstract_inputs, fmt_bytes
 
-__all__ = ["XLA_HELP", "check_cluster", "xla_entry", "xla_text"]
+__all__ = ["XLA_HELP", "add_priced", "check_cluster", "xla_entry", "xla_text"]
 
 XLA_HELP = ("compile each plan's training step (forward, backward, Adam, donated state) with "
             "XLA's GPU compiler for the --cluster GPU on compile-only devices (no GPU needed; "
@@ -69,12 +74,24 @@ def xla_entry(spec: Any, plan: Any, cluster: Any, axes: dict[str, int],
     except jax.errors.JaxRuntimeError as e:  # the compiler's own failure, said in one line
         return {"error": f"XLA:GPU could not compile the step: {str(e).splitlines()[0][:300]}"}
     out = check.to_json()
+    add_priced(out["collectives"], plan)
     est = plan.cost.memory_bytes_per_device if plan.cost is not None else None
     out["over_estimate"] = (check.peak_bytes / est) if est else None
     if not check.fits:
         out["notes"].append(f"does not fit by XLA:GPU: peak {fmt_bytes(check.peak_bytes)} "
                             f"over the device's {fmt_bytes(check.device_memory_bytes)}")
     return out
+
+
+def add_priced(collectives: dict[str, dict[str, int]], plan: Any) -> None:
+    """``priced_bytes`` in ``collectives`` (XLA's, by kind): what the plan's cost prices of
+    each kind, in the same convention as ``plan_bytes`` (a kind only one side has gets a zero
+    on the other)."""
+    for kind, n in (plan.cost.comm_kinds if plan.cost is not None else ()):
+        collectives.setdefault(kind, {"count": 0, "bytes": 0, "plan_bytes": 0})
+    for kind, e in collectives.items():
+        e["priced_bytes"] = dict(plan.cost.comm_kinds).get(kind, 0) \
+            if plan.cost is not None and plan.cost.comm_kinds else None
 
 
 def _stages_entry(got: dict[str, Any], plan: Any) -> dict[str, Any]:

@@ -9,7 +9,7 @@ per-relayout prices are :class:`~nnscaler_jax.cost.model.CostModel`'s.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from nnscaler_jax.cost.compute import (
@@ -25,6 +25,7 @@ from nnscaler_jax.cost.relayout import (
     Split,
     drop_partial,
     grad_source,
+    relayout_kinds,
     relayout_price,
     storage_layout,
 )
@@ -70,6 +71,7 @@ class _Analysis:
     compute: float = 0.0
     comm_time: float = 0.0
     comm_bytes: float = 0.0
+    comm_kinds: dict[str, float] = field(default_factory=dict)  # comm_bytes by collective
     params: float = 0.0
     grads: float = 0.0
     optimizer: float = 0.0
@@ -478,6 +480,15 @@ def _scattered(g: Layout, dst: Layout) -> Layout | None:
     return Layout(dst.dims, tuple(a for a in g.partial if a not in split))
 
 
+def _price(out: _Analysis, src: Layout, dst: Layout, t: Tensor, mesh: Any, runs: float) -> None:
+    """One relayout of ``t`` from ``src`` to ``dst`` run ``runs`` times, added to ``out``."""
+    secs, n = relayout_price(src, dst, t.shape, itemsize(t), mesh)
+    out.comm_time += secs * runs
+    out.comm_bytes += n * runs
+    for kind, b in relayout_kinds(src, dst, t.shape, itemsize(t), mesh):
+        out.comm_kinds[kind] = out.comm_kinds.get(kind, 0.0) + b * runs
+
+
 def _communication(model: Any, edges: list[_Edge], store: Mapping[int, Layout],
                    var_ids: set[int], grads, zero: int, out: _Analysis, held: Any,
                    micro: int, origin: Mapping[int, int]) -> None:
@@ -495,13 +506,11 @@ def _communication(model: Any, edges: list[_Edge], store: Mapping[int, Layout],
     chunks: dict[tuple[int, Layout], int] = {}  # the chunks of a loop reducing it in each
     gathered: dict[int, int] = {}
     for e in edges:
-        t, size = e.tensor, itemsize(e.tensor)
+        t = e.tensor
         src = store.get(t.id, e.have)
         if src != e.want:
-            ft, fb = relayout_price(src, e.want, t.shape, size, mesh)
-            runs = e.mult * (2 if e.rerun else 1) * (micro if weighty(t) else 1)
-            out.comm_time += ft * runs
-            out.comm_bytes += fb * runs
+            _price(out, src, e.want, t, mesh,
+                   e.mult * (2 if e.rerun else 1) * (micro if weighty(t) else 1))
             if t.id in var_ids and zero >= 3:  # the gathered weight stays for the backward
                 gathered[t.id] = max(gathered.get(t.id, 0), model._local_bytes(t, e.want))
         if t.id in grads and not e.region:
@@ -516,10 +525,7 @@ def _communication(model: Any, edges: list[_Edge], store: Mapping[int, Layout],
             steps = [(g, dst, 1)] if mid is None else \
                 [(g, mid, chunks[key])] + ([(mid, dst, 1)] if mid != dst else [])
             for a, b, k in steps:
-                bt, bb = relayout_price(a, b, t.shape, itemsize(t), mesh)
-                runs = mult * k * (micro if weighty(t) else 1)
-                out.comm_time += bt * runs
-                out.comm_bytes += bb * runs
+                _price(out, a, b, t, mesh, mult * k * (micro if weighty(t) else 1))
             if t.id in var_ids and held(t.id):
                 # the local gradient of a held weight before its reduction (one fused buffer;
                 # the others are reduced and consumed one by one)

@@ -60,6 +60,10 @@ class PlanCost:
     comm_bytes: int
     compute_time_s: float = 0.0
     comm_time_s: float = 0.0
+    comm_kinds: tuple[tuple[str, int], ...] = ()
+    """``comm_bytes`` by collective kind (``(kind, bytes)``, as XLA's HLO names them:
+    ``all_gather``, ``all_reduce``, ``reduce_scatter``, ``all_to_all``, ``ppermute``); empty
+    where the pricing does not break it down (a pipeline's stage tables)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -462,7 +466,9 @@ class Plan:
                 for o in d["ops"]
             )
             variables = tuple((str(n), tuple(_entry(e) for e in s)) for n, s in d["variables"])
-            cost = PlanCost(**d["cost"]) if d.get("cost") else None
+            cost = PlanCost(**{**d["cost"], "comm_kinds": tuple(
+                (str(k), int(n)) for k, n in d["cost"].get("comm_kinds", ()))}) \
+                if d.get("cost") else None
             pipe = d.get("pipeline")
             return cls(
                 mesh=tuple((str(a), int(n)) for a, n in d["mesh"]),

@@ -52,6 +52,7 @@ def test_dp_mlp_costs_exactly_the_gradient_all_reduces(mlp_graph):
     assert cost.comm_time_s == pytest.approx(
         sum(all_reduce_time(LINK, 4, v.nbytes) for v in weights), rel=1e-12)
     assert cost.comm_bytes == sum(v.nbytes for v in weights)
+    assert cost.comm_kinds == (("all_reduce", cost.comm_bytes),)
     assert cost.step_time_s == pytest.approx(cost.compute_time_s + cost.comm_time_s)
 
 
@@ -63,6 +64,7 @@ def test_megatron_mlp_costs_two_activation_all_reduces(mlp_graph):
     cost = _model(plan, input_grads=True).plan_cost(plan, graph)
     assert cost.comm_time_s == pytest.approx(2 * all_reduce_time(LINK, 4, act), rel=1e-12)
     assert cost.comm_bytes == 2 * act
+    assert cost.comm_kinds == (("all_reduce", 2 * act),)
     # the whole model: nobody needs the gradient of the example input
     cost = _model(plan).plan_cost(plan, graph)
     assert cost.comm_time_s == pytest.approx(all_reduce_time(LINK, 4, act), rel=1e-12)

@@ -328,6 +328,13 @@ def test_plan_cluster_xla_json(capsys):
     x = res["xla"]
     assert x["device"] == "NVIDIA H100 80GB HBM3" and x["fits"] and not x["xla_remat"]
     assert x["comm_bytes"] == sum(e["plan_bytes"] for e in x["collectives"].values()) > 0
+    # what the plan priced of each kind beside XLA's: Megatron's all-reduces (and XLA's of the
+    # scalar loss, 4 bytes)
+    priced = {k: e["priced_bytes"] for k, e in x["collectives"].items() if e["priced_bytes"]}
+    assert set(priced) == {"all_reduce"}
+    assert sum(priced.values()) == res["cost"]["comm_bytes"]
+    assert x["collectives"]["all_reduce"]["plan_bytes"] == pytest.approx(priced["all_reduce"],
+                                                                          rel=1e-3)
 
 
 def test_the_step_tells_xla_the_plans_budget():
