@@ -16,8 +16,9 @@ Writes ``results/bench_xla_gpu.json`` after every case (a run of some cases is m
 
     .venv/bin/python scripts/bench_xla_gpu.py [--only swin-8gpu,gpt3-1.3b-v100] [--planners auto]
 
-``--reprice`` re-plans the stored cases without compiling and adds what each plan priced per
-collective kind beside XLA's (kept only where the plan is the one compiled).
+``--reprice`` re-plans the stored cases without compiling and re-prices their communication
+(step time, ``comm_bytes``, each collective kind beside XLA's) where the plan is the one
+compiled.
 """
 
 from __future__ import annotations
@@ -151,9 +152,10 @@ def _kinds_table(results: dict) -> list[str]:
 
 
 def _reprice(name: str, stored: dict) -> None:
-    """Re-plan case ``name``'s planners and add each plan's priced bytes per collective kind
-    to the stored XLA figures, where the plan is the one compiled (its step time, memory and
-    communication equal to the stored; else it says so and leaves the entry)."""
+    """Re-plan case ``name``'s planners and re-price the stored entries where the plan is the
+    one compiled (the same features and memory to the byte; else it says so and leaves the
+    entry): step time, ``comm_bytes`` and the priced bytes per collective kind beside XLA's."""
+    from nnscaler_jax.cli.compare import plan_features
     from nnscaler_jax.cli.xla import add_priced
 
     model, preset, cl, precision, batch, _default, budgeted = CASES[name]
@@ -167,12 +169,16 @@ def _reprice(name: str, stored: dict) -> None:
             continue
         plan, _ = one_planner(planner, graph, mesh, cluster_preset(cl),
                               None if budgeted else NO_BUDGET)
-        same = plan is not None and (plan.cost.comm_bytes, plan.cost.memory_bytes_per_device) \
-            == (e["comm_bytes"], e["memory_bytes_per_device"])
-        print(f"{name} {planner}: {'priced by kind' if same else 'a different plan: left'}",
+        # the plan compiled: the same features and memory to the byte (the pricing of its
+        # communication may have changed since; XLA's figures depend on the plan alone)
+        same = plan is not None and plan.cost.memory_bytes_per_device == \
+            e["memory_bytes_per_device"] and json.loads(json.dumps(
+            plan_features(plan), default=str)) == e.get("features")
+        print(f"{name} {planner}: {'repriced' if same else 'a different plan: left'}",
               flush=True)
         if same:
             add_priced(x["collectives"], plan)
+            e.update(step_time_s=plan.cost.step_time_s, comm_bytes=plan.cost.comm_bytes)
 
 
 def _case(name: str, planners: list[str] | None) -> dict:
