@@ -166,6 +166,16 @@ def _kinds_table(results: dict) -> list[str]:
     return rows if len(rows) > 2 else []
 
 
+def _planned_on(name: str) -> tuple:
+    """Case ``name``'s model spec, the training step's graph it is planned on (the module and
+    its loss) and the abstract 2 x 4 mesh."""
+    model, preset, _cl, precision, batch, _default, _budgeted = CASES[name]
+    spec = model_spec(model, preset, precision, **({"batch_size": batch} if batch else {}))
+    graph = capture_model(spec, mutable=spec_mutable(spec), precision=precision,
+                          loss=True).graph
+    return spec, graph, jax.sharding.AbstractMesh(tuple(MESH.values()), tuple(MESH))
+
+
 def _reprice(name: str, stored: dict) -> None:
     """Re-plan case ``name``'s planners and re-price the stored entries where the plan is the
     one compiled (the same features and memory to the byte; else it says so and leaves the
@@ -173,11 +183,8 @@ def _reprice(name: str, stored: dict) -> None:
     from nnscaler_jax.cli.compare import plan_features
     from nnscaler_jax.cli.xla import add_priced
 
-    model, preset, cl, precision, batch, _default, budgeted = CASES[name]
-    spec = model_spec(model, preset, precision, **({"batch_size": batch} if batch else {}))
-    graph = capture_model(spec, mutable=spec_mutable(spec), precision=precision,
-                          loss=True).graph
-    mesh = jax.sharding.AbstractMesh(tuple(MESH.values()), tuple(MESH))
+    _model, _preset, cl, _precision, _batch, _default, budgeted = CASES[name]
+    _spec, graph, mesh = _planned_on(name)
     for planner, e in stored["planners"].items():
         x = e.get("xla") or {}
         if "collectives" not in x:
@@ -198,11 +205,8 @@ def _reprice(name: str, stored: dict) -> None:
 
 def _case(name: str, planners: list[str] | None) -> dict:
     model, preset, cl, precision, batch, default, budgeted = CASES[name]
-    spec = model_spec(model, preset, precision, **({"batch_size": batch} if batch else {}))
-    graph = capture_model(spec, mutable=spec_mutable(spec), precision=precision,
-                          loss=True).graph  # the step's graph: the module and its loss
+    spec, graph, mesh = _planned_on(name)
     cluster = cluster_preset(cl)
-    mesh = jax.sharding.AbstractMesh(tuple(MESH.values()), tuple(MESH))
     out = {"model": model, "preset": preset, "cluster": cl, "precision": precision,
            "batch": batch, "budget": "default" if budgeted else "none", "graph": "step",
            "planners": {}}

@@ -87,11 +87,12 @@ def add_priced(collectives: dict[str, dict[str, int]], plan: Any) -> None:
     """``priced_bytes`` in ``collectives`` (XLA's, by kind): what the plan's cost prices of
     each kind, in the same convention as ``plan_bytes`` (a kind only one side has gets a zero
     on the other)."""
-    for kind, n in (plan.cost.comm_kinds if plan.cost is not None else ()):
+    priced = dict(plan.cost.comm_kinds) if plan.cost is not None and plan.cost.comm_kinds \
+        else None
+    for kind in priced or ():
         collectives.setdefault(kind, {"count": 0, "bytes": 0, "plan_bytes": 0})
     for kind, e in collectives.items():
-        e["priced_bytes"] = dict(plan.cost.comm_kinds).get(kind, 0) \
-            if plan.cost is not None and plan.cost.comm_kinds else None
+        e["priced_bytes"] = None if priced is None else priced.get(kind, 0)
 
 
 def _stages_entry(got: dict[str, Any], plan: Any) -> dict[str, Any]:

@@ -25,8 +25,7 @@ from nnscaler_jax.cost.relayout import (
     Split,
     drop_partial,
     grad_source,
-    relayout_kinds,
-    relayout_price,
+    relayout_parts,
     storage_layout,
 )
 from nnscaler_jax.cost.residuals import (
@@ -483,10 +482,10 @@ def _scattered(g: Layout, dst: Layout) -> Layout | None:
 
 def _price(out: _Analysis, src: Layout, dst: Layout, t: Tensor, mesh: Any, runs: float) -> None:
     """One relayout of ``t`` from ``src`` to ``dst`` run ``runs`` times, added to ``out``."""
-    secs, n = relayout_price(src, dst, t.shape, itemsize(t), mesh)
+    secs, n, kinds = relayout_parts(src, dst, t.shape, itemsize(t), mesh)
     out.comm_time += secs * runs
     out.comm_bytes += n * runs
-    for kind, b in relayout_kinds(src, dst, t.shape, itemsize(t), mesh):
+    for kind, b in kinds:
         out.comm_kinds[kind] = out.comm_kinds.get(kind, 0.0) + b * runs
 
 
@@ -495,12 +494,6 @@ def _communication(model: Any, edges: list[_Edge], store: Mapping[int, Layout],
                    micro: int, origin: Mapping[int, int]) -> None:
     """Forward paths, then each gradient reduced once per (tensor, layout) (in every chunk of
     a co-sharded block that reads the tensor whole), added to ``out``.
-    A value read in one layout by several ops is relaid out once (XLA's SPMD partitioner
-    reshards an instruction once per target sharding: q, k and v gather a LayerNorm's output
-    once), and once more in each recomputed block that reads it so. Measured with XLA:GPU:
-    GPT-3 6.7B's searched plan all-gathers 8.15 GB a step, priced 9.22 GB per reader; the
-    Alpa-style Swin-8 all-to-alls 57.9 GB, priced 74.0 GB. (A weight's readers still pay one
-    relayout each from its storage.)
     A weight's relayout from storage and its gradient's reduction run once per micro-batch
     (``micro``; measured with XLA:GPU, GPT-3 1.3B under ZeRO-3 in 4 micro-batches: every
     gather and reduction 4 times); an activation's relayouts move the batch's bytes once.
@@ -512,19 +505,12 @@ def _communication(model: Any, edges: list[_Edge], store: Mapping[int, Layout],
     backward: dict[tuple[int, Layout], tuple[Tensor, Layout, int]] = {}
     chunks: dict[tuple[int, Layout], int] = {}  # the chunks of a loop reducing it in each
     gathered: dict[int, int] = {}
-    made: set[tuple] = set()  # the relayouts of values already made (XLA makes each once)
     for e in edges:
         t = e.tensor
         src = store.get(t.id, e.have)
         if src != e.want:
-            runs = e.mult * (micro if weighty(t) else 1)
-            for key in [(t.id, src, e.want)] + ([(t.id, src, e.want, e.block)] if e.rerun
-                                                  else []):
-                if t.role is Role.VALUE and not e.region:
-                    if key in made:
-                        continue
-                    made.add(key)
-                _price(out, src, e.want, t, mesh, runs)
+            _price(out, src, e.want, t, mesh,
+                   e.mult * (2 if e.rerun else 1) * (micro if weighty(t) else 1))
             if t.id in var_ids and zero >= 3:  # the gathered weight stays for the backward
                 gathered[t.id] = max(gathered.get(t.id, 0), model._local_bytes(t, e.want))
         if t.id in grads and not e.region:

@@ -21,7 +21,7 @@ from nnscaler_jax.plan.layouts import partial_grad_axes
 from nnscaler_jax.plan.zero import zero3_layout
 
 __all__ = ["Split", "drop_partial", "grad_source", "partial_grad_axes", "reduced_layout",
-           "relayout_kinds", "relayout_price", "storage_layout"]
+           "relayout_parts", "relayout_price", "storage_layout"]
 
 Split = tuple[tuple[str, str], ...]
 
@@ -63,15 +63,16 @@ def relayout_price(src: Layout, dst: Layout, shape: tuple[int, ...], size: int,
     return p.time_s, p.bytes
 
 
-def relayout_kinds(src: Layout, dst: Layout, shape: tuple[int, ...], size: int,
-                   mesh: MeshSpec) -> tuple[tuple[str, int], ...]:
-    """The bytes of :func:`relayout_price`'s path by collective kind (``(kind, bytes)``; the
-    local steps, slices and value chunks, left out; unreachable: none)."""
+def relayout_parts(src: Layout, dst: Layout, shape: tuple[int, ...], size: int,
+                   mesh: MeshSpec) -> tuple[float, int, tuple[tuple[str, int], ...]]:
+    """:func:`relayout_price` with its bytes by collective kind (``(kind, bytes)``; the local
+    steps, slices and value chunks, left out), from one path; unreachable: ``(inf, 0, ())``."""
     try:
         p = comm_path(src, dst, shape, size, mesh)
-    except Exception:  # noqa: BLE001 - unreachable: priced infinite, no collective
-        return ()
-    return tuple((s.kind, s.bytes) for s in p.steps if s.kind not in ("slice", "value_chunk"))
+    except Exception:  # noqa: BLE001 - an unreachable layout is priced as infinitely slow
+        return math.inf, 0, ()
+    return p.time_s, p.bytes, tuple((s.kind, s.bytes) for s in p.steps
+                                    if s.kind not in ("slice", "value_chunk"))
 
 
 def reduced_layout(src: Layout, want: Layout | None, shape: Sequence[int], itemsize: int,

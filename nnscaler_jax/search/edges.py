@@ -335,11 +335,9 @@ class EdgePricing:
     def _priced(self, t: Tensor, w: float, keeps: tuple, dst_op: int,
                 pairs) -> tuple[np.ndarray, ...]:
         """(seconds, kept bytes or None, bytes gathered again in a recomputed block or None)
-        of each pair. A sibling's forward-only read (``"ffw"``) costs nothing: the first
-        read's edge makes the relayout its siblings read too (``plan_walk._communication``)."""
-        ffw = bool(pairs) and not isinstance(pairs[0][1], Layout) and pairs[0][1][1] is None
-        secs = np.zeros(len(pairs)) if ffw else w * np.array(self._reshards(t, pairs))
-        if keeps[4] and not ffw:  # run again in the recomputed reader's block: forward again
+        of each pair."""
+        secs = w * np.array(self._reshards(t, pairs))
+        if keeps[4]:  # run again in the recomputed reader's block: the forward part again
             secs += w * np.array(self._reshards(t, [
                 (src, dst if isinstance(dst, Layout) else dst[0])
                 if keeps[4] == 1 or not src.partial else (src, src) for src, dst in pairs],
