@@ -9,17 +9,16 @@ import numpy as np
 
 def assert_like_one_device(pm, module, variables, args, rtol=1e-5, atol=1e-6) -> None:
     """``pm.apply`` equals ``module.apply`` on ``args``, and so does the gradient of the mean
-    square of the output (jitted over the mesh vs the plain module: its forward eager, its
-    gradient jitted on one device: one compile, where running it eagerly compiled every op,
-    37 s of Swin tiny's test)."""
-    np.testing.assert_allclose(pm.apply(variables, *args), module.apply(variables, *args),
-                               rtol=rtol, atol=atol)
+    square of the output (jitted over the mesh vs the plain module jitted on one device: one
+    compile, where running it eagerly compiled every op, 37 s of Swin tiny's test)."""
+    local = jax.tree.map(np.asarray, variables)  # on one device (the default), not the mesh
+    np.testing.assert_allclose(pm.apply(variables, *args),
+                               jax.jit(module.apply)(local, *args), rtol=rtol, atol=atol)
 
     def loss(apply, v):
         return jnp.mean(apply(v, *args) ** 2)
 
     g = jax.jit(jax.grad(lambda v: loss(pm.apply, v)))(variables)
-    local = jax.tree.map(np.asarray, variables)  # on one device (the default), not the mesh
     ref = jax.jit(jax.grad(lambda v: loss(module.apply, v)))(local)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
@@ -43,9 +42,15 @@ def assert_trains_like_one_device(step, spec, variables, args, opt, steps: int,
     state = step.init(variables, *args)
     for _ in range(steps):
         state, _ = step(state, *args)
-    params, opt_state = variables["params"], opt.init(variables["params"])
-    loss = lambda p: spec.loss_fn(spec.module.apply({"params": p}, *args), *args)
-    for _ in range(steps):
+    local = jax.tree.map(np.asarray, (variables["params"], args))  # on one device
+    params, opt_state = local[0], opt.init(local[0])
+
+    @jax.jit  # one compile (run eagerly, every op compiled alone: most of a small test's time)
+    def one_step(params, opt_state, args):
+        loss = lambda p: spec.loss_fn(spec.module.apply({"params": p}, *args), *args)
         updates, opt_state = opt.update(jax.grad(loss)(params), opt_state, params)
-        params = optax.apply_updates(params, updates)
+        return optax.apply_updates(params, updates), opt_state
+
+    for _ in range(steps):
+        params, opt_state = one_step(params, opt_state, local[1])
     assert_same_params(step.params(state), params, rtol, atol)
