@@ -80,7 +80,7 @@ def test_train_flag_with_batch_stats_and_dropout(mesh, policy):
         return jnp.mean(y ** 2)
 
     _close(jax.grad(lambda p: loss(pm.apply, p))(v["params"]),
-           jax.grad(lambda p: loss(m.apply, p))(v["params"]))
+           jax.jit(jax.grad(lambda p: loss(m.apply, p)))(v["params"]))  # (the user's: eager)
     # eval mode: running averages, no dropout; positional flag too
     _close(pm.apply(v, x, train=False), m.apply(v, x, train=False))
     _close(pm.apply(v, x, False), m.apply(v, x, False))
@@ -236,7 +236,8 @@ def test_explicit_mesh_user_jit_optax_loss(policy):
         assert jax.typeof(logits).sharding.spec == P("data", None, None)
         val, g = jax.jit(jax.value_and_grad(lambda v: loss(pm.apply, v, t_sh, l_sh)))(v)
     v0 = jax.tree.map(np.asarray, v)
-    ref, ref_g = jax.value_and_grad(lambda v: loss(spec.module.apply, v, tokens, labels))(v0)
+    ref, ref_g = jax.jit(jax.value_and_grad(
+        lambda v: loss(spec.module.apply, v, tokens, labels)))(v0)
     _close(val, ref)
     _close(g, ref_g)
 

@@ -24,10 +24,15 @@ _ndim_mask = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)
 
 def _one_device(spec, variables, args, opt, steps):
     params, state = variables["params"], opt.init(variables["params"])
-    loss = lambda p: spec.loss_fn(spec.module.apply({"params": p}, *args), *args)
-    for _ in range(steps):
+
+    @jax.jit  # one compile, not one per op
+    def one_step(params, state):
+        loss = lambda p: spec.loss_fn(spec.module.apply({"params": p}, *args), *args)
         updates, state = opt.update(jax.grad(loss)(params), state, params)
-        params = optax.apply_updates(params, updates)
+        return optax.apply_updates(params, updates), state
+
+    for _ in range(steps):
+        params, state = one_step(params, state)
     return params
 
 
