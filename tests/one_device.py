@@ -34,24 +34,32 @@ def assert_same_params(got, want, rtol: float, atol: float) -> None:
                                    err_msg=jax.tree_util.keystr(path))
 
 
-def assert_trains_like_one_device(step, spec, variables, args, opt, steps: int,
-                                  rtol: float = 1e-4, atol: float = 1e-6) -> None:
-    """``steps`` calls of a train step (``pm.train_step(spec.loss_fn, opt)``) leave the
-    parameters the plain loop on one device leaves (``jax.grad`` of ``spec.loss_fn``, ``opt``)."""
+def one_device_params(spec, variables, args, opt, steps: int):
+    """The parameters ``steps`` optax steps of ``jax.grad(spec.loss_fn)`` leave on one device,
+    each step one jitted program (run eagerly, every op compiled alone: most of a small test's
+    time)."""
     import optax
 
-    state = step.init(variables, *args)
-    for _ in range(steps):
-        state, _ = step(state, *args)
-    local = jax.tree.map(np.asarray, (variables["params"], args))  # on one device
-    params, opt_state = local[0], opt.init(local[0])
+    params, args = jax.tree.map(np.asarray, (variables["params"], args))  # on one device
 
-    @jax.jit  # one compile (run eagerly, every op compiled alone: most of a small test's time)
+    @jax.jit
     def one_step(params, opt_state, args):
         loss = lambda p: spec.loss_fn(spec.module.apply({"params": p}, *args), *args)
         updates, opt_state = opt.update(jax.grad(loss)(params), opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
+    opt_state = opt.init(params)
     for _ in range(steps):
-        params, opt_state = one_step(params, opt_state, local[1])
+        params, opt_state = one_step(params, opt_state, args)
+    return params
+
+
+def assert_trains_like_one_device(step, spec, variables, args, opt, steps: int,
+                                  rtol: float = 1e-4, atol: float = 1e-6) -> None:
+    """``steps`` calls of a train step (``pm.train_step(spec.loss_fn, opt)``) leave the
+    parameters the plain loop on one device leaves (``jax.grad`` of ``spec.loss_fn``, ``opt``)."""
+    state = step.init(variables, *args)
+    for _ in range(steps):
+        state, _ = step(state, *args)
+    params = one_device_params(spec, variables, args, opt, steps)
     assert_same_params(step.params(state), params, rtol, atol)

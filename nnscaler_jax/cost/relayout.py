@@ -56,13 +56,10 @@ def storage_layout(mesh: MeshSpec, v: Tensor, lay: Layout, axes: Sequence[str]) 
 def relayout_price(src: Layout, dst: Layout, shape: tuple[int, ...], size: int,
                    mesh: MeshSpec) -> tuple[float, int]:
     """``(seconds, bytes)`` of the cheapest path ``src -> dst``; unreachable: ``(inf, 0)``."""
-    try:
-        p = comm_path(src, dst, shape, size, mesh)
-    except Exception:  # noqa: BLE001 - an unreachable layout is priced as infinitely slow
-        return math.inf, 0
-    return p.time_s, p.bytes
+    return relayout_parts(src, dst, shape, size, mesh)[:2]
 
 
+@lru_cache(maxsize=65536)
 def relayout_parts(src: Layout, dst: Layout, shape: tuple[int, ...], size: int,
                    mesh: MeshSpec) -> tuple[float, int, tuple[tuple[str, int], ...]]:
     """:func:`relayout_price` with its bytes by collective kind (``(kind, bytes)``; the local

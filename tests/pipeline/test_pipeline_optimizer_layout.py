@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from one_device import one_device_params
 
 import models
 from nnscaler_jax import Constraints, auto_parallel
@@ -20,20 +21,6 @@ pytestmark = pytest.mark.slow
 RTOL, ATOL = 1e-4, 1e-6  # float32, as the other pipeline tests
 
 _ndim_mask = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)
-
-
-def _one_device(spec, variables, args, opt, steps):
-    params, state = variables["params"], opt.init(variables["params"])
-
-    @jax.jit  # one compile, not one per op
-    def one_step(params, state):
-        loss = lambda p: spec.loss_fn(spec.module.apply({"params": p}, *args), *args)
-        updates, state = opt.update(jax.grad(loss)(params), state, params)
-        return optax.apply_updates(params, updates), state
-
-    for _ in range(steps):
-        params, state = one_step(params, state)
-    return params
 
 
 def _train(name, opt, mesh_shape=(2, 4), axes=("stage", "data"), policy=None, steps=2):
@@ -46,7 +33,7 @@ def _train(name, opt, mesh_shape=(2, 4), axes=("stage", "data"), policy=None, st
     state = step.init(variables, *args)
     for _ in range(steps):
         state, _ = step(state, *args)
-    want = _one_device(spec, variables, args, opt, steps)
+    want = one_device_params(spec, variables, args, opt, steps)
     return step, state, want
 
 
