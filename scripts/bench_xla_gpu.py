@@ -72,6 +72,14 @@ PER_READER = (
     "output) where XLA makes one per value and target layout; pricing it so in the plan walk "
     "alone matched XLA's all-gathers, but the search's tables must price it too (readers in "
     "different groups: an ILP term over three or more groups), open")
+EMBEDDING_GRADIENT = (
+    "collectives by kind (traced in the compiled HLO): the embedding table's gradient (51200 x "
+    "2048, float32; a scatter-add of the tokens' cotangents, partial sums over `model`) is "
+    "priced as a reduce-scatter over `model` (209.7 MB) and an all-gather (419.4 MB); XLA's SPMD "
+    "partitioner all-gathers the cotangents (67.1 MB) and the token ids over `model` instead, "
+    "each device scatter-adds into its own 6400 rows, and the rows are all-gathered over all 8 "
+    "devices (419.4 MB): no reduce-scatter, 67 MB more all-gather; pricing a scatter-add whose "
+    "operand is gathered rather than its result reduced is open")
 CAUSES = {
     ("t5-8gpu", "auto"): (
         "memory: XLA's rematerialization pass counts 28.77 GiB for this step (the estimate "
@@ -96,6 +104,19 @@ CAUSES = {
         "collectives by kind: XLA all-reduces 68.7 GB of what the plan prices as the chunk "
         "loops' reduce-scatters (1,929 GB priced, 1,825 by XLA); the total is within 1%; not "
         "traced further"),
+    ("gpt3-1.3b-v100", "auto"): EMBEDDING_GRADIENT,
+    ("gpt3-1.3b-v100", "alpa"): EMBEDDING_GRADIENT,
+    ("gpt3-1.3b-v100-free", "auto"): EMBEDDING_GRADIENT,
+    ("moe-380m-a100", "auto"): (
+        "collectives by kind (traced in the compiled HLO, the total 0.92 of priced): all-gathers "
+        "priced one per reader, the batch-split activations (8 x 1024 x 768, 6.3 MB) gathered "
+        "over `data` 48 times where XLA gathers 32 (one per value and layout), 101 MB; the tied "
+        "table's gradient (768 x 32000, float32, partial sums over `data` and `model`) priced "
+        "as a reduce-scatter over both axes (98.3 MB) and an all-gather over `model` (49.2 MB), "
+        "where XLA reduce-scatters over `data` (98.3 MB) and all-reduces the half-tables of its "
+        "two contributions (the LM head's and the lookup's scatter-add) over `model` one by one "
+        "(2 x 49.2 MB); its all-gather over `data` (98.3 MB) as priced; XLA reduce-scatters 28 "
+        "activation cotangents over `data` where 24 are priced (25 MB)"),
     ("gpt3-1.3b-h100-bf16", "megatron"): (
         "memory: not traced here; on GPT-3 6.7B's Megatron plan the loss's row max, which has "
         "no partial-sum form, gathers the logits over `model` and their float32 exponentials are "
