@@ -52,10 +52,10 @@ def storage_layout(mesh: MeshSpec, v: Tensor, lay: Layout, axes: Sequence[str]) 
     return zero3_layout(v.shape, lay, axes, _sizes(mesh), joint=False)
 
 
-@lru_cache(maxsize=65536)
 def relayout_price(src: Layout, dst: Layout, shape: tuple[int, ...], size: int,
                    mesh: MeshSpec) -> tuple[float, int]:
-    """``(seconds, bytes)`` of the cheapest path ``src -> dst``; unreachable: ``(inf, 0)``."""
+    """``(seconds, bytes)`` of the cheapest path ``src -> dst``; unreachable: ``(inf, 0)``
+    (:func:`relayout_parts`' first two, from its cache)."""
     return relayout_parts(src, dst, shape, size, mesh)[:2]
 
 
