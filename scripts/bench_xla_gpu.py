@@ -86,7 +86,12 @@ CAUSES = {
         "28.79 GiB, `TF_CPP_VMODULE=hlo_rematerialization=1`); its buffer assignment then packs "
         "the scheduled program into 26.82 GiB. XLA's peak is at the loss's backward, before the "
         "tied table's gradient (1.5 GiB) is built; the estimate adds the largest transient and "
-        "that held gradient as if live at once; " + PER_READER),
+        "that held gradient as if live at once. Pricing them apart (tried 2026-12-03, not kept) "
+        "let the search keep 0.86 GiB more activations: estimate 28.19 GiB, XLA 26.93 GiB "
+        "(0.955), but XLA's rematerialization pass then counted 29.52 GiB over its limit of "
+        "28.89 GiB and rematerialized 27 instructions; and Alpa-style's plan (the same plan) "
+        "went to 1.091 (XLA 23.84 GiB holds the held gradient with a loss-sized transient). "
+        "The estimate tracks the count that decides XLA's own recompute; " + PER_READER),
     ("t5-8gpu", "alpa"): PER_READER,
     ("swin-8gpu", "auto"): (
         "collectives: XLA reduce-scatters 12.74 GB where 8.66 GB is priced, in a plan with "
