@@ -44,12 +44,12 @@ from jax import lax
 from jax.extend import core as jcore
 
 from nnscaler_jax.pipeline.chunks import pack, packing, run_chunk, unpack, widths
+from nnscaler_jax.pipeline.in_graph import exchange
 from nnscaler_jax.pipeline.loop_tables import CODES
 from nnscaler_jax.pipeline.mutable import average
 from nnscaler_jax.pipeline.split_backward import split_backward
 
-__all__ = ["OVERLAP_OPTIONS", "compiler_options", "exchange", "local_step", "run_segment",
-           "send_if"]
+__all__ = ["local_step", "run_segment"]
 
 
 def _value(env: dict, v: Any) -> Any:
@@ -125,45 +125,6 @@ def _vjp(prog: Any, seg: int, pvec: dict, shared: list, cin: dict, gout: dict, b
     gp, gsh, gc = vjp((gy, jnp.asarray(0.0 if seed is None else seed, jnp.float32)))
     gc = {k: gc.get(k, jnp.zeros((n,), k)) for k, n in prog.g_width.items()}
     return gp, gsh, gc, loss / M
-
-
-def send_if(needed: Any, vec: dict, axis: str, perm: list) -> dict:
-    """``vec`` sent along ``perm`` when some stage receives it at this step (``needed`` is the
-    same on every device, so all take one branch of the ``cond`` around the collective)."""
-    return lax.cond(needed, lambda v: jax.tree.map(lambda x: lax.ppermute(x, axis, perm), v),
-                    lambda v: v, vec)
-
-
-def exchange(tb: Any, sends: Any, now: tuple, pending: tuple, axis: str, stages: int
-             ) -> tuple[tuple, tuple]:
-    """A time step's transfers: ``(received, pending)``. ``now``: the step's results for the
-    next and the previous stage (activation, cotangent); ``sends``: the step's row of
-    ``tb.sends``. With ``tb.overlap`` the step sends ``pending`` (the previous step's
-    results), at every step and outside any branch: nothing the step's blocks compute feeds
-    it, so XLA runs the ``ppermute`` beside them (a collective inside a ``cond`` ends
-    inside it); ``now`` becomes pending. Else the step sends ``now`` where some stage
-    receives it (and ``pending`` is empty)."""
-    perms = ([(i, (i + 1) % stages) for i in range(stages)],
-             [(i, (i - 1) % stages) for i in range(stages)])
-    if tb.overlap:
-        got = tuple(jax.tree.map(lambda x, k=k: lax.ppermute(x, axis, perms[k]), pending[k])
-                    for k in range(2))
-        return got, now
-    return tuple(send_if(sends[k], now[k], axis, perms[k]) for k in range(2)), ()
-
-
-OVERLAP_OPTIONS = {"xla_gpu_experimental_parallel_collective_overlap_limit": 2}
-"""XLA:GPU's options for a step whose transfers overlap (:func:`exchange`): both
-``ppermute``\\ s in flight at once. With XLA's default (one), its scheduler starts the
-second after the first is done: one direction's transfer overlaps a block, the other none
-(seen in the compiled loop of a 4-stage 1F1B on compile-only H100s)."""
-
-
-def compiler_options(tb: Any, mesh: Any) -> dict | None:
-    """The XLA options of a step running ``tb`` on ``mesh``: :data:`OVERLAP_OPTIONS` for an
-    overlapping step on GPUs, else None."""
-    gpu = getattr(mesh.devices.flat[0], "platform", "cpu") == "gpu"
-    return dict(OVERLAP_OPTIONS) if tb.overlap and gpu else None
 
 
 def _zeros(width: dict) -> dict:

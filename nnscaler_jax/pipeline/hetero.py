@@ -39,27 +39,19 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnscaler_jax.errors import PlanError
-from nnscaler_jax.mesh.axes import auto_view, mesh_axes
 from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.chunks import pack, packing, unpack, widths
 from nnscaler_jax.pipeline.cut import cut_traced, tp_error
-from nnscaler_jax.pipeline.cut_blocks import compiler_options, local_step
-from nnscaler_jax.pipeline.in_stage import tensor_axes
+from nnscaler_jax.pipeline.cut_blocks import local_step
+from nnscaler_jax.pipeline.in_graph import InGraphRuntime
 from nnscaler_jax.pipeline.loop_tables import loop_tables
 from nnscaler_jax.pipeline.mutable import require_forward_order, schedule_error, shared_error
 from nnscaler_jax.pipeline.program import (
     ModuleCall,
-    PipelineRuntime,
     micro_leaves,
-    micro_rows,
-    stage_axis,
-    trace_micro,
 )
-from nnscaler_jax.pipeline.recycle import recycling_program
+from nnscaler_jax.pipeline.recycle import traced_program
 from nnscaler_jax.pipeline.update import (
-    cached_view,
-    initial_state,
-    jitted_step,
     mirror_store,
     place_as,
 )
@@ -71,15 +63,14 @@ def _floating(dt: str) -> bool:
     return jnp.issubdtype(np.dtype(dt), jnp.inexact)
 
 
-class CutProgram(PipelineRuntime):
+class CutProgram(InGraphRuntime):
     """A pipelined training program of a model cut into heterogeneous chunks.
 
-    A :class:`~nnscaler_jax.pipeline.program.PipelineRuntime`: :meth:`to_pipeline` / :meth:`from_pipeline` move parameters between the module's tree and
-    the pipeline layout ``{'shared': [leaves], 'stages': {dtype: [stages, virtual, width]}}``,
-    :meth:`grads` gives the loss and gradients, :meth:`train_step` the jitted optax step.
+    An :class:`~nnscaler_jax.pipeline.in_graph.InGraphRuntime`: :meth:`to_pipeline` /
+    :meth:`from_pipeline` move parameters between the module's tree and the pipeline layout
+    ``{'shared': [leaves], 'stages': {dtype: [stages, virtual, width]}}``, :meth:`grads` gives
+    the loss and gradients, :meth:`train_step` the jitted optax step.
     """
-
-    tp_axes: tuple[str, ...] = ()
 
     def __init__(self, module: Any, loss_fn: Callable, mesh: Any, sched: sch.Schedule,
                  params: Any, batch: tuple, *, stage_of: tuple, policy: Any = None,
@@ -88,30 +79,18 @@ class CutProgram(PipelineRuntime):
                  stage_plans: tuple = (), overlap: bool = False):
         del rules, budget, stage_plans  # (stages data-parallel inside; recompute: layer_rules)
         self.layer_rules = dict(layer_rules)  # layer -> recomputed on its own (rules.py)
-        self.module, self.loss_fn, self.schedule = module, loss_fn, sched
-        self.mesh = auto_view(mesh)  # (Auto types: the optimizer's ModuleView slices leaves)
-        self.recompute = recompute  # 'layer': each module of a chunk under jax.checkpoint
-        axes = mesh_axes(mesh)
-        self.axis = stage_axis(axes, sched)
-        M = sched.microbatches
-        if tensor_axes(axes, self.axis, policy):
-            raise tp_error(tensor_axes(axes, self.axis, policy))
-        self.data_axes = tuple(a for a in mesh.axis_names if a != self.axis)
-        self.dp = int(np.prod([axes[a] for a in self.data_axes], dtype=np.int64))
-        self.mb_size = micro_rows(batch, M, self.dp, self.data_axes)
+        self._setup(module, loss_fn, mesh, sched, batch, policy=policy, recompute=recompute)
+        if self.tp_axes:
+            raise tp_error(self.tp_axes)
         if sched.recycles and sched.all_device:
             raise PlanError(f"schedule {sched.name!r} has both recycling passes ('N') and "
                             "all-device blocks ('E' / 'H' / 'W'); the runtime runs one or the "
                             "other: use nf1b or interlaced")
         call = call or ModuleCall.plain(module, params)
-        if sched.recycles:  # nf1b: the module's outputs are its next pass's inputs
-            if call.collections:
-                raise schedule_error(sched, [jax.tree_util.keystr(k) for k, _ in
-                                             jax.tree_util.tree_leaves_with_path(call.collections)])
-            closed, abstract, self.x_vars = recycling_program(self, params, batch, call)
-        else:
-            closed, abstract = trace_micro(self, params, batch, call)
-            self.x_vars = ()
+        if sched.recycles and call.collections:
+            raise schedule_error(sched, [jax.tree_util.keystr(k) for k, _ in
+                                         jax.tree_util.tree_leaves_with_path(call.collections)])
+        closed, abstract = traced_program(self, params, batch, call)
         if self.coll_avals:
             if sched.all_device:
                 raise schedule_error(sched, self.coll_paths)
@@ -237,10 +216,6 @@ class CutProgram(PipelineRuntime):
         """Per parameter leaf, its miniature's shape in the optimizer probe (2 per dim)."""
         return [(2,) * len(a.shape) for a in self.param_avals]
 
-    def shardings(self) -> tuple[NamedSharding, NamedSharding]:
-        """Replicated, and split over the stage axis (leading dim)."""
-        return NamedSharding(self.mesh, P()), NamedSharding(self.mesh, P(self.axis))
-
     def stage_bytes(self) -> list[int]:
         """Per stage, the bytes of its own parameters (without padding or shared leaves)."""
         out = [0] * self.schedule.stages
@@ -287,16 +262,6 @@ class CutProgram(PipelineRuntime):
             return loss, grads
         return loss, grads, {"shared": [], "stages": new}
 
-    def train_step(self, optimizer: Any, *, return_grads: bool = False,
-                   scaling: Any = None) -> Callable:
-        """A jitted ``step(state, batch) -> (state, metrics)`` (see
-        :meth:`~nnscaler_jax.pipeline.runtime.PipelineProgram.train_step`); a state with
-        ``'collections'`` gets them updated."""
-        return jitted_step(self.grads, optimizer, self.mesh, store=self._store,
-                           view=cached_view(self, optimizer, (self.axis,)),
-                           return_grads=return_grads, scaling=scaling,
-                           compiler_options=compiler_options(self.tables, self.mesh))
-
     @functools.cached_property
     def _store(self) -> Callable[[Any], Any]:
         """``tree -> tree``: params, or optimizer state mirroring them, laid out as stored: the
@@ -308,10 +273,7 @@ class CutProgram(PipelineRuntime):
                              for k, w in self.p_width.items()}}
         return mirror_store(shapes, {"stages": {k: st for k in self.p_width}}, rep)
 
-    def init_state(self, params: Any, optimizer: Any, collections: Any = None) -> dict:
-        """``{'params': to_pipeline(params), 'opt_state': optimizer.init(...)}``, and
-        ``'collections'`` (:meth:`collections_to_pipeline`) when the program has any."""
-        pp = self.to_pipeline(params)
-        pc = self.collections_to_pipeline(collections) if self.coll_avals else None
-        return initial_state(pp, optimizer, self.mesh, collections=pc, store=self._store,
-                             view=cached_view(self, optimizer, (self.axis,)))
+    def collections_state(self, collections: Any) -> dict | None:
+        """The collections in the pipeline layout (:meth:`collections_to_pipeline`) when the
+        program has any."""
+        return self.collections_to_pipeline(collections) if self.coll_avals else None

@@ -57,7 +57,7 @@ from jax.sharding import PartitionSpec as P
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.lower.eqns import NO_CONSTRAINTS
 from nnscaler_jax.lower.replay import explicitly_typed
-from nnscaler_jax.mesh.axes import auto_view, mesh_axes, require_stage_axis
+from nnscaler_jax.mesh.axes import mesh_axes, require_stage_axis
 from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.chunks import run_chunk, vars_of
 from nnscaler_jax.pipeline.cut import cut_traced
@@ -68,11 +68,8 @@ from nnscaler_jax.pipeline.program import (
     ModuleCall,
     PipelineRuntime,
     micro_leaves,
-    micro_rows,
-    stage_axis,
-    trace_micro,
 )
-from nnscaler_jax.pipeline.recycle import recycling_program
+from nnscaler_jax.pipeline.recycle import traced_program
 from nnscaler_jax.pipeline.split_backward import split_backward
 from nnscaler_jax.pipeline.steps import blocks, peak_in_flight, timeline
 from nnscaler_jax.pipeline.update import LossScaling, mirror_shardings
@@ -132,23 +129,11 @@ class MpmdProgram(PipelineRuntime):
                             "ends, beside the stages' other work; overlap=True (transfers one "
                             "time step late) is the in-graph runtime's. Drop it, or use "
                             "Constraints(pipeline_executor='in-graph')")
-        self.module, self.loss_fn, self.schedule = module, loss_fn, sched
-        self.recompute, self.layer_rules = recompute, dict(layer_rules)
-        axes = mesh_axes(mesh)
-        self.axis = stage_axis(axes, sched)
-        M = sched.microbatches
-        self.tp_axes = tensor_axes(axes, self.axis, policy)
-        self.mesh, self.user_mesh = auto_view(mesh), mesh
-        self.data_axes = tuple(a for a in mesh.axis_names
-                               if a != self.axis and a not in self.tp_axes)
-        self.dp = int(np.prod([axes[a] for a in self.data_axes], dtype=np.int64))
-        self.mb_size = micro_rows(batch, M, self.dp, self.data_axes)
-        call = call or ModuleCall.plain(module, params)
-        if sched.recycles:  # nf1b: the module's outputs are its next pass's inputs
-            closed, abstract, self.x_vars = recycling_program(self, params, batch, call)
-        else:
-            closed, abstract = trace_micro(self, params, batch, call)
-            self.x_vars = ()
+        self.layer_rules = dict(layer_rules)
+        self._setup(module, loss_fn, mesh, sched, batch, policy=policy, recompute=recompute)
+        self.user_mesh = mesh
+        closed, abstract = traced_program(self, params, batch,
+                                          call or ModuleCall.plain(module, params))
         if self.coll_avals:
             raise PlanError(f"train_step: {type(module).__name__} has mutable collections "
                             f"({self.coll_paths[:3]}); tensor parallelism inside heterogeneous "

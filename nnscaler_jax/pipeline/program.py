@@ -1,7 +1,8 @@
-"""The micro-batch program of a pipelined step, traced once for both runtimes.
+"""The micro-batch program of a pipelined step, traced once, and the runtimes' interface.
 
-Both pipelined programs (:class:`~nnscaler_jax.pipeline.runtime.PipelineProgram`, identical
-layers, and :class:`~nnscaler_jax.pipeline.hetero.CutProgram`, any model) cut the same traced
+Every pipelined program (:class:`~nnscaler_jax.pipeline.runtime.PipelineProgram`, identical
+layers; :class:`~nnscaler_jax.pipeline.hetero.CutProgram` and :class:`~nnscaler_jax.pipeline.
+mpmd.MpmdProgram`, any model) implements :class:`PipelineRuntime` and cuts the same traced
 program ``(params..., collections..., batch..., keys...) -> (loss, new collections...)``::
 
     loss_fn(module(*batch[:inputs], **module_kwargs, rngs=keys), *batch)
@@ -37,7 +38,7 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +54,8 @@ from nnscaler_jax.capture.flax import nnx_call_scopes, path_str
 from nnscaler_jax.capture.precision import Cast
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.lower.replay import explicitly_typed
-from nnscaler_jax.mesh.axes import require_stage_axis
+from nnscaler_jax.mesh.axes import auto_view, mesh_axes, require_stage_axis
+from nnscaler_jax.pipeline.in_stage import tensor_axes
 
 __all__ = ["ModuleCall", "PipelineRuntime", "StepOptions", "check_batch", "collections_error",
            "empty_collection_error", "inputs_error", "micro_leaves", "micro_rows", "micro_setup",
@@ -134,12 +136,14 @@ class PipelineRuntime(abc.ABC):
     """What a pipelined step runs: the interface :class:`~nnscaler_jax.train.pipelined_step.
     PipelineStep` uses, and nothing else of a runtime.
 
-    Implementations: :class:`~nnscaler_jax.pipeline.runtime.PipelineProgram` (identical
-    stacked layers, one program over the stage axis, tensor parallel inside stages),
-    :class:`~nnscaler_jax.pipeline.hetero.CutProgram` (any model cut at module boundaries, one
-    program, stages data-parallel inside) and :class:`~nnscaler_jax.pipeline.mpmd.MpmdProgram`
-    (cut, one program per stage dispatched from the host, tensor parallel inside). Each keeps
-    the parameters in its own layout (:meth:`to_pipeline` / :meth:`from_pipeline`).
+    Two executors implement it: in-graph (:class:`~nnscaler_jax.pipeline.in_graph.
+    InGraphRuntime`: one jitted program over the stage axis; its programs
+    :class:`~nnscaler_jax.pipeline.runtime.PipelineProgram`, identical stacked layers, tensor
+    parallel inside stages, and :class:`~nnscaler_jax.pipeline.hetero.CutProgram`, any model
+    cut at module boundaries, stages data-parallel inside) and host-dispatched
+    (:class:`~nnscaler_jax.pipeline.mpmd.MpmdProgram`: cut, one program per stage, tensor
+    parallel inside). Each keeps the parameters in its own layout (:meth:`to_pipeline` /
+    :meth:`from_pipeline`); :meth:`_setup` starts every one's set-up.
 
     Attributes:
         mesh: the mesh the step's state and batch live on (its Auto view).
@@ -151,7 +155,33 @@ class PipelineRuntime(abc.ABC):
 
     mesh: Any
     data_axes: tuple[str, ...]
+    tp_axes: tuple[str, ...] = ()
     stage_plans: tuple = ()
+
+    def _setup(self, module: Any, loss_fn: Callable, mesh: Any, sched: Any, batch: tuple, *,
+               policy: Any, recompute: str) -> None:
+        """Sets what every runtime's set-up starts from: ``module``, ``loss_fn``,
+        ``schedule``, ``recompute``, the stage ``axis`` (checked against the schedule's stage
+        count), ``tp_axes`` (the axes ``policy`` makes tensor-parallel inside stages:
+        :func:`~nnscaler_jax.pipeline.in_stage.tensor_axes`), ``mesh`` (its Auto view: GSPMD
+        places the tensor-parallel constraints, and the optimizer run on the module's tree
+        slices stacked leaves across stages), ``data_axes`` (the others), ``dp`` (their
+        devices) and ``mb_size`` (:func:`micro_rows`).
+
+        Raises:
+            PlanError: no stage axis, or one of another size than the schedule's stages; a
+                batch the micro-batches and data shards do not divide.
+        """
+        self.module, self.loss_fn, self.schedule = module, loss_fn, sched
+        self.recompute = recompute  # 'layer': each layer of a chunk under jax.checkpoint
+        axes = mesh_axes(mesh)
+        self.axis = stage_axis(axes, sched)
+        self.tp_axes = tensor_axes(axes, self.axis, policy)
+        self.mesh = auto_view(mesh)
+        self.data_axes = tuple(a for a in mesh.axis_names
+                               if a != self.axis and a not in self.tp_axes)
+        self.dp = math.prod(axes[a] for a in self.data_axes)
+        self.mb_size = micro_rows(batch, sched.microbatches, self.dp, self.data_axes)
 
     @abc.abstractmethod
     def to_pipeline(self, params: Any) -> Any:

@@ -23,9 +23,9 @@ import jax
 import numpy as np
 
 from nnscaler_jax.errors import PlanError
-from nnscaler_jax.pipeline.program import ModuleCall, micro_setup
+from nnscaler_jax.pipeline.program import ModuleCall, micro_setup, trace_micro
 
-__all__ = ["recycling_program", "reference_loss"]
+__all__ = ["recycling_program", "reference_loss", "traced_program"]
 
 
 def reference_loss(module: Any, loss_fn: Callable, recycles: int) -> Callable:
@@ -78,3 +78,16 @@ def recycling_program(prog: Any, params: Any, batch: tuple,
                         "return the recycled state with the inputs' structure, or use "
                         "schedule='1f1b'")
     return closed, abstract, tuple(closed.jaxpr.invars[n:n + nx])
+
+
+def traced_program(prog: Any, params: Any, batch: tuple, call: ModuleCall) -> tuple[Any, list]:
+    """``(closed jaxpr, parameter avals)`` of the micro-batch program ``prog``'s schedule runs
+    (a program cut into chunks, ``mb_size`` set): the recycling program for a schedule with
+    recycling passes (``nf1b``), its ``x`` variables ``prog.x_vars``; else
+    :func:`~nnscaler_jax.pipeline.program.trace_micro`'s (``prog.x_vars`` empty)."""
+    if prog.schedule.recycles:  # nf1b: the module's outputs are its next pass's inputs
+        closed, abstract, prog.x_vars = recycling_program(prog, params, batch, call)
+    else:
+        closed, abstract = trace_micro(prog, params, batch, call)
+        prog.x_vars = ()
+    return closed, abstract

@@ -42,24 +42,18 @@ from jax.sharding import PartitionSpec as P
 
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.lower.eqns import NO_CONSTRAINTS
-from nnscaler_jax.mesh.axes import auto_view, mesh_axes, require_stage_axis
 from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.chunks import ProgramCut, run_chunk
-from nnscaler_jax.pipeline.cut_blocks import compiler_options, exchange
-from nnscaler_jax.pipeline.in_stage import InStagePlan, plan_in_stage, tensor_axes
+from nnscaler_jax.pipeline.in_graph import InGraphRuntime, exchange
+from nnscaler_jax.pipeline.in_stage import InStagePlan, plan_in_stage
 from nnscaler_jax.pipeline.loop_tables import loop_tables
 from nnscaler_jax.pipeline.program import (
     ModuleCall,
-    PipelineRuntime,
     micro_leaves,
-    micro_rows,
     trace_micro,
 )
 from nnscaler_jax.pipeline.split import split_program
 from nnscaler_jax.pipeline.update import (
-    cached_view,
-    initial_state,
-    jitted_step,
     mirror_store,
     place_as,
 )
@@ -70,7 +64,7 @@ __all__ = ["PipelineProgram"]
 # ---- the pipelined program -----------------------------------------------------------------
 
 
-class PipelineProgram(PipelineRuntime):
+class PipelineProgram(InGraphRuntime):
     """A pipelined training program for one module, mesh, schedule and batch shape.
 
     Use :meth:`to_pipeline` / :meth:`from_pipeline` to move parameters between the module's tree
@@ -84,22 +78,7 @@ class PipelineProgram(PipelineRuntime):
                  call: ModuleCall | None = None, recompute: str = "chunk",
                  budget: float | None = None, overlap: bool = False):
         del budget  # (one in-stage plan of the whole micro-batch program, every stage's)
-        self.module, self.loss_fn, self.mesh, self.schedule = module, loss_fn, mesh, sched
-        self.recompute = recompute  # 'layer': each layer of a chunk under jax.checkpoint
-        axes = mesh_axes(mesh)
-        self.axis = require_stage_axis(axes)
-        if axes[self.axis] != sched.stages:
-            raise PlanError(f"schedule has {sched.stages} stages but mesh axis '{self.axis}' has "
-                            f"{axes[self.axis]} devices; use pipeline_stages={axes[self.axis]}")
-        self.tp_axes = tensor_axes(axes, self.axis, policy)
-        # Auto axis types: GSPMD places the tensor-parallel axes' constraints, and the optimizer
-        # run on the module's tree (update.ModuleView) slices stacked leaves across stages
-        self.mesh = auto_view(mesh)
-        self.data_axes = tuple(a for a in mesh.axis_names
-                               if a != self.axis and a not in self.tp_axes)
-        self.dp = int(np.prod([axes[a] for a in self.data_axes], dtype=np.int64))
-        M = sched.microbatches
-        self.mb_size = micro_rows(batch, M, self.dp, self.data_axes)
+        self._setup(module, loss_fn, mesh, sched, batch, policy=policy, recompute=recompute)
         call = call or ModuleCall.plain(module, params)
         closed, abstract = trace_micro(self, params, batch, call)
         paths, n_params = self.param_paths, len(abstract)
@@ -175,10 +154,6 @@ class PipelineProgram(PipelineRuntime):
         stacked = set(self.split.layer_leaves[0]) if self.split.stacked else set()
         return [tuple(a.shape[:1]) + (2,) * (len(a.shape) - 1) if j in stacked
                 else (2,) * len(a.shape) for j, a in enumerate(self.param_avals)]
-
-    def shardings(self) -> tuple[NamedSharding, NamedSharding]:
-        """Replicated, and split over the stage axis (leading dim)."""
-        return NamedSharding(self.mesh, P()), NamedSharding(self.mesh, P(self.axis))
 
     def leaf_shardings(self) -> tuple[list[NamedSharding], list[NamedSharding]]:
         """Storage of the ``shared`` and ``layers`` leaves: replicated / over the stage axis,
@@ -354,24 +329,3 @@ class PipelineProgram(PipelineRuntime):
                              for j in sp.layer_leaves[0]]}
         return mirror_store(shapes, {"shared": list(shared_sh), "layers": list(layer_sh)},
                             self.shardings()[0])
-
-    def train_step(self, optimizer: Any, *, return_grads: bool = False,
-                   scaling: Any = None) -> Callable:
-        """A jitted ``step(state, batch) -> (state, metrics)`` with
-        ``state = {'params': pipeline params, 'opt_state': ...}`` (see :meth:`init_state`) and
-        ``metrics = {'loss': mean loss, 'grad_norm': global gradient norm}`` (and ``'grads'``,
-        pipeline layout, with ``return_grads``; ``'loss_scale'`` and ``'finite'`` with
-        ``scaling``, float16)."""
-        return jitted_step(self.grads, optimizer, self.mesh, store=self._store,
-                           view=cached_view(self, optimizer, (self.axis, *self.tp_axes)),
-                           return_grads=return_grads, scaling=scaling,
-                           compiler_options=compiler_options(self.tables, self.mesh))
-
-    def init_state(self, params: Any, optimizer: Any, collections: Any = None) -> dict:
-        """``{'params': to_pipeline(params), 'opt_state': optimizer.init(...)}``."""
-        if collections:
-            raise PlanError("PipelineProgram carries no mutable collections: the step runs "
-                            "a model with them in the cut runtime (CutProgram)")
-        pp = self.to_pipeline(params)
-        return initial_state(pp, optimizer, self.mesh, store=self._store,
-                             view=cached_view(self, optimizer, (self.axis, *self.tp_axes)))

@@ -1,7 +1,7 @@
 """Transfers overlapped with compute in the in-graph runtimes (``Constraints(pipeline_overlap=)``).
 
 Each time step sends the previous step's activations and cotangents beside its own blocks
-(``cut_blocks.exchange``), so the step table places a result read on another stage one step
+(``in_graph.exchange``), so the step table places a result read on another stage one step
 later (``steps.timeline(lag=1)``, ``loop_tables(overlap=True)``), and the pricing makes a step
 last its compute or its transfers, the longer (``pricing.runtime_time(overlap=True)``).
 """

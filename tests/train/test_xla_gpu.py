@@ -31,7 +31,7 @@ from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.coshard import coshard_candidates
 from nnscaler_jax.lower.hlo import hlo_collectives, xla_stderr
 from nnscaler_jax.mesh.gpu import xla_gpu_missing
-from nnscaler_jax.pipeline.cut_blocks import compiler_options
+from nnscaler_jax.pipeline.in_graph import compiler_options
 from nnscaler_jax.planner import make_plan
 from nnscaler_jax.train.xla_gpu import GPU_COMPILER_OPTIONS, check_compiled, check_step
 
