@@ -19,9 +19,14 @@ Modules (no import cycles among them; see docs/design.md for the layers):
   layer clustering and inter-operator pass (stage profiles by the intra-op ILP).
 - :mod:`~nnscaler_jax.pipeline.configure`: pipeline settings chosen and priced onto a
   :class:`~nnscaler_jax.plan.plan.Plan` (``plan.pipeline``).
-- :mod:`~nnscaler_jax.pipeline.split`, :mod:`~nnscaler_jax.pipeline.in_stage` and
-  :mod:`~nnscaler_jax.pipeline.runtime`: the traced program cut at the layer stack, tensor
-  parallelism inside stages, and the pipelined training step (``pm.train_step``).
+- :mod:`~nnscaler_jax.pipeline.program`: the micro-batch program traced once and the
+  runtimes' interface (``PipelineRuntime``); :mod:`~nnscaler_jax.pipeline.in_stage`: tensor
+  parallelism inside stages. Two executors run a pipelined step (``pm.train_step``):
+  in-graph (:mod:`~nnscaler_jax.pipeline.in_graph`, one jitted program over the stage axis;
+  its programs :mod:`~nnscaler_jax.pipeline.stacked`, a stack of identical layers split by
+  :mod:`~nnscaler_jax.pipeline.split`, and :mod:`~nnscaler_jax.pipeline.cut_program`, any
+  model cut at module boundaries) and host-dispatched (:mod:`~nnscaler_jax.pipeline.mpmd`,
+  one program per stage).
 
 Public (docs/api.md, ``__all__``): schedules -- :class:`Schedule`, :class:`ScheduleDraft` (write
 one with ``op_order``), the built-ins :func:`gpipe`, :func:`one_f_one_b`,

@@ -1,6 +1,6 @@
 """Cutting any model into pipeline stages at module boundaries (heterogeneous stages).
 
-The identical-layer runtime (:mod:`nnscaler_jax.pipeline.runtime`) needs a GPT-like stack. Any
+The identical-layer runtime (:mod:`nnscaler_jax.pipeline.stacked`) needs a GPT-like stack. Any
 other model (T5's encoder and decoder, Swin's stages of different widths, Evoformer's two
 tracks) is cut here into ``stages x virtual`` contiguous *chunks* of its program, each starting
 where a module starts (nnScaler's pipeline pivots):
@@ -17,7 +17,7 @@ where a module starts (nnScaler's pipeline pivots):
 
 :func:`plan_cut` is what :mod:`nnscaler_jax.pipeline.configure` calls: the cut and a
 :class:`~nnscaler_jax.pipeline.pricing.RuntimeSetup` whose units are the chunks, so the stage
-DP prices the cut program (:mod:`nnscaler_jax.pipeline.hetero` runs it).
+DP prices the cut program (:mod:`nnscaler_jax.pipeline.cut_program` runs it).
 
 >>> balance([1, 1, 1, 1, 4, 4], [1, 2, 4, 5], 2)
 (0, 4)

@@ -12,10 +12,10 @@ and the optax update runs in the same jitted, donated step (:func:`~nnscaler_jax
 update.jitted_step`).
 
 Two programs run on it, as the chunks they evaluate differ:
-:class:`~nnscaler_jax.pipeline.runtime.PipelineProgram` (a stack of identical layers: every
+:class:`~nnscaler_jax.pipeline.stacked.PipelineProgram` (a stack of identical layers: every
 chunk runs the one layer template over its stacked parameters, no branch on the chunk, so the
 tensor-parallel axes can stay GSPMD's inside the ``shard_map``) and
-:class:`~nnscaler_jax.pipeline.hetero.CutProgram` (chunks cut at module boundaries, run by
+:class:`~nnscaler_jax.pipeline.cut_program.CutProgram` (chunks cut at module boundaries, run by
 ``lax.switch`` on the chunk, stages data-parallel inside). :class:`InGraphRuntime` is what they
 share: the stored layout's shardings, the jitted step, the initial state, the step's XLA
 options.

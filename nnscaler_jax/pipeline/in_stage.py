@@ -1,6 +1,6 @@
 """Tensor parallelism inside pipeline stages: the in-stage plan replayed as sharding constraints.
 
-The pipelined step (:mod:`nnscaler_jax.pipeline.runtime`) runs one ``jax.shard_map``. With a
+The pipelined step (:mod:`nnscaler_jax.pipeline.stacked`) runs one ``jax.shard_map``. With a
 tensor-parallel policy (``policy='megatron'``, ``'auto'``, ``'alpa'``, ``'zero3'`` or a function)
 that ``shard_map`` is *partial-manual*: manual over the stage axis and the data-parallel axes
 (named like :data:`~nnscaler_jax.mesh.axes.DATA_AXES`), while the remaining axes (e.g.

@@ -1,7 +1,7 @@
 """The schedule's step table as the tables the pipeline runtime's loop reads.
 
-:class:`~nnscaler_jax.pipeline.runtime.PipelineProgram` and :class:`~nnscaler_jax.pipeline.
-hetero.CutProgram` run one ``lax.fori_loop`` over time steps; at step ``t`` a device of stage
+:class:`~nnscaler_jax.pipeline.stacked.PipelineProgram` and :class:`~nnscaler_jax.pipeline.
+cut_program.CutProgram` run one ``lax.fori_loop`` over time steps; at step ``t`` a device of stage
 ``s`` reads row ``[t, s]`` of each table: what to do (:data:`CODES`), which micro-batch, virtual
 chunk and recycling pass, which buffer slot holds its input (and, in a backward, its cotangent),
 into which slot the activation / cotangent the neighbours send after the step goes, and into

@@ -3,7 +3,7 @@ stages whose plan runs them so (``PipelineSettings.executor == 'per-stage'``: st
 data-parallel inside too, where the stage DP prices them faster than the one program's lock
 step, each stage running its blocks as their inputs arrive).
 
-:class:`~nnscaler_jax.pipeline.hetero.CutProgram` runs every stage in one SPMD program, its
+:class:`~nnscaler_jax.pipeline.cut_program.CutProgram` runs every stage in one SPMD program, its
 chunks in branches of ``lax.switch``. Tensor-parallel chunks cannot run that way on XLA:CPU:
 the collectives GSPMD inserts inside a branch (a ``collective-permute`` for a relayout) wait
 for every device of the mesh (``RendezvousKey{global_devices=[0..7]}``), while the other
@@ -61,7 +61,7 @@ from nnscaler_jax.mesh.axes import mesh_axes, require_stage_axis
 from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.chunks import run_chunk, vars_of
 from nnscaler_jax.pipeline.cut import cut_traced
-from nnscaler_jax.pipeline.hetero import CutProgram
+from nnscaler_jax.pipeline.cut_program import CutProgram
 from nnscaler_jax.pipeline.in_stage import plan_in_stage, tensor_axes
 from nnscaler_jax.pipeline.leafwise import leafwise
 from nnscaler_jax.pipeline.program import (
@@ -81,7 +81,7 @@ def cut_runtime(mesh: Any, policy: Any, executor: str = "in-graph") -> type:
     """The runtime of a model cut into chunks, as the plan was priced
     (``PipelineSettings.executor``): :class:`MpmdProgram` for ``'per-stage'`` and whenever
     ``policy`` makes the stages tensor-parallel inside, else the one-program
-    :class:`~nnscaler_jax.pipeline.hetero.CutProgram`."""
+    :class:`~nnscaler_jax.pipeline.cut_program.CutProgram`."""
     axes = mesh_axes(mesh)
     tensor = tensor_axes(axes, require_stage_axis(axes), policy)
     return MpmdProgram if tensor or executor == "per-stage" else CutProgram

@@ -2,7 +2,7 @@
 
 The SPMD step (:class:`~nnscaler_jax.train.step.SpmdStep`) runs its micro-batches one after the
 other and carries the collections from one to the next. The pipelined step
-(:class:`~nnscaler_jax.pipeline.hetero.CutProgram`, which runs every model with collections,
+(:class:`~nnscaler_jax.pipeline.cut_program.CutProgram`, which runs every model with collections,
 a stack of identical layers included) carries them as follows:
 
 - **Rows.** Each device normalises over its own micro-batch rows: ``b = batch / (M x D)`` rows,
@@ -10,7 +10,7 @@ a stack of identical layers included) carries them as follows:
   DDP's BatchNorm without SyncBatchNorm, GPipe's micro-batch BatchNorm).
 - **Owner.** A collection leaf belongs to the chunk that reads it and is laid out like that
   chunk's parameters: packed per dtype, stacked ``[stages, virtual, width]`` over the stage axis
-  (``state['collections']``, :meth:`~nnscaler_jax.pipeline.hetero.CutProgram.to_pipeline`).
+  (``state['collections']``, :meth:`~nnscaler_jax.pipeline.cut_program.CutProgram.to_pipeline`).
   A leaf read by several chunks or by none is refused (:func:`shared_error`).
 - **Updates.** A chunk's forward ``F`` of micro-batch ``m`` reads its collections and replaces
   them with the values the module returns; a stage's forwards of one chunk run in micro-batch

@@ -1,6 +1,6 @@
 """Pricing what the pipeline runtime executes: equal chunks of layers, a schedule's step table.
 
-The runtime (:mod:`nnscaler_jax.pipeline.runtime`) splits the layer stack into ``stages x
+The runtime (:mod:`nnscaler_jax.pipeline.stacked`) splits the layer stack into ``stages x
 virtual`` equal contiguous chunks and walks a schedule's step table in lock step; this module
 prices every (schedule, micro-batch count) it can run from the model's units
 (:func:`nnscaler_jax.pipeline.units.layer_units`) with the cost model's links: per time step the
@@ -231,7 +231,7 @@ def runtime_choices(units: list[Unit], stages: int, dp: int, batch: int,
                     tp: int = 1, tp_link: LinkCost = NVLINK_H100,
                     modes: tuple[str, ...] = ("chunk", "layer"), lockstep: bool = True,
                     overlap: bool | None = False) -> list[RuntimeChoice]:
-    """Every (schedule, micro-batch count) :mod:`nnscaler_jax.pipeline.runtime` can run, priced.
+    """Every (schedule, micro-batch count) :mod:`nnscaler_jax.pipeline.stacked` can run, priced.
 
     The runtime's restrictions: ``stages x virtual`` equal contiguous chunks of the layer stack
     (the prefix runs with chunk 0, the suffix with the last chunk; their parameters replicated

@@ -1,7 +1,7 @@
 """The micro-batch program of a pipelined step, traced once, and the runtimes' interface.
 
-Every pipelined program (:class:`~nnscaler_jax.pipeline.runtime.PipelineProgram`, identical
-layers; :class:`~nnscaler_jax.pipeline.hetero.CutProgram` and :class:`~nnscaler_jax.pipeline.
+Every pipelined program (:class:`~nnscaler_jax.pipeline.stacked.PipelineProgram`, identical
+layers; :class:`~nnscaler_jax.pipeline.cut_program.CutProgram` and :class:`~nnscaler_jax.pipeline.
 mpmd.MpmdProgram`, any model) implements :class:`PipelineRuntime` and cuts the same traced
 program ``(params..., collections..., batch..., keys...) -> (loss, new collections...)``::
 
@@ -138,8 +138,8 @@ class PipelineRuntime(abc.ABC):
 
     Two executors implement it: in-graph (:class:`~nnscaler_jax.pipeline.in_graph.
     InGraphRuntime`: one jitted program over the stage axis; its programs
-    :class:`~nnscaler_jax.pipeline.runtime.PipelineProgram`, identical stacked layers, tensor
-    parallel inside stages, and :class:`~nnscaler_jax.pipeline.hetero.CutProgram`, any model
+    :class:`~nnscaler_jax.pipeline.stacked.PipelineProgram`, identical stacked layers, tensor
+    parallel inside stages, and :class:`~nnscaler_jax.pipeline.cut_program.CutProgram`, any model
     cut at module boundaries, stages data-parallel inside) and host-dispatched
     (:class:`~nnscaler_jax.pipeline.mpmd.MpmdProgram`: cut, one program per stage, tensor
     parallel inside). Each keeps the parameters in its own layout (:meth:`to_pipeline` /

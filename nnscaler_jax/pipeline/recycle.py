@@ -44,7 +44,7 @@ def reference_loss(module: Any, loss_fn: Callable, recycles: int) -> Callable:
 def recycling_program(prog: Any, params: Any, batch: tuple,
                       call: ModuleCall) -> tuple[Any, list, tuple]:
     """``(closed jaxpr (params..., x..., batch..., keys...) -> (loss, *outputs), parameter
-    avals, the x input variables)`` for ``prog`` (a :class:`~nnscaler_jax.pipeline.hetero.
+    avals, the x input variables)`` for ``prog`` (a :class:`~nnscaler_jax.pipeline.cut_program.
     CutProgram` with ``mb_size`` set): ``x`` are the module's arguments (``call``'s ``inputs``
     leading batch arrays); sets what :func:`~nnscaler_jax.pipeline.program.trace_micro` sets.
 

@@ -8,8 +8,8 @@ interleaved), ``'N'`` no-grad forwards (``nf1b``) and the all-device blocks ``'E
 :class:`~nnscaler_jax.pipeline.order.ScheduleDraft` whose per-stage orders are given with
 ``op_order`` -- the mechanism users write their own with. :func:`timeline` places every block at
 the earliest unit time step at which its data dependencies are done (a result sent at step
-``t`` is usable at ``t + 1``); the runtime (:mod:`nnscaler_jax.pipeline.runtime`) executes
-exactly that table (every block kind: :mod:`nnscaler_jax.pipeline.cut_blocks`).
+``t`` is usable at ``t + 1``); the runtime (:mod:`nnscaler_jax.pipeline.stacked`) executes
+exactly that table (every block kind: :mod:`nnscaler_jax.pipeline.cut_program`).
 
 >>> s = one_f_one_b(2, 4)
 >>> print(format_schedule(s))
@@ -301,8 +301,8 @@ def from_settings(pipe: Any) -> Schedule:
 def require_runnable(sched: Schedule, kinds: str = "FBNEHWG") -> Schedule:
     """``sched`` itself when a runtime executing block kinds ``kinds`` runs every block of it.
 
-    :class:`~nnscaler_jax.pipeline.hetero.CutProgram` runs every kind; the identical-layer
-    :class:`~nnscaler_jax.pipeline.runtime.PipelineProgram` runs ``F`` / ``B`` only
+    :class:`~nnscaler_jax.pipeline.cut_program.CutProgram` runs every kind; the identical-layer
+    :class:`~nnscaler_jax.pipeline.stacked.PipelineProgram` runs ``F`` / ``B`` only
     (``pm.train_step`` picks the cut program for the others).
 
     Raises:
@@ -317,7 +317,7 @@ def require_runnable(sched: Schedule, kinds: str = "FBNEHWG") -> Schedule:
         "recycling; 'E' / 'H' / 'W': blocks on all devices; 'G': weight gradients of split "
         "backwards) that the identical-layer pipeline "
         "runtime does not execute; pm.train_step runs them with the cut program "
-        "(nnscaler_jax.pipeline.hetero.CutProgram)")
+        "(nnscaler_jax.pipeline.cut_program.CutProgram)")
 
 
 def settings_steps(sched: Any) -> tuple:

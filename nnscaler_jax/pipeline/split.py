@@ -1,6 +1,6 @@
 """Cutting a traced training program into prefix, one layer template and suffix (pipelines).
 
-Used by :mod:`nnscaler_jax.pipeline.runtime`: the micro-batch loss program is split by module path
+Used by :mod:`nnscaler_jax.pipeline.stacked`: the micro-batch loss program is split by module path
 into the ops before the layer stack (embeddings), one layer (``h_i`` or the ``nn.scan`` body) and
 the ops after it (final norm, head, loss), so that each stage can run its chunk of layers.
 """
@@ -20,7 +20,7 @@ __all__ = ["NotALayerStack", "ProgramSplit", "split_program"]
 
 class NotALayerStack(PlanError):
     """Raised when the model is not a stack of identical layers (the pipelined step then cuts
-    it at module boundaries instead: :mod:`nnscaler_jax.pipeline.hetero`)."""
+    it at module boundaries instead: :mod:`nnscaler_jax.pipeline.cut_program`)."""
 
 
 def _unsupported(what: str) -> PlanError:

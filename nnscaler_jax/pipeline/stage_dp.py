@@ -164,7 +164,7 @@ def search_stages(units: list[Unit], devices: int, global_batch: int, memory_per
         t_max_levels: slowest-stage bounds tried per configuration (Alpa's enumeration,
             quantised).
         recompute: stages keep only their inputs per in-flight micro-batch and recompute the
-            forward in the backward (what :mod:`nnscaler_jax.pipeline.runtime` runs); otherwise
+            forward in the backward (what :mod:`nnscaler_jax.pipeline.stacked` runs); otherwise
             all activations of every in-flight micro-batch are kept.
 
     Raises:

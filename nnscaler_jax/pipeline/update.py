@@ -1,6 +1,6 @@
 """The optax update around a pipelined program's gradients, shared by both runtimes
-(:class:`~nnscaler_jax.pipeline.runtime.PipelineProgram` for stacked identical layers,
-:class:`~nnscaler_jax.pipeline.hetero.CutProgram` for stages cut at module boundaries).
+(:class:`~nnscaler_jax.pipeline.stacked.PipelineProgram` for stacked identical layers,
+:class:`~nnscaler_jax.pipeline.cut_program.CutProgram` for stages cut at module boundaries).
 
 Both keep parameters in their own layout (layers stacked ``[stages, virtual, layers, ...]``,
 or packed vectors per chunk). The update runs on that layout when the optimizer updates it as

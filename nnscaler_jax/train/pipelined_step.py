@@ -1,6 +1,6 @@
 """``pm.train_step(loss_fn, optimizer)`` with pipeline stages: plans, picks the runtime
-(:class:`~nnscaler_jax.pipeline.runtime.PipelineProgram` for a stack of identical layers,
-:class:`~nnscaler_jax.pipeline.hetero.CutProgram` or :class:`~nnscaler_jax.pipeline.mpmd.
+(:class:`~nnscaler_jax.pipeline.stacked.PipelineProgram` for a stack of identical layers,
+:class:`~nnscaler_jax.pipeline.cut_program.CutProgram` or :class:`~nnscaler_jax.pipeline.mpmd.
 MpmdProgram` for models cut at module boundaries) and runs its jitted step."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from flax import nnx
 from nnscaler_jax.constraints import Constraints
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.pipeline import schedule as sch
-from nnscaler_jax.pipeline.hetero import CutProgram
+from nnscaler_jax.pipeline.cut_program import CutProgram
 from nnscaler_jax.pipeline.mpmd import MpmdProgram, cut_runtime
 from nnscaler_jax.pipeline.program import (
     ModuleCall,
@@ -27,7 +27,7 @@ from nnscaler_jax.pipeline.program import (
     typed_key,
     why_cut,
 )
-from nnscaler_jax.pipeline.runtime import PipelineProgram
+from nnscaler_jax.pipeline.stacked import PipelineProgram
 from nnscaler_jax.pipeline.split import NotALayerStack
 from nnscaler_jax.pipeline.update import per_device_bytes
 from nnscaler_jax.train.step import TrainStep
@@ -140,7 +140,7 @@ class PipelineStep(TrainStep):
         kw = {"policy": policy, "rules": c.rules, "call": call, "recompute": pipe.recompute,
               "budget": c.max_memory_per_device, "overlap": pipe.overlap}
         # a stack of identical layers, unless the plan needs a cut (why_cut, the planner's
-        # rule too); any other model: heterogeneous stages (hetero.py). Other errors of the
+        # rule too); any other model: heterogeneous stages (cut_program.py). Other errors of the
         # stacked program (an in-stage plan that splits nothing) are the user's to see, not a
         # reason to cut.
         stack_error: NotALayerStack | None = None

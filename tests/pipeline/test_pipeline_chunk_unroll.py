@@ -1,4 +1,4 @@
-"""A chunk's layers run unrolled in 'chunk' recompute mode (pipeline/runtime.py ``_chunk``).
+"""A chunk's layers run unrolled in 'chunk' recompute mode (pipeline/stacked.py ``_chunk``).
 
 Unrolled, XLA fuses across the layers as in one program; a rolled ``lax.scan`` over the layers
 stacks every residual jax's partial evaluation names (GPT's 1F1B step: 80 -> 57 MB of XLA temp;
