@@ -70,7 +70,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jcore
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnscaler_jax.errors import PlanError
@@ -85,7 +84,7 @@ from nnscaler_jax.pipeline.mutable import (
     schedule_error,
     shared_error,
 )
-from nnscaler_jax.pipeline.program import ModuleCall, micro_leaves
+from nnscaler_jax.pipeline.program import ModuleCall
 from nnscaler_jax.pipeline.recycle import traced_program
 from nnscaler_jax.pipeline.split_backward import split_backward
 from nnscaler_jax.pipeline.update import mirror_store, place_as
@@ -378,12 +377,7 @@ def local_step(prog: Any, shared: list, stages: dict, batch: list, colls: dict,
              {k: jnp.zeros((tb.n_s, n), k) for k, n in (split.width if split else {}).items()},
              sent if tb.overlap else ())
     _, _, g_st, g_sh, loss, colls, _, _, _ = lax.fori_loop(0, tb.kind.shape[0], body, carry)
-    g_sh = [lax.psum(g, prog.axis) for g in g_sh]
-    loss = lax.psum(loss, prog.axis)
-    if prog.data_axes:
-        g_sh = [lax.pmean(g, prog.data_axes) for g in g_sh]
-        g_st = {k: lax.pmean(g, prog.data_axes) for k, g in g_st.items()}
-        loss = lax.pmean(loss, prog.data_axes)
+    loss, g_sh, g_st = prog.reduce_grads(loss, g_sh, g_st)
     colls = average(colls, prog.data_axes)
     add_stage = lambda tree: {k: x[None] for k, x in tree.items()}
     return loss, g_sh, add_stage(g_st), add_stage(colls)
@@ -572,23 +566,18 @@ class CutProgram(InGraphRuntime):
         ``key``: the step's key, when the program was traced with rng streams; ``colls``: the
         collections in the pipeline layout (:meth:`collections_to_pipeline`), when the
         program has any: then also their new values, ``(loss, grads, new collections)``."""
-        data = self.data_axes if self.data_axes else None
-        shaped = micro_leaves(self, batch, key)  # [M, D, b, ...] (+ keys [M, D])
+        placed, batch_spec, seed = self.microbatches(batch, key, scale)
         cst = {} if colls is None else colls["stages"]
         shared_spec = [P()] * len(pp["shared"])
         stage_spec = {k: P(self.axis) for k in pp["stages"]}
         coll_spec = {k: P(self.axis) for k in cst}
-        batch_spec = [P(None, data)] * len(shaped)
         fn = jax.shard_map(self._local, mesh=self.mesh,
                            in_specs=(shared_spec, stage_spec, batch_spec, coll_spec, P()),
                            out_specs=(P(), shared_spec, stage_spec, coll_spec), check_vma=False)
         rep, st = self.shardings()
         loss, gs, gst, new = fn([place_as(x, rep) for x in pp["shared"]],
                                 {k: place_as(x, st) for k, x in pp["stages"].items()},
-                                [place_as(x, NamedSharding(self.mesh, sp))
-                                 for x, sp in zip(shaped, batch_spec, strict=True)],
-                                {k: place_as(x, st) for k, x in cst.items()},
-                                jnp.asarray(scale, jnp.float32) / self.schedule.microbatches)
+                                placed, {k: place_as(x, st) for k, x in cst.items()}, seed)
         grads = {"shared": gs, "stages": gst}
         if colls is None:
             return loss, grads

@@ -28,13 +28,14 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnscaler_jax.errors import PlanError
-from nnscaler_jax.pipeline.program import PipelineRuntime
-from nnscaler_jax.pipeline.update import cached_view, initial_state, jitted_step
+from nnscaler_jax.pipeline.program import PipelineRuntime, micro_leaves
+from nnscaler_jax.pipeline.update import cached_view, initial_state, jitted_step, place_as
 
 __all__ = ["OVERLAP_OPTIONS", "InGraphRuntime", "compiler_options", "exchange", "send_if"]
 
@@ -125,6 +126,30 @@ class InGraphRuntime(PipelineRuntime):
         return initial_state(self.to_pipeline(params), optimizer, self.mesh,
                              collections=self.collections_state(collections),
                              store=self._store, view=self._view(optimizer))
+
+    def microbatches(self, batch: tuple, key: Any, scale: Any) -> tuple[list, list, Any]:
+        """The ``shard_map``'s batch arguments: the batch's leaves as ``[M, D, b, ...]`` (and
+        the micro-batches' keys: :func:`~nnscaler_jax.pipeline.program.micro_leaves`) placed
+        split over the data axes, their specs, and the loss's cotangent per micro-batch
+        (``scale / M``: the backward's seed)."""
+        data = self.data_axes if self.data_axes else None
+        shaped = micro_leaves(self, batch, key)
+        specs = [P(None, data)] * len(shaped)
+        placed = [place_as(x, NamedSharding(self.mesh, sp))
+                  for x, sp in zip(shaped, specs, strict=True)]
+        return placed, specs, jnp.asarray(scale, jnp.float32) / self.schedule.microbatches
+
+    def reduce_grads(self, loss: Any, g_shared: list, g_own: Any) -> tuple:
+        """The step's ``(loss, shared gradients, own gradients)`` from one device's sums over
+        its blocks, inside the ``shard_map``: the loss and the gradients of the leaves every
+        stage stores (``shared``: a tied embedding gets each reading stage's part) summed over
+        the stages, everything averaged over the data axes."""
+        g_shared = [lax.psum(g, self.axis) for g in g_shared]
+        loss = lax.psum(loss, self.axis)
+        if self.data_axes:
+            g_shared, g_own, loss = jax.tree.map(lambda g: lax.pmean(g, self.data_axes),
+                                                 (g_shared, g_own, loss))
+        return loss, g_shared, g_own
 
     def collections_state(self, collections: Any) -> Any:
         """The state's ``'collections'`` of the module's ``collections`` (None: none kept)."""

@@ -49,7 +49,6 @@ from nnscaler_jax.pipeline.in_stage import InStagePlan, plan_in_stage
 from nnscaler_jax.pipeline.loop_tables import loop_tables
 from nnscaler_jax.pipeline.program import (
     ModuleCall,
-    micro_leaves,
     trace_micro,
 )
 from nnscaler_jax.pipeline.split import split_program
@@ -282,12 +281,7 @@ class PipelineProgram(InGraphRuntime):
                  zeros_like(layers), zeros_like(shared), jnp.zeros((), jnp.float32),
                  (zx, zx) if tb.overlap else ())
         _, _, g_layers, g_shared, loss, _ = lax.fori_loop(0, T, body, carry)
-        g_shared = [lax.psum(g, self.axis) for g in g_shared]
-        loss = lax.psum(loss, self.axis)
-        if self.data_axes:
-            g_shared = [lax.pmean(g, self.data_axes) for g in g_shared]
-            g_layers = [lax.pmean(g, self.data_axes) for g in g_layers]
-            loss = lax.pmean(loss, self.data_axes)
+        loss, g_shared, g_layers = self.reduce_grads(loss, g_shared, g_layers)
         return loss, g_shared, [g[None] for g in g_layers]
 
     def grads(self, pp: dict, batch: tuple, key: Any = None, *, scale: Any = 1.0
@@ -295,11 +289,9 @@ class PipelineProgram(InGraphRuntime):
         """Mean loss over the batch and its gradients (of ``scale x`` the loss) in the
         pipeline layout (traceable); ``key``: the step's key, when the program was traced with
         rng streams."""
-        data = self.data_axes if self.data_axes else None
-        shaped = micro_leaves(self, batch, key)
+        placed, batch_spec, seed = self.microbatches(batch, key, scale)
         shared_spec = [P()] * len(pp["shared"])
         layer_spec = [P(self.axis)] * len(pp["layers"])
-        batch_spec = [P(None, data)] * len(shaped)
         # Tensor parallelism: manual over the stage and data axes only, the TP axes stay auto.
         manual = {"axis_names": {self.axis, *self.data_axes}} if self.tp_axes else {}
         fn = jax.shard_map(self._local, mesh=self.mesh,
@@ -308,10 +300,8 @@ class PipelineProgram(InGraphRuntime):
         shared_sh, layer_sh = self.leaf_shardings()
         place = lambda xs, shs: [place_as(x, sh)
                                  for x, sh in zip(xs, shs, strict=True)]
-        batch_sh = [NamedSharding(self.mesh, sp) for sp in batch_spec]
-        seed = jnp.asarray(scale, jnp.float32) / self.schedule.microbatches
         loss, gs, gl = fn(place(pp["shared"], shared_sh), place(pp["layers"], layer_sh),
-                          place(shaped, batch_sh), seed)
+                          placed, seed)
         if self.tp_axes:
             gs, gl = place(gs, shared_sh), place(gl, layer_sh)
         return loss, {"shared": gs, "layers": gl}
