@@ -26,7 +26,7 @@ Modules (no import cycles among them; see docs/design.md for the layers):
   its programs :mod:`~nnscaler_jax.pipeline.stacked`, a stack of identical layers split by
   :mod:`~nnscaler_jax.pipeline.split`, and :mod:`~nnscaler_jax.pipeline.cut_program`, any
   model cut at module boundaries) and host-dispatched (:mod:`~nnscaler_jax.pipeline.mpmd`,
-  one program per stage).
+  one program per stage); :mod:`~nnscaler_jax.pipeline.executor` decides which runs a plan.
 
 Public (docs/api.md, ``__all__``): schedules -- :class:`Schedule`, :class:`ScheduleDraft` (write
 one with ``op_order``), the built-ins :func:`gpipe`, :func:`one_f_one_b`,

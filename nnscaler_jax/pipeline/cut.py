@@ -317,7 +317,7 @@ def identical_layers(graph: Graph, bounds: Sequence[tuple[int, int]]) -> bool:
 
 def tp_error(tensor: Sequence[str]) -> PlanError:
     """Tensor parallelism asked of the one-program cut runtime (its stages run data-parallel
-    inside; :func:`nnscaler_jax.pipeline.mpmd.cut_runtime` picks the per-stage programs)."""
+    inside; :func:`nnscaler_jax.pipeline.executor.cut_runtime` picks the per-stage programs)."""
     return PlanError(
         f"pipeline: CutProgram runs its stages data-parallel inside, not tensor-parallel over "
         f"mesh axes {list(tensor)}: build the step with pm.train_step (it runs tensor-parallel "

@@ -57,12 +57,10 @@ from jax.sharding import PartitionSpec as P
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.lower.eqns import NO_CONSTRAINTS
 from nnscaler_jax.lower.replay import explicitly_typed
-from nnscaler_jax.mesh.axes import mesh_axes, require_stage_axis
 from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.chunks import run_chunk, vars_of
 from nnscaler_jax.pipeline.cut import cut_traced
-from nnscaler_jax.pipeline.cut_program import CutProgram
-from nnscaler_jax.pipeline.in_stage import plan_in_stage, tensor_axes
+from nnscaler_jax.pipeline.in_stage import plan_in_stage
 from nnscaler_jax.pipeline.leafwise import leafwise
 from nnscaler_jax.pipeline.program import (
     ModuleCall,
@@ -74,17 +72,7 @@ from nnscaler_jax.pipeline.split_backward import split_backward
 from nnscaler_jax.pipeline.steps import blocks, peak_in_flight, timeline
 from nnscaler_jax.pipeline.update import LossScaling, mirror_shardings
 
-__all__ = ["MpmdProgram", "cut_runtime"]
-
-
-def cut_runtime(mesh: Any, policy: Any, executor: str = "in-graph") -> type:
-    """The runtime of a model cut into chunks, as the plan was priced
-    (``PipelineSettings.executor``): :class:`MpmdProgram` for ``'per-stage'`` and whenever
-    ``policy`` makes the stages tensor-parallel inside, else the one-program
-    :class:`~nnscaler_jax.pipeline.cut_program.CutProgram`."""
-    axes = mesh_axes(mesh)
-    tensor = tensor_axes(axes, require_stage_axis(axes), policy)
-    return MpmdProgram if tensor or executor == "per-stage" else CutProgram
+__all__ = ["MpmdProgram"]
 
 
 def _nbytes(aval: Any) -> int:

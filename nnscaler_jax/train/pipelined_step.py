@@ -1,12 +1,10 @@
-"""``pm.train_step(loss_fn, optimizer)`` with pipeline stages: plans, picks the runtime
-(:class:`~nnscaler_jax.pipeline.stacked.PipelineProgram` for a stack of identical layers,
-:class:`~nnscaler_jax.pipeline.cut_program.CutProgram` or :class:`~nnscaler_jax.pipeline.mpmd.
-MpmdProgram` for models cut at module boundaries) and runs its jitted step."""
+"""``pm.train_step(loss_fn, optimizer)`` with pipeline stages: plans, builds the runtime the
+plan was priced for (:func:`~nnscaler_jax.pipeline.executor.build_runtime`) and runs its
+step."""
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -17,18 +15,14 @@ from flax import nnx
 from nnscaler_jax.constraints import Constraints
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.pipeline import schedule as sch
-from nnscaler_jax.pipeline.cut_program import CutProgram
-from nnscaler_jax.pipeline.mpmd import MpmdProgram, cut_runtime
+from nnscaler_jax.pipeline.executor import build_runtime
 from nnscaler_jax.pipeline.program import (
     ModuleCall,
     PipelineRuntime,
     check_batch,
     split_batch,
     typed_key,
-    why_cut,
 )
-from nnscaler_jax.pipeline.stacked import PipelineProgram
-from nnscaler_jax.pipeline.split import NotALayerStack
 from nnscaler_jax.pipeline.update import per_device_bytes
 from nnscaler_jax.train.step import TrainStep
 
@@ -139,46 +133,14 @@ class PipelineStep(TrainStep):
         policy = self.pm.policy if self.pm.policy is not None else plan.policy or None  # (saved)
         kw = {"policy": policy, "rules": c.rules, "call": call, "recompute": pipe.recompute,
               "budget": c.max_memory_per_device, "overlap": pipe.overlap}
-        # a stack of identical layers, unless the plan needs a cut (why_cut, the planner's
-        # rule too); any other model: heterogeneous stages (cut_program.py). Other errors of the
-        # stacked program (an in-stage plan that splits nothing) are the user's to see, not a
-        # reason to cut.
-        stack_error: NotALayerStack | None = None
-        if pipe.executor == "in-graph" and why_cut(
-                pivots=bool(c.pipeline_pivots), schedule=sched,
-                precision=self.options.precision, collections=bool(call.collections)) is None:
-            try:
-                self.program = PipelineProgram(*args, **kw)
-            except NotALayerStack as e:
-                stack_error = e
-        if self.program is None:
-            try:
-                self.program = self._cut_program(args, pipe, kw)
-            except PlanError as cut_error:
-                raise cut_error from stack_error
+        self.program = build_runtime(args, kw, pipe, pivots=bool(c.pipeline_pivots),
+                                     precision=self.options.precision,
+                                     collections=bool(call.collections),
+                                     optimizer=self.optimizer)
         fp16 = self.options.precision == "float16"
         self.jitted = self.program.train_step(self.optimizer, return_grads=self.return_grads,
                                               scaling=self.scaling if fp16 else None)
         return params, rng
-
-    def _cut_program(self, args: tuple, pipe: Any, kw: dict) -> Any:
-        """The runtime of a model cut into chunks the plan was priced for
-        (:func:`~nnscaler_jax.pipeline.mpmd.cut_runtime`). Stages data-parallel inside priced
-        for one program per stage run as one program when the optimizer couples leaves across
-        stages (``optax.clip_by_global_norm``: the per-stage update would see one stage's
-        part), with a warning: the plan's time is then the per-stage runtime's."""
-        kw = {**kw, "stage_of": pipe.stage_of, "layer_rules": pipe.layer_rules,
-              "stage_plans": pipe.stage_plans}
-        program = cut_runtime(self.pm.mesh, kw["policy"], pipe.executor)(*args, **kw)
-        if isinstance(program, MpmdProgram) and not program.tp_axes \
-                and not program.updates_alone(self.optimizer):
-            warnings.warn(
-                "train_step: the plan runs its stages as one program each (its executor "
-                "'per-stage'), but this optimizer couples leaves across stages (a global "
-                "norm or whole-tree statistic); running them as one program (CutProgram) "
-                "instead, whose step the plan's predicted time does not price", stacklevel=3)
-            program = CutProgram(*args, **kw)
-        return program
 
     def _batch(self, batch: tuple) -> tuple:
         self._check()

@@ -1,0 +1,93 @@
+"""Which runtime runs a pipelined plan: the one decision, made where the step is built.
+
+A plan's pipeline settings (:class:`~nnscaler_jax.plan.plan.PipelineSettings`) say how the
+planner priced its stages: ``executor`` ``'in-graph'`` (every stage in one jitted program over
+the stage axis: :mod:`~nnscaler_jax.pipeline.in_graph`) or ``'per-stage'`` (one program per
+stage dispatched from the host: :mod:`~nnscaler_jax.pipeline.mpmd`), and whether the model
+runs as its stack of identical layers or cut at module boundaries
+(:func:`~nnscaler_jax.pipeline.program.why_cut`, the planner's rule too). :func:`build_runtime`
+builds what was priced:
+
+- in-graph, nothing asking for a cut, a stack of identical layers:
+  :class:`~nnscaler_jax.pipeline.stacked.PipelineProgram` (tensor parallel inside stages too:
+  no branch on the chunk holds GSPMD's collectives);
+- otherwise the model cut into chunks: :class:`~nnscaler_jax.pipeline.mpmd.MpmdProgram` where
+  the plan runs per stage or the policy makes the stages tensor-parallel inside (collectives
+  inside one ``lax.switch`` branch wait for every device of the mesh), else
+  :class:`~nnscaler_jax.pipeline.cut_program.CutProgram`;
+- per stage with data-parallel stages but an optimizer that couples leaves across stages
+  (``optax.clip_by_global_norm``: each stage's update would see its own part): CutProgram,
+  with a warning (the plan's predicted time is the per-stage runtime's).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from nnscaler_jax.errors import PlanError
+from nnscaler_jax.mesh.axes import mesh_axes, require_stage_axis
+from nnscaler_jax.pipeline.cut_program import CutProgram
+from nnscaler_jax.pipeline.in_stage import tensor_axes
+from nnscaler_jax.pipeline.mpmd import MpmdProgram
+from nnscaler_jax.pipeline.program import PipelineRuntime, why_cut
+from nnscaler_jax.pipeline.split import NotALayerStack
+from nnscaler_jax.pipeline.stacked import PipelineProgram
+
+__all__ = ["build_runtime", "cut_runtime"]
+
+
+def cut_runtime(mesh: Any, policy: Any, executor: str = "in-graph") -> type:
+    """The runtime of a model cut into chunks, as the plan was priced
+    (``PipelineSettings.executor``): :class:`~nnscaler_jax.pipeline.mpmd.MpmdProgram` for
+    ``'per-stage'`` and whenever ``policy`` makes the stages tensor-parallel inside, else the
+    one-program :class:`~nnscaler_jax.pipeline.cut_program.CutProgram`."""
+    axes = mesh_axes(mesh)
+    tensor = tensor_axes(axes, require_stage_axis(axes), policy)
+    return MpmdProgram if tensor or executor == "per-stage" else CutProgram
+
+
+def build_runtime(args: tuple, kw: dict, pipe: Any, *, pivots: bool, precision: str | None,
+                  collections: bool, optimizer: Any) -> PipelineRuntime:
+    """The runtime of a pipelined plan (the module's docstring says which).
+
+    Args:
+        args: the runtimes' positional arguments ``(module, loss_fn, mesh, schedule, params,
+            batch)``.
+        kw: their keyword arguments besides the cut's (``policy``, ``rules``, ``call``,
+            ``recompute``, ``budget``, ``overlap``).
+        pipe: the plan's :class:`~nnscaler_jax.plan.plan.PipelineSettings`.
+        pivots, precision, collections: what :func:`~nnscaler_jax.pipeline.program.why_cut`
+            reads besides the schedule.
+        optimizer: the optax optimizer the step runs.
+
+    Raises:
+        PlanError: the model cannot run as priced (from the cut runtime; a stack the identical-
+            layer runtime could not split is its cause).
+    """
+    stack_error: NotALayerStack | None = None
+    if pipe.executor == "in-graph" and why_cut(pivots=pivots, schedule=args[3],
+                                               precision=precision,
+                                               collections=collections) is None:
+        try:
+            return PipelineProgram(*args, **kw)
+        except NotALayerStack as e:  # (other errors of the stacked program are the user's)
+            stack_error = e
+    try:
+        return _cut(args, {**kw, "stage_of": pipe.stage_of, "layer_rules": pipe.layer_rules,
+                           "stage_plans": pipe.stage_plans}, pipe.executor, optimizer)
+    except PlanError as cut_error:
+        raise cut_error from stack_error
+
+
+def _cut(args: tuple, kw: dict, executor: str, optimizer: Any) -> PipelineRuntime:
+    program = cut_runtime(args[2], kw["policy"], executor)(*args, **kw)
+    if isinstance(program, MpmdProgram) and not program.tp_axes \
+            and not program.updates_alone(optimizer):
+        warnings.warn(
+            "train_step: the plan runs its stages as one program each (its executor "
+            "'per-stage'), but this optimizer couples leaves across stages (a global "
+            "norm or whole-tree statistic); running them as one program (CutProgram) "
+            "instead, whose step the plan's predicted time does not price", stacklevel=5)
+        program = CutProgram(*args, **kw)
+    return program
