@@ -44,14 +44,15 @@ def _names(leaf: Any, logical_rules) -> Spec | None:
     if isinstance(leaf, nn.Partitioned):
         return tuple(leaf.names)
     meta = {}
-    if hasattr(leaf, "get_metadata"):  # nnx.Variable / VariableState
+    if hasattr(leaf, "get_metadata"):  # nnx.Variable
         try:
             meta = dict(leaf.get_metadata())
         except Exception:  # noqa: BLE001 - not a metadata carrier after all
             meta = {}
-    names = meta.get("sharding_names", meta.get("sharding"))
-    if names is None:
-        names = getattr(leaf, "sharding_names", None)
+    # (flax >= 0.12 keeps a Variable's names as 'out_sharding'; 'sharding_names' / 'sharding'
+    # are older flax's, read only from metadata: flax's own accessors of them warn)
+    names = next((meta[k] for k in ("out_sharding", "sharding_names", "sharding")
+                  if meta.get(k) is not None), None)
     return tuple(names) if names is not None else None
 
 
@@ -63,7 +64,9 @@ def _is_box(x: Any) -> bool:
     try:
         from flax import nnx
 
-        return isinstance(x, nnx.Variable | nnx.VariableState)
+        # (flax >= 0.12: a State's leaves are Variables; nnx.VariableState is a deprecated
+        # alias whose every read warns)
+        return isinstance(x, nnx.Variable)
     except (ImportError, AttributeError):  # pragma: no cover - older flax
         return False
 

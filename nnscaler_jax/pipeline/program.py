@@ -357,8 +357,8 @@ class ModuleCall:
             raise collections_error(f"the nnx module {type(module).__name__}", caches)
         self.graphdef, self.template, self.stats, self.rest = nnx.split(
             module, nnx.Param, nnx.BatchStat, ...)
-        self.params = self.template.to_pure_dict()
-        self.collections = self.stats.to_pure_dict()
+        self.params = nnx.to_pure_dict(self.template)
+        self.collections = nnx.to_pure_dict(self.stats)
         found = _rng_streams(module, streams)
         tags = [s.key.tag for s in found]  # the i-th stream of a tag: (tag, i)
         self.slots = tuple((t, tags[:i].count(t)) for i, t in enumerate(tags))
@@ -446,7 +446,7 @@ class ModuleCall:
             s.count.set_value(jnp.zeros((), jnp.uint32))  # (numpy: updated in place)
         with nnx_call_scopes(m):
             out = m(*args, **kw)
-        return out, nnx.state(m, nnx.BatchStat).to_pure_dict() if colls else {}
+        return out, nnx.to_pure_dict(nnx.state(m, nnx.BatchStat)) if colls else {}
 
 
 def micro_setup(prog: Any, params: Any, batch: tuple, call: ModuleCall) -> tuple[list, Any]:

@@ -53,6 +53,39 @@ def test_bfloat16_pipeline_matches_the_same_casts_on_one_device(schedule):
     _assert_sgd_step(step.params(state), params, grads, BF16_GRAD_RTOL)
 
 
+@pytest.mark.slow
+def test_an_nnx_model_trains_in_bfloat16_on_tensor_parallel_stages():
+    """An nnx GPT computing in bfloat16 (its layers' dtype, float32 parameters), 2 stages x
+    Megatron inside (one program per stage), 1F1B, ``precision='bfloat16'``: no matmul left
+    in float32, bfloat16 crossing the stages, one SGD step like one device running the same
+    casts, and the float32 master weights written back into the module (``step.update``)."""
+    from flax import nnx
+
+    spec = models.get("gpt_nnx", "tiny", batch_size=16, dtype=jnp.bfloat16)
+    module, args = spec.module, spec.make_args()
+    graphdef, params, rest = nnx.split(nnx.clone(module), nnx.Param, ...)
+    pm = auto_parallel(make_mesh((2, 2, 2), ("stage", "data", "model")),
+                       Constraints(pipeline_stages=2, microbatches=4, schedule="1f1b",
+                                   precision="bfloat16"), policy="megatron")(module)
+    step = pm.train_step(spec.loss_fn, optax.sgd(LR))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no matmul left in float32
+        state = step.init(None, *args)
+    state, metrics = step(state, *args)
+    prog = step.program
+    assert type(prog).__name__ == "MpmdProgram" and len(step.stage_plans) == 2
+    assert {str(v.aval.dtype) for b in prog.cut.bounds for v in b} == {"bfloat16"}
+
+    def one_device(p, *b):
+        out = nnx.merge(graphdef, _cast(p, jnp.bfloat16), rest)(*_cast(b, jnp.bfloat16))
+        return spec.loss_fn(out.astype(jnp.float32), *b)
+
+    loss, grads = jax.jit(jax.value_and_grad(one_device))(params, *args)
+    np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-3)
+    step.update(state)
+    _assert_sgd_step(nnx.state(module, nnx.Param), params, grads, BF16_GRAD_RTOL)
+
+
 def _scaled_grads(spec, params, args, dtype, scale):
     """One device's gradients of the same casts, the loss scaled by ``scale`` (float16's
     cotangents scaled as the step's) and the gradients divided by it."""
