@@ -248,7 +248,7 @@ def jitted_step(grads: Callable, optimizer: Any, mesh: Any, *, store: Callable =
         else:
             g = LossScaling.unscale(g, state)
             new, metrics = scaling.settle(state, update(state, g), g)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(g), **metrics}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(g), **metrics}
         if return_grads:
             metrics["grads"] = g
         return {**state, **new}, metrics

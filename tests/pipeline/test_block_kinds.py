@@ -40,6 +40,7 @@ def _one_step(spec, schedule, loss=None, batch_size=16, overlap=None):
     ref_loss, grads = jax.jit(jax.value_and_grad(loss))(params, *args)
     want = optax.apply_updates(params, opt.update(grads, opt.init(params), params)[0])
     np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=RTOL)
+    np.testing.assert_allclose(metrics["grad_norm"], optax.tree.norm(grads), rtol=RTOL)
     assert_same_params(step.params(state), want, RTOL, ATOL)
     return step, float(ref_loss)
 

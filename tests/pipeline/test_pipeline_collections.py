@@ -185,8 +185,8 @@ def test_nnx_batch_stats_carried_and_written_back():
     np.testing.assert_allclose(metrics["loss"], loss, rtol=RTOL)
     step.update(state)  # parameters and statistics back into the wrapped module
     _, got_params, got_stats, _ = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
-    _close(got_params.to_pure_dict(), params.to_pure_dict())
-    _close(got_stats.to_pure_dict(), stats.to_pure_dict())
+    _close(nnx.to_pure_dict(got_params), nnx.to_pure_dict(params))
+    _close(nnx.to_pure_dict(got_stats), nnx.to_pure_dict(stats))
     assert float(jnp.abs(got_stats["h"][0]["bn"]["mean"][...]).max()) > 0.1  # updated
 
 

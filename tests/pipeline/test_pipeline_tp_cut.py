@@ -71,7 +71,7 @@ def test_tensor_parallel_stages_train_like_one_device(name):
         updates, opt_state = opt.update(grads, opt_state, want)
         want = optax.apply_updates(want, updates)
         np.testing.assert_allclose(metrics["loss"], loss, rtol=RTOL)
-    np.testing.assert_allclose(metrics["grad_norm"], optax.global_norm(grads), rtol=RTOL)
+    np.testing.assert_allclose(metrics["grad_norm"], optax.tree.norm(grads), rtol=RTOL)
     for got, ref in [(metrics["grads"], grads), (step.params(state), want)]:
         assert jax.tree.structure(got) == jax.tree.structure(ref)
         for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(got)[0],
