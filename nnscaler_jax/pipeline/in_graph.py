@@ -123,8 +123,8 @@ class InGraphRuntime(PipelineRuntime):
         """``{'params': to_pipeline(params), 'opt_state': optimizer.init(...)}``, laid out as
         the step returns them, and ``'collections'`` (:meth:`collections_state`) when the
         program carries any."""
-        return initial_state(self.to_pipeline(params), optimizer, self.mesh,
-                             collections=self.collections_state(collections),
+        colls = self.collections_state(collections)  # (refused before any layout work)
+        return initial_state(self.to_pipeline(params), optimizer, self.mesh, collections=colls,
                              store=self._store, view=self._view(optimizer))
 
     def microbatches(self, batch: tuple, key: Any, scale: Any) -> tuple[list, list, Any]:
