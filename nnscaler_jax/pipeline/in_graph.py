@@ -98,10 +98,6 @@ class InGraphRuntime(PipelineRuntime):
         """``tree -> tree``: params, or optimizer state mirroring them, laid out as stored
         (:func:`~nnscaler_jax.pipeline.update.mirror_store`)."""
 
-    def shardings(self) -> tuple[NamedSharding, NamedSharding]:
-        """Replicated, and split over the stage axis (leading dim)."""
-        return NamedSharding(self.mesh, P()), NamedSharding(self.mesh, P(self.axis))
-
     def _view(self, optimizer: Any) -> Any:
         """The optimizer's view of the module's tree (None: it updates the layout as it is),
         over the axes the layout splits: :func:`~nnscaler_jax.pipeline.update.cached_view`."""

@@ -483,12 +483,6 @@ class MpmdProgram(PipelineRuntime):
         return mirror_shardings(jax.eval_shape(optimizer.init, tree), tree,
                                 jax.tree.map(lambda x: x.sharding, tree), self._rep[s])
 
-    def shardings(self) -> tuple[NamedSharding, NamedSharding]:
-        """Replicated on the whole mesh (the step's rng key, unused here), and split over
-        the stage axis."""
-        return NamedSharding(self.mesh, P()), NamedSharding(self.mesh, P(self.axis))
-
-
     # ---- the step ----------------------------------------------------------------------------
 
     def _acc_sharding(self, g: int, j: int) -> NamedSharding:

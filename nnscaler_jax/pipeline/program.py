@@ -192,9 +192,10 @@ class PipelineRuntime(abc.ABC):
         """Parameters (or a tree like them: gradients) in the runtime's layout as the module's
         params tree."""
 
-    @abc.abstractmethod
     def shardings(self) -> tuple[NamedSharding, NamedSharding]:
-        """The replicated sharding and the stage-split one of the runtime's mesh."""
+        """The replicated sharding and the stage-split one (leading dim over the stage axis)
+        of the runtime's mesh (:meth:`_setup`'s ``mesh`` and ``axis``)."""
+        return NamedSharding(self.mesh, P()), NamedSharding(self.mesh, P(self.axis))
 
     @abc.abstractmethod
     def grads(self, pp: Any, batch: tuple, key: Any = None, *, scale: Any = 1.0
