@@ -28,9 +28,11 @@ intermediate chunks to a later one).
 **The blocks.** :class:`CutProgram` traces the micro-batch program and cuts it
 into *segments*: the pipelined chunks ``0 .. C-1`` and, for schedules with all-device blocks
 (``interlaced``), an embedding segment before chunk 0 and a head segment (head + loss) after
-the last chunk. :func:`local_step` is the body of its ``jax.shard_map``: a ``lax.fori_loop``
-over the step table (:func:`~nnscaler_jax.pipeline.loop_tables.loop_tables`) in which each
-device runs, by ``lax.switch`` on the table's block code, one of
+the last chunk. The step loop is the in-graph executor's
+(:meth:`~nnscaler_jax.pipeline.in_graph.InGraphRuntime._local`); this program gives it the
+chunk interface (:meth:`CutProgram.chunk_forward` / :meth:`CutProgram.chunk_backward`, by
+``lax.switch`` on the chunk) and the blocks only cut programs run
+(:meth:`CutProgram.more_blocks`). By the table's block code a device runs one of
 
 - ``F``: its chunk's forward (the last chunk adds the loss unless a head segment follows);
 - ``B``: ``jax.vjp`` of the chunk recomputed from its saved input: parameter gradients and the
@@ -76,10 +78,9 @@ from nnscaler_jax.errors import PlanError
 from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.chunks import pack, packing, run_chunk, unpack, widths
 from nnscaler_jax.pipeline.cut import cut_traced, tp_error
-from nnscaler_jax.pipeline.in_graph import InGraphRuntime, exchange
+from nnscaler_jax.pipeline.in_graph import InGraphRuntime
 from nnscaler_jax.pipeline.loop_tables import CODES, loop_tables
 from nnscaler_jax.pipeline.mutable import (
-    average,
     require_forward_order,
     schedule_error,
     shared_error,
@@ -89,7 +90,7 @@ from nnscaler_jax.pipeline.recycle import traced_program
 from nnscaler_jax.pipeline.split_backward import split_backward
 from nnscaler_jax.pipeline.update import mirror_store, place_as
 
-__all__ = ["CutProgram", "local_step", "run_segment"]
+__all__ = ["CutProgram", "run_segment"]
 
 
 # ---- the blocks and the per-device loop ------------------------------------------------------
@@ -170,14 +171,6 @@ def _vjp(prog: Any, seg: int, pvec: dict, shared: list, cin: dict, gout: dict, b
     return gp, gsh, gc, loss / M
 
 
-def _zeros(width: dict) -> dict:
-    return {k: jnp.zeros((n,), k) for k, n in width.items()}
-
-
-def _zl() -> Any:
-    return jnp.zeros((), jnp.float32)
-
-
 class _Split:
     """The split backwards of a cut program's chunks (``G`` blocks): per chunk its
     :class:`~nnscaler_jax.pipeline.split_backward.BackwardSplit` and the packing of its kept
@@ -206,181 +199,6 @@ class _Split:
         pv, sh, _, _, bm, kv, kept = args
         return self.parts[c].weight_grads((pv, sh, None, None, bm, kv, seed),
                                           unpack(kept, self.packs[c]))
-
-
-def _branches(prog: Any, c: Any, it: Any, args: tuple, seed: Any,
-              split: _Split | None = None) -> list:
-    """The ``lax.switch`` branches of one time step, indexed by
-    :data:`~nnscaler_jax.pipeline.loop_tables.CODES`: each returns ``(activation to send,
-    cotangent to send, stage param grads, shared grads, loss, new collections, kept values)``
-    for the device's chunk ``c`` (``args = (chunk params, shared params, packed input, packed
-    cotangent, micro-batch, chunk collections, kept values of a split backward)``; ``seed``:
-    the loss's cotangent; ``split``: the chunks' split backwards, when the schedule has ``G``
-    blocks); only ``F`` changes the collections, only a split ``B`` keeps values."""
-    C, M = prog.schedule.chunks, prog.schedule.microbatches
-    last_seg, seg0, recycling = prog.cut.chunks - 1, prog.seg0, bool(prog.x_vars)
-    pv, shared, cin, gout, bm, kv, kept = args
-    no_p, no_sh = jax.tree.map(jnp.zeros_like, pv), jax.tree.map(jnp.zeros_like, shared)
-    no_k = jax.tree.map(jnp.zeros_like, kept)
-    fresh = lambda c: c > 0 or not recycling  # chunk 0 of recycling reads the last pass
-    fwds = [partial(lambda c, *a: run_segment(prog, c + seg0, *a[:3], a[4], fresh(c), a[5]), c)
-            for c in range(C)]
-    bwds = [partial(lambda c, *a: _vjp(prog, c + seg0, *a[:5],
-                                       seed if c + seg0 == last_seg else None, fresh(c), a[5]),
-                    c)
-            for c in range(C)]
-    nfwds = [partial(lambda c, *a: run_segment(prog, c + seg0, *a[:3], a[4],
-                                               (it == 0) if c == 0 else True, a[5])[0], c)
-             for c in range(C)]
-
-    def idle():
-        return _zeros(prog.c_width), _zeros(prog.g_width), no_p, no_sh, _zl(), kv, no_k
-
-    def fwd():
-        out, loss, new = lax.switch(c, fwds, *args)
-        return out, _zeros(prog.g_width), no_p, no_sh, loss / M, new, no_k
-
-    def bwd():
-        if split is not None:  # the input's cotangent; the weight gradients in G
-            gc, k = lax.switch(c, [partial(split.input_grads, c, seed=seed) for c in range(C)],
-                               args)
-            return _zeros(prog.c_width), gc, no_p, no_sh, _zl(), kv, k
-        gp, gsh, gc, _ = lax.switch(c, bwds, *args)
-        return _zeros(prog.c_width), gc, gp, gsh, _zl(), kv, no_k
-
-    def wgrad():
-        gp, gsh = lax.switch(c, [partial(split.weight_grads, c, seed=seed) for c in range(C)],
-                             args)
-        return _zeros(prog.c_width), _zeros(prog.g_width), gp, gsh, _zl(), kv, no_k
-
-    def nograd():  # recycling pass `it`: chunk 0 reads the batch on pass 0
-        return lax.switch(c, nfwds, *args), _zeros(prog.g_width), no_p, no_sh, _zl(), kv, no_k
-
-    def embed():
-        out, _, _ = run_segment(prog, 0, pv, shared, cin, bm)
-        return out, _zeros(prog.g_width), no_p, no_sh, _zl(), kv, no_k
-
-    def head():
-        _, gsh, gc, loss = _vjp(prog, last_seg, pv, shared, cin, gout, bm, seed, True, {})
-        return _zeros(prog.c_width), gc, no_p, gsh, loss, kv, no_k
-
-    def embed_bwd():
-        _, gsh, _, _ = _vjp(prog, 0, pv, shared, cin, gout, bm, None, True, {})
-        return _zeros(prog.c_width), _zeros(prog.g_width), no_p, gsh, _zl(), kv, no_k
-
-    out = [idle, fwd, bwd] + [nograd] * recycling
-    if seg0:
-        out += [idle] * (4 - len(out)) + [embed, head, embed_bwd]
-    if split is not None:
-        out += [idle] * (CODES["G"] - len(out)) + [wgrad]
-    return out
-
-
-def _two_lanes(prog: Any, first: tuple, second: tuple, seed: Any,
-               split: _Split | None = None) -> tuple:
-    """The blocks of a time step of a paired table, as :func:`_branches`' results: the first
-    lane runs every kind but ``B`` (``first = (code, chunk, pass, args)``), the second the
-    backward (``second = (on, chunk, args)``: a pair's, or the step's only block). A step
-    holds one set of gradient results, as in an unpaired table, not one per lane: the
-    parameter gradients come from the backward lane, or from the first lane's ``G`` where
-    backwards are split (their ``B`` makes none); the first lane's shared gradients are kept
-    where its blocks make some (``E`` / ``H`` / ``W``, ``G``)."""
-    code, c, it, args = first
-    on, cb, b_args = second
-    keep_sh = bool(prog.seg0) or split is not None
-    keep_p = split is not None
-
-    def lane(f):
-        def run():
-            out_f, out_b, dp, dsh, loss, new, _ = f()
-            return out_f, out_b, dp if keep_p else {}, dsh if keep_sh else [], loss, new
-        return run
-
-    fs = _branches(prog, c, it, args, seed, split)
-    fs[CODES["B"]] = fs[0]  # (a backward runs in the second lane)
-    out_f, out_b, dp_f, dsh, loss, new = lax.switch(code, [lane(f) for f in fs])
-    br = _branches(prog, cb, it, b_args, seed, split)
-    _, out_bb, dp, dsh_b, _, _, kept = lax.cond(on, br[CODES["B"]], br[0])
-    out_b = jax.tree.map(lambda x, y: jnp.where(on, x, y), out_bb, out_b)
-    if keep_sh:
-        dsh_b = [x + y for x, y in zip(dsh, dsh_b, strict=True)]
-    return out_f, out_b, dp_f if keep_p else dp, dsh_b, loss, new, kept
-
-
-def local_step(prog: Any, shared: list, stages: dict, batch: list, colls: dict,
-               seed: Any) -> tuple:
-    """Per-device body of the cut program's shard_map: run the step table, return
-    ``(loss, shared grads, stage grads, new stage collections)``; ``seed``: the loss's
-    cotangent per micro-batch (``scale / M``)."""
-    S, M, tb = prog.schedule.stages, prog.schedule.microbatches, prog.tables
-    s = lax.axis_index(prog.axis)
-    stages = {k: x[0] for k, x in stages.items()}                 # [V, width]
-    colls = {k: x[0] for k, x in colls.items()}                   # [V, width]
-    batch = [x[:, 0] for x in batch]                             # [M, b, ...]
-    split = None
-    if prog.schedule.split_backward:  # traced on one block's arguments
-        split = _Split(prog, ({k: x[0] for k, x in stages.items()}, shared,
-                              _zeros(prog.c_width), _zeros(prog.g_width), [x[0] for x in batch],
-                              {k: x[0] for k, x in colls.items()}, seed))
-    tabs = [jnp.asarray(a) for a in (tb.kind, tb.mb, tb.virt, tb.it, tb.in_slot, tb.g_slot,
-                                     tb.rf_slot, tb.rb_slot, tb.keep_f, tb.keep_b, tb.keep_s,
-                                     tb.s_slot)]
-    sends = jnp.asarray(tb.sends)
-    pair = [jnp.asarray(a) for a in (tb.b_kind, tb.b_mb, tb.b_virt, tb.b_in, tb.b_g)]
-    pick = lambda tree, i: {k: lax.dynamic_index_in_dim(x, i, keepdims=False)
-                            for k, x in tree.items()}
-
-    def body(t, carry):
-        inbuf, gbuf, g_st, g_sh, loss_acc, cst, snap, kbuf, pend = carry
-        code, m, v, it, isl, gsl, rf, rb, kf, kb, ks, ssl = [a[t, s] for a in tabs]
-        now, saved = pick(cst, v), pick(pick(snap, v), m)  # B / G read what their F read
-        is_f, is_b = code == CODES["F"], (code == CODES["B"]) | (code == CODES["G"])
-        block = lambda m, v, isl, gsl, kv: (
-            pick(stages, v), shared, {k: b[isl] for k, b in inbuf.items()},
-            {k: b[gsl] for k, b in gbuf.items()},
-            [lax.dynamic_index_in_dim(x, m, keepdims=False) for x in batch], kv,
-            {k: b[ssl] for k, b in kbuf.items()})
-        args = block(m, v, isl, gsl, {k: jnp.where(is_b, saved[k], x) for k, x in now.items()})
-        if not tb.paired:
-            out_f, out_b, dp, dsh, loss, new, kept = lax.switch(
-                code, _branches(prog, v * S + s, it, args, seed, split))
-            gv = v
-        else:  # a forward lane and a backward lane (a pair runs both)
-            bk, bm, bv, bi, bg = [a[t, s] for a in pair]
-            sel = lambda a, b: jnp.where(bk > 0, b, a)
-            bm, gv, bi, bg = sel(m, bm), sel(v, bv), sel(isl, bi), sel(gsl, bg)
-            b_args = block(bm, gv, bi, bg, pick(pick(snap, gv), bm))
-            out_f, out_b, dp, dsh, loss, new, kept = _two_lanes(
-                prog, (code, v * S + s, it, args), ((code == CODES["B"]) | (bk > 0), gv * S + s,
-                                                    b_args),
-                seed, split)
-            gv = v if split is not None else gv  # (split: a G, in the first lane, has them)
-        cst = {k: x.at[v].set(jnp.where(is_f, new[k], now[k])) for k, x in cst.items()}
-        snap = {k: x.at[v, m].set(jnp.where(is_f, now[k], saved[k])) for k, x in snap.items()}
-        g_st = {k: g.at[gv].add(dp[k]) for k, g in g_st.items()}
-        g_sh = [g + d for g, d in zip(g_sh, dsh, strict=True)]
-        (recv_f, recv_b), pend = exchange(tb, sends[t], (out_f, out_b), pend, prog.axis, S)
-        put = lambda slot, buf, new: lax.cond(
-            slot >= 0, lambda b: {k: b[k].at[slot].set(new[k]) for k in b}, lambda b: b, buf)
-        inbuf = put(kf, put(rf, inbuf, recv_f), out_f)
-        gbuf = put(kb, put(rb, gbuf, recv_b), out_b)
-        kbuf = put(ks, kbuf, kept)
-        return inbuf, gbuf, g_st, g_sh, loss_acc + loss, cst, snap, kbuf, pend
-
-    sent = ({k: jnp.zeros((n,), k) for k, n in prog.c_width.items()},
-            {k: jnp.zeros((n,), k) for k, n in prog.g_width.items()})
-    carry = ({k: jnp.zeros((tb.n_in, n), k) for k, n in prog.c_width.items()},
-             {k: jnp.zeros((tb.n_g, n), k) for k, n in prog.g_width.items()},
-             jax.tree.map(jnp.zeros_like, stages), jax.tree.map(jnp.zeros_like, shared), _zl(),
-             colls, {k: jnp.zeros((x.shape[0], M) + x.shape[1:], x.dtype)
-                     for k, x in colls.items()},
-             {k: jnp.zeros((tb.n_s, n), k) for k, n in (split.width if split else {}).items()},
-             sent if tb.overlap else ())
-    _, _, g_st, g_sh, loss, colls, _, _, _ = lax.fori_loop(0, tb.kind.shape[0], body, carry)
-    loss, g_sh, g_st = prog.reduce_grads(loss, g_sh, g_st)
-    colls = average(colls, prog.data_axes)
-    add_stage = lambda tree: {k: x[None] for k, x in tree.items()}
-    return loss, g_sh, add_stage(g_st), add_stage(colls)
 
 
 # ---- the program -----------------------------------------------------------------------------
@@ -424,6 +242,8 @@ class CutProgram(InGraphRuntime):
             require_forward_order(sched)
         self._cut(closed, abstract, stage_of)
         self.g_width = {k: n for k, n in self.c_width.items() if _floating(k)} or {"float32": 1}
+        self.act = {k: jax.ShapeDtypeStruct((n,), k) for k, n in self.c_width.items()}
+        self.cot = {k: jax.ShapeDtypeStruct((n,), k) for k, n in self.g_width.items()}
         self.tables = loop_tables(sched, "FBNEHWG", overlap=overlap)
 
     def _cut(self, closed: Any, abstract: list, stage_of: tuple) -> None:
@@ -554,10 +374,68 @@ class CutProgram(InGraphRuntime):
 
     # ---- the step ----------------------------------------------------------------------------
 
-    def _local(self, shared: list, stages: dict, batch: list, colls: dict,
-               seed: Any) -> tuple:
-        """Per-device body of the shard_map (:func:`local_step`)."""
-        return local_step(self, shared, stages, batch, colls, seed)
+    def chunk_forward(self, c: Any, args: tuple) -> tuple[dict, Any, dict]:
+        """Chunk ``c``'s segment forward (:func:`run_segment`), by ``lax.switch`` on ``c``;
+        chunk 0 of a recycling program reads the last pass's outputs."""
+        fresh = lambda c: c > 0 or not self.x_vars
+        fwds = [partial(lambda c, *a: run_segment(self, c + self.seg0, *a[:3], a[4], fresh(c),
+                                                  a[5]), c)
+                for c in range(self.schedule.chunks)]
+        return lax.switch(c, fwds, *args)
+
+    def chunk_backward(self, c: Any, args: tuple, seed: Any, split: Any) -> tuple:
+        """Chunk ``c``'s segment backward (:func:`_vjp`, or ``split``'s input cotangent)."""
+        C, last_seg, seg0 = self.schedule.chunks, self.cut.chunks - 1, self.seg0
+        if split is not None:  # the input's cotangent; the weight gradients in G
+            gc, kept = lax.switch(c, [partial(split.input_grads, c, seed=seed)
+                                      for c in range(C)], args)
+            return None, None, gc, kept
+        fresh = lambda c: c > 0 or not self.x_vars
+        bwds = [partial(lambda c, *a: _vjp(self, c + seg0, *a[:5],
+                                           seed if c + seg0 == last_seg else None, fresh(c),
+                                           a[5]), c)
+                for c in range(C)]
+        gp, gsh, gc, _ = lax.switch(c, bwds, *args)
+        return gp, gsh, gc, None
+
+    def backward_split(self, args: tuple) -> _Split:
+        return _Split(self, args)
+
+    def more_blocks(self, c: Any, it: Any, args: tuple, seed: Any, split: Any
+                    ) -> dict[int, Callable]:
+        """``N`` (recycling pass ``it``: chunk 0 reads the batch on pass 0), ``E`` / ``H`` /
+        ``W`` (the embedding and head segments) and ``G`` (a split backward's weight
+        gradients), as the schedule has them."""
+        pv, shared, cin, gout, bm, _, _ = args
+        C, last_seg = self.schedule.chunks, self.cut.chunks - 1
+        result = partial(self.block_result, args)
+        out: dict[int, Callable] = {}
+        if self.x_vars:
+            nfwds = [partial(lambda c, *a: run_segment(self, c + self.seg0, *a[:3], a[4],
+                                                       (it == 0) if c == 0 else True,
+                                                       a[5])[0], c)
+                     for c in range(C)]
+            out[CODES["N"]] = lambda: result(out=lax.switch(c, nfwds, *args))
+        if self.seg0:
+            def head():
+                _, gsh, gc, loss = _vjp(self, last_seg, pv, shared, cin, gout, bm, seed, True,
+                                        {})
+                return result(gc=gc, gsh=gsh, loss=loss)
+
+            def embed_bwd():
+                _, gsh, _, _ = _vjp(self, 0, pv, shared, cin, gout, bm, None, True, {})
+                return result(gsh=gsh)
+
+            out[CODES["E"]] = lambda: result(out=run_segment(self, 0, pv, shared, cin, bm)[0])
+            out[CODES["H"]], out[CODES["W"]] = head, embed_bwd
+        if split is not None:
+            def wgrad():
+                gp, gsh = lax.switch(c, [partial(split.weight_grads, c, seed=seed)
+                                         for c in range(C)], args)
+                return result(gp=gp, gsh=gsh)
+
+            out[CODES["G"]] = wgrad
+        return out
 
     def grads(self, pp: dict, batch: tuple, key: Any = None,
               colls: dict | None = None, *, scale: Any = 1.0) -> tuple:

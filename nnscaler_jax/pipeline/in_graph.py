@@ -17,8 +17,13 @@ chunk runs the one layer template over its stacked parameters, no branch on the 
 tensor-parallel axes can stay GSPMD's inside the ``shard_map``) and
 :class:`~nnscaler_jax.pipeline.cut_program.CutProgram` (chunks cut at module boundaries, run by
 ``lax.switch`` on the chunk, stages data-parallel inside). :class:`InGraphRuntime` is what they
-share: the stored layout's shardings, the jitted step, the initial state, the step's XLA
-options.
+share: the one step loop (:meth:`InGraphRuntime._local`: the tables' blocks, the buffers of
+in-flight activations and cotangents, the forward and backward lanes of a paired step, the
+mutable collections, the transfers and the gradient sums), which reads a program's chunks
+through one interface (``act`` / ``cot``: what a forward sends on and a backward sends back;
+:meth:`~InGraphRuntime.chunk_forward`, :meth:`~InGraphRuntime.chunk_backward`, and
+:meth:`~InGraphRuntime.more_blocks` for the blocks other than ``F`` / ``B``), the stored
+layout's shardings, the jitted step, the initial state, the step's XLA options.
 """
 
 from __future__ import annotations
@@ -34,10 +39,26 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnscaler_jax.errors import PlanError
+from nnscaler_jax.pipeline.loop_tables import CODES
+from nnscaler_jax.pipeline.mutable import average
 from nnscaler_jax.pipeline.program import PipelineRuntime, micro_leaves
 from nnscaler_jax.pipeline.update import cached_view, initial_state, jitted_step, place_as
 
-__all__ = ["OVERLAP_OPTIONS", "InGraphRuntime", "compiler_options", "exchange", "send_if"]
+__all__ = ["OVERLAP_OPTIONS", "InGraphRuntime", "compiler_options", "exchange", "send_if",
+           "zeros"]
+
+
+def zeros(avals: dict) -> dict:
+    """Zeros shaped as ``avals`` (key -> ``ShapeDtypeStruct``): an empty buffer entry."""
+    return {k: jnp.zeros(a.shape, a.dtype) for k, a in avals.items()}
+
+
+def _zl() -> Any:
+    return jnp.zeros((), jnp.float32)
+
+
+def _zeros_like(tree: Any) -> Any:
+    return jax.tree.map(jnp.zeros_like, tree)
 
 
 def send_if(needed: Any, vec: Any, axis: str, perm: list) -> Any:
@@ -146,6 +167,190 @@ class InGraphRuntime(PipelineRuntime):
             g_shared, g_own, loss = jax.tree.map(lambda g: lax.pmean(g, self.data_axes),
                                                  (g_shared, g_own, loss))
         return loss, g_shared, g_own
+
+    # ---- the step loop: the chunk interface and the per-device body of the shard_map ------
+
+    act: dict  # key -> ShapeDtypeStruct: what a forward sends on (an input-buffer entry)
+    cot: dict  # key -> ShapeDtypeStruct: what a backward sends back (a cotangent entry)
+
+    @abc.abstractmethod
+    def chunk_forward(self, c: Any, args: tuple) -> tuple[dict, Any, dict]:
+        """The forward of the device's chunk ``c`` (traced) on the block arguments ``args``
+        (:meth:`_local`): ``(activation it sends, its loss or 0, its new collections)``."""
+
+    @abc.abstractmethod
+    def chunk_backward(self, c: Any, args: tuple, seed: Any, split: Any) -> tuple:
+        """The backward of chunk ``c``: ``(parameter gradients, shared gradients, cotangent of
+        its input, kept values)``, seeded by the loss's cotangent ``seed`` where the chunk
+        computes the loss, else by ``args``' cotangent; ``split``: the schedule's split
+        backwards (:meth:`backward_split`), then only the cotangent and the kept values (the
+        weight gradients come in ``G``); None entries are zeros."""
+
+    def backward_split(self, args: tuple) -> Any:
+        """The chunks' split backwards (schedules with ``G`` blocks), traced on one block's
+        arguments."""
+        raise PlanError(f"{type(self).__name__} runs no split backward (schedule "
+                        f"{self.schedule.name!r}); use a schedule without 'G' blocks")
+
+    def more_blocks(self, c: Any, it: Any, args: tuple, seed: Any, split: Any
+                    ) -> dict[int, Callable]:
+        """The blocks other than ``F`` / ``B`` this program runs, by code
+        (:data:`~nnscaler_jax.pipeline.loop_tables.CODES`): each returns
+        :meth:`block_result`'s tuple."""
+        del c, it, args, seed, split
+        return {}
+
+    def block_result(self, args: tuple, *, out: Any = None, gc: Any = None, gp: Any = None,
+                     gsh: Any = None, loss: Any = None, new: Any = None, kept: Any = None
+                     ) -> tuple:
+        """One block's results ``(activation to send, cotangent to send, chunk param grads,
+        shared grads, loss, new collections, kept values)``, zeros (the collections as read)
+        where not given."""
+        pv, shared, _, _, _, kv, k0 = args
+        return (zeros(self.act) if out is None else out, zeros(self.cot) if gc is None else gc,
+                _zeros_like(pv) if gp is None else gp, _zeros_like(shared) if gsh is None else gsh,
+                _zl() if loss is None else loss, kv if new is None else new,
+                _zeros_like(k0) if kept is None else kept)
+
+    def _blocks(self, c: Any, it: Any, args: tuple, seed: Any, split: Any) -> list:
+        """The ``lax.switch`` branches of one time step for the device's chunk ``c``, indexed
+        by :data:`~nnscaler_jax.pipeline.loop_tables.CODES`."""
+        M = self.schedule.microbatches
+
+        def idle():
+            return self.block_result(args)
+
+        def fwd():
+            out, loss, new = self.chunk_forward(c, args)
+            return self.block_result(args, out=out, loss=loss / M, new=new)
+
+        def bwd():
+            gp, gsh, gc, kept = self.chunk_backward(c, args, seed, split)
+            return self.block_result(args, gc=gc, gp=gp, gsh=gsh, kept=kept)
+
+        out = [idle, fwd, bwd]
+        for code, f in sorted(self.more_blocks(c, it, args, seed, split).items()):
+            out += [idle] * (code + 1 - len(out))
+            out[code] = f
+        return out
+
+    def _two_lanes(self, first: tuple, second: tuple, seed: Any, split: Any) -> tuple:
+        """The blocks of a time step of a paired table, as :meth:`_blocks`' results: the
+        first lane runs every kind but ``B`` (``first = (code, chunk, pass, args)``), the
+        second the backward (``second = (on, chunk, args)``: a pair's, or the step's only
+        block). A step holds one set of gradient results, as in an unpaired table, not one per
+        lane: the parameter gradients come from the backward lane, or from the first lane's
+        ``G`` where backwards are split (their ``B`` makes none); the first lane's shared
+        gradients are kept where its blocks make some (``E`` / ``H`` / ``W``, ``G``)."""
+        code, c, it, args = first
+        on, cb, b_args = second
+        keep_sh = self.schedule.all_device or split is not None
+        keep_p = split is not None
+
+        def lane(f):
+            def run():
+                out_f, out_b, dp, dsh, loss, new, _ = f()
+                return out_f, out_b, dp if keep_p else {}, dsh if keep_sh else [], loss, new
+            return run
+
+        fs = self._blocks(c, it, args, seed, split)
+        fs[CODES["B"]] = fs[0]  # (a backward runs in the second lane)
+        out_f, out_b, dp_f, dsh, loss, new = lax.switch(code, [lane(f) for f in fs])
+        br = self._blocks(cb, it, b_args, seed, split)
+        _, out_bb, dp, dsh_b, _, _, kept = lax.cond(on, br[CODES["B"]], br[0])
+        out_b = jax.tree.map(lambda x, y: jnp.where(on, x, y), out_bb, out_b)
+        if keep_sh:
+            dsh_b = [x + y for x, y in zip(dsh, dsh_b, strict=True)]
+        return out_f, out_b, dp_f if keep_p else dp, dsh_b, loss, new, kept
+
+    def _carry(self, stages: Any, shared: list, colls: dict, split: Any) -> tuple:
+        """The step loop's carry at its start: the input and cotangent buffers, the gradient
+        sums, the loss, the collections and what each ``F`` read of them (per chunk and
+        micro-batch), the kept values of split backwards, the values on their way."""
+        tb, M = self.tables, self.schedule.microbatches
+        slots = lambda avals, n: {k: jnp.zeros((n,) + a.shape, a.dtype)
+                                  for k, a in avals.items()}
+        return (slots(self.act, tb.n_in), slots(self.cot, tb.n_g), _zeros_like(stages),
+                _zeros_like(shared), _zl(), colls,
+                {k: jnp.zeros((x.shape[0], M) + x.shape[1:], x.dtype) for k, x in colls.items()},
+                {k: jnp.zeros((tb.n_s, n), k) for k, n in (split.width if split else {}).items()},
+                (zeros(self.act), zeros(self.cot)) if tb.overlap else ())
+
+    def _local(self, shared: list, stages: Any, batch: list, colls: dict, seed: Any) -> tuple:
+        """Per-device body of the step's ``shard_map``: run the step table, return ``(loss,
+        shared grads, stage grads, new stage collections)``; ``stages``: the stage's chunk
+        parameters (a tree of ``[1, V, ...]`` leaves), ``colls``: its packed collections
+        (``{dtype: [1, V, width]}``), ``seed``: the loss's cotangent per micro-batch
+        (``scale / M``)."""
+        S, tb = self.schedule.stages, self.tables
+        s = lax.axis_index(self.axis)
+        first = lambda tree: jax.tree.map(lambda x: x[0], tree)
+        stages, colls = first(stages), first(colls)                 # [V, ...]
+        batch = [x[:, 0] for x in batch]                             # [M, b, ...]
+        split = None
+        if self.schedule.split_backward:  # traced on one block's arguments
+            split = self.backward_split((first(stages), shared, zeros(self.act),
+                                         zeros(self.cot), first(batch), first(colls), seed))
+        tabs = [jnp.asarray(a) for a in (tb.kind, tb.mb, tb.virt, tb.it, tb.in_slot, tb.g_slot,
+                                         tb.rf_slot, tb.rb_slot, tb.keep_f, tb.keep_b,
+                                         tb.keep_s, tb.s_slot)]
+        sends = jnp.asarray(tb.sends)
+        pair = [jnp.asarray(a) for a in (tb.b_kind, tb.b_mb, tb.b_virt, tb.b_in, tb.b_g)]
+        pick = lambda tree, i: jax.tree.map(
+            lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
+        at = lambda tree, i: jax.tree.map(lambda b: b[i], tree)
+        keeps = [bool((k >= 0).any()) for k in (tb.keep_f, tb.keep_b)]
+
+        def body(t, carry):
+            inbuf, gbuf, g_st, g_sh, loss_acc, cst, snap, kbuf, pend = carry
+            code, m, v, it, isl, gsl, rf, rb, kf, kb, ks, ssl = [a[t, s] for a in tabs]
+            now, saved = pick(cst, v), pick(pick(snap, v), m)  # B / G read what their F read
+            is_f, is_b = code == CODES["F"], (code == CODES["B"]) | (code == CODES["G"])
+            # (the blocks read their buffer slots outside the branches: a branch holding a
+            # whole buffer would be ordered before the step's receives, which write into it)
+            block = lambda m, v, isl, gsl, kv: (
+                pick(stages, v), shared, at(inbuf, isl), at(gbuf, gsl),
+                [lax.dynamic_index_in_dim(x, m, keepdims=False) for x in batch], kv,
+                at(kbuf, ssl))
+            args = block(m, v, isl, gsl, {k: jnp.where(is_b, saved[k], x)
+                                          for k, x in now.items()})
+            if not tb.paired:
+                out_f, out_b, dp, dsh, loss, new, kept = lax.switch(
+                    code, self._blocks(v * S + s, it, args, seed, split))
+                gv = v
+            else:  # a forward lane and a backward lane (a pair runs both)
+                bk, bm, bv, bi, bg = [a[t, s] for a in pair]
+                sel = lambda a, b: jnp.where(bk > 0, b, a)
+                bm, gv, bi, bg = sel(m, bm), sel(v, bv), sel(isl, bi), sel(gsl, bg)
+                b_args = block(bm, gv, bi, bg, pick(pick(snap, gv), bm))
+                out_f, out_b, dp, dsh, loss, new, kept = self._two_lanes(
+                    (code, v * S + s, it, args),
+                    ((code == CODES["B"]) | (bk > 0), gv * S + s, b_args), seed, split)
+                gv = v if split is not None else gv  # (split: a G, in the first lane, has them)
+            cst = {k: x.at[v].set(jnp.where(is_f, new[k], now[k])) for k, x in cst.items()}
+            snap = {k: x.at[v, m].set(jnp.where(is_f, now[k], saved[k]))
+                    for k, x in snap.items()}
+            g_st = jax.tree.map(lambda g, d: g.at[gv].add(d), g_st, dp)
+            g_sh = [g + d for g, d in zip(g_sh, dsh, strict=True)]
+            (recv_f, recv_b), pend = exchange(tb, sends[t], (out_f, out_b), pend, self.axis, S)
+            put = lambda slot, buf, new: lax.cond(
+                slot >= 0, lambda b: {k: b[k].at[slot].set(new[k]) for k in b}, lambda b: b,
+                buf)
+            inbuf, gbuf = put(rf, inbuf, recv_f), put(rb, gbuf, recv_b)
+            if keeps[0]:  # (only where the table keeps a block's own result: no copies else)
+                inbuf = put(kf, inbuf, out_f)
+            if keeps[1]:
+                gbuf = put(kb, gbuf, out_b)
+            if split is not None:
+                kbuf = put(ks, kbuf, kept)
+            return inbuf, gbuf, g_st, g_sh, loss_acc + loss, cst, snap, kbuf, pend
+
+        carry = self._carry(stages, shared, colls, split)
+        _, _, g_st, g_sh, loss, colls, _, _, _ = lax.fori_loop(0, tb.kind.shape[0], body, carry)
+        loss, g_sh, g_st = self.reduce_grads(loss, g_sh, g_st)
+        colls = average(colls, self.data_axes)
+        add_stage = lambda tree: jax.tree.map(lambda x: x[None], tree)
+        return loss, g_sh, add_stage(g_st), add_stage(colls)
 
     def collections_state(self, collections: Any) -> Any:
         """The state's ``'collections'`` of the module's ``collections`` (None: none kept)."""

@@ -44,7 +44,7 @@ from nnscaler_jax.errors import PlanError
 from nnscaler_jax.lower.eqns import NO_CONSTRAINTS
 from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.chunks import ProgramCut, run_chunk
-from nnscaler_jax.pipeline.in_graph import InGraphRuntime, exchange
+from nnscaler_jax.pipeline.in_graph import InGraphRuntime
 from nnscaler_jax.pipeline.in_stage import InStagePlan, plan_in_stage
 from nnscaler_jax.pipeline.loop_tables import loop_tables
 from nnscaler_jax.pipeline.program import (
@@ -94,6 +94,8 @@ class PipelineProgram(InGraphRuntime):
             raise PlanError(f"{L} layers do not split into {sched.stages} stages x "
                             f"{sched.virtual} chunks; use a stage count dividing {L}")
         self.per_chunk = L // C
+        x0 = self.split.x0.aval
+        self.act = self.cot = {"x": jax.ShapeDtypeStruct(x0.shape, x0.dtype)}
         self.tables = loop_tables(sched, overlap=overlap)
         self.param_avals, self.param_shapes = abstract, [tuple(a.shape) for a in abstract]
 
@@ -214,75 +216,22 @@ class PipelineProgram(InGraphRuntime):
         loss = lax.cond(c == C - 1, post, lambda: jnp.zeros((), jnp.float32))
         return x, loss
 
-    def _local(self, shared, layers, batch, seed):
-        """Per-device body of the shard_map: run the step table, return (loss, grads);
-        ``seed``: the loss's cotangent per micro-batch (``scale / M``)."""
-        S, C, M = self.schedule.stages, self.schedule.chunks, self.schedule.microbatches
-        tb = self.tables
-        s = lax.axis_index(self.axis)
-        layers = [x[0] for x in layers]                      # [V, K, ...]
-        batch = [x[:, 0] for x in batch]                     # [M, b, ...]
-        xs = jax.ShapeDtypeStruct(self.split.x0.aval.shape, self.split.x0.aval.dtype)
-        zx = jnp.zeros(xs.shape, xs.dtype)
-        T = tb.kind.shape[0]
-        tabs = [jnp.asarray(a) for a in (tb.kind, tb.mb, tb.virt, tb.in_slot, tb.g_slot,
-                                         tb.rf_slot, tb.rb_slot)]
-        pair = [jnp.asarray(a) for a in (tb.b_kind, tb.b_mb, tb.b_virt, tb.b_in, tb.b_g)]
-        sends, zeros_like = jnp.asarray(tb.sends), lambda t: [jnp.zeros_like(x) for x in t]
-        zl = jnp.zeros((), jnp.float32)
+    def chunk_forward(self, c: Any, args: tuple) -> tuple[dict, Any, dict]:
+        """Chunk ``c``'s forward (:meth:`_chunk`) on the block arguments: no collections."""
+        p_c, shared, cin, _, bm, _, _ = args
+        y, loss = self._chunk(c, p_c, shared, cin["x"], bm)
+        return {"x": y}, loss, {}
 
-        # (the blocks read their buffer slots outside the branches: a branch holding a whole
-        # buffer would be ordered before the step's receives, which write into it)
-        def chunk_in(m, v):
-            bm = [lax.dynamic_index_in_dim(x, m, keepdims=False) for x in batch]
-            p_c = [lax.dynamic_index_in_dim(x, v, keepdims=False) for x in layers]
-            return v * S + s, p_c, bm
-
-        def forward(m, v, x_in):
-            """``(activation to send, loss / M)`` of a forward of chunk ``v``."""
-            c, p_c, bm = chunk_in(m, v)
-            y, loss = self._chunk(c, p_c, shared, x_in, bm)
-            return y, loss / M
-
-        def backward(m, v, x_in, g_in):
-            """``(cotangent to send, layer grads, shared grads)`` of a backward of chunk ``v``."""
-            c, p_c, bm = chunk_in(m, v)
-            _, vjp = jax.vjp(lambda p, sh, x: self._chunk(c, p, sh, x, bm), p_c, shared, x_in)
-            last = c == C - 1
-            gy = jnp.where(last, jnp.zeros_like(zx), g_in)
-            dp, dsh, dx = vjp((gy, jnp.where(last, seed, 0.0).astype(jnp.float32)))
-            return dx, dp, dsh
-
-        def body(t, carry):
-            inbuf, gbuf, g_layers, g_shared, loss_acc, pend = carry
-            kind, m, v, isl, gsl, rf, rb = [a[t, s] for a in tabs]
-            bk, bm_, bv, bi, bg = [a[t, s] for a in pair]
-            # two lanes: the forward's and the backward's (a pair runs both), so that a step
-            # holds one set of gradient results, as a step running a backward alone does
-            x_f = inbuf[isl]
-            send_f, loss = lax.cond(kind == 1, lambda: forward(m, v, x_f), lambda: (zx, zl))
-            two = bk > 0  # (the backward of a pair: its own micro-batch, chunk and slots)
-            pick = lambda a, b: jnp.where(two, b, a)
-            bm_, bv, bi, bg = pick(m, bm_), pick(v, bv), pick(isl, bi), pick(gsl, bg)
-            x_b, g_b = inbuf[bi], gbuf[bg]
-            send_b, dp, dsh = lax.cond(
-                (kind == 2) | two, lambda: backward(bm_, bv, x_b, g_b),
-                lambda: (zx, zeros_like(g[0] for g in layers), zeros_like(shared)))
-            g_layers = [g.at[bv].add(d) for g, d in zip(g_layers, dp, strict=True)]
-            g_shared = [g + d for g, d in zip(g_shared, dsh, strict=True)]
-            (recv_f, recv_b), pend = exchange(tb, sends[t], (send_f, send_b), pend,
-                                              self.axis, S)
-            inbuf = lax.cond(rf >= 0, lambda b: b.at[rf].set(recv_f), lambda b: b, inbuf)
-            gbuf = lax.cond(rb >= 0, lambda b: b.at[rb].set(recv_b), lambda b: b, gbuf)
-            return inbuf, gbuf, g_layers, g_shared, loss_acc + loss, pend
-
-        carry = (jnp.zeros((tb.n_in,) + xs.shape, xs.dtype),
-                 jnp.zeros((tb.n_g,) + xs.shape, xs.dtype),
-                 zeros_like(layers), zeros_like(shared), jnp.zeros((), jnp.float32),
-                 (zx, zx) if tb.overlap else ())
-        _, _, g_layers, g_shared, loss, _ = lax.fori_loop(0, T, body, carry)
-        loss, g_shared, g_layers = self.reduce_grads(loss, g_shared, g_layers)
-        return loss, g_shared, [g[None] for g in g_layers]
+    def chunk_backward(self, c: Any, args: tuple, seed: Any, split: Any) -> tuple:
+        """``jax.vjp`` of chunk ``c`` recomputed from its saved input, seeded by the loss's
+        cotangent on the last chunk, by the received cotangent on the others."""
+        del split  # (no split backwards: loop_tables refuses 'G' blocks here)
+        p_c, shared, cin, gout, bm, _, _ = args
+        _, vjp = jax.vjp(lambda p, sh, x: self._chunk(c, p, sh, x, bm), p_c, shared, cin["x"])
+        last = c == self.schedule.chunks - 1
+        gy = jnp.where(last, jnp.zeros_like(gout["x"]), gout["x"])
+        dp, dsh, dx = vjp((gy, jnp.where(last, seed, 0.0).astype(jnp.float32)))
+        return dp, dsh, {"x": dx}, None
 
     def grads(self, pp: dict, batch: tuple, key: Any = None, *, scale: Any = 1.0
               ) -> tuple[jax.Array, dict]:
@@ -295,13 +244,14 @@ class PipelineProgram(InGraphRuntime):
         # Tensor parallelism: manual over the stage and data axes only, the TP axes stay auto.
         manual = {"axis_names": {self.axis, *self.data_axes}} if self.tp_axes else {}
         fn = jax.shard_map(self._local, mesh=self.mesh,
-                           in_specs=(shared_spec, layer_spec, batch_spec, P()),
-                           out_specs=(P(), shared_spec, layer_spec), check_vma=False, **manual)
+                           in_specs=(shared_spec, layer_spec, batch_spec, {}, P()),
+                           out_specs=(P(), shared_spec, layer_spec, {}), check_vma=False,
+                           **manual)
         shared_sh, layer_sh = self.leaf_shardings()
         place = lambda xs, shs: [place_as(x, sh)
                                  for x, sh in zip(xs, shs, strict=True)]
-        loss, gs, gl = fn(place(pp["shared"], shared_sh), place(pp["layers"], layer_sh),
-                          placed, seed)
+        loss, gs, gl, _ = fn(place(pp["shared"], shared_sh), place(pp["layers"], layer_sh),
+                             placed, {}, seed)
         if self.tp_axes:
             gs, gl = place(gs, shared_sh), place(gl, layer_sh)
         return loss, {"shared": gs, "layers": gl}

@@ -265,15 +265,17 @@ def _loop_order(overlap: bool) -> list[str]:
 
 def test_overlapped_pipeline_transfers_run_beside_the_blocks():
     """``Constraints(pipeline_overlap=True)``: in the in-graph step loop's body XLA:GPU starts
-    both transfers (the previous step's activation and cotangent) before the blocks'
-    branches (forward, backward) and ends them after; without overlap each transfer is
-    inside a branch of its own (sent only when some stage receives), after the blocks."""
+    both transfers (the previous step's activation and cotangent) before the step's block
+    (the switch over idle / forward / backward: the body's first conditional) and ends them
+    after it, before the two conditionals writing what they received into the buffers;
+    without overlap each transfer is inside a branch of its own (sent only when some stage
+    receives), after the blocks."""
     order = _loop_order(True)
     starts = [i for i, x in enumerate(order) if x == "collective-permute-start"]
     dones = [i for i, x in enumerate(order) if x == "collective-permute-done"]
-    blocks = [i for i, x in enumerate(order) if x == "conditional"][:2]
-    assert len(starts) == len(dones) == 2 and len(blocks) == 2, order
-    assert max(starts) < min(blocks) and max(blocks) < min(dones), order
+    conds = [i for i, x in enumerate(order) if x == "conditional"]
+    assert len(starts) == len(dones) == 2 and len(conds) == 3, order
+    assert max(starts) < conds[0] < min(dones) and max(dones) < conds[1], order
     assert "collective-permute-start" not in _loop_order(False)
 
 
