@@ -67,7 +67,7 @@ class PipelineProgram(InGraphRuntime):
     """A pipelined training program for one module, mesh, schedule and batch shape.
 
     Use :meth:`to_pipeline` / :meth:`from_pipeline` to move parameters between the module's tree
-    and the pipeline layout (``{'shared': leaves, 'layers': leaves stacked [stages, virtual,
+    and the pipeline layout (``{'shared': leaves, 'stages': leaves stacked [stages, virtual,
     layers per chunk, ...]}``), :meth:`grads` for the accumulated loss and gradients, and
     :meth:`train_step` for the jitted optax step.
     """
@@ -102,7 +102,7 @@ class PipelineProgram(InGraphRuntime):
     # ---- parameter layout --------------------------------------------------------------------
 
     def to_pipeline(self, params: Any) -> dict:
-        """Module params -> ``{'shared': [...], 'layers': [...]}`` placed on the mesh."""
+        """Module params -> ``{'shared': [...], 'stages': [...]}`` placed on the mesh."""
         rep, _ = self.shardings()
         shared_sh, layer_sh = self.leaf_shardings()
         leaves = [jax.device_put(x, rep) for x in jax.tree.leaves(params)]
@@ -110,20 +110,20 @@ class PipelineProgram(InGraphRuntime):
             pp = self.layout(self.param_avals)[0](leaves)
         return {"shared": [jax.device_put(x, sh, may_alias=False)
                            for x, sh in zip(pp["shared"], shared_sh, strict=True)],
-                "layers": [jax.device_put(x, sh) for x, sh in zip(pp["layers"], layer_sh,
+                "stages": [jax.device_put(x, sh) for x, sh in zip(pp["stages"], layer_sh,
                                                                    strict=True)]}
 
     def from_pipeline(self, pp: dict) -> Any:
         """The inverse of :meth:`to_pipeline` (a module params tree)."""
         rep, _ = self.shardings()
-        pp = {"shared": pp["shared"], "layers": [jax.device_put(x, rep) for x in pp["layers"]]}
+        pp = {"shared": pp["shared"], "stages": [jax.device_put(x, rep) for x in pp["stages"]]}
         with jax.set_mesh(self.mesh):
             leaves = self.layout(self.param_avals)[1](pp)
         return jax.tree.unflatten(self.params_tree, leaves)
 
     def layout(self, avals: list) -> tuple[Callable, Callable]:
         """Traceable ``(to_layout, to_module)`` between the module's parameter leaves (shaped
-        as ``avals``) and ``{'shared', 'layers'}``: each layer leaf stacked ``[stages, virtual,
+        as ``avals``) and ``{'shared', 'stages'}``: each layer leaf stacked ``[stages, virtual,
         layers per chunk, ...]`` (chunk ``c = v * S + s``)."""
         del avals  # (shapes are read off the leaves)
         S, V, K, split = self.schedule.stages, self.schedule.virtual, self.per_chunk, self.split
@@ -134,13 +134,13 @@ class PipelineProgram(InGraphRuntime):
                 x = (jnp.asarray(leaves[split.layer_leaves[0][k]]) if split.stacked
                      else jnp.stack([leaves[lv[k]] for lv in split.layer_leaves]))
                 layers.append(x.reshape((V, S, K) + x.shape[1:]).swapaxes(0, 1))
-            return {"shared": [leaves[j] for j in split.shared], "layers": layers}
+            return {"shared": [leaves[j] for j in split.shared], "stages": layers}
 
         def to_module(pp: dict) -> list:
             leaves: list[Any] = [None] * split.n_params
             for j, x in zip(split.shared, pp["shared"], strict=True):
                 leaves[j] = x
-            for k, x in enumerate(pp["layers"]):
+            for k, x in enumerate(pp["stages"]):
                 full = jnp.swapaxes(x, 0, 1).reshape((split.n_layers,) + x.shape[3:])
                 for i, lv in enumerate(split.layer_leaves[:1] if split.stacked
                                        else split.layer_leaves):
@@ -157,7 +157,7 @@ class PipelineProgram(InGraphRuntime):
                 else (2,) * len(a.shape) for j, a in enumerate(self.param_avals)]
 
     def leaf_shardings(self) -> tuple[list[NamedSharding], list[NamedSharding]]:
-        """Storage of the ``shared`` and ``layers`` leaves: replicated / over the stage axis,
+        """Storage of the ``shared`` and ``stages`` leaves: replicated / over the stage axis,
         and over the tensor-parallel axes as the in-stage plan stores the variables."""
         sp, split = self.stage_plan, self.split
         if sp is None:
@@ -240,7 +240,7 @@ class PipelineProgram(InGraphRuntime):
         rng streams."""
         placed, batch_spec, seed = self.microbatches(batch, key, scale)
         shared_spec = [P()] * len(pp["shared"])
-        layer_spec = [P(self.axis)] * len(pp["layers"])
+        layer_spec = [P(self.axis)] * len(pp["stages"])
         # Tensor parallelism: manual over the stage and data axes only, the TP axes stay auto.
         manual = {"axis_names": {self.axis, *self.data_axes}} if self.tp_axes else {}
         fn = jax.shard_map(self._local, mesh=self.mesh,
@@ -250,11 +250,11 @@ class PipelineProgram(InGraphRuntime):
         shared_sh, layer_sh = self.leaf_shardings()
         place = lambda xs, shs: [place_as(x, sh)
                                  for x, sh in zip(xs, shs, strict=True)]
-        loss, gs, gl, _ = fn(place(pp["shared"], shared_sh), place(pp["layers"], layer_sh),
+        loss, gs, gl, _ = fn(place(pp["shared"], shared_sh), place(pp["stages"], layer_sh),
                              placed, {}, seed)
         if self.tp_axes:
             gs, gl = place(gs, shared_sh), place(gl, layer_sh)
-        return loss, {"shared": gs, "layers": gl}
+        return loss, {"shared": gs, "stages": gl}
 
     @functools.cached_property
     def _store(self) -> Callable[[Any], Any]:
@@ -265,7 +265,7 @@ class PipelineProgram(InGraphRuntime):
         shape = lambda j: self.param_shapes[j][1:] if sp.stacked else self.param_shapes[j]
         shapes = {"shared": [jax.ShapeDtypeStruct(self.param_shapes[j], np.float32)
                              for j in sp.shared],
-                  "layers": [jax.ShapeDtypeStruct((S, V, K) + shape(j), np.float32)
+                  "stages": [jax.ShapeDtypeStruct((S, V, K) + shape(j), np.float32)
                              for j in sp.layer_leaves[0]]}
-        return mirror_store(shapes, {"shared": list(shared_sh), "layers": list(layer_sh)},
+        return mirror_store(shapes, {"shared": list(shared_sh), "stages": list(layer_sh)},
                             self.shardings()[0])

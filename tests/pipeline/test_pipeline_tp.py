@@ -107,10 +107,10 @@ def test_tensor_parallel_stages_match_single_device(preset, shape, names, schedu
              if "query" in jax.tree_util.keystr(paths[j]) and
              "kernel" in jax.tree_util.keystr(paths[j]))
     adam = state["opt_state"][0]
-    for x in (state["params"]["layers"][q], metrics["grads"]["layers"][q], adam.mu["layers"][q],
-              adam.nu["layers"][q]):
+    for x in (state["params"]["stages"][q], metrics["grads"]["stages"][q], adam.mu["stages"][q],
+              adam.nu["stages"][q]):
         assert x.shape[-2] == 4 and x.addressable_shards[0].data.shape[-2] == 2
-    assert tuple(state["params"]["layers"][q].sharding.spec)[:5] == (
+    assert tuple(state["params"]["stages"][q].sharding.spec)[:5] == (
         "stage", None, None, None, "model")
 
     # Megatron: the attention and MLP row-parallel outputs (forward) and their input gradients

@@ -243,7 +243,7 @@ def _pipelined_grads(spec, stages, constraints):
     shared, layers = prog.leaf_shardings()
     sds = lambda xs, shs: [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
                            for x, sh in zip(xs, shs, strict=True)]
-    pp = {"shared": sds(pp["shared"], shared), "layers": sds(pp["layers"], layers)}
+    pp = {"shared": sds(pp["shared"], shared), "stages": sds(pp["stages"], layers)}
     options = {**GPU_COMPILER_OPTIONS, **(compiler_options(prog.tables, prog.mesh) or {})}
     with jax.set_mesh(prog.mesh):
         return pm.plan, jax.jit(prog.grads).lower(pp, tuple(args)).compile(options)
