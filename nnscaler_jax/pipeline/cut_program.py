@@ -242,8 +242,6 @@ class CutProgram(InGraphRuntime):
             require_forward_order(sched)
         self._cut(closed, abstract, stage_of)
         self.g_width = {k: n for k, n in self.c_width.items() if _floating(k)} or {"float32": 1}
-        self.act = {k: jax.ShapeDtypeStruct((n,), k) for k, n in self.c_width.items()}
-        self.cot = {k: jax.ShapeDtypeStruct((n,), k) for k, n in self.g_width.items()}
         self.tables = loop_tables(sched, "FBNEHWG", overlap=overlap)
 
     def _cut(self, closed: Any, abstract: list, stage_of: tuple) -> None:
@@ -374,12 +372,25 @@ class CutProgram(InGraphRuntime):
 
     # ---- the step ----------------------------------------------------------------------------
 
+    @property
+    def act(self) -> dict:
+        """An activation-buffer entry: the packed boundary values, ``{dtype: (width,)}``."""
+        return {k: jax.ShapeDtypeStruct((n,), k) for k, n in self.c_width.items()}
+
+    @property
+    def cot(self) -> dict:
+        """A cotangent-buffer entry: their floating part packed, ``{dtype: (width,)}``."""
+        return {k: jax.ShapeDtypeStruct((n,), k) for k, n in self.g_width.items()}
+
+    def _fresh(self, c: int) -> bool:
+        """Chunk ``c``'s F / B read the batch, not the last recycling pass's outputs."""
+        return c > 0 or not self.x_vars
+
     def chunk_forward(self, c: Any, args: tuple) -> tuple[dict, Any, dict]:
         """Chunk ``c``'s segment forward (:func:`run_segment`), by ``lax.switch`` on ``c``;
         chunk 0 of a recycling program reads the last pass's outputs."""
-        fresh = lambda c: c > 0 or not self.x_vars
-        fwds = [partial(lambda c, *a: run_segment(self, c + self.seg0, *a[:3], a[4], fresh(c),
-                                                  a[5]), c)
+        fwds = [partial(lambda c, *a: run_segment(self, c + self.seg0, *a[:3], a[4],
+                                                  self._fresh(c), a[5]), c)
                 for c in range(self.schedule.chunks)]
         return lax.switch(c, fwds, *args)
 
@@ -390,10 +401,9 @@ class CutProgram(InGraphRuntime):
             gc, kept = lax.switch(c, [partial(split.input_grads, c, seed=seed)
                                       for c in range(C)], args)
             return None, None, gc, kept
-        fresh = lambda c: c > 0 or not self.x_vars
         bwds = [partial(lambda c, *a: _vjp(self, c + seg0, *a[:5],
-                                           seed if c + seg0 == last_seg else None, fresh(c),
-                                           a[5]), c)
+                                           seed if c + seg0 == last_seg else None,
+                                           self._fresh(c), a[5]), c)
                 for c in range(C)]
         gp, gsh, gc, _ = lax.switch(c, bwds, *args)
         return gp, gsh, gc, None

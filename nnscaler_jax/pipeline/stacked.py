@@ -94,8 +94,6 @@ class PipelineProgram(InGraphRuntime):
             raise PlanError(f"{L} layers do not split into {sched.stages} stages x "
                             f"{sched.virtual} chunks; use a stage count dividing {L}")
         self.per_chunk = L // C
-        x0 = self.split.x0.aval
-        self.act = self.cot = {"x": jax.ShapeDtypeStruct(x0.shape, x0.dtype)}
         self.tables = loop_tables(sched, overlap=overlap)
         self.param_avals, self.param_shapes = abstract, [tuple(a.shape) for a in abstract]
 
@@ -215,6 +213,14 @@ class PipelineProgram(InGraphRuntime):
 
         loss = lax.cond(c == C - 1, post, lambda: jnp.zeros((), jnp.float32))
         return x, loss
+
+    @property
+    def act(self) -> dict:
+        """An activation-buffer entry (and a cotangent's): the layers' activation."""
+        x0 = self.split.x0.aval
+        return {"x": jax.ShapeDtypeStruct(x0.shape, x0.dtype)}
+
+    cot = act
 
     def chunk_forward(self, c: Any, args: tuple) -> tuple[dict, Any, dict]:
         """Chunk ``c``'s forward (:meth:`_chunk`) on the block arguments: no collections."""
