@@ -20,7 +20,9 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import jax
 import numpy as np
+from jax.experimental.compilation_cache.compilation_cache import reset_cache
 
 from nnscaler_jax.ir.graph import Graph, Role
 from nnscaler_jax.layout import Layout
@@ -34,9 +36,11 @@ __all__ = ["HloCollective", "HloTraffic", "expected_collectives", "hlo_collectiv
 @contextlib.contextmanager
 def xla_stderr(*, echo: bool = False) -> Iterator[list[str]]:
     """What the process writes to fd 2 inside the block (XLA's C++ logging), in ``out[0]``;
-    ``echo``: write it to ``sys.stderr`` afterwards as well."""
+    ``echo``: write it to ``sys.stderr`` afterwards as well. jax's persistent compilation
+    cache is off inside the block: a program it served would be loaded, not compiled, and
+    log nothing."""
     out = [""]
-    with tempfile.TemporaryFile() as f:
+    with _compiled_here(), tempfile.TemporaryFile() as f:
         sys.stderr.flush()
         saved = os.dup(2)
         os.dup2(f.fileno(), 2)
@@ -50,6 +54,21 @@ def xla_stderr(*, echo: bool = False) -> Iterator[list[str]]:
             out[0] = f.read().decode(errors="replace")
     if echo and out[0]:
         sys.stderr.write(out[0])
+
+@contextlib.contextmanager
+def _compiled_here() -> Iterator[None]:
+    """jax's persistent compilation cache off inside the block, where a user turned it on."""
+    if not jax.config.jax_enable_compilation_cache:
+        yield
+        return
+    jax.config.update("jax_enable_compilation_cache", False)
+    reset_cache()  # (jax decides once per process whether it reads the cache)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+        reset_cache()
+
 
 _KINDS = {"all-reduce": "all_reduce", "all-gather": "all_gather",
           "reduce-scatter": "reduce_scatter", "all-to-all": "all_to_all",

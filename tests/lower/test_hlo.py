@@ -1,5 +1,6 @@
 """`lower/hlo.py`: reading collectives out of HLO text (synthetic lines in each replica-group
-syntax XLA prints; nothing compiled) and the collectives a plan implies (`expected_collectives`)."""
+syntax XLA prints; nothing compiled), the collectives a plan implies (`expected_collectives`),
+and `xla_stderr` compiling past jax's persistent compilation cache."""
 
 from __future__ import annotations
 
@@ -8,10 +9,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import monitoring
 from meshes import make_mesh
 
 from nnscaler_jax import trace
-from nnscaler_jax.lower.hlo import HloCollective, expected_collectives, hlo_collectives, summarize
+from nnscaler_jax.lower.hlo import (
+    HloCollective,
+    expected_collectives,
+    hlo_collectives,
+    summarize,
+    xla_stderr,
+)
 from nnscaler_jax.primitives import Draft
 
 
@@ -184,3 +192,31 @@ def test_traffic_counts_large_buffers_once_per_kernel_and_loop_trip():
     assert hlo_traffic(text, 1 << 21).bytes == 0          # nothing is 2 MiB or more
     one = hlo_traffic(jax.jit(lambda x: jnp.sin(x) * 2).lower(x).compile().as_text(), 1 << 20)
     assert one.bytes == 2 * (1 << 20) and one.kernels == 1   # read x, write the result
+
+
+def test_xla_stderr_compiles_what_the_persistent_cache_holds():
+    """The suite runs with jax's persistent compilation cache (the root conftest): a program it
+    holds is loaded, not compiled, and XLA logs nothing. Inside ``xla_stderr`` (what the
+    involuntary-rematerialization checks read) the program is compiled again."""
+    assert jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir
+    hits = []
+
+    def listener(event, **_kw):
+        if event == "/jax/compilation_cache/cache_hits":
+            hits.append(event)
+
+    def program():  # a new closure each time: jit's in-memory cache does not know it
+        return jax.jit(lambda x: jnp.sin(x) * 3.0 + 0.125).lower(jnp.arange(7.0))
+
+    program().compile()
+    monitoring.register_event_listener(listener)
+    try:
+        program().compile()
+        served = len(hits)
+        with xla_stderr():
+            program().compile()
+        inside = len(hits) - served
+        program().compile()  # the cache is on again afterwards
+    finally:
+        monitoring.unregister_event_listener(listener)
+    assert (served, inside, len(hits)) == (1, 0, 2)
