@@ -162,7 +162,7 @@ def test_class_decorator_linen_and_nnx():
             return self.fc(x)
 
     net = Net(nnx.Rngs(0))
-    ref = x @ net.fc.kernel.value + net.fc.bias.value
+    ref = x @ net.fc.kernel[...] + net.fc.bias[...]
     assert max_rel_diff(net(x), ref)[0] <= 1e-5
 
 

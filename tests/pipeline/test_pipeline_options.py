@@ -156,7 +156,7 @@ class _Cached(nnx.Module):
         self.seen = nnx.Cache(jnp.zeros(8))
 
     def __call__(self, x):
-        self.seen.value = self.seen.value + x.sum(0)
+        self.seen[...] = self.seen[...] + x.sum(0)
         return self.l2(self.l1(x))
 
 
