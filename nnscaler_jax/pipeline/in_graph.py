@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.pipeline.loop_tables import CODES
 from nnscaler_jax.pipeline.mutable import average
-from nnscaler_jax.pipeline.program import PipelineRuntime, micro_leaves
+from nnscaler_jax.pipeline.program import PipelineRuntime
 from nnscaler_jax.pipeline.update import cached_view, initial_state, jitted_step, place_as
 
 __all__ = ["OVERLAP_OPTIONS", "InGraphRuntime", "compiler_options", "exchange", "send_if",
@@ -146,11 +146,12 @@ class InGraphRuntime(PipelineRuntime):
 
     def microbatches(self, batch: tuple, key: Any, scale: Any) -> tuple[list, list, Any]:
         """The ``shard_map``'s batch arguments: the batch's leaves as ``[M, D, b, ...]`` (and
-        the micro-batches' keys: :func:`~nnscaler_jax.pipeline.program.micro_leaves`) placed
-        split over the data axes, their specs, and the loss's cotangent per micro-batch
+        the micro-batches' keys:
+        :meth:`~nnscaler_jax.pipeline.program.PipelineRuntime.micro_leaves`) placed split over
+        the data axes, their specs, and the loss's cotangent per micro-batch
         (``scale / M``: the backward's seed)."""
         data = self.data_axes if self.data_axes else None
-        shaped = micro_leaves(self, batch, key)
+        shaped = self.micro_leaves(batch, key)
         specs = [P(None, data)] * len(shaped)
         placed = [place_as(x, NamedSharding(self.mesh, sp))
                   for x, sp in zip(shaped, specs, strict=True)]

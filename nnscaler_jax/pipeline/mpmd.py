@@ -65,7 +65,6 @@ from nnscaler_jax.pipeline.leafwise import leafwise
 from nnscaler_jax.pipeline.program import (
     ModuleCall,
     PipelineRuntime,
-    micro_leaves,
 )
 from nnscaler_jax.pipeline.recycle import traced_program
 from nnscaler_jax.pipeline.split_backward import split_backward
@@ -520,7 +519,7 @@ class MpmdProgram(PipelineRuntime):
         # reshaped under that mesh (outside any, its out_sharding has no mesh to name)
         typed = any(explicitly_typed(x) for x in jax.tree.leaves(batch))
         with jax.set_mesh(self.user_mesh if typed else None):
-            shaped = micro_leaves(self, batch, key)
+            shaped = self.micro_leaves(batch, key)
             shaped = [[x[m] for x in shaped] for m in range(self.schedule.microbatches)]
         leaves = [self.params_tree.flatten_up_to(t) for t in pp]
         params = [[leaves[self._stage(k)][j] for j in self.reads[k]] for k in range(K)]
@@ -602,7 +601,7 @@ class MpmdProgram(PipelineRuntime):
         scaling), one module-shaped tree per stage (a
         leaf several stages read: the sum of their gradients on each); ``key``: the step's
         key, when the program was traced with rng streams (each micro-batch and data shard
-        its own, :func:`~nnscaler_jax.pipeline.program.micro_leaves`)."""
+        its own, :meth:`~nnscaler_jax.pipeline.program.PipelineRuntime.micro_leaves`)."""
         S = self.schedule.stages + self.seg0  # (the groups: stages, all devices)
         seed = np.float32(float(scale) / self.schedule.microbatches)
         loss, acc = self._walk(pp, batch, key, seed)

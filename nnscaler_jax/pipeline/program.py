@@ -19,8 +19,8 @@ step's derivation for its micro-batch ``g``). The keys are inputs of the traced 
 stream (linen) or per ``nnx.RngStream`` (nnx: the ``i``-th stream named ``s`` gets
 ``fold_in(rngs[s], i)``, what ``nnx.reseed(model, s=rngs[s])`` sets; besides ``rng_streams``,
 the ``'default'`` stream of an ``nnx.Rngs(0)`` is keyed, as the last stream), sliced per
-micro-batch in the step loop like the batch (:func:`micro_leaves`). They are read where a module
-makes its rng (``Dropout``), so no key crosses a stage boundary.
+micro-batch in the step loop like the batch (:meth:`PipelineRuntime.micro_leaves`). They are
+read where a module makes its rng (``Dropout``), so no key crosses a stage boundary.
 
 **Collections.** Mutable collections (BatchNorm statistics: linen's variables besides
 ``params``, called with ``mutable=[...]``; an nnx module's ``nnx.BatchStat``) are inputs of the
@@ -57,10 +57,9 @@ from nnscaler_jax.lower.replay import explicitly_typed
 from nnscaler_jax.mesh.axes import auto_view, mesh_axes, require_stage_axis
 from nnscaler_jax.pipeline.in_stage import tensor_axes
 
-__all__ = ["ModuleCall", "PipelineRuntime", "StepOptions", "check_batch", "collections_error",
-           "empty_collection_error", "inputs_error", "micro_leaves", "micro_rows", "micro_setup",
-           "microbatch_rngs", "rng_error", "split_batch", "stage_axis", "trace_micro", "typed_key",
-           "why_cut"]
+__all__ = ["ModuleCall", "PipelineRuntime", "StepOptions", "collections_error",
+           "empty_collection_error", "inputs_error", "micro_rows", "microbatch_rngs", "rng_error",
+           "split_batch", "stage_axis", "typed_key", "why_cut"]
 
 
 def microbatch_rngs(key: Any, index: Any, streams: Sequence[str]) -> dict:
@@ -223,6 +222,93 @@ class PipelineRuntime(abc.ABC):
     def collections_from_pipeline(self, pc: Any) -> Any:
         """Mutable collections in the runtime's layout as the module's."""
         raise PlanError(f"{type(self).__name__} carries no mutable collections")
+
+    def micro_setup(self, params: Any, batch: tuple, call: ModuleCall) -> tuple[list, Any]:
+        """``(parameter avals, the batch's micro-batch avals)``; sets ``params_tree``,
+        ``param_paths``, ``coll_tree``, ``coll_paths``, ``coll_avals``, ``batch_tree``,
+        ``batch_shapes``, ``key_slots`` and ``key_streams`` (what the runtime of a traced
+        micro-batch program reads)."""
+        flat, self.params_tree = jax.tree_util.tree_flatten_with_path(params)
+        self.param_paths = [path_str(p) for p, _ in flat]
+        colls, self.coll_tree = jax.tree_util.tree_flatten_with_path(call.collections)
+        self.coll_paths = [path_str(p) for p, _ in colls]
+        aval = lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
+        self.coll_avals = [aval(x) for _, x in colls]
+        mb_batch = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((self.mb_size,) + tuple(x.shape[1:]), x.dtype), batch)
+        self.batch_tree = jax.tree.structure(mb_batch)
+        self.batch_shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(batch)]
+        self.key_slots, self.key_streams = call.slots, call.streams
+        return [aval(x) for _, x in flat], mb_batch
+
+    def trace_micro(self, params: Any, batch: tuple, call: ModuleCall) -> tuple[Any, list]:
+        """``(closed jaxpr (params..., collections..., batch..., keys...) -> (loss, new
+        collections...), parameter avals)`` of one micro-batch (``mb_size`` rows; without
+        collections the program returns the loss alone); sets what :meth:`micro_setup` sets.
+
+        Raises:
+            PlanError: the call returns collections other than those it was given.
+        """
+        abstract, mb_batch = self.micro_setup(params, batch, call)
+        n, nc, nb = len(abstract), len(self.coll_avals), len(jax.tree.leaves(mb_batch))
+
+        def program(*leaves):
+            p = jax.tree.unflatten(self.params_tree, leaves[:n])
+            c = jax.tree.unflatten(self.coll_tree, leaves[n:n + nc])
+            b = jax.tree.unflatten(self.batch_tree, leaves[n + nc:n + nc + nb])
+            out, new = call(p, call.options.args(b), leaves[n + nc + nb:], c)
+            if jax.tree.structure(new) != self.coll_tree:
+                raise PlanError(
+                    f"train_step: {type(self.module).__name__} returns the collections "
+                    f"{jax.tree.structure(new)} for {self.coll_tree}; the pipelined step "
+                    "carries the collections it is given: pass every collection module.init "
+                    "returned")
+            loss = self.loss_fn(out, *b)
+            return (loss, *jax.tree.leaves(new)) if nc else loss
+
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        # traced without the caller's context mesh (``with jax.set_mesh(mesh):``): the runtimes
+        # evaluate the equations inside their own shard_maps / sub-meshes, where values typed on
+        # the caller's Explicit mesh do not bind
+        with jax.set_mesh(None):
+            closed = jax.make_jaxpr(program)(*abstract, *self.coll_avals,
+                                             *jax.tree.leaves(mb_batch), *[key] * len(call.slots))
+        return closed, abstract
+
+    def micro_leaves(self, batch: tuple, key: Any = None) -> list:
+        """The batch leaves as ``[M, D, b, ...]`` (micro-batch, data shard, rows), then (``key``
+        given) one ``[M, D]`` key array per key slot of this runtime's traced program."""
+        M, D, b = self.schedule.microbatches, self.dp, self.mb_size
+        data = self.data_axes if self.data_axes else None
+        # (a batch typed on an Explicit mesh says where the micro-batches go)
+        out = [jnp.reshape(x, (M, D, b) + x.shape[1:],
+                           **({"out_sharding": P(None, data)} if explicitly_typed(x) else {}))
+               for x in jax.tree.leaves(batch)]
+        if key is None or not self.key_slots:
+            return out
+
+        def keys(g):
+            rngs = microbatch_rngs(key, g, self.key_streams)
+            return [rngs[s] if i is None else jax.random.fold_in(rngs[s], i)
+                    for s, i in self.key_slots]
+
+        return out + [k.reshape(M, D) for k in jax.vmap(keys)(jnp.arange(M * D))]
+
+    def check_batch(self, batch: tuple) -> None:
+        """Raise a :class:`PlanError` unless ``batch`` has the arrays and shapes of the batch the
+        step was built for (``step.init``): the micro-batch program is traced for them.
+
+        >>> class P: batch_tree = jax.tree.structure((0, 0)); batch_shapes = [(8, 4), (8,)]
+        >>> PipelineRuntime.check_batch(P, (np.zeros((8, 4)), np.zeros(8)))
+        """
+        got = [tuple(np.shape(x)) for x in jax.tree.leaves(batch)]
+        if jax.tree.structure(tuple(batch)) == self.batch_tree and got == self.batch_shapes:
+            return
+        raise PlanError(f"step(state, *batch): the step was built (step.init) for a batch of "
+                        f"{len(self.batch_shapes)} arrays shaped {self.batch_shapes}, got "
+                        f"{len(got)} shaped {got}. Its micro-batch program is traced for those "
+                        "shapes: call step.init(variables, *batch) again for another batch size, "
+                        "or pad or drop the last, smaller batch of an epoch")
 
 
 def why_cut(*, pivots: bool, schedule: Any, precision: str | None, collections: bool
@@ -454,103 +540,14 @@ class ModuleCall:
         return out, nnx.to_pure_dict(nnx.state(m, nnx.BatchStat)) if colls else {}
 
 
-def micro_setup(prog: Any, params: Any, batch: tuple, call: ModuleCall) -> tuple[list, Any]:
-    """``(parameter avals, the batch's micro-batch avals)``; sets ``prog.params_tree``,
-    ``param_paths``, ``coll_tree``, ``coll_paths``, ``coll_avals``, ``batch_tree``, ``batch_shapes``,
-    ``key_slots`` and ``key_streams`` (what a traced micro-batch program's runtime reads)."""
-    flat, prog.params_tree = jax.tree_util.tree_flatten_with_path(params)
-    prog.param_paths = [path_str(p) for p, _ in flat]
-    colls, prog.coll_tree = jax.tree_util.tree_flatten_with_path(call.collections)
-    prog.coll_paths = [path_str(p) for p, _ in colls]
-    aval = lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
-    prog.coll_avals = [aval(x) for _, x in colls]
-    mb_batch = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct((prog.mb_size,) + tuple(x.shape[1:]), x.dtype), batch)
-    prog.batch_tree = jax.tree.structure(mb_batch)
-    prog.batch_shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(batch)]
-    prog.key_slots, prog.key_streams = call.slots, call.streams
-    return [aval(x) for _, x in flat], mb_batch
-
-
-def trace_micro(prog: Any, params: Any, batch: tuple, call: ModuleCall) -> tuple[Any, list]:
-    """``(closed jaxpr (params..., collections..., batch..., keys...) -> (loss, new
-    collections...), parameter avals)`` of one micro-batch (``prog.mb_size`` rows) of ``prog``
-    (either pipelined program; without collections the program returns the loss alone); sets
-    what :func:`micro_setup` sets.
-
-    Raises:
-        PlanError: the call returns collections other than those it was given.
-    """
-    abstract, mb_batch = micro_setup(prog, params, batch, call)
-    n, nc, nb = len(abstract), len(prog.coll_avals), len(jax.tree.leaves(mb_batch))
-
-    def program(*leaves):
-        p = jax.tree.unflatten(prog.params_tree, leaves[:n])
-        c = jax.tree.unflatten(prog.coll_tree, leaves[n:n + nc])
-        b = jax.tree.unflatten(prog.batch_tree, leaves[n + nc:n + nc + nb])
-        out, new = call(p, call.options.args(b), leaves[n + nc + nb:], c)
-        if jax.tree.structure(new) != prog.coll_tree:
-            raise PlanError(f"train_step: {type(prog.module).__name__} returns the collections "
-                            f"{jax.tree.structure(new)} for {prog.coll_tree}; the pipelined "
-                            "step carries the collections it is given: pass every collection "
-                            "module.init returned")
-        loss = prog.loss_fn(out, *b)
-        return (loss, *jax.tree.leaves(new)) if nc else loss
-
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    # traced without the caller's context mesh (``with jax.set_mesh(mesh):``): the runtimes
-    # evaluate the equations inside their own shard_maps / sub-meshes, where values typed on
-    # the caller's Explicit mesh do not bind
-    with jax.set_mesh(None):
-        closed = jax.make_jaxpr(program)(*abstract, *prog.coll_avals,
-                                         *jax.tree.leaves(mb_batch), *[key] * len(call.slots))
-    return closed, abstract
-
-
-def micro_leaves(prog: Any, batch: tuple, key: Any = None) -> list:
-    """The batch leaves as ``[M, D, b, ...]`` (micro-batch, data shard, rows), then (``key``
-    given) one ``[M, D]`` key array per key slot of ``prog``'s traced program."""
-    M, D, b = prog.schedule.microbatches, prog.dp, prog.mb_size
-    data = prog.data_axes if prog.data_axes else None
-    # (a batch typed on an Explicit mesh says where the micro-batches go)
-    out = [jnp.reshape(x, (M, D, b) + x.shape[1:],
-                       **({"out_sharding": P(None, data)} if explicitly_typed(x) else {}))
-           for x in jax.tree.leaves(batch)]
-    if key is None or not prog.key_slots:
-        return out
-    def keys(g):
-        rngs = microbatch_rngs(key, g, prog.key_streams)
-        return [rngs[s] if i is None else jax.random.fold_in(rngs[s], i)
-                for s, i in prog.key_slots]
-
-    return out + [k.reshape(M, D) for k in jax.vmap(keys)(jnp.arange(M * D))]
-
-
-def check_batch(prog: Any, batch: tuple) -> None:
-    """Raise a :class:`PlanError` unless ``batch`` has the arrays and shapes of the batch the
-    step was built for (``step.init``): the micro-batch program is traced for them.
-
-    >>> class P: batch_tree = jax.tree.structure((0, 0)); batch_shapes = [(8, 4), (8,)]
-    >>> check_batch(P, (np.zeros((8, 4)), np.zeros(8)))
-    """
-    got = [tuple(np.shape(x)) for x in jax.tree.leaves(batch)]
-    if jax.tree.structure(tuple(batch)) == prog.batch_tree and got == prog.batch_shapes:
-        return
-    raise PlanError(f"step(state, *batch): the step was built (step.init) for a batch of "
-                    f"{len(prog.batch_shapes)} arrays shaped {prog.batch_shapes}, got "
-                    f"{len(got)} shaped {got}. Its micro-batch program is traced for those "
-                    "shapes: call step.init(variables, *batch) again for another batch size, or "
-                    "pad or drop the last, smaller batch of an epoch")
-
-
 def split_batch(batch: tuple, mesh: Any, axes: tuple[str, ...]) -> tuple:
     """``batch`` with each leaf not yet spread over the mesh (a numpy array, an array on one
     device) placed split over ``axes`` along its leading dim, where that dim divides. A jit
     argument left as it is would be copied whole to every device: the step reads it as
-    :func:`micro_leaves` lays it out, ``[M, D, b]``, which no sharding of the argument says, so
-    XLA propagates none to it. Leaves the caller spread over the devices keep their layout (on
-    ``mesh``'s axis types: a batch typed on the caller's Explicit mesh is retyped on the Auto view
-    a tensor-parallel runtime runs on)."""
+    :meth:`PipelineRuntime.micro_leaves` lays it out, ``[M, D, b]``, which no sharding of the
+    argument says, so XLA propagates none to it. Leaves the caller spread over the devices keep
+    their layout (on ``mesh``'s axis types: a batch typed on the caller's Explicit mesh is
+    retyped on the Auto view a tensor-parallel runtime runs on)."""
     ways = math.prod(mesh.shape[a] for a in axes)
     sharding = NamedSharding(mesh, P(axes))
     auto = not any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)

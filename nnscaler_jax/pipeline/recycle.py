@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from nnscaler_jax.errors import PlanError
-from nnscaler_jax.pipeline.program import ModuleCall, micro_setup, trace_micro
+from nnscaler_jax.pipeline.program import ModuleCall
 
 __all__ = ["recycling_program", "reference_loss", "traced_program"]
 
@@ -46,12 +46,13 @@ def recycling_program(prog: Any, params: Any, batch: tuple,
     """``(closed jaxpr (params..., x..., batch..., keys...) -> (loss, *outputs), parameter
     avals, the x input variables)`` for ``prog`` (a :class:`~nnscaler_jax.pipeline.cut_program.
     CutProgram` with ``mb_size`` set): ``x`` are the module's arguments (``call``'s ``inputs``
-    leading batch arrays); sets what :func:`~nnscaler_jax.pipeline.program.trace_micro` sets.
+    leading batch arrays); sets what
+    :meth:`~nnscaler_jax.pipeline.program.PipelineRuntime.trace_micro` sets.
 
     Raises:
         PlanError: the module's outputs do not match its inputs.
     """
-    abstract, mb = micro_setup(prog, params, batch, call)
+    abstract, mb = prog.micro_setup(params, batch, call)
     args = call.options.args(mb)
     args_tree = jax.tree.structure(args)
     n, nx, nb = len(abstract), len(jax.tree.leaves(args)), len(jax.tree.leaves(mb))
@@ -84,10 +85,10 @@ def traced_program(prog: Any, params: Any, batch: tuple, call: ModuleCall) -> tu
     """``(closed jaxpr, parameter avals)`` of the micro-batch program ``prog``'s schedule runs
     (a program cut into chunks, ``mb_size`` set): the recycling program for a schedule with
     recycling passes (``nf1b``), its ``x`` variables ``prog.x_vars``; else
-    :func:`~nnscaler_jax.pipeline.program.trace_micro`'s (``prog.x_vars`` empty)."""
+    :meth:`~nnscaler_jax.pipeline.program.PipelineRuntime.trace_micro`'s (``prog.x_vars`` empty)."""
     if prog.schedule.recycles:  # nf1b: the module's outputs are its next pass's inputs
         closed, abstract, prog.x_vars = recycling_program(prog, params, batch, call)
     else:
-        closed, abstract = trace_micro(prog, params, batch, call)
+        closed, abstract = prog.trace_micro(params, batch, call)
         prog.x_vars = ()
     return closed, abstract

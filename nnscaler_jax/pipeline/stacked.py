@@ -49,7 +49,6 @@ from nnscaler_jax.pipeline.in_stage import InStagePlan, plan_in_stage
 from nnscaler_jax.pipeline.loop_tables import loop_tables
 from nnscaler_jax.pipeline.program import (
     ModuleCall,
-    trace_micro,
 )
 from nnscaler_jax.pipeline.split import split_program
 from nnscaler_jax.pipeline.update import (
@@ -79,7 +78,7 @@ class PipelineProgram(InGraphRuntime):
         del budget  # (one in-stage plan of the whole micro-batch program, every stage's)
         self._setup(module, loss_fn, mesh, sched, batch, policy=policy, recompute=recompute)
         call = call or ModuleCall.plain(module, params)
-        closed, abstract = trace_micro(self, params, batch, call)
+        closed, abstract = self.trace_micro(params, batch, call)
         paths, n_params = self.param_paths, len(abstract)
         self.split = split_program(closed, paths, type(module).__name__)
         self.stage_plan: InStagePlan | None = None

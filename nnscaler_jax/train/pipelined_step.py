@@ -19,7 +19,6 @@ from nnscaler_jax.pipeline.executor import build_runtime
 from nnscaler_jax.pipeline.program import (
     ModuleCall,
     PipelineRuntime,
-    check_batch,
     split_batch,
     typed_key,
 )
@@ -144,7 +143,7 @@ class PipelineStep(TrainStep):
 
     def _batch(self, batch: tuple) -> tuple:
         self._check()
-        check_batch(self.program, tuple(batch))
+        self.program.check_batch(tuple(batch))
         return split_batch(tuple(batch), self.program.mesh, self.program.data_axes)
 
     def __call__(self, state: dict, *batch: Any) -> tuple[dict, dict]:
