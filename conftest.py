@@ -15,8 +15,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # controller's environment): tests compile the same programs from new closures (the one-device
 # reference of a model, a plan's step in several tests), which jit's in-memory cache cannot
 # see. Measured 2026-12-04 on four pipeline / train files: 488 s without, 417 s from an empty
-# cache. What checks a compilation itself (XLA's log, the compile count) turns it off or counts
-# its hits: nnscaler_jax.lower.hlo.xla_stderr, tests/train/test_compiles_once.py.
+# cache. What reads XLA's log turns it off (nnscaler_jax.lower.hlo.xla_stderr); jax's compile
+# event, which tests/train/test_compiles_once.py counts, fires on a cache read too.
 # JAX_ENABLE_COMPILATION_CACHE=false runs without it.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="nnsj-jax-cache-")

@@ -34,6 +34,21 @@ __all__ = ["HloCollective", "HloTraffic", "expected_collectives", "hlo_collectiv
 
 
 @contextlib.contextmanager
+def _compiled_here() -> Iterator[None]:
+    """jax's persistent compilation cache off inside the block, where a user turned it on."""
+    if not (jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir):
+        yield
+        return
+    jax.config.update("jax_enable_compilation_cache", False)
+    reset_cache()  # (jax decides once per process whether it reads the cache)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+        reset_cache()
+
+
+@contextlib.contextmanager
 def xla_stderr(*, echo: bool = False) -> Iterator[list[str]]:
     """What the process writes to fd 2 inside the block (XLA's C++ logging), in ``out[0]``;
     ``echo``: write it to ``sys.stderr`` afterwards as well. jax's persistent compilation
@@ -54,20 +69,6 @@ def xla_stderr(*, echo: bool = False) -> Iterator[list[str]]:
             out[0] = f.read().decode(errors="replace")
     if echo and out[0]:
         sys.stderr.write(out[0])
-
-@contextlib.contextmanager
-def _compiled_here() -> Iterator[None]:
-    """jax's persistent compilation cache off inside the block, where a user turned it on."""
-    if not jax.config.jax_enable_compilation_cache:
-        yield
-        return
-    jax.config.update("jax_enable_compilation_cache", False)
-    reset_cache()  # (jax decides once per process whether it reads the cache)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_compilation_cache", True)
-        reset_cache()
 
 
 _KINDS = {"all-reduce": "all_reduce", "all-gather": "all_gather",
