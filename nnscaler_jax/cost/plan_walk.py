@@ -37,6 +37,7 @@ from nnscaler_jax.cost.residuals import (
     residual_readers,
     residual_reads,
     saved_operands,
+    weight_copies_read_once,
 )
 from nnscaler_jax.ir.attention import with_fused_attention
 from nnscaler_jax.ir.coshard import COSHARD, whole_reads, with_boundaries
@@ -194,7 +195,8 @@ def rebuilt_operands(op: Op, grads: Any) -> frozenset[int]:
 
 
 def _gathered(model: Any, op: Op, reads: list[int], ins: tuple[Layout, ...],
-              layout: Mapping[int, Layout], zero: int, mult: float, kept: dict) -> None:
+              layout: Mapping[int, Layout], zero: int, mult: float, kept: dict,
+              grown: set | None = None) -> None:
     """An operand ``op`` reads for the backward (``reads``), reaching it through a relayout
     that grows it (an all-gather), is saved as ``op`` reads it: the gathered copy stays for the
     backward next to the original (as ZeRO-3's gathered weights). Matmul / convolution (or
@@ -206,9 +208,11 @@ def _gathered(model: Any, op: Op, reads: list[int], ins: tuple[Layout, ...],
         if have is None or not t.ndim or have == want or (
                 t.role is Role.VARIABLE and zero >= 3) or not is_float(t):
             continue
-        grown = model._local_bytes(t, want)
-        if grown > model._local_bytes(t, have):
-            kept[(t.id, want)] = max(kept.get((t.id, want), 0.0), grown * mult)
+        size = model._local_bytes(t, want)
+        if size > model._local_bytes(t, have):
+            kept[(t.id, want)] = max(kept.get((t.id, want), 0.0), size * mult)
+            if grown is not None:
+                grown.add((op.id, t.id))
 
 
 def _dense_cotangent(model: Any, graph: Graph, op: Op, ins: tuple[Layout, ...],
@@ -343,6 +347,8 @@ class _Walk:
         # ops their remat boundary's policy keeps, and recomputed ones nothing needs
         roles = remat_roles(graph, lambda: residual_readers(
             graph, grads if model.input_grads else None))
+        self.grown: set[tuple[int, int]] = set()  # (op id, tensor id): read gathered, kept so
+        self.once = weight_copies_read_once(graph, grads if model.input_grads else None)
         self.policy, self.dropped = roles.kept, roles.dropped
 
     def run(self) -> None:
@@ -351,6 +357,8 @@ class _Walk:
         self.edges += _scan_outputs(self.scans, self.layout)
         self.edges += _partial_outputs(self.graph, self.layout)
         out, layout, model = self.out, self.layout, self.model
+        for tid in self.only_gathered():  # (a recomputed block's input is kept again below)
+            del self.kept[tid]
         for b, mult in self.remat_inputs.items():
             for t in self.kinds[b][1]:
                 if t.role in (Role.VALUE, Role.INPUT) and t.id in layout:
@@ -364,6 +372,13 @@ class _Walk:
                 model._local_bytes(t, layout[t.id]) * copies for t, copies in held)
         out.transient = max([out.transient, *(s + sum(self.regathered.get(b, {}).values())
                                                for b, s in self.remat_sum.items())])
+
+    def only_gathered(self) -> list[int]:
+        """Weight copies kept in their own layout that their one reader reads gathered
+        (:func:`~nnscaler_jax.cost.residuals.weight_copies_read_once`): the gathered copy
+        stays (:func:`_gathered`), the shard is dead once gathered."""
+        return [tid for tid, (reader, views) in self.once.items() if tid in self.kept
+                and any((reader, v) in self.grown for v in views)]
 
     def op(self, op: Op, mult: int) -> None:
         model, out, origin = self.model, self.out, self.origin
@@ -401,12 +416,13 @@ class _Walk:
             # them (a matmul operand's with its cotangent) during the block's backward (one
             # chunk's at a time)
             into = self.regathered.setdefault(remat[0], {}) if remat else self.kept
+            grown = None if remat else self.grown
             if op.primitive in MASKED:
                 _gathered(model, op, saved_operands(op, mask)[0], ins, self.layout, self.zero,
-                          mult / k * (REGATHERED_COPIES if remat else 1), into)
+                          mult / k * (REGATHERED_COPIES if remat else 1), into, grown)
             reads = [j for j in range(len(op.inputs)) if (op.id, j) in self.reads]
             if reads:
-                _gathered(model, op, reads, ins, self.layout, self.zero, mult / k, into)
+                _gathered(model, op, reads, ins, self.layout, self.zero, mult / k, into, grown)
         local = sum(model._local_bytes(t, lay) for t, lay in zip(op.outputs, outs, strict=True))
         out.transient = max(out.transient, local / k)
         dense = _dense_cotangent(model, self.graph, op, ins, self.grads) + \

@@ -22,7 +22,12 @@ import numpy as np
 from nnscaler_jax.cost.compute import is_float
 from nnscaler_jax.cost.plan_walk import rebuilt_operands
 from nnscaler_jax.cost.relayout import partial_grad_axes
-from nnscaler_jax.cost.residuals import MASKED, REGATHERED_COPIES, saved_operands
+from nnscaler_jax.cost.residuals import (
+    MASKED,
+    REGATHERED_COPIES,
+    saved_operands,
+    weight_copies_read_once,
+)
 from nnscaler_jax.ir.graph import Op, Role, Tensor
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.layout.rvd import interned
@@ -58,6 +63,9 @@ class EdgePricing:
 
     def start_edges(self) -> None:
         self.pairs: dict[tuple[int, int], np.ndarray] = {}
+        # a weight's copy (or view of it) -> the one op whose transpose reads it
+        self.read_once = {v: reader for reader, views in
+                          weight_copies_read_once(self.graph).values() for v in views}
         self.kept: dict[tuple[int, int], np.ndarray] = {}
         # recomputed block -> group pair (or group) -> bytes its matmuls gather again
         self.regathered: dict[int, dict[tuple[int, int] | int, np.ndarray]] = {}
@@ -222,16 +230,21 @@ class EdgePricing:
             out.append(v)
         return out
 
-    def _keeps_gathered(self, t: Tensor, dst: tuple) -> bool:
+    def _keeps_gathered(self, t: Tensor, dst: tuple) -> int:
         """Whether the reader ``dst`` keeps ``t`` as it reads it for its transpose, so a
         relayout growing it keeps the grown copy (``plan_walk._gathered_operands``), priced on
         its edge: when one group keeps ``t`` (outside recomputed blocks), its first such
         reader. Readers in several groups keep one copy per layout between them: a
-        :class:`~nnscaler_jax.search.objective.GatherSet` (:meth:`_keepers`)."""
+        :class:`~nnscaler_jax.search.objective.GatherSet` (:meth:`_keepers`). 2: ``t`` is
+        a weight's copy only ``dst`` reads for its transpose, whose shard (priced by its
+        producer's group) is dead once gathered
+        (:func:`~nnscaler_jax.cost.residuals.weight_copies_read_once`)."""
         if dst[0] not in ("in", "fin") or not t.ndim or not is_float(t) or (
                 t.role is Role.VARIABLE and self.zero >= 3):
-            return False
-        return self._keepers(t, -1).get((dst[1], dst[2]), 0) > 0
+            return 0
+        if self._keepers(t, -1).get((dst[1], dst[2]), 0) <= 0:
+            return 0
+        return 2 if self.read_once.get(t.id) == dst[1] else 1
 
     def _saves_operand(self, op: Op, j: int) -> bool:
         if op.boundary:
@@ -321,15 +334,18 @@ class EdgePricing:
             return False
         return src[1] in self.remat or src[2] not in self.saved.get(src[1], ())
 
-    def _kept_bytes(self, t: Tensor, pairs, gathered: bool, held: bool) -> list[float]:
-        """Bytes per ``(src, dst)`` relayout of ``t``: grown to a reader keeping it gathered,
-        and / or held as a recomputed block's input."""
+    def _kept_bytes(self, t: Tensor, pairs, gathered: int, held: bool) -> list[float]:
+        """Bytes per ``(src, dst)`` relayout of ``t``: grown to a reader keeping it gathered
+        (``gathered`` 2: in place of the shard its producer keeps, see
+        :meth:`_keeps_gathered`), and / or held as a recomputed block's input."""
         out = []
         for src, dst in pairs:
             want = dst if isinstance(dst, Layout) else dst[0]
             grown, have = self.cm._local_bytes(t, want), self.cm._local_bytes(t, src)
-            out.append((float(grown) if gathered and src != want and grown > have else 0.0)
-                       + (float(min(grown, have)) if held else 0.0))
+            kept = 0.0
+            if gathered and src != want and grown > have:
+                kept = float(grown - have) if gathered == 2 else float(grown)
+            out.append(kept + (float(min(grown, have)) if held else 0.0))
         return out
 
     def _priced(self, t: Tensor, w: float, keeps: tuple, dst_op: int,
@@ -349,7 +365,7 @@ class EdgePricing:
             t, pairs, True, False)) if keeps[2] >= 0 else None  # one chunk's at a time
         return secs, kept, again
 
-    def edge(self, edge: tuple, keeps: tuple[bool, bool, int, int, int], count: int) -> None:
+    def edge(self, edge: tuple, keeps: tuple[int, bool, int, int, int], count: int) -> None:
         """Add ``count`` x one edge's prices (see :meth:`_ends`) to the tables."""
         t, w, src, dst, (gs, gd), sig = edge
         # a weight's relayout from storage runs once per micro-batch (plan_walk._communication)

@@ -304,6 +304,48 @@ def test_a_saved_matmul_operand_reaching_it_by_an_all_gather_is_kept_gathered(ml
 
 
 
+class _Bf16MLP(nn.Module):
+    """The MLP in bf16: each Dense casts its float32 kernel before its matmul."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.gelu(nn.Dense(64, dtype=jnp.bfloat16, name="fc1")(x))
+        return nn.Dense(32, dtype=jnp.bfloat16, name="fc2")(h)
+
+
+def _fc2_cast_split(split_cast: bool):
+    """fc2 splits the batch over 'data'; its kernel's bf16 cast splits its rows over 'data'
+    too (``split_cast``: a weight stored split, cast where it is stored) or runs whole."""
+    def policy(draft, mesh):
+        cast = next(o for o in draft.walk() if o.primitive == "convert_element_type"
+                    and o.module_path == "fc2" and o.inputs[0].ndim == 2)
+        dot = next(o for o in draft.walk()
+                   if o.primitive == "dot_general" and o.module_path == "fc2")
+        draft.decide(cast, {"data": "d0"} if split_cast else {})
+        draft.decide(dot, {"data": "m0"})
+        return draft.finish()
+    return policy
+
+
+def test_a_weights_cast_gathered_for_a_matmul_is_kept_gathered_only():
+    """fc2's transpose reads its bf16 kernel for h's gradient. Cast where the kernel is stored
+    (split over 'data') and gathered for the matmul, the gathered copy stays for the backward
+    and the cast's shard is dead once gathered (the float32 kernel is held anyway): the plan
+    keeps what the plan casting the whole kernel keeps (measured with XLA:GPU, GPT-3 6.7B in
+    bf16 on A100 with its weights stored split: 1.5 GiB of cast shards a device were counted
+    next to their gathered copies, estimate / XLA:GPU 0.914 -> 0.995). An activation gathered
+    for a matmul keeps its shard: the test above."""
+    graph = trace(_Bf16MLP(), jnp.ones((8, 16)))
+    mesh = make_mesh((4, 2), ("data", "model"))
+    split = make_plan(graph, mesh, policy=_fc2_cast_split(True))
+    whole = make_plan(graph, mesh, policy=_fc2_cast_split(False))
+    model = _model(split)
+    cast = next(p for p in split.ops if p.primitive == "convert_element_type" and p.split)
+    assert cast.module_path == "fc2" and cast.split == (("data", "d0"),)
+    assert model.memory_breakdown(split, graph)["activations"] == \
+        model.memory_breakdown(whole, graph)["activations"]
+
+
 def test_a_recomputed_block_rebuilds_its_gathered_operand_with_its_residuals(mlp_graph):
     """The plan above with fc2 recomputed: the gathered copy of h is no longer kept from the
     forward; fc2's forward runs again in the backward, gathers h again, and the copy is live
