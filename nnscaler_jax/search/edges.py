@@ -63,9 +63,12 @@ class EdgePricing:
 
     def start_edges(self) -> None:
         self.pairs: dict[tuple[int, int], np.ndarray] = {}
-        # a weight's copy (or view of it) -> the one op whose transpose reads it
-        self.read_once = {v: reader for reader, views in
-                          weight_copies_read_once(self.graph).values() for v in views}
+        # a weight's copy (or view of it) -> the one op whose transpose reads it (a copy a
+        # recomputed block makes is not kept from the forward: no shard to credit)
+        writers = self.graph.writers
+        self.read_once = {v: reader for root, (reader, views) in
+                          weight_copies_read_once(self.graph).items()
+                          if writers[root][0].id not in self.remat for v in views}
         self.kept: dict[tuple[int, int], np.ndarray] = {}
         # recomputed block -> group pair (or group) -> bytes its matmuls gather again
         self.regathered: dict[int, dict[tuple[int, int] | int, np.ndarray]] = {}

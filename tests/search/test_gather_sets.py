@@ -22,6 +22,7 @@ AXES = {"data": 2, "model": 4}
     ("gpt", "alpa", ("h_0",), None),
     ("gpt", "alpa", (), None),
     ("gpt", "auto", (), "bfloat16"),
+    ("gpt", "auto", ("h_0",), "bfloat16"),
     ("swin", "alpa", ("layers_0/blocks_0", "layers_1/blocks_1:dots"), None),
     ("t5", "auto", ("encoder/block_0",), None),
 ])
