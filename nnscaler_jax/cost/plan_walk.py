@@ -199,7 +199,9 @@ def _gathered(model: Any, op: Op, reads: list[int], ins: tuple[Layout, ...],
               grown: set | None = None) -> None:
     """An operand ``op`` reads for the backward (``reads``), reaching it through a relayout
     that grows it (an all-gather), is saved as ``op`` reads it: the gathered copy stays for the
-    backward next to the original (as ZeRO-3's gathered weights). Matmul / convolution (or
+    backward next to the original (as ZeRO-3's gathered weights; a weight's copy only ``op``
+    reads keeps the gathered copy alone: ``grown`` records the read, see
+    :meth:`_Walk.only_gathered`). Matmul / convolution (or
     ReLU max) operands their transposes read; cheap elementwise ops' inputs a residual is
     traced through (``z + all_gather(delta)``: XLA keeps the gathered sum)."""
     for j in reads:

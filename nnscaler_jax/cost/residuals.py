@@ -276,12 +276,10 @@ def weight_copies_read_once(graph: Graph, grads: set[int] | None = None
     with XLA:GPU, GPT-3 6.7B in bf16 on A100, its weights stored split over both axes: the
     bf16 casts' shards, 1.5 GiB a device, were priced next to their gathered copies; XLA's
     buffer assignment and its rematerialization pass hold the gathered copies alone,
-    estimate / XLA:GPU 0.914 -> 0.966. Activations keep their shard: T5-8's fp32 RMSNorm
+    estimate / XLA:GPU 0.914 -> 0.967. Activations keep their shard: T5-8's fp32 RMSNorm
     outputs gathered over 8 devices, dropped, let the search keep 0.19 GiB more and XLA's
     rematerialization pass counted 28.94 GiB, over its 28.89 GiB limit, for an estimate of
     28.79.)"""
-    key = "weight_copies" if grads is None else None
-
     def build() -> Mapping[int, tuple[int, frozenset[int]]]:
         origin = {v.id: v.id for v in graph.variables}
         ops = {}
@@ -304,7 +302,7 @@ def weight_copies_read_once(graph: Graph, grads: set[int] | None = None
                         stack += new
             out[root.id] = (next(iter(readers)), frozenset(views))
         return out
-    return build() if key is None else _MEMO.get(graph, key, build)
+    return build() if grads is not None else _MEMO.get(graph, "weight_copies", build)
 
 
 def _leaves(graph: Graph, op: Op) -> list:
