@@ -11,7 +11,6 @@ from meshes import make_mesh
 import models
 from models.mlp import MLP, Config
 from nnscaler_jax import trace
-from nnscaler_jax.planner import make_plan, plan_and_report
 from nnscaler_jax.cost import (
     LinkCost,
     all_gather_time,
@@ -21,10 +20,11 @@ from nnscaler_jax.cost import (
     reduce_scatter_time,
 )
 from nnscaler_jax.cost.devices import H100_80G, IB_NDR, NVLINK_H100
-from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.cost.fusion import fused_bytes
+from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.cost.residuals import residual_outputs
 from nnscaler_jax.errors import PlanError
+from nnscaler_jax.planner import make_plan, plan_and_report
 
 LINK = LinkCost(alpha_s=3e-6, beta_s_per_byte=1e-10)
 
@@ -456,3 +456,38 @@ def test_a_copy_of_the_model_keeps_its_own_memo():
     four = dataclasses.replace(two, mesh=CostModel.for_axes({"data": 4}).mesh)
     assert four._local_bytes(t, lay) == 2 * 4 * 4
     assert two._local_bytes(t, lay) == 4 * 4 * 4
+
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", None])
+def test_a_whole_batch_loss_casts_its_cotangent_where_its_logits_were(monkeypatch, precision):
+    """The labels' gather builds the float32 logits' dense cotangent; in bf16 its copy cast
+    back to the logits' type is made once the loss's backward has read the kept bf16 logits
+    (their last use), so it takes their place and adds nothing (measured with XLA:GPU: GPT-3
+    1.3B's Megatron plan in bf16 on H100s, 12.54 GiB at the loss's backward; pricing the copy
+    beside the kept logits gave 13.33 GiB, 0.94). Where nothing keeps the logits (a chunked
+    loss recomputes them) the copy counts: ``tests/ir/test_coshard.py``."""
+    from nnscaler_jax.capture.trace import capture_spec
+    from nnscaler_jax.cost import plan_walk
+
+    graph = capture_spec(models.get("gpt", "tiny"), precision=precision, loss=True).graph
+    plan = make_plan(graph, {"data": 2, "model": 4}, policy="megatron")
+    calls, real = [], plan_walk._dense_cotangent
+
+    def spy(*args):
+        got = real(*args)
+        if got:
+            calls.append((got, args))
+        return got
+
+    monkeypatch.setattr(plan_walk, "_dense_cotangent", spy)
+    CostModel.for_axes({"data": 2, "model": 4}).plan_cost(plan, graph)
+    # the labels' gather on the logits (not the embedding lookups' on the tables)
+    got, (model, g, op, ins, grads, _kept) = max(
+        (c for c in calls if c[1][2].module_path == ""), key=lambda c: c[1][2].inputs[0].nbytes)
+    vocab = next(v for v in graph.variables if "wte" in v.name).shape[0]
+    assert op.inputs[0].shape[-1] == vocab
+    dense = model._local_bytes(op.inputs[0], ins[0])
+    assert got == dense
+    # not kept: the bf16 copy (half the float32 cotangent) counts, as it did before
+    assert real(model, g, op, ins, grads, None) == dense * (1.5 if precision else 1.0)
