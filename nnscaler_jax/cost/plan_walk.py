@@ -42,7 +42,8 @@ from nnscaler_jax.cost.residuals import (
 )
 from nnscaler_jax.ir.attention import with_fused_attention
 from nnscaler_jax.ir.coshard import COSHARD, whole_reads, with_boundaries
-from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor, follow_weight
+from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
+from nnscaler_jax.ir.regions import weight_origins
 from nnscaler_jax.ir.remat import remat_roles
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.mesh.axes import data_axes
@@ -147,10 +148,8 @@ def backward_held(graph: Graph, grads: Any = ()) -> list[tuple[int, tuple[tuple[
     return out
 
 
-def _region_layouts(op: Op, ins: tuple[Layout, ...], layout: dict[int, Layout],
-                    origin: dict[int, int]) -> None:
-    """Layouts of a region's body inputs from the layouts its op reads its operands in;
-    ``origin`` (tensor -> the variable it is computed from) extends to the body inputs."""
+def _region_layouts(op: Op, ins: tuple[Layout, ...], layout: dict[int, Layout]) -> None:
+    """Layouts of a region's body inputs from the layouts its op reads its operands in."""
     from nnscaler_jax.ir.regions import region_links
 
     by_outer = {t.id: lay for t, lay in zip(op.inputs, ins, strict=True)}
@@ -159,8 +158,6 @@ def _region_layouts(op: Op, ins: tuple[Layout, ...], layout: dict[int, Layout],
         for (outer, i), (inner, j) in region_links(op):
             if outer in by_outer and i < by_outer[outer].ndim:
                 dims.setdefault(inner, {})[j] = by_outer[outer].dims[i]
-                if outer in origin:
-                    origin.setdefault(inner, origin[outer])
     except Exception:  # noqa: BLE001 - unknown region kinds: body inputs stay unpriced
         return
     for region in op.regions:
@@ -365,7 +362,7 @@ class _Walk:
         self.remat_sum: dict[int, float] = {}
         self.regathered: dict[int, dict] = {}  # block -> its gathered matmul operands' bytes
         # the variable a tensor is computed from alone (reshapes, casts; region body inputs)
-        self.origin: dict[int, int] = {v.id: v.id for v in graph.variables}
+        self.origin = weight_origins(graph)
         self.first_want: dict[int, Layout] = {}
         self.scans: list[tuple[Op, tuple[Layout, ...], int]] = []
         self.whole = whole_reads(graph)  # op id -> (chunks, what its block reads whole)
@@ -408,7 +405,7 @@ class _Walk:
                 and any((reader, v) in self.grown for v in views)]
 
     def op(self, op: Op, mult: int) -> None:
-        model, out, origin = self.model, self.out, self.origin
+        model, out = self.model, self.out
         p = self.plans.get(op.id) or OpPlan(op.id, op.primitive, op.module_path)
         ins, outs = plan_layouts(op, self.plans, self.sole)
         remat = [b for b in op.boundary if self.kinds.get(b, ("",))[0] in REMAT_KINDS]
@@ -430,11 +427,10 @@ class _Walk:
         for t, lay in zip(op.outputs, outs, strict=True):
             self.layout[t.id] = lay
         if op.regions:
-            _region_layouts(op, ins, self.layout, origin)
+            _region_layouts(op, ins, self.layout)
             if op.primitive == "scan":
                 self.scans.append((op, outs, mult * region_length(op)))
             return
-        follow_weight(op, origin)  # a weight, cast or reshaped
         mask = tuple(t.id in self.grads for t in op.inputs)
         out.compute += model._op_time(op, p.split, mask, self.traffic) * mult
         k = self.chunks.get(op.id, 1)  # a co-sharded block's op: one chunk is live at a time

@@ -37,7 +37,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from nnscaler_jax.cost.compute import MATMUL, TRAINABLE, grad_tensors, is_float
-from nnscaler_jax.ir.graph import DataflowMemo, Graph, Op, follow_weight
+from nnscaler_jax.ir.graph import DataflowMemo, Graph, Op
+from nnscaler_jax.ir.regions import weight_origins
 
 __all__ = [
     "CHEAP",
@@ -281,15 +282,13 @@ def weight_copies_read_once(graph: Graph, grads: set[int] | None = None
     rematerialization pass counted 28.94 GiB, over its 28.89 GiB limit, for an estimate of
     28.79.)"""
     def build() -> Mapping[int, tuple[int, frozenset[int]]]:
-        origin = {v.id: v.id for v in graph.variables}
-        ops = {}
-        for op in graph.walk():
-            ops[op.id] = op
-            if not op.regions:
-                follow_weight(op, origin)
+        origin = weight_origins(graph)
+        ops = {op.id: op for op in graph.ops}  # (a region body's copies are its stacks' own)
         readers_of = graph.readers
         out = {}
         for (op_id, k), readers in residual_readers(graph, grads).items():
+            if op_id not in ops:
+                continue
             root = ops[op_id].outputs[k]
             if len(readers) != 1 or op_id in readers or root.id not in origin:
                 continue
@@ -429,13 +428,12 @@ def accumulated_gradients(graph: Graph) -> frozenset[int]:
     model, directly or through casts and reshapes) or is accumulated inside a loop (a ``scan``
     over stacked layers) keeps its gradient from the first contribution to the last.
     """
-    origin: dict[int, int] = {v.id: v.id for v in graph.variables}
+    origin = weight_origins(graph)
     reads: dict[int, int] = {}
     for op in graph.ops:
-        srcs = {origin[t.id] for t in op.inputs if t.id in origin}
-        if not op.regions and follow_weight(op, origin):  # a cast, a reshape
+        if not op.regions and any(t.id in origin for t in op.outputs):  # a cast, a reshape
             continue
-        for v in srcs:
+        for v in {origin[t.id] for t in op.inputs if t.id in origin}:
             reads[v] = reads.get(v, 0) + (2 if op.regions else 1)
     return frozenset(v for v, n in reads.items() if n > 1)
 

@@ -1,11 +1,15 @@
 """Region ops (``scan``, ``while``, ``cond``): which outer tensor axes hold the same data as
-which body tensor axes."""
+which body tensor axes, and which tensors are a weight carried into a body or cast."""
 
 from __future__ import annotations
 
-from nnscaler_jax.ir.graph import Op, Tensor
+from collections.abc import Mapping
 
-__all__ = ["region_links"]
+from nnscaler_jax.ir.graph import DataflowMemo, Graph, Op, Tensor, follow_weight
+
+__all__ = ["region_links", "weight_origins"]
+
+_MEMO = DataflowMemo(4)
 
 
 def region_links(op: Op) -> list[tuple[tuple[int, int], tuple[int, int]]]:
@@ -47,3 +51,27 @@ def region_links(op: Op) -> list[tuple[tuple[int, int], tuple[int, int]]]:
             for o, b in zip(op.outputs, branch.outputs, strict=True):
                 tie(o, b)
     return links
+
+
+def weight_origins(graph: Graph) -> Mapping[int, int]:
+    """Tensor id -> the id of the variable it is computed from alone: the variables, their
+    casts and reshapes (:func:`~nnscaler_jax.ir.graph.follow_weight`) and a region body's
+    inputs tied to them (:func:`region_links`), in program order. ZeRO's gradient axes and
+    the cost model's storage and gradient pricing read it (once per dataflow)."""
+    def build() -> Mapping[int, int]:
+        origin = {v.id: v.id for v in graph.variables}
+        for op in graph.walk():
+            if not op.regions:
+                follow_weight(op, origin)
+                continue
+            outer = {t.id for t in op.inputs}
+            try:
+                links = region_links(op)
+            except ValueError:  # a body unlike its op's operands: its reads unseen
+                links = []
+            for (o, _i), (inner, _j) in links:
+                if o in outer and o in origin:
+                    origin.setdefault(inner, origin[o])
+        return origin
+
+    return _MEMO.get(graph, None, build)

@@ -24,8 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from nnscaler_jax.ir.graph import follow_weight
-from nnscaler_jax.ir.regions import region_links
+from nnscaler_jax.ir.regions import weight_origins
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.mesh.axes import data_axes
 from nnscaler_jax.plan.layouts import partial_grad_axes, plan_layouts, sole_read_variables
@@ -83,18 +82,10 @@ def gradient_axes(plan: Plan, graph: Any) -> dict[int, tuple[str, ...]]:
     parallelism of some ops only (tokens split over ``model`` in a sequence-parallel block)."""
     plans = plan._by_id()
     sole = sole_read_variables(graph)
-    origin = {v.id: v.id for v in graph.variables}
+    origin = weight_origins(graph)
     dp: dict[int, tuple[str, ...]] = {v.id: () for v in graph.variables}
     for op in graph.walk():
-        if op.regions:  # a region's body reads carry its gradients' axes
-            try:
-                links = region_links(op)
-            except ValueError:  # a body unlike its op's operands: its reads unseen
-                links = []
-            outer = {t.id for t in op.inputs}
-            for (o, _i), (inner, _j) in links:
-                if o in outer and o in origin:
-                    origin.setdefault(inner, origin[o])
+        if op.regions:  # a region's body reads carry its gradients' axes (weight_origins)
             continue
         p = plans.get(op.id)
         ins, _ = plan_layouts(op, plans, sole)
@@ -102,7 +93,6 @@ def gradient_axes(plan: Plan, graph: Any) -> dict[int, tuple[str, ...]]:
             v = origin.get(t.id)
             if v is not None and t.ndim and p is not None:
                 dp[v] = tuple(dict.fromkeys(dp[v] + partial_grad_axes(want, p.split)))
-        follow_weight(op, origin)
     return dp
 
 

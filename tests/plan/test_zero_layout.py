@@ -23,10 +23,15 @@ def _var(name, shape):
     return SimpleNamespace(name=name, shape=shape, ndim=len(shape), id=0)
 
 
+class _Graph(SimpleNamespace):
+    """A graph of one variable and no ops."""
+
+
 def _storage(spec, shape, axes, sizes=SIZES):
     plan = Plan(mesh=tuple(sizes.items()), fingerprint="f", ops=(),
                 variables=(("w", tuple(spec)),) if spec is not None else ())
-    graph = SimpleNamespace(variables=[_var("w", shape)], consumers={}, walk=lambda: iter(()))
+    graph = _Graph(variables=[_var("w", shape)], consumers={}, walk=lambda: iter(()))
+    graph.dataflow = graph  # (analyses memoised per dataflow hold it weakly)
     out = zero3_storage(plan, graph, list(axes))
     assert out.zero == 3
     return dict(out.variables).get("w")
