@@ -97,9 +97,24 @@ CAUSES = {
         "GiB, over its limit. The estimate tracks the count that decides XLA's own recompute; "
         + PER_READER),
     ("t5-8gpu", "alpa"): PER_READER,
+    ("af2-initial", "auto"): (
+        "collectives: all-to-alls priced one per reader: the row attention's and the "
+        "triangle attention's LayerNorm outputs, each read by four projections, are relaid "
+        "out four times (12.75 GB of the 41.71 GB priced) where XLA relays each value out once "
+        "per target layout; counted once per (value, layout) the plan's all-to-alls are "
+        "32.15 GB, XLA's 32.21 GB (2026-12-04, the plan walk's relayouts grouped); the "
+        "search's tables must price it too, open (see t5-8gpu)"),
     ("swin-8gpu", "auto"): (
-        "collectives: XLA reduce-scatters 12.74 GB where 8.66 GB is priced, in a plan with "
-        "co-sharded blocks (their chunk loops), not traced"),
+        "collectives: XLA reduce-scatters 12.74 GB where 8.66 GB is priced. Traced in the "
+        "compiled HLO (2026-12-04): 5.78 GB are 51 reduce-scatters over `model` of float32 "
+        "[4, 2304, 3072] cotangents (113 MB each), three in each of layers_2's 17 recomputed "
+        "blocks' backward: the q, k and v projections' transposes each reduce their partial "
+        "sums of the block input's cotangent, and the three are added after; the plan prices "
+        "one reduction of their sum (17, 1.93 GB: one per tensor and layout, as XLA's "
+        "all-reduce reassociation makes them where they are all-reduces). The other "
+        "reduce-scatters are as priced (the MLP's 34, 1.93 GB; 17 of a sum XLA does reduce "
+        "once, an `add_any` of [2, 2304, 3072], 0.96 GB). Which partial sums XLA adds before "
+        "scattering and which after is not traced; pricing it is open"),
     ("swin-8gpu", "alpa"): (
         "collectives: priced one relayout per reader where XLA makes one per value and target "
         "layout; the same compiled plan priced so (a probe, and the plan walk of 637a91f, "
@@ -129,10 +144,6 @@ CAUSES = {
         "two contributions (the LM head's and the lookup's scatter-add) over `model` one by one "
         "(2 x 49.2 MB); its all-gather over `data` (98.3 MB) as priced; XLA reduce-scatters 28 "
         "activation cotangents over `data` where 24 are priced (25 MB)"),
-    ("gpt3-1.3b-h100-bf16", "megatron"): (
-        "memory: not traced here; on GPT-3 6.7B's Megatron plan the loss's row max, which has "
-        "no partial-sum form, gathers the logits over `model` and their float32 exponentials are "
-        "priced as kept where XLA's peak does not hold them (0.8 GiB)"),
     ("gpt3-6.7b-a100-bf16", "auto"): (
         "memory (0.914 before 2026-12-04): the plan stores the weights split over both axes, "
         "casts them to bf16 where stored and gathers the casts per matmul; the estimate kept "
@@ -143,9 +154,9 @@ CAUSES = {
         "pass counts 25.92 GiB) but does at T5-8 (see t5-8gpu / auto); " + PER_READER),
     ("gpt3-1.3b-h100-bf16", "auto"): (
         "memory (0.922 before the bf16 weight casts' shards were dropped, see "
-        "gpt3-6.7b-a100-bf16): the bf16 copy of the loss's dense cotangent is priced (measured "
-        "at Llama's chunked loss, where it is at the peak; a whole-batch loss's backward is not "
-        "GPT's peak: 0.4 GiB over); the rest not traced; " + PER_READER),
+        "gpt3-6.7b-a100-bf16; 0.953 before the loss's bf16 cotangent copy took the kept "
+        "logits' place, 2026-12-04: the loss's transient, 300 -> 200 MiB, is no longer the "
+        "largest, a 256 MiB one is); the rest not traced; " + PER_READER),
 }
 
 
