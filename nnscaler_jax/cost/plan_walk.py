@@ -43,7 +43,7 @@ from nnscaler_jax.cost.residuals import (
 from nnscaler_jax.ir.attention import with_fused_attention
 from nnscaler_jax.ir.coshard import COSHARD, whole_reads, with_boundaries
 from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
-from nnscaler_jax.ir.regions import weight_origins
+from nnscaler_jax.ir.regions import region_links, weight_origins
 from nnscaler_jax.ir.remat import remat_roles
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.mesh.axes import data_axes
@@ -150,8 +150,6 @@ def backward_held(graph: Graph, grads: Any = ()) -> list[tuple[int, tuple[tuple[
 
 def _region_layouts(op: Op, ins: tuple[Layout, ...], layout: dict[int, Layout]) -> None:
     """Layouts of a region's body inputs from the layouts its op reads its operands in."""
-    from nnscaler_jax.ir.regions import region_links
-
     by_outer = {t.id: lay for t, lay in zip(op.inputs, ins, strict=True)}
     dims: dict[int, dict[int, tuple[str, ...]]] = {}
     try:
@@ -235,8 +233,8 @@ def _dense_cotangent(model: Any, graph: Graph, op: Op, ins: tuple[Layout, ...],
     if t.role is Role.VARIABLE or t.id not in grads or not is_float(t) or not t.ndim:
         return 0.0
     dense = model._local_bytes(t, ins[0])
-    frac, src = _narrowed(graph, t)
-    copy = dense * frac
+    src = _narrowed(graph, t)
+    copy = dense * itemsize(src) / itemsize(t) if src is not None else 0.0
     if copy and kept is not None:
         copy = max(0.0, copy - _kept_bytes(graph, src, kept))
     return dense + copy
@@ -264,22 +262,20 @@ def _transposed_cotangent(model: Any, graph: Graph, op: Op, ins: tuple[Layout, .
     return float(model._local_bytes(op.inputs[0], ins[0]))
 
 
-def _narrowed(graph: Graph, t: Tensor) -> tuple[float, Tensor | None]:
-    """The cotangent of ``t`` is cast back to a narrower type on its way to what computed it
-    (the float32 log-softmax of bf16 logits): the cast copy's bytes, as a fraction of ``t``'s,
-    live with the dense cotangent it is made from (measured with XLA:GPU, Llama-3-8B's chunked
-    loss in bf16: 3.9 GiB of float32 and 2 GiB of bf16 logits cotangent per chunk), and the
-    narrow tensor cast (0 and None: no such cast)."""
+def _narrowed(graph: Graph, t: Tensor) -> Tensor | None:
+    """The narrower tensor the cotangent of ``t`` is cast back to on its way to what computed
+    it (the bf16 logits of a float32 log-softmax), or None: that cast copy lives with the dense
+    cotangent it is made from (measured with XLA:GPU, Llama-3-8B's chunked loss in bf16: 3.9
+    GiB of float32 and 2 GiB of bf16 logits cotangent per chunk)."""
     while True:
         w = graph.writers.get(t.id)
         if w is None or w[0].regions or w[0].primitive not in _BACK_TO:
-            return 0.0, None
+            return None
         src = next((x for x in w[0].inputs if x.shape == t.shape and is_float(x)), None)
         if src is None:
-            return 0.0, None
+            return None
         if w[0].primitive == "convert_element_type":
-            size, narrow = itemsize(t), itemsize(src)
-            return (narrow / size, src) if narrow < size else (0.0, None)
+            return src if itemsize(src) < itemsize(t) else None
         t = src
 
 
