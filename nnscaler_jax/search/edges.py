@@ -33,7 +33,7 @@ from nnscaler_jax.layout import Layout
 from nnscaler_jax.layout.rvd import interned
 from nnscaler_jax.plan.layouts import unstack
 from nnscaler_jax.plan.zero import zero3_layout
-from nnscaler_jax.search.objective import Edge
+from nnscaler_jax.search.objective import Edge, SyncSet
 from nnscaler_jax.search.space import Split, walk_graphs
 
 __all__ = ["EdgePricing"]
@@ -87,12 +87,16 @@ class EdgePricing:
         kept bytes) are priced once and counted: copies of a layer repeat every edge."""
         if "ends" not in self.space.derived:
             self.space.derived["ends"] = self._ends()
-        ends, self.folded = self.space.derived["ends"]
+        ends, self.folded, shared = self.space.derived["ends"]
+        self.shared_reads: dict[int, list[tuple]] = {}  # value -> its reads' edges (a set)
         alike: dict[tuple, list] = {}  # (group pair, signature, keeps) -> [count, edge, keeps]
         for i, edge in enumerate(ends):  # (in the order of their first edges, as the ILP was)
             t, _w, src, dst, pair, sig = edge
+            in_set = t.id in shared and dst[0] == "in"
+            if in_set:
+                self.shared_reads.setdefault(t.id, []).append(edge)
             keeps = (self._keeps_gathered(t, dst), self._holds_input(t, src, dst),
-                     *self._regathers(t, dst), self._reruns(src, dst))
+                     *self._regathers(t, dst), self._reruns(src, dst), in_set)
             key = (pair, sig, keeps) if sig is not None else (i,)
             hit = alike.get(key)
             if hit is None:
@@ -102,9 +106,10 @@ class EdgePricing:
         for count, edge, keeps in alike.values():
             self.edge(edge, keeps, count)
 
-    def _ends(self) -> tuple[list[tuple], set[tuple[int, int]]]:
-        """Every edge ``(tensor, weight, src end, dst end, group pair, signature or None)``
-        and the folded reads: what the space and the graph's dataflow decide alone (the
+    def _ends(self) -> tuple[list[tuple], set[tuple[int, int]], set[int]]:
+        """Every edge ``(tensor, weight, src end, dst end, group pair, signature or None)``,
+        the folded reads and the values whose reads share their relayouts
+        (:meth:`relayout_sets`): what the space and the graph's dataflow decide alone (the
         recompute probes of one graph share them: ``SearchSpace.derived``)."""
         self.folded = set()
         out: list[tuple] = []
@@ -145,7 +150,12 @@ class EdgePricing:
                     else:
                         continue
                     out.append(self._end(t, w, src, dst))
-        return out, self.folded
+        reads: dict[int, int] = {}
+        for t, _w, src, dst, _pair, _sig in out:
+            if src[0] == "out" and dst[0] == "in" and t.role is Role.VALUE and t.ndim and \
+                    not self.by_id[dst[1]].regions:
+                reads[t.id] = reads.get(t.id, 0) + 1
+        return out, self.folded, {tid for tid, k in reads.items() if k > 1}
 
     def _end(self, t: Tensor, w: float, src: tuple, dst: tuple) -> tuple:
         gs, _fs, ms, fgs = self.fgroup(src[1])
@@ -354,8 +364,11 @@ class EdgePricing:
     def _priced(self, t: Tensor, w: float, keeps: tuple, dst_op: int,
                 pairs) -> tuple[np.ndarray, ...]:
         """(seconds, kept bytes or None, bytes gathered again in a recomputed block or None)
-        of each pair."""
-        secs = w * np.array(self._reshards(t, pairs))
+        of each pair. The relayout of a read in a relayout set (``keeps[5]``, priced by the
+        set) or a sibling's forward-only read (``"ffw"``: the first sibling's read makes the
+        relayout all read) costs nothing here; its rerun in a recomputed block does."""
+        ffw = bool(pairs) and not isinstance(pairs[0][1], Layout) and pairs[0][1][1] is None
+        secs = np.zeros(len(pairs)) if keeps[5] or ffw else w * np.array(self._reshards(t, pairs))
         if keeps[4]:  # run again in the recomputed reader's block: the forward part again
             secs += w * np.array(self._reshards(t, [
                 (src, dst if isinstance(dst, Layout) else dst[0])
@@ -368,7 +381,8 @@ class EdgePricing:
             t, pairs, True, False)) if keeps[2] >= 0 else None  # one chunk's at a time
         return secs, kept, again
 
-    def edge(self, edge: tuple, keeps: tuple[int, bool, int, int, int], count: int) -> None:
+    def edge(self, edge: tuple, keeps: tuple[int, bool, int, int, int, bool],
+             count: int) -> None:
         """Add ``count`` x one edge's prices (see :meth:`_ends`) to the tables."""
         t, w, src, dst, (gs, gd), sig = edge
         # a weight's relayout from storage runs once per micro-batch (plan_walk._communication)
@@ -376,7 +390,8 @@ class EdgePricing:
         _gs, _fs, ms, fgs = self.fgroup(src[1])
         _gd, _fd, md, fgd = self.fgroup(dst[1])
         sig = None if sig is None else sig + (
-            keeps[:2], self.chunks.get(dst[1], 1) if keeps[2] >= 0 else 0, keeps[3], keeps[4])
+            keeps[:2], self.chunks.get(dst[1], 1) if keeps[2] >= 0 else 0, keeps[3], keeps[4],
+            keeps[5])
         if gs == gd:  # one decision: only equal strategy indices meet (the diagonal)
             dsig = None if sig is None else ("diag",) + sig
             got = self.memo.get(dsig) if dsig is not None else None
@@ -411,6 +426,47 @@ class EdgePricing:
                 continue
             mat = count * (mat if gs < gd else mat.T)
             into[key] = into[key] + mat if key in into else mat
+
+    def relayout_sets(self) -> list[SyncSet]:
+        """A value read by several ops (not siblings deciding as one group) is relaid out once
+        per (producer layout, reader layout), as XLA's SPMD partitioner reshards an instruction
+        once per target sharding (``plan_walk._communication``): one
+        :class:`~nnscaler_jax.search.objective.SyncSet` per value, its classes' seconds the
+        relayout's forward and gradient's way back; equal sets (copies of a layer deciding as
+        one) are added into one."""
+        merged: dict[tuple, SyncSet] = {}
+        for reads in self.shared_reads.values():
+            made = self._relayout_set(reads)
+            if made is None:
+                continue
+            key = tuple((r, p, m.shape, m.tobytes()) for r, p, m in made.readers)
+            hit = merged.get(key)
+            merged[key] = made if hit is None else SyncSet(hit.cost + made.cost, made.readers)
+        return list(merged.values())
+
+    def _relayout_set(self, reads: list[tuple]) -> SyncSet | None:
+        """One value's set: per read ``(reader group, producer group or -1 within one group,
+        class[producer strategy, reader strategy])``; None when no relayout costs anything."""
+        t, w = reads[0][0], reads[0][1]
+        classes: dict[tuple[Layout, Layout], int] = {}
+        costs: list[float] = []
+        out = []
+        for _t, _w, src, dst, (gs, gd), _sig in reads:
+            _g, _f, ms, fgs = self.fgroup(src[1])
+            _g, _f, md, fgd = self.fgroup(dst[1])
+            ua, ia = self._unique_layouts(src, fgs, ms)
+            ub, ib = self._unique_layouts(dst, fgd, md)
+            pairs = list(zip(ia, ib, strict=True)) if gs == gd else \
+                [(a, b) for a in range(len(ua)) for b in range(len(ub))]
+            for a, b in pairs:
+                if (ua[a], ub[b]) not in classes:
+                    secs = w * self._reshards(t, [(ua[a], ub[b])])[0]
+                    classes[ua[a], ub[b]] = len(costs) if secs > 0 else -1
+                    costs += [secs] if secs > 0 else []
+            got = np.array([classes[ua[a], ub[b]] for a, b in pairs], dtype=np.int64)
+            out.append((gd, -1, got[None, :]) if gs == gd else  # one decision: its strategy's
+                       (gd, gs, got.reshape(len(ua), len(ub))[np.ix_(ia, ib)]))
+        return SyncSet(np.array(costs), tuple(out)) if costs else None
 
     def finish(self) -> list[Edge]:
         out = []

@@ -79,37 +79,59 @@ def _unique_rows(mat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return mat[first], inv
 
 
-@dataclass(frozen=True)
-class SyncSet:
-    """One tensor's gradient reductions: ``cost[c]`` seconds once any reader hands its gradient
-    back in layout class ``c``; ``readers``: (group, class per strategy, -1 for none)."""
+class _Classes:
+    """Terms paid once per class that any reader picks. ``readers``: ``(reader group,
+    producer group or -1, class[producer strategy, reader strategy])``, -1 for none; without a
+    producer group the matrix has one row (the class is the reader's strategy's alone)."""
 
-    cost: np.ndarray
-    readers: tuple[tuple[int, np.ndarray], ...]
-
-    def value(self, choice) -> float:
-        used = {int(cls[choice[g]]) for g, cls in self.readers} - {-1}
-        return float(sum(self.cost[c] for c in used))
-
-
-@dataclass(frozen=True)
-class GatherSet:
-    """One tensor's copies grown on the way into readers in several groups that keep them for
-    their transposes: ``bytes[c]`` once any reader picks class ``c`` (a layout, and for a
-    matmul a second class of the same bytes: its cotangent), so readers gathering the tensor
-    to one layout keep one copy, as ``plan_cost`` does. ``readers``: ``(reader group, producer
-    group or -1, class[producer strategy, reader strategy])``, -1 for none (no growth: a copy
-    is kept only when the reader's layout holds more than the producer's; without a producer
-    group the matrix has one row). ``block >= 0``: the copies are recomputed block
-    ``CostTables.remat[block]``'s transient, else kept bytes."""
-
-    bytes: np.ndarray
     readers: tuple[tuple[int, int, np.ndarray], ...]
-    block: int = -1
 
     def classes(self, choice) -> set[int]:
         return {int(m[choice[p] if p >= 0 else 0, choice[r]])
                 for r, p, m in self.readers} - {-1}
+
+    def groups(self) -> set[int]:
+        return {g for r, p, _m in self.readers for g in (r, p) if g >= 0}
+
+    def reindexed(self, index) -> tuple[tuple[int, int, np.ndarray], ...]:
+        """The readers with their groups renumbered by ``index``."""
+        return tuple((index[r], index[p] if p >= 0 else -1, m) for r, p, m in self.readers)
+
+    def subset(self, alive) -> tuple[tuple[int, int, np.ndarray], ...]:
+        """The readers over strategies ``alive[g]`` of each group only."""
+        return tuple((r, p, m[np.ix_(alive[p], alive[r])] if p >= 0 else m[:, alive[r]])
+                     for r, p, m in self.readers)
+
+
+@dataclass(frozen=True)
+class SyncSet(_Classes):
+    """Seconds paid once per class: ``cost[c]`` once any reader picks class ``c``. One
+    tensor's gradient reductions (a class: the layout and axes a reader hands its gradient
+    back in; no producer group), or one value's relayouts into several readers (a class: a
+    (producer layout, reader layout) pair: XLA's SPMD partitioner reshards an instruction once
+    per target sharding, so readers reading a value alike share one relayout, its gradient's
+    way back included). ``readers`` as :class:`_Classes`'."""
+
+    cost: np.ndarray
+    readers: tuple[tuple[int, int, np.ndarray], ...]
+
+    def value(self, choice) -> float:
+        return float(sum(self.cost[c] for c in self.classes(choice)))
+
+
+@dataclass(frozen=True)
+class GatherSet(_Classes):
+    """One tensor's copies grown on the way into readers in several groups that keep them for
+    their transposes: ``bytes[c]`` once any reader picks class ``c`` (a layout, and for a
+    matmul a second class of the same bytes: its cotangent), so readers gathering the tensor
+    to one layout keep one copy, as ``plan_cost`` does. ``readers`` as :class:`_Classes`'
+    (-1: no growth, a copy is kept only when the reader's layout holds more than the
+    producer's). ``block >= 0``: the copies are recomputed block ``CostTables.remat[block]``'s
+    transient, else kept bytes."""
+
+    bytes: np.ndarray
+    readers: tuple[tuple[int, int, np.ndarray], ...]
+    block: int = -1
 
     def value(self, choice) -> float:
         return float(sum(self.bytes[c] for c in self.classes(choice)))
@@ -118,7 +140,7 @@ class GatherSet:
 @dataclass
 class CostTables:
     """Per group: ``compute`` / ``comm`` seconds and ``memory`` bytes per strategy; edges;
-    deduplicated gradient syncs."""
+    seconds paid once per class (gradient syncs, relayouts several readers share)."""
 
     compute: list[np.ndarray]
     comm: list[np.ndarray]

@@ -85,15 +85,14 @@ def reduce_tables(tables: CostTables, *, memory_budget: bool = False) -> Reduced
     """Eliminate every group of degree <= 2 that only edges couple (see the module docs)."""
     n = len(tables.compute)
     unary, pair, syncs = _pairwise(tables)
-    protected = {g for s in syncs for g, _ in s.readers}
+    protected = {g for s in syncs for g in s.groups()}
     held: dict[tuple[int, int], np.ndarray] = {}  # (u < v) -> bytes of the edges that keep some
     if memory_budget:
         tr = tables.transient
         protected |= {g for g in range(n) if not _constant(tables.memory[g])
                       or (tr is not None and not _constant(tr[g]))}
         protected |= {g for blk in tables.remat for g, _ in blk}
-        protected |= {g for gs in tables.gathers for r, p, _m in gs.readers
-                      for g in (r, p) if g >= 0}
+        protected |= {g for gs in tables.gathers for g in gs.groups()}
         for e in tables.edges:
             if e.memory is not None:
                 protected |= {e.src, e.dst}
@@ -110,7 +109,7 @@ def reduce_tables(tables: CostTables, *, memory_budget: bool = False) -> Reduced
     if memory_budget:
         edges += [replace(e, src=index[e.src], dst=index[e.dst]) for e in tables.edges
                   if e.block >= 0 and e.memory is not None]
-    syncs = [SyncSet(s.cost, tuple((index[g], cls) for g, cls in s.readers)) for s in syncs]
+    syncs = [SyncSet(s.cost, s.reindexed(index)) for s in syncs]
     gone = [g for g in range(n) if not alive[g]]
     offset = floor = 0.0
     if memory_budget and gone:
@@ -122,8 +121,7 @@ def reduce_tables(tables: CostTables, *, memory_budget: bool = False) -> Reduced
         [tables.memory[g] for g in kept], edges, syncs,
         None if tables.transient is None else [tables.transient[g] for g in kept],
         [tuple((index[g], v) for g, v in blk) for blk in tables.remat] if memory_budget else [],
-        [GatherSet(gs.bytes, tuple((index[r], index[p] if p >= 0 else -1, m)
-                                   for r, p, m in gs.readers), gs.block)
+        [GatherSet(gs.bytes, gs.reindexed(index), gs.block)
          for gs in tables.gathers] if memory_budget else [])
     return Reduced(reduced, kept, tuple(steps), offset, floor)
 
@@ -144,7 +142,7 @@ def _pairwise(tables: CostTables) -> tuple[list[np.ndarray], dict[tuple[int, int
         pair[(u, v)] = pair[(u, v)] + mat if (u, v) in pair else mat
     syncs = []
     for ss in tables.syncs:
-        groups = sorted({g for g, _ in ss.readers})
+        groups = sorted(ss.groups())
         if len(groups) > 2:
             syncs.append(ss)
             continue
@@ -152,9 +150,7 @@ def _pairwise(tables: CostTables) -> tuple[list[np.ndarray], dict[tuple[int, int
         terms = np.zeros((len(unary[u]), len(unary[v])))
         for a in range(terms.shape[0]):
             for b in range(terms.shape[1]):
-                pick = {u: a, v: b}
-                used = {int(cls[pick[g]]) for g, cls in ss.readers} - {-1}
-                terms[a, b] = sum(float(ss.cost[c]) for c in used)
+                terms[a, b] = ss.value({u: a, v: b})
         if u == v:
             unary[u] = unary[u] + np.diagonal(terms)
         else:
@@ -314,9 +310,9 @@ def prune_dominated(tables: CostTables) -> tuple[CostTables, list[np.ndarray]]:
     the bytes it keeps more, plus the most any transient grows (a group's, a recomputed
     block's: its residuals and the operands it gathers again), are at most zero, so swapping
     ``a`` for ``b`` in any choice that fits still fits (the peak is the kept bytes plus the
-    largest transient) and costs less. A gradient sync a group reads into prices the swap at
-    its worst (``b``'s class newly paid, ``a``'s never saved), and so does a gather set it is
-    in (every copy of the set newly kept). Exact: every optimum survives.
+    largest transient) and costs less. A sync set a group reads into (or produces for) prices
+    the swap at its worst (``b``'s class newly paid whatever the other end picks, ``a``'s never
+    saved), and so does a gather set it is in (every copy of the set newly kept). Exact: every optimum survives.
 
     Returns:
         ``(pruned tables, kept strategy indices per group)``; a choice ``c`` over the pruned
@@ -329,10 +325,12 @@ def prune_dominated(tables: CostTables) -> tuple[CostTables, list[np.ndarray]]:
         full, mem = e.full, e.full_memory
         touching[e.src].append((e.dst, full, mem, e.block))
         touching[e.dst].append((e.src, full.T, None if mem is None else mem.T, e.block))
-    reads: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(n)]
+    reads: list[list[tuple]] = [[] for _ in range(n)]  # (cost, classes, other group, reader)
     for ss in tables.syncs:
-        for g, cls in ss.readers:
-            reads[g].append((ss.cost, cls))
+        for r, p, m in ss.readers:
+            reads[r].append((ss.cost, m, p, True))
+            if p >= 0:
+                reads[p].append((ss.cost, m, r, False))
     tr = tables.transient
     residuals: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(n)]  # (block, bytes)
     for i, blk in enumerate(tables.remat):
@@ -340,7 +338,7 @@ def prune_dominated(tables: CostTables) -> tuple[CostTables, list[np.ndarray]]:
             residuals[g].append((i, r))
     gathers: list[list[tuple[int, float]]] = [[] for _ in range(n)]  # (block, all copies)
     for gs in tables.gathers:
-        for g in {x for r, p, _m in gs.readers for x in (r, p) if x >= 0}:
+        for g in gs.groups():
             gathers[g].append((gs.block, float(gs.bytes.sum())))
     alive = [np.arange(len(u)) for u in unary]
     changed = True
@@ -382,10 +380,12 @@ def _dominated(v: int, idx: np.ndarray, unary: np.ndarray, touching, reads, aliv
                 more += worst
             else:
                 grow[blk] = grow[blk] + worst if blk in grow else worst
-    for cost, cls in reads:  # the swap may start paying b's class
-        c = cls[idx]
+    for cost, cls, other, reader in reads:  # the swap may start paying b's class
+        # c[q, s]: the class under the other end's strategy q and this group's s
+        c = cls[:, idx] if other < 0 else cls[np.ix_(alive[other], idx)] if reader else \
+            cls[np.ix_(idx, alive[other])].T
         paid = np.where(c >= 0, cost[np.maximum(c, 0)], 0.0)
-        d -= np.where(c[None, :] != c[:, None], paid[None, :], 0.0)
+        d -= np.where(c[:, None, :] != c[:, :, None], paid[:, None, :], 0.0).max(axis=0)
         scale += float(np.abs(cost).max(initial=0.0))
     for blk, r in residuals:
         r = r[idx]
@@ -417,13 +417,10 @@ def _subset(tables: CostTables, alive: list[np.ndarray]) -> CostTables:
                          None if e.memory is None else
                          e.full_memory[np.ix_(alive[e.src], alive[e.dst])], e.block)
          for e in tables.edges],
-        [SyncSet(s.cost, tuple((g, cls[alive[g]]) for g, cls in s.readers))
-         for s in tables.syncs],
+        [SyncSet(s.cost, s.subset(alive)) for s in tables.syncs],
         None if tr is None else [t[a] for t, a in zip(tr, alive, strict=True)],
         [tuple((g, v[alive[g]]) for g, v in blk) for blk in tables.remat],
-        [GatherSet(gs.bytes, tuple((r, p, m[np.ix_(alive[p], alive[r])] if p >= 0 else
-                                    m[:, alive[r]]) for r, p, m in gs.readers), gs.block)
-         for gs in tables.gathers])
+        [GatherSet(gs.bytes, gs.subset(alive), gs.block) for gs in tables.gathers])
 
 
 def least_memory(tables: CostTables) -> float:

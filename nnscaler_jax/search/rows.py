@@ -8,9 +8,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from nnscaler_jax.search.objective import CostTables, GatherSet
+from nnscaler_jax.search.objective import CostTables, GatherSet, SyncSet
 
-__all__ = ["SCALE", "Rows", "edge_rows", "gather_rows", "memory_rows", "sync_rows"]
+__all__ = ["SCALE", "Rows", "class_rows", "edge_rows", "memory_rows", "sync_rows"]
 
 SCALE = 1e6  # seconds -> microseconds inside the solver (HiGHS tolerances are absolute-ish)
 
@@ -107,28 +107,29 @@ def _on_pairs(e, shared: dict) -> tuple[int, np.ndarray] | None:
 
 
 def sync_rows(lp: Rows, tables: CostTables, off: np.ndarray) -> None:
-    """Per shared gradient sync, ``z_c >= sum of a reader's strategies handing back class c``."""
+    """Per sync set (gradient syncs, shared relayouts) its classes' variables, costing their
+    seconds once (:func:`class_rows`)."""
     for ss in tables.syncs:
-        base = lp.variables(ss.cost * SCALE)
-        for g, cls in ss.readers:
-            for c in np.unique(cls[cls >= 0]):
-                members = np.nonzero(cls == c)[0] + off[g]
-                lp.add([base + int(c)] + members.tolist(), [1.0] + [-1.0] * len(members),
-                       0.0, np.inf)
+        class_rows(lp, ss, ss.cost * SCALE, off)
 
 
-def gather_rows(lp: Rows, gs: GatherSet, off: np.ndarray) -> int:
-    """A gather set's class variables ``y_c`` (continuous, in [0, 1], free in the objective),
-    each at least 1 when a reader picks a strategy ``s`` and its producer one ``a`` with
-    ``class[a, s] == c``: ``y_c >= x_rs + sum_a x_pa - 1``. Returns the first one's index."""
-    base = lp.variables(np.zeros(len(gs.bytes)))
-    for r, p, m in gs.readers:
+def class_rows(lp: Rows, cs: SyncSet | GatherSet, cost: np.ndarray, off: np.ndarray) -> int:
+    """A class set's variables ``y_c`` (continuous, in [0, 1], costing ``cost``), each at
+    least 1 when a reader picks class ``c``: without a producer group ``y_c >= sum of the
+    reader's strategies in class c``; with one, per reader strategy ``s`` and class ``c``,
+    ``y_c >= x_rs + sum_a x_pa - 1`` over the producer strategies ``a`` with
+    ``class[a, s] == c``. Returns the first variable's index."""
+    base = lp.variables(cost)
+    for r, p, m in cs.readers:
+        if p < 0:
+            row = m[0]
+            for c in np.unique(row[row >= 0]):
+                members = (np.nonzero(row == c)[0] + off[r]).tolist()
+                lp.add([base + int(c)] + members, [1.0] + [-1.0] * len(members), 0.0, np.inf)
+            continue
         for s in range(m.shape[1]):
             col = m[:, s]
             for c in np.unique(col[col >= 0]):
-                if p < 0:
-                    lp.add([base + int(c), int(off[r]) + s], [1.0, -1.0], 0.0, np.inf)
-                    continue
                 ps = (np.nonzero(col == c)[0] + off[p]).tolist()
                 lp.add([base + int(c), int(off[r]) + s] + ps, [1.0, -1.0] + [-1.0] * len(ps),
                        -1.0, np.inf)
@@ -137,7 +138,7 @@ def gather_rows(lp: Rows, gs: GatherSet, off: np.ndarray) -> int:
 
 def memory_rows(lp: Rows, tables: CostTables, off: np.ndarray, max_memory: float,
                 memory_offset: float, pairs: Sequence[tuple[int, np.ndarray | None]]) -> float:
-    """Kept bytes (groups' and edge pairs', gather sets' classes: :func:`gather_rows`) + T <=
+    """Kept bytes (groups' and edge pairs', gather sets' classes: :func:`class_rows`) + T <=
     M, T (the last variable) >= the chosen transient of each group and the residuals of each
     recomputed block with the bytes its edges' pairs (and its gather sets) gather again
     (``pairs``: :func:`edge_rows`); the bytes are scaled by the largest kept bytes
@@ -151,7 +152,7 @@ def memory_rows(lp: Rows, tables: CostTables, off: np.ndarray, max_memory: float
             into[0].extend(range(base, base + mem.size))
             into[1].append(mem.ravel())
     for gs in tables.gathers:  # y_c >= [a reader picks class c]: its bytes once
-        base = gather_rows(lp, gs, off)
+        base = class_rows(lp, gs, np.zeros(len(gs.bytes)), off)
         into = (cols, vals) if gs.block < 0 else held[gs.block]
         into[0].extend(range(base, base + len(gs.bytes)))
         into[1].append(np.asarray(gs.bytes, dtype=float))

@@ -17,13 +17,18 @@ and the relayouts between a ``scan`` op and its body):
   the readers' gradient reduction into its edge: the gradient goes from the partial sums to the
   producer's layout in one path (a reduce-scatter where an all-reduce and a slice would cost
   twice as much), once for the siblings, as ``plan_cost`` takes it;
+- relayout sets: a value read by several ops that decide apart is relaid out once per
+  (producer layout, reader layout), its gradient's way back too, as XLA's SPMD partitioner
+  reshards an instruction once per target sharding and ``plan_cost`` prices it: a
+  :class:`~nnscaler_jax.search.objective.SyncSet` whose classes are those layout pairs (one
+  continuous variable per class, at least 1 when a reader and the producer pick it);
 - gradient syncs: ``grad_sync_time`` of every other operand a consumer splits over mesh axes it
   reads it replicated on (the data-parallel all-reduce of a weight, Megatron's backward
   all-reduce of an activation read by several ops). ``plan_cost`` reduces a tensor's gradient
   once per gradient layout, however many readers hand it back, so a tensor read by several ops
   gets one continuous variable per gradient layout, ``z >= s`` of every reader strategy
-  producing it (linear; the relayout after the reduction is still priced per reader edge: up to
-  ~1.5% over ``plan_cost`` on Llama / MoE, which pays it once per gradient layout).
+  producing it (linear; a lone reader's reduction and relayout are two steps here, one path in
+  ``plan_cost``: random choices of the tiny models within 0.3% of it).
 
 Ops inside a remat (``checkpoint``) boundary keep no activations and run their forward twice;
 while a recomputed block's backward runs, its ops' residuals are live again at once: per block,
@@ -319,7 +324,7 @@ class _Builder(EdgePricing, BlockPricing):
             t = reads[0][0].inputs[reads[0][1]]
             sig_parts = []
             for op, j in reads:
-                g, _f, mm, fg = self.fgroup(op.id)
+                _g, _f, mm, fg = self.fgroup(op.id)
                 sig_parts.append(None if fg.key is None else
                                  (fg.key, mm, j, self.space.weights[op.id]))
             sig = tuple(sig_parts) if all(p is not None for p in sig_parts) else None
@@ -329,8 +334,8 @@ class _Builder(EdgePricing, BlockPricing):
                 else:  # Alpa: every copy decides alone; same prices, this copy's own readers
                     made = merged[sig][0]
                     out.append(SyncSet(made.cost, tuple(
-                        (self.fgroup(op.id)[0], cls)
-                        for (op, _j), (_g, cls) in zip(reads, made.readers, strict=True))))
+                        (self.fgroup(op.id)[0], -1, m)
+                        for (op, _j), (_g, _p, m) in zip(reads, made.readers, strict=True))))
                 continue
             made = self._shared_sync_set(t, reads) if self.space.shared else \
                 self._sync_set(t, reads)
@@ -342,14 +347,19 @@ class _Builder(EdgePricing, BlockPricing):
                 out.append(made)
         for made, count in merged.values():
             out.append(SyncSet(made.cost * count, made.readers))
-        singles = []
-        for ss in out:  # one reader: a unary cost
-            if len(ss.readers) == 1:
-                g, cls = ss.readers[0]
-                self.comm[g] += np.where(cls >= 0, ss.cost[np.maximum(cls, 0)], 0.0)
+        return self.shared(out + self.relayout_sets())
+
+    def shared(self, sets: list[SyncSet]) -> list[SyncSet]:
+        """The sets that couple groups; one group's alone become its unary costs."""
+        out = []
+        for ss in sets:
+            groups = ss.groups()
+            if len(groups) == 1 and all(p < 0 for _r, p, _m in ss.readers):
+                (g,) = groups
+                self.comm[g] += np.array([ss.value({g: s}) for s in range(len(self.comm[g]))])
             else:
-                singles.append(ss)
-        return singles
+                out.append(ss)
+        return out
 
     def _shared_sync_set(self, t: Tensor, reads: list[tuple[Op, int]]) -> SyncSet | None:
         """Ours: one pricing per pattern of (tensor, reader classes and splits)."""
@@ -362,12 +372,12 @@ class _Builder(EdgePricing, BlockPricing):
         if key not in self.member_memo:
             made = self._sync_set(t, reads)
             self.member_memo[key] = None if made is None else \
-                (made.cost, tuple(cls for _, cls in made.readers))
+                (made.cost, tuple(m for _g, _p, m in made.readers))
         hit = self.member_memo[key]
         if hit is None:
             return None
-        return SyncSet(hit[0], tuple((self.fgroup(op.id)[0], cls)
-                                     for (op, _j), cls in zip(reads, hit[1], strict=True)))
+        return SyncSet(hit[0], tuple((self.fgroup(op.id)[0], -1, m)
+                                     for (op, _j), m in zip(reads, hit[1], strict=True)))
 
     def _sync_set(self, t: Tensor, reads: list[tuple[Op, int]]) -> SyncSet | None:
         classes: dict[tuple, int] = {}
@@ -391,7 +401,7 @@ class _Builder(EdgePricing, BlockPricing):
                     classes[key] = len(costs)
                     costs.append(cost)
                 cls[i] = classes[key]
-            out.append((g, cls))
+            out.append((g, -1, cls[None, :]))
         if not costs:
             return None
         return SyncSet(np.array(costs), tuple(out))

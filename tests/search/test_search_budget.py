@@ -48,7 +48,7 @@ def _tables(seed: int, n: int = 7, blocks: bool = False) -> CostTables:
     for g in (2, 4, 5):  # the dominated copy hands its gradient back as strategy 0 does
         cls = rng.integers(-1, 2, k[g])
         cls[-1] = cls[0]
-        readers.append((g, cls))
+        readers.append((g, -1, cls[None, :]))
     syncs = [SyncSet(np.array([2.0, 3.0]), tuple(readers))]
     remat = []
     if blocks:

@@ -31,7 +31,7 @@ def _random_tables(seed, n=9, memory=False, sync=False):
     if sync:  # one sync shared by two groups (a pairwise term), one by three (kept whole)
         for readers in ((2, 5), (1, 3, 6)):
             syncs.append(SyncSet(np.array([3.0, 4.0]), tuple(
-                (g, rng.integers(-1, 2, sizes[g])) for g in readers)))
+                (g, -1, rng.integers(-1, 2, (1, sizes[g]))) for g in readers)))
     mem = [rng.uniform(0, 10, k) if memory else np.zeros(k) for k in sizes]
     return CostTables([rng.uniform(0, 10, k) for k in sizes], [np.zeros(k) for k in sizes],
                       mem, edges, syncs, [np.zeros(k) for k in sizes])

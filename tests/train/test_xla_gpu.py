@@ -380,6 +380,33 @@ def test_async_collectives_count_their_results():
     assert got["all_gather"] == {"count": 1, "bytes": 64 * 512 * 4, "plan_bytes": 64 * 512 * 4}
 
 
+def test_a_value_read_alike_by_two_ops_is_gathered_once():
+    """h (split over `model` on its features) is read replicated over `model` by two Dense
+    layers: XLA's SPMD partitioner gathers it once for both, and the plan prices one
+    all-gather, not one per reader (2x XLA's bytes before), every kind as XLA runs it."""
+    from two_readers import TwoReaders
+
+    from nnscaler_jax.capture.trace import capture
+
+    def policy(draft, mesh):
+        for name in ("fc", "left", "right"):
+            draft.decide(draft.op(name), {"model": "n0", "data": "m0"})
+        return draft.finish()
+
+    x = jnp.ones((64, 128))
+    module = TwoReaders(hidden=256, out=128)
+    mesh = _mesh()
+    plan = make_plan(capture(module, x).graph, mesh, policy=policy)
+    pm = auto_parallel(mesh, plan=plan)(module)
+    step = pm.train_step(lambda out, x: jnp.mean(out ** 2), optax.sgd(0.1))
+    check = check_step(step, module.init(jax.random.key(0), x), (x,))
+    priced = dict(plan.cost.comm_kinds)
+    assert check.collectives["all_gather"]["count"] == 1
+    # h gathered: its data shard, 32 x 256 float32
+    assert priced["all_gather"] == check.collectives["all_gather"]["plan_bytes"] == 32 * 256 * 4
+    assert priced["reduce_scatter"] == check.collectives["reduce_scatter"]["plan_bytes"]
+
+
 def test_a_step_without_triton_tiling_compiles_with_cublas_gemms(capsys):
     """MoE-380M's float32 expert GEMMs get no Triton tiling from XLA:GPU without autotuning
     (jax 0.10.2: "Couldn't find output tile sizes"): the check compiles again with cuBLAS GEMMs
