@@ -64,22 +64,30 @@ CASES = {
 
 
 # (case, planner) -> why it is outside 5% (memory) or 10% (collective bytes): what was measured
-# (docs/benchmarks.md has the history); a row outside with no cause here is listed as untraced
-# (re-run with one relayout per value and target layout in the plan walk, since reverted, these
-# plans' all-gathers were priced to XLA's within 0.2%: GPT-3 6.7B 8.15 GB, 1.3B bf16 2.33 GB)
-PER_READER = (
-    "collectives: all-gathers priced one per reader (q, k and v each gather one LayerNorm "
-    "output) where XLA makes one per value and target layout; pricing it so in the plan walk "
-    "alone matched XLA's all-gathers, but the search's tables must price it too (readers in "
-    "different groups: an ILP term over three or more groups), open")
+# (docs/benchmarks.md has the history); a row outside with no cause here is listed as untraced.
+# Since 2026-12-04 a value read alike by several ops is priced relaid out once per (value,
+# target layout), as XLA makes it (the plan walk and the search's relayout sets): the rows
+# whose cause was the per-reader pricing were re-run (all-gathers: GPT-3 6.7B 0.88 -> 0.98,
+# 1.3B bf16 0.85 -> 1.00, T5-8 Alpa-style 0.71 -> 0.91, MoE 0.67 -> 0.86)
+SELECTIVE = (
+    "under selective recompute (`:dots`: the matmuls' outputs kept, the rest recomputed): "
+    "XLA re-gathers in the recomputed backward more than the plan prices as rerun (Swin-8: 169 "
+    "of XLA's 415 all-gathers are in rematerialized computations, 235 gathers of one 56.6 MB "
+    "shape where 141 are priced; T5-8: the 12.6 MB hidden states gathered 275 times, 129 in "
+    "the forward, 86 rematerialized, 60 cotangents', where 193 are priced; 2026-12-04). Priced "
+    "one per reader, the forward's extra relayouts had made up for them; which reads XLA "
+    "rebuilds per reader is not traced")
 EMBEDDING_GRADIENT = (
-    "collectives by kind (traced in the compiled HLO): the embedding table's gradient (51200 x "
-    "2048, float32; a scatter-add of the tokens' cotangents, partial sums over `model`) is "
-    "priced as a reduce-scatter over `model` (209.7 MB) and an all-gather (419.4 MB); XLA's SPMD "
-    "partitioner all-gathers the cotangents (67.1 MB) and the token ids over `model` instead, "
-    "each device scatter-adds into its own 6400 rows, and the rows are all-gathered over all 8 "
-    "devices (419.4 MB): no reduce-scatter, 67 MB more all-gather; pricing a scatter-add whose "
-    "operand is gathered rather than its result reduced is open")
+    "collectives by kind: all-gathers 1.10 and all-reduces 0.94 of priced, the totals equal "
+    "(6.94 GB; the plan found since 2026-12-04): 0.21 GB priced as an all-reduce XLA moves as "
+    "all-gathers, half the embedding table's gradient (51200 x 2048, float32), the pattern "
+    "traced in the plan before (not re-traced): the table's gradient, a scatter-add of the "
+    "tokens' cotangents, partial sums over `model`, was priced as a reduce-scatter over "
+    "`model` (209.7 MB) and an all-gather (419.4 MB); XLA's SPMD partitioner all-gathers the "
+    "cotangents (67.1 MB) and the token ids over `model` instead, each device scatter-adds "
+    "into its own 6400 rows, and the rows are all-gathered over all 8 devices (419.4 MB): no "
+    "reduce-scatter, 67 MB more all-gather; pricing a scatter-add whose operand is gathered "
+    "rather than its result reduced is open")
 CAUSES = {
     ("t5-8gpu", "auto"): (
         "memory: XLA's rematerialization pass counts 28.77 GiB for this step (the estimate "
@@ -94,18 +102,23 @@ CAUSES = {
         "Dropping the shards of activations gathered for a matmul (as a weight cast's are, see "
         "gpt3-6.7b-a100-bf16; tried 2026-12-04, not kept) let the search keep 0.19 GiB more: "
         "estimate 28.79 GiB, XLA 26.93 GiB, but XLA's rematerialization pass counted 28.94 "
-        "GiB, over its limit. The estimate tracks the count that decides XLA's own recompute; "
-        + PER_READER),
-    ("t5-8gpu", "alpa"): PER_READER,
+        "GiB, over its limit. The estimate tracks the count that decides XLA's own recompute. "
+        "Collectives: all-gathers 1.14 of priced (XLA 10.09 GB, 8.89 GB priced; the plan the "
+        "search finds since values read alike are priced relaid out once, 2026-12-04; 0.81 of "
+        "the per-reader pricing's plan before) " + SELECTIVE),
     ("af2-initial", "auto"): (
         "collectives: all-to-alls priced one per reader: the row attention's and the "
         "triangle attention's LayerNorm outputs, each read by four projections, are relaid "
         "out four times (12.75 GB of the 41.71 GB priced) where XLA relays each value out once "
         "per target layout; counted once per (value, layout) the plan's all-to-alls are "
-        "32.15 GB, XLA's 32.21 GB (2026-12-04, the plan walk's relayouts grouped); the "
-        "search's tables must price it too, open (see t5-8gpu)"),
+        "32.15 GB, XLA's 32.21 GB (2026-12-04, the plan walk's relayouts grouped), as the plan "
+        "walk and the search's relayout sets price it since; this row (40 minutes to "
+        "compile) was not re-run"),
     ("swin-8gpu", "auto"): (
-        "collectives: XLA reduce-scatters 12.74 GB where 8.66 GB is priced. Traced in the "
+        "collectives: all-gathers 1.48 and all-to-alls 1.22 of priced (23.27 / 25.76 GB by "
+        "XLA, 15.74 / 21.18 priced; 1.04 / 1.09 per reader, for the plan before) " + SELECTIVE
+        + ". XLA reduce-scatters 13.14 GB where 9.06 GB is priced. Traced in the plan before "
+        "(XLA 12.74 GB, 8.66 priced; 2026-12-04): "
         "compiled HLO (2026-12-04): 5.78 GB are 51 reduce-scatters over `model` of float32 "
         "[4, 2304, 3072] cotangents (113 MB each), three in each of layers_2's 17 recomputed "
         "blocks' backward: the q, k and v projections' transposes each reduce their partial "
@@ -116,10 +129,9 @@ CAUSES = {
         "once, an `add_any` of [2, 2304, 3072], 0.96 GB). Which partial sums XLA adds before "
         "scattering and which after is not traced; pricing it is open"),
     ("swin-8gpu", "alpa"): (
-        "collectives: priced one relayout per reader where XLA makes one per value and target "
-        "layout; the same compiled plan priced so (a probe, and the plan walk of 637a91f, "
-        "reverted) gives all-to-all 57.90 GB, all-gather 15.63 GB and all-reduce 8.85 GB, "
-        "XLA's to the byte; the search's tables must price it too, open"),
+        "collectives: all-to-alls 0.87 of priced (55.41 GB by XLA, 63.45 priced; 0.78 per "
+        "reader for the plan before, whose all-to-alls priced once per value and layout were "
+        "XLA's to the byte); the rest not traced"),
     ("gpt3-1.3b-v100", "zero3"): (
         "collectives by kind: XLA lowers ZeRO-3's gradient reduce-scatters as all-reduces and "
         "collective-permutes (10.5 + 9.7 GB where 21.0 GB of reduce-scatter is priced); the "
@@ -134,10 +146,19 @@ CAUSES = {
     ("gpt3-1.3b-v100", "auto"): EMBEDDING_GRADIENT,
     ("gpt3-1.3b-v100", "alpa"): EMBEDDING_GRADIENT,
     ("gpt3-1.3b-v100-free", "auto"): EMBEDDING_GRADIENT,
+    ("llama3-8b-128k-h100", "auto"): (
+        "collectives by kind: the plan found since values read alike are priced relaid out "
+        "once (2026-12-04; 43.3 GiB, 65.65 s priced) has XLA all-reduce 309 GB in its "
+        "co-sharded attention's chunk loops (4064 all-reduces, 2048 fewer reduce-scatters: one "
+        "per chunk of each layer) where reduce-scatters are priced (2049 GB priced, 1584 GB "
+        "by XLA; the total 0.95 of priced); not traced. The plan before (49.4 GiB; 65.51 s "
+        "under today's pricing too, the co-sharded search's probes stop within 0.1%) matched "
+        "XLA per kind within 0.1%"),
     ("moe-380m-a100", "auto"): (
-        "collectives by kind (traced in the compiled HLO, the total 0.92 of priced): all-gathers "
-        "priced one per reader, the batch-split activations (8 x 1024 x 768, 6.3 MB) gathered "
-        "over `data` 48 times where XLA gathers 32 (one per value and layout), 101 MB; the tied "
+        "collectives by kind (traced in the compiled HLO, 2026-12-03, when the batch-split "
+        "activations (8 x 1024 x 768, 6.3 MB) were priced gathered over `data` 48 times, one "
+        "per reader, where XLA gathers 32; priced once per value and layout since 2026-12-04, "
+        "all-gathers 0.35 GB priced, XLA's 0.30 GB, the rest not traced); the tied "
         "table's gradient (768 x 32000, float32, partial sums over `data` and `model`) priced "
         "as a reduce-scatter over both axes (98.3 MB) and an all-gather over `model` (49.2 MB), "
         "where XLA reduce-scatters over `data` (98.3 MB) and all-reduces the half-tables of its "
@@ -151,12 +172,12 @@ CAUSES = {
         "now priced so (`cost.residuals.weight_copies_read_once`, the search's tables too). "
         "The rest (0.88 GiB): the sequence-split LayerNorm and attention outputs' shards, also "
         "kept next to their gathered copies; XLA holds neither here (its rematerialization "
-        "pass counts 25.92 GiB) but does at T5-8 (see t5-8gpu / auto); " + PER_READER),
+        "pass counts 25.92 GiB) but does at T5-8 (see t5-8gpu / auto)"),
     ("gpt3-1.3b-h100-bf16", "auto"): (
         "memory (0.922 before the bf16 weight casts' shards were dropped, see "
         "gpt3-6.7b-a100-bf16; 0.953 before the loss's bf16 cotangent copy took the kept "
         "logits' place, 2026-12-04: the loss's transient, 300 -> 200 MiB, is no longer the "
-        "largest, a 256 MiB one is); the rest not traced; " + PER_READER),
+        "largest, a 256 MiB one is); the rest not traced"),
 }
 
 

@@ -116,9 +116,11 @@ def sync_rows(lp: Rows, tables: CostTables, off: np.ndarray) -> None:
 def class_rows(lp: Rows, cs: SyncSet | GatherSet, cost: np.ndarray, off: np.ndarray) -> int:
     """A class set's variables ``y_c`` (continuous, in [0, 1], costing ``cost``), each at
     least 1 when a reader picks class ``c``: without a producer group ``y_c >= sum of the
-    reader's strategies in class c``; with one, per reader strategy ``s`` and class ``c``,
-    ``y_c >= x_rs + sum_a x_pa - 1`` over the producer strategies ``a`` with
-    ``class[a, s] == c``. Returns the first variable's index."""
+    reader's strategies in class c``; with one, per set ``S`` of reader strategies with equal
+    columns (most share their layout) and class ``c``, ``y_c >= sum_S x_rs + sum_a x_pa - 1``
+    over the producer strategies ``a`` with ``class[a, s] == c`` (a row per strategy ``s``
+    instead made T5-8's Alpa-style ILP 845k rows of relayout sets, 34k so). Returns the first
+    variable's index."""
     base = lp.variables(cost)
     for r, p, m in cs.readers:
         if p < 0:
@@ -127,11 +129,13 @@ def class_rows(lp: Rows, cs: SyncSet | GatherSet, cost: np.ndarray, off: np.ndar
                 members = (np.nonzero(row == c)[0] + off[r]).tolist()
                 lp.add([base + int(c)] + members, [1.0] + [-1.0] * len(members), 0.0, np.inf)
             continue
-        for s in range(m.shape[1]):
-            col = m[:, s]
+        cols, which = np.unique(m, axis=1, return_inverse=True)
+        for k in range(cols.shape[1]):
+            col = cols[:, k]
+            rs = (np.nonzero(which.ravel() == k)[0] + off[r]).tolist()
             for c in np.unique(col[col >= 0]):
                 ps = (np.nonzero(col == c)[0] + off[p]).tolist()
-                lp.add([base + int(c), int(off[r]) + s] + ps, [1.0, -1.0] + [-1.0] * len(ps),
+                lp.add([base + int(c)] + rs + ps, [1.0] + [-1.0] * (len(rs) + len(ps)),
                        -1.0, np.inf)
     return base
 

@@ -89,15 +89,21 @@ class TwoLayer(nn.Module):
         return nn.Dense(4, use_bias=False, name="fc2")(h)
 
 
-def test_alpa_ilp_matches_brute_force():
+@pytest.mark.parametrize("two_readers", [False, True])
+def test_alpa_ilp_matches_brute_force(two_readers):
+    """The ILP's optimum is the brute force's, a value's relayout set (its two readers decide
+    apart) included."""
+    from two_readers import TwoReaders
+
     x = jax.ShapeDtypeStruct((8, 4), jnp.float32)
-    graph = capture(TwoLayer(), x).graph
+    graph = capture(TwoReaders(8, 4) if two_readers else TwoLayer(), x).graph
     axes = {"data": 2, "model": 2}
     cm = CostModel.for_axes(axes)
     space = _space(graph, axes, share_layers=False)
     tables = build_tables(space, cm)
     sizes = [g.n for g in space.groups]
     assert np.prod(sizes) <= 50_000, sizes
+    assert any(p >= 0 for s in tables.syncs for _r, p, _m in s.readers) == two_readers
     best = min(tables.objective(c) for c in itertools.product(*map(range, sizes)))
     _, alpa = alpa_search(graph, axes, cost_model=cm)
     _, ours = search(graph, axes, cost_model=cm)
