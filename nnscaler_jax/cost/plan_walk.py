@@ -410,7 +410,10 @@ class _Walk:
             op.id not in self.dropped
         if again:
             self.again.add(op.id)
-        rebuilt = rebuilt_operands(op, self.grads) if remat and op.id in self.dropped else ()
+        # the operands a dropped op, or one its boundary's policy keeps, reads for its transpose
+        # are rebuilt in the block's backward (the policy keeps outputs, not operands)
+        rebuilt = rebuilt_operands(op, self.grads) if remat and (
+            op.id in self.dropped or op.id in self.policy) else ()
         k, whole = self.whole.get(op.id, (1, frozenset()))
         for j, (t, want) in enumerate(zip(op.inputs, ins, strict=True)):
             have = self.layout.get(t.id)
@@ -556,9 +559,10 @@ def _communication(model: Any, edges: list[_Edge], store: Mapping[int, Layout],
         src = store.get(t.id, e.have)
         if src != e.want:
             once = e.made_once and not e.region
-            runs = (0 if once and (t.id, src, e.want) in made else 1) + (1 if e.rerun else 0)
+            keys = [(t.id, src, e.want)] + ([(t.id, src, e.want, e.block)] if e.rerun else [])
+            runs = sum(1 for key in keys if not (once and key in made))
             if once:
-                made.add((t.id, src, e.want))
+                made.update(keys)
             if runs:
                 _price(out, src, e.want, t, mesh, e.mult * runs * (micro if weighty(t) else 1))
             if t.id in var_ids and zero >= 3:  # the gathered weight stays for the backward

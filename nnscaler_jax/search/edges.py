@@ -89,6 +89,8 @@ class EdgePricing:
             self.space.derived["ends"] = self._ends()
         ends, self.folded, shared = self.space.derived["ends"]
         self.shared_reads: dict[int, list[tuple]] = {}  # value -> its reads' edges (a set)
+        # (value, recomputed block) -> its reads' edges whose relayouts run again there
+        self.rerun_reads: dict[tuple[int, int], list[tuple]] = {}
         alike: dict[tuple, list] = {}  # (group pair, signature, keeps) -> [count, edge, keeps]
         for i, edge in enumerate(ends):  # (in the order of their first edges, as the ILP was)
             t, _w, src, dst, pair, sig = edge
@@ -97,6 +99,9 @@ class EdgePricing:
                 self.shared_reads.setdefault(t.id, []).append(edge)
             keeps = (self._keeps_gathered(t, dst), self._holds_input(t, src, dst),
                      *self._regathers(t, dst), self._reruns(src, dst), in_set)
+            if in_set and keeps[4]:
+                self.rerun_reads.setdefault((t.id, self.in_block[dst[1]]), []).append(
+                    (edge, keeps[4]))
             key = (pair, sig, keeps) if sig is not None else (i,)
             hit = alike.get(key)
             if hit is None:
@@ -332,10 +337,11 @@ class EdgePricing:
             not self.by_id[op_id].regions
 
     def rebuilds(self, op_id: int, j: int) -> bool:
-        """Whether input ``j`` of a recomputed block's op that does not run again is rebuilt
-        for its transpose in the block's backward (``plan_walk.rebuilt_operands``)."""
-        return op_id in self.remat and op_id in self.dropped and \
-            j in rebuilt_operands(self.by_id[op_id], self.grads)
+        """Whether input ``j`` of a recomputed block's op that does not run again (dropped, or
+        kept by its boundary's policy) is rebuilt for its transpose in the block's backward
+        (``plan_walk.rebuilt_operands``)."""
+        return (op_id in self.remat and op_id in self.dropped or op_id in self.policy_kept) \
+            and j in rebuilt_operands(self.by_id[op_id], self.grads)
 
     def _holds_input(self, t: Tensor, src: tuple, dst: tuple) -> bool:
         """Whether ``dst`` is the first read of a value a recomputed block reads from outside
@@ -365,11 +371,15 @@ class EdgePricing:
                 pairs) -> tuple[np.ndarray, ...]:
         """(seconds, kept bytes or None, bytes gathered again in a recomputed block or None)
         of each pair. The relayout of a read in a relayout set (``keeps[5]``, priced by the
-        set) or a sibling's forward-only read (``"ffw"``: the first sibling's read makes the
-        relayout all read) costs nothing here; its rerun in a recomputed block does."""
+        set, its rerun in a recomputed block too) or a sibling's forward-only read (``"ffw"``:
+        the first sibling's read makes the relayout all read, and remakes it) costs nothing
+        here."""
         ffw = bool(pairs) and not isinstance(pairs[0][1], Layout) and pairs[0][1][1] is None
-        secs = np.zeros(len(pairs)) if keeps[5] or ffw else w * np.array(self._reshards(t, pairs))
-        if keeps[4]:  # run again in the recomputed reader's block: the forward part again
+        if keeps[5] or ffw:
+            secs = np.zeros(len(pairs))
+        else:
+            secs = w * np.array(self._reshards(t, pairs))
+        if keeps[4] and not (keeps[5] or ffw):  # run again in the recomputed reader's block: the forward part again
             secs += w * np.array(self._reshards(t, [
                 (src, dst if isinstance(dst, Layout) else dst[0])
                 if keeps[4] == 1 or not src.partial else (src, src) for src, dst in pairs],
@@ -432,11 +442,16 @@ class EdgePricing:
         per (producer layout, reader layout), as XLA's SPMD partitioner reshards an instruction
         once per target sharding (``plan_walk._communication``): one
         :class:`~nnscaler_jax.search.objective.SyncSet` per value, its classes' seconds the
-        relayout's forward and gradient's way back; equal sets (copies of a layer deciding as
-        one) are added into one."""
+        relayout's forward and gradient's way back, and one per value and recomputed block
+        whose readers run the relayouts again there (its forward once more, as XLA remakes
+        them: Swin-8's and T5-8's selectively recomputed plans' all-gathers priced so are
+        XLA:GPU's to the byte); equal sets (copies of a layer deciding as one) are added into
+        one."""
         merged: dict[tuple, SyncSet] = {}
-        for reads in self.shared_reads.values():
-            made = self._relayout_set(reads)
+        sets = [(reads, 0) for reads in self.shared_reads.values()]
+        sets += [([e for e, _ in reads], reads[0][1]) for reads in self.rerun_reads.values()]
+        for reads, rerun in sets:
+            made = self._relayout_set(reads, rerun)
             if made is None:
                 continue
             key = tuple((r, p, m.shape, m.tobytes()) for r, p, m in made.readers)
@@ -444,9 +459,11 @@ class EdgePricing:
             merged[key] = made if hit is None else SyncSet(hit.cost + made.cost, made.readers)
         return list(merged.values())
 
-    def _relayout_set(self, reads: list[tuple]) -> SyncSet | None:
+    def _relayout_set(self, reads: list[tuple], rerun: int = 0) -> SyncSet | None:
         """One value's set: per read ``(reader group, producer group or -1 within one group,
-        class[producer strategy, reader strategy])``; None when no relayout costs anything."""
+        class[producer strategy, reader strategy])``; None when no relayout costs anything.
+        ``rerun``: the relayouts' forward run again in a recomputed block's backward (as
+        :meth:`_reruns`: 2, none of a producer's partial sums), once per value and block."""
         t, w = reads[0][0], reads[0][1]
         classes: dict[tuple[Layout, Layout], int] = {}
         costs: list[float] = []
@@ -460,7 +477,9 @@ class EdgePricing:
                 [(a, b) for a in range(len(ua)) for b in range(len(ub))]
             for a, b in pairs:
                 if (ua[a], ub[b]) not in classes:
-                    secs = w * self._reshards(t, [(ua[a], ub[b])])[0]
+                    x, y = ua[a], ub[b]
+                    secs = w * (self._reshards(t, [(x, y)])[0] if not rerun else self._reshards(
+                        t, [(x, y if rerun == 1 or not x.partial else x)], forward=True)[0])
                     classes[ua[a], ub[b]] = len(costs) if secs > 0 else -1
                     costs += [secs] if secs > 0 else []
             got = np.array([classes[ua[a], ub[b]] for a, b in pairs], dtype=np.int64)

@@ -118,6 +118,7 @@ class _Builder(EdgePricing, BlockPricing):
         # (ir.remat.remat_roles, as plan_walk prices them)
         roles = remat_roles(self.graph, lambda: residual_readers(self.graph))
         kept, self.dropped = roles.kept, roles.dropped
+        self.policy_kept = frozenset(kept)
         if kept:
             self.saved = dict(self.saved)
             for op_id, outs in kept.items():

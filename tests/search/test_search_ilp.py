@@ -154,16 +154,20 @@ def test_random_choices_cost_what_plan_cost_says(gpt):
             cm.plan_cost(plan, gpt).step_time_s, rel=1e-5)
 
 
-@pytest.mark.parametrize("name,planner,worst", [
-    ("two", "alpa", 0.005), ("gpt", "alpa", 0.001), ("llama", "alpa", 0.001),
-    ("llama", "auto", 0.001)])
-def test_readers_reading_a_value_alike_share_its_relayout(name, planner, worst):
+@pytest.mark.parametrize("name,planner,worst,recompute", [
+    ("two", "alpa", 0.005, ()), ("gpt", "alpa", 0.001, ()), ("llama", "alpa", 0.001, ()),
+    ("llama", "auto", 0.001, ()), ("gpt", "alpa", 0.001, ("h_0:dots", "h_1")),
+    ("llama", "auto", 0.001, ("layers_0", "layers_1:dots"))])
+def test_readers_reading_a_value_alike_share_its_relayout(name, planner, worst, recompute):
     """A value read in one layout by ops that decide apart is relaid out once, as XLA's SPMD
     partitioner does (``test_xla_gpu``), its gradient's way back too: a relayout set in the
     tables (a class per (producer layout, reader layout)), once per (value, layouts) in
     plan_cost. Random choices' objectives are their plan_cost's within ``worst`` (the rest:
     a lone reader's partial gradient reduced then relaid out in the tables, one path in
-    plan_cost); priced once per reader they were up to 24% / 1.7% / 3.1% / 8.0% apart."""
+    plan_cost); priced once per reader they were up to 24% / 1.7% / 3.1% / 8.0% apart.
+    Recomputed blocks remake a value's relayouts once per block (its readers' relayout sets
+    per block), selectively recomputed ones for the operands the kept matmuls read."""
+    from nnscaler_jax.ir.remat import with_recompute
     import random
 
     from two_readers import TwoReaders
@@ -173,8 +177,10 @@ def test_readers_reading_a_value_alike_share_its_relayout(name, planner, worst):
 
     graph = capture(TwoReaders(), jax.ShapeDtypeStruct((16, 32), jnp.float32)).graph \
         if name == "two" else _graph(name)
+    if recompute:
+        graph = with_recompute(graph, recompute)
     cm = CostModel.for_cluster(cluster_preset("a100-80g-8x"), AXES)
-    space = _space(graph, AXES, share_layers=planner != "alpa")
+    space = _space(graph, AXES, share_layers=planner != "alpa", followers=bool(recompute))
     tables = build_tables(space, cm)
     shared = [s for s in tables.syncs if any(p >= 0 for _r, p, _m in s.readers)]
     assert shared  # the relayout sets
