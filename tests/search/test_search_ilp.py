@@ -167,12 +167,12 @@ def test_readers_reading_a_value_alike_share_its_relayout(name, planner, worst, 
     plan_cost); priced once per reader they were up to 24% / 1.7% / 3.1% / 8.0% apart.
     Recomputed blocks remake a value's relayouts once per block (its readers' relayout sets
     per block), selectively recomputed ones for the operands the kept matmuls read."""
-    from nnscaler_jax.ir.remat import with_recompute
     import random
 
     from two_readers import TwoReaders
 
     from nnscaler_jax.cost import cluster_preset
+    from nnscaler_jax.ir.remat import with_recompute
     from nnscaler_jax.search.ilp import _plan
 
     graph = capture(TwoReaders(), jax.ShapeDtypeStruct((16, 32), jnp.float32)).graph \
