@@ -68,15 +68,9 @@ CASES = {
 # Since 2026-12-04 a value read alike by several ops is priced relaid out once per (value,
 # target layout), as XLA makes it (the plan walk and the search's relayout sets): the rows
 # whose cause was the per-reader pricing were re-run (all-gathers: GPT-3 6.7B 0.88 -> 0.98,
-# 1.3B bf16 0.85 -> 1.00, T5-8 Alpa-style 0.71 -> 0.91, MoE 0.67 -> 0.86)
-SELECTIVE = (
-    "under selective recompute (`:dots`: the matmuls' outputs kept, the rest recomputed): "
-    "XLA re-gathers in the recomputed backward more than the plan prices as rerun (Swin-8: 169 "
-    "of XLA's 415 all-gathers are in rematerialized computations, 235 gathers of one 56.6 MB "
-    "shape where 141 are priced; T5-8: the 12.6 MB hidden states gathered 275 times, 129 in "
-    "the forward, 86 rematerialized, 60 cotangents', where 193 are priced; 2026-12-04). Priced "
-    "one per reader, the forward's extra relayouts had made up for them; which reads XLA "
-    "rebuilds per reader is not traced")
+# 1.3B bf16 0.85 -> 1.00, T5-8 Alpa-style 0.71 -> 0.91, MoE 0.67 -> 0.86); and since then a
+# recomputed block remakes them once per value and block, the operands of a matmul its policy
+# keeps included (Swin-8 ours' all-gathers, all-reduces and all-to-alls XLA's to the byte)
 EMBEDDING_GRADIENT = (
     "collectives by kind: all-gathers 1.10 and all-reduces 0.94 of priced, the totals equal "
     "(6.94 GB; the plan found since 2026-12-04): 0.21 GB priced as an all-reduce XLA moves as "
@@ -90,22 +84,15 @@ EMBEDDING_GRADIENT = (
     "rather than its result reduced is open")
 CAUSES = {
     ("t5-8gpu", "auto"): (
-        "memory: XLA's rematerialization pass counts 28.77 GiB for this step (the estimate "
-        "28.79 GiB, `TF_CPP_VMODULE=hlo_rematerialization=1`); its buffer assignment then packs "
-        "the scheduled program into 26.82 GiB. XLA's peak is at the loss's backward, before the "
-        "tied table's gradient (1.5 GiB) is built; the estimate adds the largest transient and "
-        "that held gradient as if live at once. Pricing them apart (tried 2026-12-03, not kept) "
-        "let the search keep 0.86 GiB more activations: estimate 28.19 GiB, XLA 26.93 GiB "
-        "(0.955), but XLA's rematerialization pass then counted 29.52 GiB over its limit of "
-        "28.89 GiB and rematerialized 27 instructions; and Alpa-style's plan (the same plan) "
-        "went to 1.091 (XLA 23.84 GiB holds the held gradient with a loss-sized transient). "
-        "Dropping the shards of activations gathered for a matmul (as a weight cast's are, see "
-        "gpt3-6.7b-a100-bf16; tried 2026-12-04, not kept) let the search keep 0.19 GiB more: "
-        "estimate 28.79 GiB, XLA 26.93 GiB, but XLA's rematerialization pass counted 28.94 "
-        "GiB, over its limit. The estimate tracks the count that decides XLA's own recompute. "
-        "Collectives: all-gathers 1.14 of priced (XLA 10.09 GB, 8.89 GB priced; the plan the "
-        "search finds since values read alike are priced relaid out once, 2026-12-04; 0.81 of "
-        "the per-reader pricing's plan before) " + SELECTIVE),
+        "memory and XLA's own remat: since values read alike are priced relaid out once per "
+        "target layout and recomputed block (2026-12-04) the search co-shards the tied LM head "
+        "(the shared table's transpose, 2 chunks) and recomputes 31 encoder blocks, none of the "
+        "decoder; XLA's rematerialization pass counts 32.04 GiB for it against its limit of "
+        "28.89 GiB (the estimate 28.79 GiB) and rematerializes 203 instructions, which run "
+        "their relayouts again (all-to-alls 2.9x the priced bytes): the co-sharded tied head's "
+        "memory is under-priced by XLA's count, not traced. The plan before (39 blocks "
+        "recomputed selectively, no co-sharding) was counted 28.77 GiB by that pass, packed "
+        "into 26.82 GiB (0.931), its collectives as priced"),
     ("af2-initial", "auto"): (
         "collectives: all-to-alls priced one per reader: the row attention's and the "
         "triangle attention's LayerNorm outputs, each read by four projections, are relaid "
@@ -115,23 +102,21 @@ CAUSES = {
         "walk and the search's relayout sets price it since; this row (40 minutes to "
         "compile) was not re-run"),
     ("swin-8gpu", "auto"): (
-        "collectives: all-gathers 1.48 and all-to-alls 1.22 of priced (23.27 / 25.76 GB by "
-        "XLA, 15.74 / 21.18 priced; 1.04 / 1.09 per reader, for the plan before) " + SELECTIVE
-        + ". XLA reduce-scatters 13.14 GB where 9.06 GB is priced. Traced in the plan before "
-        "(XLA 12.74 GB, 8.66 priced; 2026-12-04): "
-        "compiled HLO (2026-12-04): 5.78 GB are 51 reduce-scatters over `model` of float32 "
-        "[4, 2304, 3072] cotangents (113 MB each), three in each of layers_2's 17 recomputed "
-        "blocks' backward: the q, k and v projections' transposes each reduce their partial "
-        "sums of the block input's cotangent, and the three are added after; the plan prices "
-        "one reduction of their sum (17, 1.93 GB: one per tensor and layout, as XLA's "
-        "all-reduce reassociation makes them where they are all-reduces). The other "
-        "reduce-scatters are as priced (the MLP's 34, 1.93 GB; 17 of a sum XLA does reduce "
-        "once, an `add_any` of [2, 2304, 3072], 0.96 GB). Which partial sums XLA adds before "
-        "scattering and which after is not traced; pricing it is open"),
+        "collectives: XLA reduce-scatters 12.85 GB where 8.78 GB is priced. Traced in the plan "
+        "before (XLA 12.74 GB, 8.66 priced; 2026-12-04): 5.78 GB are 51 reduce-scatters over "
+        "`model` of float32 [4, 2304, 3072] cotangents (113 MB each), three in each of "
+        "layers_2's 17 recomputed blocks' backward: the q, k and v projections' transposes "
+        "each reduce their partial sums of the block input's cotangent, and the three are "
+        "added after; the plan prices one reduction of their sum (17, 1.93 GB: one per tensor "
+        "and layout, as XLA's all-reduce reassociation makes them where they are all-reduces). "
+        "The other reduce-scatters are as priced (the MLP's 34, 1.93 GB; 17 of a sum XLA does "
+        "reduce once, an `add_any` of [2, 2304, 3072], 0.96 GB). Which partial sums XLA adds "
+        "before scattering and which after is not traced; pricing it is open"),
     ("swin-8gpu", "alpa"): (
         "collectives: all-to-alls 0.87 of priced (55.41 GB by XLA, 63.45 priced; 0.78 per "
         "reader for the plan before, whose all-to-alls priced once per value and layout were "
-        "XLA's to the byte); the rest not traced"),
+        "XLA's to the byte); this row was planned before a recomputed block's relayouts were "
+        "priced once per value and block (it prices them per reader), not re-run"),
     ("gpt3-1.3b-v100", "zero3"): (
         "collectives by kind: XLA lowers ZeRO-3's gradient reduce-scatters as all-reduces and "
         "collective-permutes (10.5 + 9.7 GB where 21.0 GB of reduce-scatter is priced); the "
