@@ -379,7 +379,7 @@ class EdgePricing:
             secs = np.zeros(len(pairs))
         else:
             secs = w * np.array(self._reshards(t, pairs))
-        if keeps[4] and not (keeps[5] or ffw):  # run again in the recomputed reader's block: the forward part again
+        if keeps[4] and not (keeps[5] or ffw):  # the recomputed reader's block: forward again
             secs += w * np.array(self._reshards(t, [
                 (src, dst if isinstance(dst, Layout) else dst[0])
                 if keeps[4] == 1 or not src.partial else (src, src) for src, dst in pairs],

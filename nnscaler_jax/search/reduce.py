@@ -312,7 +312,8 @@ def prune_dominated(tables: CostTables) -> tuple[CostTables, list[np.ndarray]]:
     ``a`` for ``b`` in any choice that fits still fits (the peak is the kept bytes plus the
     largest transient) and costs less. A sync set a group reads into (or produces for) prices
     the swap at its worst (``b``'s class newly paid whatever the other end picks, ``a``'s never
-    saved), and so does a gather set it is in (every copy of the set newly kept). Exact: every optimum survives.
+    saved), and so does a gather set it is in (every copy of the set newly kept). Exact: every
+    optimum survives.
 
     Returns:
         ``(pruned tables, kept strategy indices per group)``; a choice ``c`` over the pruned
