@@ -381,9 +381,8 @@ class EdgePricing:
             secs = w * np.array(self._reshards(t, pairs))
         if keeps[4] and not (keeps[5] or ffw):  # the recomputed reader's block: forward again
             secs += w * np.array(self._reshards(t, [
-                (src, dst if isinstance(dst, Layout) else dst[0])
-                if keeps[4] == 1 or not src.partial else (src, src) for src, dst in pairs],
-                forward=True))
+                _rerun_pair(src, dst if isinstance(dst, Layout) else dst[0], keeps[4])
+                for src, dst in pairs], forward=True))
         w = w / self.cm.microbatches
         kept = w * np.array(self._kept_bytes(t, pairs, keeps[0], keeps[1])) \
             if keeps[0] or keeps[1] else None
@@ -478,8 +477,8 @@ class EdgePricing:
             for a, b in pairs:
                 if (ua[a], ub[b]) not in classes:
                     x, y = ua[a], ub[b]
-                    secs = w * (self._reshards(t, [(x, y)])[0] if not rerun else self._reshards(
-                        t, [(x, y if rerun == 1 or not x.partial else x)], forward=True)[0])
+                    secs = w * (self._reshards(t, [(x, y)])[0] if not rerun else
+                                self._reshards(t, [_rerun_pair(x, y, rerun)], forward=True)[0])
                     classes[ua[a], ub[b]] = len(costs) if secs > 0 else -1
                     costs += [secs] if secs > 0 else []
             got = np.array([classes[ua[a], ub[b]] for a, b in pairs], dtype=np.int64)
@@ -504,6 +503,12 @@ class EdgePricing:
                     into[gs] += m[e.rows, 0]
                     into[gd] += m[0, e.cols] - m[0, 0]
         return out
+
+
+def _rerun_pair(src: Layout, dst: Layout, rerun: int) -> tuple[Layout, Layout]:
+    """The relayout a recomputed block runs again (``EdgePricing._reruns``: 2, none of a
+    producer's partial sums, which the kept value holds reduced)."""
+    return (src, dst) if rerun == 1 or not src.partial else (src, src)
 
 
 def _separable(c: np.ndarray) -> bool:
