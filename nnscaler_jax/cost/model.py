@@ -482,7 +482,8 @@ class CostModel:
         return PlanCost(step_time_s=a.compute + a.comm_time, memory_bytes_per_device=int(a.peak),
                         comm_bytes=int(a.comm_bytes), compute_time_s=a.compute,
                         comm_time_s=a.comm_time, comm_kinds=tuple(
-                            (k, int(n)) for k, n in sorted(a.comm_kinds.items())))
+                            (k, int(n)) for k, n in sorted(a.comm_kinds.items())),
+                        largest_gather_bytes=int(a.largest_gather))
 
     def memory_breakdown(self, plan: Plan, graph: Graph) -> dict[str, int]:
         """Per-device bytes of a training step by kind: ``params``, ``grads`` (as stored),

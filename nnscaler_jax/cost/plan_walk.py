@@ -82,6 +82,7 @@ class _Analysis:
     activations: float = 0.0
     transient: float = 0.0
     grads_held: float = 0.0  # the gradients live at the peak (CostModel.held_gradients)
+    largest_gather: float = 0.0  # the largest all-gather result a device receives
 
     @property
     def peak(self) -> float:
@@ -108,7 +109,10 @@ def loop_stacks(graph: Graph, grads: Any = ()) -> dict[int, tuple[int, tuple[tup
     stacked to be scanned over: each chunked input once (twice recomputed), each output once;
     the cotangent of each input read whole by every chunk (in ``grads``, e.g. a weight's cast)
     is summed over the chunks in a buffer of its own. Measured on XLA:CPU (Swin at 64 px,
-    ``scripts/bench_decisions_memory.py``) and XLA:GPU (Llama-3-8B's LM head at 128K)."""
+    ``scripts/bench_decisions_memory.py``) and XLA:GPU (Llama-3-8B's LM head at 128K). The
+    stacks are held in the layout the block reads its inputs in and priced in the one they
+    are made in (the same bytes where the block's relayout is an all-to-all, as T5-8's tied
+    head's; fewer priced where the block reads an input gathered)."""
     kinds = boundary_kinds(graph)
     outer: dict[int, int] = {}
     for op in graph.ops:
@@ -528,6 +532,8 @@ def _price(out: _Analysis, src: Layout, dst: Layout, t: Tensor, mesh: Any, runs:
     out.comm_bytes += n * runs
     for kind, b in kinds:
         out.comm_kinds[kind] = out.comm_kinds.get(kind, 0.0) + b * runs
+        if kind == "all_gather":
+            out.largest_gather = max(out.largest_gather, b)
 
 
 def _communication(model: Any, edges: list[_Edge], store: Mapping[int, Layout],

@@ -1,12 +1,13 @@
 """Co-sharded blocks lowered: a loop over chunks whose backward runs each chunk's forward again.
 
-The block's inputs that carry the chunked dim are cut into k chunks, the rest are read whole by
-every chunk; each chunk replays the block's ops on chunk-sized values (shape params rewritten,
-:func:`~nnscaler_jax.lower.local.bind_local`) with the plan's layouts as sharding constraints,
-and the outputs are stitched back. The chunks interleave with the devices' parts: when the seed
-op splits the dim ``n`` ways over the mesh, chunk ``c`` holds rows ``c`` of every device's part
-(the dim viewed as ``(n, k, size / (n k))``), so a chunk keeps the plan's sharding and no
-device idles while another computes (the same permutation for every input and output, so the
+The block's inputs that carry the chunked dim are relaid out whole to the layout the block reads
+them in (once, before the loop; their gradients back once, after it) and cut into k chunks, the
+rest are read whole by every chunk; each chunk replays the block's ops on chunk-sized values
+(shape params rewritten, :func:`~nnscaler_jax.lower.local.bind_local`) with the plan's layouts
+as sharding constraints, and the outputs are stitched back. The chunks interleave with the
+devices' parts: when the seed op splits the dim ``n`` ways over the mesh, chunk ``c`` holds rows
+``c`` of every device's part (the dim viewed as ``(n, k, size / (n k))``), so a chunk keeps the
+plan's sharding and no device idles while another computes (the same permutation for every input and output, so the
 result does not depend on it). Custom-JVP calls inside a block (``jax.nn.softmax``) are replayed
 op by op: their derivative is that of the ops, as a custom JVP's must be. An iota counting
 along the chunked dim (a causal mask's positions) counts the chunk's global positions: in that
@@ -52,12 +53,12 @@ def _merge(y: Any, pos: int, k: int, n: int) -> Any:
     return y.reshape(shape[:pos] + (n * k * c,) + shape[pos + 1:])
 
 
-def _stacked(lw: Any, t: Tensor, x: Any, pos: int) -> Any:
-    """The chunks of input ``t`` laid out as ``t`` is, chunk axis unsplit: left to GSPMD, the
-    reshapes of :func:`_split` can carry a split onto the chunk axis, and the loop's slice of
-    one chunk then replicates the whole stack on every device (XLA's "involuntary full
-    rematerialization"; seen on a Swin at 64 px)."""
-    lay = lw.layouts.get(t.id)
+def _stacked(lw: Any, t: Tensor, x: Any, pos: int, lay: Layout | None = None) -> Any:
+    """The chunks of input ``t`` laid out as ``lay`` (default: as ``t`` is), chunk axis
+    unsplit: left to GSPMD, the reshapes of :func:`_split` can carry a split onto the chunk
+    axis, and the loop's slice of one chunk then replicates the whole stack on every device
+    (XLA's "involuntary full rematerialization"; seen on a Swin at 64 px)."""
+    lay = lay if lay is not None else lw.layouts.get(t.id)
     if lay is None or lay.partial or not t.ndim:
         return x
     sizes = mesh_axes(lw.mesh)
@@ -196,6 +197,24 @@ def _whole_reads(lw: Any, ops: Sequence[Op], whole: dict) -> list[tuple]:
     return list(out.values())
 
 
+def _chunked_reads(lw: Any, ops: Sequence[Op], cut: Sequence[Tensor]) -> dict[int, tuple]:
+    """Chunked input id -> ``(layout, split, keys)``: the layout the block's first reader of
+    it reads it in (split as that reader is) and the relayout keys of the block's reads of it
+    in that layout (:meth:`~nnscaler_jax.lower.replay.Lowering.relayout_key`)."""
+    ids = {t.id for t in cut}
+    out: dict[int, tuple] = {}
+    for op in ops:
+        split = lw.plan_of(op).split
+        for t, lay in zip(op.inputs, plan_layouts(op, lw._plans, lw._sole)[0], strict=True):
+            key = lw.relayout_key(t, lay, split) if t.id in ids else None
+            if key is None:
+                continue
+            first = out.setdefault(t.id, (Layout(lay.dims), split, set()))
+            if Layout(lay.dims) == first[0]:
+                first[2].add(key)
+    return out
+
+
 def run_coshard(lw: Any, ops: Sequence[Op], env: dict, b: Boundary) -> None:
     """Run the block ``ops`` (boundary ``b``) chunk by chunk; its outputs land in ``env``."""
     p = b.eqn.params
@@ -209,7 +228,14 @@ def run_coshard(lw: Any, ops: Sequence[Op], env: dict, b: Boundary) -> None:
             f"{n} ways over the mesh and cannot run as {k} chunks per device; use a chunk "
             f"count dividing {p['size'] // n}")
     cut = [(t, a) for t, a in zip(b.inputs, p["in_axes"], strict=True) if a is not None]
-    chunked = [_stacked(lw, t, _split(lw._read(env, t), a, k, n), a) for t, a in cut]
+    # each chunked input relaid out once, whole, to the layout the block reads it in, then cut
+    # into chunks: a stack relaid out inside the loop is moved whole in every chunk (XLA does
+    # not hoist it; T5-8's tied LM head: its 1.5 GiB table all-to-all'd 4 times more a step)
+    lays = _chunked_reads(lw, ops, [t for t, _ in cut])
+    lay_of = {t.id: lays[t.id][0] if t.id in lays else None for t, _ in cut}
+    chunked = [_stacked(lw, t, _split(lw._read(env, t) if lay_of[t.id] is None else
+                                      lw.read_as(env, t, lay_of[t.id], lays[t.id][1]),
+                                      a, k, n), a, lay_of[t.id]) for t, a in cut]
     whole = {t.id: lw._read(env, t) for t, a in zip(b.inputs, p["in_axes"], strict=True)
              if a is None}
     outer = {key: v for key, v in env.items() if not isinstance(key, tuple)}
@@ -227,6 +253,8 @@ def run_coshard(lw: Any, ops: Sequence[Op], env: dict, b: Boundary) -> None:
         inner = dict(outer)  # relayouts made outside are not reused inside (recomputed)
         inner.update({reads[-key - 1][0] if key < 0 else key: x for key, x in whole.items()})
         inner.update({t.id: x for (t, _), x in zip(cut, xs, strict=True)})
+        inner.update({key: x for (t, _), x in zip(cut, xs, strict=True)
+                      for key in (lays[t.id][2] if t.id in lays else ())})
         for op in ops:
             lw._op(op, inner, ways={idents[op.id]: k})
             if op.primitive == "iota":
@@ -234,7 +262,7 @@ def run_coshard(lw: Any, ops: Sequence[Op], env: dict, b: Boundary) -> None:
         return [inner[t.id] for t in b.outputs]
 
     def stack(xs):  # a stack of the chunked inputs' cotangents, laid out as the inputs' chunks
-        return [x if x is None else _stacked(lw, t, x, a)
+        return [x if x is None else _stacked(lw, t, x, a, lay_of[t.id])
                 for (t, a), x in zip(cut, xs, strict=True)]
 
     def stack_out(cts):  # the outputs' cotangents, as the outputs' chunks are laid out

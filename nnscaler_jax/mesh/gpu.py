@@ -141,7 +141,12 @@ rematerialization measures the temporaries and the outputs against it (measured 
 compile-only V100s: a donated 1 GiB input subtracts nothing, a kept one 1 GiB). A V100-32GB
 program is rematerialized by XLA above ~24 GiB, under the 28.8 GiB budget a plan gets by
 default (memory less a 10% reserve), so :func:`slop_factor` tells XLA the plan's budget
-instead."""
+instead. The rematerialization's count holds an all-gather's result twice where it lands (the
+``all-gather-start``'s result buffer and the ``all-gather-done``'s, one buffer once assigned):
+T5-8's step gathers its 4.2 GB logits on every device, and XLA counted 32.04 GiB where its
+buffers take 27.9 GiB (compiled for an 80 GB GPU, where nothing is rematerialized). The
+training step adds the plan's largest all-gather result to the budget it tells XLA
+(``PlanCost.largest_gather_bytes``)."""
 
 
 def slop_factor(budget: int, io_bytes: int, device_memory: int) -> int:

@@ -64,6 +64,10 @@ class PlanCost:
     """``comm_bytes`` by collective kind (``(kind, bytes)``, as XLA's HLO names them:
     ``all_gather``, ``all_reduce``, ``reduce_scatter``, ``all_to_all``, ``ppermute``); empty
     where the pricing does not break it down (a pipeline's stage tables)."""
+    largest_gather_bytes: int = 0
+    """The largest all-gather result a device receives (bytes): XLA:GPU's rematerialization
+    counts it twice where it lands (:func:`~nnscaler_jax.mesh.gpu.slop_factor`); 0 where not
+    priced."""
 
 
 @dataclass(frozen=True, slots=True)

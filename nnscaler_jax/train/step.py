@@ -439,7 +439,8 @@ class SpmdStep(TrainStep):
     def _gpu_options(self) -> dict | None:
         """On GPUs: XLA's scheduler and rematerialization limit put at the plan's budget
         (:func:`~nnscaler_jax.mesh.gpu.slop_factor`; XLA's own is ~76% of the device's memory,
-        under the default budget), counting the state and the batch as the program's inputs."""
+        under the default budget), counting the state and the batch as the program's inputs,
+        plus the plan's largest all-gather result, which XLA's count holds twice."""
         if getattr(self.mesh.devices.flat[0], "platform", "cpu") != "gpu":
             return None
         asked = self.model.core.constraints
@@ -451,7 +452,11 @@ class SpmdStep(TrainStep):
                  for x in jax.tree.leaves(self._abstract)
                  if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended))
         kind = str(self.mesh.devices.flat[0].device_kind)
-        slop = slop_factor(int(budget or default.bytes), io,
+        # XLA counts the largest all-gather's result twice where it lands: its limit is the
+        # budget by XLA's count (slop_factor)
+        cost = self._plan.cost
+        twice = cost.largest_gather_bytes if cost is not None else 0
+        slop = slop_factor(int(budget or default.bytes) + twice, io,
                            xla_memory_bytes(kind) or default.memory_bytes)
         return {"xla_gpu_memory_limit_slop_factor": slop}
 
