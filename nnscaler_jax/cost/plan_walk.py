@@ -100,7 +100,8 @@ def boundary_kinds(graph: Graph) -> dict[int, tuple[str, tuple[Tensor, ...]]]:
 
 
 
-def loop_stacks(graph: Graph, grads: Any = ()) -> dict[int, tuple[int, tuple[tuple[Tensor, int], ...]]]:
+def loop_stacks(graph: Graph, grads: Any = ()
+                ) -> dict[int, tuple[int, tuple[tuple[Tensor, int, int], ...]]]:
     """Co-sharded block id -> (the remat boundary whose backward runs it: its recompute group,
     else the block itself; ``(tensor, copies)``: what the block's chunk loop holds besides the
     block's own transient while its backward runs). The loop (``lower/coshard.py``) scans over
@@ -109,10 +110,10 @@ def loop_stacks(graph: Graph, grads: Any = ()) -> dict[int, tuple[int, tuple[tup
     stacked to be scanned over: each chunked input once (twice recomputed), each output once;
     the cotangent of each input read whole by every chunk (in ``grads``, e.g. a weight's cast)
     is summed over the chunks in a buffer of its own. Measured on XLA:CPU (Swin at 64 px,
-    ``scripts/bench_decisions_memory.py``) and XLA:GPU (Llama-3-8B's LM head at 128K). The
-    stacks are held in the layout the block reads its inputs in and priced in the one they
-    are made in (the same bytes where the block's relayout is an all-to-all, as T5-8's tied
-    head's; fewer priced where the block reads an input gathered)."""
+    ``scripts/bench_decisions_memory.py``) and XLA:GPU (Llama-3-8B's LM head at 128K).
+    Each held item is ``(tensor, copies, reader)``: an input's stack and cotangent buffer are
+    laid out as the block's first op reading it (``reader``) reads it (``lower/coshard.py``
+    relays the input out before the loop), an output's as it is made (``reader`` -1)."""
     kinds = boundary_kinds(graph)
     outer: dict[int, int] = {}
     for op in graph.ops:
@@ -126,16 +127,22 @@ def loop_stacks(graph: Graph, grads: Any = ()) -> dict[int, tuple[int, tuple[tup
             continue
         again = 2 if outer[b.id] != b.id else 1
         axes = b.eqn.params["in_axes"]
-        ins = tuple((t, again) for t, a in zip(b.inputs, axes, strict=True)
+        reader: dict[int, int] = {}  # input id -> the block's first op reading it
+        for op in graph.ops:
+            if b.id in op.boundary:
+                for t in op.inputs:
+                    reader.setdefault(t.id, op.id)
+        ins = tuple((t, again, reader.get(t.id, -1)) for t, a in zip(b.inputs, axes, strict=True)
                     if a is not None and t.ndim)
-        summed = tuple((t, 1) for t, a in zip(b.inputs, axes, strict=True)
+        summed = tuple((t, 1, reader.get(t.id, -1)) for t, a in zip(b.inputs, axes, strict=True)
                        if a is None and t.ndim and t.id in grads)
-        out[b.id] = (outer[b.id], ins + summed + tuple((t, 1) for t in b.outputs if t.ndim))
+        out[b.id] = (outer[b.id], ins + summed + tuple((t, 1, -1) for t in b.outputs if t.ndim))
     return out
 
 
-def backward_held(graph: Graph, grads: Any = ()) -> list[tuple[int, tuple[tuple[Tensor, int], ...]]]:
-    """``(recompute group, ((tensor, copies), ...))``: what is live besides a recomputed
+def backward_held(graph: Graph, grads: Any = ()
+                  ) -> list[tuple[int, tuple[tuple[Tensor, int, int], ...]]]:
+    """``(recompute group, ((tensor, copies, reader), ...))``: what is live besides a recomputed
     block's residuals while its backward runs: co-sharded blocks' chunk loops
     (:func:`loop_stacks`), and the cotangents of each recompute group's outputs, which arrive
     before its backward starts (measured: XLA:CPU's live set at the peak of an Evoformer
@@ -143,10 +150,10 @@ def backward_held(graph: Graph, grads: Any = ()) -> list[tuple[int, tuple[tuple[
     out = list(loop_stacks(graph, grads).values())
     stacked: dict[int, set[int]] = {}
     for outer, held in out:
-        stacked.setdefault(outer, set()).update(t.id for t, _ in held)
+        stacked.setdefault(outer, set()).update(t.id for t, _, _ in held)
     for b in graph.boundaries:
         if b.kind in REMAT_KINDS:
-            own = tuple((t, 1) for t in b.outputs
+            own = tuple((t, 1, -1) for t in b.outputs
                         if t.ndim and is_float(t) and t.id not in stacked.get(b.id, ()))
             if own:
                 out.append((b.id, own))
@@ -365,6 +372,7 @@ class _Walk:
         # the variable a tensor is computed from alone (reshapes, casts; region body inputs)
         self.origin = weight_origins(graph)
         self.first_want: dict[int, Layout] = {}
+        self.read_in: dict[tuple[int, int], Layout] = {}  # (op id, tensor id) -> read as
         self.scans: list[tuple[Op, tuple[Layout, ...], int]] = []
         self.whole = whole_reads(graph)  # op id -> (chunks, what its block reads whole)
         self.chunks = {op: k for op, (k, _) in self.whole.items()}  # op id -> its block's chunks
@@ -394,7 +402,8 @@ class _Walk:
         out.activations = sum(self.kept.values())
         for outer, held in backward_held(self.graph, self.grads):  # loops' stacks, cotangents
             self.remat_sum[outer] = self.remat_sum.get(outer, 0.0) + sum(
-                model._local_bytes(t, layout[t.id]) * copies for t, copies in held)
+                model._local_bytes(t, self.read_in.get((reader, t.id), layout[t.id])) * copies
+                for t, copies, reader in held)
         out.transient = max([out.transient, *(s + sum(self.regathered.get(b, {}).values())
                                                for b, s in self.remat_sum.items())])
 
@@ -429,6 +438,7 @@ class _Walk:
                                         k if t.id in whole else 1, remat[0] if remat else -1,
                                         t.role is Role.VALUE and w is not None))
                 self.first_want.setdefault(t.id, want)
+                self.read_in.setdefault((op.id, t.id), want)
         for t, lay in zip(op.outputs, outs, strict=True):
             self.layout[t.id] = lay
         if op.regions:

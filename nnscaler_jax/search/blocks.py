@@ -89,16 +89,19 @@ class BlockPricing:
 
     def _loop_stacks(self, blocks: dict[int, dict[int, np.ndarray]]) -> None:
         """Adds to ``blocks`` what co-sharded blocks' chunk loops hold during their backward
-        and the cotangents of recompute groups' outputs (``plan_walk.backward_held``), by the
-        strategy of each tensor's producer (an example input, produced by none, at its
+        and the cotangents of recompute groups' outputs (``plan_walk.backward_held``): a loop's
+        input by the strategy of the block's op that reads it first (the loop holds it as that
+        op reads it), an output by its producer's (an example input, produced by none, at its
         replicated bytes)."""
         producer = self.graph.producer
         for outer, held in backward_held(self.graph, self.grads):
             d, fixed, last = blocks.setdefault(outer, {}), 0.0, None
-            for t, copies in held:
+            for t, copies, reader in held:
                 op, side = producer.get(t.id), 1
-                if op is None and t.role is Role.VARIABLE:  # a weight's summed cotangent: as
-                    # the weight is laid out, by its reader's strategy
+                if reader in self.space.where:
+                    op, side = self.by_id[reader], 0
+                elif op is None and t.role is Role.VARIABLE:  # a weight's summed cotangent:
+                    # as the weight is laid out, by its reader's strategy
                     op, side = next((c for c in self.graph.consumers.get(t.id, ())
                                      if c.id in self.space.where), None), 0
                 if op is None or op.id not in self.space.where:
