@@ -84,15 +84,12 @@ EMBEDDING_GRADIENT = (
     "rather than its result reduced is open")
 CAUSES = {
     ("t5-8gpu", "auto"): (
-        "memory and XLA's own remat: since values read alike are priced relaid out once per "
-        "target layout and recomputed block (2026-12-04) the search co-shards the tied LM head "
-        "(the shared table's transpose, 2 chunks) and recomputes 31 encoder blocks, none of the "
-        "decoder; XLA's rematerialization pass counts 32.04 GiB for it against its limit of "
-        "28.89 GiB (the estimate 28.79 GiB) and rematerializes 203 instructions, which run "
-        "their relayouts again (all-to-alls 2.9x the priced bytes): the co-sharded tied head's "
-        "memory is under-priced by XLA's count, not traced. The plan before (39 blocks "
-        "recomputed selectively, no co-sharding) was counted 28.77 GiB by that pass, packed "
-        "into 26.82 GiB (0.931), its collectives as priced"),
+        "memory: the peak is at the loss's backward, before the tied table's gradient is "
+        "built, and the estimate holds that gradient (1.47 GiB) there: it does not place the "
+        "transient in time. The plan co-sharding the tied LM head, as fast within the search's "
+        "gap (0.9867 s against this plan's 0.9864 s), compiled at 28.14 GiB against 28.79 "
+        "(0.977), once its loop relays its table out before the loop and the step's XLA limit "
+        "counts the gathered logits twice, as XLA's rematerialization does (2026-12-04)"),
     ("af2-initial", "auto"): (
         "collectives: all-to-alls priced one per reader: the row attention's and the "
         "triangle attention's LayerNorm outputs, each read by four projections, are relaid "
@@ -112,11 +109,6 @@ CAUSES = {
         "The other reduce-scatters are as priced (the MLP's 34, 1.93 GB; 17 of a sum XLA does "
         "reduce once, an `add_any` of [2, 2304, 3072], 0.96 GB). Which partial sums XLA adds "
         "before scattering and which after is not traced; pricing it is open"),
-    ("swin-8gpu", "alpa"): (
-        "collectives: all-to-alls 0.87 of priced (55.41 GB by XLA, 63.45 priced; 0.78 per "
-        "reader for the plan before, whose all-to-alls priced once per value and layout were "
-        "XLA's to the byte); this row was planned before a recomputed block's relayouts were "
-        "priced once per value and block (it prices them per reader), not re-run"),
     ("gpt3-1.3b-v100", "zero3"): (
         "collectives by kind: XLA lowers ZeRO-3's gradient reduce-scatters as all-reduces and "
         "collective-permutes (10.5 + 9.7 GB where 21.0 GB of reduce-scatter is priced); the "

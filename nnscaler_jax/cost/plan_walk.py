@@ -116,25 +116,24 @@ def loop_stacks(graph: Graph, grads: Any = ()
     relays the input out before the loop), an output's as it is made (``reader`` -1)."""
     kinds = boundary_kinds(graph)
     outer: dict[int, int] = {}
+    reader: dict[tuple[int, int], int] = {}  # (block, input id) -> the block's first op reading it
     for op in graph.ops:
         remat = [b for b in op.boundary if kinds.get(b, ("",))[0] in REMAT_KINDS]
         for b in op.boundary:
             if kinds.get(b, ("",))[0] == COSHARD:
                 outer.setdefault(b, remat[0])
+                for t in op.inputs:
+                    reader.setdefault((b, t.id), op.id)
     out = {}
     for b in graph.boundaries:
         if b.id not in outer:
             continue
         again = 2 if outer[b.id] != b.id else 1
         axes = b.eqn.params["in_axes"]
-        reader: dict[int, int] = {}  # input id -> the block's first op reading it
-        for op in graph.ops:
-            if b.id in op.boundary:
-                for t in op.inputs:
-                    reader.setdefault(t.id, op.id)
-        ins = tuple((t, again, reader.get(t.id, -1)) for t, a in zip(b.inputs, axes, strict=True)
-                    if a is not None and t.ndim)
-        summed = tuple((t, 1, reader.get(t.id, -1)) for t, a in zip(b.inputs, axes, strict=True)
+        ins = tuple((t, again, reader.get((b.id, t.id), -1))
+                    for t, a in zip(b.inputs, axes, strict=True) if a is not None and t.ndim)
+        summed = tuple((t, 1, reader.get((b.id, t.id), -1))
+                       for t, a in zip(b.inputs, axes, strict=True)
                        if a is None and t.ndim and t.id in grads)
         out[b.id] = (outer[b.id], ins + summed + tuple((t, 1, -1) for t in b.outputs if t.ndim))
     return out

@@ -7,12 +7,12 @@ rest are read whole by every chunk; each chunk replays the block's ops on chunk-
 as sharding constraints, and the outputs are stitched back. The chunks interleave with the
 devices' parts: when the seed op splits the dim ``n`` ways over the mesh, chunk ``c`` holds rows
 ``c`` of every device's part (the dim viewed as ``(n, k, size / (n k))``), so a chunk keeps the
-plan's sharding and no device idles while another computes (the same permutation for every input and output, so the
-result does not depend on it). Custom-JVP calls inside a block (``jax.nn.softmax``) are replayed
-op by op: their derivative is that of the ops, as a custom JVP's must be. An iota counting
-along the chunked dim (a causal mask's positions) counts the chunk's global positions: in that
-view, position ``r`` of chunk ``c`` is ``(r // cs) k cs + c cs + r % cs`` (``cs``: a chunk's
-rows per device).
+plan's sharding and no device idles while another computes (the same permutation for every
+input and output, so the result does not depend on it). Custom-JVP calls inside a block
+(``jax.nn.softmax``) are replayed op by op: their derivative is that of the ops, as a custom
+JVP's must be. An iota counting along the chunked dim (a causal mask's positions) counts the
+chunk's global positions: in that view, position ``r`` of chunk ``c`` is
+``(r // cs) k cs + c cs + r % cs`` (``cs``: a chunk's rows per device).
 """
 
 from __future__ import annotations
@@ -184,14 +184,15 @@ def chunk_loop(one: Any, k: int, stack: Any = list, prepare: Any = None,
     return loop
 
 
-def _whole_reads(lw: Any, ops: Sequence[Op], whole: dict) -> list[tuple]:
-    """``(relayout key, tensor, layout, split)`` of each read of a whole input by the block's
-    ops, as :meth:`~nnscaler_jax.lower.replay.Lowering.read_as` keys it."""
+def _block_reads(lw: Any, ops: Sequence[Op], ids: Any) -> list[tuple]:
+    """``(relayout key, tensor, layout, split)`` of each read of a tensor in ``ids`` by the
+    block's ops, in order, once per key (as
+    :meth:`~nnscaler_jax.lower.replay.Lowering.read_as` keys it)."""
     out: dict[Any, tuple] = {}
     for op in ops:
         split = lw.plan_of(op).split
         for t, lay in zip(op.inputs, plan_layouts(op, lw._plans, lw._sole)[0], strict=True):
-            key = lw.relayout_key(t, lay, split) if t.id in whole else None
+            key = lw.relayout_key(t, lay, split) if t.id in ids else None
             if key is not None:
                 out.setdefault(key, (key, t, lay, split))
     return list(out.values())
@@ -200,18 +201,12 @@ def _whole_reads(lw: Any, ops: Sequence[Op], whole: dict) -> list[tuple]:
 def _chunked_reads(lw: Any, ops: Sequence[Op], cut: Sequence[Tensor]) -> dict[int, tuple]:
     """Chunked input id -> ``(layout, split, keys)``: the layout the block's first reader of
     it reads it in (split as that reader is) and the relayout keys of the block's reads of it
-    in that layout (:meth:`~nnscaler_jax.lower.replay.Lowering.relayout_key`)."""
-    ids = {t.id for t in cut}
+    in that layout."""
     out: dict[int, tuple] = {}
-    for op in ops:
-        split = lw.plan_of(op).split
-        for t, lay in zip(op.inputs, plan_layouts(op, lw._plans, lw._sole)[0], strict=True):
-            key = lw.relayout_key(t, lay, split) if t.id in ids else None
-            if key is None:
-                continue
-            first = out.setdefault(t.id, (Layout(lay.dims), split, set()))
-            if Layout(lay.dims) == first[0]:
-                first[2].add(key)
+    for key, t, lay, split in _block_reads(lw, ops, {t.id for t in cut}):
+        first = out.setdefault(t.id, (Layout(lay.dims), split, set()))
+        if Layout(lay.dims) == first[0]:
+            first[2].add(key)
     return out
 
 
@@ -233,14 +228,14 @@ def run_coshard(lw: Any, ops: Sequence[Op], env: dict, b: Boundary) -> None:
     # not hoist it; T5-8's tied LM head: its 1.5 GiB table all-to-all'd 4 times more a step)
     lays = _chunked_reads(lw, ops, [t for t, _ in cut])
     lay_of = {t.id: lays[t.id][0] if t.id in lays else None for t, _ in cut}
-    chunked = [_stacked(lw, t, _split(lw._read(env, t) if lay_of[t.id] is None else
-                                      lw.read_as(env, t, lay_of[t.id], lays[t.id][1]),
-                                      a, k, n), a, lay_of[t.id]) for t, a in cut]
+    chunked = [_stacked(lw, t, _split(lw.read_as(env, t, *lays[t.id][:2]) if t.id in lays
+                                      else lw._read(env, t), a, k, n), a, lay_of[t.id])
+               for t, a in cut]
     whole = {t.id: lw._read(env, t) for t, a in zip(b.inputs, p["in_axes"], strict=True)
              if a is None}
     outer = {key: v for key, v in env.items() if not isinstance(key, tuple)}
     cs = p["size"] // (n * k)
-    reads = _whole_reads(lw, ops, whole)
+    reads = _block_reads(lw, ops, whole)
 
     def prepare(whole):  # the whole inputs' relayouts, once per loop: -(i + 1) <- reads[i]
         made = dict(whole)
