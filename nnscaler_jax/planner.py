@@ -272,7 +272,8 @@ def make_plan(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto"
             ``max_memory_per_device``, a cluster preset's or accelerator's memory less a reserve
             (see the module doc; none on CPU).
         partitioning: ``{variable path: mesh axes per dim}`` from Flax metadata.
-        cost_model: prices search and plan (default: the local CPU model of the mesh).
+        cost_model: prices search and plan, a saved plan too (default: the preset of the
+            mesh's GPU kind, else the local CPU model of the mesh).
         time_limit: the searches' solver budget in seconds.
 
     Returns:
@@ -294,7 +295,7 @@ def make_plan(graph: Graph, mesh: Any, *, policy: str | Callable | None = "auto"
                 raise
             check_reuse(part, graph, mesh_axes(mesh))
             plan = part
-        plan = _repriced(plan, graph, cost_model)
+        plan = _repriced(plan, graph, cost_model or _device_cost_model(mesh))
         if constraints is not None:  # (the user's budget; a device's default is not checked)
             _check_budget(plan, constraints.max_memory_per_device, saved=True)
         return plan
