@@ -83,13 +83,6 @@ EMBEDDING_GRADIENT = (
     "reduce-scatter, 67 MB more all-gather; pricing a scatter-add whose operand is gathered "
     "rather than its result reduced is open")
 CAUSES = {
-    ("t5-8gpu", "auto"): (
-        "memory: the peak is at the loss's backward, before the tied table's gradient is "
-        "built, and the estimate holds that gradient (1.47 GiB) there: it does not place the "
-        "transient in time. The plan co-sharding the tied LM head, as fast within the search's "
-        "gap (0.9867 s against this plan's 0.9864 s), compiled at 28.14 GiB against 28.79 "
-        "(0.977), once its loop relays its table out before the loop and the step's XLA limit "
-        "counts the gathered logits twice, as XLA's rematerialization does (2026-12-04)"),
     ("af2-initial", "auto"): (
         "collectives: all-to-alls priced one per reader: the row attention's and the "
         "triangle attention's LayerNorm outputs, each read by four projections, are relaid "
@@ -142,19 +135,6 @@ CAUSES = {
         "two contributions (the LM head's and the lookup's scatter-add) over `model` one by one "
         "(2 x 49.2 MB); its all-gather over `data` (98.3 MB) as priced; XLA reduce-scatters 28 "
         "activation cotangents over `data` where 24 are priced (25 MB)"),
-    ("gpt3-6.7b-a100-bf16", "auto"): (
-        "memory (0.914 before 2026-12-04): the plan stores the weights split over both axes, "
-        "casts them to bf16 where stored and gathers the casts per matmul; the estimate kept "
-        "each cast's shard next to its gathered copy (1.55 GiB), XLA only the gathered copy: "
-        "now priced so (`cost.residuals.weight_copies_read_once`, the search's tables too). "
-        "The rest (0.88 GiB): the sequence-split LayerNorm and attention outputs' shards, also "
-        "kept next to their gathered copies; XLA holds neither here (its rematerialization "
-        "pass counts 25.92 GiB) but does at T5-8 (see t5-8gpu / auto)"),
-    ("gpt3-1.3b-h100-bf16", "auto"): (
-        "memory (0.922 before the bf16 weight casts' shards were dropped, see "
-        "gpt3-6.7b-a100-bf16; 0.953 before the loss's bf16 cotangent copy took the kept "
-        "logits' place, 2026-12-04: the loss's transient, 300 -> 200 MiB, is no longer the "
-        "largest, a 256 MiB one is); the rest not traced"),
 }
 
 

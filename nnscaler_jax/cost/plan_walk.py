@@ -33,12 +33,12 @@ from nnscaler_jax.cost.residuals import (
     MASKED,
     REGATHERED_COPIES,
     copies_cotangent,
+    copies_read_once,
     residual_forms,
     residual_outputs,
     residual_readers,
     residual_reads,
     saved_operands,
-    weight_copies_read_once,
 )
 from nnscaler_jax.ir.attention import with_fused_attention
 from nnscaler_jax.ir.coshard import COSHARD, whole_reads, with_boundaries
@@ -206,7 +206,7 @@ def _gathered(model: Any, op: Op, reads: list[int], ins: tuple[Layout, ...],
               grown: set | None = None) -> None:
     """An operand ``op`` reads for the backward (``reads``), reaching it through a relayout
     that grows it (an all-gather), is saved as ``op`` reads it: the gathered copy stays for the
-    backward next to the original (as ZeRO-3's gathered weights; a weight's copy only ``op``
+    backward next to the original (as ZeRO-3's gathered weights; a residual only ``op``
     reads keeps the gathered copy alone: ``grown`` records the read, see
     :meth:`_Walk.only_gathered`). Matmul / convolution (or
     ReLU max) operands their transposes read; cheap elementwise ops' inputs a residual is
@@ -380,7 +380,7 @@ class _Walk:
         roles = remat_roles(graph, lambda: residual_readers(
             graph, grads if model.input_grads else None))
         self.grown: set[tuple[int, int]] = set()  # (op id, tensor id): read gathered, kept so
-        self.once = weight_copies_read_once(graph, grads if model.input_grads else None)
+        self.once = copies_read_once(graph, grads if model.input_grads else None)
         self.policy, self.dropped = roles.kept, roles.dropped
 
     def run(self) -> None:
@@ -407,8 +407,8 @@ class _Walk:
                                                for b, s in self.remat_sum.items())])
 
     def only_gathered(self) -> list[int]:
-        """Weight copies kept in their own layout that their one reader reads gathered
-        (:func:`~nnscaler_jax.cost.residuals.weight_copies_read_once`): the gathered copy
+        """Residuals kept in their own layout that their one reader reads gathered
+        (:func:`~nnscaler_jax.cost.residuals.copies_read_once`): the gathered copy
         stays (:func:`_gathered`), the shard is dead once gathered."""
         return [tid for tid, (reader, views) in self.once.items() if tid in self.kept
                 and any((reader, v) in self.grown for v in views)]

@@ -47,12 +47,12 @@ __all__ = [
     "accumulated_gradients",
     "combines_all_reductions",
     "copies_cotangent",
+    "copies_read_once",
     "residual_forms",
     "residual_outputs",
     "residual_readers",
     "residual_reads",
     "saved_operands",
-    "weight_copies_read_once",
     "weight_views",
 ]
 
@@ -266,23 +266,24 @@ def weight_views(graph: Graph) -> frozenset[int]:
     return _MEMO.get(graph, "weight_views", build)
 
 
-def weight_copies_read_once(graph: Graph, grads: set[int] | None = None
-                            ) -> Mapping[int, tuple[int, frozenset[int]]]:
-    """Residual roots computed from one weight alone (a cast: ``follow_weight``) that one op's
-    transpose reads and nothing else's, not even their producer's: root tensor id -> (that
-    op's id, the root and its bitcast views). Where the relayout on the way into that op grows
-    the copy (an all-gather), the gathered copy is what stays for the backward and the root's
-    own shard is dead once gathered; the weight itself is held anyway (``plan_walk`` keeps
-    the gathered copy alone, the search's tables price it so: ``search.edges``). (Measured
-    with XLA:GPU, GPT-3 6.7B in bf16 on A100, its weights stored split over both axes: the
-    bf16 casts' shards, 1.5 GiB a device, were priced next to their gathered copies; XLA's
-    buffer assignment and its rematerialization pass hold the gathered copies alone,
-    estimate / XLA:GPU 0.914 -> 0.967. Activations keep their shard: T5-8's fp32 RMSNorm
-    outputs gathered over 8 devices, dropped, let the search keep 0.19 GiB more and XLA's
-    rematerialization pass counted 28.94 GiB, over its 28.89 GiB limit, for an estimate of
-    28.79.)"""
+def copies_read_once(graph: Graph, grads: set[int] | None = None
+                     ) -> Mapping[int, tuple[int, frozenset[int]]]:
+    """Residual roots that one op's transpose reads and nothing else's, not even their
+    producer's: root tensor id -> (that op's id, the root and its bitcast views). Where the
+    relayout on the way into that op grows the root (an all-gather), the gathered copy is what
+    stays for the backward and the root's own shard is dead once gathered (``plan_walk``
+    keeps the gathered copy alone, the search's tables price it so: ``search.edges``).
+    Measured with XLA:GPU: GPT-3 6.7B in bf16 on A100, its weights stored split over both
+    axes: the bf16 casts' shards, 1.5 GiB a device, were priced next to their gathered copies;
+    XLA's buffer assignment and its rematerialization pass hold the gathered copies alone
+    (estimate / XLA:GPU 0.914 -> 0.967). Activations alike: GPT-3 1.3B on 2 x 4 V100s, the
+    search's plan splitting the hidden dim over ``data`` (2026-12-04): the attention's
+    output and the second LayerNorm's, each gathered for the one projection reading it, are
+    held gathered alone at XLA's peak (16 MiB a layer priced twice; 0.947 -> 0.966). (A value
+    several ops read gathered, as q, k and v read the first LayerNorm's output, keeps its
+    shard in the estimate: pricing it needs the readers' layouts jointly in the search; XLA
+    holds the gathered copy alone there too, 8 MiB a layer.)"""
     def build() -> Mapping[int, tuple[int, frozenset[int]]]:
-        origin = weight_origins(graph)
         ops = {op.id: op for op in graph.ops}  # (a region body's copies are its stacks' own)
         readers_of = graph.readers
         out = {}
@@ -290,7 +291,7 @@ def weight_copies_read_once(graph: Graph, grads: set[int] | None = None
             if op_id not in ops:
                 continue
             root = ops[op_id].outputs[k]
-            if len(readers) != 1 or op_id in readers or root.id not in origin:
+            if len(readers) != 1 or op_id in readers:
                 continue
             views, stack = {root.id}, [root.id]
             while stack:
@@ -301,7 +302,7 @@ def weight_copies_read_once(graph: Graph, grads: set[int] | None = None
                         stack += new
             out[root.id] = (next(iter(readers)), frozenset(views))
         return out
-    return build() if grads is not None else _MEMO.get(graph, "weight_copies", build)
+    return build() if grads is not None else _MEMO.get(graph, "copies_read_once", build)
 
 
 def _leaves(graph: Graph, op: Op) -> list:

@@ -25,8 +25,8 @@ from nnscaler_jax.cost.relayout import partial_grad_axes
 from nnscaler_jax.cost.residuals import (
     MASKED,
     REGATHERED_COPIES,
+    copies_read_once,
     saved_operands,
-    weight_copies_read_once,
 )
 from nnscaler_jax.ir.graph import Op, Role, Tensor
 from nnscaler_jax.layout import Layout
@@ -63,11 +63,11 @@ class EdgePricing:
 
     def start_edges(self) -> None:
         self.pairs: dict[tuple[int, int], np.ndarray] = {}
-        # a weight's copy (or view of it) -> the one op whose transpose reads it (a copy a
+        # a residual (or view of it) -> the one op whose transpose reads it (a copy a
         # recomputed block makes is not kept from the forward: no shard to credit)
         writers = self.graph.writers
         self.read_once = {v: reader for root, (reader, views) in
-                          weight_copies_read_once(self.graph).items()
+                          copies_read_once(self.graph).items()
                           if writers[root][0].id not in self.remat for v in views}
         self.kept: dict[tuple[int, int], np.ndarray] = {}
         # recomputed block -> group pair (or group) -> bytes its matmuls gather again
@@ -254,9 +254,9 @@ class EdgePricing:
         its edge: when one group keeps ``t`` (outside recomputed blocks), its first such
         reader. Readers in several groups keep one copy per layout between them: a
         :class:`~nnscaler_jax.search.objective.GatherSet` (:meth:`_keepers`). 2: ``t`` is
-        a weight's copy only ``dst`` reads for its transpose, whose shard (priced by its
+        a residual only ``dst`` reads for its transpose, whose shard (priced by its
         producer's group) is dead once gathered
-        (:func:`~nnscaler_jax.cost.residuals.weight_copies_read_once`)."""
+        (:func:`~nnscaler_jax.cost.residuals.copies_read_once`)."""
         if dst[0] not in ("in", "fin") or not t.ndim or not is_float(t) or (
                 t.role is Role.VARIABLE and self.zero >= 3):
             return 0

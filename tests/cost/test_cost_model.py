@@ -283,8 +283,10 @@ def test_conv_flops_are_output_elements_times_window_times_group_features(groups
 def test_a_saved_matmul_operand_reaching_it_by_an_all_gather_is_kept_gathered(mlp_graph):
     """fc1 splits its output features over 'model', fc2 splits its own output features: fc2
     reads the hidden activation h all-gathered (replicated) and its weight gradient needs h, so
-    XLA keeps the gathered copy for the backward next to h's own shard (measured on WRN's
-    searched plan: 0.47 -> 0.85 of XLA's memory once counted)."""
+    XLA keeps the gathered copy for the backward (measured on WRN's searched plan: 0.47 ->
+    0.85 of XLA's memory once counted); fc2 is h's one reader, so h's own shard is dead once
+    gathered (XLA:GPU, GPT-3 1.3B's projections reading the attention's output gathered:
+    0.947 -> 0.966 once dropped)."""
     graph, _ = mlp_graph
     mesh = make_mesh((1, 4), ("data", "model"))
 
@@ -300,7 +302,8 @@ def test_a_saved_matmul_operand_reaching_it_by_an_all_gather_is_kept_gathered(ml
     own = sum(model.activation_bytes(op, splits.get(op.id, ()), saved.get(op.id, ()))
               for op in graph.walk())
     h = graph.op("fc2").inputs[0]
-    assert model.memory_breakdown(plan, graph)["activations"] == own + h.nbytes
+    shard = h.nbytes // 4  # (h split over 'model' as fc1 makes it)
+    assert model.memory_breakdown(plan, graph)["activations"] == own - shard + h.nbytes
 
 
 
@@ -367,7 +370,8 @@ def test_a_recomputed_block_rebuilds_its_gathered_operand_with_its_residuals(mlp
     kept = model.memory_breakdown(plan, graph)
     again = model.memory_breakdown(dataclasses.replace(plan, recompute=("fc2",)), graph)
     h = graph.op("fc2").inputs[0]
-    assert again["activations"] == kept["activations"] - h.nbytes
+    # (the block's input, h's shard, is kept for it instead)
+    assert again["activations"] == kept["activations"] - h.nbytes + h.nbytes // 4
     # fc2 saves no output of its own: its transient is the gathered h and h's cotangent, and
     # the cotangent of fc2's output (split over 'model' as fc2 computes it)
     out = graph.op("fc2").outputs[0]
