@@ -341,9 +341,10 @@ def _markdown(results: dict) -> str:
         rows += ["", note, "", *kinds]
     saved = _savings(results)
     if saved:
-        rows += ["", "Memory the budget saves (ours: the budgeted plan against the no-limit "
-                 "one, GiB):", "", "| case | priced | XLA:GPU | XLA / priced |", "|---|---|---|---|",
-                 *saved]
+        title = ("Memory the budget saves (ours: the budgeted plan against the no-limit one, "
+                 "GiB):")
+        rows += ["", title, "", "| case | priced | XLA:GPU | XLA / priced |",
+                 "|---|---|---|---|", *saved]
     outside = _outside(results)
     tail = ("\n## Outside 5% (memory) or 10% (collective bytes), XLA / estimate\n\n"
             + "\n".join(outside) + "\n") if outside else ""
