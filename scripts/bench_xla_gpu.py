@@ -104,14 +104,6 @@ CAUSES = {
         "of 40, 4.465 s (2026-12-04): the recompute is what fitting a V100 costs. The saving "
         "the budget makes: 99.24 GiB priced, XLA 88.58 GiB against H200's peak (0.893), 95.5 "
         "GiB against V100's rematerialization count (0.962)"),
-    ("af2-initial", "auto"): (
-        "collectives: all-to-alls priced one per reader: the row attention's and the "
-        "triangle attention's LayerNorm outputs, each read by four projections, are relaid "
-        "out four times (12.75 GB of the 41.71 GB priced) where XLA relays each value out once "
-        "per target layout; counted once per (value, layout) the plan's all-to-alls are "
-        "32.15 GB, XLA's 32.21 GB (2026-12-04, the plan walk's relayouts grouped), as the plan "
-        "walk and the search's relayout sets price it since; this row (40 minutes to "
-        "compile) was not re-run"),
     ("swin-8gpu", "auto"): (
         "collectives: XLA reduce-scatters 12.85 GB where 8.78 GB is priced. Traced in the plan "
         "before (XLA 12.74 GB, 8.66 priced; 2026-12-04): 5.78 GB are 51 reduce-scatters over "
