@@ -201,10 +201,12 @@ def _block_reads(lw: Any, ops: Sequence[Op], ids: Any) -> list[tuple]:
 def _chunked_reads(lw: Any, ops: Sequence[Op], cut: Sequence[Tensor]) -> dict[int, tuple]:
     """Chunked input id -> ``(layout, split, keys)``: the layout the block's first reader of
     it reads it in (split as that reader is) and the relayout keys of the block's reads of it
-    in that layout."""
-    out: dict[int, tuple] = {}
-    for key, t, lay, split in _block_reads(lw, ops, {t.id for t in cut}):
-        first = out.setdefault(t.id, (Layout(lay.dims), split, set()))
+    in that layout; ``(None, None, ())`` for an input no relayout reads (read as stored)."""
+    out: dict[int, tuple] = {t.id: (None, None, ()) for t in cut}
+    for key, t, lay, split in _block_reads(lw, ops, out):
+        if out[t.id][0] is None:
+            out[t.id] = (Layout(lay.dims), split, set())
+        first = out[t.id]
         if Layout(lay.dims) == first[0]:
             first[2].add(key)
     return out
@@ -227,10 +229,9 @@ def run_coshard(lw: Any, ops: Sequence[Op], env: dict, b: Boundary) -> None:
     # into chunks: a stack relaid out inside the loop is moved whole in every chunk (XLA does
     # not hoist it; T5-8's tied LM head: its 1.5 GiB table all-to-all'd 4 times more a step)
     lays = _chunked_reads(lw, ops, [t for t, _ in cut])
-    lay_of = {t.id: lays[t.id][0] if t.id in lays else None for t, _ in cut}
-    chunked = [_stacked(lw, t, _split(lw.read_as(env, t, *lays[t.id][:2]) if t.id in lays
-                                      else lw._read(env, t), a, k, n), a, lay_of[t.id])
-               for t, a in cut]
+    chunked = [_stacked(lw, t, _split(lw._read(env, t) if lays[t.id][0] is None else
+                                      lw.read_as(env, t, *lays[t.id][:2]), a, k, n),
+                        a, lays[t.id][0]) for t, a in cut]
     whole = {t.id: lw._read(env, t) for t, a in zip(b.inputs, p["in_axes"], strict=True)
              if a is None}
     outer = {key: v for key, v in env.items() if not isinstance(key, tuple)}
@@ -249,7 +250,7 @@ def run_coshard(lw: Any, ops: Sequence[Op], env: dict, b: Boundary) -> None:
         inner.update({reads[-key - 1][0] if key < 0 else key: x for key, x in whole.items()})
         inner.update({t.id: x for (t, _), x in zip(cut, xs, strict=True)})
         inner.update({key: x for (t, _), x in zip(cut, xs, strict=True)
-                      for key in (lays[t.id][2] if t.id in lays else ())})
+                      for key in lays[t.id][2]})
         for op in ops:
             lw._op(op, inner, ways={idents[op.id]: k})
             if op.primitive == "iota":
@@ -257,7 +258,7 @@ def run_coshard(lw: Any, ops: Sequence[Op], env: dict, b: Boundary) -> None:
         return [inner[t.id] for t in b.outputs]
 
     def stack(xs):  # a stack of the chunked inputs' cotangents, laid out as the inputs' chunks
-        return [x if x is None else _stacked(lw, t, x, a, lay_of[t.id])
+        return [x if x is None else _stacked(lw, t, x, a, lays[t.id][0])
                 for (t, a), x in zip(cut, xs, strict=True)]
 
     def stack_out(cts):  # the outputs' cotangents, as the outputs' chunks are laid out
