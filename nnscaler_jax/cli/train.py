@@ -552,11 +552,10 @@ def _summary(job: _Job, rates: _Rates, state: Any, start: int, losses: list[floa
     step_s = statistics.median(times[1:]) if len(times) > 1 else None
     per_s = rates.per_s(step_s)
     features = dict(plan_features(plan)) if plan is not None else {}
-    memory = None  # per-device bytes: from the state's arrays, and the plan's estimate
-    if hasattr(job.step, "predicted_memory"):  # the pipelined step has neither yet
-        memory = {"measured": {k: int(v) for k, v in job.step.memory(state).items()},
-                  "predicted": {k: int(v) for k, v in job.step.predicted_memory().items()},
-                  "device_peak": device_peak(job.mesh)}
+    # per-device bytes: from the state's arrays, and the plan's estimate
+    memory = {"measured": {k: int(v) for k, v in job.step.memory(state).items()},
+              "predicted": {k: int(v) for k, v in job.step.predicted_memory().items()},
+              "device_peak": device_peak(job.mesh)}
     features.update(policy=job.policy, zero=getattr(plan, "zero", None),
                     precision=getattr(plan, "precision", None))
     return {

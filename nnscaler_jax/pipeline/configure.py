@@ -194,9 +194,12 @@ def _priced(setup: RuntimeSetup, microbatches: int, schedule: str | Schedule,
 
 
 def _cost(r: RuntimeChoice) -> PlanCost:
+    kinds = {k: max(stage[k] for stage in r.memory_kinds) for k in r.memory_kinds[0]} \
+        if r.memory_kinds else {}
     return PlanCost(step_time_s=r.step_time_s, memory_bytes_per_device=int(max(r.memory_bytes)),
                     comm_bytes=int(r.comm_bytes), compute_time_s=r.compute_s,
-                    comm_time_s=r.comm_s)
+                    comm_time_s=r.comm_s,
+                    memory_kinds=tuple((k, round(v)) for k, v in kinds.items()))
 
 
 def _auto_choice(setup: RuntimeSetup, constraints: Constraints, cut: bool = False,

@@ -428,9 +428,10 @@ def _stage_search(graph: Graph, starts: tuple[int, ...], S: int, tensor: dict[st
     plans the stage's part (the ops of its chunks, as the runtime plans it:
     :func:`~nnscaler_jax.pipeline.in_stage.plan_in_stage`) for one micro-batch under the
     budget less the chunk inputs the schedule keeps for its other micro-batches in flight,
-    plus those inputs, the stages' plans, and the seconds the busiest stage's plan adds to
+    plus those inputs, the stages' plans, the seconds the busiest stage's plan adds to
     a step (its recompute and co-sharded chunks against its plan without a budget, one data
-    shard's share); None when a stage's search finds nothing (or the row's schedule runs
+    shard's share) and each stage's bytes by kind (:attr:`~nnscaler_jax.pipeline.pricing.
+    RuntimeChoice.memory_kinds`: its plan's breakdown, the inputs with its activations); None when a stage's search finds nothing (or the row's schedule runs
     all-device blocks, which the stages' parts leave out). The search prices one
     micro-batch's activations of this full-batch graph (``CostModel.microbatches``)."""
     bounds = list(zip(starts, list(starts[1:]) + [len(graph.ops)], strict=True))
@@ -461,12 +462,12 @@ def _stage_search(graph: Graph, starts: tuple[int, ...], S: int, tensor: dict[st
                                    constraints=Constraints(rules=mine)).plan.cost.step_time_s
         return max(0.0, plan.cost.step_time_s - free[s, m])
 
-    def memory(row: Any, budget: float) -> tuple[tuple[float, ...], tuple, float] | None:
+    def memory(row: Any, budget: float) -> tuple[tuple[float, ...], tuple, float, tuple] | None:
         if row.schedule in ("interlaced",) or len(bounds) != S * row.virtual:
             return None
         flight = peak_in_flight(sch.build(row.schedule, S, row.microbatches, row.virtual))
         cost = replace(model, mesh=mesh, microbatches=max(1, batch // row.microbatch_size))
-        out, plans, extra = [], [], 0.0
+        out, plans, kinds, extra = [], [], [], 0.0
         for s in range(S):
             inputs = max((units[1 + c - 1].out_bytes for c in range(s, len(bounds), S) if c),
                          default=0.0) * row.microbatch_size * (flight[s] - 1)
@@ -479,8 +480,13 @@ def _stage_search(graph: Graph, starts: tuple[int, ...], S: int, tensor: dict[st
                 return None
             out.append(plan.cost.memory_bytes_per_device + inputs)
             plans.append(plan)
+            b = cost.memory_breakdown(plan, g)
+            kinds.append({"params": b["params"], "grads": b["grads"],
+                          "optimizer": b["optimizer"],
+                          "activations": b["activations"] + b["transient"] + inputs,
+                          "peak": out[-1]})
             extra = max(extra, extra_s(s, cost.microbatches, plan, cost, mine))
-        return tuple(out), tuple(plans), extra
+        return tuple(out), tuple(plans), extra, tuple(kinds)
 
     return memory
 

@@ -29,8 +29,12 @@ from nnscaler_jax.pipeline.loop_tables import loop_tables
 from nnscaler_jax.pipeline.steps import ALL, Step, deps, peak_pending_weights
 from nnscaler_jax.pipeline.units import Unit, layer_units
 
-__all__ = ["HOST_DISPATCH_S", "RuntimeChoice", "RuntimeSetup", "runtime_choices", "runtime_setup",
+__all__ = ["HOST_DISPATCH_S", "MEMORY_KINDS", "RuntimeChoice", "RuntimeSetup", "runtime_choices", "runtime_setup",
            "runtime_time"]
+
+MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "peak")
+"""The kinds a pipelined plan's memory per stage is priced by (:attr:`RuntimeChoice.
+memory_kinds`); ``peak`` is their sum."""
 
 HOST_DISPATCH_S = 1e-4
 """Seconds the host takes to dispatch one program or transfer of the per-stage runtime (a
@@ -70,6 +74,11 @@ class RuntimeChoice:
             memory was priced with (:attr:`RuntimeSetup.searched`), else empty.
         overlap: ``PipelineSettings.overlap``: the in-graph runtime sends a time step's
             results during the next step, beside its compute (:func:`runtime_time`).
+        memory_kinds: per stage, ``memory_bytes`` by kind (:data:`MEMORY_KINDS`:
+            ``params``, ``grads``, ``optimizer``, ``activations`` (buffer slots, the chunk's
+            activations, the kept values of a split backward; a searched stage: its plan's
+            activations, transient and gradients held, and the chunk inputs in flight),
+            ``peak``); empty where not priced.
     """
 
     schedule: str
@@ -87,6 +96,7 @@ class RuntimeChoice:
     executor: str = "in-graph"
     stage_plans: tuple = field(default=(), compare=False)
     overlap: bool = False
+    memory_kinds: tuple[dict[str, float], ...] = field(default=(), compare=False)
 
     def row(self) -> str:
         name = (self.schedule + (f" x{self.virtual}" if self.virtual > 1 else "")
@@ -345,10 +355,13 @@ class _Ways:
 
     def shared(self, all_device: bool = False) -> float:
         """Prefix + suffix parameter, gradient and optimizer bytes per device: replicated over
-        the stages, or split over :attr:`everywhere` where all-device blocks run them."""
+        the stages (in one program, a leaf both read once: :attr:`Unit.tied_bytes`), or split
+        over :attr:`everywhere` where all-device blocks run them."""
         ends = (self.units[0], self.units[-1])
         if not all_device:
-            return sum(u.param_bytes for u in ends) / self.tp * (1 + self.optimizer_bytes)
+            tied = self.units[-1].tied_bytes if self.lockstep else 0.0
+            return (sum(u.param_bytes for u in ends) - tied) / self.tp \
+                * (1 + self.optimizer_bytes)
         whole = sum(u.param_bytes if u.whole_param_bytes is None else u.whole_param_bytes
                     for u in ends)
         return whole / self.everywhere * (1 + self.optimizer_bytes)
@@ -471,11 +484,12 @@ def _price(w: _Ways, name: str | sch.Schedule, V: int, M: int,
     else:  # what each stage's dispatched programs hold: arrived inputs, one cotangent
         slots = [h + 1 for h in held]
         kept = list(peak_pending_weights(sched))
-    mem = _stage_memory(w, bounds, mine, params, slots, mb, sched.all_device, layer, kept)
+    kinds = _stage_memory(w, bounds, mine, params, slots, mb, sched.all_device, layer, kept)
+    mem = [k["peak"] for k in kinds]
     fits = w.budget is None or max(mem) <= w.budget
     return RuntimeChoice(sched.name, V, M, mb, step, bubble, tuple(mem), fits, compute, comm,
                          sent, recompute, "in-graph" if w.lockstep else "per-stage",
-                         overlap=overlap)
+                         overlap=overlap, memory_kinds=tuple(kinds))
 
 
 def _dispatches(sched) -> int:
@@ -512,8 +526,9 @@ def _all_device_work(w: _Ways, mb: int) -> tuple[dict[str, float], list[float], 
 
 def _stage_memory(w: _Ways, bounds: list[tuple[int, int]], mine: list[list[int]],
                   params: list[float], slots: list[int], mb: int, all_device: bool,
-                  layer: bool = False, kept: list[int] | None = None) -> list[float]:
-    """Per stage: its parameters with gradients and optimizer state, the prefix / suffix
+                  layer: bool = False, kept: list[int] | None = None
+                  ) -> list[dict[str, float]]:
+    """Per stage, by kind (:data:`MEMORY_KINDS`): its parameters with gradients and optimizer state, the prefix / suffix
     (replicated), the runtime's activation and cotangent buffers and one chunk's activations
     (the backward recomputes the chunk from its saved input; ``all_device``: or the prefix's /
     suffix's on the stage running their blocks, if larger; ``layer``: every layer recomputed
@@ -563,9 +578,11 @@ def _stage_memory(w: _Ways, bounds: list[tuple[int, int]], mine: list[list[int]]
         held = max([sum(u.wgrad_bytes for u in units[slice(*bounds[c])]) / w.tp * mb
                     for c in range(1, len(bounds))]
                    + [units[bounds[0][1] - 1].out_bytes * mb]) if kept else 0.0
-        mem.append(params[s] * (1 + w.optimizer_bytes) + w.shared(all_device) + slots[s] * inp
-                   + act
-                   + (kept[s] * held if kept else 0.0))
+        weights = params[s] + w.shared(all_device) / (1 + w.optimizer_bytes)
+        kinds = {"params": weights, "grads": weights,
+                 "optimizer": weights * (w.optimizer_bytes - 1),
+                 "activations": slots[s] * inp + act + (kept[s] * held if kept else 0.0)}
+        mem.append({**kinds, "peak": sum(kinds.values())})
     return mem
 
 
@@ -585,7 +602,8 @@ class RuntimeSetup:
             (:mod:`~nnscaler_jax.pipeline.mpmd`; the only one for tensor-parallel cut stages,
             and for stages data-parallel inside where nothing bars it: no mutable
             collections, no all-device blocks, which it folds into a tensor axis).
-        searched: ``(row, budget) -> (memory per stage, stage plans, extra seconds) | None``:
+        searched: ``(row, budget) -> (memory per stage, stage plans, extra seconds, memory
+            per stage by kind) | None``:
             the row's stages planned by the in-stage search under the budget (tensor-parallel
             cut stages and a search policy: :func:`~nnscaler_jax.pipeline.cut.plan_cut`),
             asked only when no row fits as priced (:meth:`choices`).
@@ -604,7 +622,8 @@ class RuntimeSetup:
     tp_link: LinkCost
     modes: tuple[str, ...] = ("chunk", "layer")
     executors: tuple[str, ...] = ("in-graph",)
-    searched: Callable[[RuntimeChoice, float], tuple[tuple[float, ...], tuple, float] | None] \
+    searched: Callable[[RuntimeChoice, float],
+                       tuple[tuple[float, ...], tuple, float, tuple] | None] \
         | None = field(default=None, compare=False)
 
     def choices(self, memory_per_device: float | None = None, **kw) -> list[RuntimeChoice]:
@@ -651,7 +670,8 @@ class RuntimeSetup:
                 extra = got[2] / self.dp
                 return rows[:k] + [replace(
                     r, memory_bytes=tuple(got[0]), fits=True, stage_plans=got[1],
-                    step_time_s=r.step_time_s + extra, compute_s=r.compute_s + extra)] \
+                    step_time_s=r.step_time_s + extra, compute_s=r.compute_s + extra,
+                    memory_kinds=got[3])] \
                     + rows[k + 1:]
         return rows
 

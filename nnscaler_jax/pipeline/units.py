@@ -69,6 +69,9 @@ class Unit:
             bytes before the in-stage plan's storage (``param_bytes`` counts a parameter the
             plan stores whole ``tp`` times, as the runtime pricing divides by ``tp``), which
             interlaced's all-device blocks split over every device themselves; None: equal.
+        tied_bytes: of the suffix, the bytes of its parameters the prefix reads too (GPT's
+            head tied to its token embedding): one leaf, which a runtime keeping the prefix's
+            and suffix's leaves together (the in-graph programs' shared leaves) holds once.
     """
 
     name: str
@@ -85,6 +88,7 @@ class Unit:
     wgrad_bytes: float = 0.0
     shared_bytes: float = 0.0
     whole_param_bytes: float | None = None
+    tied_bytes: float = 0.0
 
 
 def largest_output(ops) -> float:
@@ -166,6 +170,9 @@ def layer_units(graph: Graph, batch: int = 1, model: CostModel | None = None) ->
         units += [unit(name, ops[a:b], TP_COLLECTIVES, layer=True)
                   for name, (a, b) in zip(where.names, where.bounds, strict=True)]
     units.append(unit("<suffix>", ops[where.end:]))
+    first = {t.id for o in ops[:where.start] for t in o.inputs if t.id in var_bytes}
+    units[-1] = replace(units[-1], tied_bytes=float(sum(
+        var_bytes[i] for i in {t.id for o in ops[where.end:] for t in o.inputs} & first)))
     # the prefix hands the first layer the same activation a layer hands the next
     p0 = units[0]
     units[0] = replace(p0, out_bytes=units[1].out_bytes, tp_collectives=0)

@@ -68,6 +68,20 @@ class PlanCost:
     """The largest all-gather result a device receives (bytes): XLA:GPU's rematerialization
     counts it twice where it lands (:func:`~nnscaler_jax.mesh.gpu.slop_factor`); 0 where not
     priced."""
+    memory_kinds: tuple[tuple[str, int], ...] = ()
+    """A pipelined plan's memory per device by kind (``(kind, bytes)``: ``params``, ``grads``,
+    ``optimizer``, ``activations``, each on the stage that holds the most of it, and ``peak``,
+    ``memory_bytes_per_device``: :attr:`~nnscaler_jax.pipeline.pricing.RuntimeChoice.
+    memory_kinds`); empty for a flat plan
+    (:meth:`~nnscaler_jax.cost.model.CostModel.memory_breakdown` walks it)."""
+
+
+def _cost_dict(cost: PlanCost) -> dict[str, Any]:
+    """A cost as its plan's JSON holds it (``memory_kinds`` only where priced: a pipeline's)."""
+    d = dataclasses.asdict(cost)
+    if not d["memory_kinds"]:
+        del d["memory_kinds"]
+    return d
 
 
 @dataclass(frozen=True, slots=True)
@@ -430,7 +444,7 @@ class Plan:
                  "keep_partial": p.keep_partial}
                 for p in self.ops
             ],
-            "cost": dataclasses.asdict(self.cost) if self.cost else None,
+            "cost": _cost_dict(self.cost) if self.cost else None,
         }
         if self.pipeline is not None:
             d["pipeline"] = self.pipeline.to_dict()
@@ -470,9 +484,9 @@ class Plan:
                 for o in d["ops"]
             )
             variables = tuple((str(n), tuple(_entry(e) for e in s)) for n, s in d["variables"])
-            cost = PlanCost(**{**d["cost"], "comm_kinds": tuple(
-                (str(k), int(n)) for k, n in d["cost"].get("comm_kinds", ()))}) \
-                if d.get("cost") else None
+            cost = PlanCost(**{**d["cost"], **{key: tuple(
+                (str(k), int(n)) for k, n in d["cost"].get(key, ()))
+                for key in ("comm_kinds", "memory_kinds")}}) if d.get("cost") else None
             pipe = d.get("pipeline")
             return cls(
                 mesh=tuple((str(a), int(n)) for a, n in d["mesh"]),

@@ -180,6 +180,23 @@ class PipelineStep(TrainStep):
                 "optimizer": per_device_bytes(state["opt_state"]),
                 "collections": per_device_bytes(state.get("collections", {}))}
 
+    def predicted_memory(self) -> dict[str, int]:
+        """The plan's per-device estimate by kind, each on the stage that holds the most of
+        it, as :meth:`memory` measures (the pipeline pricing's,
+        :attr:`~nnscaler_jax.plan.plan.PlanCost.memory_kinds`): ``params``, ``grads``,
+        ``optimizer`` (Adam: two moments per parameter), ``activations`` (the stage inputs
+        and cotangents the schedule keeps, one chunk's activations, a split backward's kept
+        values; a stage planned by the in-stage search: its plan's) and ``peak``, the
+        largest stage's total (the plan's ``memory_bytes_per_device``)."""
+        self._check()
+        cost = self.plan.cost
+        kinds = dict(cost.memory_kinds) if cost is not None else {}
+        if not kinds:
+            raise PlanError("step.predicted_memory(): the plan has no memory estimate by kind "
+                            "(a saved plan without its cost); re-plan, or save the plan "
+                            "made by this version")
+        return kinds
+
     def params(self, state: dict) -> Any:
         """The module's params tree of ``state`` (nnx: an ``nnx.State`` of its ``nnx.Param``)."""
         return self._module_tree(state["params"])

@@ -227,6 +227,7 @@ class TrainStep(abc.ABC):
     >>> # state = step.init(variables, *batch)      # laid out as the plan says
     >>> # state, metrics = step(state, *batch)      # metrics['loss']
     >>> # step.params(state), step.variables(state), step.memory(state), step.plan
+    >>> # step.predicted_memory()                  # the plan's estimate of step.memory's kinds
     """
 
     def __init__(self, pm: Any, loss_fn: Callable, optimizer: Any, *,
@@ -275,6 +276,12 @@ class TrainStep(abc.ABC):
     def memory(self, state: dict) -> dict[str, int]:
         """Per-device bytes measured from the arrays: ``params``, ``grads``, ``optimizer``,
         ``collections``."""
+
+    @abc.abstractmethod
+    def predicted_memory(self) -> dict[str, int]:
+        """The plan's per-device estimate by kind, comparable with :meth:`memory`:
+        ``params``, ``grads``, ``optimizer``, ``activations`` and ``peak`` (the estimate
+        the plan was chosen by) at least."""
 
     @abc.abstractmethod
     def update(self, state: dict) -> None:

@@ -100,6 +100,10 @@ def test_train_runs_the_pipeline_plan_printed(cli):
     assert trained["plan"]["microbatches"] == planned["pipeline"]["microbatches"]
     assert trained["plan"]["stages"] == planned["pipeline"]["stages"]
     assert trained["predicted_step_s"] == pytest.approx(planned["cost"]["step_time_s"])
+    # the pipelined step's memory, measured and predicted (it printed none)
+    mem = trained["memory"]
+    assert mem["predicted"]["peak"] == planned["cost"]["memory_bytes_per_device"]
+    assert mem["measured"]["params"] == pytest.approx(mem["predicted"]["params"], rel=0.01)
 
 
 # ---- --budget on plan and train ------------------------------------------------------------------

@@ -37,6 +37,14 @@ def test_explicit_data_split_batch_plan_and_memory():
     # the layers are split over the 2 stages, the embeddings and head replicated
     assert mem["params"] < full and mem["grads"] == mem["params"]
     assert mem["optimizer"] == pytest.approx(2 * mem["params"], rel=0.01)  # Adam's moments
+    # the plan's estimate of the same kinds (the tied token embedding, read by the first
+    # layers and the head, is one shared leaf: priced once)
+    predicted = step.predicted_memory()
+    for kind in ("params", "grads", "optimizer"):
+        assert mem[kind] == pytest.approx(predicted[kind], rel=0.01), (kind, mem, predicted)
+    assert predicted["peak"] == step.plan.cost.memory_bytes_per_device
+    assert predicted["peak"] >= max(predicted[k] for k in ("params", "optimizer",
+                                                            "activations"))
 
 
 @pytest.mark.parametrize("name,kw", [("gpt", {}), ("t5", {})])

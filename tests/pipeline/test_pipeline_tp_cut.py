@@ -97,6 +97,10 @@ def test_tensor_parallel_stages_train_like_one_device(name):
     held = [sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(t))
             for t in state["params"]]
     assert step.memory(state)["params"] == max(held)  # (stages on their own devices)
+    # the plan's estimate of each kind on the stage holding the most of it, as measured
+    measured, predicted = step.memory(state), step.predicted_memory()
+    for kind in ("params", "grads", "optimizer"):
+        assert measured[kind] == pytest.approx(predicted[kind], rel=0.01), (kind, predicted)
     # a chunk's forward all-reduces over 'model' (the row-parallel matmuls' partial sums)
     text = prog.chunk_text(0)
     kinds = {(k.kind, tuple(k.axes)) for k in hlo_collectives(text, prog.sub[0])}
