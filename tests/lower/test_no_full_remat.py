@@ -269,25 +269,17 @@ def test_searched_plans_compile_without_full_rematerialization(name, mesh, canar
     budgeted = _budgeted(module, args, variables, mesh, pm.plan.cost.memory_bytes_per_device)
     if budgeted is not None:
         plans.append(budgeted)
+    plain = jax.jit(jax.grad(lambda v: loss_fn(module.apply(v, *args), *args)))
     for pm, v in plans:
         grad = jax.grad(lambda v, pm=pm: loss_fn(pm.apply(v, *args), *args))
         with xla_stderr() as err:
-            jax.jit(grad).lower(v).compile()
+            compiled = jax.jit(grad).lower(v).compile()
         bad = _fallbacks(err[0])
         assert not bad, f"{name} under\n{pm.plan}\n{len(bad)} fallbacks:\n" + "\n".join(bad[:5])
-
-
-@pytest.mark.slow
-def test_gpt_gradients_equal_the_plain_modules(mesh):
-    module, args, loss_fn, _ = _zoo("gpt")
-    free = _planned(module, args, None, None, mesh)
-    budgeted = _budgeted(module, args, None, mesh, free[0].plan.cost.memory_bytes_per_device)
-    plain = jax.jit(jax.grad(lambda v: loss_fn(module.apply(v, *args), *args)))
-    for pm, v in [free] + ([budgeted] if budgeted is not None else []):
-        want = plain(jax.device_get(v))
-        got = jax.jit(jax.grad(lambda v, pm=pm: loss_fn(pm.apply(v, *args), *args)))(v)
-        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+        if name == "gpt":  # what compiled computes the plain module's gradients
+            want = plain(jax.device_get(v))
+            for x, y in zip(jax.tree.leaves(compiled(v)), jax.tree.leaves(want), strict=True):
+                np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
 
 
 SWIN64 = pathlib.Path(__file__).parent / "golden" / "swin64_coshard_plan.json"
