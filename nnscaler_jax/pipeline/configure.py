@@ -17,7 +17,7 @@ from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.ir.layers import graph_layers
 from nnscaler_jax.mesh.axes import require_stage_axis
 from nnscaler_jax.pipeline.cut import Cut, plan_cut
-from nnscaler_jax.pipeline.pricing import RuntimeChoice, RuntimeSetup, runtime_setup
+from nnscaler_jax.pipeline.pricing import MEMORY_KINDS, RuntimeChoice, RuntimeSetup, runtime_setup
 from nnscaler_jax.pipeline.program import why_cut
 from nnscaler_jax.pipeline.rules import stack_modes
 from nnscaler_jax.pipeline.schedule import Schedule, settings_steps
@@ -194,7 +194,7 @@ def _priced(setup: RuntimeSetup, microbatches: int, schedule: str | Schedule,
 
 
 def _cost(r: RuntimeChoice) -> PlanCost:
-    kinds = {k: max(stage[k] for stage in r.memory_kinds) for k in r.memory_kinds[0]} \
+    kinds = {k: max(stage[k] for stage in r.memory_kinds) for k in MEMORY_KINDS} \
         if r.memory_kinds else {}
     return PlanCost(step_time_s=r.step_time_s, memory_bytes_per_device=int(max(r.memory_bytes)),
                     comm_bytes=int(r.comm_bytes), compute_time_s=r.compute_s,

@@ -431,8 +431,9 @@ def _stage_search(graph: Graph, starts: tuple[int, ...], S: int, tensor: dict[st
     plus those inputs, the stages' plans, the seconds the busiest stage's plan adds to
     a step (its recompute and co-sharded chunks against its plan without a budget, one data
     shard's share) and each stage's bytes by kind (:attr:`~nnscaler_jax.pipeline.pricing.
-    RuntimeChoice.memory_kinds`: its plan's breakdown, the inputs with its activations); None when a stage's search finds nothing (or the row's schedule runs
-    all-device blocks, which the stages' parts leave out). The search prices one
+    RuntimeChoice.memory_kinds`: its plan's breakdown, the inputs with its activations);
+    None when a stage's search finds nothing (or the row's schedule runs all-device blocks,
+    which the stages' parts leave out). The search prices one
     micro-batch's activations of this full-batch graph (``CostModel.microbatches``)."""
     bounds = list(zip(starts, list(starts[1:]) + [len(graph.ops)], strict=True))
     casts = _param_casts(graph)

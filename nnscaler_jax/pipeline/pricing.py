@@ -29,12 +29,13 @@ from nnscaler_jax.pipeline.loop_tables import loop_tables
 from nnscaler_jax.pipeline.steps import ALL, Step, deps, peak_pending_weights
 from nnscaler_jax.pipeline.units import Unit, layer_units
 
-__all__ = ["HOST_DISPATCH_S", "MEMORY_KINDS", "RuntimeChoice", "RuntimeSetup", "runtime_choices", "runtime_setup",
-           "runtime_time"]
+__all__ = ["HOST_DISPATCH_S", "MEMORY_KINDS", "RuntimeChoice", "RuntimeSetup", "runtime_choices",
+           "runtime_setup", "runtime_time"]
 
 MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "peak")
 """The kinds a pipelined plan's memory per stage is priced by (:attr:`RuntimeChoice.
-memory_kinds`); ``peak`` is their sum."""
+memory_kinds`); ``peak`` is the stage's estimate (the others' sum, but on a stage planned by
+the in-stage search: its plan's peak)."""
 
 HOST_DISPATCH_S = 1e-4
 """Seconds the host takes to dispatch one program or transfer of the per-stage runtime (a
@@ -354,17 +355,17 @@ class _Ways:
         return self.tp if self.lockstep else self.tp * self.stages
 
     def shared(self, all_device: bool = False) -> float:
-        """Prefix + suffix parameter, gradient and optimizer bytes per device: replicated over
-        the stages (in one program, a leaf both read once: :attr:`Unit.tied_bytes`), or split
-        over :attr:`everywhere` where all-device blocks run them."""
+        """Prefix + suffix parameter bytes per device (their gradients and optimizer state:
+        ``optimizer_bytes`` times as many): replicated over the stages (in one program, a leaf
+        both read once: :attr:`Unit.tied_bytes`), or split over :attr:`everywhere` where
+        all-device blocks run them."""
         ends = (self.units[0], self.units[-1])
         if not all_device:
             tied = self.units[-1].tied_bytes if self.lockstep else 0.0
-            return (sum(u.param_bytes for u in ends) - tied) / self.tp \
-                * (1 + self.optimizer_bytes)
+            return (sum(u.param_bytes for u in ends) - tied) / self.tp
         whole = sum(u.param_bytes if u.whole_param_bytes is None else u.whole_param_bytes
                     for u in ends)
-        return whole / self.everywhere * (1 + self.optimizer_bytes)
+        return whole / self.everywhere
 
 
 @dataclass(frozen=True)
@@ -460,7 +461,7 @@ def _price(w: _Ways, name: str | sch.Schedule, V: int, M: int,
     mine = [[c for c in range(C) if c % S == s] for s in range(S)]
     top = max(range(S), key=lambda s: sum(work.fwd[c] + work.bwd[c] for c in mine[s])
               + alld_compute[s])
-    shared_grad = w.shared(sched.all_device) / (1 + w.optimizer_bytes)
+    shared_grad = w.shared(sched.all_device)
     grad = params[top] + shared_grad
     dsync = max(all_reduce_time(w.data_link, dp, p + shared_grad)
                 for p in params) if dp > 1 else 0.0
@@ -528,13 +529,14 @@ def _stage_memory(w: _Ways, bounds: list[tuple[int, int]], mine: list[list[int]]
                   params: list[float], slots: list[int], mb: int, all_device: bool,
                   layer: bool = False, kept: list[int] | None = None
                   ) -> list[dict[str, float]]:
-    """Per stage, by kind (:data:`MEMORY_KINDS`): its parameters with gradients and optimizer state, the prefix / suffix
-    (replicated), the runtime's activation and cotangent buffers and one chunk's activations
-    (the backward recomputes the chunk from its saved input; ``all_device``: or the prefix's /
-    suffix's on the stage running their blocks, if larger; ``layer``: every layer recomputed
-    again inside it, the chunk keeps its layers' inputs and one layer's activations), with the
-    largest op output of the chunk live beside them in its backward; all split over the tensor
-    axes but the layers' inputs (replicated there, as Megatron keeps them).
+    """Per stage, by kind (:data:`MEMORY_KINDS`): its parameters with gradients and optimizer
+    state, the prefix / suffix (replicated), the runtime's activation and cotangent buffers and
+    one chunk's activations (the backward recomputes the chunk from its saved input;
+    ``all_device``: or the prefix's / suffix's on the stage running their blocks, if larger;
+    ``layer``: every layer recomputed again inside it, the chunk keeps its layers' inputs and
+    one layer's activations), with the largest op output of the chunk live beside them in its
+    backward; all split over the tensor axes but the layers' inputs (replicated there, as
+    Megatron keeps them).
 
     ``slots[s]``: the inputs and cotangents stage ``s`` holds at once, each as wide as the
     widest chunk input. In-graph programs: the loop's carry (:func:`~nnscaler_jax.pipeline.
@@ -578,7 +580,7 @@ def _stage_memory(w: _Ways, bounds: list[tuple[int, int]], mine: list[list[int]]
         held = max([sum(u.wgrad_bytes for u in units[slice(*bounds[c])]) / w.tp * mb
                     for c in range(1, len(bounds))]
                    + [units[bounds[0][1] - 1].out_bytes * mb]) if kept else 0.0
-        weights = params[s] + w.shared(all_device) / (1 + w.optimizer_bytes)
+        weights = params[s] + w.shared(all_device)
         kinds = {"params": weights, "grads": weights,
                  "optimizer": weights * (w.optimizer_bytes - 1),
                  "activations": slots[s] * inp + act + (kept[s] * held if kept else 0.0)}
