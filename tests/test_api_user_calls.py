@@ -240,6 +240,37 @@ def test_train_step_without_inputs_suggests_inputs_1(mesh):
     assert "2 x (8, 16) float32" in str(info.value)
 
 
+class _Dropped(nn.Module):
+    @nn.compact
+    def __call__(self, x, deterministic=True):
+        x = nn.Dropout(0.1)(nn.Dense(16)(x), deterministic=deterministic)
+        return nn.Dense(16)(x)
+
+
+@pytest.mark.parametrize("stages", [None, 2], ids=["spmd", "pipelined"])
+def test_both_steps_say_a_missing_dropout_key_and_the_fix(stages):
+    """One module adapter for both steps: a module drawing dropout without the step's key
+    fails with the same fix (``rng=`` at init, or a deterministic call), and with the key
+    the step trains."""
+    m, x, y = _Dropped(), _x(), _x(seed=2)
+    v = m.init(jax.random.key(0), x)
+    loss = lambda o, x, y: jnp.mean((o - y) ** 2)
+    if stages is None:
+        pm = auto_parallel(make_mesh((2, 4), ("data", "model")), policy="dp")(m)
+    else:
+        pm = auto_parallel(make_mesh((2, 4), ("stage", "data")),
+                           Constraints(pipeline_stages=stages, microbatches=2))(m)
+    kw = {"inputs": 1, "module_kwargs": {"deterministic": False}}
+    with pytest.raises(PlanError, match=r"needs PRNG") as info:
+        pm.train_step(loss, optax.sgd(0.1), **kw).init(v, x, y)
+    text = str(info.value)
+    assert text.startswith("train_step:") and "rng=jax.random.key(0)" in text, text
+    assert "rng_streams (now ('dropout',))" in text and "module_kwargs" in text, text
+    step = pm.train_step(loss, optax.sgd(0.1), **kw)
+    _, metrics = step(step.init(v, x, y, rng=jax.random.key(1)), x, y)
+    assert np.isfinite(metrics["loss"])
+
+
 def test_a_tracing_error_counts_many_shapes_instead_of_listing_them(mesh):
     class Deep(nn.Module):
         @nn.compact

@@ -45,7 +45,7 @@ def _verify(spec: Any, mesh: Any, policy: str, plan: Any = None) -> dict[str, An
     import optax
 
     from nnscaler_jax.api import auto_parallel
-    from nnscaler_jax.pipeline.program import microbatch_rngs
+    from nnscaler_jax.capture.module_call import microbatch_rngs
 
     args = spec.make_args(abstract=False)
     mutable = spec_mutable(spec)

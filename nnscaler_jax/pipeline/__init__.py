@@ -40,8 +40,8 @@ Hardware defaults (H100 nodes, NVLink 4 / InfiniBand NDR) come from
 :mod:`nnscaler_jax.cost.devices`, the one hardware table.
 """
 
+from nnscaler_jax.capture.module_call import microbatch_rngs as microbatch_rngs
 from nnscaler_jax.pipeline.order import ScheduleDraft as ScheduleDraft
-from nnscaler_jax.pipeline.program import microbatch_rngs as microbatch_rngs
 from nnscaler_jax.pipeline.recycle import reference_loss as reference_loss
 from nnscaler_jax.pipeline.schedule import build as build
 from nnscaler_jax.pipeline.schedule import eager_one_f_one_b as eager_one_f_one_b

@@ -74,6 +74,7 @@ from jax import lax
 from jax.extend import core as jcore
 from jax.sharding import PartitionSpec as P
 
+from nnscaler_jax.capture.module_call import ModuleCall
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.chunks import pack, packing, run_chunk, unpack, widths
@@ -85,7 +86,6 @@ from nnscaler_jax.pipeline.mutable import (
     schedule_error,
     shared_error,
 )
-from nnscaler_jax.pipeline.program import ModuleCall
 from nnscaler_jax.pipeline.recycle import traced_program
 from nnscaler_jax.pipeline.split_backward import split_backward
 from nnscaler_jax.pipeline.update import mirror_store, place_as

@@ -54,6 +54,7 @@ from jax.extend import core as jcore
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nnscaler_jax.capture.module_call import ModuleCall
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.lower.eqns import NO_CONSTRAINTS
 from nnscaler_jax.lower.replay import explicitly_typed
@@ -62,10 +63,7 @@ from nnscaler_jax.pipeline.chunks import run_chunk, vars_of
 from nnscaler_jax.pipeline.cut import cut_traced
 from nnscaler_jax.pipeline.in_stage import plan_in_stage
 from nnscaler_jax.pipeline.leafwise import leafwise
-from nnscaler_jax.pipeline.program import (
-    ModuleCall,
-    PipelineRuntime,
-)
+from nnscaler_jax.pipeline.program import PipelineRuntime
 from nnscaler_jax.pipeline.recycle import traced_program
 from nnscaler_jax.pipeline.split_backward import split_backward
 from nnscaler_jax.pipeline.steps import blocks, peak_in_flight, timeline

@@ -7,128 +7,44 @@ program ``(params..., collections..., batch..., keys...) -> (loss, new collectio
 
     loss_fn(module(*batch[:inputs], **module_kwargs, rngs=keys), *batch)
 
-on one micro-batch. The step's options say how the module is called, as the SPMD step's do
-(:class:`~nnscaler_jax.train.step.SpmdStep`): ``inputs`` (how many leading batch arrays the
-module takes), ``module_kwargs`` (static flags such as ``train=True`` or
-``deterministic=False``) and ``rng_streams`` (``'dropout'``).
+on one micro-batch, the module called through the steps' one adapter
+(:class:`~nnscaler_jax.capture.module_call.ModuleCall`: options, keys, collections, linen and
+nnx).
 
 **Keys.** A step with rng streams carries ``state['rng']``; each step splits it, and the
 micro-batch holding rows ``[g * b, (g + 1) * b)`` of the batch (``g = m * D + d`` for micro-batch
-``m`` of data-parallel shard ``d``) gets :func:`microbatch_rngs` ``(key, g, streams)`` (the SPMD
-step's derivation for its micro-batch ``g``). The keys are inputs of the traced program, one per
-stream (linen) or per ``nnx.RngStream`` (nnx: the ``i``-th stream named ``s`` gets
-``fold_in(rngs[s], i)``, what ``nnx.reseed(model, s=rngs[s])`` sets; besides ``rng_streams``,
-the ``'default'`` stream of an ``nnx.Rngs(0)`` is keyed, as the last stream), sliced per
-micro-batch in the step loop like the batch (:meth:`PipelineRuntime.micro_leaves`). They are
-read where a module makes its rng (``Dropout``), so no key crosses a stage boundary.
+``m`` of data-parallel shard ``d``) gets :func:`~nnscaler_jax.capture.module_call.
+microbatch_rngs` ``(key, g, streams)`` (the SPMD step's derivation for its micro-batch ``g``).
+The keys are inputs of the traced program, sliced per micro-batch in the step loop like the
+batch (:meth:`PipelineRuntime.micro_leaves`). They are read where a module makes its rng
+(``Dropout``), so no key crosses a stage boundary.
 
-**Collections.** Mutable collections (BatchNorm statistics: linen's variables besides
-``params``, called with ``mutable=[...]``; an nnx module's ``nnx.BatchStat``) are inputs of the
-traced program after the parameters, their new values its outputs after the loss (none without
-collections: the program returns the loss alone). How the pipeline carries them:
-:mod:`nnscaler_jax.pipeline.mutable`.
-
-**nnx.** An nnx module is called through ``nnx.merge`` of its graph definition with the
-parameters (an ``nnx.State`` of its ``nnx.Param`` as a pure dict), its ``nnx.BatchStat`` (the
-same) and the rest of its state, its sub-modules' calls under their paths' name scopes, as the
-wrapper traces it; ``nnx.Cache`` (decoding caches) is refused (:func:`collections_error`).
+**Collections.** Mutable collections are inputs of the traced program after the parameters,
+their new values its outputs after the loss (none without collections: the program returns the
+loss alone). How the pipeline carries them: :mod:`nnscaler_jax.pipeline.mutable`.
 """
 
 from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
-import flax.errors
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnscaler_jax.capture.flax import nnx_call_scopes, path_str
-from nnscaler_jax.capture.precision import Cast
+from nnscaler_jax.capture.flax import path_str
+from nnscaler_jax.capture.module_call import ModuleCall, microbatch_rngs
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.lower.replay import explicitly_typed
 from nnscaler_jax.mesh.axes import auto_view, mesh_axes, require_stage_axis
 from nnscaler_jax.pipeline.in_stage import tensor_axes
 
-__all__ = ["ModuleCall", "PipelineRuntime", "StepOptions", "collections_error",
-           "empty_collection_error", "inputs_error", "micro_rows", "microbatch_rngs", "rng_error",
-           "split_batch", "stage_axis", "typed_key", "why_cut"]
-
-
-def microbatch_rngs(key: Any, index: Any, streams: Sequence[str]) -> dict:
-    """The rng streams of micro-batch ``index`` for a step's ``key``: ``{s: fold_in(fold_in(key,
-    index), j)}`` for the ``j``-th stream ``s`` (what the SPMD step passes its micro-batches)."""
-    key = jax.random.fold_in(key, index)
-    return {s: jax.random.fold_in(key, j) for j, s in enumerate(streams)}
-
-
-def typed_key(key: Any) -> Any:
-    """``key`` as a typed key array (raw ``uint32[2]`` ``PRNGKey`` data is wrapped)."""
-    if jnp.issubdtype(jnp.result_type(key), jax.dtypes.prng_key):
-        return key
-    return jax.random.wrap_key_data(key)
-
-
-@dataclass(frozen=True)
-class StepOptions:
-    """The options of ``pm.train_step`` (:class:`~nnscaler_jax.train.step.TrainStep`), SPMD or
-    pipelined.
-
-    Attributes:
-        inputs: how many leading batch arrays the module takes (None: all).
-        module_kwargs: static keyword arguments of the module call, as sorted items.
-        rng_streams: the rng streams each micro-batch gets a key for (with ``init(..., rng=)``,
-            or an nnx module's own streams of these names).
-    """
-
-    inputs: int | None = None
-    module_kwargs: tuple[tuple[str, Any], ...] = ()
-    rng_streams: tuple[str, ...] = ("dropout",)
-    precision: str | None = None  # the plan's compute precision (Constraints, not an option)
-
-    @classmethod
-    def of(cls, options: dict) -> StepOptions:
-        """Validated options (PlanError naming the bad one and the fix)."""
-        known = {"inputs", "module_kwargs", "rng_streams"}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise PlanError(f"train_step takes the options {sorted(known)} (and return_grads, "
-                            f"growth_interval), not {unknown}; drop them")
-        inputs = options.get("inputs")
-        if inputs is not None and (not isinstance(inputs, int) or isinstance(inputs, bool)
-                                   or inputs < 1):
-            raise PlanError(f"train_step: inputs={inputs!r} must be a positive int (how many "
-                            "leading batch arrays the module takes), e.g. inputs=1 for "
-                            "(images, labels) with module(images)")
-        kwargs = options.get("module_kwargs") or {}
-        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-            raise PlanError(f"train_step: module_kwargs={kwargs!r} must be a dict of keyword "
-                            "arguments, e.g. module_kwargs={'train': True}")
-        arrays = sorted(k for k, v in kwargs.items()
-                        if any(isinstance(x, (jax.Array, np.ndarray)) for x in jax.tree.leaves(v)))
-        if arrays:
-            raise PlanError(f"train_step: module_kwargs {arrays} are arrays; module_kwargs are "
-                            "static flags (train=True). Pass arrays in the batch and the "
-                            "module's number of them as inputs=")
-        streams = options.get("rng_streams", ("dropout",))
-        if isinstance(streams, str) or not all(isinstance(s, str) for s in streams):
-            raise PlanError(f"train_step: rng_streams={streams!r} must be a sequence of stream "
-                            "names, e.g. rng_streams=('dropout',)")
-        return cls(inputs, tuple(sorted(kwargs.items())), tuple(streams))
-
-    def args(self, batch: Sequence[Any]) -> tuple:
-        """The module's arguments of ``batch`` (its first ``inputs`` arrays)."""
-        if self.inputs is not None and self.inputs > len(batch):
-            raise PlanError(f"train_step: inputs={self.inputs} but the batch has {len(batch)} "
-                            f"arrays; use inputs <= {len(batch)}")
-        return tuple(batch) if self.inputs is None else tuple(batch[:self.inputs])
+__all__ = ["PipelineRuntime", "micro_rows", "split_batch", "stage_axis", "why_cut"]
 
 
 class PipelineRuntime(abc.ABC):
@@ -370,174 +286,6 @@ def micro_rows(batch: tuple, microbatches: int, dp: int, data_axes: tuple[str, .
                         f"multiple of {microbatches * dp}")
     return B // (microbatches * dp)
 
-
-def inputs_error(e: Exception, n: int) -> PlanError:
-    """``e`` (the module call failed on the whole batch of ``n`` arrays) with the likely fix,
-    ``inputs=`` (the pipelined and the SPMD training steps)."""
-    return PlanError(
-        f"train_step passed all {n} batch arrays to the module (inputs=None) and the call "
-        "failed. If the module takes only the leading ones, say how many, e.g. for a batch "
-        "(x, y) with module(x) and loss_fn(out, x, y):\n"
-        "    step = pm.train_step(loss_fn, optimizer, inputs=1)\n"
-        f"The call's error: {e}")
-
-
-def collections_error(where: str, names: Sequence[str]) -> PlanError:
-    return PlanError(
-        f"train_step: the pipelined step carries BatchNorm statistics (linen collections, "
-        f"nnx.BatchStat); {where} holds {sorted(names)}, which it does not carry. Fix: drop "
-        "them from the module for training (decoding caches), or drop "
-        "Constraints(pipeline_stages=...) for the SPMD step, which carries every collection")
-
-
-def empty_collection_error(names: Sequence[str]) -> PlanError:
-    return PlanError(
-        f"train_step: the variables' collection(s) {sorted(names)} hold no arrays; pass the "
-        "variables module.init returned, e.g. step.init(module.init(key, x), x) (with "
-        "{'params': ..., 'batch_stats': ...}), or leave the empty collections out")
-
-
-def rng_error(e: Exception, streams: Sequence[str]) -> PlanError:
-    return PlanError(f"train_step: {e}. Give the step a key, step.init(variables, *batch, "
-                     f"rng=jax.random.key(0)), with the stream named in rng_streams (now "
-                     f"{tuple(streams)}); or call the module deterministically (module_kwargs)")
-
-
-def _rng_streams(module: Any, names: Sequence[str]) -> list:
-    """The ``nnx.RngStream`` s of ``module`` named in ``names``, in graph order (nnx.reseed's)."""
-    return [s for _, s in nnx.iter_graph(module)
-            if isinstance(s, nnx.RngStream) and s.key.tag in names]
-
-
-class ModuleCall:
-    """How the micro-batch program calls a linen or nnx module (see the module docstring).
-
-    Attributes:
-        params: the parameters as a plain tree (the pipeline lays out its leaves).
-        collections: the mutable collections as a plain tree (linen: ``{name: tree}`` of the
-            variables besides ``params``; nnx: the pure dict of its ``nnx.BatchStat``), ``{}``
-            without any.
-        streams: the stream names keys derive from (:func:`microbatch_rngs`): ``rng_streams``,
-            for nnx then ``'default'`` (the stream of an ``nnx.Rngs(0)``).
-        slots: per key input of the traced program, ``(stream, index)``: the key is
-            ``microbatch_rngs(...)[stream]``, folded with ``index`` (nnx) unless None.
-        default_rng: the step key when ``init`` got none (nnx: its first stream's key).
-    """
-
-    def __init__(self, module: Any, variables: Any, options: StepOptions, rng: Any):
-        self.module, self.options = module, options
-        self.nnx = isinstance(module, nnx.Module)
-        # the streams the keys derive from; nnx also keys a `Rngs(0)`'s 'default' stream
-        self.streams = streams = options.rng_streams + (
-            ("default",) if self.nnx and "default" not in options.rng_streams else ())
-        self.default_rng = None
-        if not self.nnx:
-            variables = dict(variables)
-            self.params = variables.get("params", variables)
-            self.collections = {c: x for c, x in variables.items() if c != "params"} \
-                if "params" in variables else {}
-            empty = [c for c, x in self.collections.items() if not jax.tree.leaves(x)]
-            if empty:
-                raise empty_collection_error(empty)
-            self.slots = tuple((s, None) for s in streams) if rng is not None else ()
-            return
-        if variables is not None:
-            nnx.update(module, variables)
-        caches = {type(v).__name__ for _, v in nnx.iter_graph(module) if isinstance(v, nnx.Cache)}
-        if caches:
-            raise collections_error(f"the nnx module {type(module).__name__}", caches)
-        self.graphdef, self.template, self.stats, self.rest = nnx.split(
-            module, nnx.Param, nnx.BatchStat, ...)
-        self.params = nnx.to_pure_dict(self.template)
-        self.collections = nnx.to_pure_dict(self.stats)
-        found = _rng_streams(module, streams)
-        tags = [s.key.tag for s in found]  # the i-th stream of a tag: (tag, i)
-        self.slots = tuple((t, tags[:i].count(t)) for i, t in enumerate(tags))
-        if found:
-            self.default_rng = jnp.copy(found[0].key[...])
-
-    @classmethod
-    def plain(cls, module: Any, params: Any) -> ModuleCall:
-        """The call of a program built without step options: ``module.apply({'params': p},
-        *batch)`` (nnx: the module's own state besides its parameters)."""
-        variables = None if isinstance(module, nnx.Module) else {"params": params}
-        return cls(module, variables, StepOptions(), None)
-
-    def make_plan(self, pm: Any, args: tuple, rng: Any) -> Any:
-        """The wrapper ``pm``'s plan of the module's call on ``args`` (the whole batch's), as
-        the step calls it (rng streams keyed by ``rng``, collections mutable)."""
-        kw = dict(self.options.module_kwargs)
-        try:
-            if self.nnx:  # planned on the module's own state (rng streams included)
-                return pm.make_plan(*args, **kw)
-            # checks + records the stages; policy None: stages data-parallel inside
-            streams = self.options.rng_streams
-            rngs = microbatch_rngs(typed_key(rng), 0, streams) if self.slots else None
-            return pm.make_plan(*args, variables={"params": self.params, **self.collections},
-                                rngs=rngs, mutable=list(self.collections) or False, **kw)
-        except PlanError as e:  # (the wrapper's tracing error, caused by flax's / Python's)
-            if not self.nnx and isinstance(e.__cause__, flax.errors.InvalidRngError):
-                raise rng_error(e.__cause__, self.options.rng_streams) from e
-            if (self.options.inputs is None and len(args) > 1
-                    and isinstance(e.__cause__, TypeError)):
-                raise inputs_error(e, len(args)) from e
-            raise
-
-    def module_params(self, params: Any) -> Any:
-        """``params`` (plain tree) as the module takes them: linen the tree, nnx an
-        ``nnx.State`` of its ``nnx.Param``."""
-        return self._as_state(self.template, params) if self.nnx else params
-
-    def variables(self, params: Any, collections: Any) -> Any:
-        """Plain trees of parameters and collections as the module takes its variables:
-        linen ``{'params': ..., **collections}``, nnx one ``nnx.State`` (``nnx.update``)."""
-        if not self.nnx:
-            return {"params": params, **collections}
-        return nnx.merge_state(self.module_params(params),
-                               self._as_state(self.stats, collections))
-
-    @staticmethod
-    def _as_state(template: Any, tree: Any) -> Any:
-        state = jax.tree.map(lambda x: x, template)
-        nnx.replace_by_pure_dict(state, tree)
-        return state
-
-    def __call__(self, params: Any, args: tuple, keys: Sequence[Any],
-                 collections: Any = None) -> tuple[Any, Any]:
-        """``(the module's output, the new collections)`` (``collections`` None: the call's
-        own, ``{}`` without any); with a compute precision, float parameters and arguments are
-        cast to it on entry and 16-bit results back to float32 (capture/precision.py), the
-        new collections back to their dtypes."""
-        colls = self.collections if collections is None else collections
-        cast = Cast.of(self.options.precision)
-        if cast is None:
-            return self._call(params, colls, args, keys)
-        flat, tree = jax.tree.flatten(params)
-        params = jax.tree.unflatten(tree, cast.inputs(flat, [True] * len(flat))[0])
-        flat, tree = jax.tree.flatten(args)
-        args = jax.tree.unflatten(tree, cast.inputs(flat, [True] * len(flat))[0])
-        out, new = self._call(params, colls, args, keys)
-        return cast.results(out), jax.tree.map(lambda n, o: n.astype(o.dtype), new, colls)
-
-    def _call(self, params: Any, colls: Any, args: tuple, keys: Sequence[Any]) -> tuple:
-        kw = dict(self.options.module_kwargs)
-        if not self.nnx:
-            rngs = {s: k for (s, _), k in zip(self.slots, keys, strict=True)} or None
-            try:
-                out = self.module.apply({"params": params, **colls}, *args, rngs=rngs,
-                                        mutable=list(colls) or False, **kw)
-            except flax.errors.InvalidRngError as e:
-                raise rng_error(e, self.options.rng_streams) from e
-            return out if colls else (out, {})
-        m = nnx.merge(self.graphdef, self.module_params(params),
-                      self._as_state(self.stats, colls), self.rest, copy=True)
-        found = _rng_streams(m, self.streams) if keys else []
-        for s, k in zip(found, keys, strict=True):
-            s.key.set_value(k)
-            s.count.set_value(jnp.zeros((), jnp.uint32))  # (numpy: updated in place)
-        with nnx_call_scopes(m):
-            out = m(*args, **kw)
-        return out, nnx.to_pure_dict(nnx.state(m, nnx.BatchStat)) if colls else {}
 
 
 def split_batch(batch: tuple, mesh: Any, axes: tuple[str, ...]) -> tuple:

@@ -22,8 +22,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from nnscaler_jax.capture.module_call import ModuleCall
 from nnscaler_jax.errors import PlanError
-from nnscaler_jax.pipeline.program import ModuleCall
 
 __all__ = ["recycling_program", "reference_loss", "traced_program"]
 

@@ -40,6 +40,7 @@ from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nnscaler_jax.capture.module_call import ModuleCall
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.lower.eqns import NO_CONSTRAINTS
 from nnscaler_jax.pipeline import schedule as sch
@@ -47,9 +48,6 @@ from nnscaler_jax.pipeline.chunks import ProgramCut, run_chunk
 from nnscaler_jax.pipeline.in_graph import InGraphRuntime
 from nnscaler_jax.pipeline.in_stage import InStagePlan, plan_in_stage
 from nnscaler_jax.pipeline.loop_tables import loop_tables
-from nnscaler_jax.pipeline.program import (
-    ModuleCall,
-)
 from nnscaler_jax.pipeline.split import split_program
 from nnscaler_jax.pipeline.update import (
     mirror_store,

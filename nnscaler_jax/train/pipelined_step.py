@@ -10,18 +10,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
+from nnscaler_jax.capture.module_call import ModuleCall, typed_key
 from nnscaler_jax.constraints import Constraints
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.executor import build_runtime
-from nnscaler_jax.pipeline.program import (
-    ModuleCall,
-    PipelineRuntime,
-    split_batch,
-    typed_key,
-)
+from nnscaler_jax.pipeline.program import PipelineRuntime, split_batch
 from nnscaler_jax.pipeline.update import per_device_bytes
 from nnscaler_jax.train.step import TrainStep
 
@@ -43,11 +38,11 @@ class PipelineStep(TrainStep):
     >>> # state, metrics = step(state, tokens)        # one jitted step: M micro-batches + update
     >>> # params = step.params(state)                 # back to the module's params tree
 
-    Options (as the SPMD step's, :class:`~nnscaler_jax.pipeline.program.StepOptions`):
+    Options (as the SPMD step's, :class:`~nnscaler_jax.capture.module_call.StepOptions`):
     ``inputs``, ``module_kwargs`` (``{'deterministic': False}``) and ``rng_streams``; with
     ``step.init(variables, *batch, rng=key)`` (nnx: its own streams' key unless given) each
     micro-batch and data-parallel shard gets its own keys
-    (:func:`~nnscaler_jax.pipeline.program.microbatch_rngs`). An nnx module trains its
+    (:func:`~nnscaler_jax.capture.module_call.microbatch_rngs`). An nnx module trains its
     ``nnx.Param``; ``step.update(state)`` writes them back into it. ``Constraints(precision=
     'bfloat16')`` (or ``'float16'``): float32 master weights cast where each chunk reads them
     (the cut program); float16 adds the SPMD step's dynamic loss scaling (``state['loss_scale']``
@@ -90,7 +85,7 @@ class PipelineStep(TrainStep):
                             "jax.jit(jax.grad(...))")
         self.options = dataclasses.replace(self.options, precision=pm.precision)
         self.program: PipelineRuntime | None = None
-        self.call = None  # (after init: the ModuleCall)
+        self.call: ModuleCall | None = None  # (after init)
 
     def init(self, variables: Any, *batch: Any, rng: Any = None) -> dict:
         """Plan, build the program for ``batch``'s shapes and lay out the training state
@@ -114,11 +109,11 @@ class PipelineStep(TrainStep):
         then lays out the state; without it ``variables`` and ``batch`` may be abstract
         (``jax.ShapeDtypeStruct``) and the mesh's devices compile-only (the per-stage
         programs compiled for a GPU: :func:`~nnscaler_jax.train.xla_gpu.check_stages`)."""
-        self.call = call = ModuleCall(self.pm.module, variables, self.options, rng)
+        self.call = call = ModuleCall.of(self.pm, self.options).bind(variables, rng)
         self.program = None
         params, rng = call.params, rng if rng is not None else call.default_rng
         args = self.options.args(batch)
-        plan = call.make_plan(self.pm, args, rng)
+        plan = call.make_plan(args, rng)
         pipe, c = plan.pipeline, self.constraints
         if pipe is None:
             raise PlanError("train_step: the plan has no pipeline settings (a saved plan made "
@@ -210,7 +205,5 @@ class PipelineStep(TrainStep):
 
     def update(self, state: dict) -> None:
         """nnx: write the state's parameters and ``nnx.BatchStat`` back into the module."""
-        if self.call is None or not self.call.nnx:
-            raise PlanError("step.update(state) writes an nnx module's state; for linen use "
-                            "step.variables(state) (or step.params(state)) with apply")
-        nnx.update(self.pm.module, self.variables(state))
+        self._check()
+        self.call.update(self.variables(state))

@@ -35,13 +35,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnscaler_jax.capture.flax import assigned_state, path_str, with_loss
-from nnscaler_jax.capture.metadata import unbox
+from nnscaler_jax.capture.flax import path_str
+from nnscaler_jax.capture.module_call import ModuleCall, StepOptions, microbatch_rngs
 from nnscaler_jax.cost.devices import default_budget_of, device_for_kind
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.errors import PlanError, PlanFormatError
@@ -49,7 +48,6 @@ from nnscaler_jax.layout import Layout
 from nnscaler_jax.lower.replay import explicitly_typed
 from nnscaler_jax.mesh.axes import auto_view, data_axes, mesh_axes
 from nnscaler_jax.mesh.gpu import slop_factor, xla_memory_bytes
-from nnscaler_jax.pipeline.program import StepOptions, inputs_error, microbatch_rngs
 from nnscaler_jax.pipeline.update import (
     LossScaling,
     mirror_shardings,
@@ -103,112 +101,6 @@ def _split_micro(x: jax.Array, m: int) -> jax.Array:
     return jnp.moveaxis(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 1, 0)
 
 
-class _Linen:
-    """A wrapped linen module: ``variables = {'params': ..., **collections}``. Its calls in the
-    step are ``loss_fn(module.apply(...), *batch)``, planned and run as one program."""
-
-    def __init__(self, pm: Any, step: SpmdStep):
-        self.pm, self.core, self.step = pm, pm, step
-
-    def _traceable(self, variables: Any, batch: Sequence[Any], rngs: Any) -> Any:
-        n = self.step.n_inputs(batch)
-        colls = [c for c in variables if c != "params"]
-        tr = self.pm._linen_traceable(variables, batch[:n], self.step.module_kwargs, rngs,
-                                      colls or False)
-        if not self.step.plans_loss:
-            return tr
-        return with_loss(tr, self.step.loss_fn, batch, n, has_state=bool(colls))
-
-    def _program(self, variables: Any, batch: Sequence[Any], rngs: Any) -> Any:
-        return self.pm._program(self._traceable(variables, batch, rngs),
-                                self.pm._specs(variables))
-
-    def make_plan(self, variables: Any, batch: Sequence[Any], rngs: Any) -> Any:
-        return self._program(dict(variables), batch, rngs).plan
-
-    def use(self, plan: Any) -> None:
-        """Run micro-batches with the whole batch's ``plan``."""
-        self.pm = self.core = self.pm.with_plan(plan)
-
-    def shardings(self, variables: Any, micro: Sequence[Any], rngs: Any) -> tuple[Any, Any]:
-        prog = self._program(dict(variables), micro, rngs)
-        plain = unbox(dict(variables))
-        leaves = jax.tree_util.tree_leaves(plain)
-        sh = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(plain),
-                                          list(prog.in_shardings[:len(leaves)]))
-        return sh["params"], {k: v for k, v in sh.items() if k != "params"}
-
-    def split(self, variables: Any) -> tuple[Any, Any]:
-        # the state holds arrays: partitioning metadata (``nn.with_logical_partitioning``
-        # boxes, as ``module.init`` returns them) was read by the plan, the state's
-        # shardings keep it; the gradients and optimizer state are the plain arrays' trees
-        variables = unbox(variables)
-        return variables["params"], {k: v for k, v in variables.items() if k != "params"}
-
-    def loss(self, params: Any, colls: Any, batch: Sequence[Any], rngs: Any) -> tuple:
-        """``(loss, updated collections)`` of one (micro-)batch."""
-        variables = {"params": params, **colls}
-        out = self.pm._run(self._traceable(variables, batch, rngs), self.pm._specs(variables))
-        out = out if colls else (out, {})
-        return out if self.step.plans_loss else (self.step.loss_fn(out[0], *batch), out[1])
-
-    def variables(self, state: dict) -> Any:
-        return {"params": state["params"], **state["collections"]}
-
-
-class _Nnx:
-    """A wrapped nnx module: the parameters (``nnx.Param``) are trained, the rest of its
-    state (batch statistics, rng counters) is carried and updated by each call, planned and
-    run as one program with the loss."""
-
-    def __init__(self, pm: Any, step: SpmdStep):
-        self.pm, self.core, self.step = pm, pm._core, step
-        self.graphdef = None
-
-    def _program(self, pm: Any, batch: Sequence[Any]) -> tuple[Any, Any]:
-        n = self.step.n_inputs(batch)
-        core = pm._core
-        tr = core._nnx_traceable(batch[:n], self.step.module_kwargs, pm.module)
-        if self.step.plans_loss:
-            tr = with_loss(tr, self.step.loss_fn, batch, n, has_state=True)
-        return tr, core._nnx_specs()
-
-    def make_plan(self, variables: Any, batch: Sequence[Any], rngs: Any) -> Any:
-        if rngs is not None:
-            raise PlanError("train_step: an nnx module keeps its rng streams in nnx.Rngs; "
-                            "call step.init(None, *batch) without rng=")
-        if variables is not None:
-            nnx.update(self.pm, variables)
-        return self.core._program(*self._program(self.pm, batch)).plan
-
-    def use(self, plan: Any) -> None:
-        self.pm = self.pm.with_plan(plan)
-        self.core = self.pm._core
-
-    def shardings(self, variables: Any, micro: Sequence[Any], rngs: Any) -> tuple[Any, Any]:
-        prog = self.core._program(*self._program(self.pm, micro))
-        self.pm.lay_out_as(prog)
-        params, rest = self.split(None)
-        sharding = lambda x: x.sharding
-        return jax.tree.map(sharding, params), jax.tree.map(sharding, rest)
-
-    def split(self, variables: Any) -> tuple[Any, Any]:
-        self.graphdef, params, rest = nnx.split(self.pm, nnx.Param, ...)
-        return params, rest
-
-    def loss(self, params: Any, rest: Any, batch: Sequence[Any], rngs: Any) -> tuple:
-        """``(loss, the state besides the parameters after the call)`` of one (micro-)batch."""
-        model = nnx.merge(self.graphdef, params, rest, copy=True)
-        out, new_state = model._core._run(*self._program(model, batch))
-        changed = model._core._last.captured.traceable.changed
-        nnx.update(model.module, assigned_state(new_state, changed() if changed else None))
-        loss = out if self.step.plans_loss else self.step.loss_fn(out, *batch)
-        return loss, nnx.split(model, nnx.Param, ...)[2]
-
-    def variables(self, state: dict) -> Any:
-        return nnx.merge_state(state["params"], state["collections"])
-
-
 class TrainStep(abc.ABC):
     """What ``pm.train_step(loss_fn, optimizer, ...)`` returns: one jitted training step for
     the wrapper's plan, with or without pipeline stages.
@@ -216,7 +108,7 @@ class TrainStep(abc.ABC):
     Two implementations behind this interface: :class:`SpmdStep` (one SPMD program: ZeRO,
     gradient accumulation, float16 loss scaling) and
     :class:`~nnscaler_jax.train.pipelined_step.PipelineStep` (stages and a schedule). Both
-    take the same options, validated here (:class:`~nnscaler_jax.pipeline.program.StepOptions`):
+    take the same options, validated here (:class:`~nnscaler_jax.capture.module_call.StepOptions`):
     ``inputs`` (the module takes the first ``inputs`` batch arrays, the loss all of them),
     ``module_kwargs`` (static flags of the module call), ``rng_streams`` (a key per micro-batch
     with ``init(..., rng=key)``), ``return_grads`` and ``growth_interval`` (float16 dynamic
@@ -306,11 +198,10 @@ class SpmdStep(TrainStep):
     def __init__(self, pm: Any, loss_fn: Callable, optimizer: Any, **options: Any):
         super().__init__(pm, loss_fn, optimizer, **options)
         o = self.options
-        self.inputs, self.module_kwargs = o.inputs, dict(o.module_kwargs)
         self.rng_streams = o.rng_streams
-        self.model = _Nnx(pm, self) if isinstance(pm, nnx.Module) else _Linen(pm, self)
+        self.model = ModuleCall.of(pm, self.options)
+        self.model.loss_fn = loss_fn
         self.microbatches = 1
-        self.plans_loss = True  # planned with the module (not: a saved module-only plan)
         self._shardings: dict | None = None
 
     # ---- set-up --------------------------------------------------------------------------------
@@ -321,10 +212,6 @@ class SpmdStep(TrainStep):
         :meth:`init`."""
         self._check()
         return self._plan
-
-    def n_inputs(self, batch: Sequence[Any]) -> int:
-        """How many leading batch arrays the module takes."""
-        return len(batch) if self.inputs is None else self.inputs
 
     def _micro_count(self, m: int, batch: Sequence[Any]) -> int:
         sizes = {x.shape[0] for x in batch if hasattr(x, "shape") and x.ndim}
@@ -358,14 +245,14 @@ class SpmdStep(TrainStep):
     def _make_plan(self, variables: Any, batch: Sequence[Any], rngs: Any) -> Any:
         """The plan of the module and its loss as one graph; a saved plan of the module alone
         (``pm.make_plan(x)``'s) runs the module, the loss after it outside the plan."""
-        self.plans_loss = True
+        self.model.plans_loss = True
         try:
-            return self.model.make_plan(variables, batch, rngs)
+            return self.model.plan_with_loss(variables, batch, rngs)
         except PlanFormatError:
             if self.model.core.fixed_plan is None:
                 raise
-        self.plans_loss = False
-        return self.model.make_plan(variables, batch, rngs)
+        self.model.plans_loss = False
+        return self.model.plan_with_loss(variables, batch, rngs)
 
     def _rngs(self, key: Any, i: Any) -> dict | None:
         return None if key is None else microbatch_rngs(key, i, self.rng_streams)
@@ -383,12 +270,7 @@ class SpmdStep(TrainStep):
         whole = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in batch]
         # planned for the whole batch (the planner may choose micro-batches to fit the
         # budget); the micro-batches' calls run that plan at their sizes
-        try:
-            self._plan = plan = self._make_plan(variables, whole, rngs)
-        except PlanError as e:
-            if self.inputs is None and len(batch) > 1 and isinstance(e.__cause__, TypeError):
-                raise inputs_error(e, len(batch)) from e
-            raise
+        self._plan = plan = self._make_plan(variables, whole, rngs)
         self._graph = self.model.core.graph
         self.microbatches = m = self._micro_count(plan.microbatches, batch)
         if m > 1:
@@ -495,7 +377,7 @@ class SpmdStep(TrainStep):
         ``step.lower(state, *batch)``. Nothing is allocated, so ``variables`` and ``batch``
         may be abstract and the mesh's devices compile-only
         (:func:`~nnscaler_jax.cost.devices.compile_only_mesh`)."""
-        if isinstance(self.model, _Nnx):
+        if self.model.nnx:
             raise PlanError("train_step: abstract_init takes a linen module's variables; an "
                             "nnx module holds its arrays (lay it out with step.init)")
         self._set_up(variables, batch, rng, abstract=True)
@@ -602,14 +484,11 @@ class SpmdStep(TrainStep):
     def variables(self, state: dict) -> Any:
         """Linen: ``{'params': ..., **collections}``, as ``module.apply`` takes them; nnx: the
         module's ``nnx.State``."""
-        return self.model.variables(state)
+        return self.model.variables(state["params"], state["collections"])
 
     def update(self, state: dict) -> None:
         """nnx: write the state's parameters and other variables back into the module."""
-        if not isinstance(self.model, _Nnx):
-            raise PlanError("step.update(state) writes an nnx module's state; for linen use "
-                            "step.variables(state) with apply")
-        nnx.update(self.pm, self.variables(state))
+        self.model.update(self.variables(state))
 
     def memory(self, state: dict) -> dict[str, int]:
         """Per-device bytes measured from the arrays: ``params``, ``optimizer``, ``grads``

@@ -16,7 +16,7 @@ from meshes import make_mesh
 
 import models
 from nnscaler_jax import Constraints, PlanError, auto_parallel
-from nnscaler_jax.pipeline.program import microbatch_rngs
+from nnscaler_jax.pipeline import microbatch_rngs
 
 pytestmark = pytest.mark.slow  # compiles and runs programs over the mesh
 

@@ -177,7 +177,7 @@ def test_dropout_keys_per_microbatch_and_data_shard():
     ``g = m x D + d``), so one SGD step equals the single-device step over those blocks. A
     recompute rule checkpoints layer h_0 inside its chunk (under the in-stage constraints; it
     was a TypeError)."""
-    from nnscaler_jax.pipeline.program import microbatch_rngs
+    from nnscaler_jax.pipeline import microbatch_rngs
 
     M, D = 2, 2
     spec = models.get("gpt", "tiny-dropout", batch_size=2 * M * D)
