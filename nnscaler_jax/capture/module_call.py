@@ -448,10 +448,8 @@ class NnxCall(ModuleCall):
     def _call(self, params: Any, colls: Any, args: tuple, keys: Sequence[Any]) -> tuple:
         m = nnx.merge(self.graphdef, self.module_params(params),
                       _as_state(self.stats, colls), self.rest, copy=True)
-        found = _rng_streams(m, self.streams) if keys else []
-        for s, k in zip(found, keys, strict=True):
-            s.key.set_value(k)
-            s.count.set_value(jnp.zeros((), jnp.uint32))  # (numpy: updated in place)
+        if keys:
+            _set_keys(_rng_streams(m, self.streams), keys)
         with nnx_call_scopes(m):
             out = m(*args, **dict(self.options.module_kwargs))
         return out, nnx.to_pure_dict(nnx.state(m, nnx.BatchStat)) if colls else {}
@@ -465,9 +463,7 @@ class NnxCall(ModuleCall):
         return self._with_loss(tr, batch, True), core._nnx_specs()
 
     def _program(self, variables: Any, batch: Sequence[Any], rngs: Any) -> Any:
-        if rngs is not None:
-            raise PlanError("train_step: an nnx module keeps its rng streams in nnx.Rngs; "
-                            "call step.init(None, *batch) without rng=")
+        # (with a step key, ``loss`` sets the streams' keys: the program reads them as state)
         if variables is not None:
             nnx.update(self.pm, variables)
         return self.core._program(*self._traceable(self.pm, batch))
@@ -483,7 +479,15 @@ class NnxCall(ModuleCall):
         return params, rest
 
     def loss(self, params: Any, rest: Any, batch: Sequence[Any], rngs: Any) -> tuple:
+        """With ``rngs`` (a step key's :func:`microbatch_rngs`), the module's streams named in
+        :attr:`streams` are keyed from them as the pipelined step keys them (the ``i``-th
+        stream named ``s``: ``fold_in(rngs[s], i)``), else they draw from their own keys."""
         model = nnx.merge(self.graphdef, params, rest, copy=True)
+        if rngs is not None:
+            found = _rng_streams(model, self.streams)
+            tags = [s.key.tag for s in found]
+            _set_keys(found, [jax.random.fold_in(rngs[t], tags[:i].count(t))
+                              for i, t in enumerate(tags)])
         out, new_state = model._core._run(*self._traceable(model, batch))
         changed = model._core._last.captured.traceable.changed
         nnx.update(model.module, assigned_state(new_state, changed() if changed else None))
@@ -499,6 +503,13 @@ class NnxCall(ModuleCall):
     def update(self, variables: Any) -> None:
         # the SPMD step's state is the wrapper's, the pipelined step's the module's
         nnx.update(self.pm if isinstance(self.pm, nnx.Module) else self.module, variables)
+
+
+def _set_keys(streams: Sequence[Any], keys: Sequence[Any]) -> None:
+    """Key each ``nnx.RngStream`` of ``streams`` with its key of ``keys``, its count reset."""
+    for s, k in zip(streams, keys, strict=True):
+        s.key.set_value(typed_key(k))
+        s.count.set_value(jnp.zeros((), jnp.uint32))  # (numpy: updated in place)
 
 
 def _as_state(template: Any, tree: Any) -> Any:

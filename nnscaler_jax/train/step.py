@@ -255,7 +255,7 @@ class SpmdStep(TrainStep):
         return self.model.plan_with_loss(variables, batch, rngs)
 
     def _rngs(self, key: Any, i: Any) -> dict | None:
-        return None if key is None else microbatch_rngs(key, i, self.rng_streams)
+        return None if key is None else microbatch_rngs(key, i, self.model.streams)
 
     def _set_up(self, variables: Any, batch: Sequence[Any], rng: Any,
                 abstract: bool = False) -> tuple[Any, Any]:

@@ -272,6 +272,54 @@ def test_nnx_module_trains_like_the_plain_nnx_loop(mesh):
                                rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("micro", [1, 2])
+def test_nnx_dropout_keyed_by_the_step_key_as_the_pipelined_step_keys_it(mesh, micro):
+    """``step.init(None, *batch, rng=key)`` on an nnx module: each micro-batch ``i`` keys the
+    module's streams from ``microbatch_rngs(split(key)[1], i, ('dropout', 'default'))`` (the
+    ``j``-th stream named ``s``: ``fold_in(rngs[s], j)``, what ``nnx.reseed`` sets), as the
+    pipelined step does; micro-batch ``i`` holds rows ``i::micro``."""
+    from nnscaler_jax.pipeline import microbatch_rngs
+
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+    labels = jax.random.randint(jax.random.key(2), (16,), 0, 4)
+    opt, rng = optax.sgd(0.1), jax.random.key(7)
+    graphdef, params, rest = jax.tree.map(jnp.copy,
+                                          nnx.split(NnxNet(nnx.Rngs(0)), nnx.Param, ...))
+    o, ref, r = opt.init(params), [], rng
+    for _ in range(2):
+        r, key = jax.random.split(r)
+
+        def loss(p, rest, key=key):
+            total = 0.0
+            for i in range(micro):
+                m = nnx.merge(graphdef, p, rest, copy=True)
+                nnx.reseed(m, default=microbatch_rngs(key, i, ("dropout", "default"))["default"])
+                total += ce(m(x[i::micro]), x[i::micro], labels[i::micro])
+                rest = nnx.split(m, nnx.Param, ...)[2]
+            return total / micro, rest
+
+        (lv, rest), g = jax.value_and_grad(loss, has_aux=True)(params, rest)
+        u, o = opt.update(g, o, params)
+        params = optax.apply_updates(params, u)
+        ref.append(float(lv))
+
+    pm = auto_parallel(mesh, Constraints(microbatches=micro), policy="dp")(NnxNet(nnx.Rngs(0)))
+    step = pm.train_step(ce, opt, inputs=1)
+    state = step.init(None, x, labels, rng=rng)
+    losses = []
+    for _ in range(2):
+        state, metrics = step(state, x, labels)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref, rtol=1e-5)
+    step.update(state)
+    np.testing.assert_allclose(pm.module.l2.kernel[...], params["l2"]["kernel"][...],
+                               rtol=1e-4, atol=1e-6)
+    # the key decides the dropout masks: another key, another loss
+    other = pm.train_step(ce, opt, inputs=1)
+    _, m2 = other(other.init(None, x, labels, rng=jax.random.key(8)), x, labels)
+    assert abs(float(m2["loss"]) - ref[1]) > 1e-4 and abs(float(m2["loss"]) - ref[0]) > 1e-4
+
+
 def test_budget_chosen_microbatches_train_like_the_whole_batch(mesh):
     module, make_args, loss_fn = models.get("gpt", "tiny", batch_size=16)
     args = make_args(rng=jax.random.key(1))
