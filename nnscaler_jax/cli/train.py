@@ -266,7 +266,9 @@ def _resume(job: _Job, ckpt: Any, state: Any) -> tuple[Any, int, list[float]]:
     import jax
 
     restored, info = ckpt.restore(target=jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+        job.step.checkpoint_state(state)))
+    restored = job.step.restore_state(restored)
     meta, a = info.meta, job.args
     for key, mine in (("model", a.model), ("preset", a.preset), ("seed", a.seed)):
         if job.lead and meta.get(key, mine) != mine:  # the arrays fit: a warning, not an error
@@ -460,12 +462,15 @@ def _loop(job: _Job, state: Any, start: int, ckpt: Any, prior: list[float],
         loss = float(metrics["loss"])  # waits for the step
         times.append(time.perf_counter() - t0)
         losses.append(loss)
-        did = ckpt is not None and ckpt.maybe_save(i + 1, state, plan_json=plan_json,
-                                                   meta=_meta(job, prior + losses))
+        # (saved as the module's trees: restorable under another plan, pipelined or not)
+        did = ckpt is not None and (i + 1) % ckpt.every == 0 and ckpt.save(
+            i + 1, job.step.checkpoint_state(state), plan_json=plan_json,
+            meta=_meta(job, prior + losses))
         saved = i + 1 if did else saved
         progress.step(i + 1, loss, times[-1], first=i == start, saved=did)
     if ckpt is not None and losses and saved != job.args.steps:  # the last step, always
-        ckpt.save(job.args.steps, state, plan_json=plan_json, meta=_meta(job, prior + losses))
+        ckpt.save(job.args.steps, job.step.checkpoint_state(state), plan_json=plan_json,
+                  meta=_meta(job, prior + losses))
     return state, losses, times
 
 

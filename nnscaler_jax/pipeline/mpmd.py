@@ -63,7 +63,7 @@ from nnscaler_jax.pipeline.chunks import run_chunk, vars_of
 from nnscaler_jax.pipeline.cut import cut_traced
 from nnscaler_jax.pipeline.in_stage import plan_in_stage
 from nnscaler_jax.pipeline.leafwise import leafwise
-from nnscaler_jax.pipeline.program import PipelineRuntime
+from nnscaler_jax.pipeline.program import PipelineRuntime, mirrors
 from nnscaler_jax.pipeline.recycle import traced_program
 from nnscaler_jax.pipeline.split_backward import split_backward
 from nnscaler_jax.pipeline.steps import blocks, peak_in_flight, timeline
@@ -472,6 +472,28 @@ class MpmdProgram(PipelineRuntime):
                                    out_shardings=self._opt_layout(s, tree, optimizer))(tree))
         return {"params": pp, "opt_state": opt}
 
+    def opt_state_to_module(self, opt_state: list, pp: list) -> Any:
+        """The stages' optimizer states (one per stage, of its module-shaped tree) as one
+        state of the module's params tree: each moment from the stage holding its leaf
+        (:meth:`from_pipeline`), the rest (step counts) from stage 0's."""
+        per = [mirrors(o, self.params_tree) for o in opt_state]
+        items, outer = per[0]
+        return outer.unflatten([self.from_pipeline([p[0][k][0] for p in per]) if m else x
+                                for k, (x, m) in enumerate(items)])
+
+    def opt_state_from_module(self, opt_module: Any, like: list, pp: list) -> list:
+        """The inverse of :meth:`opt_state_to_module`, on the shardings of ``like`` (the
+        stages' states of a fresh ``init_state``)."""
+        got, _ = mirrors(opt_module, self.params_tree)
+        split = [self.to_pipeline(x) if m else None for x, m in got]
+        out = []
+        for s, o in enumerate(like):
+            _, outer = mirrors(o, self.params_tree)
+            tree = outer.unflatten([p[s] if m else x for (x, m), p in zip(got, split,
+                                                                          strict=True)])
+            out.append(jax.device_put(tree, jax.tree.map(lambda w: w.sharding, o)))
+        return out
+
     def _opt_layout(self, s: int, tree: Any, optimizer: Any) -> Any:
         """Shardings of group ``s``'s optimizer state for its parameters ``tree``: moments as
         their parameters (split over the tensor axes where they are), the rest (step counts)
@@ -687,6 +709,8 @@ class MpmdProgram(PipelineRuntime):
             if scaling is not None:
                 state.update(scaling.advance(state, finite))
                 metrics.update(loss_scale=jnp.float32(scale), finite=jnp.asarray(finite))
+            if "step" in state:  # the steps taken, as the other runtimes count them
+                state["step"] = state["step"] + 1
             if return_grads:
                 metrics["grads"] = grads
             return state, metrics

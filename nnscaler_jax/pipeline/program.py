@@ -44,7 +44,7 @@ from nnscaler_jax.lower.replay import explicitly_typed
 from nnscaler_jax.mesh.axes import auto_view, mesh_axes, require_stage_axis
 from nnscaler_jax.pipeline.in_stage import tensor_axes
 
-__all__ = ["PipelineRuntime", "micro_rows", "split_batch", "stage_axis", "why_cut"]
+__all__ = ["PipelineRuntime", "micro_rows", "mirrors", "split_batch", "stage_axis", "why_cut"]
 
 
 class PipelineRuntime(abc.ABC):
@@ -138,6 +138,26 @@ class PipelineRuntime(abc.ABC):
     def collections_from_pipeline(self, pc: Any) -> Any:
         """Mutable collections in the runtime's layout as the module's."""
         raise PlanError(f"{type(self).__name__} carries no mutable collections")
+
+    def opt_state_to_module(self, opt_state: Any, pp: Any) -> Any:
+        """``opt_state`` (the optimizer's state of the parameters ``pp``, in this layout) as
+        the optimizer's state of the module's params tree: each subtree laid out like ``pp``
+        (moments) through :meth:`from_pipeline`, the rest (step counts; a state the update
+        keeps as the module's tree already) as it is."""
+        items, outer = mirrors(opt_state, jax.tree.structure(pp))
+        return outer.unflatten([self.from_pipeline(x) if m else x for x, m in items])
+
+    def opt_state_from_module(self, opt_module: Any, like: Any, pp: Any) -> Any:
+        """The inverse of :meth:`opt_state_to_module`: ``opt_module`` (of the module's
+        params tree) laid out as ``like`` (this runtime's optimizer state of ``pp``, e.g. a
+        fresh ``init_state``'s), on ``like``'s shardings."""
+        module_def = self.params_tree
+        got, _ = mirrors(opt_module, module_def)
+        want, outer = mirrors(like, jax.tree.structure(pp), module_def)
+        out = [self.to_pipeline(x) if m and jax.tree.structure(w) != module_def else x
+               for (x, m), (w, _) in zip(got, want, strict=True)]
+        return jax.device_put(outer.unflatten(out),
+                              jax.tree.map(lambda w: w.sharding, like))
 
     def micro_setup(self, params: Any, batch: tuple, call: ModuleCall) -> tuple[list, Any]:
         """``(parameter avals, the batch's micro-batch avals)``; sets ``params_tree``,
@@ -286,6 +306,15 @@ def micro_rows(batch: tuple, microbatches: int, dp: int, data_axes: tuple[str, .
                         f"multiple of {microbatches * dp}")
     return B // (microbatches * dp)
 
+
+
+def mirrors(tree: Any, *defs: Any) -> tuple[list[tuple[Any, bool]], Any]:
+    """``tree`` (an optimizer state) flattened down to its subtrees of structure ``defs``
+    (those mirroring the parameters: moments) and its other leaves: ``([(item, mirrors),
+    ...], the outer treedef)``."""
+    is_mirror = lambda x: jax.tree.structure(x) in defs
+    items, outer = jax.tree_util.tree_flatten(tree, is_leaf=is_mirror)
+    return [(x, is_mirror(x)) for x in items], outer
 
 
 def split_batch(batch: tuple, mesh: Any, axes: tuple[str, ...]) -> tuple:

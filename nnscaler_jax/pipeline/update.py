@@ -251,6 +251,8 @@ def jitted_step(grads: Callable, optimizer: Any, mesh: Any, *, store: Callable =
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(g), **metrics}
         if return_grads:
             metrics["grads"] = g
+        if "step" in state:  # the steps taken, as the SPMD step counts them
+            new["step"] = state["step"] + 1
         return {**state, **new}, metrics
 
     jitted = jax.jit(step, donate_argnums=(0,), compiler_options=compiler_options)

@@ -18,7 +18,7 @@ from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.executor import build_runtime
 from nnscaler_jax.pipeline.program import PipelineRuntime, split_batch
 from nnscaler_jax.pipeline.update import per_device_bytes
-from nnscaler_jax.train.step import TrainStep
+from nnscaler_jax.train.step import TrainStep, copy_onto
 
 __all__ = ["PipelineStep"]
 
@@ -101,6 +101,43 @@ class PipelineStep(TrainStep):
             state["rng"] = jax.jit(jnp.copy, out_shardings=rep)(typed_key(rng))
         if fp16:
             state.update(jax.device_put(self.scaling.initial(), rep))
+        state["step"] = jax.device_put(jnp.zeros((), jnp.int32), rep)
+        return state
+
+    def checkpoint_state(self, state: dict) -> dict:
+        """The state with the parameters, the optimizer's state and the collections as the
+        module's trees (out of the runtime's layout: stacked layers, packed rows or a tree per
+        stage); a linen module's is the SPMD step's, so either restores the other's."""
+        self._check()
+        prog = self.program
+        out = {k: v for k, v in state.items() if k not in ("params", "opt_state")}
+        out["params"] = prog.from_pipeline(state["params"])
+        out["opt_state"] = prog.opt_state_to_module(state["opt_state"], state["params"])
+        if "collections" in state:
+            out["collections"] = prog.collections_from_pipeline(state["collections"])
+        return out
+
+    def restore_state(self, saved: dict) -> dict:
+        """``saved`` laid out in the runtime's layout, as :meth:`init` lays out a state."""
+        self._check()
+        want = {"params", "opt_state", "step", *(("collections",) if self.call.collections
+                                                  else ()),
+                *(("rng",) if self.call.slots else ()),
+                *(("loss_scale", "good_steps") if self.options.precision == "float16"
+                  else ())}
+        missing = sorted(want - set(saved))
+        if missing:
+            raise PlanError(f"step.restore_state: the saved state has no {missing} (it has "
+                            f"{sorted(saved)}); pass what step.checkpoint_state(state) returns")
+        colls = {"collections": saved["collections"]} if self.call.collections else {}
+        state = self.program.init_state(saved["params"], self.optimizer, **colls)
+        state["opt_state"] = self.program.opt_state_from_module(
+            saved["opt_state"], state["opt_state"], state["params"])
+        rep = self.program.shardings()[0]
+        rest = {k: saved[k] for k in want - {"params", "opt_state", "collections"}}
+        if "rng" in rest:
+            rest["rng"] = typed_key(rest["rng"])
+        state.update(copy_onto(rest, jax.tree.map(lambda _: rep, rest)))
         return state
 
     def build(self, variables: Any, *batch: Any, rng: Any = None) -> tuple[Any, Any]:

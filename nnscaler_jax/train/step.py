@@ -95,6 +95,13 @@ def own_axes(params: Any, plan: Any, graph: Any) -> list[tuple[str, ...]]:
     return out
 
 
+def copy_onto(tree: Any, shardings: Any) -> Any:
+    """``tree``'s arrays copied onto ``shardings`` (new buffers: a step donates its state,
+    and a ``device_put`` may alias the caller's)."""
+    placed = jax.device_put(tree, shardings)
+    return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(placed)
+
+
 def _split_micro(x: jax.Array, m: int) -> jax.Array:
     """``[B, ...] -> [m, B/m, ...]`` taking rows ``i::m`` into micro-batch ``i``: every
     device's block of a batch split over the data axes splits locally."""
@@ -120,6 +127,8 @@ class TrainStep(abc.ABC):
     >>> # state, metrics = step(state, *batch)      # metrics['loss']
     >>> # step.params(state), step.variables(state), step.memory(state), step.plan
     >>> # step.predicted_memory()                  # the plan's estimate of step.memory's kinds
+    >>> # ckpt.save(i, step.checkpoint_state(state))    # the module's trees, any plan
+    >>> # state = step.restore_state(saved)             # laid out as this step keeps it
     """
 
     def __init__(self, pm: Any, loss_fn: Callable, optimizer: Any, *,
@@ -178,6 +187,19 @@ class TrainStep(abc.ABC):
     @abc.abstractmethod
     def update(self, state: dict) -> None:
         """nnx: write the trained state back into the module."""
+
+    @abc.abstractmethod
+    def checkpoint_state(self, state: dict) -> dict:
+        """``state`` as a checkpoint stores it, whatever the plan: the module's params tree,
+        the optimizer's state of that tree, the module's collections, the step counter (and
+        ``rng``, ``loss_scale``, ``good_steps`` where the state has them). A linen module's is
+        the same under any plan, SPMD or pipelined, so a checkpoint written under one plan
+        restores under another (:meth:`restore_state`)."""
+
+    @abc.abstractmethod
+    def restore_state(self, saved: dict) -> dict:
+        """A :meth:`checkpoint_state` (this step's or another plan's, read back from a
+        checkpoint) laid out as this step keeps its state (after :meth:`init`)."""
 
     def _check(self) -> None:
         if self.jitted is None:
@@ -489,6 +511,22 @@ class SpmdStep(TrainStep):
     def update(self, state: dict) -> None:
         """nnx: write the state's parameters and other variables back into the module."""
         self.model.update(self.variables(state))
+
+    def checkpoint_state(self, state: dict) -> dict:
+        """The state itself: it holds the module's trees (the plan's layout is in its
+        shardings)."""
+        return dict(state)
+
+    def restore_state(self, saved: dict) -> dict:
+        """``saved`` placed on the state's shardings (arrays copied: the step donates its
+        state)."""
+        self._check()
+        sh = self._shardings["state"]
+        missing = sorted(set(sh) - set(saved))
+        if missing:
+            raise PlanError(f"step.restore_state: the saved state has no {missing} (it has "
+                            f"{sorted(saved)}); pass what step.checkpoint_state(state) returns")
+        return copy_onto({k: saved[k] for k in sh}, sh)
 
     def memory(self, state: dict) -> dict[str, int]:
         """Per-device bytes measured from the arrays: ``params``, ``optimizer``, ``grads``

@@ -105,6 +105,28 @@ def test_resume_on_another_mesh_continues_the_uninterrupted_losses(six_steps, tm
     np.testing.assert_allclose(meta["losses"], first["losses"] + res["losses"])
 
 
+@pytest.mark.slow
+def test_a_pipelined_runs_checkpoint_resumes_under_the_spmd_plan(six_steps, tmp_path):
+    """The checkpoint holds the module's trees, not the pipeline runtime's layout: a run
+    with 2 stages resumes with none (and would with other stages) on the uninterrupted
+    losses."""
+    ckpt = str(tmp_path / "ckpt")
+    code, out, err = run_cli([*GPT, "--mesh", "2x4", "--axes", "stage,data", "--pipeline", "2",
+                              "--microbatches", "2", "--steps", "3", "--checkpoint-dir", ckpt,
+                              "--json"])
+    assert code == 0, err
+    first = _last_json(out)
+    assert first["plan"]["stages"] == 2
+    np.testing.assert_allclose(first["losses"], six_steps["losses"][:3], rtol=1e-4)
+    code, out, err = run_cli([*GPT, "--mesh", "2x4", "--axes", "data,model", "--pipeline", "1",
+                              "--microbatches", "1", "--steps", "6", "--resume",
+                              "--checkpoint-dir", ckpt, "--json"])
+    assert code == 0, err
+    res = _last_json(out)
+    assert res["start_step"] == 3 and res["plan"].get("stages", 1) == 1
+    np.testing.assert_allclose(res["losses"], six_steps["losses"][3:], rtol=1e-4)
+
+
 def test_resume_keeps_the_checkpoints_plan_settings_and_says_what_changed(tmp_path):
     """A resumed run plans as the checkpoint's run did (not with the default policy): the
     settings not given again are kept, and stderr names them; one given again is this run's,

@@ -126,7 +126,7 @@ def test_linen_batch_stats_carried_in_microbatch_order_then_averaged(schedule, l
     assert step.program.tables.overlap == step.plan.pipeline.overlap  # (None: by price)
     assert step.program.tables.overlap or not overlap
     assert step.program.schedule.virtual == layers // 2  # (interleaved: 2 chunks a stage)
-    assert set(state) == {"params", "opt_state", "collections"}
+    assert set(state) == {"params", "opt_state", "collections", "step"}
 
     def block_loss(p, s, rows):
         out, new = module.apply({"params": p, "batch_stats": s}, rows[0], train=True,

@@ -76,7 +76,7 @@ def test_linen_dropout_and_module_kwargs_match_per_microbatch_keys(schedule):
     plain = spec.loss_fn(spec.module.apply({"params": params}, tokens, deterministic=True),
                          tokens)
     assert abs(float(metrics["loss"]) - float(plain)) > 1e-3  # dropout was on
-    assert set(state) == {"params", "opt_state", "rng"}
+    assert set(state) == {"params", "opt_state", "rng", "step"}
     state, again = step(state, tokens)  # a new key per step
     assert float(again["loss"]) != pytest.approx(float(metrics["loss"]), rel=1e-6)
 

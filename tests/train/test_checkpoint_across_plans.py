@@ -1,0 +1,158 @@
+"""A training state checkpointed under one plan restores under another: ``step.checkpoint_state``
+holds the module's trees (parameters, the optimizer's state of them, collections, the step
+counter) whatever the runtime's layout, and ``step.restore_state`` lays them out again, so a
+pipelined run continues under the SPMD plan (or another pipeline runtime) and the other way,
+training on as the uninterrupted run does."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from meshes import make_mesh
+
+import models
+from nnscaler_jax import Constraints, PlanError, auto_parallel
+from nnscaler_jax.train.checkpoint import Checkpointer
+
+pytestmark = pytest.mark.slow  # compiles and runs programs over the mesh
+
+M = 2  # micro-batches
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    module, make_args, loss_fn = models.get("gpt", "tiny", batch_size=16)
+    args = make_args(rng=jax.random.key(1))
+    return module, args, loss_fn, module.init(jax.random.key(0), *args)
+
+
+def _spmd(module):
+    return auto_parallel(make_mesh((2, 4), ("data", "model")), Constraints(microbatches=M),
+                         policy="dp")(module)
+
+
+def _pipelined(module, executor=None, **kw):
+    return auto_parallel(make_mesh((2, 4), ("stage", "data")),
+                         Constraints(pipeline_stages=2, microbatches=M,
+                                     pipeline_executor=executor, **kw))(module)
+
+
+def _run(step, state, args, n):
+    losses = []
+    for _ in range(n):
+        state, metrics = step(state, *args)
+        losses.append(float(metrics["loss"]))
+    return state, losses
+
+
+def _through_a_checkpoint(tmp_path, saving, state, loading, fresh):
+    """``saving``'s state written by a Checkpointer and read back into ``loading`` (``fresh``:
+    a state of its ``init``): the state ``loading`` continues from."""
+    with Checkpointer(tmp_path / "ckpt") as ckpt:
+        ckpt.save(2, saving.checkpoint_state(state))
+        ckpt.wait()
+        like = loading.checkpoint_state(fresh)
+        restored, _ = ckpt.restore(target=jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like))
+    return loading.restore_state(restored)
+
+
+def _same(got, want, **tol):
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    data = lambda x: np.asarray(jax.random.key_data(x) if jnp.issubdtype(
+        x.dtype, jax.dtypes.prng_key) else x)
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want),
+                            strict=True):
+        np.testing.assert_allclose(data(x), data(y), err_msg=jax.tree_util.keystr(path), **tol)
+
+
+@pytest.mark.parametrize("executor", ["in-graph", "per-stage"])
+def test_a_pipelined_checkpoint_continues_under_the_spmd_plan_and_back(tmp_path, gpt, executor):
+    module, args, loss_fn, variables = gpt
+    opt = optax.adamw(1e-3)
+    spmd = _spmd(module).train_step(loss_fn, opt)
+    _, ref = _run(spmd, spmd.init(variables, *args), args, 4)
+
+    piped = _pipelined(module, executor).train_step(loss_fn, opt)
+    state, first = _run(piped, piped.init(variables, *args), args, 2)
+    np.testing.assert_allclose(first, ref[:2], rtol=1e-5)
+    assert int(state["step"]) == 2
+    # the module's trees, as the SPMD step keeps them: one checkpoint for both
+    saved = piped.checkpoint_state(state)
+    assert jax.tree.structure(saved["params"]) == jax.tree.structure(variables["params"])
+    # out of the runtime's layout and back is exact
+    _same(piped.checkpoint_state(piped.restore_state(saved)), saved, rtol=0, atol=0)
+
+    spmd2 = _spmd(module).train_step(loss_fn, opt)
+    resumed = _through_a_checkpoint(tmp_path / "a", piped, state, spmd2,
+                                    spmd2.init(variables, *args))
+    assert int(resumed["step"]) == 2
+    _, then = _run(spmd2, resumed, args, 2)
+    np.testing.assert_allclose(then, ref[2:], rtol=1e-5)
+
+    # and the SPMD plan's checkpoint continues pipelined
+    spmd3 = _spmd(module).train_step(loss_fn, opt)
+    state, _ = _run(spmd3, spmd3.init(variables, *args), args, 2)
+    piped2 = _pipelined(module, executor).train_step(loss_fn, opt)
+    resumed = _through_a_checkpoint(tmp_path / "b", spmd3, state, piped2,
+                                    piped2.init(variables, *args))
+    _, then = _run(piped2, resumed, args, 2)
+    np.testing.assert_allclose(then, ref[2:], rtol=1e-5)
+
+
+class _Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, train):
+        return nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.5)(
+            nn.Dense(16)(x)))
+
+
+class _Stack(nn.Module):
+    """BatchNorm layers: run by the cut program, which carries their statistics packed."""
+
+    @nn.compact
+    def __call__(self, x, train=False):
+        for i in range(2):
+            x = _Block(name=f"h_{i}")(x, train)
+        return nn.Dense(4, name="head")(x)
+
+
+def test_collections_and_a_step_key_survive_a_restore_in_the_cut_program(tmp_path):
+    x = jax.random.normal(jax.random.key(1), (16, 16))
+    y = jax.random.normal(jax.random.key(2), (16, 4))
+    module = _Stack()
+    variables = module.init(jax.random.key(0), x)
+    mse = lambda out, x, y: jnp.mean((out - y) ** 2)
+    kw = {"inputs": 1, "module_kwargs": {"train": True}}
+    make = lambda: _pipelined(module).train_step(mse, optax.adam(1e-2), **kw)
+    step = make()
+    state = step.init(variables, x, y, rng=jax.random.key(3))
+    assert type(step.program).__name__ == "CutProgram"
+    state, _ = _run(step, state, (x, y), 1)
+    saved = step.checkpoint_state(state)
+    assert set(saved) == {"params", "opt_state", "collections", "rng", "step"}
+    assert jax.tree.structure(saved["collections"]) == jax.tree.structure(
+        {"batch_stats": variables["batch_stats"]})
+    other = make()
+    resumed = _through_a_checkpoint(tmp_path, step, state, other,
+                                    other.init(variables, x, y, rng=jax.random.key(9)))
+    _same(other.checkpoint_state(resumed), saved, rtol=0, atol=0)
+    _, want = _run(step, state, (x, y), 2)  # (the step donates the state it is given)
+    _, got = _run(other, resumed, (x, y), 2)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_restoring_what_is_not_a_checkpoint_state_says_what_to_pass(gpt):
+    module, args, loss_fn, variables = gpt
+    step = _pipelined(module).train_step(loss_fn, optax.sgd(0.1))
+    state = step.init(variables, *args)
+    with pytest.raises(PlanError, match=r"no \['opt_state', 'step'\].*checkpoint_state"):
+        step.restore_state({"params": variables["params"]})
+    spmd = _spmd(module).train_step(loss_fn, optax.sgd(0.1))
+    spmd.init(variables, *args)
+    with pytest.raises(PlanError, match=r"checkpoint_state"):
+        spmd.restore_state({"params": step.checkpoint_state(state)["params"]})
