@@ -113,8 +113,9 @@ class PipelineStep(TrainStep):
         out = {k: v for k, v in state.items() if k not in ("params", "opt_state")}
         out["params"] = prog.from_pipeline(state["params"])
         out["opt_state"] = prog.opt_state_to_module(state["opt_state"], state["params"])
-        if "collections" in state:
-            out["collections"] = prog.collections_from_pipeline(state["collections"])
+        # (none: an empty tree, as the SPMD step keeps them)
+        out["collections"] = (prog.collections_from_pipeline(state["collections"])
+                              if "collections" in state else {})
         return out
 
     def restore_state(self, saved: dict) -> dict:

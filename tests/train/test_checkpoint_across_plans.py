@@ -70,15 +70,22 @@ def _same(got, want, **tol):
         np.testing.assert_allclose(data(x), data(y), err_msg=jax.tree_util.keystr(path), **tol)
 
 
-@pytest.mark.parametrize("executor", ["in-graph", "per-stage"])
-def test_a_pipelined_checkpoint_continues_under_the_spmd_plan_and_back(tmp_path, gpt, executor):
+@pytest.mark.parametrize("executor,masked", [("in-graph", False), ("per-stage", False),
+                                             ("in-graph", True)])
+def test_a_pipelined_checkpoint_continues_under_the_spmd_plan_and_back(tmp_path, gpt, executor,
+                                                                       masked):
+    """``masked``: weight decay on the matrices only, an optimizer the in-graph runtime
+    updates on the module's tree (its state kept as that tree, not in the layout)."""
     module, args, loss_fn, variables = gpt
-    opt = optax.adamw(1e-3)
+    mask = (lambda p: jax.tree.map(lambda x: x.ndim > 1, p)) if masked else None
+    opt = optax.adamw(1e-3, mask=mask)
     spmd = _spmd(module).train_step(loss_fn, opt)
     _, ref = _run(spmd, spmd.init(variables, *args), args, 4)
 
     piped = _pipelined(module, executor).train_step(loss_fn, opt)
     state, first = _run(piped, piped.init(variables, *args), args, 2)
+    if executor == "in-graph":  # (the optimizer's view of the module's tree)
+        assert (piped.program._view(opt) is not None) == masked
     np.testing.assert_allclose(first, ref[:2], rtol=1e-5)
     assert int(state["step"]) == 2
     # the module's trees, as the SPMD step keeps them: one checkpoint for both
