@@ -24,7 +24,8 @@ g, streams)``. In the pipelined program the keys are inputs of the traced call, 
 (linen) or per ``nnx.RngStream`` (nnx: the ``i``-th stream named ``s`` gets ``fold_in(rngs[s],
 i)``, what ``nnx.reseed(model, s=rngs[s])`` sets; besides ``rng_streams``, the ``'default'``
 stream of an ``nnx.Rngs(0)`` is keyed, as the last stream); an nnx module in the SPMD step
-draws from its own ``nnx.Rngs``, carried in the state.
+draws from its own ``nnx.Rngs``, carried in the state, unless ``init`` gets ``rng=`` (then
+its streams are keyed per micro-batch as the pipelined step keys them).
 
 **Collections.** Mutable collections (BatchNorm statistics: linen's variables besides
 ``params``, called with ``mutable=[...]``; an nnx module's ``nnx.BatchStat``) are carried
@@ -343,6 +344,8 @@ class LinenCall(ModuleCall):
         return variables["params"], {k: v for k, v in variables.items() if k != "params"}
 
     def bind(self, variables: Any, rng: Any) -> ModuleCall:
+        raw = dict(variables)  # (planned as given: partitioning boxes name storage specs)
+        self._planned = raw if "params" in raw else {"params": raw}
         self.params, self.collections = self.split(variables)
         empty = [c for c, x in self.collections.items() if not jax.tree.leaves(x)]
         if empty:
@@ -354,9 +357,8 @@ class LinenCall(ModuleCall):
         # checks + records the stages; policy None: stages data-parallel inside
         rngs = microbatch_rngs(typed_key(rng), 0, self.streams) if self.slots else None
         with self.errors(len(args)):
-            return self.pm.make_plan(*args, variables=self.variables(self.params,
-                                                                     self.collections),
-                                     rngs=rngs, mutable=list(self.collections) or False,
+            return self.pm.make_plan(*args, variables=self._planned, rngs=rngs,
+                                     mutable=list(self.collections) or False,
                                      **dict(self.options.module_kwargs))
 
     def module_params(self, params: Any) -> Any:

@@ -201,9 +201,12 @@ def planned_model(spec: Any, mesh: Any, policy: str | None = None, constraints: 
     pm = auto_parallel(mesh, constraints, policy=policy, plan=plan)(spec.module)
     if spec.kind == "nnx":
         pm.make_plan(*args)
-    elif pm.pipelined:
-        pm.make_plan(*args, variables=variables, rngs=spec_rng_names(spec),
-                     mutable=spec_mutable(spec))
+    elif pm.pipelined:  # planned as the pipelined step plans (typed keys: its graph)
+        from nnscaler_jax.capture.module_call import microbatch_rngs
+
+        rngs = (microbatch_rngs(jax.random.key(0), 0, spec.rng_streams)
+                if spec.rng_streams else None)
+        pm.make_plan(*args, variables=variables, rngs=rngs, mutable=spec_mutable(spec))
     else:
         step = pm.train_step(spec.loss_fn, optax.adamw(1e-3),
                              rng_streams=spec.rng_streams or ("dropout",))

@@ -17,7 +17,6 @@ from nnscaler_jax.cli.common import (
     model_spec,
     parse_mesh,
     spec_mutable,
-    spec_rng_names,
     table,
 )
 
@@ -65,18 +64,20 @@ def _verify(spec: Any, mesh: Any, policy: str, plan: Any = None) -> dict[str, An
     else:
         variables = spec.init(jax.random.PRNGKey(0), *args)
         pm = auto_parallel(mesh, policy=policy if plan is None else None, plan=plan)(spec.module)
-        if pm.pipelined:  # its stages: the module's outputs and gradients through apply
-            return _verify_apply(spec, pm, variables, args)
         step = pm.train_step(spec.loss_fn, optax.sgd(0.0),
                              rng_streams=spec.rng_streams or ("dropout",))
         key = jax.random.key(1) if spec.rng_streams else None
         out, grad = step.loss_and_grads(variables, *args, rng=key)
-        m = step.plan.microbatches
+        piped = pm.pipelined  # (its stages' runtime, as train runs it)
+        m = (step.program.schedule.microbatches * step.program.dp if piped
+             else step.plan.microbatches)
+        rows = lambda i: (slice(i * (len(args[0]) // m), (i + 1) * (len(args[0]) // m))
+                          if piped else slice(i, None, m))
 
-        def ref_loss(params):  # the step's micro-batches (rows i::m) and their rng keys
-            total = 0.0
+        def ref_loss(params):  # the step's micro-batches and their rng keys: SPMD rows i::m;
+            total = 0.0  # pipelined, micro-batch j of data shard d the block i = j D + d
             for i in range(m):
-                mb = tuple(x[i::m] for x in args)
+                mb = tuple(x[rows(i)] for x in args)
                 r = microbatch_rngs(key, i, spec.rng_streams) if key is not None else None
                 res = spec.module.apply({**variables, "params": params}, *mb, rngs=r,
                                         mutable=mutable)
@@ -84,26 +85,8 @@ def _verify(spec: Any, mesh: Any, policy: str, plan: Any = None) -> dict[str, An
             return total / m
 
         ref_out, ref_grad = jax.jit(jax.value_and_grad(ref_loss))(variables["params"])
-        return dict(_compare(out, ref_out, grad, ref_grad), plan=step.plan, forward="loss")
-    return dict(_compare(out, ref_out, grad, ref_grad), plan=pm.plan)
-
-
-def _verify_apply(spec: Any, pm: Any, variables: Any, args: tuple) -> dict[str, Any]:
-    """A linen model's outputs and the gradients of its loss through ``pm.apply``."""
-    import jax
-
-    rngs, mutable = spec_rng_names(spec), spec_mutable(spec)
-
-    def loss_with(apply):
-        def loss(params):
-            res = apply({**variables, "params": params}, *args, rngs=rngs, mutable=mutable)
-            return spec.loss_fn(res[0] if mutable else res, *args)
-        return loss
-
-    ref_out = spec.module.apply(variables, *args, rngs=rngs, mutable=mutable)
-    ref_grad = jax.jit(jax.grad(loss_with(spec.module.apply)))(variables["params"])
-    out = pm.apply(variables, *args, rngs=rngs, mutable=mutable)
-    grad = jax.jit(jax.grad(loss_with(pm.apply)))(variables["params"])
+        return dict(_compare(out, ref_out, grad, ref_grad), plan=step.plan, forward="loss",
+                    **({"runtime": type(step.program).__name__} if piped else {}))
     return dict(_compare(out, ref_out, grad, ref_grad), plan=pm.plan)
 
 
@@ -148,13 +131,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
            "forward_rel_diff": res["forward_rel_diff"], "grad_rel_diff": res["grad_rel_diff"],
            "tolerance": res["tolerance"], "mesh": args.mesh, "policy": policy,
            "plan": args.plan, "model": args.model, "preset": args.preset}
+    if "runtime" in res:  # a pipelined plan: the pipeline runtime train runs, checked
+        obj["runtime"] = res["runtime"]
     text = ""
     if not args.json:
         from nnscaler_jax.mesh.axes import mesh_axes
         source = f"plan {args.plan} (policy {policy})" if saved is not None else \
             f"policy {policy}"
+        runs = f", pipelined ({res['runtime']})" if "runtime" in res else ""
         text = (f"{args.model} [{args.preset}] on mesh {args.mesh} {mesh_axes(mesh)}, "
-                f"{source}\n" + _verify_table(res))
+                f"{source}{runs}\n" + _verify_table(res))
     emit(args, text, obj)
     return 0 if res["ok"] else 1
 

@@ -136,6 +136,13 @@ class InGraphRuntime(PipelineRuntime):
                            scaling=scaling, compiler_options=compiler_options(self.tables,
                                                                               self.mesh))
 
+    def loss_and_grads(self, pp: Any, batch: tuple, key: Any = None,
+                       colls: Any = None) -> tuple[Any, Any]:
+        args = (pp, batch, key) + ((colls,) if colls is not None else ())
+        with jax.set_mesh(self.mesh):
+            loss, g, *_ = jax.jit(self.grads)(*args)
+        return loss, g
+
     def init_state(self, params: Any, optimizer: Any, collections: Any = None) -> dict:
         """``{'params': to_pipeline(params), 'opt_state': optimizer.init(...)}``, laid out as
         the step returns them, and ``'collections'`` (:meth:`collections_state`) when the

@@ -472,27 +472,51 @@ class MpmdProgram(PipelineRuntime):
                                    out_shardings=self._opt_layout(s, tree, optimizer))(tree))
         return {"params": pp, "opt_state": opt}
 
+    def loss_and_grads(self, pp: list, batch: tuple, key: Any = None,
+                       colls: Any = None) -> tuple[Any, list]:
+        with jax.set_mesh(None):  # (eager glue between stages, as the step)
+            return self.grads(pp, batch, key)
+
     def opt_state_to_module(self, opt_state: list, pp: list) -> Any:
         """The stages' optimizer states (one per stage, of its module-shaped tree) as one
-        state of the module's params tree: each moment from the stage holding its leaf
-        (:meth:`from_pipeline`), the rest (step counts) from stage 0's."""
+        state of the module's params tree: each moment leaf from the stage holding it (a
+        masked optimizer's ``MaskedNode`` kept), the rest (step counts) from stage 0's."""
         per = [mirrors(o, self.params_tree) for o in opt_state]
         items, outer = per[0]
-        return outer.unflatten([self.from_pipeline([p[0][k][0] for p in per]) if m else x
-                                for k, (x, m) in enumerate(items)])
+
+        def joined(k: int) -> Any:
+            flat = [self.params_tree.flatten_up_to(p[0][k][0]) for p in per]
+            leaves = [flat[self.owner[j]][j] for j in range(len(self.param_avals))]
+            return self.params_tree.unflatten(
+                [jnp.asarray(np.asarray(x)) if hasattr(x, "shape") else x for x in leaves])
+
+        return outer.unflatten([joined(k) if m == 0 else x for k, (x, m) in enumerate(items)])
 
     def opt_state_from_module(self, opt_module: Any, like: list, pp: list) -> list:
         """The inverse of :meth:`opt_state_to_module`, on the shardings of ``like`` (the
-        stages' states of a fresh ``init_state``)."""
+        stages' states of a fresh ``init_state``; new buffers, from host copies)."""
         got, _ = mirrors(opt_module, self.params_tree)
-        split = [self.to_pipeline(x) if m else None for x, m in got]
         out = []
         for s, o in enumerate(like):
-            _, outer = mirrors(o, self.params_tree)
-            tree = outer.unflatten([p[s] if m else x for (x, m), p in zip(got, split,
-                                                                          strict=True)])
-            out.append(jax.device_put(tree, jax.tree.map(lambda w: w.sharding, o)))
+            want, outer = mirrors(o, self.params_tree)
+            items = [self._stage_leaves(s, x, w) if m == 0 else
+                     jax.tree.map(lambda v, w: jax.device_put(np.asarray(v), w.sharding), x, w)
+                     for (x, m), (w, _) in zip(got, want, strict=True)]
+            out.append(outer.unflatten(items))
         return out
+
+    def _stage_leaves(self, s: int, tree: Any, like: Any) -> Any:
+        """A module-shaped tree (a moment) as stage ``s`` keeps it in ``like`` (its own
+        moment): its leaves placed as the stage keeps those parameters, the others
+        placeholders, and a masked optimizer's ``MaskedNode`` where ``like`` has one (a
+        callable mask sees the stage's placeholders, so stages mask differently)."""
+        mine = self.stage_leaves[s]
+        flat = self.params_tree.flatten_up_to(tree)
+        shape = self.params_tree.flatten_up_to(like)
+        return self.params_tree.unflatten(
+            [w if not hasattr(w, "shape") else
+             jax.device_put(np.asarray(x), self.leaf_sharding(s, j)) if j in mine
+             else self._hole(s, j) for j, (x, w) in enumerate(zip(flat, shape, strict=True))])
 
     def _opt_layout(self, s: int, tree: Any, optimizer: Any) -> Any:
         """Shardings of group ``s``'s optimizer state for its parameters ``tree``: moments as

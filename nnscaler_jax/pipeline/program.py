@@ -139,23 +139,30 @@ class PipelineRuntime(abc.ABC):
         """Mutable collections in the runtime's layout as the module's."""
         raise PlanError(f"{type(self).__name__} carries no mutable collections")
 
+    @abc.abstractmethod
+    def loss_and_grads(self, pp: Any, batch: tuple, key: Any = None,
+                       colls: Any = None) -> tuple[Any, Any]:
+        """One batch's mean loss and the gradients in this layout, as the step computes them
+        (``key``: the step's key; ``colls``: the collections in this layout, where the program
+        carries any), outside the step: ``nnscaler-jax verify``'s figures."""
+
     def opt_state_to_module(self, opt_state: Any, pp: Any) -> Any:
         """``opt_state`` (the optimizer's state of the parameters ``pp``, in this layout) as
         the optimizer's state of the module's params tree: each subtree laid out like ``pp``
         (moments) through :meth:`from_pipeline`, the rest (step counts; a state the update
         keeps as the module's tree already) as it is."""
         items, outer = mirrors(opt_state, jax.tree.structure(pp))
-        return outer.unflatten([self.from_pipeline(x) if m else x for x, m in items])
+        return outer.unflatten([self.from_pipeline(x) if k == 0 else x for x, k in items])
 
     def opt_state_from_module(self, opt_module: Any, like: Any, pp: Any) -> Any:
         """The inverse of :meth:`opt_state_to_module`: ``opt_module`` (of the module's
         params tree) laid out as ``like`` (this runtime's optimizer state of ``pp``, e.g. a
         fresh ``init_state``'s), on ``like``'s shardings."""
-        module_def = self.params_tree
-        got, _ = mirrors(opt_module, module_def)
-        want, outer = mirrors(like, jax.tree.structure(pp), module_def)
-        out = [self.to_pipeline(x) if m and jax.tree.structure(w) != module_def else x
-               for (x, m), (w, _) in zip(got, want, strict=True)]
+        got, _ = mirrors(opt_module, self.params_tree)
+        # (like's moments in the layout, or kept as the module's tree: as they are)
+        want, outer = mirrors(like, jax.tree.structure(pp), self.params_tree)
+        out = [self.to_pipeline(x) if k == 0 else x
+               for (x, _), (_, k) in zip(got, want, strict=True)]
         return jax.device_put(outer.unflatten(out),
                               jax.tree.map(lambda w: w.sharding, like))
 
@@ -308,13 +315,18 @@ def micro_rows(batch: tuple, microbatches: int, dp: int, data_axes: tuple[str, .
 
 
 
-def mirrors(tree: Any, *defs: Any) -> tuple[list[tuple[Any, bool]], Any]:
+def mirrors(tree: Any, *defs: Any) -> tuple[list[tuple[Any, int]], Any]:
     """``tree`` (an optimizer state) flattened down to its subtrees of structure ``defs``
-    (those mirroring the parameters: moments) and its other leaves: ``([(item, mirrors),
-    ...], the outer treedef)``."""
-    is_mirror = lambda x: jax.tree.structure(x) in defs
-    items, outer = jax.tree_util.tree_flatten(tree, is_leaf=is_mirror)
-    return [(x, is_mirror(x)) for x in items], outer
+    (those mirroring the parameters: moments; a masked optimizer's ``optax.MaskedNode`` in
+    a leaf's place counts as that leaf) and its other leaves: ``([(item, the index of its
+    structure in defs, -1 for a leaf), ...], the outer treedef)``."""
+    import optax
+
+    masked = lambda n: isinstance(n, optax.MaskedNode)
+    which = lambda x: next((i for i, d in enumerate(defs)
+                            if jax.tree.structure(x, is_leaf=masked) == d), -1)
+    items, outer = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: which(x) >= 0)
+    return [(x, which(x)) for x in items], outer
 
 
 def split_batch(batch: tuple, mesh: Any, axes: tuple[str, ...]) -> tuple:

@@ -18,7 +18,7 @@ from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.executor import build_runtime
 from nnscaler_jax.pipeline.program import PipelineRuntime, split_batch
 from nnscaler_jax.pipeline.update import per_device_bytes
-from nnscaler_jax.train.step import TrainStep, copy_onto
+from nnscaler_jax.train.step import TrainStep, fresh
 
 __all__ = ["PipelineStep"]
 
@@ -89,7 +89,8 @@ class PipelineStep(TrainStep):
 
     def init(self, variables: Any, *batch: Any, rng: Any = None) -> dict:
         """Plan, build the program for ``batch``'s shapes and lay out the training state
-        (``{'params', 'opt_state'}``, ``'collections'`` with any, ``'rng'`` with rng streams)."""
+        (``{'params', 'opt_state', 'step'}``, ``'collections'`` with any, ``'rng'`` with rng
+        streams, ``'loss_scale'`` and ``'good_steps'`` under float16)."""
         params, rng = self.build(variables, *batch, rng=rng)
         call = self.call
         fp16 = self.options.precision == "float16"
@@ -138,8 +139,8 @@ class PipelineStep(TrainStep):
         rest = {k: saved[k] for k in want - {"params", "opt_state", "collections"}}
         if "rng" in rest:
             rest["rng"] = typed_key(rest["rng"])
-        state.update(copy_onto(rest, jax.tree.map(lambda _: rep, rest)))
-        return state
+        state.update(jax.device_put(rest, jax.tree.map(lambda _: rep, rest)))
+        return fresh(state)  # (none of the caller's buffers: the step donates its state)
 
     def build(self, variables: Any, *batch: Any, rng: Any = None) -> tuple[Any, Any]:
         """Plan and build the program (:attr:`program`, :attr:`jitted`) for ``batch``'s
@@ -188,6 +189,24 @@ class PipelineStep(TrainStep):
         if self.return_grads:
             metrics = {**metrics, "grads": self._module_tree(metrics["grads"])}
         return state, metrics
+
+    def loss_and_grads(self, variables: Any, *batch: Any, rng: Any = None) -> tuple[Any, Any]:
+        """One batch's mean loss and the parameters' gradients (the module's tree) as the
+        pipelined step computes them, without an update: what ``nnscaler-jax verify`` compares
+        with the module's own. ``rng`` is the step's key (each micro-batch ``m`` of data shard
+        ``d`` draws ``microbatch_rngs(rng, m * D + d)``; nnx: its first stream's key unless
+        given). Builds the program as :meth:`init` does on first use."""
+        if self.program is None:
+            self.build(variables, *batch, rng=rng)
+        call, prog = self.call, self.program
+        params, colls = (call.params, call.collections) if call.nnx or variables is None \
+            else call.split(variables)
+        key = None
+        if call.slots:
+            key = typed_key(rng if rng is not None else call.default_rng)
+        pc = prog.collections_to_pipeline(colls) if colls else None
+        loss, g = prog.loss_and_grads(prog.to_pipeline(params), self._batch(batch), key, pc)
+        return loss, self._module_tree(g)
 
     def _module_tree(self, pp: Any) -> Any:
         """A tree in the runtime's parameter layout as the module's params tree."""

@@ -40,7 +40,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnscaler_jax.capture.flax import path_str
-from nnscaler_jax.capture.module_call import ModuleCall, StepOptions, microbatch_rngs
+from nnscaler_jax.capture.module_call import ModuleCall, StepOptions, microbatch_rngs, typed_key
 from nnscaler_jax.cost.devices import default_budget_of, device_for_kind
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.errors import PlanError, PlanFormatError
@@ -100,6 +100,23 @@ def copy_onto(tree: Any, shardings: Any) -> Any:
     and a ``device_put`` may alias the caller's)."""
     placed = jax.device_put(tree, shardings)
     return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(placed)
+
+
+def fresh(tree: Any) -> Any:
+    """``tree``'s arrays copied into new buffers on their own shardings (one program per set
+    of devices: a pipelined state spans several sub-meshes)."""
+    leaves, td = jax.tree.flatten(tree)
+    groups: dict[frozenset, list[int]] = {}
+    for i, x in enumerate(leaves):
+        groups.setdefault(frozenset(x.sharding.device_set), []).append(i)
+    out = list(leaves)
+    for idx in groups.values():
+        xs = [leaves[i] for i in idx]
+        ys = jax.jit(lambda xs: [jnp.copy(x) for x in xs],
+                     out_shardings=[x.sharding for x in xs])(xs)
+        for i, y in zip(idx, ys, strict=True):
+            out[i] = y
+    return td.unflatten(out)
 
 
 def _split_micro(x: jax.Array, m: int) -> jax.Array:
@@ -189,12 +206,20 @@ class TrainStep(abc.ABC):
         """nnx: write the trained state back into the module."""
 
     @abc.abstractmethod
+    def loss_and_grads(self, variables: Any, *batch: Any, rng: Any = None) -> tuple[Any, Any]:
+        """One batch's mean loss and the parameters' gradients as the step computes them
+        (its plan, micro-batches, rng keys drawn from ``rng``), without an update: what
+        ``nnscaler-jax verify`` compares with the module's own."""
+
+    @abc.abstractmethod
     def checkpoint_state(self, state: dict) -> dict:
         """``state`` as a checkpoint stores it, whatever the plan: the module's params tree,
         the optimizer's state of that tree, the module's collections, the step counter (and
         ``rng``, ``loss_scale``, ``good_steps`` where the state has them). A linen module's is
         the same under any plan, SPMD or pipelined, so a checkpoint written under one plan
-        restores under another (:meth:`restore_state`)."""
+        restores under another (:meth:`restore_state`). It may share arrays with ``state``,
+        which the next step donates: save it before that step (``Checkpointer.save`` copies
+        off the devices before it returns)."""
 
     @abc.abstractmethod
     def restore_state(self, saved: dict) -> dict:
@@ -340,7 +365,7 @@ class SpmdStep(TrainStep):
                  "opt_state": jax.tree.map(sds, opt_shapes, sh["opt_state"]),
                  "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=sh["step"])}
         if rng is not None:
-            key = jax.eval_shape(lambda k: k, rng)
+            key = jax.eval_shape(typed_key, rng)
             state["rng"] = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sh["rng"])
         for name, dtype in (("loss_scale", jnp.float32), ("good_steps", jnp.int32)):
             if name in sh:
@@ -387,8 +412,8 @@ class SpmdStep(TrainStep):
                  "step": jax.device_put(jnp.zeros((), jnp.int32), rep)}
         state["opt_state"] = jax.jit(self.optimizer.init,
                                      out_shardings=state_sh["opt_state"])(state["params"])
-        if rng is not None:
-            state["rng"] = jax.device_put(rng, rep)
+        if rng is not None:  # (typed, as the pipelined step keeps it: one checkpoint form)
+            state["rng"] = jax.device_put(typed_key(rng), rep)
         if self._plan.precision == "float16":
             state.update(jax.device_put(self.scaling.initial(), rep))
         return state

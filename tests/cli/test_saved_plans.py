@@ -57,6 +57,29 @@ def test_verify_checks_the_saved_plan(cli, megatron_mlp, monkeypatch):
     assert res["ok"] is True and res["policy"] == "megatron" and res["plan"] == megatron_mlp
 
 
+@pytest.mark.slow
+def test_a_saved_pipelined_plan_of_a_dropout_model_trains_and_verifies_its_runtime(cli,
+                                                                                  tmp_path):
+    """A pipelined plan is planned as the pipelined step plans (its graph: the saved plan
+    ran under ``train``, where the rng keys' type once made it "another model"), and
+    ``verify`` checks the pipeline runtime ``train`` runs (its micro-batches and their dropout
+    keys), not the plan's SPMD program."""
+    path = str(tmp_path / "piped.json")
+    where = ["--model", "gpt", "--preset", "tiny-dropout", "--mesh", "2x1", "--axes",
+             "stage,data"]
+    code, _, err = cli(["plan", *where, "--pipeline", "2", "--microbatches", "2", "--out",
+                        path])
+    assert code == 0, err
+    code, out, err = cli(["train", *where, "--plan", path, "--steps", "1", "--json"])
+    assert code == 0, err
+    assert _last_json(out)["plan"]["stages"] == 2
+    code, out, err = cli(["verify", *where, "--plan", path, "--json"])
+    assert code == 0, err
+    res = _last_json(out)
+    assert res["ok"] is True and res["runtime"] == "CutProgram", res  # (dropout: the cut one)
+    assert 0 < res["grad_rel_diff"] <= res["tolerance"]
+
+
 def test_compare_prices_the_saved_plan_as_one_more_row(cli, megatron_mlp):
     """The saved plan is a row of its own, ``plan:FILE``, beside the planners, priced under the
     same budget: over it, ``fits: false`` with its estimate."""
