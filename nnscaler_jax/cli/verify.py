@@ -39,7 +39,8 @@ def _verify(spec: Any, mesh: Any, policy: str, plan: Any = None) -> dict[str, An
     ``policy`` or the saved ``plan``. A linen model is checked as ``train`` runs it: the
     training step's loss (the module and its loss planned as one graph; the "forward" figure)
     and the parameters' gradients (``SpmdStep.loss_and_grads``); an nnx model's outputs and
-    gradients through the wrapper."""
+    gradients through the wrapper; a pipelined plan, linen or nnx, the pipeline runtime's
+    loss and gradients (``PipelineStep.loss_and_grads``)."""
     import jax
     import optax
 
@@ -52,13 +53,15 @@ def _verify(spec: Any, mesh: Any, policy: str, plan: Any = None) -> dict[str, An
         from flax import nnx
 
         module = spec.module
+        pm = auto_parallel(mesh, policy=policy if plan is None else None, plan=plan)(module)
+        if pm._core.pipelined:
+            return _verify_nnx_pipelined(spec, pm, args)
 
         def loss(m):
             return spec.loss_fn(m(*args), *args)
 
         ref_out = module(*args)
         ref_grad = jax.tree_util.tree_leaves(nnx.grad(loss)(module))
-        pm = auto_parallel(mesh, policy=policy if plan is None else None, plan=plan)(module)
         out = pm(*args)
         grad = jax.tree_util.tree_leaves(nnx.grad(loss)(pm))
     else:
@@ -88,6 +91,44 @@ def _verify(spec: Any, mesh: Any, policy: str, plan: Any = None) -> dict[str, An
         return dict(_compare(out, ref_out, grad, ref_grad), plan=step.plan, forward="loss",
                     **({"runtime": type(step.program).__name__} if piped else {}))
     return dict(_compare(out, ref_out, grad, ref_grad), plan=pm.plan)
+
+
+def _verify_nnx_pipelined(spec: Any, pm: Any, args: tuple) -> dict[str, Any]:
+    """An nnx model's pipelined plan: the loss and gradients of the pipeline runtime
+    ``train`` runs against the module's own, micro-batch ``j`` of data shard ``d`` the block
+    ``i = j D + d`` of rows, its streams keyed as the step keys them (``nnx.reseed`` with
+    ``microbatch_rngs(the module's first stream's key, i)``)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from nnscaler_jax.capture.module_call import microbatch_rngs
+
+    graphdef, params, rest = jax.tree.map(jnp.copy, nnx.split(spec.module, nnx.Param, ...))
+    step = pm.train_step(spec.loss_fn, optax.sgd(0.0))
+    out, grad = step.loss_and_grads(None, *args)
+    prog, call = step.program, step.call
+    m = prog.schedule.microbatches * prog.dp
+    b = len(args[0]) // m
+    key = call.default_rng if call.slots else None
+
+    def ref_loss(p):
+        total = 0.0
+        for i in range(m):
+            mm = nnx.merge(graphdef, p, rest, copy=True)
+            if key is not None:
+                rngs = microbatch_rngs(key, i, call.streams)
+                tags = {s.key.tag for _, s in nnx.iter_graph(mm) if isinstance(s, nnx.RngStream)}
+                nnx.reseed(mm, **{t: rngs[t] for t in tags if t in rngs})
+            blk = tuple(x[i * b:(i + 1) * b] for x in args)
+            total = total + spec.loss_fn(mm(*blk), *blk)
+        return total / m
+
+    ref_out, ref_grad = jax.value_and_grad(ref_loss)(params)
+    return dict(_compare(out, ref_out, jax.tree_util.tree_leaves(grad),
+                         jax.tree_util.tree_leaves(ref_grad)),
+                plan=step.plan, forward="loss", runtime=type(prog).__name__)
 
 
 def _compare(out: Any, ref_out: Any, grad: Any, ref_grad: Any) -> dict[str, Any]:

@@ -58,14 +58,16 @@ def test_verify_checks_the_saved_plan(cli, megatron_mlp, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("model", ["gpt", "gpt_nnx"])
 def test_a_saved_pipelined_plan_of_a_dropout_model_trains_and_verifies_its_runtime(cli,
-                                                                                  tmp_path):
+                                                                                  tmp_path,
+                                                                                  model):
     """A pipelined plan is planned as the pipelined step plans (its graph: the saved plan
     ran under ``train``, where the rng keys' type once made it "another model"), and
     ``verify`` checks the pipeline runtime ``train`` runs (its micro-batches and their dropout
-    keys), not the plan's SPMD program."""
+    keys; nnx: drawn from the module's first stream's key), not the plan's SPMD program."""
     path = str(tmp_path / "piped.json")
-    where = ["--model", "gpt", "--preset", "tiny-dropout", "--mesh", "2x1", "--axes",
+    where = ["--model", model, "--preset", "tiny-dropout", "--mesh", "2x1", "--axes",
              "stage,data"]
     code, _, err = cli(["plan", *where, "--pipeline", "2", "--microbatches", "2", "--out",
                         path])
