@@ -95,13 +95,6 @@ def own_axes(params: Any, plan: Any, graph: Any) -> list[tuple[str, ...]]:
     return out
 
 
-def copy_onto(tree: Any, shardings: Any) -> Any:
-    """``tree``'s arrays copied onto ``shardings`` (new buffers: a step donates its state,
-    and a ``device_put`` may alias the caller's)."""
-    placed = jax.device_put(tree, shardings)
-    return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(placed)
-
-
 def fresh(tree: Any) -> Any:
     """``tree``'s arrays copied into new buffers on their own shardings (one program per set
     of devices: a pipelined state spans several sub-meshes)."""
@@ -551,7 +544,8 @@ class SpmdStep(TrainStep):
         if missing:
             raise PlanError(f"step.restore_state: the saved state has no {missing} (it has "
                             f"{sorted(saved)}); pass what step.checkpoint_state(state) returns")
-        return copy_onto({k: saved[k] for k in sh}, sh)
+        # (new buffers: the step donates its state, a device_put may alias the caller's)
+        return fresh(jax.device_put({k: saved[k] for k in sh}, sh))
 
     def memory(self, state: dict) -> dict[str, int]:
         """Per-device bytes measured from the arrays: ``params``, ``optimizer``, ``grads``
