@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax.traverse_util import flatten_dict
 
 from nnscaler_jax.capture.flax import assigned_state, nnx_call_scopes, with_loss
 from nnscaler_jax.capture.metadata import unbox
@@ -329,6 +330,22 @@ class ModuleCall(abc.ABC):
         raise PlanError("step.update(state) writes an nnx module's state; for linen use "
                         "step.variables(state) (or step.params(state)) with apply")
 
+    def keyed(self) -> bool:
+        """Whether a step key keys anything of the module (nnx: a stream named in
+        :attr:`streams`); a step keeps ``state['rng']`` only then."""
+        return True
+
+    def checkpoint_form(self, state: dict) -> dict:
+        """The SPMD step's ``state`` as a checkpoint holds it, the pipelined step's form
+        (the module's trees): linen's is the state itself."""
+        return dict(state)
+
+    def from_checkpoint_form(self, saved: dict, like: dict) -> dict:
+        """A :meth:`checkpoint_form` (either step's) as the SPMD step keeps its state;
+        ``like``: that state's shardings."""
+        del like
+        return dict(saved)
+
 
 class LinenCall(ModuleCall):
     """A linen module: ``module.apply({'params': ..., **collections}, *args, rngs=...,
@@ -506,12 +523,65 @@ class NnxCall(ModuleCall):
         # the SPMD step's state is the wrapper's, the pipelined step's the module's
         nnx.update(self.pm if isinstance(self.pm, nnx.Module) else self.module, variables)
 
+    def keyed(self) -> bool:
+        return bool(_rng_streams(self.module, self.streams))
+
+    def checkpoint_form(self, state: dict) -> dict:
+        """The SPMD step's ``nnx.State`` s (the wrapper's) as the pipelined step keeps its
+        state: pure dicts of the module's paths for the parameters, each of the optimizer's
+        trees of them and the ``nnx.BatchStat`` (``collections``); without a step key
+        (``state['rng']``) the module's streams draw from their own keys, so their keys and
+        counters (and any other variable of the module) are kept too, as ``other_state``
+        (a checkpoint only the SPMD step restores)."""
+        if not isinstance(state["params"], nnx.State):  # (the pipelined step's: as kept)
+            return dict(state)
+        own = lambda s: nnx.to_pure_dict(s).get(WRAPPED, {})
+        out = dict(state)
+        out["params"] = own(state["params"])
+        out["opt_state"] = jax.tree.map(lambda x: own(x) if _is_state(x) else x,
+                                        state["opt_state"], is_leaf=_is_state)
+        rest = state["collections"]
+        out["collections"] = own(rest.filter(nnx.BatchStat))
+        if "rng" not in state:
+            out["other_state"] = own(rest.filter(nnx.Not(nnx.BatchStat)))
+        return out
+
+    def from_checkpoint_form(self, saved: dict, like: dict) -> dict:
+        """The wrapper's states of ``saved``; a variable it does not hold (the streams'
+        keys and counters when ``saved`` has no ``other_state``) keeps the wrapper's value."""
+        params, rest = self.split(None)
+        have = {tuple(map(str, p)) for p, _ in nnx.to_flat_state(params)}
+        want = {(WRAPPED, *map(str, p)) for p in flatten_dict(saved["params"])}
+        if have != want:
+            diff = sorted(map(str, have ^ want))[:3]
+            raise PlanError(f"step.restore_state: the saved parameters are not the module's "
+                            f"(paths differ: {diff}); restore a checkpoint of this model")
+        wrap = lambda tree: {WRAPPED: tree}
+        out = dict(saved)
+        out["params"] = _as_state(params, wrap(saved["params"]))
+        out["opt_state"] = jax.tree.map(
+            lambda t, s: _as_state(t, wrap(s)) if _is_state(t) else s, like["opt_state"],
+            saved["opt_state"], is_leaf=_is_state)
+        out["collections"] = _as_state(rest, wrap(saved["collections"]))
+        if "other_state" in saved:
+            nnx.replace_by_pure_dict(out["collections"], wrap(saved["other_state"]))
+        return out
+
 
 def _set_keys(streams: Sequence[Any], keys: Sequence[Any]) -> None:
     """Key each ``nnx.RngStream`` of ``streams`` with its key of ``keys``, its count reset."""
     for s, k in zip(streams, keys, strict=True):
         s.key.set_value(typed_key(k))
         s.count.set_value(jnp.zeros((), jnp.uint32))  # (numpy: updated in place)
+
+
+WRAPPED = "module"
+"""The ``NnxAutoParallel`` attribute holding the user's module: the top key of the SPMD
+step's states."""
+
+
+def _is_state(x: Any) -> bool:
+    return isinstance(x, nnx.State)
 
 
 def _as_state(template: Any, tree: Any) -> Any:

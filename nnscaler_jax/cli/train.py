@@ -248,8 +248,10 @@ def _init_state(job: _Job, batch: tuple[Any, ...]) -> Any:
     streams = job.spec.rng_streams
     keys = jax.random.split(job.init_key, 2 + len(streams))
     rngs = {"params": keys[0], **{s: keys[2 + j] for j, s in enumerate(streams)}}
-    if job.spec.kind == "nnx":  # the module holds its own state (the zoo's nnx.Rngs)
-        return job.step.init(None, *(_host_batch(job, 0) if job.pipelined else batch))
+    if job.spec.kind == "nnx":  # the module holds its own state (the zoo's nnx.Rngs); the
+        # step's key keys its streams per micro-batch under either step: one checkpoint form
+        return job.step.init(None, *(_host_batch(job, 0) if job.pipelined else batch),
+                             rng=keys[1])
     if job.pipelined:
         host = _host_batch(job, 0)
         return job.step.init(job.spec.init(keys[0], *host), *host,

@@ -86,6 +86,7 @@ from nnscaler_jax.pipeline.mutable import (
     schedule_error,
     shared_error,
 )
+from nnscaler_jax.pipeline.program import spread_sharding
 from nnscaler_jax.pipeline.recycle import traced_program
 from nnscaler_jax.pipeline.split_backward import split_backward
 from nnscaler_jax.pipeline.update import mirror_store, place_as
@@ -289,9 +290,11 @@ class CutProgram(InGraphRuntime):
         return self._stack(jax.tree.leaves(params), self.owned, self.p_pack, self.p_width,
                            self.shared)
 
-    def from_pipeline(self, pp: dict) -> Any:
-        """The inverse of :meth:`to_pipeline` (a module params tree)."""
-        out = self._unstack(pp, self.owned, self.p_pack, self.shared, len(self.param_avals))
+    def from_pipeline(self, pp: dict, spread: bool = False) -> Any:
+        """The inverse of :meth:`to_pipeline` (a module params tree; ``spread``: each leaf
+        over the mesh, :func:`~nnscaler_jax.pipeline.program.spread_sharding`)."""
+        out = self._unstack(pp, self.owned, self.p_pack, self.shared, len(self.param_avals),
+                            spread)
         return jax.tree.unflatten(self.params_tree, out)
 
     def collections_to_pipeline(self, colls: Any) -> dict:
@@ -300,9 +303,10 @@ class CutProgram(InGraphRuntime):
         return self._stack(jax.tree.leaves(colls), self.coll_owned, self.coll_pack,
                            self.coll_width, ())
 
-    def collections_from_pipeline(self, pc: dict) -> Any:
+    def collections_from_pipeline(self, pc: dict, spread: bool = False) -> Any:
         """The inverse of :meth:`collections_to_pipeline`."""
-        out = self._unstack(pc, self.coll_owned, self.coll_pack, (), len(self.coll_avals))
+        out = self._unstack(pc, self.coll_owned, self.coll_pack, (), len(self.coll_avals),
+                            spread)
         return jax.tree.unflatten(self.coll_tree, out)
 
     def _stack(self, leaves: list, owned: tuple, packs: list, width: dict,
@@ -315,11 +319,16 @@ class CutProgram(InGraphRuntime):
         return {"shared": [jax.device_put(x, rep) for x in pp["shared"]],
                 "stages": {dt: jax.device_put(x, st) for dt, x in pp["stages"].items()}}
 
-    def _unstack(self, pp: dict, owned: tuple, packs: list, shared: tuple, n: int) -> list:
-        """The leaves :meth:`_stack` laid out in ``pp``."""
+    def _unstack(self, pp: dict, owned: tuple, packs: list, shared: tuple, n: int,
+                 spread: bool = False) -> list:
+        """The leaves :meth:`_stack` laid out in ``pp`` (unpacked on the host: whole arrays
+        on the default device, or with ``spread`` over the mesh)."""
         _, to_module = self._packed(owned, packs, {}, shared, n)
         out = to_module({"shared": pp["shared"],
                          "stages": {dt: np.asarray(x) for dt, x in pp["stages"].items()}})
+        if spread:
+            return [jax.device_put(np.asarray(x), spread_sharding(self.mesh, np.shape(x)))
+                    for x in out]
         return [jnp.asarray(x) for x in out]
 
     def _packed(self, owned: tuple, packs: list, width: dict, shared: tuple,

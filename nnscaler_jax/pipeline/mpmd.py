@@ -63,7 +63,7 @@ from nnscaler_jax.pipeline.chunks import run_chunk, vars_of
 from nnscaler_jax.pipeline.cut import cut_traced
 from nnscaler_jax.pipeline.in_stage import plan_in_stage
 from nnscaler_jax.pipeline.leafwise import leafwise
-from nnscaler_jax.pipeline.program import PipelineRuntime, mirrors
+from nnscaler_jax.pipeline.program import PipelineRuntime, mirrors, spread_sharding
 from nnscaler_jax.pipeline.recycle import traced_program
 from nnscaler_jax.pipeline.split_backward import split_backward
 from nnscaler_jax.pipeline.steps import blocks, peak_in_flight, timeline
@@ -434,14 +434,23 @@ class MpmdProgram(PipelineRuntime):
             out.append(jax.tree.unflatten(self.params_tree, own))
         return out
 
-    def from_pipeline(self, pp: list) -> Any:
+    def from_pipeline(self, pp: list, spread: bool = False) -> Any:
         """The module's params tree of :meth:`to_pipeline`'s layout (each leaf from the first
         stage holding it), as the cut program gives it back: whole arrays on the default
-        device (uncommitted), so the module runs on them as on its own parameters."""
+        device (uncommitted), so the module runs on them as on its own parameters; with
+        ``spread`` over the whole mesh (:func:`~nnscaler_jax.pipeline.program.
+        spread_sharding`)."""
         per = [self.params_tree.flatten_up_to(t) for t in pp]
-        leaves = [jnp.asarray(np.asarray(per[self.owner[j]][j]))
+        leaves = [self._whole(per[self.owner[j]][j], spread)
                   for j in range(len(self.param_avals))]
         return jax.tree.unflatten(self.params_tree, leaves)
+
+    def _whole(self, x: Any, spread: bool) -> Any:
+        """A stage's leaf ``x`` as a module-tree leaf (through the host): on the default
+        device, or ``spread`` over the mesh."""
+        x = np.asarray(x)
+        return (jax.device_put(x, spread_sharding(self.mesh, x.shape)) if spread
+                else jnp.asarray(x))
 
     def updates_alone(self, optimizer: Any) -> bool:
         """Whether ``optimizer`` run on each stage's parameters alone updates them as on the
@@ -477,7 +486,7 @@ class MpmdProgram(PipelineRuntime):
         with jax.set_mesh(None):  # (eager glue between stages, as the step)
             return self.grads(pp, batch, key)
 
-    def opt_state_to_module(self, opt_state: list, pp: list) -> Any:
+    def opt_state_to_module(self, opt_state: list, pp: list, spread: bool = False) -> Any:
         """The stages' optimizer states (one per stage, of its module-shaped tree) as one
         state of the module's params tree: each moment leaf from the stage holding it (a
         masked optimizer's ``MaskedNode`` kept), the rest (step counts) from stage 0's."""
@@ -488,7 +497,7 @@ class MpmdProgram(PipelineRuntime):
             flat = [self.params_tree.flatten_up_to(p[0][k][0]) for p in per]
             leaves = [flat[self.owner[j]][j] for j in range(len(self.param_avals))]
             return self.params_tree.unflatten(
-                [jnp.asarray(np.asarray(x)) if hasattr(x, "shape") else x for x in leaves])
+                [self._whole(x, spread) if hasattr(x, "shape") else x for x in leaves])
 
         return outer.unflatten([joined(k) if m == 0 else x for k, (x, m) in enumerate(items)])
 

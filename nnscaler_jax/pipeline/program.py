@@ -44,7 +44,8 @@ from nnscaler_jax.lower.replay import explicitly_typed
 from nnscaler_jax.mesh.axes import auto_view, mesh_axes, require_stage_axis
 from nnscaler_jax.pipeline.in_stage import tensor_axes
 
-__all__ = ["PipelineRuntime", "micro_rows", "mirrors", "split_batch", "stage_axis", "why_cut"]
+__all__ = ["PipelineRuntime", "micro_rows", "mirrors", "split_batch", "spread_sharding",
+           "stage_axis", "why_cut"]
 
 
 class PipelineRuntime(abc.ABC):
@@ -107,9 +108,11 @@ class PipelineRuntime(abc.ABC):
         """The module's params tree in the runtime's layout."""
 
     @abc.abstractmethod
-    def from_pipeline(self, pp: Any) -> Any:
+    def from_pipeline(self, pp: Any, spread: bool = False) -> Any:
         """Parameters (or a tree like them: gradients) in the runtime's layout as the module's
-        params tree."""
+        params tree: whole arrays (as the module takes them), or with ``spread`` each leaf
+        laid out over the mesh by :func:`spread_sharding` (a checkpoint's: no device holds
+        the model whole, where the layout kept each stage's on its own devices)."""
 
     def shardings(self) -> tuple[NamedSharding, NamedSharding]:
         """The replicated sharding and the stage-split one (leading dim over the stage axis)
@@ -135,8 +138,9 @@ class PipelineRuntime(abc.ABC):
         """The training state: ``{'params', 'opt_state'}`` in the runtime's layout
         (``'collections'`` with mutable collections)."""
 
-    def collections_from_pipeline(self, pc: Any) -> Any:
-        """Mutable collections in the runtime's layout as the module's."""
+    def collections_from_pipeline(self, pc: Any, spread: bool = False) -> Any:
+        """Mutable collections in the runtime's layout as the module's (``spread``: as
+        :meth:`from_pipeline`'s)."""
         raise PlanError(f"{type(self).__name__} carries no mutable collections")
 
     @abc.abstractmethod
@@ -146,13 +150,15 @@ class PipelineRuntime(abc.ABC):
         (``key``: the step's key; ``colls``: the collections in this layout, where the program
         carries any), outside the step: ``nnscaler-jax verify``'s figures."""
 
-    def opt_state_to_module(self, opt_state: Any, pp: Any) -> Any:
+    def opt_state_to_module(self, opt_state: Any, pp: Any, spread: bool = False) -> Any:
         """``opt_state`` (the optimizer's state of the parameters ``pp``, in this layout) as
         the optimizer's state of the module's params tree: each subtree laid out like ``pp``
-        (moments) through :meth:`from_pipeline`, the rest (step counts; a state the update
-        keeps as the module's tree already) as it is."""
+        (moments) through :meth:`from_pipeline` (``spread``: its), the rest (step counts; a
+        state the update keeps as the module's tree already, spread over the stages) as it
+        is."""
         items, outer = mirrors(opt_state, jax.tree.structure(pp))
-        return outer.unflatten([self.from_pipeline(x) if k == 0 else x for x, k in items])
+        return outer.unflatten([self.from_pipeline(x, spread) if k == 0 else x
+                                for x, k in items])
 
     def opt_state_from_module(self, opt_module: Any, like: Any, pp: Any) -> Any:
         """The inverse of :meth:`opt_state_to_module`: ``opt_module`` (of the module's
@@ -313,6 +319,32 @@ def micro_rows(batch: tuple, microbatches: int, dp: int, data_axes: tuple[str, .
                         f"multiple of {microbatches * dp}")
     return B // (microbatches * dp)
 
+
+
+def spread_sharding(mesh: Any, shape: tuple[int, ...]) -> NamedSharding:
+    """A leaf of ``shape`` over all of ``mesh``'s devices as far as it divides: its largest
+    dim that the whole mesh divides split over every axis, else its largest dim that the
+    mesh's largest axis divides split over that axis, else replicated. How a pipelined
+    step's checkpoint lays out the module's trees (``checkpoint_state``): each device holds
+    about its share, as in the runtime's layout, never the model whole.
+
+    >>> import jax
+    >>> mesh = jax.make_mesh((2, 4), ("stage", "data"))
+    >>> spread_sharding(mesh, (16, 64)).spec, spread_sharding(mesh, (3, 4)).spec
+    (P(None, ('stage', 'data')), P(None, 'data'))
+    """
+    sizes = mesh_axes(mesh)
+    split = [a for a in mesh.axis_names if sizes[a] > 1]
+    dims = sorted(range(len(shape)), key=lambda d: -shape[d])
+    for group in ([tuple(split)] if split else []) + [
+            (a,) for a in sorted(split, key=lambda a: -sizes[a])]:
+        n = math.prod(sizes[a] for a in group)
+        for d in dims:
+            if shape[d] % n == 0:
+                spec: list[Any] = [None] * len(shape)
+                spec[d] = group if len(group) > 1 else group[0]
+                return NamedSharding(mesh, P(*spec))
+    return NamedSharding(mesh, P())
 
 
 def mirrors(tree: Any, *defs: Any) -> tuple[list[tuple[Any, int]], Any]:

@@ -48,6 +48,7 @@ from nnscaler_jax.pipeline.chunks import ProgramCut, run_chunk
 from nnscaler_jax.pipeline.in_graph import InGraphRuntime
 from nnscaler_jax.pipeline.in_stage import InStagePlan, plan_in_stage
 from nnscaler_jax.pipeline.loop_tables import loop_tables
+from nnscaler_jax.pipeline.program import spread_sharding
 from nnscaler_jax.pipeline.split import split_program
 from nnscaler_jax.pipeline.update import (
     mirror_store,
@@ -98,22 +99,34 @@ class PipelineProgram(InGraphRuntime):
 
     def to_pipeline(self, params: Any) -> dict:
         """Module params -> ``{'shared': [...], 'stages': [...]}`` placed on the mesh."""
-        rep, _ = self.shardings()
         shared_sh, layer_sh = self.leaf_shardings()
-        leaves = [jax.device_put(x, rep) for x in jax.tree.leaves(params)]
+        # (a leaf laid out over the mesh's devices, a checkpoint's, stays as it is laid out:
+        # replicating it first would hold the whole model on every device)
+        leaves = [jax.device_put(x, self._on_mesh(x)) for x in jax.tree.leaves(params)]
         with jax.set_mesh(self.mesh):  # (the caller's context mesh may be Explicit)
-            pp = self.layout(self.param_avals)[0](leaves)
+            pp = jax.jit(self.layout(self.param_avals)[0],
+                         out_shardings={"shared": shared_sh, "stages": layer_sh})(leaves)
+        # (copies: the step donates the shared leaves, which may be the caller's own)
         return {"shared": [jax.device_put(x, sh, may_alias=False)
                            for x, sh in zip(pp["shared"], shared_sh, strict=True)],
-                "stages": [jax.device_put(x, sh) for x, sh in zip(pp["stages"], layer_sh,
-                                                                   strict=True)]}
+                "stages": pp["stages"]}
 
-    def from_pipeline(self, pp: dict) -> Any:
-        """The inverse of :meth:`to_pipeline` (a module params tree)."""
+    def _on_mesh(self, x: Any) -> NamedSharding:
+        """Where :meth:`to_pipeline` reads ``x`` from: its own layout where it lies on this
+        mesh (its axes and devices, whatever their types), else replicated."""
+        sh, mesh = getattr(x, "sharding", None), self.mesh
+        same = (isinstance(sh, NamedSharding) and sh.mesh.shape == mesh.shape
+                and sh.mesh.axis_names == mesh.axis_names
+                and (sh.mesh.devices == mesh.devices).all())
+        return NamedSharding(self.mesh, sh.spec) if same else self.shardings()[0]
+
+    def from_pipeline(self, pp: dict, spread: bool = False) -> Any:
+        """The inverse of :meth:`to_pipeline` (a module params tree; ``spread``: each leaf
+        over the mesh, :func:`~nnscaler_jax.pipeline.program.spread_sharding`)."""
         rep, _ = self.shardings()
-        pp = {"shared": pp["shared"], "stages": [jax.device_put(x, rep) for x in pp["stages"]]}
+        out = [spread_sharding(self.mesh, a.shape) if spread else rep for a in self.param_avals]
         with jax.set_mesh(self.mesh):
-            leaves = self.layout(self.param_avals)[1](pp)
+            leaves = jax.jit(self.layout(self.param_avals)[1], out_shardings=out)(pp)
         return jax.tree.unflatten(self.params_tree, leaves)
 
     def layout(self, avals: list) -> tuple[Callable, Callable]:

@@ -108,14 +108,18 @@ class PipelineStep(TrainStep):
     def checkpoint_state(self, state: dict) -> dict:
         """The state with the parameters, the optimizer's state and the collections as the
         module's trees (out of the runtime's layout: stacked layers, packed rows or a tree per
-        stage); a linen module's is the SPMD step's, so either restores the other's."""
+        stage), each leaf spread over the mesh (:func:`~nnscaler_jax.pipeline.program.
+        spread_sharding`: a device holds about its share, as in the layout); the SPMD step's
+        form, so either restores the other's."""
         self._check()
         prog = self.program
         out = {k: v for k, v in state.items() if k not in ("params", "opt_state")}
-        out["params"] = prog.from_pipeline(state["params"])
-        out["opt_state"] = prog.opt_state_to_module(state["opt_state"], state["params"])
+        # (spread over the mesh: no device holds the model or its moments whole)
+        out["params"] = prog.from_pipeline(state["params"], spread=True)
+        out["opt_state"] = prog.opt_state_to_module(state["opt_state"], state["params"],
+                                                    spread=True)
         # (none: an empty tree, as the SPMD step keeps them)
-        out["collections"] = (prog.collections_from_pipeline(state["collections"])
+        out["collections"] = (prog.collections_from_pipeline(state["collections"], spread=True)
                               if "collections" in state else {})
         return out
 

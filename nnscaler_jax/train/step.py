@@ -210,9 +210,11 @@ class TrainStep(abc.ABC):
         the optimizer's state of that tree, the module's collections, the step counter (and
         ``rng``, ``loss_scale``, ``good_steps`` where the state has them). A linen module's is
         the same under any plan, SPMD or pipelined, so a checkpoint written under one plan
-        restores under another (:meth:`restore_state`). It may share arrays with ``state``,
-        which the next step donates: save it before that step (``Checkpointer.save`` copies
-        off the devices before it returns)."""
+        restores under another (:meth:`restore_state`); an nnx module's too when ``init`` got
+        a key (without one the SPMD step's streams draw on from their own keys, which it keeps
+        as ``other_state``: that checkpoint restores under SPMD plans only). It may share
+        arrays with ``state``, which the next step donates: save it before that step
+        (``Checkpointer.save`` copies off the devices before it returns)."""
 
     @abc.abstractmethod
     def restore_state(self, saved: dict) -> dict:
@@ -394,6 +396,7 @@ class SpmdStep(TrainStep):
 
         Returns ``{'params', 'opt_state', 'collections', 'step'}`` (+ ``'rng'`` when ``rng`` is
         given, + ``'loss_scale'``, ``'good_steps'`` under float16)."""
+        rng = rng if self.model.keyed() else None  # (nnx without streams: nothing keyed)
         params, colls = self._set_up(variables, batch, rng)
         state_sh = self._shardings["state"]
         rep = state_sh["step"]
@@ -405,8 +408,9 @@ class SpmdStep(TrainStep):
                  "step": jax.device_put(jnp.zeros((), jnp.int32), rep)}
         state["opt_state"] = jax.jit(self.optimizer.init,
                                      out_shardings=state_sh["opt_state"])(state["params"])
-        if rng is not None:  # (typed, as the pipelined step keeps it: one checkpoint form)
-            state["rng"] = jax.device_put(typed_key(rng), rep)
+        if rng is not None:  # (typed, as the pipelined step keeps it: one checkpoint form;
+            # a copy: a device_put may alias the caller's key, which the step would donate)
+            state["rng"] = jax.jit(jnp.copy, out_shardings=rep)(typed_key(rng))
         if self._plan.precision == "float16":
             state.update(jax.device_put(self.scaling.initial(), rep))
         return state
@@ -532,8 +536,9 @@ class SpmdStep(TrainStep):
 
     def checkpoint_state(self, state: dict) -> dict:
         """The state itself: it holds the module's trees (the plan's layout is in its
-        shardings)."""
-        return dict(state)
+        shardings); an nnx module's states as the module's pure dicts, as the pipelined step
+        keeps them (:meth:`~nnscaler_jax.capture.module_call.ModuleCall.checkpoint_form`)."""
+        return self.model.checkpoint_form(state)
 
     def restore_state(self, saved: dict) -> dict:
         """``saved`` placed on the state's shardings (arrays copied: the step donates its
@@ -544,6 +549,7 @@ class SpmdStep(TrainStep):
         if missing:
             raise PlanError(f"step.restore_state: the saved state has no {missing} (it has "
                             f"{sorted(saved)}); pass what step.checkpoint_state(state) returns")
+        saved = self.model.from_checkpoint_form(saved, sh)
         # (new buffers: the step donates its state, a device_put may alias the caller's)
         return fresh(jax.device_put({k: saved[k] for k in sh}, sh))
 

@@ -199,15 +199,25 @@ def test_two_processes_train_what_one_process_trains(six_steps):
 
 
 @pytest.mark.slow
-def test_an_nnx_model_trains_pipelined():
-    """gpt_nnx on 2 stages x 4 data: the pipelined step runs nnx modules (its dropout keyed)."""
-    code, out, err = run_cli(["train", "--model", "gpt_nnx", "--pipeline", "2", "--mesh", "2x4",
-                           "--axes", "stage,data", "--batch-size", "16", "--steps", "2",
-                           "--json"])
+def test_an_nnx_model_trains_pipelined_and_resumes_under_the_spmd_plan(tmp_path):
+    """gpt_nnx on 2 stages x 4 data: the pipelined step runs nnx modules (its dropout keyed),
+    and its checkpoint (the module's trees) resumes under the SPMD plan, which keys the
+    module's streams from the run's key too (it was "written by another model")."""
+    ckpt = str(tmp_path / "ckpt")
+    nnx_gpt = ["train", "--model", "gpt_nnx", "--mesh", "2x4", "--batch-size", "16", "--json",
+               "--checkpoint-dir", ckpt]
+    code, out, err = run_cli([*nnx_gpt, "--pipeline", "2", "--axes", "stage,data",
+                              "--steps", "2"])
     assert code == 0, err[-2000:]
     res = _last_json(out)
     assert res["plan"]["stages"] == 2 and len(res["losses"]) == 2
     assert all(np.isfinite(res["losses"]))
+    code, out, err = run_cli([*nnx_gpt, "--pipeline", "1", "--axes", "data,model",
+                              "--steps", "3", "--resume"])
+    assert code == 0, err[-2000:]
+    res = _last_json(out)
+    assert res["start_step"] == 2 and res["plan"].get("stages", 1) == 1
+    assert len(res["losses"]) == 1 and np.isfinite(res["losses"][0])  # (step 3 of 3)
 
 
 # ---- errors a user causes ------------------------------------------------------------------------

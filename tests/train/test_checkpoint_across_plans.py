@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from meshes import make_mesh
 
 import models
@@ -61,6 +62,17 @@ def _through_a_checkpoint(tmp_path, saving, state, loading, fresh):
     return loading.restore_state(restored)
 
 
+def _spread(saved):
+    """The most bytes of ``saved``'s arrays one device holds, as a share of them all."""
+    arrays = [x for x in jax.tree.leaves(saved) if hasattr(x, "addressable_shards")
+              and not jnp.issubdtype(x.dtype, jax.dtypes.prng_key)]
+    per = {}
+    for x in arrays:
+        for shard in x.addressable_shards:
+            per[shard.device] = per.get(shard.device, 0) + shard.data.nbytes
+    return max(per.values()) / sum(x.nbytes for x in arrays)
+
+
 def _same(got, want, **tol):
     assert jax.tree.structure(got) == jax.tree.structure(want)
     data = lambda x: np.asarray(jax.random.key_data(x) if jnp.issubdtype(
@@ -94,6 +106,9 @@ def test_a_pipelined_checkpoint_continues_under_the_spmd_plan_and_back(tmp_path,
     # the module's trees, as the SPMD step keeps them: one checkpoint for both
     saved = piped.checkpoint_state(state)
     assert jax.tree.structure(saved["params"]) == jax.tree.structure(variables["params"])
+    # spread over the 8 devices (the module-tree view's moments, as kept: over the 2 stages):
+    # no device holds the model whole (before: every device, or device 0, held it all)
+    assert _spread(saved) <= (0.4 if masked else 0.25), _spread(saved)
     # out of the runtime's layout and back is exact
     _same(piped.checkpoint_state(piped.restore_state(saved)), saved, rtol=0, atol=0)
 
@@ -144,6 +159,7 @@ def test_collections_and_a_step_key_survive_a_restore_in_the_cut_program(tmp_pat
     assert type(step.program).__name__ == "CutProgram"
     state, _ = _run(step, state, (x, y), 1)
     saved = step.checkpoint_state(state)
+    assert _spread(saved) <= 0.25, _spread(saved)
     _run(step, step.restore_state(saved), (x, y), 1)  # (donates its own buffers only)
     assert set(saved) == {"params", "opt_state", "collections", "rng", "step"}
     assert jax.tree.structure(saved["collections"]) == jax.tree.structure(
@@ -169,3 +185,71 @@ def test_restoring_what_is_not_a_checkpoint_state_says_what_to_pass(gpt):
     assert jnp.issubdtype(got.dtype, jax.dtypes.prng_key)
     with pytest.raises(PlanError, match=r"checkpoint_state"):
         spmd.restore_state({"params": step.checkpoint_state(state)["params"]})
+
+
+@pytest.fixture(scope="module")
+def gpt_nnx():
+    spec = models.get("gpt_nnx", "tiny", batch_size=16)
+    return spec.module, spec.make_args(rng=jax.random.key(1)), spec.loss_fn
+
+
+def test_an_nnx_checkpoint_continues_across_spmd_and_pipelined_plans(tmp_path, gpt_nnx):
+    """An nnx module's SPMD state (the wrapper's ``nnx.State`` s) checkpoints as the module's
+    pure dicts, the pipelined step's form, so either step restores the other's; with a step
+    key both key the module's streams per micro-batch (no counters to carry)."""
+    module, args, loss_fn = gpt_nnx
+    opt, key = optax.adam(1e-3), jax.random.key(5)
+    spmd = _spmd(nnx.clone(module)).train_step(loss_fn, opt)
+    _, ref = _run(spmd, spmd.init(None, *args, rng=key), args, 4)
+
+    piped = _pipelined(nnx.clone(module)).train_step(loss_fn, opt)
+    state, first = _run(piped, piped.init(None, *args, rng=key), args, 2)
+    np.testing.assert_allclose(first, ref[:2], rtol=1e-5)
+    spmd2 = _spmd(nnx.clone(module)).train_step(loss_fn, opt)
+    resumed = _through_a_checkpoint(tmp_path / "a", piped, state, spmd2,
+                                    spmd2.init(None, *args, rng=key))
+    assert isinstance(resumed["params"], nnx.State) and int(resumed["step"]) == 2
+    _, then = _run(spmd2, resumed, args, 2)
+    np.testing.assert_allclose(then, ref[2:], rtol=1e-5)
+
+    spmd3 = _spmd(nnx.clone(module)).train_step(loss_fn, opt)
+    state, _ = _run(spmd3, spmd3.init(None, *args, rng=key), args, 2)
+    saved = spmd3.checkpoint_state(state)
+    assert set(saved) == {"params", "opt_state", "collections", "step", "rng"}
+    assert jax.tree.structure(saved["params"]) == jax.tree.structure(
+        nnx.to_pure_dict(nnx.state(module, nnx.Param)))
+    _same(spmd3.checkpoint_state(spmd3.restore_state(saved)), saved, rtol=0, atol=0)
+    piped2 = _pipelined(nnx.clone(module)).train_step(loss_fn, opt)
+    resumed = _through_a_checkpoint(tmp_path / "b", spmd3, state, piped2,
+                                    piped2.init(None, *args, rng=key))
+    _, then = _run(piped2, resumed, args, 2)
+    np.testing.assert_allclose(then, ref[2:], rtol=1e-5)
+
+
+class _NnxNet(nnx.Module):
+    def __init__(self, rngs):
+        self.l1, self.bn = nnx.Linear(8, 32, rngs=rngs), nnx.BatchNorm(32, rngs=rngs)
+        self.drop, self.l2 = nnx.Dropout(0.5, rngs=rngs), nnx.Linear(32, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(self.drop(nnx.relu(self.bn(self.l1(x)))))
+
+
+def test_an_unkeyed_nnx_checkpoint_keeps_the_streams_counters(tmp_path):
+    """Without a step key the module's dropout draws from its own stream: the checkpoint keeps
+    its key and counter (``other_state``) beside the statistics, so a run restored into a
+    fresh module draws the masks the uninterrupted run draws."""
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+    y = jax.random.normal(jax.random.key(2), (16, 4))
+    mse = lambda out, x, y: jnp.mean((out - y) ** 2)
+    make = lambda: _spmd(_NnxNet(nnx.Rngs(0))).train_step(mse, optax.sgd(0.1), inputs=1)
+    step = make()
+    state, _ = _run(step, step.init(None, x, y), (x, y), 1)
+    saved = step.checkpoint_state(state)
+    assert set(saved) == {"params", "opt_state", "collections", "step", "other_state"}
+    assert set(saved["collections"]) == {"bn"} and "drop" in saved["other_state"]
+    other = make()
+    resumed = _through_a_checkpoint(tmp_path, step, state, other, other.init(None, x, y))
+    _, want = _run(step, state, (x, y), 2)
+    _, got = _run(other, resumed, (x, y), 2)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
