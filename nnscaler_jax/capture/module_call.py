@@ -340,11 +340,18 @@ class ModuleCall(abc.ABC):
         (the module's trees): linen's is the state itself."""
         return dict(state)
 
-    def from_checkpoint_form(self, saved: dict, like: dict) -> dict:
+    def from_checkpoint_form(self, saved: dict, like: dict, rest: Any = None) -> dict:
         """A :meth:`checkpoint_form` (either step's) as the SPMD step keeps its state;
-        ``like``: that state's shardings."""
-        del like
+        ``like``: that state's shardings; ``rest``: the carried state at ``init`` (nnx: what
+        ``saved`` does not hold keeps its value there)."""
+        del like, rest
         return dict(saved)
+
+    def other_state(self, keyed: bool) -> dict | None:
+        """The pipelined step's ``other_state`` of a checkpoint (:meth:`checkpoint_form`):
+        None for linen (its collections are all it carries)."""
+        del keyed
+        return None
 
 
 class LinenCall(ModuleCall):
@@ -469,8 +476,17 @@ class NnxCall(ModuleCall):
                       _as_state(self.stats, colls), self.rest, copy=True)
         if keys:
             _set_keys(_rng_streams(m, self.streams), keys)
+        # (sown intermediates are outputs to look at: dropped here as by the SPMD step)
+        kept = nnx.Not(nnx.Any(nnx.Param, nnx.BatchStat, nnx.RngState, nnx.Intermediate))
+        before = {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(m, kept))}
         with nnx_call_scopes(m):
             out = m(*args, **dict(self.options.module_kwargs))
+        changed = [p for p, v in nnx.to_flat_state(nnx.state(m, kept))
+                   if v.get_value() is not before.get(p)]
+        if changed:  # (a value the step would drop: said, not silently lost)
+            raise collections_error(f"the nnx module {type(self.module).__name__}",
+                                    ["/".join(map(str, p)) + " (updated by the call)"
+                                     for p in changed])
         return out, nnx.to_pure_dict(nnx.state(m, nnx.BatchStat)) if colls else {}
 
     # ---- through the wrapper's plan ----
@@ -529,10 +545,11 @@ class NnxCall(ModuleCall):
     def checkpoint_form(self, state: dict) -> dict:
         """The SPMD step's ``nnx.State`` s (the wrapper's) as the pipelined step keeps its
         state: pure dicts of the module's paths for the parameters, each of the optimizer's
-        trees of them and the ``nnx.BatchStat`` (``collections``); without a step key
-        (``state['rng']``) the module's streams draw from their own keys, so their keys and
-        counters (and any other variable of the module) are kept too, as ``other_state``
-        (a checkpoint only the SPMD step restores)."""
+        trees of them and the ``nnx.BatchStat`` (``collections``), and the module's other
+        variables (buffers, counters, rng streams) as ``other_state``, without the streams'
+        keys and counters where a step key keys them (``state['rng']``): the pipelined
+        step's form then. Without a step key the streams draw from their own keys, so
+        ``other_state`` holds them: a checkpoint only the SPMD step restores."""
         if not isinstance(state["params"], nnx.State):  # (the pipelined step's: as kept)
             return dict(state)
         own = lambda s: nnx.to_pure_dict(s).get(WRAPPED, {})
@@ -542,14 +559,20 @@ class NnxCall(ModuleCall):
                                         state["opt_state"], is_leaf=_is_state)
         rest = state["collections"]
         out["collections"] = own(rest.filter(nnx.BatchStat))
-        if "rng" not in state:
-            out["other_state"] = own(rest.filter(nnx.Not(nnx.BatchStat)))
+        out["other_state"] = own(rest.filter(nnx.Not(_apart("rng" in state))))
         return out
 
-    def from_checkpoint_form(self, saved: dict, like: dict) -> dict:
-        """The wrapper's states of ``saved``; a variable it does not hold (the streams'
-        keys and counters when ``saved`` has no ``other_state``) keeps the wrapper's value."""
-        params, rest = self.split(None)
+    def other_state(self, keyed: bool) -> dict | None:
+        """The module's other variables as :meth:`checkpoint_form` keeps them, at their
+        values when bound (the pipelined step carries none of them)."""
+        return nnx.to_pure_dict(self.rest.filter(nnx.Not(_apart(keyed))))
+
+    def from_checkpoint_form(self, saved: dict, like: dict, rest: Any = None) -> dict:
+        """The wrapper's states of ``saved``; a variable it does not hold (the streams' keys
+        and counters, where a step key keys them) keeps its value in ``rest`` (default the
+        wrapper's own, which a step that updated the module may have donated)."""
+        params, own = self.split(None)  # (params: the structure alone)
+        rest = own if rest is None else rest
         have = {tuple(map(str, p)) for p, _ in nnx.to_flat_state(params)}
         want = {(WRAPPED, *map(str, p)) for p in flatten_dict(saved["params"])}
         if have != want:
@@ -562,11 +585,14 @@ class NnxCall(ModuleCall):
         out["opt_state"] = jax.tree.map(
             lambda t, s: _as_state(t, wrap(s)) if _is_state(t) else s, like["opt_state"],
             saved["opt_state"], is_leaf=_is_state)
-        out["collections"] = _as_state(rest, wrap(saved["collections"]))
-        if "other_state" in saved:
-            nnx.replace_by_pure_dict(out["collections"], wrap(saved["other_state"]))
+        try:
+            out["collections"] = _as_state(rest, wrap(saved["collections"]))
+            nnx.replace_by_pure_dict(out["collections"], wrap(saved.get("other_state", {})))
+        except ValueError as e:  # (a path the module has not)
+            raise PlanError(f"step.restore_state: the saved collections or other_state are "
+                            f"not the module's ({e}); restore a checkpoint of this model"
+                            ) from None
         return out
-
 
 def _set_keys(streams: Sequence[Any], keys: Sequence[Any]) -> None:
     """Key each ``nnx.RngStream`` of ``streams`` with its key of ``keys``, its count reset."""
@@ -582,6 +608,13 @@ step's states."""
 
 def _is_state(x: Any) -> bool:
     return isinstance(x, nnx.State)
+
+
+def _apart(keyed: bool) -> Any:
+    """The variables a checkpoint's ``other_state`` leaves out: the statistics (its
+    ``collections``), and where a step key keys the streams (``keyed``) their keys and
+    counters (the step sets them each micro-batch)."""
+    return nnx.Any(nnx.BatchStat, nnx.RngState) if keyed else nnx.BatchStat
 
 
 def _as_state(template: Any, tree: Any) -> Any:

@@ -121,6 +121,9 @@ class PipelineStep(TrainStep):
         # (none: an empty tree, as the SPMD step keeps them)
         out["collections"] = (prog.collections_from_pipeline(state["collections"], spread=True)
                               if "collections" in state else {})
+        other = self.call.other_state("rng" in state)  # (nnx: the variables it does not carry)
+        if other is not None:
+            out["other_state"] = other
         return out
 
     def restore_state(self, saved: dict) -> dict:

@@ -245,6 +245,7 @@ class SpmdStep(TrainStep):
         self.model.loss_fn = loss_fn
         self.microbatches = 1
         self._shardings: dict | None = None
+        self._rest0: Any = None  # (nnx, after init: the carried state's initial values)
 
     # ---- set-up --------------------------------------------------------------------------------
 
@@ -404,6 +405,9 @@ class SpmdStep(TrainStep):
         copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t),
                        out_shardings=(state_sh["params"], state_sh["collections"]))
         params, colls = copy((params, colls))
+        if self.model.nnx:  # (what restore_state fills in where a checkpoint leaves it out:
+            # a copy of its own, as the step donates the state's)
+            self._rest0 = jax.jit(lambda t: jax.tree.map(jnp.copy, t))(colls)
         state = {"params": params, "collections": colls,
                  "step": jax.device_put(jnp.zeros((), jnp.int32), rep)}
         state["opt_state"] = jax.jit(self.optimizer.init,
@@ -549,7 +553,7 @@ class SpmdStep(TrainStep):
         if missing:
             raise PlanError(f"step.restore_state: the saved state has no {missing} (it has "
                             f"{sorted(saved)}); pass what step.checkpoint_state(state) returns")
-        saved = self.model.from_checkpoint_form(saved, sh)
+        saved = self.model.from_checkpoint_form(saved, sh, self._rest0)
         # (new buffers: the step donates its state, a device_put may alias the caller's)
         return fresh(jax.device_put({k: saved[k] for k in sh}, sh))
 
