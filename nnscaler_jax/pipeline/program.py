@@ -44,8 +44,8 @@ from nnscaler_jax.lower.replay import explicitly_typed
 from nnscaler_jax.mesh.axes import auto_view, mesh_axes, require_stage_axis
 from nnscaler_jax.pipeline.in_stage import tensor_axes
 
-__all__ = ["PipelineRuntime", "micro_rows", "mirrors", "split_batch", "spread_sharding",
-           "stage_axis", "why_cut"]
+__all__ = ["PipelineRuntime", "micro_rows", "mirrors", "on_host", "split_batch",
+           "spread_sharding", "stage_axis", "why_cut"]
 
 
 class PipelineRuntime(abc.ABC):
@@ -345,6 +345,20 @@ def spread_sharding(mesh: Any, shape: tuple[int, ...]) -> NamedSharding:
                 spec[d] = group if len(group) > 1 else group[0]
                 return NamedSharding(mesh, P(*spec))
     return NamedSharding(mesh, P())
+
+
+def on_host(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``fn`` of ``tree`` with its arrays copied to host memory, run on the host's CPU
+    device, as numpy arrays (a layout changed there holds no device's memory); None where
+    an array is not all in this process (several processes) or there is no CPU device."""
+    if not all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(tree)):
+        return None
+    try:
+        cpu = jax.devices("cpu")[0]
+    except RuntimeError:
+        return None
+    with jax.default_device(cpu):
+        return jax.tree.map(np.asarray, fn(jax.tree.map(np.asarray, tree)))
 
 
 def mirrors(tree: Any, *defs: Any) -> tuple[list[tuple[Any, int]], Any]:

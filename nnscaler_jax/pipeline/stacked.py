@@ -48,7 +48,7 @@ from nnscaler_jax.pipeline.chunks import ProgramCut, run_chunk
 from nnscaler_jax.pipeline.in_graph import InGraphRuntime
 from nnscaler_jax.pipeline.in_stage import InStagePlan, plan_in_stage
 from nnscaler_jax.pipeline.loop_tables import loop_tables
-from nnscaler_jax.pipeline.program import spread_sharding
+from nnscaler_jax.pipeline.program import on_host, spread_sharding
 from nnscaler_jax.pipeline.split import split_program
 from nnscaler_jax.pipeline.update import (
     mirror_store,
@@ -98,18 +98,22 @@ class PipelineProgram(InGraphRuntime):
     # ---- parameter layout --------------------------------------------------------------------
 
     def to_pipeline(self, params: Any) -> dict:
-        """Module params -> ``{'shared': [...], 'stages': [...]}`` placed on the mesh."""
+        """Module params -> ``{'shared': [...], 'stages': [...]}`` placed on the mesh: laid out
+        on the host where the leaves are all in this process (no device holds more than its
+        share), else in one jitted program on the mesh."""
         shared_sh, layer_sh = self.leaf_shardings()
-        # (a leaf laid out over the mesh's devices, a checkpoint's, stays as it is laid out:
-        # replicating it first would hold the whole model on every device)
-        leaves = [jax.device_put(x, self._on_mesh(x)) for x in jax.tree.leaves(params)]
-        with jax.set_mesh(self.mesh):  # (the caller's context mesh may be Explicit)
-            pp = jax.jit(self.layout(self.param_avals)[0],
-                         out_shardings={"shared": shared_sh, "stages": layer_sh})(leaves)
-        # (copies: the step donates the shared leaves, which may be the caller's own)
-        return {"shared": [jax.device_put(x, sh, may_alias=False)
-                           for x, sh in zip(pp["shared"], shared_sh, strict=True)],
-                "stages": pp["stages"]}
+        to_layout = self.layout(self.param_avals)[0]
+        pp = on_host(to_layout, jax.tree.leaves(params))
+        if pp is None:
+            # (a leaf laid out over the mesh's devices stays as it is laid out)
+            leaves = [jax.device_put(x, self._on_mesh(x)) for x in jax.tree.leaves(params)]
+            with jax.set_mesh(self.mesh):  # (the caller's context mesh may be Explicit)
+                pp = jax.jit(to_layout, out_shardings={"shared": shared_sh,
+                                                       "stages": layer_sh})(leaves)
+        # (new buffers: the step donates the shared leaves, which may be the caller's own)
+        put = lambda x, sh: jax.device_put(x, sh, may_alias=False)
+        return {"shared": [put(x, sh) for x, sh in zip(pp["shared"], shared_sh, strict=True)],
+                "stages": [put(x, sh) for x, sh in zip(pp["stages"], layer_sh, strict=True)]}
 
     def _on_mesh(self, x: Any) -> NamedSharding:
         """Where :meth:`to_pipeline` reads ``x`` from: its own layout where it lies on this
@@ -122,11 +126,18 @@ class PipelineProgram(InGraphRuntime):
 
     def from_pipeline(self, pp: dict, spread: bool = False) -> Any:
         """The inverse of :meth:`to_pipeline` (a module params tree; ``spread``: each leaf
-        over the mesh, :func:`~nnscaler_jax.pipeline.program.spread_sharding`)."""
-        rep, _ = self.shardings()
-        out = [spread_sharding(self.mesh, a.shape) if spread else rep for a in self.param_avals]
-        with jax.set_mesh(self.mesh):
-            leaves = jax.jit(self.layout(self.param_avals)[1], out_shardings=out)(pp)
+        over the mesh, :func:`~nnscaler_jax.pipeline.program.spread_sharding`, unstacked on
+        the host where the layout is all in this process)."""
+        to_module = self.layout(self.param_avals)[1]
+        got = on_host(to_module, pp) if spread else None
+        if got is not None:
+            leaves = [jax.device_put(x, spread_sharding(self.mesh, x.shape)) for x in got]
+        else:
+            rep = self.shardings()[0]
+            out = [spread_sharding(self.mesh, a.shape) if spread else rep
+                   for a in self.param_avals]
+            with jax.set_mesh(self.mesh):
+                leaves = jax.jit(to_module, out_shardings=out)(pp)
         return jax.tree.unflatten(self.params_tree, leaves)
 
     def layout(self, avals: list) -> tuple[Callable, Callable]:
