@@ -86,7 +86,7 @@ from nnscaler_jax.pipeline.mutable import (
     schedule_error,
     shared_error,
 )
-from nnscaler_jax.pipeline.program import spread_sharding
+from nnscaler_jax.pipeline.program import on_host, spread_sharding
 from nnscaler_jax.pipeline.recycle import traced_program
 from nnscaler_jax.pipeline.split_backward import split_backward
 from nnscaler_jax.pipeline.update import mirror_store, place_as
@@ -311,10 +311,10 @@ class CutProgram(InGraphRuntime):
 
     def _stack(self, leaves: list, owned: tuple, packs: list, width: dict,
                shared: tuple) -> dict:
-        """``leaves[owned[c]]`` packed into chunk ``c``'s row, ``leaves[shared]`` replicated."""
+        """``leaves[owned[c]]`` packed into chunk ``c``'s row, ``leaves[shared]`` replicated
+        (packed on the host: no device holds the model whole)."""
         to_layout, _ = self._packed(owned, packs, width, shared, len(leaves))
-        with jax.default_device(jax.devices("cpu")[0]):  # packed on the host, as before: not
-            pp = to_layout([np.asarray(x) for x in leaves])  # the whole model on one device
+        pp = self._on_host(to_layout, list(leaves))
         rep, st = self.shardings()
         return {"shared": [jax.device_put(x, rep) for x in pp["shared"]],
                 "stages": {dt: jax.device_put(x, st) for dt, x in pp["stages"].items()}}
@@ -324,12 +324,19 @@ class CutProgram(InGraphRuntime):
         """The leaves :meth:`_stack` laid out in ``pp`` (unpacked on the host: whole arrays
         on the default device, or with ``spread`` over the mesh)."""
         _, to_module = self._packed(owned, packs, {}, shared, n)
-        out = to_module({"shared": pp["shared"],
-                         "stages": {dt: np.asarray(x) for dt, x in pp["stages"].items()}})
+        out = self._on_host(to_module, pp)
         if spread:
-            return [jax.device_put(np.asarray(x), spread_sharding(self.mesh, np.shape(x)))
-                    for x in out]
+            return [jax.device_put(x, spread_sharding(self.mesh, x.shape)) for x in out]
         return [jnp.asarray(x) for x in out]
+
+    @staticmethod
+    def _on_host(fn: Callable, tree: Any) -> Any:
+        got = on_host(fn, tree)
+        if got is None:
+            raise PlanError("the cut program lays its parameters out on the host, and these "
+                            "arrays are not all in this process (several processes); pass "
+                            "every process the whole variables (e.g. module.init on each)")
+        return got
 
     def _packed(self, owned: tuple, packs: list, width: dict, shared: tuple,
                 n: int) -> tuple[Callable, Callable]:
