@@ -559,13 +559,15 @@ class NnxCall(ModuleCall):
                                         state["opt_state"], is_leaf=_is_state)
         rest = state["collections"]
         out["collections"] = own(rest.filter(nnx.BatchStat))
-        out["other_state"] = own(rest.filter(nnx.Not(_apart("rng" in state))))
+        out["other_state"] = own(rest.filter(nnx.Not(
+            _apart(self.streams if "rng" in state else ()))))
         return out
 
     def other_state(self, keyed: bool) -> dict | None:
         """The module's other variables as :meth:`checkpoint_form` keeps them, at their
         values when bound (the pipelined step carries none of them)."""
-        return nnx.to_pure_dict(self.rest.filter(nnx.Not(_apart(keyed))))
+        return nnx.to_pure_dict(self.rest.filter(nnx.Not(
+            _apart(self.streams if keyed else ()))))
 
     def from_checkpoint_form(self, saved: dict, like: dict, rest: Any = None) -> dict:
         """The wrapper's states of ``saved``; a variable it does not hold (the streams' keys
@@ -610,11 +612,14 @@ def _is_state(x: Any) -> bool:
     return isinstance(x, nnx.State)
 
 
-def _apart(keyed: bool) -> Any:
+def _apart(keyed: Sequence[str]) -> Any:
     """The variables a checkpoint's ``other_state`` leaves out: the statistics (its
-    ``collections``), and where a step key keys the streams (``keyed``) their keys and
-    counters (the step sets them each micro-batch)."""
-    return nnx.Any(nnx.BatchStat, nnx.RngState) if keyed else nnx.BatchStat
+    ``collections``) and the keys and counters of the streams a step key keys (``keyed``:
+    their names; the step sets them each micro-batch). Other streams draw on from their own
+    state, which the checkpoint keeps."""
+    names = set(keyed)
+    return nnx.Any(nnx.BatchStat,
+                   lambda _, v: isinstance(v, nnx.RngState) and getattr(v, "tag", None) in names)
 
 
 def _as_state(template: Any, tree: Any) -> Any:

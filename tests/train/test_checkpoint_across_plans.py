@@ -265,13 +265,15 @@ class _NnxBlock(nnx.Module):
 
 
 class _NnxStack(nnx.Module):
-    """BatchNorm blocks, a constant buffer and (``count``) a counter its calls update."""
+    """BatchNorm blocks, a constant buffer and (``count``) a counter its calls update and a
+    stream of its own (``noise``, which no step key keys)."""
 
     def __init__(self, rngs, count=False):
         self.h = nnx.List([_NnxBlock(rngs) for _ in range(2)])
         self.head = nnx.Linear(16, 4, rngs=rngs)
         self.scale = nnx.Variable(jnp.full((16,), 0.5))
         self.calls = nnx.Variable(jnp.zeros(())) if count else None
+        self.noise = nnx.Rngs(noise=1) if count else None
         self.drop = nnx.Dropout(0.1, rngs=rngs)
 
     def __call__(self, x):
@@ -279,6 +281,7 @@ class _NnxStack(nnx.Module):
             x = block(x)
         if self.calls is not None:
             self.calls[...] = self.calls[...] + 1.0
+            x = x + 1e-3 * jax.random.normal(self.noise.noise(), x.shape)
         return self.head(self.drop(x * self.scale[...]))
 
 
@@ -298,9 +301,12 @@ def test_an_nnx_modules_other_variables_survive_a_checkpoint(tmp_path):
     state, _ = _run(step, state, (x, y), 1)
     saved = step.checkpoint_state(state)
     assert float(saved["other_state"]["calls"]) == 2 * M  # (a call per micro-batch)
-    assert set(saved["other_state"]) == {"scale", "calls"}
+    # the noise stream draws on from its own state: kept; the dropout stream's: the step key's
+    assert set(saved["other_state"]) == {"scale", "calls", "noise"}
+    assert int(saved["other_state"]["noise"]["noise"]["count"]) == 2 * M
     back = nnx.to_pure_dict(step.restore_state(saved)["collections"])["module"]
     assert float(back["calls"]) == 2 * M and set(back["drop"]["rngs"]) == {"key", "count"}
+    assert int(back["noise"]["noise"]["count"]) == 2 * M
 
     spmd = _spmd(_NnxStack(nnx.Rngs(0))).train_step(mse, optax.adam(1e-2), **kw)
     s_state, _ = _run(spmd, spmd.init(None, x, y, rng=key), (x, y), 1)
