@@ -477,16 +477,13 @@ class NnxCall(ModuleCall):
         if keys:
             _set_keys(_rng_streams(m, self.streams), keys)
         # (sown intermediates are outputs to look at: dropped here as by the SPMD step)
-        kept = nnx.Not(nnx.Any(nnx.Param, nnx.BatchStat, nnx.RngState, nnx.Intermediate))
+        kept = nnx.Not(nnx.Any(nnx.Param, _apart(self.streams), nnx.Intermediate))
         before = {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(m, kept))}
         with nnx_call_scopes(m):
             out = m(*args, **dict(self.options.module_kwargs))
-        changed = [p for p, v in nnx.to_flat_state(nnx.state(m, kept))
+        changed = [(p, v) for p, v in nnx.to_flat_state(nnx.state(m, kept))
                    if v.get_value() is not before.get(p)]
-        if changed:  # (a value the step would drop: said, not silently lost)
-            raise collections_error(f"the nnx module {type(self.module).__name__}",
-                                    ["/".join(map(str, p)) + " (updated by the call)"
-                                     for p in changed])
+        _check_kept(type(self.module).__name__, changed, self.streams)
         return out, nnx.to_pure_dict(nnx.state(m, nnx.BatchStat)) if colls else {}
 
     # ---- through the wrapper's plan ----
@@ -610,6 +607,23 @@ step's states."""
 
 def _is_state(x: Any) -> bool:
     return isinstance(x, nnx.State)
+
+
+def _check_kept(name: str, changed: Sequence[tuple[Any, Any]], streams: Sequence[str]
+                ) -> None:
+    """Refuse what a pipelined call updates and the step would drop (``changed``: paths and
+    variables): the counters of rng streams no step key keys (every step would draw the same
+    numbers), other variables."""
+    drawn = sorted({v.tag for _, v in changed if isinstance(v, nnx.RngState)})
+    if drawn:
+        raise PlanError(
+            f"train_step: the nnx module {name} draws from rng stream(s) {drawn}, which the "
+            f"pipelined step does not key (each step would draw the same numbers). Fix: "
+            f"train_step(..., rng_streams={tuple(dict.fromkeys((*streams, *drawn)))!r})")
+    if changed:  # (a value the step would drop: said, not silently lost)
+        raise collections_error(f"the nnx module {name}",
+                                ["/".join(map(str, p)) + " (updated by the call)"
+                                 for p, _ in changed])
 
 
 def _apart(keyed: Sequence[str]) -> Any:

@@ -319,7 +319,12 @@ def test_an_nnx_modules_other_variables_survive_a_checkpoint(tmp_path):
     resumed = _through_a_checkpoint(tmp_path / "b", piped, resumed, spmd,
                                     spmd.init(None, x, y, rng=key))
     _run(spmd, resumed, (x, y), 1)
-    # the pipelined step carries no counter: said, not dropped
+    # the pipelined step keys no 'noise' stream and carries no counter: said, not dropped
     piped = _pipelined(_NnxStack(nnx.Rngs(0), count=True)).train_step(mse, optax.sgd(0.1), **kw)
+    with pytest.raises(PlanError, match=r"\['noise'\].*rng_streams=\('dropout', 'default', "
+                                        r"'noise'\)"):
+        piped.init(None, x, y, rng=key)
+    piped = _pipelined(_NnxStack(nnx.Rngs(0), count=True)).train_step(
+        mse, optax.sgd(0.1), rng_streams=("dropout", "noise"), **kw)
     with pytest.raises(PlanError, match=r"calls \(updated by the call\)"):
         piped.init(None, x, y, rng=key)
