@@ -86,7 +86,7 @@ from nnscaler_jax.pipeline.mutable import (
     schedule_error,
     shared_error,
 )
-from nnscaler_jax.pipeline.program import on_host, spread_sharding
+from nnscaler_jax.pipeline.program import on_host
 from nnscaler_jax.pipeline.recycle import traced_program
 from nnscaler_jax.pipeline.split_backward import split_backward
 from nnscaler_jax.pipeline.update import mirror_store, place_as
@@ -324,10 +324,7 @@ class CutProgram(InGraphRuntime):
         """The leaves :meth:`_stack` laid out in ``pp`` (unpacked on the host: whole arrays
         on the default device, or with ``spread`` over the mesh)."""
         _, to_module = self._packed(owned, packs, {}, shared, n)
-        out = self._on_host(to_module, pp)
-        if spread:
-            return [jax.device_put(x, spread_sharding(self.mesh, x.shape)) for x in out]
-        return [jnp.asarray(x) for x in out]
+        return [self.module_leaf(x, spread) for x in self._on_host(to_module, pp)]
 
     @staticmethod
     def _on_host(fn: Callable, tree: Any) -> Any:

@@ -63,7 +63,7 @@ from nnscaler_jax.pipeline.chunks import run_chunk, vars_of
 from nnscaler_jax.pipeline.cut import cut_traced
 from nnscaler_jax.pipeline.in_stage import plan_in_stage
 from nnscaler_jax.pipeline.leafwise import leafwise
-from nnscaler_jax.pipeline.program import PipelineRuntime, mirrors, spread_sharding
+from nnscaler_jax.pipeline.program import PipelineRuntime, mirrors
 from nnscaler_jax.pipeline.recycle import traced_program
 from nnscaler_jax.pipeline.split_backward import split_backward
 from nnscaler_jax.pipeline.steps import blocks, peak_in_flight, timeline
@@ -441,16 +441,9 @@ class MpmdProgram(PipelineRuntime):
         ``spread`` over the whole mesh (:func:`~nnscaler_jax.pipeline.program.
         spread_sharding`)."""
         per = [self.params_tree.flatten_up_to(t) for t in pp]
-        leaves = [self._whole(per[self.owner[j]][j], spread)
+        leaves = [self.module_leaf(per[self.owner[j]][j], spread)
                   for j in range(len(self.param_avals))]
         return jax.tree.unflatten(self.params_tree, leaves)
-
-    def _whole(self, x: Any, spread: bool) -> Any:
-        """A stage's leaf ``x`` as a module-tree leaf (through the host): on the default
-        device, or ``spread`` over the mesh."""
-        x = np.asarray(x)
-        return (jax.device_put(x, spread_sharding(self.mesh, x.shape)) if spread
-                else jnp.asarray(x))
 
     def updates_alone(self, optimizer: Any) -> bool:
         """Whether ``optimizer`` run on each stage's parameters alone updates them as on the
@@ -497,7 +490,7 @@ class MpmdProgram(PipelineRuntime):
             flat = [self.params_tree.flatten_up_to(p[0][k][0]) for p in per]
             leaves = [flat[self.owner[j]][j] for j in range(len(self.param_avals))]
             return self.params_tree.unflatten(
-                [self._whole(x, spread) if hasattr(x, "shape") else x for x in leaves])
+                [self.module_leaf(x, spread) if hasattr(x, "shape") else x for x in leaves])
 
         return outer.unflatten([joined(k) if m == 0 else x for k, (x, m) in enumerate(items)])
 

@@ -150,6 +150,13 @@ class PipelineRuntime(abc.ABC):
         (``key``: the step's key; ``colls``: the collections in this layout, where the program
         carries any), outside the step: ``nnscaler-jax verify``'s figures."""
 
+    def module_leaf(self, x: Any, spread: bool) -> Any:
+        """A host array ``x`` as a module-tree leaf: whole on the default device, or with
+        ``spread`` over the mesh (:func:`spread_sharding`)."""
+        x = np.asarray(x)
+        return (jax.device_put(x, spread_sharding(self.mesh, x.shape)) if spread
+                else jnp.asarray(x))
+
     def opt_state_to_module(self, opt_state: Any, pp: Any, spread: bool = False) -> Any:
         """``opt_state`` (the optimizer's state of the parameters ``pp``, in this layout) as
         the optimizer's state of the module's params tree: each subtree laid out like ``pp``

@@ -131,7 +131,7 @@ class PipelineProgram(InGraphRuntime):
         to_module = self.layout(self.param_avals)[1]
         got = on_host(to_module, pp) if spread else None
         if got is not None:
-            leaves = [jax.device_put(x, spread_sharding(self.mesh, x.shape)) for x in got]
+            leaves = [self.module_leaf(x, spread) for x in got]
         else:
             rep = self.shardings()[0]
             out = [spread_sharding(self.mesh, a.shape) if spread else rep
