@@ -55,8 +55,8 @@ from nnscaler_jax.capture.precision import Cast
 from nnscaler_jax.errors import PlanError
 
 __all__ = ["LinenCall", "ModuleCall", "NnxCall", "StepOptions", "collections_error",
-           "empty_collection_error", "inputs_error", "microbatch_rngs", "rng_error",
-           "typed_key"]
+           "empty_collection_error", "inputs_error", "key_like", "microbatch_rngs",
+           "rng_error", "typed_key"]
 
 
 def microbatch_rngs(key: Any, index: Any, streams: Sequence[str]) -> dict:
@@ -67,10 +67,31 @@ def microbatch_rngs(key: Any, index: Any, streams: Sequence[str]) -> dict:
 
 
 def typed_key(key: Any) -> Any:
-    """``key`` as a typed key array (raw ``uint32[2]`` ``PRNGKey`` data is wrapped)."""
+    """``key`` as a typed key array (raw ``PRNGKey`` data of the default impl is wrapped).
+
+    Raises:
+        PlanError: raw data of another shape (another impl's: ``PRNGKey(0, impl='rbg')`` is
+            ``uint32[4]``), which cannot say its impl.
+    """
     if jnp.issubdtype(jnp.result_type(key), jax.dtypes.prng_key):
         return key
+    want = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+    shape, dtype = tuple(np.shape(key)), jnp.result_type(key)
+    if shape[len(shape) - len(want.shape):] != want.shape or dtype != want.dtype:
+        raise PlanError(
+            f"rng: raw key data {dtype}{list(shape)} is not a key of the default impl "
+            f"({jax.config.jax_default_prng_impl}: {want.dtype}{list(want.shape)}), and raw "
+            "data does not say its impl; pass a typed key, e.g. rng=jax.random.key(0, "
+            "impl='rbg'), or set jax_default_prng_impl to the key's impl")
     return jax.random.wrap_key_data(key)
+
+
+def key_like(key: Any) -> Any:
+    """``jax.random.key(0)`` of ``key``'s impl (``key`` typed, raw or abstract): what a step
+    traces and plans its calls with, so that they take keys of that impl."""
+    impls: list = []
+    jax.eval_shape(lambda k: impls.append(jax.random.key_impl(typed_key(k))), key)
+    return jax.random.key(0, impl=impls[0])
 
 
 @dataclass(frozen=True)

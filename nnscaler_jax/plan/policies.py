@@ -71,12 +71,17 @@ BATCH_INPUTS = "batch_inputs"
 
 
 def _batch_classes(graph: Graph, classes: DimClasses) -> set:
+    """The classes of axis 0 of the example arguments, frozen or not: an op that may not split
+    its batch dim (a dropout mask drawn from an ``rbg`` key, whose bits change when split)
+    reads it whole, and the rest of the batch class still splits (excluding frozen classes
+    left such a model with no batch at all: ``dp`` replicated everything, and micro-batches
+    did not bound the splits)."""
     out = set()
     led = graph.meta.get(BATCH_INPUTS, ()) if isinstance(graph.meta, dict) else ()
     for t in graph.inputs:
         if (t.role is Role.INPUT or t.id in led) and t.ndim >= 1:
             c = classes.cls(t.id, 0)
-            if c is not None and c not in classes.frozen:
+            if c is not None:
                 out.add(c)
     return out
 

@@ -40,7 +40,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnscaler_jax.capture.flax import path_str
-from nnscaler_jax.capture.module_call import ModuleCall, StepOptions, microbatch_rngs, typed_key
+from nnscaler_jax.capture.module_call import (
+    ModuleCall,
+    StepOptions,
+    key_like,
+    microbatch_rngs,
+    typed_key,
+)
 from nnscaler_jax.cost.devices import default_budget_of, device_for_kind
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.errors import PlanError, PlanFormatError
@@ -309,7 +315,7 @@ class SpmdStep(TrainStep):
         asked = self.model.core.constraints
         if asked is not None and asked.microbatches:  # said before planning
             self._micro_count(asked.microbatches, batch)
-        rngs = self._rngs(jax.random.key(0), 0) if rng is not None else None
+        rngs = self._rngs(key_like(rng), 0) if rng is not None else None
         whole = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in batch]
         # planned for the whole batch (the planner may choose micro-batches to fit the
         # budget); the micro-batches' calls run that plan at their sizes

@@ -195,6 +195,63 @@ def test_train_flag_batch_stats_and_dropout_match_the_plain_loop(mesh):
     assert step.memory(state)["collections"] == sum(a.nbytes for a in jax.tree.leaves(stats))
 
 
+class DropNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dropout(0.3, deterministic=False)(nn.relu(nn.Dense(32)(x)))
+        return nn.Dense(4)(x)
+
+
+@pytest.mark.parametrize("policy", ["dp", "auto"])
+def test_an_rbg_key_trains_like_the_plain_loop_in_micro_batches(mesh, policy):
+    """A step key of another impl (``rbg``, MaxText's choice for speed): the step is planned
+    with keys of that impl (it was planned with threefry keys and refused its own program: "this
+    plan was made for another model"), and the dropout mask an ``rbg`` key draws, whose bits
+    change when split, is drawn whole while the rest of the batch still splits (its batch
+    class counted as frozen, so ``dp`` split nothing and 2 micro-batches did not bound the
+    splits). Micro-batch ``i`` holds rows ``i::2``, keyed ``fold_in(fold_in(key, i), 0)``."""
+    module, opt, rng = DropNet(), optax.sgd(0.1), jax.random.key(7, impl="rbg")
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+    labels = jax.random.randint(jax.random.key(2), (16,), 0, 4)
+    variables = module.init(jax.random.key(0), x)
+    p, o, r, ref = variables["params"], opt.init(variables["params"]), rng, []
+    for _ in range(2):
+        r, key = jax.random.split(r)
+
+        def loss(p, key=key):
+            return sum(ce(module.apply({"params": p}, x[i::2], rngs={
+                "dropout": jax.random.fold_in(jax.random.fold_in(key, i), 0)}), x[i::2],
+                labels[i::2]) for i in range(2)) / 2
+
+        lv, g = jax.value_and_grad(loss)(p)
+        u, o = opt.update(g, o, p)
+        p = optax.apply_updates(p, u)
+        ref.append(float(lv))
+    pm = auto_parallel(mesh, Constraints(microbatches=2), policy=policy)(module)
+    step = pm.train_step(ce, opt, inputs=1)
+    state = step.init(variables, x, labels, rng=rng)
+    assert state["rng"].dtype == rng.dtype
+    losses = []
+    for _ in range(2):
+        state, metrics = step(state, x, labels)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+                 step.params(state), p)
+    if policy == "dp":  # the batch splits (the search may keep so tiny a model whole)
+        dense = [o for o in step.plan.ops if o.module_path == "Dense_0" and o.split]
+        assert any(a == "data" for o in dense for a, _ in o.split), step.plan
+
+
+def test_raw_key_data_of_another_impl_is_refused(mesh):
+    pm = auto_parallel(mesh, policy="dp")(DropNet())
+    x, labels = jnp.ones((16, 8)), jnp.zeros((16,), jnp.int32)
+    step = pm.train_step(ce, optax.sgd(0.1), inputs=1)
+    with pytest.raises(PlanError, match=r"raw key data uint32\[4\].*impl='rbg'"):
+        step.init(DropNet().init(jax.random.key(0), x), x, labels,
+                  rng=jax.random.PRNGKey(0, impl="rbg"))
+
+
 def test_bfloat16_trains_like_float32_with_float32_master_weights(gpt, mesh):
     module, args, loss_fn, variables = gpt
     opt = optax.adam(3e-3)
