@@ -283,7 +283,6 @@ class _Indexed:
     """A layout graph with its nodes numbered: ``succ[i]`` lists ``(j, weight, step)`` in the
     graph's adjacency order (the order networkx's Dijkstra relaxes them)."""
 
-    nodes: tuple[Layout, ...]
     index: dict[Layout, int]
     succ: tuple[tuple[tuple[int, float, Collective], ...], ...]
 
@@ -295,7 +294,7 @@ def _indexed(shape: tuple[int, ...], itemsize: int, mesh: MeshSpec) -> _Indexed:
     index = {n: i for i, n in enumerate(nodes)}
     succ = tuple(tuple((index[v], e["weight"], e["step"]) for v, e in graph.adj[u].items())
                  for u in nodes)
-    return _Indexed(nodes, index, succ)
+    return _Indexed(index, succ)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -313,7 +312,7 @@ def _paths_from(
     s = g.index.get(src)
     if s is None:
         return None
-    n = len(g.nodes)
+    n = len(g.succ)
     done, seen = [False] * n, [float("inf")] * n
     pred, step = [-1] * n, [None] * n
     seen[s] = 0.0
@@ -335,15 +334,16 @@ def _paths_from(
 def _cached_path(
     src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int, mesh: MeshSpec
 ) -> CommPath:
+    if src == dst:
+        src.check(shape, mesh)
+        return CommPath(steps=(), time_s=0.0, bytes=0)
     index = _indexed(shape, itemsize, mesh).index
     for lay in (src, dst):  # the graph's layouts are the valid ones; else say what is wrong
         if lay not in index:
             lay.check(shape, mesh)
-    if src == dst:
-        return CommPath(steps=(), time_s=0.0, bytes=0)
     found = _paths_from(src, shape, itemsize, mesh)
-    j = index.get(dst)
-    if found is None or j is None or found[1][j] < 0:
+    j = None if found is None else found[0].index.get(dst)  # (the graph its search ran on)
+    if j is None or found[1][j] < 0:
         raise PlanError(
             f"no sequence of collectives turns layout {src} into {dst} for tensor shape {shape} on "
             f"mesh axes {mesh.axis_names} (sizes {mesh.axis_sizes}); this is a bug, please report"
