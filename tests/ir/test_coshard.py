@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from meshes import make_mesh
-from one_device import assert_like_one_device
+from one_device import assert_like_one_device, updated
 
 import models
 from nnscaler_jax import Plan, auto_parallel
@@ -292,11 +292,11 @@ def test_the_head_and_its_loss_run_in_chunks_of_tokens(policy):
     plan = make_plan(graph, {"data": 2, "model": 4}, policy=policy)
     opt = optax.sgd(0.1)
     p, o, ref = variables["params"], opt.init(variables["params"]), []
+    grad = jax.jit(jax.value_and_grad(
+        lambda p: spec.loss_fn(spec.module.apply({"params": p}, *args), *args)))
     for _ in range(3):
-        loss, g = jax.value_and_grad(
-            lambda p: spec.loss_fn(spec.module.apply({"params": p}, *args), *args))(p)
-        u, o = opt.update(g, o, p)
-        p = optax.apply_updates(p, u)
+        loss, g = grad(p)
+        p, o = updated(opt, p, g, o)
         ref.append(float(loss))
     pm = auto_parallel(make_mesh((2, 4), ("data", "model")),
                        plan=dataclasses.replace(plan, coshard=blocks))(spec.module)

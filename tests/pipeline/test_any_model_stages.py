@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 from meshes import make_mesh
+from one_device import updated
 from tiny_gpt2 import tiny_gpt2
 
 import models
@@ -38,7 +39,7 @@ def _check_one_step(module, loss_fn, params, args, constraints, mesh=None, modul
     state, metrics = step(state, *args)
     full = lambda p: loss_fn(module.apply({"params": p}, *args, **kw), *args)
     loss, grads = jax.jit(jax.value_and_grad(full))(params)
-    want = optax.apply_updates(params, opt.update(grads, opt.init(params), params)[0])
+    want = updated(opt, params, grads)
     np.testing.assert_allclose(metrics["loss"], loss, rtol=RTOL)
     got = step.params(state)
     assert jax.tree.structure(got) == jax.tree.structure(want)

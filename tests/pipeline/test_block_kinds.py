@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import pytest
 from meshes import make_mesh
-from one_device import assert_same_params
+from one_device import assert_same_params, global_norm, updated
 
 import models
 from nnscaler_jax import Constraints, PlanError, auto_parallel
@@ -38,9 +38,9 @@ def _one_step(spec, schedule, loss=None, batch_size=16, overlap=None):
     state, metrics = step(state, *args)
     loss = loss or (lambda p, *b: spec.loss_fn(spec.module.apply({"params": p}, *b), *b))
     ref_loss, grads = jax.jit(jax.value_and_grad(loss))(params, *args)
-    want = optax.apply_updates(params, opt.update(grads, opt.init(params), params)[0])
+    want = updated(opt, params, grads)
     np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=RTOL)
-    np.testing.assert_allclose(metrics["grad_norm"], optax.tree.norm(grads), rtol=RTOL)
+    np.testing.assert_allclose(metrics["grad_norm"], global_norm(grads), rtol=RTOL)
     assert_same_params(step.params(state), want, RTOL, ATOL)
     return step, float(ref_loss)
 

@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import pytest
 from meshes import make_mesh
-from one_device import assert_same_params
+from one_device import assert_same_params, updated
 
 import models
 from nnscaler_jax import Constraints, Plan, PlanError, auto_parallel
@@ -296,8 +296,8 @@ def test_user_order_trains_like_single_device(gpt):
     assert " ".join(map(str, step.program.schedule.steps[0])) == "F0 F1 B0 F2 F3 B1 B2 B3"
     state, metrics = step(state, tokens)
     loss_fn = lambda p: spec.loss_fn(spec.module.apply({"params": p}, tokens), tokens)
-    ref_loss, grads = jax.value_and_grad(loss_fn)(params)
-    ref = optax.apply_updates(params, opt.update(grads, opt.init(params), params)[0])
+    ref_loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params)
+    ref = updated(opt, params, grads)
     np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=RTOL)
     assert_same_params(step.params(state), ref, RTOL, ATOL)
 

@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 from meshes import make_mesh
+from one_device import updated
 
 import models
 from nnscaler_jax import Constraints, Plan, PlanError, Rule, auto_parallel
@@ -98,7 +99,7 @@ def test_the_cut_step_checkpoints_the_layers_a_rule_selects_and_trains_like_one_
     args, opt = spec.make_args(), optax.sgd(0.1)
     full = lambda p: spec.loss_fn(spec.module.apply({"params": p}, *args), *args)
     loss, grads = jax.jit(jax.value_and_grad(full))(params)
-    want = optax.apply_updates(params, opt.update(grads, opt.init(params), params)[0])
+    want = updated(opt, params, grads)
     barriers = {}
     for rules in ((), (Rule(module="h_[02]", recompute=True),)):
         pm = auto_parallel(make_mesh((2, 4), ("stage", "data")), Constraints(

@@ -18,6 +18,7 @@ import numpy as np
 import optax
 import pytest
 from meshes import make_mesh
+from one_device import updated
 
 import models
 from nnscaler_jax import Constraints, Plan, PlanError, auto_parallel
@@ -48,7 +49,7 @@ def _trains_like_one_device(spec, step, state, args, opt):
     state, metrics = step(state, *args)
     loss, grads = jax.jit(jax.value_and_grad(
         lambda p: spec.loss_fn(spec.module.apply({"params": p}, *args), *args)))(params)
-    want = optax.apply_updates(params, opt.update(grads, opt.init(params), params)[0])
+    want = updated(opt, params, grads)
     np.testing.assert_allclose(metrics["loss"], loss, rtol=RTOL)
     got = step.params(state)
     for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(got)[0],

@@ -10,6 +10,7 @@ import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from one_device import updated
 
 import models
 from nnscaler_jax import Constraints, PlanError, Rule, auto_parallel
@@ -170,14 +171,13 @@ def test_train_flag_batch_stats_and_dropout_match_the_plain_loop(mesh):
         r, key = jax.random.split(r)
         rngs = {"dropout": jax.random.fold_in(jax.random.fold_in(key, 0), 0)}
 
-        def loss(p, stats, rngs=rngs):
+        def loss(p, stats, rngs):
             out, new = module.apply({"params": p, "batch_stats": stats}, x, train=True,
                                     rngs=rngs, mutable=["batch_stats"])
             return ce(out, x, labels), new
 
-        (lv, new), g = jax.value_and_grad(loss, has_aux=True)(p, stats)
-        u, o = opt.update(g, o, p)
-        p, stats = optax.apply_updates(p, u), new["batch_stats"]
+        (lv, new), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(p, stats, rngs)
+        (p, o), stats = updated(opt, p, g, o), new["batch_stats"]
         ref.append(float(lv))
 
     pm = auto_parallel(mesh, policy="dp")(module)
@@ -218,14 +218,13 @@ def test_an_rbg_key_trains_like_the_plain_loop_in_micro_batches(mesh, policy):
     for _ in range(2):
         r, key = jax.random.split(r)
 
-        def loss(p, key=key):
+        def loss(p, key):
             return sum(ce(module.apply({"params": p}, x[i::2], rngs={
                 "dropout": jax.random.fold_in(jax.random.fold_in(key, i), 0)}), x[i::2],
                 labels[i::2]) for i in range(2)) / 2
 
-        lv, g = jax.value_and_grad(loss)(p)
-        u, o = opt.update(g, o, p)
-        p = optax.apply_updates(p, u)
+        lv, g = jax.jit(jax.value_and_grad(loss))(p, key)
+        p, o = updated(opt, p, g, o)
         ref.append(float(lv))
     pm = auto_parallel(mesh, Constraints(microbatches=2), policy=policy)(module)
     step = pm.train_step(ce, opt, inputs=1)
@@ -465,11 +464,10 @@ def _ce(logits, x, labels):
 
 def _head_reference(module, variables, x, labels, opt, steps=3):
     p, o, out = variables["params"], opt.init(variables["params"]), []
+    grad = jax.jit(jax.value_and_grad(lambda p: _ce(module.apply({"params": p}, x), x, labels)))
     for _ in range(steps):
-        loss, g = jax.value_and_grad(
-            lambda p: _ce(module.apply({"params": p}, x), x, labels))(p)
-        u, o = opt.update(g, o, p)
-        p = optax.apply_updates(p, u)
+        loss, g = grad(p)
+        p, o = updated(opt, p, g, o)
         out.append(float(loss))
     return np.array(out)
 
