@@ -54,10 +54,13 @@ class LinkCost:
     beta_s_per_byte: float
 
     def __post_init__(self) -> None:
-        if not (self.alpha_s >= 0 and self.beta_s_per_byte >= 0):
+        # (an infinite one priced a zero-byte step inf * 0 = nan: the collective path search
+        # then found "no sequence of collectives" between layouts)
+        if not (0 <= self.alpha_s < math.inf and 0 <= self.beta_s_per_byte < math.inf):
             raise PlanError(
                 f"LinkCost(alpha_s={self.alpha_s}, beta_s_per_byte={self.beta_s_per_byte}): "
-                "both must be >= 0 (seconds and seconds per byte)"
+                "both must be finite and >= 0 (seconds and seconds per byte); a mesh axis "
+                "without a usable link is not a mesh axis: leave it out of the mesh"
             )
 
     @classmethod

@@ -67,6 +67,9 @@ def test_validation():
         MeshSpec(("a",), (2,), ((1e-6, 1e-9),))
     with pytest.raises(PlanError):
         LinkCost(0.0, -1e-9)
+    for bad in ((float("inf"), 1e-9), (1e-6, float("inf")), (float("nan"), 1e-9)):
+        with pytest.raises(PlanError, match="finite and >= 0"):
+            LinkCost(*bad)
     with pytest.raises(PlanError, match="need p >= 1 and n >= 0"):
         reduce_scatter_time(FAST, 2, -1)
     with pytest.raises(PlanError, match="need p >= 1"):
