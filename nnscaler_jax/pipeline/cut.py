@@ -379,8 +379,9 @@ def plan_cut(graph: Graph, mesh_axes: dict[str, int], constraints: Constraints, 
     axis = require_stage_axis(mesh_axes)
     S = mesh_axes[axis]
     colls = any(t.collection not in (None, "params") for t in graph.variables)
+    keys = any(t.role is Role.RNG for t in graph.inputs)
     if why_cut(pivots=bool(constraints.pipeline_pivots), schedule=constraints.schedule,
-               precision=constraints.precision, collections=colls) is None \
+               precision=constraints.precision, collections=colls, keys=keys) is None \
             and constraints.pipeline_executor != "per-stage":
         try:
             layers = graph_layers(graph)

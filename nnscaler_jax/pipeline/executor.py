@@ -48,7 +48,7 @@ def cut_runtime(mesh: Any, policy: Any, executor: str = "in-graph") -> type:
 
 
 def build_runtime(args: tuple, kw: dict, pipe: Any, *, pivots: bool, precision: str | None,
-                  collections: bool, optimizer: Any) -> PipelineRuntime:
+                  collections: bool, optimizer: Any, keys: bool = False) -> PipelineRuntime:
     """The runtime of a pipelined plan (the module's docstring says which).
 
     Args:
@@ -57,8 +57,8 @@ def build_runtime(args: tuple, kw: dict, pipe: Any, *, pivots: bool, precision: 
         kw: their keyword arguments besides the cut's (``policy``, ``rules``, ``call``,
             ``recompute``, ``budget``, ``overlap``).
         pipe: the plan's :class:`~nnscaler_jax.plan.plan.PipelineSettings`.
-        pivots, precision, collections: what :func:`~nnscaler_jax.pipeline.program.why_cut`
-            reads besides the schedule.
+        pivots, precision, collections, keys: what
+            :func:`~nnscaler_jax.pipeline.program.why_cut` reads besides the schedule.
         optimizer: the optax optimizer the step runs.
 
     Raises:
@@ -68,7 +68,7 @@ def build_runtime(args: tuple, kw: dict, pipe: Any, *, pivots: bool, precision: 
     stack_error: NotALayerStack | None = None
     if pipe.executor == "in-graph" and why_cut(pivots=pivots, schedule=args[3],
                                                precision=precision,
-                                               collections=collections) is None:
+                                               collections=collections, keys=keys) is None:
         try:
             return PipelineProgram(*args, **kw)
         except NotALayerStack as e:  # (other errors of the stacked program are the user's)

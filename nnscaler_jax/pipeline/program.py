@@ -267,8 +267,8 @@ class PipelineRuntime(abc.ABC):
                         "or pad or drop the last, smaller batch of an epoch")
 
 
-def why_cut(*, pivots: bool, schedule: Any, precision: str | None, collections: bool
-            ) -> str | None:
+def why_cut(*, pivots: bool, schedule: Any, precision: str | None, collections: bool,
+            keys: bool = False) -> str | None:
     """Why a model runs as a program cut at module boundaries even where its layers are a stack
     of identical ones, or None when the identical-layer runtime may run it.
 
@@ -277,7 +277,8 @@ def why_cut(*, pivots: bool, schedule: Any, precision: str | None, collections: 
     step (:class:`~nnscaler_jax.train.pipelined_step.PipelineStep`, which builds it). The
     identical-layer runtime runs one program on every stage: ``F`` / ``B`` blocks only, in the
     module's own precision (a compute precision's parameter casts are made where each chunk
-    reads them: the cut program), without mutable collections, backwards unsplit.
+    reads them: the cut program), without mutable collections or rng keys (``keys``: the call
+    is keyed, its layers would read a key besides their activation), backwards unsplit.
 
     >>> why_cut(pivots=False, schedule="1f1b", precision=None, collections=False) is None
     True
@@ -297,6 +298,8 @@ def why_cut(*, pivots: bool, schedule: Any, precision: str | None, collections: 
         return f"compute precision {precision} (parameters cast where each chunk reads them)"
     if collections:
         return "mutable collections (carried by the cut program)"
+    if keys:
+        return "rng keys (each micro-batch's, carried by the cut program)"
     return None
 
 

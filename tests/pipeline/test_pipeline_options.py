@@ -30,14 +30,16 @@ def _pm(module, schedule="1f1b"):
                                            schedule=schedule))(module)
 
 
-def _sgd_reference(loss_of_block, params, batch, *, grads=False):
+def _sgd_reference(loss_of_block, params, batch, *, grads=False, blocks_of=M * D):
     """Params after one SGD step on the mean of ``loss_of_block(params, g, rows)`` over the
     row blocks ``g`` of ``batch`` (an array or a tuple of them); ``grads``: and the
-    gradients."""
-    blocks = jax.tree.map(lambda x: x.reshape((M * D, -1) + x.shape[1:]), batch)
+    gradients. The blocks run one after the other (``lax.map``), not under ``vmap``: jax
+    batches an ``rbg`` key's draw from the first key only."""
+    blocks = jax.tree.map(lambda x: x.reshape((blocks_of, -1) + x.shape[1:]), batch)
 
     def loss(p):
-        return jnp.mean(jax.vmap(loss_of_block, (None, 0, 0))(p, jnp.arange(M * D), blocks))
+        return jnp.mean(jax.lax.map(lambda gb: loss_of_block(p, *gb),
+                                    (jnp.arange(blocks_of), blocks)))
 
     value, g = jax.jit(jax.value_and_grad(loss))(params)
     out = value, jax.tree.map(lambda p, d: p - LR * d, params, g)
@@ -79,6 +81,37 @@ def test_linen_dropout_and_module_kwargs_match_per_microbatch_keys(schedule):
     assert set(state) == {"params", "opt_state", "rng", "step"}
     state, again = step(state, tokens)  # a new key per step
     assert float(again["loss"]) != pytest.approx(float(metrics["loss"]), rel=1e-6)
+
+
+def test_an_rbg_key_on_tensor_parallel_stages_matches_per_microbatch_keys():
+    """GPT with dropout, a step key of the ``rbg`` impl, Megatron stages (2 stages x 2 data x 2
+    model), the planner's own overlap choice: the keyed call runs cut (its layers read a key
+    besides their activation), and the planner prices that runtime; it priced the stacked one
+    with transfers overlapped, which the per-stage runtime refused ("overlap=True ... is the
+    in-graph runtime's"). Block ``g`` is micro-batch ``g // 2`` of data shard ``g % 2``."""
+    spec = models.get("gpt", "tiny-dropout", batch_size=2 * M * 2)
+    (tokens,) = spec.make_args(rng=jax.random.key(1))
+    params = spec.module.init(jax.random.key(0), tokens)["params"]
+    rng = jax.random.key(7, impl="rbg")
+    pm = auto_parallel(make_mesh((2, 2, 2), ("stage", "data", "model")),
+                       Constraints(pipeline_stages=2, microbatches=M, schedule="1f1b"),
+                       policy="megatron")(spec.module)
+    step = pm.train_step(spec.loss_fn, optax.sgd(LR), inputs=1,
+                         module_kwargs={"deterministic": False})
+    state = step.init({"params": params}, tokens, rng=rng)
+    state, metrics = step(state, tokens)
+    assert type(step.program).__name__ == "MpmdProgram" and step.program.tp_axes == ("model",)
+    assert pm.plan.pipeline.executor == "per-stage" and not pm.plan.pipeline.overlap
+    _, key = jax.random.split(rng)
+
+    def block(p, g, x):
+        out = spec.module.apply({"params": p}, x, deterministic=False,
+                                rngs=microbatch_rngs(key, g, ("dropout",)))
+        return spec.loss_fn(out, x)
+
+    ref_loss, ref_params = _sgd_reference(block, params, tokens, blocks_of=M * 2)
+    np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=RTOL)
+    _close(step.params(state), ref_params)
 
 
 def test_nnx_module_trains_and_writes_back():
