@@ -38,15 +38,12 @@ def one_device_params(spec, variables, args, opt, steps: int):
     """The parameters ``steps`` optax steps of ``jax.grad(spec.loss_fn)`` leave on one device,
     each step one jitted program (run eagerly, every op compiled alone: most of a small test's
     time)."""
-    import optax
-
     params, args = jax.tree.map(np.asarray, (variables["params"], args))  # on one device
 
     @jax.jit
     def one_step(params, opt_state, args):
         loss = lambda p: spec.loss_fn(spec.module.apply({"params": p}, *args), *args)
-        updates, opt_state = opt.update(jax.grad(loss)(params), opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+        return updated(opt, params, jax.grad(loss)(params), opt_state)  # (inlined)
 
     opt_state = opt.init(params)
     for _ in range(steps):

@@ -162,7 +162,8 @@ def _or_per_stage(graph: Graph, plan: Plan, constraints: Constraints,
 def _cut_only(schedule: str | Schedule) -> bool:
     """Only the program cut at module boundaries runs ``schedule`` (all-device or recycling
     blocks), whatever the model: :func:`~nnscaler_jax.pipeline.program.why_cut`."""
-    return why_cut(pivots=False, schedule=schedule, precision=None, collections=False) is not None
+    return why_cut(pivots=False, schedule=schedule, precision=None, collections=False,
+                   keys=False) is not None
 
 
 def _priced(setup: RuntimeSetup, microbatches: int, schedule: str | Schedule,

@@ -48,7 +48,7 @@ def cut_runtime(mesh: Any, policy: Any, executor: str = "in-graph") -> type:
 
 
 def build_runtime(args: tuple, kw: dict, pipe: Any, *, pivots: bool, precision: str | None,
-                  collections: bool, optimizer: Any, keys: bool = False) -> PipelineRuntime:
+                  collections: bool, keys: bool, optimizer: Any) -> PipelineRuntime:
     """The runtime of a pipelined plan (the module's docstring says which).
 
     Args:

@@ -268,7 +268,7 @@ class PipelineRuntime(abc.ABC):
 
 
 def why_cut(*, pivots: bool, schedule: Any, precision: str | None, collections: bool,
-            keys: bool = False) -> str | None:
+            keys: bool) -> str | None:
     """Why a model runs as a program cut at module boundaries even where its layers are a stack
     of identical ones, or None when the identical-layer runtime may run it.
 
@@ -280,9 +280,11 @@ def why_cut(*, pivots: bool, schedule: Any, precision: str | None, collections: 
     reads them: the cut program), without mutable collections or rng keys (``keys``: the call
     is keyed, its layers would read a key besides their activation), backwards unsplit.
 
-    >>> why_cut(pivots=False, schedule="1f1b", precision=None, collections=False) is None
+    >>> why_cut(pivots=False, schedule="1f1b", precision=None, collections=False,
+    ...         keys=False) is None
     True
-    >>> why_cut(pivots=False, schedule="interlaced", precision=None, collections=False)
+    >>> why_cut(pivots=False, schedule="interlaced", precision=None, collections=False,
+    ...         keys=False)
     "schedule 'interlaced' has all-device blocks"
     """
     name = getattr(schedule, "name", schedule)
