@@ -29,12 +29,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from nnscaler_jax.cost.relayout import partial_grad_axes
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.attention import FUSED, with_fused_attention
-from nnscaler_jax.ir.coshard import COSHARD, with_boundaries
+from nnscaler_jax.ir.coshard import COSHARD, PARAM_SHAPED, gather_on_batch, with_boundaries
 from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.lower.attention import run_fused_attention
 from nnscaler_jax.lower.coshard import run_coshard
 from nnscaler_jax.lower.local import bind_eqn, bind_local, runs_on_pieces
+from nnscaler_jax.lower.manual import grad_reduced
+from nnscaler_jax.lower.manual import relayout as manual_relayout
 from nnscaler_jax.lower.regions import chain_prefix, run_cosharded, run_sharded, run_value_chain
 from nnscaler_jax.lower.relayout import (
     backward_steps,
@@ -77,7 +79,10 @@ manual over its axes not yet manual); ``result_specs``: on an Explicit mesh, the
     code reads (:func:`nnscaler_jax.lower.explicit.result_specs`; None entries: the plan's);
     ``mesh_spec``: the link costs the plan was priced with, which choose each relayout's path
     (None: :data:`~nnscaler_jax.mesh.topology.DEFAULT_LINK` on every axis, as the default
-    cost model))."""
+    cost model); ``manual``: it runs inside a ``shard_map`` manual over the plan's axes, on
+    each device's blocks, its relayouts explicit collectives (:mod:`nnscaler_jax.lower.manual`:
+    the graph's inputs other than variables enter replicated; co-sharded blocks, value-split
+    chains, fused attention, ops run on pieces and loops are refused))."""
 
     graph: Graph
     plan: Plan
@@ -87,6 +92,7 @@ manual over its axes not yet manual); ``result_specs``: on an Explicit mesh, the
     in_context: bool = False
     result_specs: Sequence[PartitionSpec | None] | None = None
     mesh_spec: MeshSpec | None = None
+    manual: bool = False
 
     def __post_init__(self) -> None:
         # Untyped inputs: run on an Auto view of the mesh. Explicitly typed inputs: run on the
@@ -123,6 +129,14 @@ manual over its axes not yet manual); ``result_specs``: on an Explicit mesh, the
         p = self._plans.get(op.id)
         return p is not None and (p.keep_partial or any(d == VALUE for _, d in p.split))
 
+    def _not_manual(self, op: Op, what: str) -> PlanError:
+        return PlanError(
+            f"op '{op.primitive}' at '{op.module_path or '<top>'}' is {what}, which runs as a "
+            "shard_map region of its own; a program run on each device's blocks "
+            "(tensor-parallel pipeline stages in one program) cannot hold one. Fix: plan the "
+            "stages without it (no co-sharding / value-split rules there), or run the stages "
+            "one program each (Constraints(pipeline_executor='per-stage'))")
+
     # ---- layouts ------------------------------------------------------------------------------
 
     def sharding(self, layout: Layout) -> NamedSharding | PartitionSpec:
@@ -156,6 +170,8 @@ manual over its axes not yet manual); ``result_specs``: on an Explicit mesh, the
 
     def input_layout(self, t: Tensor) -> Layout:
         """Storage layout of a graph input: the plan's for variables, else its first consumer's."""
+        if self.manual and t.role is not Role.VARIABLE:
+            return Layout.replicated(t.ndim)
         if t.role is Role.VARIABLE:
             spec = self.plan.variable_spec(t.name)
             if spec is not None:
@@ -200,6 +216,8 @@ manual over its axes not yet manual); ``result_specs``: on an Explicit mesh, the
         if t.role is Role.CONST or t.ndim == 0 or not _is_array_dtype(t.dtype):
             return x
         self.layouts[t.id] = Layout(lay.dims)
+        if self.manual:  # (the device's block, made in that layout)
+            return x
         return jax.lax.with_sharding_constraint(x, self.sharding(lay))
 
     def relayout_key(self, t: Tensor, lay: Layout, split: Sequence = ()) -> tuple | None:
@@ -220,6 +238,10 @@ manual over its axes not yet manual); ``result_specs``: on an Explicit mesh, the
         if key is None:
             return x
         src = self.layouts.get(t.id)
+        if self.manual:
+            if key not in env:
+                env[key] = self._manual_read(x, t, src, lay, split)
+            return env[key]
         if src is None:
             return jax.lax.with_sharding_constraint(x, self.sharding(lay))
         if key not in env:
@@ -235,6 +257,24 @@ manual over its axes not yet manual); ``result_specs``: on an Explicit mesh, the
                     x = jax.lax.with_sharding_constraint(x, s)
                 env[key] = x
         return env[key]
+
+    def _manual_read(self, x: Any, t: Tensor, src: Layout | None, lay: Layout,
+                     split: Sequence) -> Any:
+        """:meth:`read_as` on each device's block: along the priced path by explicit
+        collectives, the cotangent summed over the axes ``split`` splits and ``lay`` does
+        not (:func:`~nnscaler_jax.lower.manual.grad_reduced`)."""
+        if src is None:
+            raise PlanError(f"manual lowering: where {t} was made is unknown (its block's "
+                            "layout), so it cannot be read as {lay}")
+        sizes = dict(self.mesh.shape)
+        steps = relayout_steps(src, lay, t.shape, np.dtype(t.dtype).itemsize, self.mesh_spec)
+        for step in steps:
+            x = manual_relayout(x, src, Layout(step.dims), sizes)
+            src = Layout(step.dims)
+        axes = partial_grad_axes(Layout(lay.dims), tuple(split))
+        if axes and jnp.issubdtype(np.dtype(t.dtype), jnp.inexact):
+            x = grad_reduced(x, axes)
+        return x
 
     # ---- replay -------------------------------------------------------------------------------
 
@@ -297,6 +337,8 @@ manual over its axes not yet manual); ``result_specs``: on an Explicit mesh, the
                 i = j
                 continue
             if self._in_chain(op):
+                if self.manual:
+                    raise self._not_manual(op, "in a value-split chain")
                 j = i
                 while j < len(ops) and self._in_chain(ops[j]) and \
                         len(ops[j].boundary) == len(op.boundary):
@@ -310,7 +352,12 @@ manual over its axes not yet manual); ``result_specs``: on an Explicit mesh, the
 
     def _boundary(self, ops, depth, env, b, boundaries) -> None:
         if b.kind == COSHARD:
+            if self.manual:
+                raise self._not_manual(ops[0], "in a co-sharded block")
             run_coshard(self, ops, env, b)
+            return
+        if self.manual and b.kind not in REMAT_KINDS:
+            self._manual_call(ops, env, b)
             return
         ins = [self._read(env, t) for t in b.inputs]
         if b.kind in REMAT_KINDS:
@@ -339,6 +386,14 @@ manual over its axes not yet manual); ``result_specs``: on an Explicit mesh, the
         for t, x in zip(b.outputs, outs, strict=True):
             env[t.id] = x
 
+    def _manual_call(self, ops: Sequence[Op], env: dict, b: Any) -> None:
+        """A call bound whole (custom derivatives), on each device's blocks: its inputs read
+        whole, its outputs made whole (its equations spell global shapes)."""
+        ins = [self.read_as(env, t, Layout.replicated(t.ndim)) if t.ndim else
+               self._read(env, t) for t in b.inputs]
+        for t, x in zip(b.outputs, bind_eqn(b.eqn, ins), strict=True):
+            env[t.id] = self._constrain(x, t, Layout.replicated(t.ndim))
+
     def _local_size(self, t: Tensor, lay: Layout | None) -> int:
         shape = t.shape if lay is None else lay.local_shape(t.shape, self.mesh_spec)
         return int(np.prod(shape))
@@ -349,7 +404,14 @@ manual over its axes not yet manual); ``result_specs``: on an Explicit mesh, the
         plan = self._plans.get(op.id)
         in_lays, out_lays = plan_layouts(op, self._plans, self._sole)
         split = plan.split if plan is not None else ()
+        if self.manual and plan is not None and plan.split and self._whole_only(op, plan):
+            plan, split = None, ()
+            in_lays = [Layout.replicated(t.ndim) for t in op.inputs]
+            out_lays = [Layout.replicated(t.ndim) for t in op.outputs]
         ins = [self.read_as(env, t, lay, split) for t, lay in zip(op.inputs, in_lays, strict=True)]
+        if self.manual:
+            self._manual_op(op, plan, ins, out_lays, env)
+            return
         if ways is not None:
             if plan is not None and (plan.chunks or (plan.split and runs_on_pieces(op))):
                 raise PlanError(f"op '{op.primitive}' at '{op.module_path or '<top>'}' is in a "
@@ -375,6 +437,40 @@ manual over its axes not yet manual); ``result_specs``: on an Explicit mesh, the
         for t, x, lay in zip(op.outputs, outs, out_lays, strict=True):
             reduced = self.resolve(t, lay)
             env[t.id] = self._constrain(self._partial_cotangent(x, t, lay, reduced), t, reduced)
+
+    @staticmethod
+    def _whole_only(op: Op, plan: OpPlan) -> bool:
+        """Whether split ``op`` cannot run on blocks (its params spell global shapes the
+        blocks cannot take: :func:`~nnscaler_jax.lower.local.bind_local`): on each device's
+        blocks it then runs whole, on its inputs gathered, its results whole."""
+        names = [n for _, n in plan.split if n != VALUE]
+        return op.primitive in PARAM_SHAPED and not gather_on_batch(op, names)
+
+    def _manual_op(self, op: Op, plan: OpPlan | None, ins: list[Any],
+                   out_lays: Sequence[Layout], env: dict) -> None:
+        """``op`` on each device's blocks; its partial sums reduced where the value is made
+        whole (:meth:`resolve`), by explicit collectives."""
+        if op.primitive == FUSED:
+            raise self._not_manual(op, "a fused attention kernel")
+        if plan is not None and plan.chunks:
+            raise self._not_manual(op, "co-sharded")
+        if op.regions:
+            raise self._not_manual(op, "a loop or a branch")
+        if plan is not None and plan.split and runs_on_pieces(op):
+            raise self._not_manual(op, "run on pieces")
+        sizes = dict(self.mesh.shape)
+        ways: dict[str, int] = {}
+        for axis, name in plan.split if plan is not None else ():
+            if name != VALUE:
+                ways[name] = ways.get(name, 1) * sizes[axis]
+        outs = bind_local(op, ins, ways)
+        for t, x, lay in zip(op.outputs, outs, out_lays, strict=True):
+            reduced = self.resolve(t, lay)
+            if _is_array_dtype(t.dtype) and t.ndim:
+                x = manual_relayout(x, lay, reduced, sizes)
+            elif lay.partial:  # (a scalar's partial sums)
+                x = manual_relayout(x, Layout((), lay.partial), Layout(()), sizes)
+            env[t.id] = self._constrain(x, t, reduced)
 
     def _partial_cotangent(self, x: Any, t: Tensor, lay: Layout, reduced: Layout) -> Any:
         """``x`` (an output the op leaves as partial sums ``lay``, reduced to ``reduced``) with

@@ -1,0 +1,173 @@
+"""`lower/manual.py` and ``Lowering(manual=True)``: a plan run on each device's blocks inside one
+``shard_map`` manual over every axis, its relayouts explicit collectives, equals the plain
+program (forward and gradients), and runs inside a ``lax.switch`` branch that other devices do
+not take (the tensor-parallel pipeline stage's setting)."""
+
+from __future__ import annotations
+
+import itertools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+from meshes import make_mesh
+
+import models
+from nnscaler_jax import auto_parallel
+from nnscaler_jax.layout import Layout
+from nnscaler_jax.lower.manual import relayout
+from nnscaler_jax.lower.replay import Lowering
+from nnscaler_jax.mesh.axes import auto_view
+
+SIZES = {"data": 2, "model": 4}
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return auto_view(make_mesh((2, 4), ("data", "model")))
+
+
+_LAYOUTS = [Layout.replicated(2), Layout.of(2, {0: "data"}), Layout.of(2, {1: "model"}),
+            Layout.of(2, {0: "data", 1: "model"}), Layout.of(2, {0: ("data", "model")}),
+            Layout.of(2, {1: ("model", "data")}), Layout.of(2, {0: "model"}, partial=("data",)),
+            Layout.of(2, {}, partial=("data", "model")),
+            Layout.of(2, {1: "data"}, partial=("model",))]
+
+
+def _blocks(x, lay):
+    """Each device's block of ``x`` (the partial sums: the value on the devices at index 0 of
+    the partial axes, zeros elsewhere), as a ``[2, 4, ...]`` array over (data, model)."""
+    out = np.zeros((2, 4) + Layout(lay.dims).local_shape(x.shape, _spec()), x.dtype)
+    for d, m in itertools.product(range(2), range(4)):
+        at = {"data": d, "model": m}
+        idx = []
+        for n, axes in zip(x.shape, lay.dims, strict=True):
+            k, ways = 0, 1
+            for a in axes:
+                k, ways = k * SIZES[a] + at[a], ways * SIZES[a]
+            idx.append(slice(k * (n // ways), (k + 1) * (n // ways)))
+        first = all(at[a] == 0 for a in lay.partial)
+        out[d, m] = x[tuple(idx)] if first else 0
+    return out
+
+
+def _spec():
+    from nnscaler_jax.mesh.topology import MeshSpec
+    return MeshSpec.from_mesh(type("M", (), {"axis_names": ("data", "model"),
+                                             "shape": SIZES})())
+
+
+@pytest.mark.parametrize("src,dst", [(s, d) for s in _LAYOUTS for d in _LAYOUTS
+                                     if not d.partial or d.partial == s.partial])
+def test_a_relayout_gives_each_device_its_block_and_whole_cotangents(mesh, src, dst):
+    x = np.arange(8 * 16, dtype=np.float32).reshape(8, 16) / 7.0
+    w = np.cos(np.arange(8 * 16, dtype=np.float32)).reshape(8, 16)
+
+    def body(b, wb):
+        b, wb = b[0, 0], wb[0, 0]
+        y, vjp = jax.vjp(lambda v: relayout(v, src, dst, SIZES), b)
+        (g,) = vjp(wb)
+        return y[None, None], g[None, None]
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data", "model"),) * 2,
+                               out_specs=(P("data", "model"),) * 2, check_vma=False))
+    y, g = fn(_blocks(x, src), _blocks(w, Layout(dst.dims)))
+    np.testing.assert_allclose(np.asarray(y), _blocks(x, dst), rtol=1e-6)
+    # the cotangent of the sum of <y, w> is w, whole in src's layout (partial sums: every
+    # summand's cotangent is the sum's)
+    np.testing.assert_allclose(np.asarray(g), _blocks(w, Layout(src.dims)), rtol=1e-6)
+
+
+class Net(nn.Module):
+    """remat(fc1) -> fc2 -> relu (a custom_jvp call) -> layer norm -> fc3."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.remat(nn.Dense)(32, name="fc1")(x)
+        h = jax.nn.relu(nn.Dense(16, name="fc2")(jnp.tanh(h)))
+        return nn.Dense(8, name="fc3")(nn.LayerNorm(name="ln")(h))
+
+
+def _manual(pm, variables, *args, outer=None):
+    """``pm``'s planned program run by ``Lowering(manual=True)`` in one ``shard_map`` over the
+    mesh: ``(loss, grads)`` of the sum of squares of its outputs, and the plain program's."""
+    pm.apply(variables, *args)
+    prog = pm._last
+    graph, flat = prog.captured.graph, prog.captured.traceable.flat_inputs
+    low = Lowering(graph, prog.plan, pm.mesh, manual=True)
+    mesh = low.mesh
+    specs = tuple(low.input_layout(t).to_pspec() for t in graph.inputs)
+    nv = sum(t.role.name == "VARIABLE" for t in graph.inputs)
+
+    def loss(*vals):
+        outs = low(*vals)
+        env = {t.id: o for t, o in zip(graph.outputs, outs, strict=True)}
+        whole = [low.read_as(env, t, Layout.replicated(t.ndim)) for t in graph.outputs]
+        return sum(jnp.sum(jnp.square(o)) for o in whole if jnp.issubdtype(o.dtype, jnp.inexact))
+
+    def body(*vals):
+        return jax.value_and_grad(loss, argnums=tuple(range(nv)))(*vals)
+
+    if outer is None:
+        fn = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(), specs[:nv]),
+                           check_vma=False)
+    else:  # stage 0 runs the program, stage 1 other collectives over 'model'
+        def switched(*vals):
+            def other(*vals):  # (XLA:CPU's collective-permute waits for every device)
+                return (lax.psum(vals[0].sum(), "model"),
+                        tuple(lax.all_gather(v, "model", tiled=True)[:v.shape[0]]
+                              for v in vals[:nv]))
+            return lax.switch(lax.axis_index("stage"), [body, other], *vals)
+        fn = jax.shard_map(switched, mesh=outer, in_specs=specs,
+                           out_specs=(P(), specs[:nv]), check_vma=False)
+    got = jax.jit(fn)(*[jax.device_put(x, jax.sharding.NamedSharding(outer or mesh, s))
+                        for x, s in zip(flat, specs, strict=True)])
+
+    def plain(*vals):
+        outs = jax.tree.leaves(prog.captured.traceable.fn(*vals))
+        return sum(jnp.sum(jnp.square(o)) for o in outs if jnp.issubdtype(o.dtype, jnp.inexact))
+
+    ref = jax.jit(jax.value_and_grad(plain, argnums=tuple(range(nv))))(*flat)
+    return got, ref
+
+
+def _check(got, ref, rtol):
+    """Loss and gradients within ``rtol`` (small entries: of the largest gradient entry; a
+    bias before a layer norm has a gradient of rounding noise)."""
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(ref[0]), rtol=rtol)
+    scale = max(float(np.abs(np.asarray(r)).max()) for r in ref[1])
+    for g, r in zip(got[1], ref[1], strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=rtol, atol=rtol * scale)
+
+
+def test_a_megatron_plan_on_blocks_equals_the_plain_program():
+    mesh = make_mesh((2, 4), ("data", "model"))
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 16)), jnp.float32)
+    variables = Net().init(jax.random.key(0), x)
+    got, ref = _manual(auto_parallel(mesh, policy="megatron")(Net()), variables, x)
+    _check(got, ref, 1e-5)
+
+
+@pytest.mark.parametrize("name", ["gpt", "t5"])
+def test_transformers_searched_on_blocks_equal_the_plain_program(name):
+    spec = models.get(name, "tiny", batch_size=4)
+    args = spec.make_args()
+    variables = spec.init(jax.random.key(0))
+    mesh = make_mesh((2, 4), ("data", "model"))
+    got, ref = _manual(auto_parallel(mesh, policy="megatron")(spec.module), variables, *args)
+    _check(got, ref, 1e-4)
+
+
+def test_on_blocks_a_plan_runs_in_one_stages_branch():
+    """The plan's collectives (over 'model' only) in one ``lax.switch`` branch, another
+    branch's on the other stage: no device waits for one that never reaches them."""
+    sub = auto_view(make_mesh((1, 4), ("stage", "model")))
+    outer = auto_view(make_mesh((2, 4), ("stage", "model")))
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(8, 16)), jnp.float32)
+    variables = Net().init(jax.random.key(1), x)
+    got, ref = _manual(auto_parallel(sub, policy="megatron")(Net()), variables, x, outer=outer)
+    _check(got, ref, 1e-5)
