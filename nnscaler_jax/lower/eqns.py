@@ -117,10 +117,24 @@ class LoweredEqns(EqnEvaluator):
             if self.sources.ops.get(id(e)) is None:
                 self._lowered(run, env)
                 run = []
+                if self.lowering.manual:
+                    self._whole_inputs(e)
                 NO_CONSTRAINTS.evaluate([e], env)
             else:
                 run.append(e)
         self._lowered(run, env)
+
+    def _whole_inputs(self, e: Any) -> None:
+        """An equation bound as it is on each device's blocks reads only whole values (its
+        params spell global shapes)."""
+        for v in e.invars:
+            t = None if isinstance(v, jcore.Literal) else self.sources.tensors.get(v)
+            lay = None if t is None else self.lowering.layouts.get(t.id)
+            if lay is not None and lay.split_axes:
+                raise PlanError(
+                    f"pipeline stage on each device's blocks: equation '{e.primitive}' has no "
+                    f"op of the plan and reads {t} split as {lay}. Fix: run the stages one "
+                    "program each (Constraints(pipeline_executor='per-stage'))")
 
     def _lowered(self, eqns: list[Any], env: dict) -> None:
         """Run the ops of ``eqns`` (in their graph's order) on ``env``."""

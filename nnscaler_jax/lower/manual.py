@@ -21,16 +21,18 @@ does before a column-parallel matmul.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.layout import Layout
 
-__all__ = ["grad_reduced", "relayout"]
+__all__ = ["assemble", "block", "grad_reduced", "relayout"]
 
 
 def _own(x: Any, axis: str, n: int, dim: int) -> Any:
@@ -109,3 +111,37 @@ def relayout(x: Any, src: Layout, dst: Layout, sizes: dict[str, int]) -> Any:
             x = _slice(x, a, sizes[a], d)
             dims[d].append(a)
     return x
+
+
+def _block_index(lay: Layout, dim: int, coords: dict[str, int], sizes: dict[str, int]
+                 ) -> tuple[int, int]:
+    """``(block, blocks)``: which of its blocks along ``dim`` the device at ``coords`` holds."""
+    k, ways = 0, 1
+    for a in lay.dims[dim]:
+        k, ways = k * sizes[a] + coords.get(a, 0), ways * sizes[a]
+    return k, ways
+
+
+def block(x: Any, lay: Layout, coords: dict[str, int], sizes: dict[str, int]) -> Any:
+    """The block of the whole value ``x`` (``lay``) the device at mesh ``coords`` holds
+    (static slices: traceable)."""
+    idx = []
+    for d, n in enumerate(x.shape):
+        k, ways = _block_index(lay, d, coords, sizes)
+        idx.append(slice(k * (n // ways), (k + 1) * (n // ways)))
+    return x[tuple(idx)]
+
+
+def assemble(block_at: Callable[[dict[str, int]], Any], lay: Layout, sizes: dict[str, int],
+             concatenate: Callable = jnp.concatenate) -> Any:
+    """The whole value from its blocks (``block_at(coords)``: the block of the device at those
+    mesh coordinates; the devices a block is replicated over are asked at index 0)."""
+    def rec(d: int, coords: dict[str, int]) -> Any:
+        if d == lay.ndim:
+            return block_at(coords)
+        axes = lay.dims[d]
+        parts = []
+        for at in itertools.product(*[range(sizes[a]) for a in axes]):
+            parts.append(rec(d + 1, {**coords, **dict(zip(axes, at, strict=True))}))
+        return parts[0] if len(parts) == 1 else concatenate(parts, axis=d)
+    return rec(0, {})

@@ -115,6 +115,27 @@ manual over its axes not yet manual); ``result_specs``: on an Explicit mesh, the
                 self._consumer_layout.setdefault(t.id, lay)
                 self._consumers.setdefault(t.id, []).append(op.id)
         self._outputs = {t.id for t in self.graph.outputs}
+        if self.manual:
+            self._check_manual()
+
+    def _check_manual(self) -> None:
+        """Refuse, before anything runs, what a program on each device's blocks cannot hold:
+        ops that run as ``shard_map`` regions of their own, and loops or branches."""
+        kinds = {b.id: b.kind for b in self.graph.boundaries}
+        for op in self.graph.walk():
+            p = self._plans.get(op.id)
+            if any(kinds.get(b) == COSHARD for b in op.boundary):
+                raise self._not_manual(op, "in a co-sharded block")
+            if self._in_chain(op):
+                raise self._not_manual(op, "in a value-split chain")
+            if op.primitive == FUSED:
+                raise self._not_manual(op, "a fused attention kernel")
+            if p is not None and p.chunks:
+                raise self._not_manual(op, "co-sharded")
+            if op.regions:
+                raise self._not_manual(op, "a loop or a branch")
+            if p is not None and p.split and runs_on_pieces(op):
+                raise self._not_manual(op, "run on pieces")
 
     def plan_of(self, op: Op) -> OpPlan:
         return self._plans.get(op.id) or OpPlan(op.id, op.primitive, op.module_path)
@@ -337,8 +358,6 @@ manual over its axes not yet manual); ``result_specs``: on an Explicit mesh, the
                 i = j
                 continue
             if self._in_chain(op):
-                if self.manual:
-                    raise self._not_manual(op, "in a value-split chain")
                 j = i
                 while j < len(ops) and self._in_chain(ops[j]) and \
                         len(ops[j].boundary) == len(op.boundary):
@@ -352,8 +371,6 @@ manual over its axes not yet manual); ``result_specs``: on an Explicit mesh, the
 
     def _boundary(self, ops, depth, env, b, boundaries) -> None:
         if b.kind == COSHARD:
-            if self.manual:
-                raise self._not_manual(ops[0], "in a co-sharded block")
             run_coshard(self, ops, env, b)
             return
         if self.manual and b.kind not in REMAT_KINDS:
@@ -449,15 +466,8 @@ manual over its axes not yet manual); ``result_specs``: on an Explicit mesh, the
     def _manual_op(self, op: Op, plan: OpPlan | None, ins: list[Any],
                    out_lays: Sequence[Layout], env: dict) -> None:
         """``op`` on each device's blocks; its partial sums reduced where the value is made
-        whole (:meth:`resolve`), by explicit collectives."""
-        if op.primitive == FUSED:
-            raise self._not_manual(op, "a fused attention kernel")
-        if plan is not None and plan.chunks:
-            raise self._not_manual(op, "co-sharded")
-        if op.regions:
-            raise self._not_manual(op, "a loop or a branch")
-        if plan is not None and plan.split and runs_on_pieces(op):
-            raise self._not_manual(op, "run on pieces")
+        whole (:meth:`resolve`), by explicit collectives (what cannot run so was refused
+        when the lowering was made: :meth:`_check_manual`)."""
         sizes = dict(self.mesh.shape)
         ways: dict[str, int] = {}
         for axis, name in plan.split if plan is not None else ():

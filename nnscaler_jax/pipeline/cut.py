@@ -315,13 +315,19 @@ def identical_layers(graph: Graph, bounds: Sequence[tuple[int, int]]) -> bool:
     return len(reads) == 1 and len({signature(a, b) for a, b in bounds}) == 1
 
 
-def tp_error(tensor: Sequence[str]) -> PlanError:
-    """Tensor parallelism asked of the one-program cut runtime (its stages run data-parallel
-    inside; :func:`nnscaler_jax.pipeline.executor.cut_runtime` picks the per-stage programs)."""
+def tp_error(tensor: Sequence[str], schedule: str, collections: Sequence[str] = ()
+             ) -> PlanError:
+    """What the one-program cut runtime does not run on tensor-parallel stages: recycling
+    passes, all-device blocks, split backwards and mutable collections (the per-stage
+    runtime, :class:`~nnscaler_jax.pipeline.mpmd.MpmdProgram`, runs all but the last)."""
+    what = (f"mutable collections ({list(collections)[:3]})" if collections else
+            f"schedule {schedule!r} (its recycling passes, all-device blocks or split "
+            "backwards)")
     return PlanError(
-        f"pipeline: CutProgram runs its stages data-parallel inside, not tensor-parallel over "
-        f"mesh axes {list(tensor)}: build the step with pm.train_step (it runs tensor-parallel "
-        "stages as one program per stage, pipeline.mpmd.MpmdProgram), or use policy='dp'")
+        f"pipeline: tensor-parallel stages (mesh axes {list(tensor)}) in one program "
+        f"(pipeline_executor='in-graph') do not run {what}. Use "
+        "Constraints(pipeline_executor='per-stage') (one program per stage), another "
+        "schedule, or policy='dp'")
 
 
 @dataclass(frozen=True)
@@ -498,30 +504,33 @@ def _executors(tensor: Sequence[str], collections: bool,
     """The runtimes a cut is priced for (:attr:`~nnscaler_jax.pipeline.pricing.RuntimeSetup.
     executors`): those that can run it, narrowed to ``Constraints.pipeline_executor``, or
     without it to the first (one program where it runs) unless ``pipeline_stages="auto"``
-    (the stage DP weighs both). Tensor-parallel stages run only one program per stage (the
-    one program's branches would wait for every device's collectives); stages data-parallel
-    inside either, but only the one program carries mutable collections.
+    (the stage DP weighs both). Tensor-parallel stages run one program per stage unless
+    asked (``pipeline_executor='in-graph'``: one program, each stage on its devices' blocks,
+    which runs only plans without shard_map regions of their own: no co-sharding);
+    stages data-parallel inside either, but only the one program carries mutable
+    collections.
 
     Raises:
         PlanError: the executor asked is not one of them.
     """
-    can = ("per-stage",) if tensor else ("in-graph",) if collections \
-        else ("in-graph", "per-stage")
+    can = ("per-stage", "in-graph") if tensor and not collections else ("per-stage",) \
+        if tensor else ("in-graph",) if collections else ("in-graph", "per-stage")
     asked = constraints.pipeline_executor
-    if constraints.pipeline_overlap and tensor:
+    if constraints.pipeline_overlap and tensor and asked != "in-graph":
         raise PlanError(
             f"Constraints(pipeline_overlap=True): this pipelined plan's stages are "
             f"tensor-parallel over mesh axes {list(tensor)}, which only the per-stage runtime "
-            "runs, and it sends each result as its block ends; overlap is the in-graph "
-            "runtime's. Drop pipeline_overlap, or use policy='dp'")
+            "runs by default, and it sends each result as its block ends; overlap is the "
+            "in-graph runtime's. Drop pipeline_overlap, add "
+            "Constraints(pipeline_executor='in-graph'), or use policy='dp'")
     if asked is None and constraints.pipeline_overlap:
         return ("in-graph",)
-    if asked is None:
-        return can if constraints.pipeline_stages == "auto" else can[:1]
+    if asked is None:  # (tensor-parallel stages in one program: only where asked)
+        return can[:1] if tensor or constraints.pipeline_stages != "auto" else can
     if asked in can:
         return (asked,)
-    why = (f"its stages are tensor-parallel over mesh axes {list(tensor)} (one program's "
-           "stage branches would wait on each other's collectives)" if tensor else
+    why = (f"its stages are tensor-parallel over mesh axes {list(tensor)} and the model has "
+           "mutable collections, which one program does not carry on such stages" if tensor else
            "the model has mutable collections (BatchNorm statistics), which only the one "
            "program carries")
     raise PlanError(f"Constraints(pipeline_executor={asked!r}): this pipelined plan runs only "

@@ -63,6 +63,8 @@ reads those and drops what it makes; the other blocks leave them alone.
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -72,14 +74,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jcore
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnscaler_jax.capture.module_call import ModuleCall
 from nnscaler_jax.errors import PlanError
+from nnscaler_jax.ir.graph import Role
+from nnscaler_jax.layout import Layout
+from nnscaler_jax.lower.eqns import NO_CONSTRAINTS
+from nnscaler_jax.lower.manual import assemble, block
+from nnscaler_jax.mesh.axes import mesh_axes
 from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.chunks import pack, packing, run_chunk, unpack, widths
 from nnscaler_jax.pipeline.cut import cut_traced, tp_error
 from nnscaler_jax.pipeline.in_graph import InGraphRuntime
+from nnscaler_jax.pipeline.in_stage import plan_in_stage, stage_parts
 from nnscaler_jax.pipeline.loop_tables import CODES, loop_tables
 from nnscaler_jax.pipeline.mutable import (
     require_forward_order,
@@ -133,7 +142,8 @@ def run_segment(prog: Any, seg: int, pvec: dict, shared: list, cin: dict, batch:
     else:
         xin = []
     env = run_chunk(cut, seg, params, batch, xin, x_vars=prog.x_vars,
-                    layer_starts=prog.layer_starts, recompute_layers=prog.recompute == "layer")
+                    layer_starts=prog.layer_starts, recompute_layers=prog.recompute == "layer",
+                    evaluate=prog.evaluator(c))
     new = pack([_value(env, prog.coll_out[k]) for k in own],
                prog.coll_pack[c] if chunk else packing([]), prog.coll_width)
     if seg < cut.chunks - 1:
@@ -223,11 +233,10 @@ class CutProgram(InGraphRuntime):
                  rules: tuple = (), call: ModuleCall | None = None, recompute: str = "chunk",
                  layer_rules: tuple = (), budget: float | None = None,
                  stage_plans: tuple = (), overlap: bool = False):
-        del rules, budget, stage_plans  # (stages data-parallel inside; recompute: layer_rules)
         self.layer_rules = dict(layer_rules)  # layer -> recomputed on its own (rules.py)
         self._setup(module, loss_fn, mesh, sched, batch, policy=policy, recompute=recompute)
-        if self.tp_axes:
-            raise tp_error(self.tp_axes)
+        if self.tp_axes and (sched.recycles or sched.all_device or sched.split_backward):
+            raise tp_error(self.tp_axes, sched.name)
         if sched.recycles and sched.all_device:
             raise PlanError(f"schedule {sched.name!r} has both recycling passes ('N') and "
                             "all-device blocks ('E' / 'H' / 'W'); the runtime runs one or the "
@@ -237,11 +246,17 @@ class CutProgram(InGraphRuntime):
             raise schedule_error(sched, [jax.tree_util.keystr(k) for k, _ in
                                          jax.tree_util.tree_leaves_with_path(call.collections)])
         closed, abstract = traced_program(self, params, batch, call)
+        if self.coll_avals and self.tp_axes:
+            raise tp_error(self.tp_axes, sched.name, self.coll_paths)
         if self.coll_avals:
             if sched.all_device:
                 raise schedule_error(sched, self.coll_paths)
             require_forward_order(sched)
         self._cut(closed, abstract, stage_of)
+        self.stage_plans: tuple = ()
+        self.leaf_layout: dict[int, Layout] = {}  # owned leaf -> its blocks' layout (TP)
+        if self.tp_axes:
+            self._plan_stages(closed, policy, rules, budget, stage_plans)
         self.g_width = {k: n for k, n in self.c_width.items() if _floating(k)} or {"float32": 1}
         self.tables = loop_tables(sched, "FBNEHWG", overlap=overlap)
 
@@ -282,6 +297,97 @@ class CutProgram(InGraphRuntime):
 
     # ---- parameter layout --------------------------------------------------------------------
 
+    def _plan_stages(self, closed: Any, policy: Any, rules: tuple, budget: float | None,
+                     given: tuple) -> None:
+        """Tensor-parallel stages: each stage's in-stage plan (:func:`~nnscaler_jax.pipeline.
+        in_stage.plan_in_stage`, its chunks run on each device's blocks), where each value
+        its chunks read is made (another stage's layout, carried across as those blocks;
+        leaves several stages read come whole), and the packings of the blocks: each owned
+        leaf's as its stage's plan stores it, each boundary value's as it is made."""
+        S, C = self.schedule.stages, self.schedule.chunks
+        self.stage_plans = tuple(plan_in_stage(
+            closed, self.param_paths, len(self.param_avals), self.mesh, self.axis, policy,
+            root=type(self.module).__name__, rules=rules, manual=True,
+            stages=stage_parts(self.cut, tuple(c % S for c in range(C)), self.schedule,
+                               budget, given)))
+        lows = [sp.constraints.lowering for sp in self.stage_plans]
+        made = {t.id: low.layouts[t.id] for low in lows for op in low.graph.walk()
+                for t in op.outputs if t.id in low.layouts}
+        index = {f"params/{p}": j for j, p in enumerate(self.param_paths)}
+        shared = set(self.shared)
+        for low in lows:
+            for t in low.graph.inputs:
+                if index.get(t.name) in shared:
+                    low.layouts[t.id] = Layout.replicated(t.ndim)
+                elif t.role is not Role.VARIABLE and t.id in made:
+                    low.layouts[t.id] = made[t.id]
+        self._spec = lows[0].mesh_spec
+        for c, own in enumerate(self.owned):
+            for j in own:
+                spec = self.stage_plans[c % S].var_specs[j]
+                self.leaf_layout[j] = Layout.from_pspec(spec, len(self.param_avals[j].shape))
+        self.p_pack = [packing(self._block_avals(own, self.param_avals)) for own in self.owned]
+        self.p_width = widths(self.p_pack)
+        tensors = self.stage_plans[0].constraints.sources.tensors
+        local = lambda v: jax.ShapeDtypeStruct(
+            made.get(getattr(tensors.get(v), "id", None), Layout.replicated(v.aval.ndim))
+            .local_shape(v.aval.shape, self._spec), v.aval.dtype)
+        self.c_pack = [packing([local(v) for v in b]) for b in self.cut.bounds]
+        self.c_width = widths(self.c_pack) or {"float32": 1}
+        # (grad_norm's weights: one over the devices of a stage holding each element)
+        sizes, T = mesh_axes(self.mesh), len(self._tp_devices)
+        ones = [np.full(a.shape, 1.0 / (T // math.prod(
+            sizes[x] for x in self.leaf_layout.get(j, Layout.replicated(0)).split_axes)),
+            np.float32) for j, a in enumerate(self.param_avals)]
+        to_layout, _ = self._packed(self.owned, self.p_pack, self.p_width, self.shared,
+                                    len(ones))
+        self._norm_weights = on_host(to_layout, ones)["stages"]
+
+    def _block_avals(self, own: tuple, avals: list) -> list:
+        """The blocks' avals of leaves ``own`` (shaped as ``avals``; tensor-parallel stages:
+        as their stage's plan stores them)."""
+        out = []
+        for j in own:
+            a = avals[j]
+            lay = self.leaf_layout.get(j)
+            shape = tuple(a.shape) if lay is None else lay.local_shape(a.shape, self._spec)
+            out.append(jax.ShapeDtypeStruct(shape, a.dtype))
+        return out
+
+    def grad_norm(self, grads: Any) -> Any:
+        """The global norm of gradients in the stored layout: on tensor-parallel stages each
+        element weighted by one over the devices of its stage holding it (a leaf's blocks
+        replicated over a tensor axis are stored once per device)."""
+        if not self.tp_axes:
+            return super().grad_norm(grads)
+        total = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads["shared"])
+        for dt, g in grads["stages"].items():
+            total += jnp.sum(self._norm_weights[dt] * jnp.square(g.astype(jnp.float32)))
+        return jnp.sqrt(total)
+
+    def evaluator(self, c: int) -> Callable:
+        """How chunk ``c``'s equations run: as they are (stages data-parallel inside), or on
+        each device's blocks under its stage's plan (tensor-parallel stages)."""
+        if not self.stage_plans or not 0 <= c < self.schedule.chunks:
+            return NO_CONSTRAINTS.evaluate
+        return self.stage_plans[c % self.schedule.stages].evaluate
+
+    @property
+    def _tp_devices(self) -> list[dict[str, int]]:
+        """The coordinates over the tensor-parallel axes of a stage's devices, in the order
+        their rows' blocks are laid out (``P(stage, None, tp_axes)``: major to minor)."""
+        sizes = mesh_axes(self.mesh)
+        return [dict(zip(self.tp_axes, at, strict=True))
+                for at in itertools.product(*[range(sizes[a]) for a in self.tp_axes])]
+
+    @property
+    def _stage_sharding(self) -> NamedSharding:
+        """Where the stages' packed rows live: over the stage axis, and their blocks over the
+        tensor-parallel axes."""
+        if not self.tp_axes:
+            return self.shardings()[1]
+        return NamedSharding(self.mesh, P(self.axis, None, self.tp_axes))
+
     def _where(self, c: int) -> tuple[int, int]:
         return c % self.schedule.stages, c // self.schedule.stages
 
@@ -315,7 +421,7 @@ class CutProgram(InGraphRuntime):
         (packed on the host: no device holds the model whole)."""
         to_layout, _ = self._packed(owned, packs, width, shared, len(leaves))
         pp = self._on_host(to_layout, list(leaves))
-        rep, st = self.shardings()
+        rep, st = self.shardings()[0], self._stage_sharding
         return {"shared": [jax.device_put(x, rep) for x in pp["shared"]],
                 "stages": {dt: jax.device_put(x, st) for dt, x in pp["stages"].items()}}
 
@@ -341,12 +447,22 @@ class CutProgram(InGraphRuntime):
         'stages': {dtype: [S, V, width]}}`` (chunk ``c``'s leaves ``owned[c]`` packed as
         ``packs[c]`` in row ``(c % S, c // S)``)."""
         S, V = self.schedule.stages, self.schedule.virtual
+        devices, sizes = self._tp_devices, mesh_axes(self.mesh)
+        whole = Layout.replicated(0)
+
+        def blocks(x, j, at):
+            lay = self.leaf_layout.get(j)
+            return x if lay is None else block(x, lay, at, sizes)
+
+        def row(leaves, own, pk):  # (one device's packed blocks after another's)
+            vecs = [pack([blocks(leaves[j], j, at) for j in own], pk, width) for at in devices]
+            return {dt: jnp.concatenate([v[dt] for v in vecs]) for dt in width}
 
         def to_layout(leaves: list) -> dict:
             rows = [[None] * V for _ in range(S)]
             for c, (own, pk) in enumerate(zip(owned, packs, strict=True)):
                 s, v = self._where(c)
-                rows[s][v] = pack([leaves[j] for j in own], pk, width)
+                rows[s][v] = row(leaves, own, pk)
             return {"shared": [leaves[j] for j in shared],
                     "stages": {dt: jnp.stack([jnp.stack([r[dt] for r in row]) for row in rows])
                                for dt in width}}
@@ -355,11 +471,16 @@ class CutProgram(InGraphRuntime):
             out: list[Any] = [None] * n
             for j, x in zip(shared, pp["shared"], strict=True):
                 out[j] = x
+            T = len(devices)
             for c, (own, pk) in enumerate(zip(owned, packs, strict=True)):
                 s, v = self._where(c)
-                row = {dt: x[s, v] for dt, x in pp["stages"].items()}
-                for j, x in zip(own, unpack(row, pk), strict=True):
-                    out[j] = x
+                rows = [unpack({dt: x[s, v].reshape(T, -1)[t] for dt, x in pp["stages"].items()},
+                               pk) for t in range(T)]
+                for i, j in enumerate(own):
+                    lay = self.leaf_layout.get(j, whole)
+                    out[j] = rows[0][i] if lay == whole else assemble(
+                        lambda at, i=i, rows=rows: rows[devices.index(
+                            {a: at.get(a, 0) for a in self.tp_axes})][i], lay, sizes)
             return out
 
         return to_layout, to_module
@@ -367,12 +488,18 @@ class CutProgram(InGraphRuntime):
     def layout(self, avals: list) -> tuple[Callable, Callable]:
         """Traceable ``(to_layout, to_module)`` between parameter leaves shaped as ``avals``
         and the packed layout of :meth:`to_pipeline` (the optimizer probe's miniatures)."""
-        packs = [packing([avals[j] for j in own]) for own in self.owned]
+        packs = [packing(self._block_avals(own, avals)) for own in self.owned]
         return self._packed(self.owned, packs, widths(packs), self.shared, len(avals))
 
     def mini_shapes(self) -> list[tuple[int, ...]]:
-        """Per parameter leaf, its miniature's shape in the optimizer probe (2 per dim)."""
-        return [(2,) * len(a.shape) for a in self.param_avals]
+        """Per parameter leaf, its miniature's shape in the optimizer probe (2 per dim; on
+        tensor-parallel stages 2 per block)."""
+        sizes = mesh_axes(self.mesh)
+        out = []
+        for j, a in enumerate(self.param_avals):
+            lay = self.leaf_layout.get(j, Layout.replicated(len(a.shape)))
+            out.append(tuple(2 * math.prod(sizes[x] for x in axes) for axes in lay.dims))
+        return out
 
     def stage_bytes(self) -> list[int]:
         """Per stage, the bytes of its own parameters (without padding or shared leaves)."""
@@ -470,12 +597,12 @@ class CutProgram(InGraphRuntime):
         placed, batch_spec, seed = self.microbatches(batch, key, scale)
         cst = {} if colls is None else colls["stages"]
         shared_spec = [P()] * len(pp["shared"])
-        stage_spec = {k: P(self.axis) for k in pp["stages"]}
+        stage_spec = {k: self._stage_sharding.spec for k in pp["stages"]}
         coll_spec = {k: P(self.axis) for k in cst}
         fn = jax.shard_map(self._local, mesh=self.mesh,
                            in_specs=(shared_spec, stage_spec, batch_spec, coll_spec, P()),
                            out_specs=(P(), shared_spec, stage_spec, coll_spec), check_vma=False)
-        rep, st = self.shardings()
+        rep, st = self.shardings()[0], self._stage_sharding
         loss, gs, gst, new = fn([place_as(x, rep) for x in pp["shared"]],
                                 {k: place_as(x, st) for k, x in pp["stages"].items()},
                                 placed, {k: place_as(x, st) for k, x in cst.items()}, seed)
@@ -489,9 +616,9 @@ class CutProgram(InGraphRuntime):
         """``tree -> tree``: params, or optimizer state mirroring them, laid out as stored: the
         stages' packed rows split over the stage axis, the rest replicated
         (:func:`~nnscaler_jax.pipeline.update.mirror_store`)."""
-        rep, st = self.shardings()
-        S, V = self.schedule.stages, self.schedule.virtual
-        shapes = {"stages": {k: jax.ShapeDtypeStruct((S, V, w), np.float32)
+        rep, st = self.shardings()[0], self._stage_sharding
+        S, V, T = self.schedule.stages, self.schedule.virtual, len(self._tp_devices)
+        shapes = {"stages": {k: jax.ShapeDtypeStruct((S, V, T * w), np.float32)
                              for k, w in self.p_width.items()}}
         return mirror_store(shapes, {"stages": {k: st for k in self.p_width}}, rep)
 

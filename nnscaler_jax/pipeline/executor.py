@@ -12,9 +12,9 @@ builds what was priced:
   :class:`~nnscaler_jax.pipeline.stacked.PipelineProgram` (tensor parallel inside stages too:
   no branch on the chunk holds GSPMD's collectives);
 - otherwise the model cut into chunks: :class:`~nnscaler_jax.pipeline.mpmd.MpmdProgram` where
-  the plan runs per stage or the policy makes the stages tensor-parallel inside (collectives
-  inside one ``lax.switch`` branch wait for every device of the mesh), else
-  :class:`~nnscaler_jax.pipeline.cut_program.CutProgram`;
+  the plan runs per stage, else :class:`~nnscaler_jax.pipeline.cut_program.CutProgram` (its
+  tensor-parallel stages on each device's blocks, their collectives explicit: GSPMD's inside
+  one ``lax.switch`` branch may wait for every device of the mesh);
 - per stage with data-parallel stages but an optimizer that couples leaves across stages
   (``optax.clip_by_global_norm``: each stage's update would see its own part): CutProgram,
   with a warning (the plan's predicted time is the per-stage runtime's).
@@ -26,9 +26,7 @@ import warnings
 from typing import Any
 
 from nnscaler_jax.errors import PlanError
-from nnscaler_jax.mesh.axes import mesh_axes, require_stage_axis
 from nnscaler_jax.pipeline.cut_program import CutProgram
-from nnscaler_jax.pipeline.in_stage import tensor_axes
 from nnscaler_jax.pipeline.mpmd import MpmdProgram
 from nnscaler_jax.pipeline.program import PipelineRuntime, why_cut
 from nnscaler_jax.pipeline.split import NotALayerStack
@@ -37,14 +35,12 @@ from nnscaler_jax.pipeline.stacked import PipelineProgram
 __all__ = ["build_runtime", "cut_runtime"]
 
 
-def cut_runtime(mesh: Any, policy: Any, executor: str = "in-graph") -> type:
+def cut_runtime(executor: str = "in-graph") -> type:
     """The runtime of a model cut into chunks, as the plan was priced
     (``PipelineSettings.executor``): :class:`~nnscaler_jax.pipeline.mpmd.MpmdProgram` for
-    ``'per-stage'`` and whenever ``policy`` makes the stages tensor-parallel inside, else the
-    one-program :class:`~nnscaler_jax.pipeline.cut_program.CutProgram`."""
-    axes = mesh_axes(mesh)
-    tensor = tensor_axes(axes, require_stage_axis(axes), policy)
-    return MpmdProgram if tensor or executor == "per-stage" else CutProgram
+    ``'per-stage'``, else the one-program :class:`~nnscaler_jax.pipeline.cut_program.
+    CutProgram`."""
+    return MpmdProgram if executor == "per-stage" else CutProgram
 
 
 def build_runtime(args: tuple, kw: dict, pipe: Any, *, pivots: bool, precision: str | None,
@@ -81,7 +77,7 @@ def build_runtime(args: tuple, kw: dict, pipe: Any, *, pivots: bool, precision: 
 
 
 def _cut(args: tuple, kw: dict, executor: str, optimizer: Any) -> PipelineRuntime:
-    program = cut_runtime(args[2], kw["policy"], executor)(*args, **kw)
+    program = cut_runtime(executor)(*args, **kw)
     if isinstance(program, MpmdProgram) and not program.tp_axes \
             and not program.updates_alone(optimizer):
         warnings.warn(

@@ -134,7 +134,13 @@ class InGraphRuntime(PipelineRuntime):
         return jitted_step(self.grads, optimizer, self.mesh, store=self._store,
                            view=self._view(optimizer), return_grads=return_grads,
                            scaling=scaling, compiler_options=compiler_options(self.tables,
-                                                                              self.mesh))
+                                                                              self.mesh),
+                           norm=self.grad_norm)
+
+    def grad_norm(self, grads: Any) -> Any:
+        """The global norm of gradients in the stored layout (traceable)."""
+        import optax
+        return optax.tree.norm(grads)
 
     def loss_and_grads(self, pp: Any, batch: tuple, key: Any = None,
                        colls: Any = None) -> tuple[Any, Any]:

@@ -15,14 +15,15 @@ GSPMD inserts the plan's collectives (an all-reduce over ``'model'`` after each 
 matmul, forward and backward). Layer parameters are stored ``P(stage, None, None, *plan
 spec)``: each device holds its stage's chunk of layers and its slice over ``'model'``.
 
-Why partial-manual and not a fully manual ``shard_map`` with explicit ``psum`` over ``'model'``:
-checked on jax 0.10 CPU, ``with_sharding_constraint`` over the auto axes works inside
-``shard_map(axis_names={'stage', 'data'})`` through ``lax.fori_loop`` / ``lax.switch`` /
-``jax.vjp`` and ``ppermute`` over the manual stage axis, and the results equal the single-device
-program. A manual body would need every op rewritten to local shapes (reshape / broadcast params
-spell global shapes) and the plan's collectives written by hand in forward and backward; GSPMD
-derives both. Constraints need Auto axis types, so the TP program runs on an Auto view of the
-mesh (same devices, names and specs).
+Why partial-manual for a stack of identical layers: ``with_sharding_constraint`` over the auto
+axes works inside ``shard_map(axis_names={'stage', 'data'})`` through ``lax.fori_loop`` /
+``jax.vjp`` and ``ppermute`` over the manual stage axis (checked on jax 0.10 CPU), and GSPMD
+derives every collective and its transpose. Constraints need Auto axis types, so the TP program
+runs on an Auto view of the mesh (same devices, names and specs). Chunks that differ per stage
+run by ``lax.switch`` on the stage, where GSPMD's resharding in one branch may be a
+collective-permute waiting for every device; there the plan runs fully manual instead
+(``plan_in_stage(manual=True)``: :class:`~nnscaler_jax.lower.replay.Lowering` on each device's
+blocks, its collectives explicit, :mod:`nnscaler_jax.lower.manual`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 
 from nnscaler_jax.capture.jaxpr import InputInfo, graph_with_sources
@@ -43,12 +45,14 @@ from nnscaler_jax.layout import Layout
 from nnscaler_jax.lower.eqns import LoweredEqns
 from nnscaler_jax.lower.replay import Lowering
 from nnscaler_jax.mesh.axes import DATA_AXES, auto_view, mesh_axes
+from nnscaler_jax.pipeline.steps import peak_in_flight
 from nnscaler_jax.plan.plan import Plan
 from nnscaler_jax.plan.policies import BATCH_INPUTS, batch_led
 from nnscaler_jax.plan.reuse import renumbered
 from nnscaler_jax.search.entry import SEARCHES, plan_spmd
 
-__all__ = ["InStagePlan", "part_graph", "plan_in_stage", "stage_rules", "tensor_axes"]
+__all__ = ["InStagePlan", "part_graph", "plan_in_stage", "stage_parts", "stage_rules",
+           "tensor_axes"]
 
 
 
@@ -115,10 +119,32 @@ def _sub_mesh(mesh: Mesh, axes: tuple[str, ...]) -> Mesh:
                           len(axes)))
 
 
+def stage_parts(cut: Any, seg_stage: Sequence[int], schedule: Any, budget: float | None,
+                plans: tuple = ()) -> list[tuple]:
+    """What :func:`plan_in_stage` plans per stage of ``cut`` (segment ``k`` on stage
+    ``seg_stage[k]``): the equations of its chunks, the budget its in-stage search plans one
+    micro-batch's pass under (the device's, less the chunk inputs the schedule keeps for the
+    stage's other micro-batches in flight: a chunk's backward recomputes its forward from its
+    input; the search prices the one pass recomputing) and the plan the planner priced it
+    with (``PipelineSettings.stage_plans``; None: search)."""
+    flight = peak_in_flight(schedule)
+    nbytes = lambda a: int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
+    parts = []
+    for s in range(schedule.stages):
+        mine = [k for k in range(cut.chunks) if seg_stage[k] == s]
+        held = max((sum(nbytes(v.aval) for v in cut.bounds[k - 1]) for k in mine if k),
+                   default=0)
+        eqns = [e for k in mine for e in cut.segments[k]]
+        parts.append((eqns, None if budget is None
+                      else max(budget - (flight[s] - 1) * held, 0.0),
+                      plans[s] if plans else None))
+    return parts
+
+
 def plan_in_stage(closed: Any, param_paths: list[str], n_params: int, mesh: Mesh, stage: str,
                   policy: Any, *, root: str = "", rules: tuple = (),
                   stages: Sequence[tuple[Sequence[Any], float | None, Plan | None]] | None
-                  = None
+                  = None, manual: bool = False
                   ) -> InStagePlan | list[InStagePlan]:
     """Plan the micro-batch program ``closed`` with ``policy`` on the tensor-parallel axes:
     the whole program (one plan every stage runs), or with ``stages`` each stage's part.
@@ -136,6 +162,9 @@ def plan_in_stage(closed: Any, param_paths: list[str], n_params: int, mesh: Mesh
             and co-sharded blocks for one micro-batch's pass through its chunks; or ``plan``,
             the planner's plan of the same ops (:func:`~nnscaler_jax.pipeline.cut.plan_cut`
             priced the stage with it), run as it is.
+        manual: the chunks run on each device's blocks (``Lowering(manual=True)``: inside a
+            ``shard_map`` manual over the tensor-parallel axes too, the plan's collectives
+            explicit), not under GSPMD.
 
     Raises:
         PlanError: the policy fails on the in-stage mesh (e.g. it assigns ops to the stage
@@ -176,7 +205,7 @@ def plan_in_stage(closed: Any, param_paths: list[str], n_params: int, mesh: Mesh
     _check_used(plans, policy, tp)
     out = []
     for (g, _, _), plan in zip(parts, plans, strict=True):
-        low = Lowering(g, plan, sub, in_context=True)
+        low = Lowering(g, plan, sub, in_context=True, manual=manual)
         var_specs = []
         for t in graph.inputs[:n_params]:
             spec = plan.variable_spec(t.name)

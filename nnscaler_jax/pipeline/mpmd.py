@@ -61,19 +61,15 @@ from nnscaler_jax.lower.replay import explicitly_typed
 from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.chunks import run_chunk, vars_of
 from nnscaler_jax.pipeline.cut import cut_traced
-from nnscaler_jax.pipeline.in_stage import plan_in_stage
+from nnscaler_jax.pipeline.in_stage import plan_in_stage, stage_parts
 from nnscaler_jax.pipeline.leafwise import leafwise
 from nnscaler_jax.pipeline.program import PipelineRuntime, mirrors
 from nnscaler_jax.pipeline.recycle import traced_program
 from nnscaler_jax.pipeline.split_backward import split_backward
-from nnscaler_jax.pipeline.steps import blocks, peak_in_flight, timeline
+from nnscaler_jax.pipeline.steps import blocks, timeline
 from nnscaler_jax.pipeline.update import LossScaling, mirror_shardings
 
 __all__ = ["MpmdProgram"]
-
-
-def _nbytes(aval: Any) -> int:
-    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
 
 def _value(env: dict, v: Any) -> Any:
@@ -129,7 +125,7 @@ class MpmdProgram(PipelineRuntime):
         self.stage_plans = tuple(plan_in_stage(
             closed, self.param_paths, len(abstract), mesh, self.axis, policy,
             root=type(module).__name__, rules=rules,
-            stages=self._stage_parts(budget, stage_plans)))
+            stages=stage_parts(self.cut, self.seg_stage, sched, budget, stage_plans)))
         self._meshes(mesh)
         self._made: dict = {}  # (jitted helpers, built once: accumulators, means)
         kinds = (("F", "B-split", "G") if sched.split_backward else ("F", "B")) \
@@ -163,25 +159,6 @@ class MpmdProgram(PipelineRuntime):
             for s in range(S + self.seg0))
         self.owner = {j: min(s for s, mine in enumerate(self.stage_leaves) if j in mine)
                       for j in range(n)}
-
-    def _stage_parts(self, budget: float | None, plans: tuple = ()) -> list[tuple]:
-        """Per stage, the equations of its chunks, the budget its in-stage search plans one
-        micro-batch's pass under (the device's, less the chunk inputs the schedule keeps for
-        the stage's other micro-batches in flight: a chunk's backward recomputes its forward
-        from its input; the search prices the one pass recomputing) and the plan the planner
-        priced it with (``PipelineSettings.stage_plans``; None: search)."""
-        cut, S = self.cut, self.schedule.stages
-        flight = peak_in_flight(self.schedule)
-        parts = []
-        for s in range(S):
-            mine = [k for k in range(cut.chunks) if self.seg_stage[k] == s]
-            held = max((sum(_nbytes(v.aval) for v in cut.bounds[k - 1]) for k in mine if k),
-                       default=0)
-            eqns = [e for k in mine for e in cut.segments[k]]
-            parts.append((eqns, None if budget is None
-                          else max(budget - (flight[s] - 1) * held, 0.0),
-                          plans[s] if plans else None))
-        return parts
 
     def _meshes(self, mesh: Mesh) -> None:
         """Each stage's sub-mesh (its devices, the data and tensor axes, Auto types); with

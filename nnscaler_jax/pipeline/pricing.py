@@ -601,8 +601,8 @@ class RuntimeSetup:
         executors: the runtimes that can run the plan, each priced as it runs
             (:attr:`RuntimeChoice.executor`): ``'in-graph'`` walks the step table in lock step
             (one program), ``'per-stage'`` runs each stage as its inputs arrive
-            (:mod:`~nnscaler_jax.pipeline.mpmd`; the only one for tensor-parallel cut stages,
-            and for stages data-parallel inside where nothing bars it: no mutable
+            (:mod:`~nnscaler_jax.pipeline.mpmd`; tensor-parallel cut stages' default, and
+            for stages data-parallel inside where nothing bars it: no mutable
             collections, no all-device blocks, which it folds into a tensor axis).
         searched: ``(row, budget) -> (memory per stage, stage plans, extra seconds, memory
             per stage by kind) | None``:

@@ -208,7 +208,8 @@ def cached_view(program: Any, optimizer: Any, axes: tuple[str, ...]) -> ModuleVi
 def jitted_step(grads: Callable, optimizer: Any, mesh: Any, *, store: Callable = _same,
                 view: ModuleView | None = None, return_grads: bool = False,
                 scaling: LossScaling | None = None,
-                compiler_options: dict | None = None) -> Callable:
+                compiler_options: dict | None = None, norm: Callable | None = None
+                ) -> Callable:
     """A jitted, donated ``run(state, batch) -> (state, metrics)`` (``run.lower(state, batch)``
     too) under ``mesh``: ``grads(params, batch, key) -> (loss, grads)`` (``key`` split off
     ``state['rng']`` when the state has one, else None), then the optax update;
@@ -217,8 +218,12 @@ def jitted_step(grads: Callable, optimizer: Any, mesh: Any, *, store: Callable =
     A state with ``'collections'`` calls ``grads(params, batch, key, collections) -> (loss,
     grads, new collections)`` and keeps the new ones. With ``scaling`` (float16) ``grads``
     also takes ``scale=`` (the state's loss scale, the backward's seed) and the update is
-    :meth:`LossScaling.settle`'s. ``compiler_options``: XLA's, for the jitted step."""
+    :meth:`LossScaling.settle`'s. ``compiler_options``: XLA's, for the jitted step;
+    ``norm``: the gradients' global norm from their layout (default: of every element, for
+    layouts holding each once)."""
     import optax
+
+    norm = norm or optax.tree.norm
 
     def update(state, g):
         if view is None:
@@ -248,7 +253,7 @@ def jitted_step(grads: Callable, optimizer: Any, mesh: Any, *, store: Callable =
         else:
             g = LossScaling.unscale(g, state)
             new, metrics = scaling.settle(state, update(state, g), g)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(g), **metrics}
+        metrics = {"loss": loss, "grad_norm": norm(g), **metrics}
         if return_grads:
             metrics["grads"] = g
         if "step" in state:  # the steps taken, as the SPMD step counts them

@@ -17,11 +17,12 @@ from jax.sharding import PartitionSpec as P
 from meshes import make_mesh
 
 import models
-from nnscaler_jax import auto_parallel
+from nnscaler_jax import PlanError, auto_parallel, trace
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.lower.manual import relayout
 from nnscaler_jax.lower.replay import Lowering
 from nnscaler_jax.mesh.axes import auto_view
+from nnscaler_jax.primitives import Draft
 
 SIZES = {"data": 2, "model": 4}
 
@@ -171,3 +172,14 @@ def test_on_blocks_a_plan_runs_in_one_stages_branch():
     variables = Net().init(jax.random.key(1), x)
     got, ref = _manual(auto_parallel(sub, policy="megatron")(Net()), variables, x, outer=outer)
     _check(got, ref, 1e-5)
+
+
+def test_on_blocks_a_co_sharded_op_is_refused_before_it_runs(mesh):
+    """A co-sharded op is a ``shard_map`` region of its own: refused when the lowering is
+    made, naming the op and the fix."""
+    x = jax.ShapeDtypeStruct((8, 16), jnp.float32)
+    graph = trace(Net(), x)
+    d = Draft(graph, dict(SIZES))
+    d.decide(graph.op("fc2"), {"data": "m0", "model": "n0"}, chunks=("m0", 2))
+    with pytest.raises(PlanError, match=r"'dot_general' at 'fc2' is co-sharded.*per-stage"):
+        Lowering(graph, d.finish(), mesh, manual=True)

@@ -61,16 +61,19 @@ def test_host_dispatch_bounds_the_per_stage_runtime():
 
 
 def test_executor_constraint_is_checked():
+    """An unknown executor is refused; tensor-parallel cut stages run one program per stage
+    unless one program is asked (then it is kept: the plan runs them on each device's
+    blocks)."""
     with pytest.raises(ConstraintError, match="pipeline_executor='host'"):
         Constraints(pipeline_executor="host")
     spec = models.get("gpt", "tiny", n_layers=4, batch_size=16)
     mesh = make_mesh((2, 2, 2), ("stage", "data", "model"))
-    pm = auto_parallel(mesh, Constraints(pipeline_stages=2, pipeline_pivots=("h_*",),
-                                         pipeline_executor="in-graph"),
-                       policy="megatron")(spec.module)
-    with pytest.raises(PlanError, match="runs only 'per-stage'.*tensor-parallel over mesh axes "
-                                        r"\['model'\]"):
-        pm.make_plan(*spec.make_args(abstract=True), variables=spec.init_abstract())
+    for asked, want in ((None, "per-stage"), ("in-graph", "in-graph")):
+        pm = auto_parallel(mesh, Constraints(pipeline_stages=2, pipeline_pivots=("h_*",),
+                                             pipeline_executor=asked),
+                           policy="megatron")(spec.module)
+        plan = pm.make_plan(*spec.make_args(abstract=True), variables=spec.init_abstract())
+        assert plan.pipeline.executor == want
 
 
 @pytest.mark.slow

@@ -1,12 +1,15 @@
-"""Tensor parallelism inside heterogeneous stages: one program per stage (pipeline/mpmd.py).
+"""Tensor parallelism inside heterogeneous stages: one program per stage (pipeline/mpmd.py), or
+asked (``pipeline_executor='in-graph'``) one program, each stage on its devices' blocks.
 
 T5 (encoder on one stage, decoder on the other, tied embeddings on both) and Swin (stages of
 different widths) on 2 stages x 2 'data' x 2 'model' with ``policy='megatron'``: one optax
 step equals the single-device step (float32, rtol 1e-4); parameters are stored split over
 'model' on their stage's devices only; the chunk programs all-reduce over 'model'. The cut
 program's single SPMD program cannot run this on XLA:CPU (its branches' collectives wait for
-every device), which is why the stages are separate programs. An optimizer that couples leaves
-across stages is refused; the planner prices the stages as tensor-parallel.
+every device), which is why the stages are separate programs by default; in one program the
+stages run the plan on each device's blocks with explicit collectives (lower/manual.py). An
+optimizer that couples leaves across stages is refused per stage (in one program it runs on
+the module's tree); the planner prices the stages as tensor-parallel.
 """
 
 import contextlib
@@ -361,3 +364,66 @@ def test_interlaced_t5_vocabulary_split_over_all_devices_trains_like_one_device(
     vocab = table.shape[0]
     logits = [ln for ln in head.splitlines() if " dot(" in ln and f",{vocab // 4}]" in ln]
     assert logits and not any(f",{vocab}]" in ln for ln in head.splitlines() if " dot(" in ln)
+
+
+def _in_graph(name, schedule="1f1b", policy="megatron", **kw):
+    spec = models.get(name, "tiny", batch_size=16)
+    pm = auto_parallel(make_mesh(*MESH), Constraints(
+        pipeline_stages=2, microbatches=2, schedule=schedule, pipeline_executor="in-graph",
+        **kw), policy=policy)(spec.module)
+    return spec, pm
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,clip", [("t5", False), ("swin", True)])
+def test_tensor_parallel_stages_in_one_program_train_like_one_device(name, clip):
+    """``pipeline_executor='in-graph'``: the cut stages tensor-parallel inside one program
+    (each stage's chunks on its devices' blocks, the plan's collectives explicit: no stage
+    waits on another's). Two Adam steps (Swin's with global-norm clipping, which the step
+    runs on the module's tree) equal one device's; the stored rows are split over 'model';
+    steps after the first compile nothing."""
+    spec, pm = _in_graph(name)
+    params = spec.init(jax.random.PRNGKey(0))["params"]
+    args = spec.make_args()
+    opt = optax.adam(1e-2, eps=1e-3)
+    if clip:
+        opt = optax.chain(optax.clip_by_global_norm(0.5), opt)
+    step = pm.train_step(spec.loss_fn, opt)
+    state = step.init({"params": params}, *args)
+    prog = step.program
+    assert pm.plan.pipeline.executor == "in-graph"
+    assert type(prog).__name__ == "CutProgram" and prog.tp_axes == ("model",)
+    for x in jax.tree.leaves(state["params"]["stages"]):  # [stage, virtual, model x width]
+        assert x.addressable_shards[0].data.size * 4 == x.size
+    grad_of = jax.jit(jax.value_and_grad(
+        lambda p: spec.loss_fn(spec.module.apply({"params": p}, *args), *args)))
+    want, opt_state = params, opt.init(params)
+    refs = []
+    for _ in range(3):
+        loss, grads = grad_of(want)
+        want, opt_state = updated(opt, want, grads, opt_state)
+        refs.append((loss, global_norm(grads)))
+    seen: list[str] = []
+
+    def compiled(event, _duration, **_kw):
+        seen.extend([event] * (event == "/jax/core/compile/backend_compile_duration"))
+
+    for k, (loss, norm) in enumerate(refs):
+        if k == 1:  # (the steps after the first: cache hits)
+            jax.monitoring.register_event_duration_secs_listener(compiled)
+        state, metrics = step(state, *args)
+        np.testing.assert_allclose(metrics["loss"], loss, rtol=RTOL)
+        np.testing.assert_allclose(metrics["grad_norm"], norm, rtol=RTOL)
+    jax.monitoring.unregister_event_duration_listener(compiled)
+    assert seen == []
+    assert_same_params(step.params(state), want, rtol=RTOL, atol=ATOL)
+
+
+def test_tensor_parallel_stages_in_one_program_refuse_what_they_do_not_run():
+    """Schedules with recycling, all-device blocks or split backwards are refused in one
+    program, with the fix: one program per stage (a co-sharded stage plan likewise, when its
+    lowering is made: tests/lower/test_manual.py)."""
+    spec, pm = _in_graph("t5", schedule="interlaced")
+    step = pm.train_step(spec.loss_fn, optax.sgd(1e-2))
+    with pytest.raises(PlanError, match="pipeline_executor='per-stage'"):
+        step.init(spec.init(jax.random.PRNGKey(0)), *spec.make_args())
