@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from nnscaler_jax.constraints import Constraints, pivot_paths
+from nnscaler_jax.cost.compute import TRAINABLE
 from nnscaler_jax.cost.fusion import fused_bytes
 from nnscaler_jax.cost.model import CostModel, itemsize
 from nnscaler_jax.cost.residuals import residual_outputs
@@ -315,6 +316,19 @@ def identical_layers(graph: Graph, bounds: Sequence[tuple[int, int]]) -> bool:
     return len(reads) == 1 and len({signature(a, b) for a, b in bounds}) == 1
 
 
+#: nnx's rng stream state: the pipelined step keys the streams itself (per micro-batch), it
+#: carries no such collection.
+_RNG_STATE = ("rngcount", "rngkey")
+
+
+def _carries_collections(graph: Graph) -> bool:
+    """Whether the pipelined step carries mutable collections for this model (BatchNorm
+    statistics: linen's ``batch_stats``, nnx's ``BatchStat``): variables neither trained
+    nor rng stream state (the step's rule, :attr:`~nnscaler_jax.capture.module_call.
+    ModuleCall.collections`)."""
+    return any(t.collection not in (*TRAINABLE, *_RNG_STATE) for t in graph.variables)
+
+
 def tp_error(tensor: Sequence[str], schedule: str, collections: Sequence[str] = ()
              ) -> PlanError:
     """What the one-program cut runtime does not run on tensor-parallel stages: recycling
@@ -384,7 +398,7 @@ def plan_cut(graph: Graph, mesh_axes: dict[str, int], constraints: Constraints, 
     """
     axis = require_stage_axis(mesh_axes)
     S = mesh_axes[axis]
-    colls = any(t.collection not in (None, "params") for t in graph.variables)
+    colls = _carries_collections(graph)
     keys = any(t.role is Role.RNG for t in graph.inputs)
     if why_cut(pivots=bool(constraints.pipeline_pivots), schedule=constraints.schedule,
                precision=constraints.precision, collections=colls, keys=keys) is None \

@@ -36,6 +36,7 @@ from nnscaler_jax.pipeline.recycle import reference_loss
 
 RTOL, ATOL = 1e-4, 1e-6   # float32; ATOL for entries whose true value is ~0
 MESH = ((2, 2, 2), ("stage", "data", "model"))
+RUNTIME = {"per-stage": "MpmdProgram", "in-graph": "CutProgram"}
 
 
 def _wrapped(name, **kw):
@@ -173,12 +174,14 @@ def test_the_stages_are_priced_tensor_parallel():
 
 
 @pytest.mark.slow
-def test_dropout_keys_per_microbatch_and_data_shard():
+@pytest.mark.parametrize("executor", ["per-stage", "in-graph"])
+def test_dropout_keys_per_microbatch_and_data_shard(executor):
     """GPT with dropout cut at its layers (pivots), tensor-parallel stages: each micro-batch
     and data shard draws the keys the other runtimes give it (``microbatch_rngs(key, g)``,
     ``g = m x D + d``), so one SGD step equals the single-device step over those blocks. A
     recompute rule checkpoints layer h_0 inside its chunk (under the in-stage constraints; it
-    was a TypeError)."""
+    was a TypeError). One program per stage, or one program (the masks drawn whole on each
+    device's blocks)."""
     from nnscaler_jax.pipeline import microbatch_rngs
 
     M, D = 2, 2
@@ -187,13 +190,14 @@ def test_dropout_keys_per_microbatch_and_data_shard():
     params = spec.module.init(jax.random.key(0), tokens)["params"]
     pm = auto_parallel(make_mesh(*MESH), Constraints(pipeline_stages=2, microbatches=M,
                                                      schedule="1f1b", pipeline_pivots=("h_*",),
-                                                     rules=(Rule("h_0", recompute=True),)),
+                                                     rules=(Rule("h_0", recompute=True),),
+                                                     pipeline_executor=executor),
                        policy="megatron")(spec.module)
     step = pm.train_step(spec.loss_fn, optax.sgd(0.1), inputs=1,
                          module_kwargs={"deterministic": False})
     rng = jax.random.key(7)
     state = step.init({"params": params}, tokens, rng=rng)
-    assert type(step.program).__name__ == "MpmdProgram"
+    assert type(step.program).__name__ == RUNTIME[executor]
     state, metrics = step(state, tokens)
     _, key = jax.random.split(rng)
     blocks = tokens.reshape((M * D, -1) + tokens.shape[1:])
@@ -218,7 +222,8 @@ def test_dropout_keys_per_microbatch_and_data_shard():
 
 
 @pytest.mark.slow
-def test_an_nnx_module_trains_and_takes_its_parameters_back():
+@pytest.mark.parametrize("executor", ["per-stage", "in-graph"])
+def test_an_nnx_module_trains_and_takes_its_parameters_back(executor):
     """nnx GPT cut at its layers: one SGD step like one device; ``step.update(state)`` writes
     the parameters back as whole arrays the module runs on eagerly (not left on the stages'
     separate devices, where the module's own call failed on incompatible devices)."""
@@ -228,12 +233,13 @@ def test_an_nnx_module_trains_and_takes_its_parameters_back():
     module, (tokens,) = spec.module, spec.make_args()
     ref = nnx.clone(module)
     pm = auto_parallel(make_mesh(*MESH), Constraints(pipeline_stages=2, microbatches=2,
-                                                     schedule="1f1b", pipeline_pivots=("h/*",)),
+                                                     schedule="1f1b", pipeline_pivots=("h/*",),
+                                                     pipeline_executor=executor),
                        policy="megatron")(module)
     step = pm.train_step(spec.loss_fn, optax.sgd(0.1))
     state = step.init(None, tokens)
     state, metrics = step(state, tokens)
-    assert type(step.program).__name__ == "MpmdProgram"
+    assert type(step.program).__name__ == RUNTIME[executor]
     loss, grads = nnx.jit(nnx.value_and_grad(lambda m: spec.loss_fn(m(tokens), tokens)))(ref)
     np.testing.assert_allclose(metrics["loss"], loss, rtol=RTOL)
     params = nnx.state(ref, nnx.Param)
