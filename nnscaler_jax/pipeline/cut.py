@@ -331,12 +331,11 @@ def _carries_collections(graph: Graph) -> bool:
 
 def tp_error(tensor: Sequence[str], schedule: str, collections: Sequence[str] = ()
              ) -> PlanError:
-    """What the one-program cut runtime does not run on tensor-parallel stages: recycling
-    passes, all-device blocks, split backwards and mutable collections (the per-stage
-    runtime, :class:`~nnscaler_jax.pipeline.mpmd.MpmdProgram`, runs all but the last)."""
+    """What the one-program cut runtime does not run on tensor-parallel stages: all-device
+    blocks and mutable collections (the per-stage runtime,
+    :class:`~nnscaler_jax.pipeline.mpmd.MpmdProgram`, runs the first)."""
     what = (f"mutable collections ({list(collections)[:3]})" if collections else
-            f"schedule {schedule!r} (its recycling passes, all-device blocks or split "
-            "backwards)")
+            f"schedule {schedule!r} (its all-device blocks)")
     return PlanError(
         f"pipeline: tensor-parallel stages (mesh axes {list(tensor)}) in one program "
         f"(pipeline_executor='in-graph') do not run {what}. Use "

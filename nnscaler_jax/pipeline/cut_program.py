@@ -82,7 +82,7 @@ from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Role
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.lower.eqns import NO_CONSTRAINTS
-from nnscaler_jax.lower.manual import assemble, block
+from nnscaler_jax.lower.manual import assemble, block, relayout
 from nnscaler_jax.mesh.axes import mesh_axes
 from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.chunks import pack, packing, run_chunk, unpack, widths
@@ -151,7 +151,8 @@ def run_segment(prog: Any, seg: int, pvec: dict, shared: list, cin: dict, batch:
         return out, jnp.zeros((), jnp.float32), new
     loss, *outs = cj.jaxpr.outvars
     if n_x:
-        out = pack([_value(env, v) for v in outs], prog.r_pack, prog.c_width)
+        out = pack(prog.whole(outs, [_value(env, v) for v in outs]), prog.r_pack,
+                   prog.c_width)
     else:
         out = {dt: jnp.zeros((n,), dt) for dt, n in prog.c_width.items()}
     return out, jnp.asarray(_value(env, loss), jnp.float32), new
@@ -235,7 +236,7 @@ class CutProgram(InGraphRuntime):
                  stage_plans: tuple = (), overlap: bool = False):
         self.layer_rules = dict(layer_rules)  # layer -> recomputed on its own (rules.py)
         self._setup(module, loss_fn, mesh, sched, batch, policy=policy, recompute=recompute)
-        if self.tp_axes and (sched.recycles or sched.all_device or sched.split_backward):
+        if self.tp_axes and sched.all_device:
             raise tp_error(self.tp_axes, sched.name)
         if sched.recycles and sched.all_device:
             raise PlanError(f"schedule {sched.name!r} has both recycling passes ('N') and "
@@ -333,7 +334,9 @@ class CutProgram(InGraphRuntime):
             made.get(getattr(tensors.get(v), "id", None), Layout.replicated(v.aval.ndim))
             .local_shape(v.aval.shape, self._spec), v.aval.dtype)
         self.c_pack = [packing([local(v) for v in b]) for b in self.cut.bounds]
-        self.c_width = widths(self.c_pack) or {"float32": 1}
+        self.c_width = widths(self.c_pack + [self.r_pack] * bool(self.x_vars)) \
+            or {"float32": 1}
+        self._made = made
         # (grad_norm's weights: one over the devices of a stage holding each element)
         sizes, T = mesh_axes(self.mesh), len(self._tp_devices)
         ones = [np.full(a.shape, 1.0 / (T // math.prod(
@@ -364,6 +367,20 @@ class CutProgram(InGraphRuntime):
         for dt, g in grads["stages"].items():
             total += jnp.sum(self._norm_weights[dt] * jnp.square(g.astype(jnp.float32)))
         return jnp.sqrt(total)
+
+    def whole(self, vars_: list, values: list) -> list:
+        """The model's outputs recycled to chunk 0 (``nf1b``), whole: on tensor-parallel
+        stages gathered from the blocks they were made in (chunk 0 reads the module's inputs
+        whole)."""
+        if not self.tp_axes:
+            return values
+        tensors, sizes = self.stage_plans[0].constraints.sources.tensors, mesh_axes(self.mesh)
+        out = []
+        for v, x in zip(vars_, values, strict=True):
+            lay = self._made.get(getattr(tensors.get(v), "id", None))
+            out.append(x if lay is None or not lay.split_axes else
+                       relayout(x, lay, Layout.replicated(lay.ndim), sizes))
+        return out
 
     def evaluator(self, c: int) -> Callable:
         """How chunk ``c``'s equations run: as they are (stages data-parallel inside), or on

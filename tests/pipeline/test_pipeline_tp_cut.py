@@ -310,7 +310,7 @@ def test_an_unread_parameter_and_a_pytree_mask():
     assert not np.allclose(np.asarray(step.params(state)["unused"]), params["unused"])
 
 
-def _sgd_step_like_one_device(name, schedule, loss=None):
+def _sgd_step_like_one_device(name, schedule, loss=None, executor="per-stage"):
     """One SGD step of the zoo's tiny ``name`` with ``schedule`` on Megatron stages (2 stages x
     2 data x 2 model, 4 micro-batches) against one device (``loss``: its loss of the params
     and batch, default the module's); returns the program and the state after it."""
@@ -318,12 +318,13 @@ def _sgd_step_like_one_device(name, schedule, loss=None):
     params = spec.init(jax.random.PRNGKey(0))["params"]
     args = spec.make_args()
     pm = auto_parallel(make_mesh(*MESH), Constraints(pipeline_stages=2, microbatches=4,
-                                                     schedule=schedule),
+                                                     schedule=schedule,
+                                                     pipeline_executor=executor),
                        policy="megatron")(spec.module)
     step = pm.train_step(spec.loss_fn, optax.sgd(0.1))
     state = step.init({"params": params}, *args)
     prog = step.program
-    assert type(prog).__name__ == "MpmdProgram" and prog.tp_axes == ("model",)
+    assert type(prog).__name__ == RUNTIME[executor] and prog.tp_axes == ("model",)
     state, metrics = step(state, *args)
     loss = loss or (lambda p, *b: spec.loss_fn(spec.module.apply({"params": p}, *b), *b))
     ref, grads = jax.jit(jax.value_and_grad(loss))(params, *args)
@@ -334,12 +335,16 @@ def _sgd_step_like_one_device(name, schedule, loss=None):
 
 
 @pytest.mark.slow
-def test_nf1b_evoformer_on_tensor_parallel_stages_recycles_like_one_device():
+@pytest.mark.parametrize("executor", ["per-stage", "in-graph"])
+def test_nf1b_evoformer_on_tensor_parallel_stages_recycles_like_one_device(executor):
     # AlphaFold2's recycling (2 no-grad passes per micro-batch, then 1F1B) on stages that run
-    # Megatron inside, one program per stage: the last chunk's outputs go back to chunk 0
+    # Megatron inside, one program per stage or one program: the last chunk's outputs go back
+    # to chunk 0 (in one program gathered from the blocks they were made in)
     spec = models.get("evoformer", "tiny", batch_size=16)
     prog, _ = _sgd_step_like_one_device("evoformer", sch.nf1b(2, 4, recycles=2),
-                                        reference_loss(spec.module, spec.loss_fn, 2))
+                                        reference_loss(spec.module, spec.loss_fn, 2), executor)
+    if executor == "in-graph":
+        return
     for s in range(2):  # (stage 1's program numbers its devices 0..3 in its sub-mesh)
         kinds = {(k.kind, tuple(k.axes))
                  for k in hlo_collectives(prog.chunk_text(s), prog.sub[s])}
@@ -381,14 +386,15 @@ def _in_graph(name, schedule="1f1b", policy="megatron", **kw):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,clip", [("t5", False), ("swin", True)])
-def test_tensor_parallel_stages_in_one_program_train_like_one_device(name, clip):
+@pytest.mark.parametrize("name,clip,schedule", [("t5", False, "1f1b"),
+                                                ("swin", True, "zb-h1")])
+def test_tensor_parallel_stages_in_one_program_train_like_one_device(name, clip, schedule):
     """``pipeline_executor='in-graph'``: the cut stages tensor-parallel inside one program
     (each stage's chunks on its devices' blocks, the plan's collectives explicit: no stage
-    waits on another's). Two Adam steps (Swin's with global-norm clipping, which the step
-    runs on the module's tree) equal one device's; the stored rows are split over 'model';
-    steps after the first compile nothing."""
-    spec, pm = _in_graph(name)
+    waits on another's). Three Adam steps (Swin's with global-norm clipping, which the step
+    runs on the module's tree, and zero-bubble split backwards) equal one device's; the
+    stored rows are split over 'model'; steps after the first compile nothing."""
+    spec, pm = _in_graph(name, schedule)
     params = spec.init(jax.random.PRNGKey(0))["params"]
     args = spec.make_args()
     opt = optax.adam(1e-2, eps=1e-3)
@@ -426,9 +432,9 @@ def test_tensor_parallel_stages_in_one_program_train_like_one_device(name, clip)
 
 
 def test_tensor_parallel_stages_in_one_program_refuse_what_they_do_not_run():
-    """Schedules with recycling, all-device blocks or split backwards are refused in one
-    program, with the fix: one program per stage (a co-sharded stage plan likewise, when its
-    lowering is made: tests/lower/test_manual.py)."""
+    """A schedule with all-device blocks is refused in one program, with the fix: one
+    program per stage (a co-sharded stage plan likewise, when its lowering is made:
+    tests/lower/test_manual.py)."""
     spec, pm = _in_graph("t5", schedule="interlaced")
     step = pm.train_step(spec.loss_fn, optax.sgd(1e-2))
     with pytest.raises(PlanError, match="pipeline_executor='per-stage'"):
