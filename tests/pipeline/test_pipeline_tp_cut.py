@@ -439,3 +439,31 @@ def test_tensor_parallel_stages_in_one_program_refuse_what_they_do_not_run():
     step = pm.train_step(spec.loss_fn, optax.sgd(1e-2))
     with pytest.raises(PlanError, match="pipeline_executor='per-stage'"):
         step.init(spec.init(jax.random.PRNGKey(0)), *spec.make_args())
+
+
+@pytest.mark.slow
+def test_transformers_gpt2_on_tensor_parallel_stages_in_one_program():
+    """transformers' Flax GPT-2 as users call it (its module and params, the mask and
+    positions among the inputs, the steps inside an Explicit mesh context) on Megatron
+    stages in one program: two Adam steps equal one device's."""
+    from tiny_gpt2 import tiny_gpt2
+
+    model, args, loss_fn = tiny_gpt2(16, 8)
+    mesh = make_mesh(*MESH)
+    pm = auto_parallel(mesh, Constraints(pipeline_stages=2, microbatches=2, schedule="1f1b",
+                                         pipeline_executor="in-graph"),
+                       policy="megatron")(model.module)
+    opt = optax.adam(1e-2, eps=1e-3)
+    step = pm.train_step(loss_fn, opt)
+    state = step.init({"params": model.params}, *args)
+    assert type(step.program).__name__ == "CutProgram" and step.program.tp_axes == ("model",)
+    grad_of = jax.jit(jax.value_and_grad(
+        lambda p: loss_fn(model.module.apply({"params": p}, *args), *args)))
+    want, opt_state = model.params, opt.init(model.params)
+    for _ in range(2):
+        with jax.set_mesh(mesh):
+            state, metrics = step(state, *args)
+        loss, grads = grad_of(want)
+        want, opt_state = updated(opt, want, grads, opt_state)
+        np.testing.assert_allclose(metrics["loss"], loss, rtol=RTOL)
+    assert_same_params(step.params(state), want, rtol=RTOL, atol=ATOL)
