@@ -13,6 +13,14 @@ input and output, so the result does not depend on it). Custom-JVP calls inside 
 JVP's must be. An iota counting along the chunked dim (a causal mask's positions) counts the
 chunk's global positions: in that view, position ``r`` of chunk ``c`` is
 ``(r // cs) k cs + c cs + r % cs`` (``cs``: a chunk's rows per device).
+
+On each device's blocks (``Lowering(manual=True)``: a tensor-parallel pipeline stage in one
+program) the same view holds with one part: a device chunks its own block of the dim, chunk
+``c`` being its rows ``c``, which are rows ``c`` of its part in the view above, so the
+relayouts inside a chunk (explicit collectives over the mesh axes splitting other dims, or
+this one) meet the other devices' chunks ``c``. A chunked input is read as its block's first
+reader reads it; the block's other readers relay it from there. An iota counting along the
+chunks is refused there (its global positions would need the device's offset).
 """
 
 from __future__ import annotations
@@ -59,7 +67,7 @@ def _stacked(lw: Any, t: Tensor, x: Any, pos: int, lay: Layout | None = None) ->
     axis, and the loop's slice of one chunk then replicates the whole stack on every device
     (XLA's "involuntary full rematerialization"; seen on a Swin at 64 px)."""
     lay = lay if lay is not None else lw.layouts.get(t.id)
-    if lay is None or lay.partial or not t.ndim:
+    if lay is None or lay.partial or not t.ndim or lw.manual:  # (manual: blocks already)
         return x
     sizes = mesh_axes(lw.mesh)
     if x.shape[pos + 1] % math.prod(sizes[a] for a in lay.dims[pos]):
@@ -225,12 +233,18 @@ def run_coshard(lw: Any, ops: Sequence[Op], env: dict, b: Boundary) -> None:
             f"{n} ways over the mesh and cannot run as {k} chunks per device; use a chunk "
             f"count dividing {p['size'] // n}")
     cut = [(t, a) for t, a in zip(b.inputs, p["in_axes"], strict=True) if a is not None]
+    if lw.manual:  # each device's block: its own rows of the chunked dim, chunked alone
+        for op in ops:
+            if op.primitive == "iota" and \
+                    op.annotation.outputs[0].axis_of(idents[op.id]) == op.params["dimension"]:
+                raise lw._not_manual(op, "an iota counting along a co-sharded block's chunks")
+    view = 1 if lw.manual else n  # (the devices' parts the chunk view interleaves)
     # each chunked input relaid out once, whole, to the layout the block reads it in, then cut
     # into chunks: a stack relaid out inside the loop is moved whole in every chunk (XLA does
     # not hoist it; T5-8's tied LM head: its 1.5 GiB table all-to-all'd 4 times more a step)
     lays = _chunked_reads(lw, ops, [t for t, _ in cut])
     chunked = [_stacked(lw, t, _split(lw._read(env, t) if lays[t.id][0] is None else
-                                      lw.read_as(env, t, *lays[t.id][:2]), a, k, n),
+                                      lw.read_as(env, t, *lays[t.id][:2]), a, k, view),
                         a, lays[t.id][0]) for t, a in cut]
     whole = {t.id: lw._read(env, t) for t, a in zip(b.inputs, p["in_axes"], strict=True)
              if a is None}
@@ -251,6 +265,9 @@ def run_coshard(lw: Any, ops: Sequence[Op], env: dict, b: Boundary) -> None:
         inner.update({t.id: x for (t, _), x in zip(cut, xs, strict=True)})
         inner.update({key: x for (t, _), x in zip(cut, xs, strict=True)
                       for key in lays[t.id][2]})
+        if lw.manual:  # (each chunk is of the input's blocks as its first reader reads them)
+            inner.update({("made", t.id): lays[t.id][0] for t, _ in cut
+                          if lays[t.id][0] is not None})
         for op in ops:
             lw._op(op, inner, ways={idents[op.id]: k})
             if op.primitive == "iota":
@@ -267,7 +284,7 @@ def run_coshard(lw: Any, ops: Sequence[Op], env: dict, b: Boundary) -> None:
 
     ys = chunk_loop(one, k, stack, prepare, stack_out)(whole, chunked)
     for t, y, a in zip(b.outputs, ys, p["out_axes"], strict=True):
-        x = _merge(y, a, k, n)
+        x = _merge(y, a, k, view)
         lay = lw.layouts.get(t.id)
         env[t.id] = jax.lax.with_sharding_constraint(x, lw.sharding(lay)) \
-            if lay is not None and t.ndim else x
+            if lay is not None and t.ndim and not lw.manual else x

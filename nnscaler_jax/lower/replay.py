@@ -81,8 +81,9 @@ manual over its axes not yet manual); ``result_specs``: on an Explicit mesh, the
     (None: :data:`~nnscaler_jax.mesh.topology.DEFAULT_LINK` on every axis, as the default
     cost model); ``manual``: it runs inside a ``shard_map`` manual over the plan's axes, on
     each device's blocks, its relayouts explicit collectives (:mod:`nnscaler_jax.lower.manual`:
-    the graph's inputs other than variables enter replicated; co-sharded blocks, value-split
-    chains, fused attention, ops run on pieces and loops are refused))."""
+    the graph's inputs other than variables enter replicated; co-sharded blocks run as each
+    device's blocks chunked; an op co-sharded alone, value-split chains, fused attention, ops
+    run on pieces and loops are refused))."""
 
     graph: Graph
     plan: Plan
@@ -120,12 +121,10 @@ manual over its axes not yet manual); ``result_specs``: on an Explicit mesh, the
 
     def _check_manual(self) -> None:
         """Refuse, before anything runs, what a program on each device's blocks cannot hold:
-        ops that run as ``shard_map`` regions of their own, and loops or branches."""
-        kinds = {b.id: b.kind for b in self.graph.boundaries}
+        ops that run as ``shard_map`` regions of their own, and loops or branches
+        (co-sharded blocks run, each device chunking its own block)."""
         for op in self.graph.walk():
             p = self._plans.get(op.id)
-            if any(kinds.get(b) == COSHARD for b in op.boundary):
-                raise self._not_manual(op, "in a co-sharded block")
             if self._in_chain(op):
                 raise self._not_manual(op, "in a value-split chain")
             if op.primitive == FUSED:
@@ -260,6 +259,7 @@ manual over its axes not yet manual); ``result_specs``: on an Explicit mesh, the
             return x
         src = self.layouts.get(t.id)
         if self.manual:
+            src = env.get(("made", t.id), src)  # (a co-sharded block's chunked input)
             if key not in env:
                 env[key] = self._manual_read(x, t, src, lay, split)
             return env[key]
@@ -427,7 +427,7 @@ manual over its axes not yet manual); ``result_specs``: on an Explicit mesh, the
             out_lays = [Layout.replicated(t.ndim) for t in op.outputs]
         ins = [self.read_as(env, t, lay, split) for t, lay in zip(op.inputs, in_lays, strict=True)]
         if self.manual:
-            self._manual_op(op, plan, ins, out_lays, env)
+            self._manual_op(op, plan, ins, out_lays, env, ways or {})
             return
         if ways is not None:
             if plan is not None and (plan.chunks or (plan.split and runs_on_pieces(op))):
@@ -464,12 +464,12 @@ manual over its axes not yet manual); ``result_specs``: on an Explicit mesh, the
         return op.primitive in PARAM_SHAPED and not gather_on_batch(op, names)
 
     def _manual_op(self, op: Op, plan: OpPlan | None, ins: list[Any],
-                   out_lays: Sequence[Layout], env: dict) -> None:
+                   out_lays: Sequence[Layout], env: dict, chunks: dict[str, int]) -> None:
         """``op`` on each device's blocks; its partial sums reduced where the value is made
         whole (:meth:`resolve`), by explicit collectives (what cannot run so was refused
         when the lowering was made: :meth:`_check_manual`)."""
         sizes = dict(self.mesh.shape)
-        ways: dict[str, int] = {}
+        ways = dict(chunks)  # (a co-sharded block's chunk: identifier -> chunks)
         for axis, name in plan.split if plan is not None else ():
             if name != VALUE:
                 ways[name] = ways.get(name, 1) * sizes[axis]

@@ -519,7 +519,8 @@ def _executors(tensor: Sequence[str], collections: bool,
     without it to the first (one program where it runs) unless ``pipeline_stages="auto"``
     (the stage DP weighs both). Tensor-parallel stages run one program per stage unless
     asked (``pipeline_executor='in-graph'``: one program, each stage on its devices' blocks,
-    which runs only plans without shard_map regions of their own: no co-sharding);
+    which runs only plans without shard_map regions of their own, co-sharded blocks
+    aside);
     stages data-parallel inside either, but only the one program carries mutable
     collections.
 

@@ -433,7 +433,7 @@ def test_tensor_parallel_stages_in_one_program_train_like_one_device(name, clip,
 
 def test_tensor_parallel_stages_in_one_program_refuse_what_they_do_not_run():
     """A schedule with all-device blocks is refused in one program, with the fix: one
-    program per stage (a co-sharded stage plan likewise, when its lowering is made:
+    program per stage (an op co-sharded alone likewise, when its lowering is made:
     tests/lower/test_manual.py)."""
     spec, pm = _in_graph("t5", schedule="interlaced")
     step = pm.train_step(spec.loss_fn, optax.sgd(1e-2))

@@ -10,7 +10,9 @@ without a budget; the chunk programs run them as chunk loops, and one SGD step e
 device's (float32, rtol 1e-4). With 8 x 8 windows (the attention scores then outgrow the
 blocks' inputs; at 4 x 4 they do not, and co-sharding them would save nothing) and the cut at
 ``layers_1``, 200,000 bytes make the first stage co-shard its two blocks whole along the
-micro-batch rows: window attention and MLP, nnScaler's Swin plan.
+micro-batch rows: window attention and MLP, nnScaler's Swin plan; it runs one program per
+stage, or (asked) in one program, each device chunking its own blocks (``Lowering(manual=
+True)``).
 """
 
 import jax
@@ -29,10 +31,12 @@ RTOL, ATOL = 1e-4, 1e-6
 BUDGET = 150_000
 
 
-def _swin(budget, pivots=(), batch=8, mesh=((2, 4), ("stage", "model")), **config):
+def _swin(budget, pivots=(), batch=8, mesh=((2, 4), ("stage", "model")), executor=None,
+          **config):
     spec = models.get("swin", "tiny", batch_size=batch, **config)
     cons = Constraints(pipeline_stages=2, microbatches=4, schedule="1f1b",
-                       max_memory_per_device=budget, pipeline_pivots=pivots)
+                       max_memory_per_device=budget, pipeline_pivots=pivots,
+                       pipeline_executor=executor)
     pm = auto_parallel(make_mesh(*mesh), cons, policy="auto")(spec.module)
     return spec, pm
 
@@ -87,9 +91,13 @@ def test_cosharded_stages_train_like_one_device():
 
 
 @pytest.mark.slow
-def test_window_attention_and_mlp_cosharded_in_the_first_stage():
-    spec, pm = _swin(200_000, pivots=("layers_1",), window_size=8)
+@pytest.mark.parametrize("executor", [None, "in-graph"])
+def test_window_attention_and_mlp_cosharded_in_the_first_stage(executor):
+    """nnScaler's Swin plan (its first blocks co-sharded on tensor-parallel stages), one
+    program per stage or (asked) one program, each device chunking its own blocks."""
+    spec, pm = _swin(200_000, pivots=("layers_1",), window_size=8, executor=executor)
     args, opt, step, state = _step(spec, pm)
+    assert type(step.program).__name__ == ("CutProgram" if executor else "MpmdProgram")
     plan = pm.plan
     assert plan.pipeline.stage_of == (("layers_1", 1),)
     assert plan.cost.memory_bytes_per_device <= 200_000
