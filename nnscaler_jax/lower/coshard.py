@@ -36,6 +36,7 @@ import numpy as np
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Boundary, Op, Tensor
 from nnscaler_jax.layout import Layout
+from nnscaler_jax.lower.manual import grad_reduced
 from nnscaler_jax.mesh.axes import mesh_axes
 from nnscaler_jax.plan.layouts import plan_layouts
 from nnscaler_jax.plan.plan import VALUE
@@ -73,6 +74,29 @@ def _stacked(lw: Any, t: Tensor, x: Any, pos: int, lay: Layout | None = None) ->
     if x.shape[pos + 1] % math.prod(sizes[a] for a in lay.dims[pos]):
         return x  # the chunk does not divide over the axes that split the dim
     return jax.lax.with_sharding_constraint(x, lw.sharding(Layout(((),) + lay.dims)))
+
+
+def _block_view(lw: Any, seed: Op, idents: dict, ops: Sequence[Op], n: int) -> Any:
+    """On each device's blocks: ``(layout, axis) -> parts``, how many of the seed's ``n``
+    parts of the chunked dim (axis ``axis`` of a value laid out as ``layout``) its block
+    holds: the view :func:`_split` / :func:`_merge` take (chunk ``c`` is rows ``c`` of each
+    part, as the other values' chunks ``c``). A value must split the dim over a leading run
+    of the seed's axes, and no iota may count along the chunks (its global positions would
+    need the device's offset); else a ``PlanError``."""
+    want = tuple(a for a, d in lw.plan_of(seed).split if d == idents[seed.id])
+    for op in ops:
+        if op.primitive == "iota" and \
+                op.annotation.outputs[0].axis_of(idents[op.id]) == op.params["dimension"]:
+            raise lw._not_manual(op, "an iota counting along a co-sharded block's chunks")
+    sizes = mesh_axes(lw.mesh)
+
+    def view(lay: Layout | None, a: int) -> int:
+        axes = lay.dims[a] if lay is not None else None
+        if axes is None or want[:len(axes)] != axes:
+            raise lw._not_manual(seed, "the seed of a co-sharded block whose values split "
+                                 f"its chunked dim otherwise than over {want}")
+        return n // math.prod(sizes[x] for x in axes)
+    return view
 
 
 def _seed_ways(lw: Any, seed: Op, ident: str) -> int:
@@ -233,18 +257,17 @@ def run_coshard(lw: Any, ops: Sequence[Op], env: dict, b: Boundary) -> None:
             f"{n} ways over the mesh and cannot run as {k} chunks per device; use a chunk "
             f"count dividing {p['size'] // n}")
     cut = [(t, a) for t, a in zip(b.inputs, p["in_axes"], strict=True) if a is not None]
-    if lw.manual:  # each device's block: its own rows of the chunked dim, chunked alone
-        for op in ops:
-            if op.primitive == "iota" and \
-                    op.annotation.outputs[0].axis_of(idents[op.id]) == op.params["dimension"]:
-                raise lw._not_manual(op, "an iota counting along a co-sharded block's chunks")
-    view = 1 if lw.manual else n  # (the devices' parts the chunk view interleaves)
     # each chunked input relaid out once, whole, to the layout the block reads it in, then cut
     # into chunks: a stack relaid out inside the loop is moved whole in every chunk (XLA does
     # not hoist it; T5-8's tied LM head: its 1.5 GiB table all-to-all'd 4 times more a step)
     lays = _chunked_reads(lw, ops, [t for t, _ in cut])
+    # (the devices' parts the chunk view interleaves; on blocks, those each block holds)
+    view = (lambda lay, a: n) if not lw.manual else _block_view(lw, seed, idents, ops, n)
+    # (on blocks, a reader's cotangent sum over the axes it splits is its own, in the loop)
+    first = lambda t: lays[t.id][1] if not lw.manual else ()
     chunked = [_stacked(lw, t, _split(lw._read(env, t) if lays[t.id][0] is None else
-                                      lw.read_as(env, t, *lays[t.id][:2]), a, k, view),
+                                      lw.read_as(env, t, lays[t.id][0], first(t)), a, k,
+                                      view(lays[t.id][0] or lw.layouts.get(t.id), a)),
                         a, lays[t.id][0]) for t, a in cut]
     whole = {t.id: lw._read(env, t) for t, a in zip(b.inputs, p["in_axes"], strict=True)
              if a is None}
@@ -263,8 +286,8 @@ def run_coshard(lw: Any, ops: Sequence[Op], env: dict, b: Boundary) -> None:
         inner = dict(outer)  # relayouts made outside are not reused inside (recomputed)
         inner.update({reads[-key - 1][0] if key < 0 else key: x for key, x in whole.items()})
         inner.update({t.id: x for (t, _), x in zip(cut, xs, strict=True)})
-        inner.update({key: x for (t, _), x in zip(cut, xs, strict=True)
-                      for key in lays[t.id][2]})
+        inner.update({key: grad_reduced(x, key[3]) if lw.manual and key[3] else x
+                      for (t, _), x in zip(cut, xs, strict=True) for key in lays[t.id][2]})
         if lw.manual:  # (each chunk is of the input's blocks as its first reader reads them)
             inner.update({("made", t.id): lays[t.id][0] for t, _ in cut
                           if lays[t.id][0] is not None})
@@ -284,7 +307,7 @@ def run_coshard(lw: Any, ops: Sequence[Op], env: dict, b: Boundary) -> None:
 
     ys = chunk_loop(one, k, stack, prepare, stack_out)(whole, chunked)
     for t, y, a in zip(b.outputs, ys, p["out_axes"], strict=True):
-        x = _merge(y, a, k, view)
-        lay = lw.layouts.get(t.id)
+        lay = lw.layouts.get(t.id)  # (where the block's op made it: set as the loop ran)
+        x = _merge(y, a, k, view(lay, a))
         env[t.id] = jax.lax.with_sharding_constraint(x, lw.sharding(lay)) \
             if lay is not None and t.ndim and not lw.manual else x

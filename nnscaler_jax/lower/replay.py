@@ -256,7 +256,7 @@ manual over its axes not yet manual); ``result_specs``: on an Explicit mesh, the
         x = self._read(env, t)
         key = self.relayout_key(t, lay, split)
         if key is None:
-            return x
+            return self._manual_scalar(x, t, split) if self.manual else x
         src = self.layouts.get(t.id)
         if self.manual:
             src = env.get(("made", t.id), src)  # (a co-sharded block's chunked input)
@@ -279,6 +279,16 @@ manual over its axes not yet manual); ``result_specs``: on an Explicit mesh, the
                 env[key] = x
         return env[key]
 
+    @staticmethod
+    def _manual_scalar(x: Any, t: Tensor, split: Sequence) -> Any:
+        """A floating scalar read by an op split over axes: its cotangent summed over them
+        (each device's op makes a part of it)."""
+        axes = partial_grad_axes(Layout(()), tuple(split)) if t.ndim == 0 else ()
+        if axes and t.role is not Role.CONST and _is_array_dtype(t.dtype) \
+                and jnp.issubdtype(np.dtype(t.dtype), jnp.inexact):
+            return grad_reduced(x, axes)
+        return x
+
     def _manual_read(self, x: Any, t: Tensor, src: Layout | None, lay: Layout,
                      split: Sequence) -> Any:
         """:meth:`read_as` on each device's block: along the priced path by explicit
@@ -286,7 +296,7 @@ manual over its axes not yet manual); ``result_specs``: on an Explicit mesh, the
         not (:func:`~nnscaler_jax.lower.manual.grad_reduced`)."""
         if src is None:
             raise PlanError(f"manual lowering: where {t} was made is unknown (its block's "
-                            "layout), so it cannot be read as {lay}")
+                            f"layout), so it cannot be read as {lay}")
         sizes = dict(self.mesh.shape)
         steps = relayout_steps(src, lay, t.shape, np.dtype(t.dtype).itemsize, self.mesh_spec)
         for step in steps:
@@ -405,11 +415,18 @@ manual over its axes not yet manual); ``result_specs``: on an Explicit mesh, the
 
     def _manual_call(self, ops: Sequence[Op], env: dict, b: Any) -> None:
         """A call bound whole (custom derivatives), on each device's blocks: its inputs read
-        whole, its outputs made whole (its equations spell global shapes)."""
+        whole (its equations spell global shapes), its outputs sliced to the blocks the plan
+        makes them in (every value's layout is known before anything runs: LoweredEqns)."""
         ins = [self.read_as(env, t, Layout.replicated(t.ndim)) if t.ndim else
                self._read(env, t) for t in b.inputs]
+        made = {t.id: self.resolve(t, lay) for op in ops for t, lay in
+                zip(op.outputs, op_layouts(op, self._plans.get(op.id))[1], strict=True)}
+        sizes = dict(self.mesh.shape)
         for t, x in zip(b.outputs, bind_eqn(b.eqn, ins), strict=True):
-            env[t.id] = self._constrain(x, t, Layout.replicated(t.ndim))
+            want = Layout(made[t.id].dims) if t.id in made and t.ndim and \
+                _is_array_dtype(t.dtype) else Layout.replicated(t.ndim)
+            x = manual_relayout(x, Layout.replicated(t.ndim), want, sizes)
+            env[t.id] = self._constrain(x, t, want)
 
     def _local_size(self, t: Tensor, lay: Layout | None) -> int:
         shape = t.shape if lay is None else lay.local_shape(t.shape, self.mesh_spec)
@@ -421,13 +438,14 @@ manual over its axes not yet manual); ``result_specs``: on an Explicit mesh, the
         plan = self._plans.get(op.id)
         in_lays, out_lays = plan_layouts(op, self._plans, self._sole)
         split = plan.split if plan is not None else ()
+        planned = out_lays
         if self.manual and plan is not None and plan.split and self._whole_only(op, plan):
             plan, split = None, ()
             in_lays = [Layout.replicated(t.ndim) for t in op.inputs]
             out_lays = [Layout.replicated(t.ndim) for t in op.outputs]
         ins = [self.read_as(env, t, lay, split) for t, lay in zip(op.inputs, in_lays, strict=True)]
         if self.manual:
-            self._manual_op(op, plan, ins, out_lays, env, ways or {})
+            self._manual_op(op, plan, ins, out_lays, env, ways or {}, planned)
             return
         if ways is not None:
             if plan is not None and (plan.chunks or (plan.split and runs_on_pieces(op))):
@@ -464,7 +482,8 @@ manual over its axes not yet manual); ``result_specs``: on an Explicit mesh, the
         return op.primitive in PARAM_SHAPED and not gather_on_batch(op, names)
 
     def _manual_op(self, op: Op, plan: OpPlan | None, ins: list[Any],
-                   out_lays: Sequence[Layout], env: dict, chunks: dict[str, int]) -> None:
+                   out_lays: Sequence[Layout], env: dict, chunks: dict[str, int],
+                   planned: Sequence[Layout]) -> None:
         """``op`` on each device's blocks; its partial sums reduced where the value is made
         whole (:meth:`resolve`), by explicit collectives (what cannot run so was refused
         when the lowering was made: :meth:`_check_manual`)."""
@@ -474,8 +493,10 @@ manual over its axes not yet manual); ``result_specs``: on an Explicit mesh, the
             if name != VALUE:
                 ways[name] = ways.get(name, 1) * sizes[axis]
         outs = bind_local(op, ins, ways)
-        for t, x, lay in zip(op.outputs, outs, out_lays, strict=True):
-            reduced = self.resolve(t, lay)
+        for t, x, lay, want in zip(op.outputs, outs, out_lays, planned, strict=True):
+            # (made where the plan makes it: run whole, an op's results are sliced back, as
+            # every value's layout is known before anything runs: LoweredEqns)
+            reduced = self.resolve(t, want)
             if _is_array_dtype(t.dtype) and t.ndim:
                 x = manual_relayout(x, lay, reduced, sizes)
             elif lay.partial:  # (a scalar's partial sums)

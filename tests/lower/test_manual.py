@@ -5,6 +5,7 @@ not take (the tensor-parallel pipeline stage's setting)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import flax.linen as nn
@@ -18,6 +19,7 @@ from meshes import make_mesh
 
 import models
 from nnscaler_jax import PlanError, auto_parallel, trace
+from nnscaler_jax.ir.coshard import coshard_candidates
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.lower.manual import relayout
 from nnscaler_jax.lower.replay import Lowering
@@ -184,3 +186,55 @@ def test_on_blocks_a_co_sharded_op_is_refused_before_it_runs(mesh):
     d.decide(graph.op("fc2"), {"data": "m0", "model": "n0"}, chunks=("m0", 2))
     with pytest.raises(PlanError, match=r"'dot_general' at 'fc2' is co-sharded.*per-stage"):
         Lowering(graph, d.finish(), mesh, manual=True)
+
+
+class Scaled(nn.Module):
+    """A learnable scalar times a column-parallel activation (CLIP's logit scale)."""
+
+    @nn.compact
+    def __call__(self, x):
+        s = self.param("s", lambda k: jnp.asarray(1.5, jnp.float32))
+        return nn.Dense(8, name="fc2")(jnp.tanh(nn.Dense(32, name="fc1")(x)) * s)
+
+
+def test_on_blocks_a_scalar_read_by_a_split_op_gets_its_whole_gradient():
+    """Each device's op makes a part of the scalar's cotangent: summed over the axes the op
+    splits (it was one device's share, 0.10 of the gradient)."""
+    mesh = make_mesh((2, 4), ("data", "model"))
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 16)), jnp.float32)
+    got, ref = _manual(auto_parallel(mesh, policy="megatron")(Scaled()),
+                       Scaled().init(jax.random.key(0), x), x)
+    _check(got, ref, 1e-5)
+
+
+class Attend(nn.Module):
+    """Its input read by a column-parallel matmul first, then by the residual add."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(64, name="fc1", use_bias=False)(x)
+        p = jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", h, h), axis=-1)
+        return x + nn.Dense(16, name="fc2", use_bias=False)(jnp.einsum("bqk,bkd->bqd", p, h))
+
+
+class TwoAttends(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return Attend(name="blk_1")(Attend(name="blk_0")(x))
+
+
+def test_on_blocks_a_co_sharded_blocks_readers_sum_their_own_gradients():
+    """A co-sharded block's input read by a split matmul and by a residual add: each reader's
+    cotangent is summed over the axes it splits, not the first reader's (the residual's was
+    summed over 'model' too: blk_0's gradients 1.6x)."""
+    mesh = make_mesh((2, 4), ("data", "model"))
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(4, 8, 16)), jnp.float32)
+    variables = TwoAttends().init(jax.random.key(1), x)
+    pm = auto_parallel(mesh, policy="megatron")(TwoAttends())
+    pm.apply(variables, x)
+    prog = pm._last
+    (c,) = [c for c in coshard_candidates(prog.captured.graph) if c.layer == "blk_1"]
+    prog.plan = dataclasses.replace(prog.plan, coshard=((c.seed, c.dim, 2),))
+    pm.apply = lambda *a, **k: None  # (the planned program as changed above)
+    got, ref = _manual(pm, variables, x)
+    _check(got, ref, 1e-5)

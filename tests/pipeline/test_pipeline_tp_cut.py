@@ -467,3 +467,35 @@ def test_transformers_gpt2_on_tensor_parallel_stages_in_one_program():
         want, opt_state = updated(opt, want, grads, opt_state)
         np.testing.assert_allclose(metrics["loss"], loss, rtol=RTOL)
     assert_same_params(step.params(state), want, rtol=RTOL, atol=ATOL)
+
+
+class _Widths(nn.Module):
+    """Six Dense + relu layers of different widths (relu: a custom-derivative call, which
+    the stages on blocks run whole)."""
+
+    @nn.compact
+    def __call__(self, x):
+        for i, w in enumerate((32, 48, 64, 40, 56, 24)):
+            x = jax.nn.relu(nn.Dense(w, name=f"layers_{i}")(x))
+        return nn.Dense(4, name="head")(x)
+
+
+@pytest.mark.slow
+def test_searched_stages_in_one_program_pass_values_as_planned():
+    """Stages planned by the search, in one program: a value a call runs whole (relu) is
+    sliced back to the blocks its plan makes it in, so the next stage reads what it was told
+    (it crashed: the boundary was packed as the plan's blocks and sent whole)."""
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(16, 32)), jnp.float32)
+    params = _Widths().init(jax.random.key(0), x)["params"]
+    loss_fn = lambda out, x: jnp.mean(jnp.square(out))
+    pm = auto_parallel(make_mesh(*MESH), Constraints(
+        pipeline_stages=2, microbatches=2, schedule="1f1b", pipeline_executor="in-graph",
+        pipeline_pivots=("layers_1",)), policy="auto")(_Widths())
+    step = pm.train_step(loss_fn, optax.sgd(1e-2))
+    state, metrics = step(step.init({"params": params}, x), x)
+    assert type(step.program).__name__ == "CutProgram"
+    loss, grads = jax.value_and_grad(lambda p: loss_fn(_Widths().apply({"params": p}, x), x))(
+        params)
+    np.testing.assert_allclose(metrics["loss"], loss, rtol=RTOL)
+    assert_same_params(step.params(state), updated(optax.sgd(1e-2), params, grads), RTOL,
+                       ATOL)
