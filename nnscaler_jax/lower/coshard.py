@@ -91,10 +91,13 @@ def _block_view(lw: Any, seed: Op, idents: dict, ops: Sequence[Op], n: int) -> A
     sizes = mesh_axes(lw.mesh)
 
     def view(lay: Layout | None, a: int) -> int:
-        axes = lay.dims[a] if lay is not None else None
-        if axes is None or want[:len(axes)] != axes:
-            raise lw._not_manual(seed, "the seed of a co-sharded block whose values split "
-                                 f"its chunked dim otherwise than over {want}")
+        axes = lay.dims[a] if lay is not None else ()  # (None: a constant, whole)
+        if want[:len(axes)] != axes:
+            raise PlanError(
+                f"co-sharded block at '{seed.module_path or '<top>'}' on each device's blocks "
+                f"(tensor-parallel stages in one program): a value splits its chunked dim "
+                f"over {axes}, not over a leading run of its seed's axes {want}. Fix: run "
+                "the stages one program each (Constraints(pipeline_executor='per-stage'))")
         return n // math.prod(sizes[x] for x in axes)
     return view
 

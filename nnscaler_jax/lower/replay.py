@@ -423,7 +423,9 @@ manual over its axes not yet manual); ``result_specs``: on an Explicit mesh, the
                 zip(op.outputs, op_layouts(op, self._plans.get(op.id))[1], strict=True)}
         sizes = dict(self.mesh.shape)
         for t, x in zip(b.outputs, bind_eqn(b.eqn, ins), strict=True):
-            want = Layout(made[t.id].dims) if t.id in made and t.ndim and \
+            # (an output that is one of the inputs: where that was made)
+            at = made.get(t.id) or self.layouts.get(t.id)
+            want = Layout(at.dims) if at is not None and t.ndim and \
                 _is_array_dtype(t.dtype) else Layout.replicated(t.ndim)
             x = manual_relayout(x, Layout.replicated(t.ndim), want, sizes)
             env[t.id] = self._constrain(x, t, want)
