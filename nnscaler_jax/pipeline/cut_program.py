@@ -329,14 +329,13 @@ class CutProgram(InGraphRuntime):
                 self.leaf_layout[j] = Layout.from_pspec(spec, len(self.param_avals[j].shape))
         self.p_pack = [packing(self._block_avals(own, self.param_avals)) for own in self.owned]
         self.p_width = widths(self.p_pack)
-        tensors = self.stage_plans[0].constraints.sources.tensors
+        self._made = made
         local = lambda v: jax.ShapeDtypeStruct(
-            made.get(getattr(tensors.get(v), "id", None), Layout.replicated(v.aval.ndim))
+            (self._made_layout(v) or Layout.replicated(v.aval.ndim))
             .local_shape(v.aval.shape, self._spec), v.aval.dtype)
         self.c_pack = [packing([local(v) for v in b]) for b in self.cut.bounds]
         self.c_width = widths(self.c_pack + [self.r_pack] * bool(self.x_vars)) \
             or {"float32": 1}
-        self._made = made
         # (grad_norm's weights: one over the devices of a stage holding each element)
         sizes, T = mesh_axes(self.mesh), len(self._tp_devices)
         ones = [np.full(a.shape, 1.0 / (T // math.prod(
@@ -374,13 +373,19 @@ class CutProgram(InGraphRuntime):
         whole)."""
         if not self.tp_axes:
             return values
-        tensors, sizes = self.stage_plans[0].constraints.sources.tensors, mesh_axes(self.mesh)
+        sizes = mesh_axes(self.mesh)
         out = []
         for v, x in zip(vars_, values, strict=True):
-            lay = self._made.get(getattr(tensors.get(v), "id", None))
+            lay = self._made_layout(v)
             out.append(x if lay is None or not lay.split_axes else
                        relayout(x, lay, Layout.replicated(lay.ndim), sizes))
         return out
+
+    def _made_layout(self, v: Any) -> Layout | None:
+        """The layout of the blocks jaxpr variable ``v`` is made in on tensor-parallel
+        stages (None: no op of the plans makes it)."""
+        t = self.stage_plans[0].constraints.sources.tensors.get(v)
+        return None if t is None else self._made.get(t.id)
 
     def evaluator(self, c: int) -> Callable:
         """How chunk ``c``'s equations run: as they are (stages data-parallel inside), or on
