@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -41,26 +41,33 @@ __all__ = ["Packing", "ProgramCut", "cut_program", "layered", "pack", "packing",
 
 @dataclass(frozen=True)
 class Packing:
-    """Where each of a list of arrays lives in per-dtype flat vectors.
+    """Where each of a list of arrays lives in flat vectors, one per dtype (or per row key).
 
     Attributes:
-        slots: per array ``(dtype name, offset, shape)``.
-        sizes: per dtype, the elements used.
+        slots: per array ``(its vector's key: the dtype name, or the key given, offset,
+            shape)``.
+        sizes: per key, the elements used.
+        dtypes: the dtype of each key that is not a dtype name.
     """
 
     slots: tuple[tuple[str, int, tuple[int, ...]], ...]
     sizes: dict[str, int]
+    dtypes: dict[str, str] = field(default_factory=dict)
 
 
-def packing(avals: Sequence[Any]) -> Packing:
-    """The packing of arrays with these shapes and dtypes (anything with ``.shape``/``.dtype``)."""
+def packing(avals: Sequence[Any], keys: Sequence[str | None] | None = None) -> Packing:
+    """The packing of arrays with these shapes and dtypes (anything with ``.shape``/``.dtype``),
+    each in the vector of its dtype, or of ``keys[i]`` (arrays of one dtype only)."""
     sizes: dict[str, int] = {}
-    slots = []
-    for a in avals:
+    slots, dtypes = [], {}
+    for a, key in zip(avals, keys or [None] * len(avals), strict=True):
         dt, shape = np.dtype(a.dtype).name, tuple(int(d) for d in a.shape)
-        slots.append((dt, sizes.get(dt, 0), shape))
-        sizes[dt] = sizes.get(dt, 0) + math.prod(shape)
-    return Packing(tuple(slots), dict(sorted(sizes.items())))
+        key = key or dt
+        if key != dt and dtypes.setdefault(key, dt) != dt:
+            raise ValueError(f"packing: key {key!r} holds {dtypes[key]} and {dt}")
+        slots.append((key, sizes.get(key, 0), shape))
+        sizes[key] = sizes.get(key, 0) + math.prod(shape)
+    return Packing(tuple(slots), dict(sorted(sizes.items())), dtypes)
 
 
 def widths(packings: Sequence[Packing]) -> dict[str, int]:
@@ -72,16 +79,20 @@ def widths(packings: Sequence[Packing]) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def pack(values: Sequence[Any], pk: Packing, width: dict[str, int]) -> dict[str, Any]:
-    """``values`` as one zero-padded vector of ``width[dtype]`` elements per dtype."""
-    parts: dict[str, list] = {dt: [] for dt in width}
-    for x, (dt, _, _) in zip(values, pk.slots, strict=True):
-        parts[dt].append(jnp.ravel(x).astype(dt))
+def pack(values: Sequence[Any], pk: Packing, width: dict[str, int],
+         dtypes: dict[str, str] | None = None) -> dict[str, Any]:
+    """``values`` as one zero-padded vector of ``width[key]`` elements per dtype (or key:
+    its dtype ``dtypes[key]``, else ``pk``'s)."""
+    dtype = lambda k: (dtypes or {}).get(k) or pk.dtypes.get(k, k)
+    parts: dict[str, list] = {k: [] for k in width}
+    for x, (k, _, _) in zip(values, pk.slots, strict=True):
+        parts[k].append(jnp.ravel(x).astype(dtype(k)))
     out = {}
-    for dt, n in width.items():
-        used = pk.sizes.get(dt, 0)
-        pad = [jnp.zeros((n - used,), dt)] if n > used else []
-        out[dt] = jnp.concatenate(parts[dt] + pad) if parts[dt] or pad else jnp.zeros((0,), dt)
+    for k, n in width.items():
+        used = pk.sizes.get(k, 0)
+        pad = [jnp.zeros((n - used,), dtype(k))] if n > used else []
+        out[k] = (jnp.concatenate(parts[k] + pad) if parts[k] or pad
+                  else jnp.zeros((0,), dtype(k)))
     return out
 
 

@@ -7,8 +7,9 @@ cut_program`). Chunk ``c = v * stages + s`` runs on stage ``s``; chunks may diff
 ops, parameters, and the values they pass on (several activations, or values forwarded through
 intermediate chunks to a later one).
 
-- **Parameters**: each chunk's own parameter leaves are flattened into one zero-padded vector
-  per dtype, stacked ``[stages, virtual, width]`` and sharded over the stage axis, so a device
+- **Parameters**: each chunk's own parameter leaves are its pieces in the in-graph programs'
+  layout (:mod:`~nnscaler_jax.pipeline.packed`): flattened into one zero-padded vector per
+  dtype, stacked ``[stages, virtual, width]`` and sharded over the stage axis, so a device
   stores only its stage's parameters (the padding's gradient is 0, so optax keeps it 0). Leaves
   several chunks read (tied embeddings) are replicated, their gradients summed over stages.
 - **Boundaries**: the values crossing a boundary travel packed in one flat vector per dtype, as
@@ -62,9 +63,6 @@ reads those and drops what it makes; the other blocks leave them alone.
 
 from __future__ import annotations
 
-import functools
-import itertools
-import math
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -74,7 +72,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jcore
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnscaler_jax.capture.module_call import ModuleCall
@@ -82,7 +79,7 @@ from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Role
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.lower.eqns import NO_CONSTRAINTS
-from nnscaler_jax.lower.manual import assemble, block, relayout
+from nnscaler_jax.lower.manual import relayout
 from nnscaler_jax.mesh.axes import mesh_axes
 from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.chunks import pack, packing, run_chunk, unpack, widths
@@ -95,10 +92,11 @@ from nnscaler_jax.pipeline.mutable import (
     schedule_error,
     shared_error,
 )
+from nnscaler_jax.pipeline.packed import PackedRows
 from nnscaler_jax.pipeline.program import on_host
 from nnscaler_jax.pipeline.recycle import traced_program
 from nnscaler_jax.pipeline.split_backward import split_backward
-from nnscaler_jax.pipeline.update import mirror_store, place_as
+from nnscaler_jax.pipeline.update import place_as
 
 __all__ = ["CutProgram", "run_segment"]
 
@@ -253,9 +251,9 @@ class CutProgram(InGraphRuntime):
             if sched.all_device:
                 raise schedule_error(sched, self.coll_paths)
             require_forward_order(sched)
+        self.leaf_layout: dict[int, Layout] = {}  # owned leaf -> its blocks' layout (TP)
         self._cut(closed, abstract, stage_of)
         self.stage_plans: tuple = ()
-        self.leaf_layout: dict[int, Layout] = {}  # owned leaf -> its blocks' layout (TP)
         if self.tp_axes:
             self._plan_stages(closed, policy, rules, budget, stage_plans)
         self.g_width = {k: n for k, n in self.c_width.items() if _floating(k)} or {"float32": 1}
@@ -286,10 +284,11 @@ class CutProgram(InGraphRuntime):
         if bad:
             raise shared_error([self.coll_paths[k] for k in bad])
         self.param_avals = abstract
-        self.p_pack = [packing([abstract[j] for j in own]) for own in self.owned]
-        self.p_width = widths(self.p_pack)
-        self.coll_pack = [packing([self.coll_avals[k] for k in own]) for own in self.coll_owned]
-        self.coll_width = widths(self.coll_pack)
+        self._lay_rows()
+        self.coll_rows = PackedRows(self.mesh, self.axis, (), sched.stages, sched.virtual,
+                                    [[self.coll_avals[k] for k in own]
+                                     for own in self.coll_owned])
+        self.coll_pack, self.coll_width = self.coll_rows.packs, self.coll_rows.width
         jx = cut.jaxpr.jaxpr
         self.coll_in, self.coll_out = jx.invars[np_:np_ + nc], jx.outvars[1:1 + nc]
         self.c_pack = [packing([v.aval for v in b]) for b in cut.bounds]
@@ -327,8 +326,7 @@ class CutProgram(InGraphRuntime):
             for j in own:
                 spec = self.stage_plans[c % S].var_specs[j]
                 self.leaf_layout[j] = Layout.from_pspec(spec, len(self.param_avals[j].shape))
-        self.p_pack = [packing(self._block_avals(own, self.param_avals)) for own in self.owned]
-        self.p_width = widths(self.p_pack)
+        self._lay_rows()
         self._made = made
         local = lambda v: jax.ShapeDtypeStruct(
             (self._made_layout(v) or Layout.replicated(v.aval.ndim))
@@ -336,36 +334,6 @@ class CutProgram(InGraphRuntime):
         self.c_pack = [packing([local(v) for v in b]) for b in self.cut.bounds]
         self.c_width = widths(self.c_pack + [self.r_pack] * bool(self.x_vars)) \
             or {"float32": 1}
-        # (grad_norm's weights: one over the devices of a stage holding each element)
-        sizes, T = mesh_axes(self.mesh), len(self._tp_devices)
-        ones = [np.full(a.shape, 1.0 / (T // math.prod(
-            sizes[x] for x in self.leaf_layout.get(j, Layout.replicated(0)).split_axes)),
-            np.float32) for j, a in enumerate(self.param_avals)]
-        to_layout, _ = self._packed(self.owned, self.p_pack, self.p_width, self.shared,
-                                    len(ones))
-        self._norm_weights = on_host(to_layout, ones)["stages"]
-
-    def _block_avals(self, own: tuple, avals: list) -> list:
-        """The blocks' avals of leaves ``own`` (shaped as ``avals``; tensor-parallel stages:
-        as their stage's plan stores them)."""
-        out = []
-        for j in own:
-            a = avals[j]
-            lay = self.leaf_layout.get(j)
-            shape = tuple(a.shape) if lay is None else lay.local_shape(a.shape, self._spec)
-            out.append(jax.ShapeDtypeStruct(shape, a.dtype))
-        return out
-
-    def grad_norm(self, grads: Any) -> Any:
-        """The global norm of gradients in the stored layout: on tensor-parallel stages each
-        element weighted by one over the devices of its stage holding it (a leaf's blocks
-        replicated over a tensor axis are stored once per device)."""
-        if not self.tp_axes:
-            return super().grad_norm(grads)
-        total = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads["shared"])
-        for dt, g in grads["stages"].items():
-            total += jnp.sum(self._norm_weights[dt] * jnp.square(g.astype(jnp.float32)))
-        return jnp.sqrt(total)
 
     def whole(self, vars_: list, values: list) -> list:
         """The model's outputs recycled to chunk 0 (``nf1b``), whole: on tensor-parallel
@@ -394,134 +362,62 @@ class CutProgram(InGraphRuntime):
             return NO_CONSTRAINTS.evaluate
         return self.stage_plans[c % self.schedule.stages].evaluate
 
-    @property
-    def _tp_devices(self) -> list[dict[str, int]]:
-        """The coordinates over the tensor-parallel axes of a stage's devices, in the order
-        their rows' blocks are laid out (``P(stage, None, tp_axes)``: major to minor)."""
-        sizes = mesh_axes(self.mesh)
-        return [dict(zip(self.tp_axes, at, strict=True))
-                for at in itertools.product(*[range(sizes[a]) for a in self.tp_axes])]
+    def _lay_rows(self) -> None:
+        """The parameters' rows: each chunk's own leaves, as their stage's plan stores them."""
+        self.rows = self._rows_for(self.param_avals)
+        self.p_pack, self.p_width = self.rows.packs, self.rows.width
 
-    @property
-    def _stage_sharding(self) -> NamedSharding:
-        """Where the stages' packed rows live: over the stage axis, and their blocks over the
-        tensor-parallel axes."""
-        if not self.tp_axes:
-            return self.shardings()[1]
-        return NamedSharding(self.mesh, P(self.axis, None, self.tp_axes))
+    def _rows_for(self, avals: list) -> PackedRows:
+        return PackedRows(self.mesh, self.axis, self.tp_axes, self.schedule.stages,
+                          self.schedule.virtual, [[avals[j] for j in own] for own in self.owned],
+                          [[self.leaf_layout.get(j) for j in own] for own in self.owned])
+
+    def _pieces(self, leaves: list) -> list[list]:
+        return [[leaves[j] for j in own] for own in self.owned]
+
+    def _leaves(self, pieces: list[list], shared: list, n: int) -> list:
+        out: list[Any] = [None] * n
+        for j, x in zip(self.shared, shared, strict=True):
+            out[j] = x
+        for own, ps in zip(self.owned, pieces, strict=True):
+            for j, x in zip(own, ps, strict=True):
+                out[j] = x
+        return out
 
     def _where(self, c: int) -> tuple[int, int]:
         return c % self.schedule.stages, c // self.schedule.stages
 
-    def to_pipeline(self, params: Any) -> dict:
-        """Module params -> ``{'shared': [...], 'stages': {dtype: [S, V, width]}}`` on the mesh."""
-        return self._stack(jax.tree.leaves(params), self.owned, self.p_pack, self.p_width,
-                           self.shared)
-
-    def from_pipeline(self, pp: dict, spread: bool = False) -> Any:
-        """The inverse of :meth:`to_pipeline` (a module params tree; ``spread``: each leaf
-        over the mesh, :func:`~nnscaler_jax.pipeline.program.spread_sharding`)."""
-        out = self._unstack(pp, self.owned, self.p_pack, self.shared, len(self.param_avals),
-                            spread)
-        return jax.tree.unflatten(self.params_tree, out)
-
     def collections_to_pipeline(self, colls: Any) -> dict:
         """The collections' plain tree -> ``{'shared': [], 'stages': {dtype: [S, V, width]}}``:
         each leaf where the chunk reading it keeps its parameters."""
-        return self._stack(jax.tree.leaves(colls), self.coll_owned, self.coll_pack,
-                           self.coll_width, ())
+        rows = self.coll_rows
+        got = self._on_host(lambda ls: rows.to_rows([[ls[k] for k in own]
+                                                     for own in self.coll_owned]),
+                            jax.tree.leaves(colls))
+        return {"shared": [], "stages": {dt: jax.device_put(x, rows.sharding)
+                                         for dt, x in got.items()}}
 
     def collections_from_pipeline(self, pc: dict, spread: bool = False) -> Any:
         """The inverse of :meth:`collections_to_pipeline`."""
-        out = self._unstack(pc, self.coll_owned, self.coll_pack, (), len(self.coll_avals),
-                            spread)
-        return jax.tree.unflatten(self.coll_tree, out)
+        def leaves(stages):
+            out: list[Any] = [None] * len(self.coll_avals)
+            for own, ps in zip(self.coll_owned, self.coll_rows.from_rows(stages), strict=True):
+                for k, x in zip(own, ps, strict=True):
+                    out[k] = x
+            return out
 
-    def _stack(self, leaves: list, owned: tuple, packs: list, width: dict,
-               shared: tuple) -> dict:
-        """``leaves[owned[c]]`` packed into chunk ``c``'s row, ``leaves[shared]`` replicated
-        (packed on the host: no device holds the model whole)."""
-        to_layout, _ = self._packed(owned, packs, width, shared, len(leaves))
-        pp = self._on_host(to_layout, list(leaves))
-        rep, st = self.shardings()[0], self._stage_sharding
-        return {"shared": [jax.device_put(x, rep) for x in pp["shared"]],
-                "stages": {dt: jax.device_put(x, st) for dt, x in pp["stages"].items()}}
-
-    def _unstack(self, pp: dict, owned: tuple, packs: list, shared: tuple, n: int,
-                 spread: bool = False) -> list:
-        """The leaves :meth:`_stack` laid out in ``pp`` (unpacked on the host: whole arrays
-        on the default device, or with ``spread`` over the mesh)."""
-        _, to_module = self._packed(owned, packs, {}, shared, n)
-        return [self.module_leaf(x, spread) for x in self._on_host(to_module, pp)]
+        got = self._on_host(leaves, pc["stages"])
+        return jax.tree.unflatten(self.coll_tree, [self.module_leaf(x, spread) for x in got])
 
     @staticmethod
     def _on_host(fn: Callable, tree: Any) -> Any:
         got = on_host(fn, tree)
         if got is None:
-            raise PlanError("the cut program lays its parameters out on the host, and these "
-                            "arrays are not all in this process (several processes); pass "
-                            "every process the whole variables (e.g. module.init on each)")
+            raise PlanError("the cut program lays its mutable collections out on the host, "
+                            "and these arrays are not all in this process (several "
+                            "processes); pass every process the whole collections (e.g. "
+                            "module.init on each)")
         return got
-
-    def _packed(self, owned: tuple, packs: list, width: dict, shared: tuple,
-                n: int) -> tuple[Callable, Callable]:
-        """Traceable ``(to_layout, to_module)``: ``n`` leaves <-> ``{'shared': [...],
-        'stages': {dtype: [S, V, width]}}`` (chunk ``c``'s leaves ``owned[c]`` packed as
-        ``packs[c]`` in row ``(c % S, c // S)``)."""
-        S, V = self.schedule.stages, self.schedule.virtual
-        devices, sizes = self._tp_devices, mesh_axes(self.mesh)
-        whole = Layout.replicated(0)
-
-        def blocks(x, j, at):
-            lay = self.leaf_layout.get(j)
-            return x if lay is None else block(x, lay, at, sizes)
-
-        def row(leaves, own, pk):  # (one device's packed blocks after another's)
-            vecs = [pack([blocks(leaves[j], j, at) for j in own], pk, width) for at in devices]
-            return {dt: jnp.concatenate([v[dt] for v in vecs]) for dt in width}
-
-        def to_layout(leaves: list) -> dict:
-            rows = [[None] * V for _ in range(S)]
-            for c, (own, pk) in enumerate(zip(owned, packs, strict=True)):
-                s, v = self._where(c)
-                rows[s][v] = row(leaves, own, pk)
-            return {"shared": [leaves[j] for j in shared],
-                    "stages": {dt: jnp.stack([jnp.stack([r[dt] for r in row]) for row in rows])
-                               for dt in width}}
-
-        def to_module(pp: dict) -> list:
-            out: list[Any] = [None] * n
-            for j, x in zip(shared, pp["shared"], strict=True):
-                out[j] = x
-            T = len(devices)
-            for c, (own, pk) in enumerate(zip(owned, packs, strict=True)):
-                s, v = self._where(c)
-                rows = [unpack({dt: x[s, v].reshape(T, -1)[t] for dt, x in pp["stages"].items()},
-                               pk) for t in range(T)]
-                for i, j in enumerate(own):
-                    lay = self.leaf_layout.get(j, whole)
-                    out[j] = rows[0][i] if lay == whole else assemble(
-                        lambda at, i=i, rows=rows: rows[devices.index(
-                            {a: at.get(a, 0) for a in self.tp_axes})][i], lay, sizes)
-            return out
-
-        return to_layout, to_module
-
-    def layout(self, avals: list) -> tuple[Callable, Callable]:
-        """Traceable ``(to_layout, to_module)`` between parameter leaves shaped as ``avals``
-        and the packed layout of :meth:`to_pipeline` (the optimizer probe's miniatures)."""
-        packs = [packing(self._block_avals(own, avals)) for own in self.owned]
-        return self._packed(self.owned, packs, widths(packs), self.shared, len(avals))
-
-    def mini_shapes(self) -> list[tuple[int, ...]]:
-        """Per parameter leaf, its miniature's shape in the optimizer probe (2 per dim; on
-        tensor-parallel stages 2 per block)."""
-        sizes = mesh_axes(self.mesh)
-        out = []
-        for j, a in enumerate(self.param_avals):
-            lay = self.leaf_layout.get(j, Layout.replicated(len(a.shape)))
-            out.append(tuple(2 * math.prod(sizes[x] for x in axes) for axes in lay.dims))
-        return out
 
     def stage_bytes(self) -> list[int]:
         """Per stage, the bytes of its own parameters (without padding or shared leaves)."""
@@ -619,30 +515,19 @@ class CutProgram(InGraphRuntime):
         placed, batch_spec, seed = self.microbatches(batch, key, scale)
         cst = {} if colls is None else colls["stages"]
         shared_spec = [P()] * len(pp["shared"])
-        stage_spec = {k: self._stage_sharding.spec for k in pp["stages"]}
+        stage_spec = {k: self.rows.sharding.spec for k in pp["stages"]}
         coll_spec = {k: P(self.axis) for k in cst}
         fn = jax.shard_map(self._local, mesh=self.mesh,
                            in_specs=(shared_spec, stage_spec, batch_spec, coll_spec, P()),
                            out_specs=(P(), shared_spec, stage_spec, coll_spec), check_vma=False)
-        rep, st = self.shardings()[0], self._stage_sharding
+        rep, st, ct = self.shardings()[0], self.rows.sharding, self.coll_rows.sharding
         loss, gs, gst, new = fn([place_as(x, rep) for x in pp["shared"]],
                                 {k: place_as(x, st) for k, x in pp["stages"].items()},
-                                placed, {k: place_as(x, st) for k, x in cst.items()}, seed)
+                                placed, {k: place_as(x, ct) for k, x in cst.items()}, seed)
         grads = {"shared": gs, "stages": gst}
         if colls is None:
             return loss, grads
         return loss, grads, {"shared": [], "stages": new}
-
-    @functools.cached_property
-    def _store(self) -> Callable[[Any], Any]:
-        """``tree -> tree``: params, or optimizer state mirroring them, laid out as stored: the
-        stages' packed rows split over the stage axis, the rest replicated
-        (:func:`~nnscaler_jax.pipeline.update.mirror_store`)."""
-        rep, st = self.shardings()[0], self._stage_sharding
-        S, V, T = self.schedule.stages, self.schedule.virtual, len(self._tp_devices)
-        shapes = {"stages": {k: jax.ShapeDtypeStruct((S, V, T * w), np.float32)
-                             for k, w in self.p_width.items()}}
-        return mirror_store(shapes, {"stages": {k: st for k in self.p_width}}, rep)
 
     def collections_state(self, collections: Any) -> dict | None:
         """The collections in the pipeline layout (:meth:`collections_to_pipeline`) when the

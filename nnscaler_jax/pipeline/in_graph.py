@@ -16,8 +16,10 @@ Two programs run on it, as the chunks they evaluate differ:
 chunk runs the one layer template over its stacked parameters, no branch on the chunk, so the
 tensor-parallel axes can stay GSPMD's inside the ``shard_map``) and
 :class:`~nnscaler_jax.pipeline.cut_program.CutProgram` (chunks cut at module boundaries, run by
-``lax.switch`` on the chunk, stages data-parallel inside). :class:`InGraphRuntime` is what they
-share: the one step loop (:meth:`InGraphRuntime._local`: the tables' blocks, the buffers of
+``lax.switch`` on the chunk, tensor-parallel stages on each device's blocks).
+:class:`InGraphRuntime` is what they share: the one parameter layout (each chunk's pieces
+packed in its row, :mod:`~nnscaler_jax.pipeline.packed`; the programs say what a chunk's pieces
+are), the one step loop (:meth:`InGraphRuntime._local`: the tables' blocks, the buffers of
 in-flight activations and cotangents, the forward and backward lanes of a paired step, the
 mutable collections, the transfers and the gradient sums), which reads a program's chunks
 through one interface (``act`` / ``cot``: what a forward sends on and a backward sends back;
@@ -29,20 +31,32 @@ layout's shardings, the jitted step, the initial state, the step's XLA options.
 from __future__ import annotations
 
 import abc
+import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnscaler_jax.errors import PlanError
+from nnscaler_jax.layout import Layout
+from nnscaler_jax.mesh.axes import mesh_axes
 from nnscaler_jax.pipeline.loop_tables import CODES
 from nnscaler_jax.pipeline.mutable import average
-from nnscaler_jax.pipeline.program import PipelineRuntime
-from nnscaler_jax.pipeline.update import cached_view, initial_state, jitted_step, place_as
+from nnscaler_jax.pipeline.packed import PackedRows
+from nnscaler_jax.pipeline.program import PipelineRuntime, on_host, spread_sharding
+from nnscaler_jax.pipeline.update import (
+    cached_view,
+    initial_state,
+    jitted_step,
+    mirror_store,
+    place_as,
+)
 
 __all__ = ["OVERLAP_OPTIONS", "InGraphRuntime", "compiler_options", "exchange", "send_if",
            "zeros"]
@@ -104,20 +118,128 @@ class InGraphRuntime(PipelineRuntime):
     """A pipelined program run in one jitted step over the whole mesh.
 
     Subclasses set up the step (:meth:`~nnscaler_jax.pipeline.program.PipelineRuntime.
-    _setup`, their step table as ``tables``) and give the parameter layout
-    (:meth:`to_pipeline`, ``_store``: how parameters and optimizer state mirroring them are
-    stored) and :meth:`grads` (the ``shard_map`` running the table); the step, the state and
-    the shardings are this class's.
+    _setup`, their step table as ``tables``), say what each chunk's pieces of the parameters
+    are (:meth:`_rows_for`, :meth:`_pieces`, :meth:`_leaves`, ``shared``: the leaves kept
+    apart) and give :meth:`grads` (the ``shard_map`` running the table); the parameter layout
+    (:mod:`~nnscaler_jax.pipeline.packed`: ``{'shared': [leaves], 'stages': {row key:
+    [stages, virtual, width]}}``), the step, the state and the shardings are this class's.
+
+    Attributes:
+        rows: the parameters' :class:`~nnscaler_jax.pipeline.packed.PackedRows`.
+        shared: the parameter leaves stored whole apart from the rows.
+        leaf_layout: a leaf stored in the rows -> its layout over the tensor axes (where
+            split).
     """
 
     axis: str
     tables: Any
+    rows: PackedRows
+    shared: tuple[int, ...] = ()
+    leaf_layout: dict[int, Layout]
+    scanned: frozenset = frozenset()  # leaves whose leading dim the layout cuts (nn.scan)
 
-    @property
+    # ---- parameter layout --------------------------------------------------------------------
+
     @abc.abstractmethod
+    def _rows_for(self, avals: list) -> PackedRows:
+        """The rows of parameter leaves shaped as ``avals`` (the program's, or the optimizer
+        probe's miniatures)."""
+
+    @abc.abstractmethod
+    def _pieces(self, leaves: list) -> list[list]:
+        """Per chunk, its pieces of the parameter ``leaves`` (traceable)."""
+
+    @abc.abstractmethod
+    def _leaves(self, pieces: list[list], shared: list, n: int) -> list:
+        """The ``n`` parameter leaves from the chunks' ``pieces`` and the ``shared`` leaves
+        (the inverse of :meth:`_pieces`)."""
+
+    def shared_shardings(self) -> list[NamedSharding]:
+        """Where the shared leaves are stored (replicated)."""
+        return [self.shardings()[0]] * len(self.shared)
+
+    def layout(self, avals: list) -> tuple[Callable, Callable]:
+        """Traceable ``(to_layout, to_module)`` between parameter leaves shaped as ``avals``
+        and the layout ``{'shared': [...], 'stages': rows}`` (:meth:`to_pipeline`'s, or the
+        optimizer probe's miniatures')."""
+        rows = self._rows_for(avals)
+
+        def to_layout(leaves: list) -> dict:
+            return {"shared": [leaves[j] for j in self.shared],
+                    "stages": rows.to_rows(self._pieces(leaves))}
+
+        def to_module(pp: dict) -> list:
+            return self._leaves(rows.from_rows(pp["stages"]), list(pp["shared"]), len(avals))
+
+        return to_layout, to_module
+
+    def layout_shardings(self) -> dict:
+        """The shardings of :meth:`to_pipeline`'s tree."""
+        return {"shared": self.shared_shardings(),
+                "stages": {dt: self.rows.sharding for dt in self.rows.width}}
+
+    def to_pipeline(self, params: Any) -> dict:
+        """Module params -> ``{'shared': [...], 'stages': {row key: [S, V, width]}}`` on the
+        mesh: laid out on the host where the leaves are all in this process (no device holds
+        more than its share), else in one jitted program on the mesh."""
+        to_layout = self.layout(self.param_avals)[0]
+        leaves = jax.tree.leaves(params)
+        out = self.layout_shardings()
+        pp = on_host(to_layout, leaves)
+        if pp is None:
+            # (a leaf laid out over the mesh's devices stays as it is laid out)
+            leaves = [jax.device_put(x, self._on_mesh(x)) for x in leaves]
+            with jax.set_mesh(self.mesh):  # (the caller's context mesh may be Explicit)
+                pp = jax.jit(to_layout, out_shardings=out)(leaves)
+        # (new buffers: the step donates the shared leaves, which may be the caller's own)
+        return jax.tree.map(lambda x, sh: jax.device_put(x, sh, may_alias=False), pp, out)
+
+    def _on_mesh(self, x: Any) -> NamedSharding:
+        """Where :meth:`to_pipeline` reads ``x`` from: its own layout where it lies on this
+        mesh (its axes and devices, whatever their types), else replicated."""
+        sh, mesh = getattr(x, "sharding", None), self.mesh
+        same = (isinstance(sh, NamedSharding) and sh.mesh.shape == mesh.shape
+                and sh.mesh.axis_names == mesh.axis_names
+                and (sh.mesh.devices == mesh.devices).all())
+        return NamedSharding(self.mesh, sh.spec) if same else self.shardings()[0]
+
+    def from_pipeline(self, pp: dict, spread: bool = False) -> Any:
+        """The inverse of :meth:`to_pipeline` (a module params tree; ``spread``: each leaf
+        over the mesh, :func:`~nnscaler_jax.pipeline.program.spread_sharding`), laid out on
+        the host where the layout is all in this process."""
+        to_module = self.layout(self.param_avals)[1]
+        got = on_host(to_module, pp)
+        if got is not None:
+            leaves = [self.module_leaf(x, spread) for x in got]
+        else:
+            rep = self.shardings()[0]
+            out = [spread_sharding(self.mesh, a.shape) if spread else rep
+                   for a in self.param_avals]
+            with jax.set_mesh(self.mesh):
+                leaves = jax.jit(to_module, out_shardings=out)(pp)
+        return jax.tree.unflatten(self.params_tree, leaves)
+
+    def mini_shapes(self) -> list[tuple[int, ...]]:
+        """Per parameter leaf, its miniature's shape in the optimizer probe: 2 per dim (on
+        tensor-parallel stages 2 per block), a scanned stack of layers keeping its layer
+        dim."""
+        sizes, out = mesh_axes(self.mesh), []
+        for j, a in enumerate(self.param_avals):
+            lay = self.leaf_layout.get(j, Layout.replicated(len(a.shape)))
+            shape = [2 * math.prod(sizes[x] for x in axes) for axes in lay.dims]
+            out.append(tuple(a.shape[:1]) + tuple(shape[1:]) if j in self.scanned
+                       else tuple(shape))
+        return out
+
+    @functools.cached_property
     def _store(self) -> Callable[[Any], Any]:
         """``tree -> tree``: params, or optimizer state mirroring them, laid out as stored
-        (:func:`~nnscaler_jax.pipeline.update.mirror_store`)."""
+        (:func:`~nnscaler_jax.pipeline.update.mirror_store`): the rows over the stage axis
+        (their blocks over the tensor axes), the shared leaves as :meth:`shared_shardings`."""
+        f32 = lambda shape: jax.ShapeDtypeStruct(shape, np.float32)
+        shapes = {"shared": [f32(self.param_avals[j].shape) for j in self.shared],
+                  "stages": self.rows.shapes(np.float32)}
+        return mirror_store(shapes, self.layout_shardings(), self.shardings()[0])
 
     def _view(self, optimizer: Any) -> Any:
         """The optimizer's view of the module's tree (None: it updates the layout as it is),
@@ -138,9 +260,16 @@ class InGraphRuntime(PipelineRuntime):
                            norm=self.grad_norm)
 
     def grad_norm(self, grads: Any) -> Any:
-        """The global norm of gradients in the stored layout (traceable)."""
+        """The global norm of gradients in the stored layout (traceable): on tensor-parallel
+        stages each row element weighted by one over the devices of its stage storing it."""
         import optax
-        return optax.tree.norm(grads)
+        if not self.tp_axes:
+            return optax.tree.norm(grads)
+        weights = self.rows.norm_weights
+        total = optax.tree.norm(grads["shared"], squared=True)
+        for dt, g in grads["stages"].items():
+            total += jnp.sum(weights[dt] * jnp.square(g.astype(jnp.float32)))
+        return jnp.sqrt(total)
 
     def loss_and_grads(self, pp: Any, batch: tuple, key: Any = None,
                        colls: Any = None) -> tuple[Any, Any]:

@@ -58,12 +58,12 @@ class PipelineRuntime(abc.ABC):
     parallel inside stages, and :class:`~nnscaler_jax.pipeline.cut_program.CutProgram`, any model
     cut at module boundaries, stages data-parallel inside) and host-dispatched
     (:class:`~nnscaler_jax.pipeline.mpmd.MpmdProgram`: cut, one program per stage, tensor
-    parallel inside). Each keeps the parameters in its own layout (:meth:`to_pipeline` /
-    :meth:`from_pipeline`): the in-graph ones ``{'shared': [leaves every stage stores],
-    'stages': tree of [stages, virtual, ...] leaves}`` (the stacked program's layer leaves
-    ``[S, V, layers per chunk, ...]``, the cut program's ``{dtype: [S, V, width]}`` packed
-    rows), the host-dispatched one a tree per stage; :meth:`_setup` starts every one's
-    set-up.
+    parallel inside). Each keeps the parameters in its executor's layout (:meth:`to_pipeline`
+    / :meth:`from_pipeline`): the in-graph programs the one of
+    :mod:`~nnscaler_jax.pipeline.packed` (``{'shared': [leaves every stage stores],
+    'stages': {row key: [S, V, width]}}``, each chunk's pieces packed in its rows, on
+    tensor-parallel stages as each device's blocks), the host-dispatched one a tree per
+    stage; :meth:`_setup` starts every one's set-up.
 
     Attributes:
         mesh: the mesh the step's state and batch live on (its Auto view).

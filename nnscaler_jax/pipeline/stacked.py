@@ -5,9 +5,12 @@ one micro-batch (:mod:`nnscaler_jax.pipeline.program`: the step's options, rng k
 modules) and cut by module path into a *prefix* (e.g. the embeddings), a stack of
 identical *layers* (``h_0 .. h_{L-1}``, or one ``nn.scan`` ``h`` over a leading layer axis) and a
 *suffix* (e.g. final norm, head and loss). The layers are split into ``stages x virtual``
-contiguous chunks; chunk ``c = v * stages + s`` lives on stage ``s`` (its parameters stacked along
-a leading axis sharded over the stage mesh axis). The prefix runs in chunk 0, the suffix in the
-last chunk; their parameters are replicated and their gradients summed over stages (so tied
+contiguous chunks; chunk ``c = v * stages + s`` lives on stage ``s``: its pieces, each layer leaf
+stacked over its layers, in the in-graph programs' one layout
+(:mod:`~nnscaler_jax.pipeline.packed`: rows ``[stages, virtual, width]`` over the stage axis, a
+row per layer leaf). Every chunk's pieces have the same shapes, so one code reads any chunk's
+(no branch on the chunk). The prefix runs in chunk 0, the suffix in the last chunk; their
+parameters are shared (every stage stores them) and their gradients summed over stages (so tied
 embeddings get both contributions).
 
 Inside one ``jax.shard_map`` over the whole mesh (stage axis + data-parallel axes), a
@@ -22,7 +25,9 @@ micro-batches), averaged over the data axes; the optax update runs in the same j
 Tensor parallelism inside stages (a policy other than ``'dp'``, e.g. ``'megatron'``): the mesh
 axes not named like data axes (e.g. ``'model'``) are left out of the manual axes of the
 ``shard_map`` (partial-manual, GSPMD inside) and the chunks run the in-stage plan as sharding
-constraints, with layer parameters stored split as that plan says
+constraints, with layer parameters stored split as that plan says: each device's part of a row
+holds its blocks, which a ``shard_map`` over the tensor axes reads as the whole pieces GSPMD
+partitions
 (:mod:`nnscaler_jax.pipeline.in_stage`, which also says why this and not a fully manual body).
 """
 
@@ -34,7 +39,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 from jax.sharding import NamedSharding
@@ -42,16 +46,16 @@ from jax.sharding import PartitionSpec as P
 
 from nnscaler_jax.capture.module_call import ModuleCall
 from nnscaler_jax.errors import PlanError
+from nnscaler_jax.layout import Layout
 from nnscaler_jax.lower.eqns import NO_CONSTRAINTS
 from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.chunks import ProgramCut, run_chunk
 from nnscaler_jax.pipeline.in_graph import InGraphRuntime
 from nnscaler_jax.pipeline.in_stage import InStagePlan, plan_in_stage
 from nnscaler_jax.pipeline.loop_tables import loop_tables
-from nnscaler_jax.pipeline.program import on_host, spread_sharding
+from nnscaler_jax.pipeline.packed import PackedRows
 from nnscaler_jax.pipeline.split import split_program
 from nnscaler_jax.pipeline.update import (
-    mirror_store,
     place_as,
 )
 
@@ -65,9 +69,9 @@ class PipelineProgram(InGraphRuntime):
     """A pipelined training program for one module, mesh, schedule and batch shape.
 
     Use :meth:`to_pipeline` / :meth:`from_pipeline` to move parameters between the module's tree
-    and the pipeline layout (``{'shared': leaves, 'stages': leaves stacked [stages, virtual,
-    layers per chunk, ...]}``), :meth:`grads` for the accumulated loss and gradients, and
-    :meth:`train_step` for the jitted optax step.
+    and the pipeline layout (``{'shared': leaves, 'stages': {'<leaf>:<dtype>': [stages,
+    virtual, width]}}``, :mod:`~nnscaler_jax.pipeline.packed`), :meth:`grads` for the
+    accumulated loss and gradients, and :meth:`train_step` for the jitted optax step.
     """
 
     def __init__(self, module: Any, loss_fn: Callable, mesh: Any, sched: sch.Schedule,
@@ -93,101 +97,77 @@ class PipelineProgram(InGraphRuntime):
                             f"{sched.virtual} chunks; use a stage count dividing {L}")
         self.per_chunk = L // C
         self.tables = loop_tables(sched, overlap=overlap)
-        self.param_avals, self.param_shapes = abstract, [tuple(a.shape) for a in abstract]
+        self.param_avals = abstract
+        self._lay_rows()
 
-    # ---- parameter layout --------------------------------------------------------------------
+    # ---- parameter layout: each chunk's pieces are its layer leaves stacked over its layers
 
-    def to_pipeline(self, params: Any) -> dict:
-        """Module params -> ``{'shared': [...], 'stages': [...]}`` placed on the mesh: laid out
-        on the host where the leaves are all in this process (no device holds more than its
-        share), else in one jitted program on the mesh."""
-        shared_sh, layer_sh = self.leaf_shardings()
-        to_layout = self.layout(self.param_avals)[0]
-        pp = on_host(to_layout, jax.tree.leaves(params))
-        if pp is None:
-            # (a leaf laid out over the mesh's devices stays as it is laid out)
-            leaves = [jax.device_put(x, self._on_mesh(x)) for x in jax.tree.leaves(params)]
-            with jax.set_mesh(self.mesh):  # (the caller's context mesh may be Explicit)
-                pp = jax.jit(to_layout, out_shardings={"shared": shared_sh,
-                                                       "stages": layer_sh})(leaves)
-        # (new buffers: the step donates the shared leaves, which may be the caller's own)
-        put = lambda x, sh: jax.device_put(x, sh, may_alias=False)
-        return {"shared": [put(x, sh) for x, sh in zip(pp["shared"], shared_sh, strict=True)],
-                "stages": [put(x, sh) for x, sh in zip(pp["stages"], layer_sh, strict=True)]}
+    def _lay_rows(self) -> None:
+        """The rows (:mod:`~nnscaler_jax.pipeline.packed`): chunk ``c``'s pieces are each layer
+        leaf stacked over its layers (``[layers per chunk, ...]``), each in a row of its own
+        (so a chunk reads it as the leaf's own stacked array would be read, no slice of a
+        wider row), stored as the in-stage plan stores that leaf (split over the tensor
+        axes); the prefix's and suffix's leaves are shared (every stage stores them, as the
+        in-stage plan says). ``layer_rows``: one layer's pieces (each leaf's blocks)."""
+        sp = self.split
+        self.shared = tuple(sp.shared)
+        self.scanned = frozenset(sp.layer_leaves[0]) if sp.stacked else frozenset()
+        self.leaf_layout, self._layer_layouts = {}, []
+        for k, (j, v) in enumerate(zip(sp.layer_leaves[0], sp.layer_params, strict=True)):
+            ndim = len(self.param_avals[j].shape) - sp.stacked
+            lay = (Layout.replicated(ndim) if self.stage_plan is None else
+                   Layout.from_pspec(self.stage_plan.layer_spec(j, v, sp.stacked), ndim))
+            self._layer_layouts.append(lay if lay.split_axes else None)
+            for lv in sp.layer_leaves[:1] if sp.stacked else sp.layer_leaves:
+                if lay.split_axes:
+                    self.leaf_layout[lv[k]] = Layout(((),) + lay.dims) if sp.stacked else lay
+        self.rows = self._rows_for(self.param_avals)
+        self.layer_rows = self._rows_for(self.param_avals, layers=1)
 
-    def _on_mesh(self, x: Any) -> NamedSharding:
-        """Where :meth:`to_pipeline` reads ``x`` from: its own layout where it lies on this
-        mesh (its axes and devices, whatever their types), else replicated."""
-        sh, mesh = getattr(x, "sharding", None), self.mesh
-        same = (isinstance(sh, NamedSharding) and sh.mesh.shape == mesh.shape
-                and sh.mesh.axis_names == mesh.axis_names
-                and (sh.mesh.devices == mesh.devices).all())
-        return NamedSharding(self.mesh, sh.spec) if same else self.shardings()[0]
+    def _rows_for(self, avals: list, layers: int | None = None) -> PackedRows:
+        sp, K = self.split, layers or self.per_chunk
+        piece = [jax.ShapeDtypeStruct((K,) + tuple(avals[j].shape)[int(sp.stacked):],
+                                      avals[j].dtype) for j in sp.layer_leaves[0]]
+        lays = [None if lay is None else Layout(((),) + lay.dims)
+                for lay in self._layer_layouts]
+        if layers:  # (one layer: its leaves' blocks)
+            return PackedRows(self.mesh, self.axis, self.tp_axes, 1, 1,
+                              [[jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in piece]],
+                              [self._layer_layouts])
+        C = self.schedule.chunks
+        return PackedRows(self.mesh, self.axis, self.tp_axes, self.schedule.stages,
+                          self.schedule.virtual, [piece] * C, [lays] * C,
+                          [[str(k) for k in range(len(piece))]] * C)
 
-    def from_pipeline(self, pp: dict, spread: bool = False) -> Any:
-        """The inverse of :meth:`to_pipeline` (a module params tree; ``spread``: each leaf
-        over the mesh, :func:`~nnscaler_jax.pipeline.program.spread_sharding`, unstacked on
-        the host where the layout is all in this process)."""
-        to_module = self.layout(self.param_avals)[1]
-        got = on_host(to_module, pp) if spread else None
-        if got is not None:
-            leaves = [self.module_leaf(x, spread) for x in got]
-        else:
-            rep = self.shardings()[0]
-            out = [spread_sharding(self.mesh, a.shape) if spread else rep
-                   for a in self.param_avals]
-            with jax.set_mesh(self.mesh):
-                leaves = jax.jit(to_module, out_shardings=out)(pp)
-        return jax.tree.unflatten(self.params_tree, leaves)
+    def _pieces(self, leaves: list) -> list[list]:
+        sp, K = self.split, self.per_chunk
+        if sp.stacked:
+            return [[jnp.asarray(leaves[j])[c * K:(c + 1) * K] for j in sp.layer_leaves[0]]
+                    for c in range(self.schedule.chunks)]
+        return [[jnp.stack([leaves[sp.layer_leaves[i][k]] for i in range(c * K, (c + 1) * K)])
+                 for k in range(len(sp.layer_leaves[0]))] for c in range(self.schedule.chunks)]
 
-    def layout(self, avals: list) -> tuple[Callable, Callable]:
-        """Traceable ``(to_layout, to_module)`` between the module's parameter leaves (shaped
-        as ``avals``) and ``{'shared', 'stages'}``: each layer leaf stacked ``[stages, virtual,
-        layers per chunk, ...]`` (chunk ``c = v * S + s``)."""
-        del avals  # (shapes are read off the leaves)
-        S, V, K, split = self.schedule.stages, self.schedule.virtual, self.per_chunk, self.split
+    def _leaves(self, pieces: list[list], shared: list, n: int) -> list:
+        sp, K = self.split, self.per_chunk
+        out: list[Any] = [None] * n
+        for j, x in zip(sp.shared, shared, strict=True):
+            out[j] = x
+        for k in range(len(sp.layer_leaves[0])):
+            if sp.stacked:
+                out[sp.layer_leaves[0][k]] = jnp.concatenate([p[k] for p in pieces])
+                continue
+            for c, p in enumerate(pieces):
+                for i in range(K):
+                    out[sp.layer_leaves[c * K + i][k]] = p[k][i]
+        return out
 
-        def to_layout(leaves: list) -> dict:
-            layers = []
-            for k in range(len(split.layer_leaves[0])):
-                x = (jnp.asarray(leaves[split.layer_leaves[0][k]]) if split.stacked
-                     else jnp.stack([leaves[lv[k]] for lv in split.layer_leaves]))
-                layers.append(x.reshape((V, S, K) + x.shape[1:]).swapaxes(0, 1))
-            return {"shared": [leaves[j] for j in split.shared], "stages": layers}
-
-        def to_module(pp: dict) -> list:
-            leaves: list[Any] = [None] * split.n_params
-            for j, x in zip(split.shared, pp["shared"], strict=True):
-                leaves[j] = x
-            for k, x in enumerate(pp["stages"]):
-                full = jnp.swapaxes(x, 0, 1).reshape((split.n_layers,) + x.shape[3:])
-                for i, lv in enumerate(split.layer_leaves[:1] if split.stacked
-                                       else split.layer_leaves):
-                    leaves[lv[k]] = full if split.stacked else full[i]
-            return leaves
-
-        return to_layout, to_module
-
-    def mini_shapes(self) -> list[tuple[int, ...]]:
-        """Per parameter leaf, the shape of its miniature in the optimizer probe: 2 per dim,
-        a scanned stack of layers keeping its layer dim."""
-        stacked = set(self.split.layer_leaves[0]) if self.split.stacked else set()
-        return [tuple(a.shape[:1]) + (2,) * (len(a.shape) - 1) if j in stacked
-                else (2,) * len(a.shape) for j, a in enumerate(self.param_avals)]
-
-    def leaf_shardings(self) -> tuple[list[NamedSharding], list[NamedSharding]]:
-        """Storage of the ``shared`` and ``stages`` leaves: replicated / over the stage axis,
-        and over the tensor-parallel axes as the in-stage plan stores the variables."""
-        sp, split = self.stage_plan, self.split
-        if sp is None:
-            rep, st = self.shardings()
-            return [rep] * len(split.shared), [st] * len(split.layer_leaves[0])
-        shared = [NamedSharding(self.mesh, P(*sp.var_specs[j])) for j in split.shared]
-        layers = []
-        for j, v in zip(split.layer_leaves[0], split.layer_params, strict=True):
-            spec = sp.layer_spec(j, v, split.stacked)
-            layers.append(NamedSharding(self.mesh, P(self.axis, None, None, *spec)))
-        return shared, layers
+    def shared_shardings(self) -> list[NamedSharding]:
+        """The prefix's and suffix's leaves: replicated, or as the in-stage plan stores
+        them."""
+        if self.stage_plan is None:
+            return super().shared_shardings()
+        return [NamedSharding(self.mesh, P(*self.stage_plan.var_specs[j]))
+                for j in self.split.shared]
 
     # ---- the step ----------------------------------------------------------------------------
 
@@ -200,10 +180,18 @@ class PipelineProgram(InGraphRuntime):
         return ProgramCut(sp.jaxpr, sp.n_params, (sp.pre, sp.layer_eqns, sp.post),
                           ((sp.layer_x,), (sp.xl,)), (), sp.shared)
 
-    def _chunk(self, c, layer_p, shared, x_in, batch):
+    def _chunk(self, c, row, shared, x_in, batch):
         """Chunk ``c``'s forward: prefix if first, its layers (the template's segment, scanned
-        over their stacked parameters), suffix + loss if last."""
+        over their parameters, each leaf's from its own row of the chunk's ``row``), suffix +
+        loss if last."""
         sp, C, jx = self.split, self.schedule.chunks, self.split.jaxpr.jaxpr
+        T, K = len(self.rows.devices), self.per_chunk
+        # [layers, leaf] (data-parallel inside: a reshape), else [layers, T, block size]
+        layer_p = [row[k].reshape((K,) + shape) if T == 1 else
+                   row[k].reshape(T, K, -1).swapaxes(0, 1)
+                   for (k, _, _), (_, _, shape) in zip(self.rows.packs[0].slots,
+                                                       self.layer_rows.packs[0].slots,
+                                                       strict=True)]
         own = list(zip([jx.invars[j] for j in sp.shared], shared, strict=True))
         run = lambda seg, pairs, xin: run_chunk(self._cut, seg, pairs, batch, xin,
                                                 layer_starts={}, recompute_layers=False,
@@ -215,6 +203,7 @@ class PipelineProgram(InGraphRuntime):
         x = lax.cond(c == 0, lambda: run(0, own, ())[sp.x0], lambda: x_in)
 
         def layer(x, p):
+            p = self.layer_rows.whole(p)
             env = run(1, own + consts + list(zip(sp.layer_params, p, strict=True)), (x,))
             return env[sp.layer_y], None
 
@@ -267,32 +256,15 @@ class PipelineProgram(InGraphRuntime):
         rng streams."""
         placed, batch_spec, seed = self.microbatches(batch, key, scale)
         shared_spec = [P()] * len(pp["shared"])
-        layer_spec = [P(self.axis)] * len(pp["stages"])
+        layer_spec = {dt: P(self.axis) for dt in pp["stages"]}
         # Tensor parallelism: manual over the stage and data axes only, the TP axes stay auto.
         manual = {"axis_names": {self.axis, *self.data_axes}} if self.tp_axes else {}
         fn = jax.shard_map(self._local, mesh=self.mesh,
                            in_specs=(shared_spec, layer_spec, batch_spec, {}, P()),
                            out_specs=(P(), shared_spec, layer_spec, {}), check_vma=False,
                            **manual)
-        shared_sh, layer_sh = self.leaf_shardings()
-        place = lambda xs, shs: [place_as(x, sh)
-                                 for x, sh in zip(xs, shs, strict=True)]
-        loss, gs, gl, _ = fn(place(pp["shared"], shared_sh), place(pp["stages"], layer_sh),
-                             placed, {}, seed)
-        if self.tp_axes:
-            gs, gl = place(gs, shared_sh), place(gl, layer_sh)
-        return loss, {"shared": gs, "stages": gl}
-
-    @functools.cached_property
-    def _store(self) -> Callable[[Any], Any]:
-        """``tree -> tree``: params, or optimizer state mirroring them, laid out as stored
-        (:func:`~nnscaler_jax.pipeline.update.mirror_store`)."""
-        shared_sh, layer_sh = self.leaf_shardings()
-        sp, (S, V, K) = self.split, (self.schedule.stages, self.schedule.virtual, self.per_chunk)
-        shape = lambda j: self.param_shapes[j][1:] if sp.stacked else self.param_shapes[j]
-        shapes = {"shared": [jax.ShapeDtypeStruct(self.param_shapes[j], np.float32)
-                             for j in sp.shared],
-                  "stages": [jax.ShapeDtypeStruct((S, V, K) + shape(j), np.float32)
-                             for j in sp.layer_leaves[0]]}
-        return mirror_store(shapes, {"shared": list(shared_sh), "stages": list(layer_sh)},
-                            self.shardings()[0])
+        place = lambda tree: jax.tree.map(place_as, tree, self.layout_shardings())
+        laid = place({"shared": pp["shared"], "stages": pp["stages"]})
+        loss, gs, gl, _ = fn(laid["shared"], laid["stages"], placed, {}, seed)
+        grads = {"shared": gs, "stages": gl}
+        return loss, place(grads) if self.tp_axes else grads

@@ -9,6 +9,7 @@ once (``step.lower(...).compile()``), run, and its HLO inspected.
 """
 
 import functools
+import math
 
 import flax.linen as nn
 import jax
@@ -95,8 +96,9 @@ def test_tensor_parallel_stages_match_single_device(preset, shape, names, schedu
     _close(step.program.from_pipeline(metrics["grads"]), ref_grads)
     _close(step.params(state), ref_params)
 
-    # Stored split over 'model': leaf k of the layers is [stages, virtual, layers per chunk,
-    # ...]; the query kernel (d_model, heads, head_dim) keeps half the heads per device.
+    # Stored split over 'model': each layer leaf, stacked over a chunk's layers, in a row of
+    # its own [stages, virtual, model x width], each device's blocks; the query kernel
+    # (d_model, heads, head_dim) keeps half the heads per device.
     prog = step.program
     assert prog.tables.overlap == pm.plan.pipeline.overlap  # (None: the planner's choice)
     assert prog.tables.overlap or not overlap
@@ -106,12 +108,16 @@ def test_tensor_parallel_stages_match_single_device(preset, shape, names, schedu
     q = next(k for k, j in enumerate(prog.split.layer_leaves[0])
              if "query" in jax.tree_util.keystr(paths[j]) and
              "kernel" in jax.tree_util.keystr(paths[j]))
+    _, _, block = prog.layer_rows.packs[0].slots[q]
+    assert block == tuple(ref_params_shape(params, paths, q, prog))
     adam = state["opt_state"][0]
-    for x in (state["params"]["stages"][q], metrics["grads"]["stages"][q], adam.mu["stages"][q],
-              adam.nu["stages"][q]):
-        assert x.shape[-2] == 4 and x.addressable_shards[0].data.shape[-2] == 2
-    assert tuple(state["params"]["stages"][q].sharding.spec)[:5] == (
-        "stage", None, None, None, "model")
+    for x in (state["params"]["stages"], metrics["grads"]["stages"], adam.mu["stages"],
+              adam.nu["stages"]):
+        assert len(x) == len(prog.split.layer_leaves[0])  # (a row per layer leaf)
+        for row in x.values():
+            assert tuple(row.sharding.spec) == ("stage", None, "model")
+            assert row.shape[-1] == 2 * row.addressable_shards[0].data.shape[-1]
+        assert x[f"{q}:float32"].shape[-1] == 2 * prog.per_chunk * math.prod(block)
 
     # Megatron: the attention and MLP row-parallel outputs (forward) and their input gradients
     # (backward) are summed over 'model'; layer gradients averaged over 'data' once; no weight
@@ -120,6 +126,15 @@ def test_tensor_parallel_stages_match_single_device(preset, shape, names, schedu
     assert kinds.count(("all_reduce", ("model",))) >= 4
     assert (("all_reduce", ("data",)) in kinds) == ("data" in names)
     assert ("all_gather", ("model",)) not in kinds
+
+
+def ref_params_shape(params, paths, k, prog):
+    """The block shape of template leaf ``k`` of one layer: half the heads of the query
+    kernel (its scanned layer dim dropped)."""
+    j = prog.split.layer_leaves[0][k]
+    shape = list(jax.tree.leaves(params)[j].shape[int(prog.split.stacked):])
+    shape[1] //= 2
+    return shape
 
 
 def test_tensor_parallel_stage_errors():

@@ -254,10 +254,8 @@ def _pipelined_grads(spec, stages, constraints):
     prog = step.program
     pp = jax.eval_shape(lambda: prog.layout(prog.param_avals)[0](
         [jnp.zeros(a.shape, a.dtype) for a in prog.param_avals]))
-    shared, layers = prog.leaf_shardings()
-    sds = lambda xs, shs: [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
-                           for x, sh in zip(xs, shs, strict=True)]
-    pp = {"shared": sds(pp["shared"], shared), "stages": sds(pp["stages"], layers)}
+    pp = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                      pp, prog.layout_shardings())
     options = {**GPU_COMPILER_OPTIONS, **(compiler_options(prog.tables, prog.mesh) or {})}
     with jax.set_mesh(prog.mesh):
         return pm.plan, jax.jit(prog.grads).lower(pp, tuple(args)).compile(options)
