@@ -365,8 +365,8 @@ def on_host(fn: Callable[[Any], Any], tree: Any) -> Any:
     an array is not all in this process (several processes) or there is no CPU device."""
     if not all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(tree)):
         return None
-    try:
-        cpu = jax.devices("cpu")[0]
+    try:  # (this process's: the first of jax.devices() is process 0's)
+        cpu = jax.local_devices(backend="cpu")[0]
     except RuntimeError:
         return None
     with jax.default_device(cpu):

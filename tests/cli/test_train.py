@@ -199,6 +199,35 @@ def test_two_processes_train_what_one_process_trains(six_steps):
 
 
 @pytest.mark.slow
+def test_two_processes_train_a_pipelined_model_and_one_resumes_its_checkpoint(tmp_path):
+    """GPT tiny on 2 stages x 4 data over two processes, a stage each (the transfers between
+    stages cross processes, over gloo): the losses one process trains, and the checkpoint the
+    two wrote resumes in one process as if never interrupted (measured bit-equal; rtol 1e-6
+    as above). Laying the parameters out on the host used jax.devices('cpu')[0], process 0's
+    device, in every process: process 1 failed."""
+    ckpt = str(tmp_path / "ckpt")
+    pipe = ["train", "--model", "gpt", "--mesh", "2x4", "--pipeline", "2", "--axes",
+            "stage,data", "--batch-size", "16", "--json"]
+    proc = subprocess.run([sys.executable, "-m", "nnscaler_jax", *pipe, "--steps", "3",
+                           "--processes", "2", "--checkpoint-dir", ckpt],
+                          capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = _last_json(proc.stdout)
+    assert two["processes"] == 2 and two["plan"]["stages"] == 2
+    assert two["plan"]["executor"] == "in-graph"
+    code, out, err = run_cli([*pipe, "--steps", "5"])
+    assert code == 0, err[-2000:]
+    whole = _last_json(out)["losses"]
+    np.testing.assert_allclose(two["losses"], whole[:3], rtol=1e-6)
+    code, out, err = run_cli([*pipe, "--steps", "5", "--checkpoint-dir", ckpt, "--resume"])
+    assert code == 0, err[-2000:]
+    res = _last_json(out)
+    assert res["start_step"] == 3 and res["processes"] == 1
+    np.testing.assert_allclose(res["losses"], whole[3:], rtol=1e-6)
+
+
+@pytest.mark.slow
 def test_an_nnx_model_trains_pipelined_and_resumes_under_the_spmd_plan(tmp_path):
     """gpt_nnx on 2 stages x 4 data: the pipelined step runs nnx modules (its dropout keyed),
     and its checkpoint (the module's trees) resumes under the SPMD plan, which keys the
