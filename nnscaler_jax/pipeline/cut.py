@@ -522,7 +522,8 @@ def _executors(tensor: Sequence[str], collections: bool,
     which runs only plans without shard_map regions of their own, co-sharded blocks
     aside);
     stages data-parallel inside either, but only the one program carries mutable
-    collections.
+    collections. In a run of several processes only one program runs
+    (:func:`per_stage_error`).
 
     Raises:
         PlanError: the executor asked is not one of them.
@@ -530,6 +531,10 @@ def _executors(tensor: Sequence[str], collections: bool,
     can = ("per-stage", "in-graph") if tensor and not collections else ("per-stage",) \
         if tensor else ("in-graph",) if collections else ("in-graph", "per-stage")
     asked = constraints.pipeline_executor
+    if asked == "per-stage":
+        per_stage_error()
+    if per_stage_error(raises=False):  # (several processes: one program, where it runs)
+        can = tuple(e for e in can if e != "per-stage") or can
     if constraints.pipeline_overlap and tensor and asked != "in-graph":
         raise PlanError(
             f"Constraints(pipeline_overlap=True): this pipelined plan's stages are "
@@ -550,6 +555,29 @@ def _executors(tensor: Sequence[str], collections: bool,
     raise PlanError(f"Constraints(pipeline_executor={asked!r}): this pipelined plan runs only "
                     f"{can[0]!r}: {why}. Drop pipeline_executor, or use "
                     + ("policy='dp'" if tensor else "a model without mutable collections"))
+
+
+def per_stage_error(raises: bool = True) -> PlanError | None:
+    """The error of the per-stage runtime in a run of several processes (None: one process):
+    it dispatches every stage's programs from one process, moving values between the stages'
+    sub-meshes with ``jax.device_put``, which JAX does not do between processes.
+
+    Raises:
+        PlanError: with ``raises``, where there is one.
+    """
+    import jax
+
+    n = jax.process_count()
+    if n == 1:
+        return None
+    err = PlanError(f"pipeline: this run has {n} processes, and the per-stage runtime "
+                    "(pipeline_executor='per-stage') dispatches every stage's programs from "
+                    "one process, moving values between the stages' devices, which JAX does "
+                    "not do between processes; use Constraints(pipeline_executor='in-graph') "
+                    "(tensor-parallel stages run there on each device's blocks)")
+    if raises:
+        raise err
+    return err
 
 
 def _param_casts(graph: Graph) -> dict[int, int]:

@@ -60,7 +60,7 @@ from nnscaler_jax.lower.eqns import NO_CONSTRAINTS
 from nnscaler_jax.lower.replay import explicitly_typed
 from nnscaler_jax.pipeline import schedule as sch
 from nnscaler_jax.pipeline.chunks import run_chunk, vars_of
-from nnscaler_jax.pipeline.cut import cut_traced
+from nnscaler_jax.pipeline.cut import cut_traced, per_stage_error
 from nnscaler_jax.pipeline.in_stage import plan_in_stage, stage_parts
 from nnscaler_jax.pipeline.leafwise import leafwise
 from nnscaler_jax.pipeline.program import PipelineRuntime, mirrors
@@ -110,6 +110,7 @@ class MpmdProgram(PipelineRuntime):
                             "ends, beside the stages' other work; overlap=True (transfers one "
                             "time step late) is the in-graph runtime's. Drop it, or use "
                             "Constraints(pipeline_executor='in-graph')")
+        per_stage_error()
         self.layer_rules = dict(layer_rules)
         self._setup(module, loss_fn, mesh, sched, batch, policy=policy, recompute=recompute)
         self.user_mesh = mesh

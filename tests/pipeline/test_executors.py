@@ -76,6 +76,32 @@ def test_executor_constraint_is_checked():
         assert plan.pipeline.executor == want
 
 
+def test_several_processes_run_cut_stages_in_one_program(monkeypatch):
+    """Across processes the per-stage runtime cannot move values between the stages' devices
+    (JAX does not device_put between processes: a 2-process run failed at its first step).
+    The planner then runs tensor-parallel cut stages in one program, and the per-stage
+    runtime, asked or saved in a plan, is refused with the fix."""
+    spec = models.get("gpt", "tiny", n_layers=4, batch_size=16)
+    mesh = make_mesh((2, 2, 2), ("stage", "data", "model"))
+    args, variables = spec.make_args(abstract=True), spec.init_abstract()
+    one = auto_parallel(mesh, Constraints(pipeline_stages=2, pipeline_pivots=("h_*",)),
+                        policy="megatron")(spec.module).make_plan(*args, variables=variables)
+    assert one.pipeline.executor == "per-stage"
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    pm = auto_parallel(mesh, Constraints(pipeline_stages=2, pipeline_pivots=("h_*",)),
+                       policy="megatron")(spec.module)
+    assert pm.make_plan(*args, variables=variables).pipeline.executor == "in-graph"
+    asked = auto_parallel(mesh, Constraints(pipeline_stages=2, pipeline_pivots=("h_*",),
+                                            pipeline_executor="per-stage"),
+                          policy="megatron")(spec.module)
+    with pytest.raises(PlanError, match="2 processes.*pipeline_executor='in-graph'"):
+        asked.make_plan(*args, variables=variables)
+    step = auto_parallel(mesh, Constraints(pipeline_stages=2), plan=one)(spec.module) \
+        .train_step(spec.loss_fn, optax.sgd(0.1))
+    with pytest.raises(PlanError, match="2 processes"):
+        step.build(variables, *args)
+
+
 @pytest.mark.slow
 def test_per_stage_data_parallel_stages_train_like_one_device():
     """A stack of identical layers cut into stages run one program each (the user's choice),
