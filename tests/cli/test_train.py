@@ -228,6 +228,28 @@ def test_two_processes_train_a_pipelined_model_and_one_resumes_its_checkpoint(tm
 
 
 @pytest.mark.slow
+def test_two_processes_run_tensor_parallel_cut_stages_in_one_program():
+    """T5 tiny, Megatron stages (2 stages x 2 data x 2 model) over two processes: the
+    per-stage runtime cannot move values between processes (the run failed at its first
+    step), so the stages run in one program, each device's blocks, their collectives inside
+    one stage's branch crossing processes over gloo; the losses are one process's (per
+    stage, its default there)."""
+    t5 = ["train", "--model", "t5", "--mesh", "2x2x2", "--axes", "stage,data,model",
+          "--policy", "megatron", "--pipeline", "2", "--batch-size", "8", "--steps", "2",
+          "--json"]
+    proc = subprocess.run([sys.executable, "-m", "nnscaler_jax", *t5, "--processes", "2"],
+                          capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = _last_json(proc.stdout)
+    code, out, err = run_cli(t5)
+    assert code == 0, err[-2000:]
+    one = _last_json(out)
+    assert (two["plan"]["executor"], one["plan"]["executor"]) == ("in-graph", "per-stage")
+    np.testing.assert_allclose(two["losses"], one["losses"], rtol=1e-6)
+
+
+@pytest.mark.slow
 def test_an_nnx_model_trains_pipelined_and_resumes_under_the_spmd_plan(tmp_path):
     """gpt_nnx on 2 stages x 4 data: the pipelined step runs nnx modules (its dropout keyed),
     and its checkpoint (the module's trees) resumes under the SPMD plan, which keys the
