@@ -531,9 +531,10 @@ def _executors(tensor: Sequence[str], collections: bool,
     can = ("per-stage", "in-graph") if tensor and not collections else ("per-stage",) \
         if tensor else ("in-graph",) if collections else ("in-graph", "per-stage")
     asked = constraints.pipeline_executor
-    if asked == "per-stage":
-        per_stage_error()
-    if per_stage_error(raises=False):  # (several processes: one program, where it runs)
+    err = per_stage_error()
+    if err is not None and asked == "per-stage":
+        raise err
+    if err is not None:  # (several processes: one program, where it runs)
         can = tuple(e for e in can if e != "per-stage") or can
     if constraints.pipeline_overlap and tensor and asked != "in-graph":
         raise PlanError(
@@ -557,14 +558,10 @@ def _executors(tensor: Sequence[str], collections: bool,
                     + ("policy='dp'" if tensor else "a model without mutable collections"))
 
 
-def per_stage_error(raises: bool = True) -> PlanError | None:
+def per_stage_error() -> PlanError | None:
     """The error of the per-stage runtime in a run of several processes (None: one process):
     it dispatches every stage's programs from one process, moving values between the stages'
-    sub-meshes with ``jax.device_put``, which JAX does not do between processes.
-
-    Raises:
-        PlanError: with ``raises``, where there is one.
-    """
+    sub-meshes with ``jax.device_put``, which JAX does not do between processes."""
     import jax
 
     n = jax.process_count()
@@ -575,8 +572,6 @@ def per_stage_error(raises: bool = True) -> PlanError | None:
                     "one process, moving values between the stages' devices, which JAX does "
                     "not do between processes; use Constraints(pipeline_executor='in-graph') "
                     "(tensor-parallel stages run there on each device's blocks)")
-    if raises:
-        raise err
     return err
 
 

@@ -111,7 +111,7 @@ def _value(env: dict, v: Any) -> Any:
 def run_segment(prog: Any, seg: int, pvec: dict, shared: list, cin: dict, batch: list,
                 fresh: Any = True, kvec: dict | None = None) -> tuple[dict, Any, dict]:
     """Segment ``seg``'s forward: ``(packed values it passes on, loss or 0, its chunk's new
-    collections)`` (``kvec``: the chunk's packed collections, ``prog.coll_pack``).
+    collections)`` (``kvec``: the chunk's packed collections, ``prog.coll_rows``).
 
     The last segment passes on the model's outputs packed for recycling (``prog.r_pack``) or
     zeros. Chunk 0 of a recycling program reads the module inputs from the batch when
@@ -125,9 +125,9 @@ def run_segment(prog: Any, seg: int, pvec: dict, shared: list, cin: dict, batch:
     chunk = 0 <= c < prog.schedule.chunks
     own = prog.coll_owned[c] if chunk else ()
     if chunk:
-        params += zip([invars[j] for j in prog.owned[c]], unpack(pvec, prog.p_pack[c]),
+        params += zip([invars[j] for j in prog.owned[c]], prog.rows.blocks(pvec, c),
                       strict=True)
-        params += zip([prog.coll_in[k] for k in own], unpack(kvec or {}, prog.coll_pack[c]),
+        params += zip([prog.coll_in[k] for k in own], prog.coll_rows.blocks(kvec or {}, c),
                       strict=True)
     if seg > 0:
         xin = unpack(cin, prog.c_pack[seg - 1])
@@ -143,7 +143,7 @@ def run_segment(prog: Any, seg: int, pvec: dict, shared: list, cin: dict, batch:
                     layer_starts=prog.layer_starts, recompute_layers=prog.recompute == "layer",
                     evaluate=prog.evaluator(c))
     new = pack([_value(env, prog.coll_out[k]) for k in own],
-               prog.coll_pack[c] if chunk else packing([]), prog.coll_width)
+               prog.coll_rows.packs[c] if chunk else packing([]), prog.coll_rows.width)
     if seg < cut.chunks - 1:
         out = pack([env[v] for v in cut.bounds[seg]], prog.c_pack[seg], prog.c_width)
         return out, jnp.zeros((), jnp.float32), new
@@ -261,8 +261,8 @@ class CutProgram(InGraphRuntime):
 
     def _cut(self, closed: Any, abstract: list, stage_of: tuple) -> None:
         """Cut the traced program at ``stage_of``'s segments and lay out what each chunk owns:
-        parameters (``owned``, ``p_pack``; the rest ``shared``), collections (``coll_owned``,
-        ``coll_pack``) and the values crossing boundaries (``c_pack``)."""
+        parameters (``owned``, ``rows``; the rest ``shared``), collections (``coll_owned``,
+        ``coll_rows``) and the values crossing boundaries (``c_pack``)."""
         sched, C = self.schedule, self.schedule.chunks
         np_, nc = len(abstract), len(self.coll_avals)
         self.seg0 = int(sched.all_device)  # the embedding segment comes first (interlaced)
@@ -284,11 +284,10 @@ class CutProgram(InGraphRuntime):
         if bad:
             raise shared_error([self.coll_paths[k] for k in bad])
         self.param_avals = abstract
-        self._lay_rows()
+        self.rows = self._rows_for(abstract)
         self.coll_rows = PackedRows(self.mesh, self.axis, (), sched.stages, sched.virtual,
                                     [[self.coll_avals[k] for k in own]
                                      for own in self.coll_owned])
-        self.coll_pack, self.coll_width = self.coll_rows.packs, self.coll_rows.width
         jx = cut.jaxpr.jaxpr
         self.coll_in, self.coll_out = jx.invars[np_:np_ + nc], jx.outvars[1:1 + nc]
         self.c_pack = [packing([v.aval for v in b]) for b in cut.bounds]
@@ -326,7 +325,7 @@ class CutProgram(InGraphRuntime):
             for j in own:
                 spec = self.stage_plans[c % S].var_specs[j]
                 self.leaf_layout[j] = Layout.from_pspec(spec, len(self.param_avals[j].shape))
-        self._lay_rows()
+        self.rows = self._rows_for(self.param_avals)  # (as the plans store them)
         self._made = made
         local = lambda v: jax.ShapeDtypeStruct(
             (self._made_layout(v) or Layout.replicated(v.aval.ndim))
@@ -361,11 +360,6 @@ class CutProgram(InGraphRuntime):
         if not self.stage_plans or not 0 <= c < self.schedule.chunks:
             return NO_CONSTRAINTS.evaluate
         return self.stage_plans[c % self.schedule.stages].evaluate
-
-    def _lay_rows(self) -> None:
-        """The parameters' rows: each chunk's own leaves, as their stage's plan stores them."""
-        self.rows = self._rows_for(self.param_avals)
-        self.p_pack, self.p_width = self.rows.packs, self.rows.width
 
     def _rows_for(self, avals: list) -> PackedRows:
         return PackedRows(self.mesh, self.axis, self.tp_axes, self.schedule.stages,

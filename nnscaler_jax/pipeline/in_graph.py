@@ -162,7 +162,7 @@ class InGraphRuntime(PipelineRuntime):
         """Traceable ``(to_layout, to_module)`` between parameter leaves shaped as ``avals``
         and the layout ``{'shared': [...], 'stages': rows}`` (:meth:`to_pipeline`'s, or the
         optimizer probe's miniatures')."""
-        rows = self._rows_for(avals)
+        rows = self.rows if avals is self.param_avals else self._rows_for(avals)
 
         def to_layout(leaves: list) -> dict:
             return {"shared": [leaves[j] for j in self.shared],

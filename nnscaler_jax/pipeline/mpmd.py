@@ -110,7 +110,8 @@ class MpmdProgram(PipelineRuntime):
                             "ends, beside the stages' other work; overlap=True (transfers one "
                             "time step late) is the in-graph runtime's. Drop it, or use "
                             "Constraints(pipeline_executor='in-graph')")
-        per_stage_error()
+        if (err := per_stage_error()) is not None:
+            raise err
         self.layer_rules = dict(layer_rules)
         self._setup(module, loss_fn, mesh, sched, batch, policy=policy, recompute=recompute)
         self.user_mesh = mesh

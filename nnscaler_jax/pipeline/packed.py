@@ -75,27 +75,6 @@ def _copies_bwd(n: int, _: None, ct: Any) -> tuple[Any]:
 _copies.defvjp(_copies_fwd, _copies_bwd)
 
 
-def _unpacked(row: dict[str, Any], pk: Any, dtypes: dict[str, str]) -> list[Any]:
-    """:func:`~nnscaler_jax.pipeline.chunks.unpack`, its transpose one concatenation (the
-    pieces' cotangents packed: not a padded row per piece summed)."""
-    width = {k: x.shape[0] for k, x in row.items()}
-    floats = {k for k in width if jnp.issubdtype(np.dtype(dtypes.get(k, k)), jnp.inexact)}
-
-    @jax.custom_vjp
-    def f(r):
-        return unpack(r, pk)
-
-    def bwd(_, cts):
-        got = pack([ct if k in floats else jnp.zeros(shape)
-                    for ct, (k, _, shape) in zip(cts, pk.slots, strict=True)], pk, width,
-                   dtypes)
-        return ({k: x if k in floats else np.zeros(x.shape, jax.dtypes.float0)
-                 for k, x in got.items()},)
-
-    f.defvjp(lambda r: (f(r), None), bwd)
-    return f(row)
-
-
 class PackedRows:
     """Chunks' pieces packed in rows ``{key: [stages, virtual, T x width]}``, a row per dtype
     (or per group and dtype).
@@ -192,7 +171,7 @@ class PackedRows:
     def blocks(self, row: dict[str, Any], c: int = 0) -> list[Any]:
         """Chunk ``c``'s pieces as the device's blocks, from its part of the chunk's row
         (``{dtype: [width]}``, inside a ``shard_map`` manual over the tensor axes)."""
-        return _unpacked(row, self.packs[c], self.dtypes)
+        return unpack(row, self.packs[c])
 
     def pieces(self, row: dict[str, Any], c: int = 0) -> list[Any]:
         """Chunk ``c``'s whole pieces, each laid out over the tensor axes as stored, from
@@ -212,8 +191,7 @@ class PackedRows:
         lays = [lay or Layout.replicated(a.ndim) for a, lay in
                 zip(self.avals[c], self.layouts[c], strict=True)]
         # (a block replicated over tensor axes: the output's transpose divides its cotangent)
-        copies = [math.prod(self.sizes[a] for a in self.tp_axes if a not in lay.split_axes)
-                  for lay in lays]
+        copies = [self._copies(lay) for lay in lays]
 
         def local(bs):
             return [_copies(b.reshape(shape), n) if n > 1 else b.reshape(shape)
@@ -233,9 +211,13 @@ class PackedRows:
         for c, (lays, pk) in enumerate(zip(self.layouts, self.packs, strict=True)):
             s, v = self._where(c)
             for lay, (dt, off, shape) in zip(lays, pk.slots, strict=True):
-                n = math.prod(self.sizes[a] for a in self.tp_axes
-                              if lay is None or a not in lay.split_axes)
                 for t in range(T):
                     start = t * self.width[dt] + off
-                    out[dt][s, v, start:start + math.prod(shape)] = 1.0 / n
+                    out[dt][s, v, start:start + math.prod(shape)] = 1.0 / self._copies(lay)
         return out
+
+    def _copies(self, lay: Layout | None) -> int:
+        """On how many devices of a stage each block of a piece laid out as ``lay`` is
+        stored (the tensor axes it is not split over)."""
+        return math.prod(self.sizes[a] for a in self.tp_axes
+                         if lay is None or a not in lay.split_axes)

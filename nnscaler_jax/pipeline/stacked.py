@@ -122,18 +122,16 @@ class PipelineProgram(InGraphRuntime):
                 if lay.split_axes:
                     self.leaf_layout[lv[k]] = Layout(((),) + lay.dims) if sp.stacked else lay
         self.rows = self._rows_for(self.param_avals)
-        self.layer_rows = self._rows_for(self.param_avals, layers=1)
+        self.layer_rows = PackedRows(self.mesh, self.axis, self.tp_axes, 1, 1, [[
+            jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in self.rows.avals[0]]],
+            [self._layer_layouts])
 
-    def _rows_for(self, avals: list, layers: int | None = None) -> PackedRows:
-        sp, K = self.split, layers or self.per_chunk
+    def _rows_for(self, avals: list) -> PackedRows:
+        sp, K = self.split, self.per_chunk
         piece = [jax.ShapeDtypeStruct((K,) + tuple(avals[j].shape)[int(sp.stacked):],
                                       avals[j].dtype) for j in sp.layer_leaves[0]]
         lays = [None if lay is None else Layout(((),) + lay.dims)
                 for lay in self._layer_layouts]
-        if layers:  # (one layer: its leaves' blocks)
-            return PackedRows(self.mesh, self.axis, self.tp_axes, 1, 1,
-                              [[jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in piece]],
-                              [self._layer_layouts])
         C = self.schedule.chunks
         return PackedRows(self.mesh, self.axis, self.tp_axes, self.schedule.stages,
                           self.schedule.virtual, [piece] * C, [lays] * C,
