@@ -14,15 +14,14 @@ builds what was priced:
 - otherwise the model cut into chunks: :class:`~nnscaler_jax.pipeline.mpmd.MpmdProgram` where
   the plan runs per stage, else :class:`~nnscaler_jax.pipeline.cut_program.CutProgram` (its
   tensor-parallel stages on each device's blocks, their collectives explicit: GSPMD's inside
-  one ``lax.switch`` branch may wait for every device of the mesh);
-- per stage with data-parallel stages but an optimizer that couples leaves across stages
-  (``optax.clip_by_global_norm``: each stage's update would see its own part): CutProgram,
-  with a warning (the plan's predicted time is the per-stage runtime's).
+  one ``lax.switch`` branch may wait for every device of the mesh).
+
+An optimizer coupling leaves across stages (``optax.clip_by_global_norm``) runs in either: on
+the module's whole tree, spread over the mesh.
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 from nnscaler_jax.errors import PlanError
@@ -44,7 +43,7 @@ def cut_runtime(executor: str = "in-graph") -> type:
 
 
 def build_runtime(args: tuple, kw: dict, pipe: Any, *, pivots: bool, precision: str | None,
-                  collections: bool, keys: bool, optimizer: Any) -> PipelineRuntime:
+                  collections: bool, keys: bool) -> PipelineRuntime:
     """The runtime of a pipelined plan (the module's docstring says which).
 
     Args:
@@ -55,7 +54,6 @@ def build_runtime(args: tuple, kw: dict, pipe: Any, *, pivots: bool, precision: 
         pipe: the plan's :class:`~nnscaler_jax.plan.plan.PipelineSettings`.
         pivots, precision, collections, keys: what
             :func:`~nnscaler_jax.pipeline.program.why_cut` reads besides the schedule.
-        optimizer: the optax optimizer the step runs.
 
     Raises:
         PlanError: the model cannot run as priced (from the cut runtime; a stack the identical-
@@ -70,20 +68,8 @@ def build_runtime(args: tuple, kw: dict, pipe: Any, *, pivots: bool, precision: 
         except NotALayerStack as e:  # (other errors of the stacked program are the user's)
             stack_error = e
     try:
-        return _cut(args, {**kw, "stage_of": pipe.stage_of, "layer_rules": pipe.layer_rules,
-                           "stage_plans": pipe.stage_plans}, pipe.executor, optimizer)
+        return cut_runtime(pipe.executor)(*args, **kw, stage_of=pipe.stage_of,
+                                          layer_rules=pipe.layer_rules,
+                                          stage_plans=pipe.stage_plans)
     except PlanError as cut_error:
         raise cut_error from stack_error
-
-
-def _cut(args: tuple, kw: dict, executor: str, optimizer: Any) -> PipelineRuntime:
-    program = cut_runtime(executor)(*args, **kw)
-    if isinstance(program, MpmdProgram) and not program.tp_axes \
-            and not program.updates_alone(optimizer):
-        warnings.warn(
-            "train_step: the plan runs its stages as one program each (its executor "
-            "'per-stage'), but this optimizer couples leaves across stages (a global "
-            "norm or whole-tree statistic); running them as one program (CutProgram) "
-            "instead, whose step the plan's predicted time does not price", stacklevel=5)
-        program = CutProgram(*args, **kw)
-    return program

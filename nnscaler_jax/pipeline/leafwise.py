@@ -3,8 +3,9 @@
 :class:`~nnscaler_jax.pipeline.mpmd.MpmdProgram` runs the optax update per stage, on the
 module's parameter tree with the other stages' leaves as empty placeholders. That equals the
 update on the whole tree only when the optimizer treats leaves separately; one that couples
-them (``optax.clip_by_global_norm``: a global norm) would see one stage's part. Optimizers are
-pairs of functions, so :func:`leafwise` probes instead of reading them.
+them (``optax.clip_by_global_norm``: a global norm) would see one stage's part, so such an
+optimizer runs there on the module's whole tree, over the whole mesh. Optimizers are pairs of
+functions, so :func:`leafwise` probes instead of reading them.
 
 The stacked and packed runtimes run the update on their own layout; :func:`same_on_layout`
 probes whether that equals the update on the module's tree (masks, labels and per-leaf

@@ -27,9 +27,12 @@ in-stage plan says (split over the tensor axes); a leaf several stages read (tie
 has a copy on each, updated alike with the sum of their gradients. The optax update runs per
 stage (jitted on its sub-mesh) on the module's parameter tree with the other stages' leaves
 empty placeholders (the tree keeps the module's structure, so optimizer masks and labels given
-as pytrees apply), so an optimizer coupling leaves (``clip_by_global_norm``) would see one
-stage's norm: such an optimizer is refused (:func:`~nnscaler_jax.pipeline.leafwise.leafwise`
-probes it).
+as pytrees apply). An optimizer coupling leaves across stages (``clip_by_global_norm``: per
+stage it would see one stage's norm; :func:`~nnscaler_jax.pipeline.leafwise.leafwise` probes
+it) runs once on the module's whole tree instead, on every device of the mesh: each step the
+parameters and gradients move from their stages to the whole mesh (each leaf spread over it,
+:func:`~nnscaler_jax.pipeline.program.spread_sharding`, as the optimizer state is kept), and
+the new parameters back (the in-graph programs' module view does the same exchange).
 
 Rng streams (dropout) get each micro-batch and data shard its own keys, as in the other
 runtimes. Recycling (``nf1b``: ``N`` blocks) and split backwards (``zb-h1``: ``G`` blocks) run.
@@ -63,7 +66,7 @@ from nnscaler_jax.pipeline.chunks import run_chunk, vars_of
 from nnscaler_jax.pipeline.cut import cut_traced, per_stage_error
 from nnscaler_jax.pipeline.in_stage import plan_in_stage, stage_parts
 from nnscaler_jax.pipeline.leafwise import leafwise
-from nnscaler_jax.pipeline.program import PipelineRuntime, mirrors
+from nnscaler_jax.pipeline.program import PipelineRuntime, mirrors, spread_sharding
 from nnscaler_jax.pipeline.recycle import traced_program
 from nnscaler_jax.pipeline.split_backward import split_backward
 from nnscaler_jax.pipeline.steps import blocks, timeline
@@ -357,7 +360,18 @@ class MpmdProgram(PipelineRuntime):
         """Every program the step runs, lowered for its group's devices (compile-only ones
         too: nothing runs): ``(group, name, jax.stages.Lowered)``, each segment's blocks
         (``'F 1'``, ``'B 1'``, ...) and each group's optax update (``'update'``). A split
-        backward's ``G`` is not among them (its kept values' shapes come from tracing)."""
+        backward's ``G`` is not among them (its kept values' shapes come from tracing).
+
+        Raises:
+            PlanError: an optimizer coupling leaves across stages (its update runs on the
+                whole mesh, not per stage).
+        """
+        if not self.updates_alone(optimizer):
+            raise PlanError(
+                "check_stages: this optimizer couples leaves across stages (a global norm: "
+                "optax.clip_by_global_norm), so its update runs once on the whole mesh, not "
+                "per stage; check the stages with a per-leaf optimizer of the same state "
+                "(e.g. the chain without its clipping)")
         out = []
         for c in range(self.cut.chunks):
             head = self.seg0 and c == self.cut.chunks - 1  # (H: forward and backward)
@@ -435,17 +449,16 @@ class MpmdProgram(PipelineRuntime):
         return self._made[key][1]
 
     def init_state(self, params: Any, optimizer: Any, collections: Any = None) -> dict:
-        """``{'params': [per stage], 'opt_state': [optimizer.init per stage]}``."""
+        """``{'params': [per stage], 'opt_state': [optimizer.init per stage]}``; for an
+        optimizer coupling leaves across stages (not :meth:`updates_alone`) ``'opt_state'``
+        is one state of the module's tree, each moment spread over the whole mesh."""
         del collections  # (refused at construction)
-        if not self.updates_alone(optimizer):
-            raise PlanError(
-                "train_step: this optimizer, run on each stage's parameters alone, does not "
-                "update them as on the whole tree (it couples leaves: optax.clip_by_global_norm, "
-                "a global-norm or whole-tree statistic; or it fails on part of the tree). "
-                "Tensor parallelism inside heterogeneous stages updates each stage's "
-                "parameters on its own devices. Use a per-leaf optimizer chain (sgd, adam, "
-                "adamw with masks, multi_transform, ...), or policy='dp'")
         pp = self.to_pipeline(params)
+        if not self.updates_alone(optimizer):
+            tree = self._gathered(pp)
+            with jax.set_mesh(self.mesh):
+                return {"params": pp, "opt_state": jax.jit(
+                    optimizer.init, out_shardings=self._whole_opt_layout(tree, optimizer))(tree)}
         opt = []
         for s, tree in enumerate(pp):
             with jax.set_mesh(self.sub[s]):
@@ -458,10 +471,14 @@ class MpmdProgram(PipelineRuntime):
         with jax.set_mesh(None):  # (eager glue between stages, as the step)
             return self.grads(pp, batch, key)
 
-    def opt_state_to_module(self, opt_state: list, pp: list, spread: bool = False) -> Any:
+    def opt_state_to_module(self, opt_state: Any, pp: list, spread: bool = False) -> Any:
         """The stages' optimizer states (one per stage, of its module-shaped tree) as one
         state of the module's params tree: each moment leaf from the stage holding it (a
-        masked optimizer's ``MaskedNode`` kept), the rest (step counts) from stage 0's."""
+        masked optimizer's ``MaskedNode`` kept), the rest (step counts) from stage 0's; one
+        state of the whole tree (an optimizer coupling leaves) as it is, its arrays laid
+        out as :meth:`from_pipeline` lays out leaves."""
+        if not isinstance(opt_state, list):
+            return jax.tree.map(lambda x: self.module_leaf(x, spread), opt_state)
         per = [mirrors(o, self.params_tree) for o in opt_state]
         items, outer = per[0]
 
@@ -475,7 +492,11 @@ class MpmdProgram(PipelineRuntime):
 
     def opt_state_from_module(self, opt_module: Any, like: list, pp: list) -> list:
         """The inverse of :meth:`opt_state_to_module`, on the shardings of ``like`` (the
-        stages' states of a fresh ``init_state``; new buffers, from host copies)."""
+        stages' states of a fresh ``init_state``, or its one state of the whole tree; new
+        buffers, from host copies)."""
+        if not isinstance(like, list):
+            return jax.tree.map(lambda v, w: jax.device_put(np.asarray(v), w.sharding),
+                                opt_module, like)
         got, _ = mirrors(opt_module, self.params_tree)
         out = []
         for s, o in enumerate(like):
@@ -498,6 +519,38 @@ class MpmdProgram(PipelineRuntime):
             [w if not hasattr(w, "shape") else
              jax.device_put(np.asarray(x), self.leaf_sharding(s, j)) if j in mine
              else self._hole(s, j) for j, (x, w) in enumerate(zip(flat, shape, strict=True))])
+
+    def _whole_sharding(self, j: int) -> NamedSharding:
+        """Where leaf ``j`` is while an optimizer coupling leaves runs on the whole tree:
+        spread over the whole mesh."""
+        return spread_sharding(self.mesh, self.param_avals[j].shape)
+
+    def _gathered(self, trees: list) -> Any:
+        """The stages' trees (parameters, or gradients: each stage holding a leaf has the sum
+        of its stages' gradients) as one module tree on the whole mesh, each leaf from the
+        first stage holding it, spread over the mesh (:meth:`_whole_sharding`)."""
+        per = [self.params_tree.flatten_up_to(t) for t in trees]
+        return self.params_tree.unflatten(
+            [jax.device_put(per[self.owner[j]][j], self._whole_sharding(j))
+             for j in range(len(self.param_avals))])
+
+    def _scattered(self, tree: Any, like: list) -> list:
+        """The inverse of :meth:`_gathered`: each stage's leaves from the module ``tree``, laid
+        out as the stage keeps them; its placeholders from ``like`` (the stages' trees)."""
+        flat = self.params_tree.flatten_up_to(tree)
+        out = []
+        for s, mine in enumerate(self.stage_leaves):
+            old = self.params_tree.flatten_up_to(like[s])
+            out.append(self.params_tree.unflatten(
+                [jax.device_put(flat[j], self.leaf_sharding(s, j)) if j in mine else old[j]
+                 for j in range(len(self.param_avals))]))
+        return out
+
+    def _whole_opt_layout(self, tree: Any, optimizer: Any) -> Any:
+        """Shardings of the optimizer's state of the whole module ``tree`` (spread over the
+        mesh): moments as their parameters, the rest replicated."""
+        return mirror_shardings(jax.eval_shape(optimizer.init, tree), tree,
+                                jax.tree.map(lambda x: x.sharding, tree), self.shardings()[0])
 
     def _opt_layout(self, s: int, tree: Any, optimizer: Any) -> Any:
         """Shardings of group ``s``'s optimizer state for its parameters ``tree``: moments as
@@ -652,24 +705,45 @@ class MpmdProgram(PipelineRuntime):
             out.append(jax.tree.unflatten(self.params_tree, gs))
         return jnp.asarray(loss, jnp.float32), out
 
+    def _update(self, optimizer: Any) -> Callable[[list, list, Any], tuple[list, Any]]:
+        """``(params, grads, opt_state) -> (params, opt_state)``: each stage's jitted optax
+        update on its sub-mesh (donated; its results laid out as its state came from
+        ``init``, so every step after the first reuses the program), or for an optimizer
+        coupling leaves across stages one update of the module's whole tree on the whole
+        mesh (the stages' parameters and gradients gathered to it, the new parameters
+        scattered back)."""
+        update = _updater(optimizer)
+        laid = lambda t: jax.tree.map(lambda x: x.sharding, t)
+        made: dict[int, Callable] = {}
+
+        def per_stage(params: list, grads: list, opt: list) -> tuple[list, list]:
+            out = []
+            for s, (p, g, o) in enumerate(zip(params, grads, opt, strict=True)):
+                if s not in made:
+                    made[s] = jax.jit(update, donate_argnums=(0, 2),
+                                      out_shardings=(laid(p), laid(o)))
+                with jax.set_mesh(self.sub[s]):
+                    out.append(made[s](p, g, o))
+            return [p for p, _ in out], [o for _, o in out]
+
+        def whole(params: list, grads: list, opt: Any) -> tuple[list, Any]:
+            p, g = self._gathered(params), self._gathered(grads)
+            if not made:
+                made[0] = jax.jit(update, donate_argnums=(0, 2),
+                                  out_shardings=(laid(p), laid(opt)))
+            with jax.set_mesh(self.mesh):
+                p, opt = made[0](p, g, opt)
+            return self._scattered(p, params), opt
+
+        return per_stage if self.updates_alone(optimizer) else whole
+
     def train_step(self, optimizer: Any, *, return_grads: bool = False,
                    scaling: Any = None) -> Callable:
         """``step(state, batch) -> (state, metrics)``: the step table dispatched stage by
         stage, then each stage's jitted optax update (donated); with ``scaling`` (float16) the
         gradients are unscaled per stage and a step with any non-finite one updates nothing
         (:class:`~nnscaler_jax.pipeline.update.LossScaling`, its rules run on the host)."""
-        update = _updater(optimizer)
-        updates: dict[int, Callable] = {}
-
-        def updated(s: int, p: Any, g: Any, o: Any) -> tuple:
-            """Stage ``s``'s update, its results laid out as its state came (from ``init``):
-            every step after the first reuses the program."""
-            if s not in updates:
-                laid = lambda t: jax.tree.map(lambda x: x.sharding, t)
-                updates[s] = jax.jit(update, donate_argnums=(0, 2),
-                                     out_shardings=(laid(p), laid(o)))
-            return updates[s](p, g, o)
-
+        apply = self._update(optimizer)
         first = {j: min(s for s, mine in enumerate(self.stage_leaves) if j in mine)
                  for j in range(len(self.param_avals))
                  if any(j in mine for mine in self.stage_leaves)}
@@ -703,13 +777,7 @@ class MpmdProgram(PipelineRuntime):
                 finite = finite and bool(got[1])
             metrics = {"loss": loss, "grad_norm": jnp.sqrt(jnp.asarray(sum(sq), jnp.float32))}
             if finite:
-                params, opt = [], []
-                for s, (p, g, o) in enumerate(zip(state["params"], grads, state["opt_state"],
-                                                  strict=True)):
-                    with jax.set_mesh(self.sub[s]):
-                        p, o = updated(s, p, g, o)
-                    params.append(p)
-                    opt.append(o)
+                params, opt = apply(state["params"], grads, state["opt_state"])
                 state.update(params=params, opt_state=opt)
             if scaling is not None:
                 state.update(scaling.advance(state, finite))

@@ -176,7 +176,7 @@ class PipelineStep(TrainStep):
         self.program = build_runtime(args, kw, pipe, pivots=bool(c.pipeline_pivots),
                                      precision=self.options.precision,
                                      collections=bool(call.collections),
-                                     keys=bool(call.slots), optimizer=self.optimizer)
+                                     keys=bool(call.slots))
         fp16 = self.options.precision == "float16"
         self.jitted = self.program.train_step(self.optimizer, return_grads=self.return_grads,
                                               scaling=self.scaling if fp16 else None)

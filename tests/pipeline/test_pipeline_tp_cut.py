@@ -8,8 +8,8 @@ step equals the single-device step (float32, rtol 1e-4); parameters are stored s
 program's single SPMD program cannot run this on XLA:CPU (its branches' collectives wait for
 every device), which is why the stages are separate programs by default; in one program the
 stages run the plan on each device's blocks with explicit collectives (lower/manual.py). An
-optimizer that couples leaves across stages is refused per stage (in one program it runs on
-the module's tree); the planner prices the stages as tensor-parallel.
+optimizer that couples leaves across stages runs on the module's whole tree, spread over the
+mesh, under either executor; the planner prices the stages as tensor-parallel.
 """
 
 import contextlib
@@ -113,10 +113,15 @@ def test_tensor_parallel_stages_train_like_one_device(name):
         np.testing.assert_array_equal(np.asarray(emb[0][0]), np.asarray(emb[1][0]))
 
 
-def test_an_optimizer_coupling_leaves_is_refused():
+@pytest.mark.slow
+def test_an_optimizer_coupling_leaves_runs_on_the_whole_tree():
     """Probed on the model's tree at gradient scales 1e-3 .. 1e6: a clipping threshold above
     one scale's norm (10 here) still shows; masks given as a pytree of the model's parameters
-    apply (the stages keep the module's tree, other stages' leaves as empty placeholders)."""
+    apply (the stages keep the module's tree, other stages' leaves as empty placeholders).
+    Per stage, global-norm clipping would see one stage's norm: its update runs once on the
+    module's tree over the whole mesh (T5 tiny's, tied embedding on both stages). Three steps
+    equal one device's, the ones after the first compile nothing, and the checkpointed state
+    restores and steps as the state it came from."""
     assert leafwise(optax.sgd(0.1)) and leafwise(optax.adamw(1e-3))
     clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
     assert not leafwise(clipped)
@@ -129,9 +134,43 @@ def test_an_optimizer_coupling_leaves_is_refused():
     assert leafwise(optax.multi_transform({"a": optax.adam(1e-3), "b": optax.sgd(0.1)}, labels),
                     tree, groups)
     spec, pm = _wrapped("t5")
-    step = pm.train_step(spec.loss_fn, clipped)
-    with pytest.raises(PlanError, match="couples leaves"):
-        step.init(spec.init(jax.random.PRNGKey(0)), *spec.make_args())
+    opt = optax.chain(optax.clip_by_global_norm(0.05),
+                      optax.adamw(1e-2, eps=1e-3, weight_decay=0.1))
+    step = pm.train_step(spec.loss_fn, opt)
+    params, args = spec.init(jax.random.PRNGKey(0))["params"], spec.make_args()
+    state = step.init({"params": params}, *args)
+    assert type(step.program).__name__ == "MpmdProgram"
+    everywhere = set(np.asarray(make_mesh(*MESH).devices).flat)
+    moments = jax.tree.leaves(state["opt_state"])  # (one state of the module's tree)
+    assert moments and all(x.sharding.device_set == everywhere for x in moments)
+    grad_of = jax.jit(jax.value_and_grad(
+        lambda p: spec.loss_fn(spec.module.apply({"params": p}, *args), *args)))
+    want, opt_state, refs = params, opt.init(params), []
+    for _ in range(3):
+        loss, grads = grad_of(want)
+        want, opt_state = updated(opt, want, grads, opt_state)
+        refs.append((loss, global_norm(grads)))
+    assert min(n for _, n in refs) > 0.05  # (the clipping acts at every step)
+    seen: list[str] = []
+
+    def compiled(event, _duration, **_kw):
+        seen.extend([event] * (event == "/jax/core/compile/backend_compile_duration"))
+
+    for k, (loss, norm) in enumerate(refs):
+        if k == 1:  # (the steps after the first: cache hits)
+            jax.monitoring.register_event_duration_secs_listener(compiled)
+        if k == 2:
+            saved = step.checkpoint_state(state)
+        state, metrics = step(state, *args)
+        np.testing.assert_allclose(metrics["loss"], loss, rtol=RTOL)
+        np.testing.assert_allclose(metrics["grad_norm"], norm, rtol=RTOL)
+    jax.monitoring.unregister_event_duration_listener(compiled)
+    assert seen == []
+    assert_same_params(step.params(state), want, rtol=RTOL, atol=ATOL)
+    again, _ = step(step.restore_state(saved), *args)
+    assert_same_params(step.params(again), want, rtol=RTOL, atol=ATOL)
+    with pytest.raises(PlanError, match="couples leaves across stages"):
+        step.program.block_programs(opt)
 
 
 def test_the_stages_are_priced_tensor_parallel():
