@@ -39,6 +39,41 @@ MESH = ((2, 2, 2), ("stage", "data", "model"))
 RUNTIME = {"per-stage": "MpmdProgram", "in-graph": "CutProgram"}
 
 
+def _one_device(spec, params, args, opt, steps):
+    """``steps`` optax steps of ``opt`` on one device: the parameters after them and each
+    step's ``(loss, gradients' global norm)``."""
+    grad_of = jax.jit(jax.value_and_grad(
+        lambda p: spec.loss_fn(spec.module.apply({"params": p}, *args), *args)))
+    want, opt_state, refs = params, opt.init(params), []
+    for _ in range(steps):
+        loss, grads = grad_of(want)
+        want, opt_state = updated(opt, want, grads, opt_state)
+        refs.append((loss, global_norm(grads)))
+    return want, refs
+
+
+def _steps_compile_once(step, state, args, refs):
+    """One step per reference ``(loss, norm)``, its loss and gradient norm as the reference's;
+    the steps after the first compile nothing. Returns the state and the last metrics."""
+    seen: list[str] = []
+
+    def compiled(event, _duration, **_kw):
+        seen.extend([event] * (event == "/jax/core/compile/backend_compile_duration"))
+
+    metrics = None
+    try:
+        for k, (loss, norm) in enumerate(refs):
+            if k == 1:  # (the steps after the first: cache hits)
+                jax.monitoring.register_event_duration_secs_listener(compiled)
+            state, metrics = step(state, *args)
+            np.testing.assert_allclose(metrics["loss"], loss, rtol=RTOL)
+            np.testing.assert_allclose(metrics["grad_norm"], norm, rtol=RTOL)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(compiled)
+    assert seen == []
+    return state, metrics
+
+
 def _wrapped(name, **kw):
     spec = models.get(name, "tiny", batch_size=16, **kw)
     pm = auto_parallel(make_mesh(*MESH), Constraints(pipeline_stages=2, microbatches=2,
@@ -121,7 +156,7 @@ def test_an_optimizer_coupling_leaves_runs_on_the_whole_tree():
     Per stage, global-norm clipping would see one stage's norm: its update runs once on the
     module's tree over the whole mesh (T5 tiny's, tied embedding on both stages). Three steps
     equal one device's, the ones after the first compile nothing, and the checkpointed state
-    restores and steps as the state it came from."""
+    restores and takes the fourth step as one device does."""
     assert leafwise(optax.sgd(0.1)) and leafwise(optax.adamw(1e-3))
     clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
     assert not leafwise(clipped)
@@ -143,32 +178,13 @@ def test_an_optimizer_coupling_leaves_runs_on_the_whole_tree():
     everywhere = set(np.asarray(make_mesh(*MESH).devices).flat)
     moments = jax.tree.leaves(state["opt_state"])  # (one state of the module's tree)
     assert moments and all(x.sharding.device_set == everywhere for x in moments)
-    grad_of = jax.jit(jax.value_and_grad(
-        lambda p: spec.loss_fn(spec.module.apply({"params": p}, *args), *args)))
-    want, opt_state, refs = params, opt.init(params), []
-    for _ in range(3):
-        loss, grads = grad_of(want)
-        want, opt_state = updated(opt, want, grads, opt_state)
-        refs.append((loss, global_norm(grads)))
+    want, refs = _one_device(spec, params, args, opt, 3)
     assert min(n for _, n in refs) > 0.05  # (the clipping acts at every step)
-    seen: list[str] = []
-
-    def compiled(event, _duration, **_kw):
-        seen.extend([event] * (event == "/jax/core/compile/backend_compile_duration"))
-
-    for k, (loss, norm) in enumerate(refs):
-        if k == 1:  # (the steps after the first: cache hits)
-            jax.monitoring.register_event_duration_secs_listener(compiled)
-        if k == 2:
-            saved = step.checkpoint_state(state)
-        state, metrics = step(state, *args)
-        np.testing.assert_allclose(metrics["loss"], loss, rtol=RTOL)
-        np.testing.assert_allclose(metrics["grad_norm"], norm, rtol=RTOL)
-    jax.monitoring.unregister_event_duration_listener(compiled)
-    assert seen == []
+    state, _ = _steps_compile_once(step, state, args, refs)
     assert_same_params(step.params(state), want, rtol=RTOL, atol=ATOL)
-    again, _ = step(step.restore_state(saved), *args)
-    assert_same_params(step.params(again), want, rtol=RTOL, atol=ATOL)
+    again, _ = step(step.restore_state(step.checkpoint_state(state)), *args)
+    assert_same_params(step.params(again), _one_device(spec, params, args, opt, 4)[0],
+                       rtol=RTOL, atol=ATOL)
     with pytest.raises(PlanError, match="couples leaves across stages"):
         step.program.block_programs(opt)
 
@@ -446,27 +462,8 @@ def test_tensor_parallel_stages_in_one_program_train_like_one_device(name, clip,
     assert type(prog).__name__ == "CutProgram" and prog.tp_axes == ("model",)
     for x in jax.tree.leaves(state["params"]["stages"]):  # [stage, virtual, model x width]
         assert x.addressable_shards[0].data.size * 4 == x.size
-    grad_of = jax.jit(jax.value_and_grad(
-        lambda p: spec.loss_fn(spec.module.apply({"params": p}, *args), *args)))
-    want, opt_state = params, opt.init(params)
-    refs = []
-    for _ in range(3):
-        loss, grads = grad_of(want)
-        want, opt_state = updated(opt, want, grads, opt_state)
-        refs.append((loss, global_norm(grads)))
-    seen: list[str] = []
-
-    def compiled(event, _duration, **_kw):
-        seen.extend([event] * (event == "/jax/core/compile/backend_compile_duration"))
-
-    for k, (loss, norm) in enumerate(refs):
-        if k == 1:  # (the steps after the first: cache hits)
-            jax.monitoring.register_event_duration_secs_listener(compiled)
-        state, metrics = step(state, *args)
-        np.testing.assert_allclose(metrics["loss"], loss, rtol=RTOL)
-        np.testing.assert_allclose(metrics["grad_norm"], norm, rtol=RTOL)
-    jax.monitoring.unregister_event_duration_listener(compiled)
-    assert seen == []
+    want, refs = _one_device(spec, params, args, opt, 3)
+    state, _ = _steps_compile_once(step, state, args, refs)
     assert_same_params(step.params(state), want, rtol=RTOL, atol=ATOL)
 
 
