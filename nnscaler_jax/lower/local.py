@@ -15,7 +15,8 @@ from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.coshard import PARAM_SHAPED, gather_on_batch
 from nnscaler_jax.ir.graph import Op
 
-__all__ = ["bind_eqn", "bind_local", "local_out_shapes", "runs_on_pieces"]
+__all__ = ["bind_eqn", "bind_local", "call_on_blocks", "local_out_shapes", "runs_elementwise",
+           "runs_on_pieces"]
 
 # params that spell the (global) output shape
 _SHAPE_PARAMS = {"reshape": "new_sizes", "broadcast_in_dim": "shape", "iota": "shape"}
@@ -96,3 +97,104 @@ def bind_local(op: Op, ins: Sequence[Any], ways: Mapping[str, int]) -> list[Any]
     (shape,) = local_out_shapes(op, ways)
     eqn = op.eqn.replace(params={**op.eqn.params, key: tuple(shape)})
     return bind_eqn(eqn, ins)
+
+
+# ---- a custom-derivative call on blocks ------------------------------------------------------
+
+# primitives that act element by element (broadcast_in_dim: a scalar to the whole shape)
+_ELEMENTWISE = frozenset({
+    "abs", "add", "and", "atan2", "broadcast_in_dim", "cbrt", "ceil", "clamp",
+    "convert_element_type", "copy", "copy_p", "cos", "div", "eq", "erf", "erf_inv", "erfc",
+    "exp", "exp2", "expm1", "floor", "ge", "gt", "integer_pow", "is_finite", "le", "log",
+    "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg", "nextafter", "not", "or",
+    "pow", "reduce_precision", "rem", "round", "rsqrt", "select_n", "sign", "sin", "sqrt",
+    "square", "sub", "tan", "tanh", "xor"})
+_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "custom_jvp_call": "call_jaxpr"}
+
+
+def _jvp_jaxpr(eqn: Any) -> tuple[Any, Sequence[Any], Sequence[bool]]:
+    """A ``custom_jvp_call``'s rule as a jaxpr of its primals and every tangent (consts'
+    excluded): ``(jaxpr, consts, which output tangents are zero)``."""
+    n = len(eqn.invars) - eqn.params["num_consts"]
+    return eqn.params["jvp_jaxpr_fun"].call_wrapped(*[False] * n)
+
+
+def _elementwise(jaxpr: Any, consts: Sequence[Any], shape: tuple[int, ...]) -> bool:
+    """Whether ``jaxpr`` computes element by element on arrays of ``shape`` (every value
+    of that shape or a scalar; calls inside looked into)."""
+    from jax.extend import core as jcore
+
+    fits = lambda v: tuple(v.aval.shape) in (shape, ()) if hasattr(v.aval, "shape") else False
+    if any(tuple(getattr(c, "shape", ())) != () for c in consts) or \
+            not all(fits(v) for v in jaxpr.invars):
+        return False
+    for e in jaxpr.eqns:
+        name = e.primitive.name
+        if not all(fits(v) for v in e.outvars) or not all(
+                isinstance(v, jcore.Literal) or fits(v) for v in e.invars):
+            return False
+        if name in _CALLS:
+            inner = e.params[_CALLS[name]]
+            if not _elementwise(inner.jaxpr, inner.consts, shape):
+                return False
+        elif name not in _ELEMENTWISE or (name == "broadcast_in_dim" and e.invars[0].aval.shape):
+            return False
+    return True
+
+
+def runs_elementwise(eqn: Any, shape: tuple[int, ...]) -> bool:
+    """Whether a ``custom_jvp_call`` equation and its derivative rule compute element by
+    element on arrays of ``shape`` (``jax.nn.relu``, ``jnp.logaddexp``): then it runs on any
+    blocks of them (:func:`call_on_blocks`)."""
+    if eqn.primitive.name != "custom_jvp_call":
+        return False
+    call = eqn.params["call_jaxpr"]
+    jaxpr, consts, _ = _jvp_jaxpr(eqn)
+    return _elementwise(call.jaxpr, call.consts, shape) and _elementwise(jaxpr, consts, shape)
+
+
+def _run_local(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], shape: tuple[int, ...],
+               local: tuple[int, ...]) -> list[Any]:
+    """An element-by-element ``jaxpr`` on blocks of ``local`` shape (its params spelling the
+    whole ``shape`` rewritten); a call inside is run inline (only its primal: the
+    derivative is the enclosing call's rule)."""
+    from jax.extend import core as jcore
+
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
+    for e in jaxpr.eqns:
+        ins = [read(v) for v in e.invars]
+        if e.primitive.name in _CALLS:
+            inner = e.params[_CALLS[e.primitive.name]]
+            outs = _run_local(inner.jaxpr, inner.consts, ins, shape, local)
+        else:
+            if tuple(e.params.get("shape", ())) == shape:
+                e = e.replace(params={**e.params, "shape": local})
+            outs = bind_eqn(e, ins)
+        env.update(zip(e.outvars, outs, strict=True))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def call_on_blocks(eqn: Any, shape: tuple[int, ...], local: tuple[int, ...]) -> Any:
+    """A ``custom_jvp_call`` equation that :func:`runs_elementwise` on ``shape``, as a
+    function of blocks of ``local`` shape, its derivative still its own rule (``relu``'s
+    gradient at 0 is 0, where ``max``'s would be 1/2)."""
+    import jax
+    import jax.numpy as jnp
+
+    call, nc = eqn.params["call_jaxpr"], eqn.params["num_consts"]
+
+    @jax.custom_jvp
+    def fn(*xs):
+        return _run_local(call.jaxpr, call.consts, xs, shape, local)
+
+    def rule(primals, tangents):
+        jaxpr, consts, zero = _jvp_jaxpr(eqn)
+        outs = _run_local(jaxpr, consts, [*primals[nc:], *tangents[nc:]], shape, local)
+        ys, nonzero = outs[:len(zero)], iter(outs[len(zero):])
+        return ys, [jnp.zeros_like(y) if z else next(nonzero) for y, z in zip(ys, zero,
+                                                                                strict=True)]
+
+    fn.defjvp(rule)
+    return fn

@@ -10,7 +10,8 @@ consumer (all-reduce for R, reduce-scatter for D); their gradients are carried b
 to the op's layout without partial sums, step by step, before the op's transpose reads them
 (the backward the cost model priced; left to XLA, the transpose may read them in a layout it
 can reach only by a full rematerialization). Remat boundaries are replayed under
-``jax.checkpoint``; custom-derivative calls are bound whole; ``scan`` / ``while`` / ``cond`` are
+``jax.checkpoint``; custom-derivative calls are bound whole (on each device's blocks, where
+they compute element by element); ``scan`` / ``while`` / ``cond`` are
 rebuilt with ``jax.lax`` around a replay of their bodies. Co-sharded ops and value-split chains
 run inside ``jax.shard_map`` regions (:mod:`nnscaler_jax.lower.regions`).
 """
@@ -34,7 +35,13 @@ from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.lower.attention import run_fused_attention
 from nnscaler_jax.lower.coshard import run_coshard
-from nnscaler_jax.lower.local import bind_eqn, bind_local, runs_on_pieces
+from nnscaler_jax.lower.local import (
+    bind_eqn,
+    bind_local,
+    call_on_blocks,
+    runs_elementwise,
+    runs_on_pieces,
+)
 from nnscaler_jax.lower.manual import grad_reduced
 from nnscaler_jax.lower.manual import relayout as manual_relayout
 from nnscaler_jax.lower.regions import chain_prefix, run_cosharded, run_sharded, run_value_chain
@@ -414,21 +421,44 @@ manual over its axes not yet manual); ``result_specs``: on an Explicit mesh, the
             env[t.id] = x
 
     def _manual_call(self, ops: Sequence[Op], env: dict, b: Any) -> None:
-        """A call bound whole (custom derivatives), on each device's blocks: its inputs read
-        whole (its equations spell global shapes), its outputs sliced to the blocks the plan
-        makes them in (every value's layout is known before anything runs: LoweredEqns)."""
-        ins = [self.read_as(env, t, Layout.replicated(t.ndim)) if t.ndim else
-               self._read(env, t) for t in b.inputs]
+        """A call bound whole (custom derivatives), on each device's blocks: where it and its
+        derivative rule compute element by element (``jax.nn.relu``), on the blocks its
+        outputs are made in (:func:`~nnscaler_jax.lower.local.call_on_blocks`); else its
+        inputs read whole (its equations spell global shapes), its outputs sliced to the
+        blocks the plan makes them in (every value's layout is known before anything runs:
+        LoweredEqns)."""
         made = {t.id: self.resolve(t, lay) for op in ops for t, lay in
                 zip(op.outputs, op_layouts(op, self._plans.get(op.id))[1], strict=True)}
-        sizes = dict(self.mesh.shape)
-        for t, x in zip(b.outputs, bind_eqn(b.eqn, ins), strict=True):
+        wants = []
+        for t in b.outputs:
             # (an output that is one of the inputs: where that was made)
             at = made.get(t.id) or self.layouts.get(t.id)
-            want = Layout(at.dims) if at is not None and t.ndim and \
-                _is_array_dtype(t.dtype) else Layout.replicated(t.ndim)
+            wants.append(Layout(at.dims) if at is not None and t.ndim and
+                         _is_array_dtype(t.dtype) else Layout.replicated(t.ndim))
+        if self._on_blocks(b, wants):
+            lay, shape = wants[0], b.outputs[0].shape
+            ins = [self.read_as(env, t, lay) if t.ndim else self._read(env, t)
+                   for t in b.inputs]
+            outs = call_on_blocks(b.eqn, shape, lay.local_shape(shape, self.mesh_spec))(*ins)
+            for t, x in zip(b.outputs, outs, strict=True):
+                env[t.id] = self._constrain(x, t, lay)
+            return
+        ins = [self.read_as(env, t, Layout.replicated(t.ndim)) if t.ndim else
+               self._read(env, t) for t in b.inputs]
+        sizes = dict(self.mesh.shape)
+        for t, x, want in zip(b.outputs, bind_eqn(b.eqn, ins), wants, strict=True):
             x = manual_relayout(x, Layout.replicated(t.ndim), want, sizes)
             env[t.id] = self._constrain(x, t, want)
+
+    @staticmethod
+    def _on_blocks(b: Any, wants: Sequence[Layout]) -> bool:
+        """Whether call ``b`` runs on blocks: its outputs made in one split layout, every
+        array it reads and makes of their shape or a scalar, and it and its derivative rule
+        element by element (:func:`~nnscaler_jax.lower.local.runs_elementwise`)."""
+        shape = b.outputs[0].shape
+        return bool(wants) and bool(wants[0].split_axes) and all(w == wants[0] for w in wants) \
+            and all(t.shape in (shape, ()) for t in (*b.inputs, *b.outputs)) \
+            and runs_elementwise(b.eqn, tuple(shape))
 
     def _local_size(self, t: Tensor, lay: Layout | None) -> int:
         shape = t.shape if lay is None else lay.local_shape(t.shape, self.mesh_spec)

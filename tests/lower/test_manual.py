@@ -21,6 +21,7 @@ import models
 from nnscaler_jax import PlanError, auto_parallel, trace
 from nnscaler_jax.ir.coshard import coshard_candidates
 from nnscaler_jax.layout import Layout
+from nnscaler_jax.lower.hlo import hlo_collectives
 from nnscaler_jax.lower.manual import relayout
 from nnscaler_jax.lower.replay import Lowering
 from nnscaler_jax.mesh.axes import auto_view
@@ -95,9 +96,10 @@ class Net(nn.Module):
         return nn.Dense(8, name="fc3")(nn.LayerNorm(name="ln")(h))
 
 
-def _manual(pm, variables, *args, outer=None):
+def _manual(pm, variables, *args, outer=None, hlo=None):
     """``pm``'s planned program run by ``Lowering(manual=True)`` in one ``shard_map`` over the
-    mesh: ``(loss, grads)`` of the sum of squares of its outputs, and the plain program's."""
+    mesh: ``(loss, grads)`` of the sum of squares of its outputs, and the plain program's
+    (``hlo``: a list its compiled text is appended to)."""
     pm.apply(variables, *args)
     prog = pm._last
     graph, flat = prog.captured.graph, prog.captured.traceable.flat_inputs
@@ -127,8 +129,11 @@ def _manual(pm, variables, *args, outer=None):
             return lax.switch(lax.axis_index("stage"), [body, other], *vals)
         fn = jax.shard_map(switched, mesh=outer, in_specs=specs,
                            out_specs=(P(), specs[:nv]), check_vma=False)
-    got = jax.jit(fn)(*[jax.device_put(x, jax.sharding.NamedSharding(outer or mesh, s))
-                        for x, s in zip(flat, specs, strict=True)])
+    placed = [jax.device_put(x, jax.sharding.NamedSharding(outer or mesh, s))
+              for x, s in zip(flat, specs, strict=True)]
+    got = jax.jit(fn)(*placed)
+    if hlo is not None:
+        hlo.append(jax.jit(fn).lower(*placed).as_text(dialect="hlo"))
 
     def plain(*vals):
         outs = jax.tree.leaves(prog.captured.traceable.fn(*vals))
@@ -163,6 +168,25 @@ def test_transformer_megatron_plans_on_blocks_equal_the_plain_program(name):
     mesh = make_mesh((2, 4), ("data", "model"))
     got, ref = _manual(auto_parallel(mesh, policy="megatron")(spec.module), variables, *args)
     _check(got, ref, 1e-4)
+
+
+def test_on_blocks_an_elementwise_custom_derivative_runs_on_the_blocks():
+    """``jax.nn.relu`` (a ``custom_jvp`` call) on fc2's split output runs on each device's
+    block (it ran whole: its input gathered, its output sliced back), and its own derivative
+    rule still holds where ``max``'s would not (rows of zeros: fc2's pre-activations exactly
+    0, where relu's gradient is 0 and ``max(x, 0)``'s 1/2)."""
+    mesh = make_mesh((2, 4), ("data", "model"))
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 16)), jnp.float32)
+    x = x.at[::2].set(0.0)
+    variables = Net().init(jax.random.key(0), x)
+    hlo: list[str] = []
+    got, ref = _manual(auto_parallel(mesh, policy="megatron")(Net()), variables, x, hlo=hlo)
+    _check(got, ref, 1e-5)
+    # as lowered (XLA drops a gather whose result is sliced back, not in every program): the
+    # one all-gather is the harness's loss reading the outputs whole (over 'data'); relu run
+    # whole added its input's gather and its cotangent's
+    kinds = [k.kind for k in hlo_collectives(hlo[0], auto_view(mesh))]
+    assert kinds.count("all_gather") == 1 and "all_reduce" in kinds, kinds
 
 
 def test_on_blocks_a_plan_runs_in_one_stages_branch():
