@@ -15,8 +15,8 @@ from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.coshard import PARAM_SHAPED, gather_on_batch
 from nnscaler_jax.ir.graph import Op
 
-__all__ = ["bind_eqn", "bind_local", "call_on_blocks", "local_out_shapes", "runs_elementwise",
-           "runs_on_pieces"]
+__all__ = ["bind_eqn", "bind_local", "call_on_blocks", "gather_on_slices", "local_out_shapes",
+           "runs_elementwise", "runs_on_pieces"]
 
 # params that spell the (global) output shape
 _SHAPE_PARAMS = {"reshape": "new_sizes", "broadcast_in_dim": "shape", "iota": "shape"}
@@ -78,11 +78,46 @@ def _local_conv_params(op: Op, ways: Mapping[str, int]) -> dict[str, Any]:
     return out
 
 
+def gather_on_slices(op: Op, names: Sequence[str]) -> bool:
+    """Whether gather ``op`` runs on pieces of the dims ``names``, its slice sizes made the
+    pieces' (:func:`bind_local`): each is an operand dim it takes whole (a looked-up table's
+    features: neither indexed nor collapsed; a lookup of rows of a table split on its
+    features, Swin's relative position bias split on its heads), an operand batching dim
+    (:func:`~nnscaler_jax.ir.coshard.gather_on_batch`), or not an operand dim at all."""
+    if op.primitive != "gather":
+        return False
+    dn, sizes = op.params["dimension_numbers"], op.params["slice_sizes"]
+    shape = op.inputs[0].shape
+    indexed = {*dn.collapsed_slice_dims, *dn.start_index_map}
+    for n in names:
+        a = op.annotation.inputs[0].axis_of(n)
+        if a is not None and a not in dn.operand_batching_dims and (
+                a in indexed or sizes[a] != shape[a]):
+            return False
+    return True
+
+
+def _local_gather_params(op: Op, ways: Mapping[str, int]) -> dict[str, Any]:
+    """A :func:`gather_on_slices` gather's slice sizes on pieces: a dim taken whole, the
+    piece's size."""
+    sizes = list(op.params["slice_sizes"])
+    batching = op.params["dimension_numbers"].operand_batching_dims
+    for n, k in ways.items():
+        a = op.annotation.inputs[0].axis_of(n)
+        if a is not None and a not in batching:
+            sizes[a] //= k
+    return {"slice_sizes": tuple(sizes)}
+
+
 def bind_local(op: Op, ins: Sequence[Any], ways: Mapping[str, int]) -> list[Any]:
     """Bind ``op``'s primitive on local pieces, rewriting shape params for the local shapes."""
     if not any(n > 1 for n in ways.values()):
         return bind_eqn(op.eqn, ins)
     split = [n for n, k in ways.items() if k > 1]
+    if op.primitive == "gather" and not gather_on_batch(op, split) \
+            and gather_on_slices(op, split):
+        return bind_eqn(op.eqn.replace(params={**op.eqn.params,
+                                               **_local_gather_params(op, ways)}), ins)
     if (op.primitive in _UNSUPPORTED and not gather_on_batch(op, split)) or op.regions:
         raise PlanError(
             f"op '{op.primitive}' at '{op.module_path or '<top>'}' (annotation '{op.anno}') "

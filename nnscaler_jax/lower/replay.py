@@ -39,6 +39,7 @@ from nnscaler_jax.lower.local import (
     bind_eqn,
     bind_local,
     call_on_blocks,
+    gather_on_slices,
     runs_elementwise,
     runs_on_pieces,
 )
@@ -511,7 +512,8 @@ manual over its axes not yet manual); ``result_specs``: on an Explicit mesh, the
         blocks cannot take: :func:`~nnscaler_jax.lower.local.bind_local`): on each device's
         blocks it then runs whole, on its inputs gathered, its results whole."""
         names = [n for _, n in plan.split if n != VALUE]
-        return op.primitive in PARAM_SHAPED and not gather_on_batch(op, names)
+        return op.primitive in PARAM_SHAPED and not gather_on_batch(op, names) \
+            and not gather_on_slices(op, names)
 
     def _manual_op(self, op: Op, plan: OpPlan | None, ins: list[Any],
                    out_lays: Sequence[Layout], env: dict, chunks: dict[str, int],

@@ -86,3 +86,20 @@ def test_ops_whose_params_spell_global_shapes_are_refused_on_pieces(fn, prim):
     with pytest.raises(PlanError, match="cannot run on local pieces"):
         bind_local(op, [x[:2]], {first: 2})
     bind_local(op, [x], {first: 1})  # unsplit: fine
+
+
+def test_a_lookup_of_rows_split_on_their_features_gets_local_slice_sizes():
+    """``table[idx]`` with the table split on its features (Swin's relative position bias on
+    its heads, an embedding split on its hidden dim): each piece looks up its own features
+    (the slice sizes the piece's); split on the rows it indexes, it is refused."""
+    table = RNG.standard_normal((10, 16)).astype(np.float32)
+    idx = RNG.integers(0, 10, (8, 4)).astype(np.int32)
+    op = _op(lambda t, i: t[i], table, idx, prim="gather")
+    idx = idx[..., None]  # (as the gather reads them: one index per lookup)
+    rows, feats = _ident(op, 0, 0), _ident(op, 0, 1)
+    (whole,) = bind_eqn(op.eqn, [table, idx])
+    for k in range(4):  # each of 4 feature pieces
+        (piece,) = bind_local(op, [table[:, 4 * k:4 * (k + 1)], idx], {feats: 4})
+        np.testing.assert_array_equal(piece, whole[..., 4 * k:4 * (k + 1)])
+    with pytest.raises(PlanError, match="cannot run on local pieces"):
+        bind_local(op, [table[:5], idx], {rows: 2})

@@ -505,22 +505,40 @@ def test_transformers_gpt2_on_tensor_parallel_stages_in_one_program():
     assert_same_params(step.params(state), want, rtol=RTOL, atol=ATOL)
 
 
+@jax.custom_vjp
+def _softsign(x):
+    return x / (1.0 + jnp.abs(x))
+
+
+def _softsign_fwd(x):
+    return _softsign(x), x
+
+
+def _softsign_bwd(x, g):
+    return (g / jnp.square(1.0 + jnp.abs(x)),)
+
+
+_softsign.defvjp(_softsign_fwd, _softsign_bwd)
+
+
 class _Widths(nn.Module):
-    """Six Dense + relu layers of different widths (relu: a custom-derivative call, which
-    the stages on blocks run whole)."""
+    """Six Dense layers of different widths, relu (a ``custom_jvp`` call the stages on
+    blocks run on the blocks) and a ``custom_vjp`` softsign (a call they run whole) in
+    turn."""
 
     @nn.compact
     def __call__(self, x):
         for i, w in enumerate((32, 48, 64, 40, 56, 24)):
-            x = jax.nn.relu(nn.Dense(w, name=f"layers_{i}")(x))
+            x = (jax.nn.relu if i % 2 else _softsign)(nn.Dense(w, name=f"layers_{i}")(x))
         return nn.Dense(4, name="head")(x)
 
 
 @pytest.mark.slow
 def test_searched_stages_in_one_program_pass_values_as_planned():
-    """Stages planned by the search, in one program: a value a call runs whole (relu) is
-    sliced back to the blocks its plan makes it in, so the next stage reads what it was told
-    (it crashed: the boundary was packed as the plan's blocks and sent whole)."""
+    """Stages planned by the search, in one program: a value a call runs whole (softsign,
+    a ``custom_vjp``) is sliced back to the blocks its plan makes it in, so the next stage
+    reads what it was told (it crashed: the boundary was packed as the plan's blocks and
+    sent whole)."""
     x = jnp.asarray(np.random.default_rng(0).normal(size=(16, 32)), jnp.float32)
     params = _Widths().init(jax.random.key(0), x)["params"]
     loss_fn = lambda out, x: jnp.mean(jnp.square(out))
