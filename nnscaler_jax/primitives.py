@@ -192,12 +192,12 @@ class Draft:
             axes = {a for coords in assigned.values() for a in coords}
             axis = None
             for a in axes:
-                if all(coords.get(a) is not None for coords in assigned.values()):
-                    if all(coords[a] == key[level] * self.mesh_axes[a] // n
-                           for key, coords in assigned.items()) and n % self.mesh_axes[a] == 0:
-                        if a not in [x for x, _ in pairs]:
-                            axis = a
-                            break
+                if all(coords.get(a) is not None for coords in assigned.values()) \
+                        and all(coords[a] == key[level] * self.mesh_axes[a] // n
+                                for key, coords in assigned.items()) \
+                        and n % self.mesh_axes[a] == 0 and a not in [x for x, _ in pairs]:
+                    axis = a
+                    break
             if axis is None:
                 raise _op_error(op, f"the {n} sub-ops of its split along '{dim}' are not "
                                 "placed along one mesh axis (sub-op i on coordinate "

@@ -212,14 +212,14 @@ def _shapes(cases: dict) -> list[str]:
 
 def _markdown(results: dict) -> str:
     lines = ["# Plans that fit: nnScaler's workloads on V100-32GB and A100-80GB clusters", "",
-             "Predicted step (s) / memory per device (GiB) / search (s); rc: recomputed layers, "
+             ("Predicted step (s) / memory per device (GiB) / search (s); rc: recomputed layers, "
              "sel: layers recomputed selectively (matmul outputs kept), cs: co-sharded blocks; "
              "`no (X GiB)`: nothing fits, X the smallest estimate; `none "
              "found in S s`: the solver found no plan within the budget in its time limit; "
              "`time-limited`: the solver's best plan when its time limit stopped it (not the "
              "planner's optimum; a ratio over it says so, with the floor its proven bound gives). "
              "Ratio: baseline step / ours (> 1: ours faster). Rows are from the run that last "
-             "planned them (see docs/benchmarks.md).", ""]
+             "planned them (see docs/benchmarks.md)."), ""]
     for cluster, cases in results["clusters"].items():
         lines += [f"## {cluster} (budget {cases['budget_gib']:.1f} GiB per device)", "",
                   "| case | mesh | " + " | ".join(results["planners"]) + " | ratios |",
@@ -274,10 +274,10 @@ def _markdown(results: dict) -> str:
                 f"{e.get('mfu', 0):.1%} | {len(f.get('cosharded', []))} | "
                 f"{len(f.get('recompute', []))} "
                 f"({sum(is_selective(g) for g in f.get('recompute', []))}) |")
-        lines += [f"| nnScaler (reported) | True | {seed['step_time_s']} | "
-                  f"{seed['sequences']} | {seed['step_per_sequence_s']:.1f} | - | - | "
-                  f"{seed['mfu']:.1%} (ours' count; reported {seed['mfu_reported']:.0%}) "
-                  "| - | - |", ""]
+        lines += [(f"| nnScaler (reported) | True | {seed['step_time_s']} | "
+                   f"{seed['sequences']} | {seed['step_per_sequence_s']:.1f} | - | - | "
+                   f"{seed['mfu']:.1%} (ours' count; reported {seed['mfu_reported']:.0%}) "
+                   "| - | - |"), ""]
     return "\n".join(lines)
 
 

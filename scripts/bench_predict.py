@@ -63,9 +63,9 @@ sys.path.insert(0, str(ROOT))
 
 import models
 from nnscaler_jax import auto_parallel
-from nnscaler_jax.mesh.topology import wire_bytes
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.lower.hlo import hlo_collectives
+from nnscaler_jax.mesh.topology import wire_bytes
 
 MEM_TOL = 0.15
 COMM_TOL = 0.10
@@ -202,7 +202,7 @@ def flag(r: float | None, tol: float) -> str:
 NOTES = {  # diagnosed by hand (per-path dump of plan_cost vs the HLO collectives), on the figures
     # (plan n, HLO n) given first: a run whose figures differ says the note is stale
     ("gpt", "megatron"): ((110784, 143556),
-        "diagnosed: the data-axis gradient all-reduce agrees to the byte (plan 45248 n vs HLO "
+        ("diagnosed: the data-axis gradient all-reduce agrees to the byte (plan 45248 n vs HLO "
         "45252 incl. the loss scalar) and so do the 4 forward model-axis all-reduces (4 x 8192); "
         "in the backward the plan prices Megatron's f operator once per block input (partial "
         "grads of q, k, v summed locally, then one all-reduce) while GSPMD all-reduces the q, k "
@@ -210,16 +210,16 @@ NOTES = {  # diagnosed by hand (per-path dump of plan_cost vs the HLO collective
         "32768 B, exactly the gap. XLA's GPU compiler runs AllReduceReassociate in its "
         "collective-optimizations pipeline (add(all-reduce(x), all-reduce(y)) -> "
         "all-reduce(add(x, y))), which gives the plan's one all-reduce; the CPU pipeline "
-        "measured here leaves three"),
+        "measured here leaves three")),
     ("gpt", "auto"): ((155648, 222624),
-        "diagnosed: every collective of the plan is in the HLO at its size (the forward "
+        ("diagnosed: every collective of the plan is in the HLO at its size (the forward "
         "all-reduces of the attention output over 'model' and of the MLP output over data x "
         "model as one 8-device all-reduce, their backward counterparts, the all-gathers); the "
         "HLO adds (1) the q / k / v input gradients all-reduced separately where the plan prices "
         "one all-reduce of their sum (2 layers x 2 x 16384 B = 65536 B; XLA's GPU pipeline "
         "reassociates them, as for Megatron above) and (2) 480 + 960 B in the loss outside the "
         "model, whose softmax reduces over the vocab-split logits: 155648 + 65536 + 1440 = "
-        "222624 B, the HLO figure"),
+        "222624 B, the HLO figure")),
 }
 
 

@@ -174,16 +174,17 @@ def _markdown(results: list[dict]) -> str:
             for r in results if "error" not in r and "first_s" in r["planners"]["auto"]]
     extra: list[str] = []
     if unrolled:
-        extra += ["", "`nn.scan` models against what Alpa can run: Alpa's auto-sharding pass "
-                  "does not support control flow (alpa-projects/alpa#400), so an Alpa user "
-                  "unrolls the scan. Ours on the scan graph vs the Alpa-style planner on the "
-                  "unrolled graph of the same model (step ratio: ours / it, same cost model):",
-                  "", "| case | ours s (scan) | alpa-style s (unrolled) | speedup | "
-                  "auto / alpa unrolled |", "|---|---|---|---|---|", *unrolled]
+        extra += ["", ("`nn.scan` models against what Alpa can run: Alpa's auto-sharding pass "
+                       "does not support control flow (alpa-projects/alpa#400), so an Alpa user "
+                       "unrolls the scan. Ours on the scan graph vs the Alpa-style planner on "
+                       "the unrolled graph of the same model (step ratio: ours / it, same cost "
+                       "model):"),
+                  "", ("| case | ours s (scan) | alpa-style s (unrolled) | speedup | "
+                       "auto / alpa unrolled |"), "|---|---|---|---|---|", *unrolled]
     if cold:
-        extra += ["", "Cold first runs (the untimed warm-ups; ours runs first and fills the "
-                  "shared caches of annotations, layouts and collective paths that Alpa's "
-                  "first run then reuses):", "", "| case | ours first s | alpa first s |",
+        extra += ["", ("Cold first runs (the untimed warm-ups; ours runs first and fills the "
+                       "shared caches of annotations, layouts and collective paths that Alpa's "
+                       "first run then reuses):"), "", "| case | ours first s | alpa first s |",
                   "|---|---|---|", *cold]
     lines += ["", ("Ratios are predicted step time of ours divided by the other planner's "
               "(<= 1: ours is as fast or faster). Search seconds are medians of the runs "

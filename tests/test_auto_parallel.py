@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from meshes import make_mesh
 
 import models
-from meshes import make_mesh
 from nnscaler_jax import PlanError, auto_parallel
 from nnscaler_jax.lower.verify import max_rel_diff
 
@@ -113,7 +113,7 @@ def test_nnx_model(shape, policy):
 
 
 def test_explicit_and_auto_meshes_agree():
-    module, make_args, loss = models.get("mlp", "tiny")
+    module, make_args, _ = models.get("mlp", "tiny")
     (x,) = make_args()
     v = module.init(jax.random.key(0), x)
     outs = []
@@ -125,7 +125,7 @@ def test_explicit_and_auto_meshes_agree():
 
 
 def test_dropout_rngs_match_single_device():
-    module, make_args, loss = models.get("gpt", "tiny-dropout", batch_size=4)
+    module, make_args, _ = models.get("gpt", "tiny-dropout", batch_size=4)
     args = make_args()
     mesh = make_mesh((2, 4), ("data", "model"))
     v = module.init(jax.random.key(0), *args)

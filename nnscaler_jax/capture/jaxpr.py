@@ -231,7 +231,7 @@ def _region_anno(eqn, regions: tuple[Graph, ...], ins, outs) -> tuple[str, bool]
             unions += [((a.id, i), (b.id, i)) for i in range(a.ndim)]
         for a, b in zip(cond.inputs[cn:], carry_b, strict=True):
             unions += [((a.id, i), (b.id, i)) for i in range(a.ndim)]
-        keys = lambda ts: [tuple((t.id, i) for i in range(t.ndim)) for t in ts]  # noqa: E731
+        keys = lambda ts: [tuple((t.id, i) for i in range(t.ndim)) for t in ts]
         in_keys = keys(cond.inputs[:cn]) + keys(body.inputs[:bn]) + keys(carry_b)
         out_keys = keys(body.outputs)
     else:  # cond: operand 0 is the branch index

@@ -119,7 +119,7 @@ def _tp_classes(graph: Draft, classes: DimClasses, batch: set) -> set:
         out_names = {n for o in anno.outputs for n in o.names()}
         is_dot = op.primitive in ("dot_general", "conv_general_dilated")
         weight_ops = [o for o, t in zip(anno.inputs, op.inputs, strict=True) if t.id in weights]
-        for name, kind in anno.kinds().items():
+        for name in anno.kinds():
             c = idents.get(name)
             if c is None or name in out_names:
                 if is_dot and weight_ops and c is not None and any(

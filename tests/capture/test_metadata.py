@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import pytest
 
 from nnscaler_jax import PlanError
+from nnscaler_jax.capture.metadata import partitioning_specs
 from nnscaler_jax.capture.trace import capture
 from nnscaler_jax.search import search
-from nnscaler_jax.capture.metadata import partitioning_specs
 
 AXES = {"data": 2, "model": 4}
 init = nn.initializers.lecun_normal()

@@ -3,6 +3,7 @@
 import pytest
 from meshes import make_mesh
 
+from nnscaler_jax.errors import PlanError
 from nnscaler_jax.mesh.topology import (
     DEFAULT_LINK,
     LinkCost,
@@ -15,7 +16,6 @@ from nnscaler_jax.mesh.topology import (
     reduce_scatter_time,
     wire_bytes,
 )
-from nnscaler_jax.errors import PlanError
 
 A, B = 2e-6, 1e-9
 LINK = LinkCost(A, B)

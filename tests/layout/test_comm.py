@@ -7,6 +7,9 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from nnscaler_jax.errors import PlanError
+from nnscaler_jax.layout import Layout, comm_path
+from nnscaler_jax.layout.comm import HOP_PENALTY_S, comm_time
 from nnscaler_jax.mesh.topology import (
     LinkCost,
     MeshSpec,
@@ -15,9 +18,6 @@ from nnscaler_jax.mesh.topology import (
     all_to_all_time,
     reduce_scatter_time,
 )
-from nnscaler_jax.errors import PlanError
-from nnscaler_jax.layout import Layout, comm_path
-from nnscaler_jax.layout.comm import HOP_PENALTY_S, comm_time
 
 A, B = 1e-5, 1e-11
 LINK = LinkCost(A, B)

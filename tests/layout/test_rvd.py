@@ -3,13 +3,13 @@
 import jax
 import numpy as np
 import pytest
-from meshes import make_mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from meshes import make_mesh
 
-from nnscaler_jax.mesh.topology import DEFAULT_LINK, MeshSpec
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.layout import Layout
+from nnscaler_jax.mesh.topology import DEFAULT_LINK, MeshSpec
 
 MESH = MeshSpec(("data", "model"), (2, 4), (DEFAULT_LINK, DEFAULT_LINK))
 

@@ -1,11 +1,13 @@
 """shard_map regions: a value-split chain and a co-sharded op, through the public API."""
 
+import itertools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
-
 from meshes import make_mesh
+
 from nnscaler_jax import PlanError, auto_parallel, op_assign, op_order, op_trans
 from nnscaler_jax.ir.anno import DimKind
 from nnscaler_jax.lower.hlo import hlo_collectives, summarize
@@ -44,7 +46,7 @@ def coshard_policy(graph, mesh):
             batch = op.annotation.operands[0].axes[0].dims[0].name
             subs = op_trans(graph, op, batch, 8)
             op_assign(graph, subs, "data")
-            for a, b in zip(subs, subs[1:]):
+            for a, b in itertools.pairwise(subs):
                 op_order(graph, a, b)
     return graph.finish()
 
@@ -86,7 +88,7 @@ def test_value_split_rejects_nonlinear_op():
 
 
 def test_cosharded_op_runs_as_sequential_chunks():
-    pm, hlo, mesh = _check(coshard_policy)
+    pm, hlo, _ = _check(coshard_policy)
     fc1 = next(p for p in pm.plan.ops if p.module_path == "fc1" and p.primitive == "dot_general")
     assert fc1.chunks is not None and fc1.chunks[1] == 4
     assert fc1.split[0][0] == "data"

@@ -15,7 +15,7 @@ from nnscaler_jax.lower.hlo import expected_collectives, hlo_collectives, summar
 
 @pytest.fixture(scope="module")
 def mlp():
-    module, make_args, loss = models.get("mlp", "tiny")
+    module, make_args, _ = models.get("mlp", "tiny")
     (x,) = make_args()
     return module, x, module.init(jax.random.key(0), x)
 
@@ -52,7 +52,7 @@ def test_bad_plan_json(text):
 
 
 def test_plan_for_a_different_model_is_rejected(mlp):
-    module, x, v = mlp
+    module, x, _ = mlp
     mesh = make_mesh((2, 4), ("data", "model"))
     plan = auto_parallel(mesh, policy="dp")(module).make_plan(x)
     gpt, make_args, _ = models.get("gpt", "tiny")

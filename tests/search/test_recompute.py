@@ -42,8 +42,8 @@ class Chain(nn.Module):
 
 
 def _gpt(**kw):
-    cfg = dict(seq_len=32, n_positions=32, d_model=64, n_layers=4, vocab_size=128,
-               batch_size=8)
+    cfg = {"seq_len": 32, "n_positions": 32, "d_model": 64, "n_layers": 4,
+           "vocab_size": 128, "batch_size": 8}
     cfg.update(kw)
     return models.get("gpt", "tiny", **cfg)
 

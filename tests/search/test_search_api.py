@@ -3,9 +3,9 @@
 import fnmatch
 
 import pytest
+from meshes import make_mesh
 
 import models
-from meshes import make_mesh
 from nnscaler_jax import Constraints, PlanError, Rule, auto_parallel
 
 
