@@ -440,8 +440,8 @@ class MpmdProgram(PipelineRuntime):
 
     def updates_alone(self, optimizer: Any) -> bool:
         """Whether ``optimizer`` run on each stage's parameters alone updates them as on the
-        whole tree (:func:`~nnscaler_jax.pipeline.leafwise.leafwise`; this runtime's
-        premise)."""
+        whole tree (:func:`~nnscaler_jax.pipeline.leafwise.leafwise`): then each stage
+        updates its own (else the update runs on the module's whole tree, :meth:`_update`)."""
         key = ("leafwise", id(optimizer))  # (probed once: the step's set-up and init ask)
         if key not in self._made:
             shaped = jax.tree.unflatten(self.params_tree, self.param_avals)
