@@ -205,7 +205,8 @@ def check_stages(step: Any, variables: Any, batch: Sequence[Any], *,
 
     Raises:
         PlanError: a step whose program is not per stage (the in-graph runtimes compile as
-            one program: ``step.lower``).
+            one program: ``step.lower``), or whose optimizer couples leaves across stages
+            (its update runs on the whole mesh, not per stage).
     """
     import numpy as np
 
