@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nnscaler_jax.errors import PlanError
-from nnscaler_jax.ir.coshard import PARAM_SHAPED, gather_on_batch
+from nnscaler_jax.ir.coshard import PARAM_SHAPED
 from nnscaler_jax.ir.graph import Op
 
 __all__ = ["bind_eqn", "bind_local", "call_on_blocks", "gather_on_slices", "local_out_shapes",
@@ -114,11 +114,10 @@ def bind_local(op: Op, ins: Sequence[Any], ways: Mapping[str, int]) -> list[Any]
     if not any(n > 1 for n in ways.values()):
         return bind_eqn(op.eqn, ins)
     split = [n for n, k in ways.items() if k > 1]
-    if op.primitive == "gather" and not gather_on_batch(op, split) \
-            and gather_on_slices(op, split):
+    if gather_on_slices(op, split):
         return bind_eqn(op.eqn.replace(params={**op.eqn.params,
                                                **_local_gather_params(op, ways)}), ins)
-    if (op.primitive in _UNSUPPORTED and not gather_on_batch(op, split)) or op.regions:
+    if op.primitive in _UNSUPPORTED or op.regions:
         raise PlanError(
             f"op '{op.primitive}' at '{op.module_path or '<top>'}' (annotation '{op.anno}') "
             "cannot run on local pieces inside a shard_map region (its params spell global "
@@ -204,8 +203,9 @@ def _run_local(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], shape: tu
             inner = e.params[_CALLS[e.primitive.name]]
             outs = _run_local(inner.jaxpr, inner.consts, ins, shape, local)
         else:
-            if tuple(e.params.get("shape", ())) == shape:
-                e = e.replace(params={**e.params, "shape": local})
+            key = _SHAPE_PARAMS.get(e.primitive.name)
+            if key is not None and tuple(e.params[key]) == shape:
+                e = e.replace(params={**e.params, key: local})
             outs = bind_eqn(e, ins)
         env.update(zip(e.outvars, outs, strict=True))
     return [read(v) for v in jaxpr.outvars]

@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from nnscaler_jax.cost.relayout import partial_grad_axes
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.attention import FUSED, with_fused_attention
-from nnscaler_jax.ir.coshard import COSHARD, PARAM_SHAPED, gather_on_batch, with_boundaries
+from nnscaler_jax.ir.coshard import COSHARD, PARAM_SHAPED, with_boundaries
 from nnscaler_jax.ir.graph import REMAT_KINDS, Graph, Op, Role, Tensor
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.lower.attention import run_fused_attention
@@ -512,8 +512,7 @@ manual over its axes not yet manual); ``result_specs``: on an Explicit mesh, the
         blocks cannot take: :func:`~nnscaler_jax.lower.local.bind_local`): on each device's
         blocks it then runs whole, on its inputs gathered, its results whole."""
         names = [n for _, n in plan.split if n != VALUE]
-        return op.primitive in PARAM_SHAPED and not gather_on_batch(op, names) \
-            and not gather_on_slices(op, names)
+        return op.primitive in PARAM_SHAPED and not gather_on_slices(op, names)
 
     def _manual_op(self, op: Op, plan: OpPlan | None, ins: list[Any],
                    out_lays: Sequence[Layout], env: dict, chunks: dict[str, int],

@@ -393,7 +393,7 @@ class MpmdProgram(PipelineRuntime):
                 state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                                         sharding=sh),
                                      jax.eval_shape(optimizer.init, tree),
-                                     self._opt_layout(s, tree, optimizer))
+                                     self._opt_layout(tree, optimizer, self._rep[s]))
                 out.append((s, "update", jax.jit(update, donate_argnums=(0, 2)).lower(
                     tree, tree, state)))
         return out
@@ -458,12 +458,14 @@ class MpmdProgram(PipelineRuntime):
             tree = self._gathered(pp)
             with jax.set_mesh(self.mesh):
                 return {"params": pp, "opt_state": jax.jit(
-                    optimizer.init, out_shardings=self._whole_opt_layout(tree, optimizer))(tree)}
+                    optimizer.init, out_shardings=self._opt_layout(
+                        tree, optimizer, self.shardings()[0]))(tree)}
         opt = []
         for s, tree in enumerate(pp):
             with jax.set_mesh(self.sub[s]):
                 opt.append(jax.jit(optimizer.init,
-                                   out_shardings=self._opt_layout(s, tree, optimizer))(tree))
+                                   out_shardings=self._opt_layout(tree, optimizer,
+                                                                  self._rep[s]))(tree))
         return {"params": pp, "opt_state": opt}
 
     def loss_and_grads(self, pp: list, batch: tuple, key: Any = None,
@@ -520,19 +522,15 @@ class MpmdProgram(PipelineRuntime):
              jax.device_put(np.asarray(x), self.leaf_sharding(s, j)) if j in mine
              else self._hole(s, j) for j, (x, w) in enumerate(zip(flat, shape, strict=True))])
 
-    def _whole_sharding(self, j: int) -> NamedSharding:
-        """Where leaf ``j`` is while an optimizer coupling leaves runs on the whole tree:
-        spread over the whole mesh."""
-        return spread_sharding(self.mesh, self.param_avals[j].shape)
-
     def _gathered(self, trees: list) -> Any:
         """The stages' trees (parameters, or gradients: each stage holding a leaf has the sum
         of its stages' gradients) as one module tree on the whole mesh, each leaf from the
-        first stage holding it, spread over the mesh (:meth:`_whole_sharding`)."""
+        first stage holding it, spread over the mesh
+        (:func:`~nnscaler_jax.pipeline.program.spread_sharding`)."""
         per = [self.params_tree.flatten_up_to(t) for t in trees]
         return self.params_tree.unflatten(
-            [jax.device_put(per[self.owner[j]][j], self._whole_sharding(j))
-             for j in range(len(self.param_avals))])
+            [jax.device_put(per[self.owner[j]][j], spread_sharding(self.mesh, a.shape))
+             for j, a in enumerate(self.param_avals)])
 
     def _scattered(self, tree: Any, like: list) -> list:
         """The inverse of :meth:`_gathered`: each stage's leaves from the module ``tree``, laid
@@ -546,19 +544,15 @@ class MpmdProgram(PipelineRuntime):
                  for j in range(len(self.param_avals))]))
         return out
 
-    def _whole_opt_layout(self, tree: Any, optimizer: Any) -> Any:
-        """Shardings of the optimizer's state of the whole module ``tree`` (spread over the
-        mesh): moments as their parameters, the rest replicated."""
+    @staticmethod
+    def _opt_layout(tree: Any, optimizer: Any, rep: NamedSharding) -> Any:
+        """Shardings of the optimizer's state for the parameters ``tree`` (a stage's, or the
+        whole module's spread over the mesh): moments as their parameters (split over the
+        tensor axes where they are), the rest (step counts) ``rep`` (``zeros_like`` carries no
+        sharding: jitted alone, every moment came out replicated, the whole parameter on each
+        device of the stage)."""
         return mirror_shardings(jax.eval_shape(optimizer.init, tree), tree,
-                                jax.tree.map(lambda x: x.sharding, tree), self.shardings()[0])
-
-    def _opt_layout(self, s: int, tree: Any, optimizer: Any) -> Any:
-        """Shardings of group ``s``'s optimizer state for its parameters ``tree``: moments as
-        their parameters (split over the tensor axes where they are), the rest (step counts)
-        replicated (``zeros_like`` carries no sharding: jitted alone, every moment came out
-        replicated, the whole parameter on each device of the stage)."""
-        return mirror_shardings(jax.eval_shape(optimizer.init, tree), tree,
-                                jax.tree.map(lambda x: x.sharding, tree), self._rep[s])
+                                jax.tree.map(lambda x: x.sharding, tree), rep)
 
     # ---- the step ----------------------------------------------------------------------------
 

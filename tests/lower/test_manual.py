@@ -131,9 +131,10 @@ def _manual(pm, variables, *args, outer=None, hlo=None):
                            out_specs=(P(), specs[:nv]), check_vma=False)
     placed = [jax.device_put(x, jax.sharding.NamedSharding(outer or mesh, s))
               for x, s in zip(flat, specs, strict=True)]
-    got = jax.jit(fn)(*placed)
+    jitted = jax.jit(fn)
+    got = jitted(*placed)
     if hlo is not None:
-        hlo.append(jax.jit(fn).lower(*placed).as_text(dialect="hlo"))
+        hlo.append(jitted.lower(*placed).as_text(dialect="hlo"))
 
     def plain(*vals):
         outs = jax.tree.leaves(prog.captured.traceable.fn(*vals))
