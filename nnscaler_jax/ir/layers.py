@@ -23,7 +23,7 @@ from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Graph
 
 __all__ = ["LAYER_NAME", "GraphLayers", "LayerStack", "block_paths", "graph_layers",
-           "layer_number", "numbered_layers", "variable_stack", "variable_top"]
+           "layer_number", "numbered_layers", "variable_casts", "variable_stack", "variable_top"]
 
 LAYER_NAME = re.compile(r"^(.*)_(\d+)$")
 """A numbered module name: ``<prefix>_<i>``."""
@@ -146,14 +146,27 @@ class GraphLayers:
         return self.bounds[-1][1]
 
 
+def variable_casts(graph: Graph) -> dict[int, int]:
+    """Op id -> variable id of the ops casting a variable to the compute precision (a model
+    captured at a precision casts every weight at the program's start, each op under its
+    layer's module path)."""
+    var_ids = {t.id for t in graph.variables}
+    return {op.id: op.inputs[0].id for op in graph.ops
+            if op.primitive == "convert_element_type" and len(op.inputs) == 1
+            and op.inputs[0].id in var_ids}
+
+
 def graph_layers(graph: Graph) -> GraphLayers:
     """The layer stack of a traced graph: numbered top modules (ops' module paths) first,
-    otherwise the one top-level ``scan`` reading variables.
+    otherwise the one top-level ``scan`` reading variables. A layer's ops run from its first
+    op that is not a weight's precision cast (:func:`variable_casts`: those come first, in
+    the parameters' order, and belong with what reads them).
 
     Raises:
         PlanError: no repeated layer stack.
     """
-    tops = [op.module_path.split("/")[0] for op in graph.ops]
+    casts = variable_casts(graph)  # (a precision's casts of every weight come first)
+    tops = ["" if op.id in casts else op.module_path.split("/")[0] for op in graph.ops]
     stack = numbered_layers(tops)
     if stack is not None:
         at = [(i, stack.number_of(t)) for i, t in enumerate(tops)]

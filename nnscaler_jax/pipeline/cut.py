@@ -38,7 +38,7 @@ from nnscaler_jax.cost.model import CostModel, itemsize
 from nnscaler_jax.cost.residuals import residual_outputs
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Graph, Op, Role
-from nnscaler_jax.ir.layers import block_paths, graph_layers
+from nnscaler_jax.ir.layers import block_paths, graph_layers, variable_casts
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.mesh.axes import require_stage_axis
 from nnscaler_jax.pipeline import schedule as sch
@@ -411,7 +411,7 @@ def plan_cut(graph: Graph, mesh_axes: dict[str, int], constraints: Constraints, 
             return None
     tensor = tensor_axes(mesh_axes, axis, policy)  # (tensor-parallel stages: mpmd.py)
     model = model or CostModel.for_axes(mesh_axes)
-    casts = _param_casts(graph)  # (they come first; the runtime makes them where read)
+    casts = variable_casts(graph)  # (they come first; the runtime makes them where read)
     paths = ["" if op.id in casts else op.module_path for op in graph.ops]
     cands = _candidates(paths, constraints.pipeline_pivots)
     traffic = fused_bytes(graph)
@@ -456,7 +456,7 @@ def _stage_search(graph: Graph, starts: tuple[int, ...], S: int, tensor: dict[st
     which the stages' parts leave out). The search prices one
     micro-batch's activations of this full-batch graph (``CostModel.microbatches``)."""
     bounds = list(zip(starts, list(starts[1:]) + [len(graph.ops)], strict=True))
-    casts = _param_casts(graph)
+    casts = variable_casts(graph)
     sub = model.mesh
     links = tuple(sub.links[sub.axis_names.index(a)] for a in tensor)
     mesh = replace(sub, axis_names=tuple(tensor), axis_sizes=tuple(tensor.values()),
@@ -575,14 +575,6 @@ def per_stage_error() -> PlanError | None:
     return err
 
 
-def _param_casts(graph: Graph) -> dict[int, int]:
-    """Op id -> variable id of the ops casting a variable to the compute precision."""
-    var_ids = {t.id for t in graph.variables}
-    return {op.id: op.inputs[0].id for op in graph.ops
-            if op.primitive == "convert_element_type" and len(op.inputs) == 1
-            and op.inputs[0].id in var_ids}
-
-
 def _taken_ops(graph: Graph, paths: list[str], names: list[str], ends: tuple[int, int],
                casts: Mapping[int, int]) -> frozenset[int]:
     """The op indices interlaced's embedding block takes over (:func:`taken_by_embedding`,
@@ -647,7 +639,7 @@ def _chunk_units(graph: Graph, starts: tuple[int, ...], batch: int,
     ops = graph.ops
     e, h = ends or (0, len(ops))
     bounds = list(zip(starts, list(starts[1:]) + [len(ops)], strict=True))
-    casts = _param_casts(graph)
+    casts = variable_casts(graph)
     sizes = {t.id: math.prod(t.shape) * itemsize(t) for op in ops for t in op.outputs}
     skip = taken | set(range(e)) | set(range(h, len(ops)))  # (read: the chunks' own ops)
     stored = (lambda t: tp / ways.get(t.id, tp)) if ways else (lambda t: 1.0)

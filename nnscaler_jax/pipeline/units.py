@@ -26,7 +26,7 @@ from nnscaler_jax.cost.model import CostModel, itemsize
 from nnscaler_jax.cost.residuals import residual_outputs
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Graph
-from nnscaler_jax.ir.layers import graph_layers
+from nnscaler_jax.ir.layers import graph_layers, variable_casts
 
 __all__ = ["TP_COLLECTIVES", "Unit", "kept_for_weights", "largest_output", "layer_units"]
 
@@ -125,6 +125,19 @@ def kept_for_weights(ops, params: set[int]) -> float:
     return float(sum(kept.values()))
 
 
+def _with_casts(graph: Graph, casts: dict[int, int], ranges: list[tuple[int, int]]
+                ) -> list[list]:
+    """The ops of each range of ``graph.ops``, a weight's precision cast moved from where it
+    was traced (the program's start) to the first range reading it."""
+    moved = {op.outputs[0].id: op for op in graph.ops if op.id in casts}
+    out = []
+    for a, b in ranges:
+        part = [o for o in graph.ops[a:b] if o.id not in casts]
+        read = {t.id for o in part for t in o.inputs}
+        out.append([moved.pop(i) for i in list(moved) if i in read] + part)
+    return out
+
+
 def layer_units(graph: Graph, batch: int = 1, model: CostModel | None = None) -> list[Unit]:
     """Cut ``graph`` (traced at batch ``batch``) into prefix / layers / suffix units per sample.
 
@@ -141,9 +154,11 @@ def layer_units(graph: Graph, batch: int = 1, model: CostModel | None = None) ->
     saved = residual_outputs(graph)  # the activations autodiff keeps, after fusion
     traffic = fused_bytes(graph)
     var_bytes = {t.id: math.prod(t.shape) * itemsize(t) for t in graph.variables}
+    casts = variable_casts(graph)  # (a weight's cast to the compute precision: its own)
+    alias = {op.outputs[0].id: casts[op.id] for op in graph.ops if op.id in casts}
 
     def params_of(ops) -> float:
-        ids = {t.id for o in ops for t in o.inputs if t.id in var_bytes}
+        ids = {alias.get(t.id, t.id) for o in ops for t in o.inputs} & var_bytes.keys()
         return float(sum(var_bytes[i] for i in ids))
 
     def unit(name, ops, tp_coll=0, param_bytes=None, layer=False) -> Unit:
@@ -156,23 +171,25 @@ def layer_units(graph: Graph, batch: int = 1, model: CostModel | None = None) ->
         # a layer recomputed inside its chunk keeps its input (the previous layer's output)
         return Unit(name, t, act, p, ob, tp_coll, *((ob, act) if layer else (None, None)),
                     largest_output(flat) / batch,
-                    wgrad_bytes=kept_for_weights(flat, set(var_bytes)) / batch)
+                    wgrad_bytes=kept_for_weights(flat, set(var_bytes) | set(alias)) / batch)
 
     ops, stack = graph.ops, where.stack
-    units = [unit("<prefix>", ops[:where.start])]
+    parts = _with_casts(graph, casts, [(0, where.start), *where.bounds,
+                                       (where.end, len(ops))])
+    units = [unit("<prefix>", parts[0])]
     if stack.scanned:
         scan = ops[where.start]
         body = [o for region in scan.regions for o in region.walk()]
-        per_layer = sum(var_bytes[i] for i in {t.id for t in scan.inputs if t.id in var_bytes})
+        per_layer = params_of([scan])
         one = unit("", body, TP_COLLECTIVES, per_layer / stack.count, layer=True)
         units += [replace(one, name=name) for name in where.names]
     else:
-        units += [unit(name, ops[a:b], TP_COLLECTIVES, layer=True)
-                  for name, (a, b) in zip(where.names, where.bounds, strict=True)]
-    units.append(unit("<suffix>", ops[where.end:]))
-    first = {t.id for o in ops[:where.start] for t in o.inputs if t.id in var_bytes}
+        units += [unit(name, part, TP_COLLECTIVES, layer=True)
+                  for name, part in zip(where.names, parts[1:-1], strict=True)]
+    units.append(unit("<suffix>", parts[-1]))
+    read = lambda part: {alias.get(t.id, t.id) for o in part for t in o.inputs} & var_bytes.keys()
     units[-1] = replace(units[-1], tied_bytes=float(sum(
-        var_bytes[i] for i in {t.id for o in ops[where.end:] for t in o.inputs} & first)))
+        var_bytes[i] for i in read(parts[-1]) & read(parts[0]))))
     # the prefix hands the first layer the same activation a layer hands the next
     p0 = units[0]
     units[0] = replace(p0, out_bytes=units[1].out_bytes, tp_collectives=0)

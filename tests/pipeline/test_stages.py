@@ -1,5 +1,7 @@
 """Layer / stage detection: one finder for variables, graphs and the runtime's program split."""
 
+import math
+
 import pytest
 
 import models
@@ -63,3 +65,26 @@ def test_graph_without_stack():
     spec = models.get("mlp", "tiny")
     with pytest.raises(PlanError, match="no stack of repeated layers"):
         graph_layers(trace(spec.module, *spec.make_args()))
+
+
+@pytest.mark.parametrize("precision", [None, "bfloat16"])
+def test_units_of_a_model_captured_at_a_precision_are_its_layers(precision):
+    """A precision casts every weight at the program's start, in the parameters' (string)
+    order, each cast under its layer's path: the layers must not start at their casts (h_0,
+    h_1, h_10, h_11, ..., with all of the compute in the last one)."""
+    from nnscaler_jax.capture.trace import capture_spec
+
+    spec = models.get("gpt", "tiny", n_layers=12)
+    graph = capture_spec(spec, precision=precision, loss=True).graph
+    where = graph_layers(graph)
+    assert where.stack.names == tuple(f"h_{i}" for i in range(12))
+    units = layer_units(graph, batch=2)
+    assert [u.name for u in units] == ["<prefix>", *where.stack.names, "<suffix>"]
+    layers = units[1:-1]
+    for u in layers:  # identical layers: equal compute, weights and kept activations
+        assert u.time_s == pytest.approx(layers[0].time_s, rel=1e-9) and u.time_s > 0
+        assert u.param_bytes == layers[0].param_bytes > 0
+        assert u.act_bytes == pytest.approx(layers[0].act_bytes, rel=1e-9)
+    # every weight counted once, in float32 (the variables; their casts read them)
+    assert sum(u.param_bytes for u in units) - units[-1].tied_bytes == pytest.approx(sum(
+        4 * math.prod(t.shape) for t in graph.variables))
