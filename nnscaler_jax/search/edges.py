@@ -56,6 +56,7 @@ def _unique(layouts: list[Layout]) -> tuple[list[Layout], list[int]]:
 class EdgePricing:
     """The edge half of the tables' builder (``tables._Builder`` mixes it in): reads the
     builder's ``graph``, ``space``, ``cm``, ``zero``, ``by_id``, ``uses``, ``grads``, ``lays``,
+    ``origin`` (:func:`~nnscaler_jax.ir.regions.weight_origins`),
     ``readers``, ``body_first``, ``member_memo``, ``comm`` and ``fgroup``; keeps its own state
     (:meth:`start_edges`): ``pairs`` (group pair -> cost matrix), ``kept`` (group pair -> bytes
     matrix), ``memo``, ``reshard_memo`` and ``folded`` (reads whose edge prices their gradient;
@@ -394,8 +395,9 @@ class EdgePricing:
              count: int) -> None:
         """Add ``count`` x one edge's prices (see :meth:`_ends`) to the tables."""
         t, w, src, dst, (gs, gd), sig = edge
-        # a weight's relayout from storage runs once per micro-batch (plan_walk._communication)
-        runs = self.cm.microbatches if src[0] == "var" else 1
+        # a weight's relayout (from storage, or of its cast) runs once per micro-batch
+        # (plan_walk._communication: weight_origins)
+        runs = self.cm.microbatches if src[0] == "var" or t.id in self.origin else 1
         _gs, _fs, ms, fgs = self.fgroup(src[1])
         _gd, _fd, md, fgd = self.fgroup(dst[1])
         sig = None if sig is None else sig + (
@@ -479,6 +481,7 @@ class EdgePricing:
                     x, y = ua[a], ub[b]
                     secs = w * (self._reshards(t, [(x, y)])[0] if not rerun else
                                 self._reshards(t, [_rerun_pair(x, y, rerun)], forward=True)[0])
+                    secs *= self.cm.microbatches if t.id in self.origin else 1
                     classes[ua[a], ub[b]] = len(costs) if secs > 0 else -1
                     costs += [secs] if secs > 0 else []
             got = np.array([classes[ua[a], ub[b]] for a, b in pairs], dtype=np.int64)

@@ -65,6 +65,7 @@ from nnscaler_jax.cost.residuals import (
 )
 from nnscaler_jax.ir.coshard import chunks_of
 from nnscaler_jax.ir.graph import Graph, Op, Role, Tensor
+from nnscaler_jax.ir.regions import weight_origins
 from nnscaler_jax.ir.remat import remat_roles
 from nnscaler_jax.layout import Layout
 from nnscaler_jax.plan.layouts import lift, op_layouts, scan_stored_inputs, sole_read_variables
@@ -101,6 +102,9 @@ class _Builder(EdgePricing, BlockPricing):
         self.space, self.cm, self.zero = space, cm, zero
         self.graph: Graph = space.graph
         self.by_id = {op.id: op for op in self.graph.walk()}
+        # values computed from one weight alone (its casts): relaid out and their gradients
+        # reduced once per micro-batch, as plan_walk prices them
+        self.origin = weight_origins(self.graph)
         self.uses = first_uses(self.graph)
         n = [g.n for g in space.groups]
         self.compute = [np.zeros(k) for k in n]
@@ -369,7 +373,7 @@ class _Builder(EdgePricing, BlockPricing):
             _g, _f, mm, fg = self.fgroup(op.id)
             parts.append((self.space.op_class[op.id], j, fg.split_ids[mm],
                           self.space.weights[op.id]))
-        key = ("s", t.shape, t.dtype, t.role, t.collection, tuple(parts))
+        key = ("s", t.shape, t.dtype, t.role, t.collection, t.id in self.origin, tuple(parts))
         if key not in self.member_memo:
             made = self._sync_set(t, reads)
             self.member_memo[key] = None if made is None else \
@@ -396,7 +400,7 @@ class _Builder(EdgePricing, BlockPricing):
                 key = (want, axes)
                 if key not in classes:
                     cost = w * self.cm.grad_sync_time(t, want, split, t.id in self.grads) * (
-                        self.cm.microbatches if t.role is Role.VARIABLE else 1)
+                        self.cm.microbatches if t.id in self.origin else 1)
                     if cost <= 0:
                         continue
                     classes[key] = len(costs)

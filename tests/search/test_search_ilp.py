@@ -345,3 +345,24 @@ def test_a_time_limited_solve_reports_its_proven_bound(monkeypatch):
     assert report.bound_s == pytest.approx(0.5 * optimal.objective_s, rel=1e-6)
     assert report.gap == pytest.approx(0.5, rel=1e-6)
     assert "gap 50.0%, nothing faster than" in str(report)
+
+
+def test_a_weights_cast_is_priced_per_microbatch_as_the_plan_cost_prices_it():
+    """A model captured at a precision reads each weight through its cast; with gradient
+    accumulation the cast's relayouts and gradient reductions run once per micro-batch
+    (plan_walk), and the search must price them so. It priced them once: at 4 micro-batches
+    its objective was 6% under the plan's cost, and the plan it chose (gathering cast weights)
+    was slower than Megatron's."""
+    from nnscaler_jax.cost.devices import A100_80G
+    from nnscaler_jax.search.entry import plan_spmd
+
+    spec = models.get("gpt", "tiny", batch_size=16, abstract=True, d_model=256, seq_len=256,
+                      n_positions=256, n_heads=8, n_layers=2, vocab_size=512)
+    graph = capture_spec(spec, precision="bfloat16", loss=True).graph
+    axes = {"model": 4}
+    cm = CostModel.for_axes(axes, microbatches=4, device=A100_80G)
+    plan, report = search(graph, axes, cost_model=cm)
+    priced = cm.plan_cost(plan, graph).step_time_s
+    assert report.objective_s == pytest.approx(priced, rel=1e-6)
+    megatron = plan_spmd(graph, axes, policy="megatron", cost_model=cm).plan
+    assert priced <= megatron.cost.step_time_s
