@@ -31,6 +31,7 @@ memory per device with the budget line, communication per planner); the JSON gai
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import time
 from typing import Any
@@ -52,10 +53,12 @@ from nnscaler_jax.cli.common import (
     table,
 )
 from nnscaler_jax.cli.xla import check_cluster, xla_entry, xla_text
+from nnscaler_jax.cost.devices import memory_reserve
 from nnscaler_jax.mesh.axes import mesh_axes, stage_axis
 from nnscaler_jax.plan.view import fused_attention_rows
 
-__all__ = ["cluster_arg", "cmd_compare", "compare_mesh", "one_planner", "plan_features",
+__all__ = ["cluster_arg", "cmd_compare", "compare_mesh", "compare_mixed", "one_planner",
+           "plan_features",
            "smallest_estimate"]
 
 
@@ -162,14 +165,25 @@ def _budget(args: argparse.Namespace, mesh: Any, cluster: Any) -> tuple[int | No
     return default.bytes, default.describe(), default.short()
 
 
-def cluster_arg(args: argparse.Namespace) -> Any:
+def cluster_arg(args: argparse.Namespace, mixed: bool = False) -> Any:
+    """``--cluster``: a preset (:data:`~nnscaler_jax.cost.devices.CLUSTERS`), or with
+    ``mixed`` (``compare``) also groups of several kinds joined with ``+``."""
     if not args.cluster:
         return None
     from nnscaler_jax.cost.devices import CLUSTERS, cluster_preset
+    from nnscaler_jax.errors import PlanError
 
-    if args.cluster.lower() not in CLUSTERS:
-        raise UsageError(f"unknown --cluster {args.cluster!r}; presets: {', '.join(CLUSTERS)}")
-    return cluster_preset(args.cluster)
+    if "+" in args.cluster and not mixed:
+        raise UsageError(f"--cluster {args.cluster}: a cluster of several device kinds is "
+                         "planned by compare (--planners auto,metis,uniform)")
+    if "+" not in args.cluster and args.cluster.lower() not in CLUSTERS:
+        raise UsageError(f"unknown --cluster {args.cluster!r}; presets: {', '.join(CLUSTERS)}"
+                         + (", or groups of several kinds joined with '+' (e.g. "
+                            "a100-80g-4x+v100-32g-4x)" if mixed else ""))
+    try:
+        return cluster_preset(args.cluster)
+    except PlanError as e:
+        raise UsageError(str(e)) from None
 
 
 def _saved_graph(saved: Any, args: argparse.Namespace, spec: Any, graph: Any,
@@ -341,11 +355,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
     precision = _precision(args)
     spec = model_spec(args.model, args.preset, precision)
     mesh = compare_mesh(args)
-    planners = [check_policy(p.strip()) for p in args.planners.split(",") if p.strip()]
+    planners = [p.strip() for p in args.planners.split(",") if p.strip()]
     if not planners:
         raise UsageError(f"--planners is empty; choose from: {', '.join(policy_names())}")
     check_cluster(args)
-    cluster = cluster_arg(args)
+    cluster = cluster_arg(args, mixed=True)
+    if hasattr(cluster, "groups"):  # several device kinds: the stage planners
+        return compare_mixed(args, spec, mesh, cluster, planners, precision)
+    planners = [check_policy(p) for p in planners]
     budget, source, short = _budget(args, mesh, cluster)
     explicit = budget if args.budget is not None else None
     # the training step's graph (the module and its loss): what train_step plans and runs
@@ -428,3 +445,102 @@ def _compiled_figures(spec: Any, mesh: Any, plan: Any) -> dict[str, Any]:
         return {"compiled_memory_bytes": int(memory), "hlo_comm_bytes": int(comm)}
     except Exception as e:  # noqa: BLE001 - the figures are extras; say why they are missing
         return {"compiled_error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+
+
+def _mixed_entry(plan: Any, error: Exception | None = None) -> dict[str, Any]:
+    """A mixed-cluster planner's JSON entry: the flat entries' keys, ``stages`` (per stage its
+    kind, devices, tp x dp, units and layers, in-stage policy, recompute groups and co-sharded
+    ops of its plan, time and memory against its kind's budget) and ``microbatches``."""
+    if plan is None:
+        from nnscaler_jax.errors import NoFitError
+
+        return {"fits": False if isinstance(error, NoFitError) else None,
+                "step_time_s": None, "memory_bytes_per_device": None, "comm_bytes": None,
+                "search_s": 0.0, "features": None,
+                "error": cli_terms(str(error).splitlines()[0])}
+    body = plan.to_json()
+    for st, js in zip(plan.stages, body["stages"], strict=True):
+        js["policy"] = st.policy
+        js["recompute_groups"] = list(st.plan.recompute) if st.plan is not None else []
+        js["cosharded"] = _cosharded(st.plan) if st.plan is not None else []
+    features = {"recompute": sorted({g for js in body["stages"] for g in js["recompute_groups"]}),
+                "cosharded": [c for js in body["stages"] for c in js["cosharded"]],
+                "microbatches": plan.microbatches, "stages": len(plan.stages),
+                "schedule": "1f1b"}
+    return {"fits": plan.fits, "step_time_s": plan.step_time_s,
+            "memory_bytes_per_device": plan.memory_bytes_per_device, "comm_bytes": None,
+            "search_s": plan.search_s, "features": features, "stages": body["stages"],
+            "microbatch_size": plan.microbatch_size}
+
+
+def _stages_text(r: dict[str, Any]) -> str:
+    """``A100-80G x4 tp4: <prefix>..h_22 | V100-32G x4 tp4: h_23..<suffix>``."""
+    return " | ".join(f"{st['kind']} x{st['devices'][1] - st['devices'][0] + 1} tp{st['tp']}"
+                      f"{' dp' + str(st['dp']) if st['dp'] > 1 else ''}: "
+                      f"{st['layers'][0]}..{st['layers'][1]}"
+                      f"{' (recompute)' if st['recompute_groups'] or st['recompute'] else ''}"
+                      for st in r.get("stages") or [])
+
+
+def compare_mixed(args: argparse.Namespace, spec: Any, mesh: Any, cluster: Any,
+                  planners: list[str], precision: str | None) -> int:
+    """``compare --cluster a100-80g-4x+v100-32g-4x``: pipelines over groups of several device
+    kinds (:mod:`~nnscaler_jax.pipeline.hetero`), by ours (``auto``), the Metis-style planner
+    (``metis``) and the heterogeneity-unaware one (``uniform``); each stage's in-stage plan
+    made and priced for its own kind (:func:`~nnscaler_jax.pipeline.hetero.realize`)."""
+    from nnscaler_jax.errors import PlanError
+    from nnscaler_jax.mesh.axes import mesh_axes
+    from nnscaler_jax.pipeline.hetero import PLANNERS, kind_units, plan_hetero, realize
+
+    wrong = [p for p in planners if p not in PLANNERS]
+    if wrong:
+        raise UsageError(f"--cluster {cluster.name} mixes device kinds: planners "
+                         f"{', '.join(PLANNERS)} (not {', '.join(wrong)})")
+    devices = math.prod(mesh_axes(mesh).values())
+    if devices != cluster.devices:
+        raise UsageError(f"--mesh {args.mesh} has {devices} devices, --cluster {cluster.name} "
+                         f"{cluster.devices}: give --mesh {cluster.devices}")
+    if getattr(args, "xla", False) or getattr(args, "pipelines", False) \
+            or getattr(args, "plan", None):
+        raise UsageError("--xla, --pipelines and --plan plan one-kind clusters; a cluster of "
+                         "several kinds is planned as pipelines by its own planners")
+    budget = parse_budget(args.budget) if args.budget is not None else None
+    graph = capture_model(spec, mutable=spec_mutable(spec), precision=precision,
+                          loss=True).graph
+    batch = next(t.shape[0] for t in graph.inputs if t.role.name == "INPUT" and t.shape)
+    try:
+        units = kind_units(graph, cluster, batch)
+    except PlanError as e:
+        raise UsageError(f"--cluster {cluster.name}: {cli_terms(str(e))}") from None
+    results: dict[str, dict[str, Any]] = {}
+    for name in planners:
+        t0 = time.perf_counter()
+        try:
+            plan = realize(plan_hetero(units, cluster, batch, planner=name, budget=budget),
+                           graph, units, cluster, budget=budget)
+            results[name] = dict(_mixed_entry(plan), search_s=time.perf_counter() - t0)
+        except PlanError as e:
+            results[name] = dict(_mixed_entry(None, e), search_s=time.perf_counter() - t0)
+    budgets = {g.name: (budget if budget is not None else
+                        g.device.memory_bytes - memory_reserve(g.device.memory_bytes))
+               for g in cluster.groups}
+    obj = {"ok": True, "model": args.model, "preset": args.preset, "mesh": args.mesh,
+           "cluster": cluster.name, "budget_bytes": budgets,
+           "budget": "--budget" if budget is not None else
+           "each kind's memory less a 10% reserve", "precision": precision,
+           "global_batch": batch, "planners": results}
+    text = ""
+    if not args.json:
+        rows = [[n, {True: "yes", False: "NO", None: "-"}[r["fits"]], f"{r['search_s']:.2f}",
+                 "-" if r["step_time_s"] is None else f"{r['step_time_s'] * 1e3:.1f}",
+                 "-" if r["memory_bytes_per_device"] is None
+                 else fmt_bytes(r["memory_bytes_per_device"]),
+                 _stages_text(r) or r.get("error", "")[:80]] for n, r in results.items()]
+        text = (f"{args.model} [{args.preset}] on {cluster.name} ({cluster.devices} devices), "
+                f"global batch {batch}, 1F1B; budgets "
+                + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in budgets.items())
+                + (f"; compute precision {precision}" if precision else "") + "\n"
+                + table(["planner", "fits", "plan s", "step ms", "memory/device",
+                         "stages (kind x devices, tp x dp: layers)"], rows))
+    emit(args, text, obj)
+    return 0

@@ -51,6 +51,7 @@ Planning for a cluster preset or for real accelerators, the device's memory less
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -60,11 +61,12 @@ from nnscaler_jax.errors import PlanError
 from nnscaler_jax.mesh.topology import LinkCost, MeshSpec
 
 __all__ = [
-    "A100_40G", "A100_80G", "CLUSTERS", "CPU", "DEFAULT_RESERVE_FRACTION", "DEVICES", "H100_80G",
-    "H200", "IB_EDR", "IB_EDR_SHARED", "IB_HDR", "IB_NDR", "NVLINK_A100", "NVLINK_H100", "NVLINK_V100", "V100_32G",
-    "ClusterSpec", "DefaultBudget", "DeviceSpec", "cluster_preset", "compile_only_mesh",
-    "default_budget",
-    "default_budget_of", "device_for_kind", "device_preset", "local_cpu", "memory_reserve",
+    "A100_40G", "A100_80G", "CLUSTERS", "CPU", "DEFAULT_RESERVE_FRACTION", "DEVICES",
+    "H100_80G", "H200", "IB_EDR", "IB_EDR_SHARED", "IB_HDR", "IB_NDR", "NVLINK_A100",
+    "NVLINK_H100", "NVLINK_V100", "PCIE_GEN3", "PCIE_GEN4", "V100_32G", "ClusterSpec",
+    "DefaultBudget", "DeviceGroup", "DeviceSpec", "MixedCluster", "cluster_preset",
+    "compile_only_mesh", "default_budget", "default_budget_of", "device_for_kind",
+    "device_preset", "local_cpu", "memory_reserve", "mixed_cluster",
 ]
 
 GB = 10**9
@@ -266,13 +268,123 @@ CLUSTERS: Mapping[str, ClusterSpec] = {
 NVLink 4 + IB NDR. ``v100-32g-16x``: 16 V100 per node (NVSwitch), 8 EDR ports per node."""
 
 
-def cluster_preset(name: str) -> ClusterSpec:
-    """A :class:`ClusterSpec` preset by name (see :data:`CLUSTERS`)."""
+def cluster_preset(name: str) -> ClusterSpec | MixedCluster:
+    """A :class:`ClusterSpec` preset by name (see :data:`CLUSTERS`), or a :class:`MixedCluster`
+    of several kinds named by its groups joined with ``+`` (:func:`mixed_cluster`)."""
+    if "+" in name:
+        return mixed_cluster(name)
     try:
         return CLUSTERS[name.lower()]
     except KeyError:
-        raise PlanError(f"unknown cluster {name!r}; presets: {', '.join(CLUSTERS)} (or build a "
-                        "ClusterSpec(name, device, devices_per_node, intra, inter))") from None
+        raise PlanError(f"unknown cluster {name!r}; presets: {', '.join(CLUSTERS)}, or groups "
+                        "of several kinds joined with '+' (a100-80g-4x+v100-32g-4x); or build "
+                        "a ClusterSpec(name, device, devices_per_node, intra, inter)") from None
+
+
+# ---- clusters of several device kinds ----------------------------------------------------------
+
+PCIE_LATENCY_S = 5e-6
+PCIE_GEN3 = LinkCost.from_bandwidth(PCIE_LATENCY_S, 12 * GB)
+"""PCIe 3.0 x16 between GPUs of one node that share no NVLink: 15.75 GB/s per direction
+nominal, ~12 GB/s in peer-to-peer copies (V100-era hosts)."""
+PCIE_GEN4 = LinkCost.from_bandwidth(PCIE_LATENCY_S, 24 * GB)
+"""PCIe 4.0 x16: 31.5 GB/s per direction nominal, ~24 GB/s in peer-to-peer copies."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceGroup:
+    """Devices of one kind in a :class:`MixedCluster`: ``count`` of ``nodes.device``, linked
+    inside the group as that kind's nodes are (``nodes``: its one-kind :class:`ClusterSpec`)."""
+
+    nodes: ClusterSpec
+    count: int
+
+    @property
+    def device(self) -> DeviceSpec:
+        return self.nodes.device
+
+    @property
+    def name(self) -> str:
+        return f"{self.device.name.lower()}-{self.count}x"
+
+
+@dataclass(frozen=True, slots=True)
+class MixedCluster:
+    """A cluster of several device kinds: groups of one kind each, linked to each other by
+    ``between`` (per device). Mesh devices are numbered group by group, in order: a mesh of
+    ``devices`` puts group 0 first (the first ``groups[0].count`` devices), then group 1, ...
+
+    >>> c = cluster_preset("a100-80g-4x+v100-32g-4x")
+    >>> c.devices, [g.device.name for g in c.groups], c.between == PCIE_GEN3
+    (8, ['A100-80G', 'V100-32G'], True)
+    >>> c.slowest().device.name, round(c.slowest().device.memory_bytes / 2**30)
+    ('V100-32G (slowest)', 32)
+    """
+
+    name: str
+    groups: tuple[DeviceGroup, ...]
+    between: LinkCost
+
+    @property
+    def devices(self) -> int:
+        return sum(g.count for g in self.groups)
+
+    def group_of(self, device: int) -> int:
+        """The group of mesh device ``device`` (devices numbered group by group)."""
+        left = device
+        for k, g in enumerate(self.groups):
+            if 0 <= left < g.count:
+                return k
+            left -= g.count
+        raise PlanError(f"device {device} is not in cluster {self.name} "
+                        f"({self.devices} devices)")
+
+    def slowest(self) -> ClusterSpec:
+        """The one-kind cluster a heterogeneity-unaware planner sees: every device priced as the
+        slowest kind's (its 16-bit peak) with the smallest memory, linked by the slower of its
+        links (inside the groups: the slowest group's; across nodes: ``between`` where slower).
+        """
+        slow = min(self.groups, key=lambda g: g.device.flops * g.device.efficiency)
+        memory = min(g.device.memory_bytes for g in self.groups)
+        device = DeviceSpec(**{**{f: getattr(slow.device, f) for f in DeviceSpec.__slots__},
+                               "memory_bytes": memory, "name": f"{slow.device.name} (slowest)"})
+        inter = max((slow.nodes.inter, self.between), key=lambda ln: ln.beta_s_per_byte)
+        return ClusterSpec(f"{self.name} as {slow.device.name.lower()}", device,
+                           min(g.nodes.devices_per_node for g in self.groups), slow.nodes.intra,
+                           inter)
+
+
+def mixed_cluster(name: str) -> MixedCluster:
+    """The :class:`MixedCluster` named by its groups, ``<device>-<n>x`` joined with ``+``
+    (``a100-80g-4x+v100-32g-4x``, ``h100-80g-8x+a100-80g-8x``): ``n`` devices of each device
+    preset (:data:`DEVICES`), linked inside a group as that kind's preset nodes
+    (:data:`CLUSTERS`). Groups that fit one node together (8 devices in all at most) share it
+    over PCIe (3.0 where a V100 is among them, else 4.0): NVLink islands of one kind; otherwise
+    each group is its own nodes, linked over InfiniBand (the slowest group's ports).
+
+    Raises:
+        PlanError: a group that is not ``<device preset>-<n>x``, or a single group.
+    """
+    parts = [p.strip().lower() for p in name.split("+")]
+    groups = []
+    for p in parts:
+        m = re.fullmatch(r"(.+)-(\d+)x", p)
+        device = DEVICES.get(m.group(1)) if m else None
+        if device is None or device is CPU or int(m.group(2)) < 1:
+            raise PlanError(f"cluster {name!r}: group {p!r} is not <device>-<n>x with a GPU "
+                            f"preset ({', '.join(d for d in DEVICES if d != 'cpu')}), e.g. "
+                            "a100-80g-4x+v100-32g-4x")
+        nodes = next(c for c in CLUSTERS.values() if c.device is device)
+        groups.append(DeviceGroup(nodes, int(m.group(2))))
+    if len(groups) < 2:
+        raise PlanError(f"cluster {name!r}: one group; name a one-kind cluster by its preset "
+                        f"({', '.join(CLUSTERS)}) or join groups of several kinds with '+'")
+    total = sum(g.count for g in groups)
+    if total <= min(g.nodes.devices_per_node for g in groups):
+        between = PCIE_GEN3 if any(g.device is V100_32G for g in groups) else PCIE_GEN4
+    else:
+        between = max((g.nodes.inter for g in groups), key=lambda ln: ln.beta_s_per_byte)
+    return MixedCluster("+".join(parts), tuple(groups), between)
 
 
 def compile_only_mesh(cluster: ClusterSpec | DeviceSpec | str, shape: Sequence[int],

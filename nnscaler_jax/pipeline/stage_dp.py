@@ -21,6 +21,7 @@ sub-meshes (``tp x dp`` devices), as the runtime's stage mesh axis requires.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,7 +79,12 @@ class _Prices:
 
 
 def _prices(units: list[Unit], tp: int, mb: int, optimizer_bytes: float, intra: LinkCost,
-            inter: LinkCost, recompute: bool = True) -> _Prices:
+            inter: LinkCost, recompute: bool | str = True) -> _Prices:
+    """Every stage ``[i, j)``'s prices. ``recompute``: True, the stage keeps its input per
+    micro-batch in flight and its backward recomputes its whole forward (holding all of its
+    activations at once); ``'layer'``: the same, its backward recomputing one unit at a time
+    (holding every unit's input and the largest unit's activations); False: it keeps every
+    activation of every micro-batch in flight."""
     n = len(units)
 
     def cum(xs):
@@ -98,7 +104,15 @@ def _prices(units: list[Unit], tp: int, mb: int, optimizer_bytes: float, intra: 
     time = np.where(valid, t[j] - t[i] + tpc[j] - tpc[i] + p2p, big)
     full = np.where(valid, a[j] - a[i], big)
     inp = np.concatenate([[units[0].out_bytes * mb / tp], out[1:-1] / tp, [0.0]])
-    if recompute:   # keep only the stage input per micro-batch; one stage forward live in B
+    if recompute == "layer":  # the units' inputs, and one unit's activations, live in B
+        ins = cum([u.out_bytes * mb / tp for u in units])  # (each unit's, the next's input)
+        largest = np.zeros((n + 1, n + 1))
+        for a in range(n):
+            largest[a, a + 1:] = np.maximum.accumulate([u.act_bytes * mb / tp
+                                                        for u in units[a:]])
+        act, work = np.where(valid, inp[i], big), np.where(valid, ins[j] - ins[i] + largest,
+                                                           big)
+    elif recompute:   # keep only the stage input per micro-batch; one stage forward live in B
         act, work = np.where(valid, inp[i], big), full
     else:
         act, work = full, np.where(valid, 0.0, big)
@@ -107,15 +121,24 @@ def _prices(units: list[Unit], tp: int, mb: int, optimizer_bytes: float, intra: 
     return _Prices(time, act, work, state, grad)
 
 
-def _dp(pr: _Prices, S: int, M: int, budget: float, t_max: float, inflight) -> tuple | None:
-    """Min sum of stage times with every stage <= t_max and within memory; boundaries."""
-    n = pr.time.shape[0] - 1
+def _dp(prices: Sequence[Sequence[_Prices]], budgets: Sequence[float], t_max: float,
+        inflight) -> tuple | None:
+    """Min sum of stage times with every stage <= t_max and within memory; boundaries.
+
+    ``prices[k]``: stage ``k``'s priced alternatives (e.g. with and without recompute; a
+    stage takes the fastest that fits), ``budgets[k]`` its devices' bytes: stages may differ
+    (devices of several kinds, :mod:`~nnscaler_jax.pipeline.hetero`)."""
+    S = len(prices)
+    n = prices[0][0].time.shape[0] - 1
     f = np.full(n + 1, np.inf)
     f[0] = 0.0
     back = []
     for k in range(S):
-        mem = pr.state + inflight(k) * pr.act + pr.work
-        c = np.where((pr.time <= t_max) & (mem <= budget), pr.time, np.inf)
+        c = np.full((n + 1, n + 1), np.inf)
+        for pr in prices[k]:
+            mem = pr.state + inflight(k) * pr.act + pr.work
+            c = np.minimum(c, np.where((pr.time <= t_max) & (mem <= budgets[k]), pr.time,
+                                       np.inf))
         tot = f[:, None] + c
         arg = np.argmin(tot, axis=0)
         f = tot[arg, np.arange(n + 1)]
@@ -133,7 +156,7 @@ def _dp(pr: _Prices, S: int, M: int, budget: float, t_max: float, inflight) -> t
 def evaluate(units: list[Unit], bounds, tp: int, dp: int, microbatches: int,
              microbatch_size: int, *, optimizer_bytes: float = 3.0, schedule: str = "1f1b",
              intra: LinkCost = NVLINK_H100, inter: LinkCost = IB_NDR,
-             recompute: bool = True) -> StageChoice:
+             recompute: bool | str = True) -> StageChoice:
     """Price a given stage split (e.g. a hand-written Megatron plan) with the search's model."""
     S = len(bounds)
     pr = _prices(units, tp, microbatch_size, optimizer_bytes, intra, inter, recompute)
@@ -152,7 +175,7 @@ def evaluate(units: list[Unit], bounds, tp: int, dp: int, microbatches: int,
 def search_stages(units: list[Unit], devices: int, global_batch: int, memory_per_device: float,
                   *, max_tp: int = 8, optimizer_bytes: float = 3.0, t_max_levels: int = 48,
                   intra: LinkCost = NVLINK_H100, inter: LinkCost = IB_NDR,
-                  recompute: bool = True) -> StageChoice:
+                  recompute: bool | str = True) -> StageChoice:
     """The best (stages, tp, dp, micro-batches, boundaries) under the memory budget.
 
     Args:
@@ -164,8 +187,9 @@ def search_stages(units: list[Unit], devices: int, global_batch: int, memory_per
         t_max_levels: slowest-stage bounds tried per configuration (Alpa's enumeration,
             quantised).
         recompute: stages keep only their inputs per in-flight micro-batch and recompute the
-            forward in the backward (what :mod:`nnscaler_jax.pipeline.stacked` runs); otherwise
-            all activations of every in-flight micro-batch are kept.
+            forward in the backward (what :mod:`nnscaler_jax.pipeline.stacked` runs;
+            ``'layer'``: a unit at a time, :func:`_prices`); otherwise all activations of every
+            in-flight micro-batch are kept.
 
     Raises:
         PlanError: no configuration fits the budget (says the smallest memory found).
@@ -196,7 +220,8 @@ def search_stages(units: list[Unit], devices: int, global_batch: int, memory_per
                 for t_max in levels:
                     if best is not None and (M - 1) * t_max >= best.step_time_s:
                         break
-                    r = _dp(pr, S, M, memory_per_device, t_max, lambda k, S=S, M=M: min(S - k, M))
+                    r = _dp([[pr]] * S, [memory_per_device] * S, t_max,
+                            lambda k, S=S, M=M: min(S - k, M))
                     if r is None:
                         continue
                     plan = evaluate(units, r[1], tp, dp, M, mb, optimizer_bytes=optimizer_bytes,

@@ -16,6 +16,7 @@ numbered ``<prefix>_<i>`` modules or one ``nn.scan``); each unit is priced per s
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, replace
 
@@ -26,9 +27,10 @@ from nnscaler_jax.cost.model import CostModel, itemsize
 from nnscaler_jax.cost.residuals import residual_outputs
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.ir.graph import Graph
-from nnscaler_jax.ir.layers import graph_layers, variable_casts
+from nnscaler_jax.ir.layers import block_paths, graph_layers, variable_casts
 
-__all__ = ["TP_COLLECTIVES", "Unit", "kept_for_weights", "largest_output", "layer_units"]
+__all__ = ["TP_COLLECTIVES", "Unit", "kept_for_weights", "largest_output", "layer_units",
+           "unit_parts"]
 
 TP_COLLECTIVES = 4
 """All-reduces of a layer's output per forward + backward under Megatron tensor parallelism."""
@@ -138,17 +140,74 @@ def _with_casts(graph: Graph, casts: dict[int, int], ranges: list[tuple[int, int
     return out
 
 
-def layer_units(graph: Graph, batch: int = 1, model: CostModel | None = None) -> list[Unit]:
-    """Cut ``graph`` (traced at batch ``batch``) into prefix / layers / suffix units per sample.
+def unit_parts(graph: Graph, blocks: bool = False) -> list[tuple[str, list]]:
+    """``(name, ops)`` of each of :func:`layer_units`' units: what a stage running units
+    ``a..b`` runs (a weight's precision cast in the first unit reading it). ``blocks``: cut
+    before every repeated block at its finest level (:func:`~nnscaler_jax.ir.layers.
+    block_paths`: Swin's ``layers_2/blocks_7``, T5's ``encoder/block_3`` and
+    ``decoder/block_3``), each block's unit running to the next block's first op, the last
+    one's to its last op; else the layer stack's layers (:func:`~nnscaler_jax.ir.layers.
+    graph_layers`). Both with a ``<prefix>`` (before the first) and a ``<suffix>``.
+
+    Raises:
+        PlanError: no repeated layers or blocks, blocks whose ops interleave, or a stack that
+            is one ``nn.scan`` (its layers are one op).
+    """
+    casts = variable_casts(graph)
+    n = len(graph.ops)
+    if blocks:
+        names, ranges = _block_ranges(graph, casts)
+    else:
+        where = graph_layers(graph)
+        if where.stack.scanned:
+            raise PlanError(f"the layers of '{where.stack.module}' are one nn.scan: no stage "
+                            "boundary falls between them; number the layers (h_0, h_1, ...) "
+                            "instead of scanning them")
+        names = ["<prefix>", *where.names, "<suffix>"]
+        ranges = [(0, where.start), *where.bounds, (where.end, n)]
+    return list(zip(names, _with_casts(graph, casts, ranges), strict=True))
+
+
+def _block_ranges(graph: Graph, casts: dict[int, int]) -> tuple[list[str], list[tuple]]:
+    paths = ["" if op.id in casts else op.module_path for op in graph.ops]
+    blocks = block_paths(p for p in paths if p)
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for i, p in enumerate(paths):
+        b = next((b for b in blocks if p == b or p.startswith(b + "/")), None) if p else None
+        if b is not None:
+            first.setdefault(b, i)
+            last[b] = i
+    order = sorted(first, key=first.get)
+    if len(order) < 2:
+        raise PlanError(f"no repeated blocks in the graph (module paths "
+                        f"{sorted(set(paths))[:12]}); it needs numbered modules "
+                        "('block_0', 'block_1', ...)")
+    for x, y in itertools.pairwise(order):
+        if first[y] <= last[x]:
+            raise PlanError(f"blocks '{x}' and '{y}' interleave (an op of '{x}' runs after "
+                            f"'{y}' starts): no stage boundary falls between them")
+    starts = [first[b] for b in order]
+    end = last[order[-1]] + 1
+    ranges = [(0, starts[0]), *itertools.pairwise(starts), (starts[-1], end),
+              (end, len(paths))]
+    return ["<prefix>", *order, "<suffix>"], ranges
+
+
+def layer_units(graph: Graph, batch: int = 1, model: CostModel | None = None, *,
+                blocks: bool = False) -> list[Unit]:
+    """Cut ``graph`` (traced at batch ``batch``) into prefix / layers / suffix units per sample
+    (``blocks``: prefix / each repeated block / suffix, :func:`unit_parts`).
 
     ``model``: the pricing (default: one H100, :data:`nnscaler_jax.cost.devices.H100_80G`).
 
     Raises:
-        PlanError: the graph has no repeated layer stack.
+        PlanError: the graph has no repeated layer stack (``blocks``: no repeated blocks).
     """
     model = model or CostModel.for_axes({"x": 1}, device=H100_80G)
     try:
-        where = graph_layers(graph)
+        where = None if blocks else graph_layers(graph)
+        named = unit_parts(graph, blocks=True) if blocks else None
     except PlanError as e:
         raise PlanError(f"stage search: {e}") from None
     saved = residual_outputs(graph)  # the activations autodiff keeps, after fusion
@@ -173,6 +232,12 @@ def layer_units(graph: Graph, batch: int = 1, model: CostModel | None = None) ->
                     largest_output(flat) / batch,
                     wgrad_bytes=kept_for_weights(flat, set(var_bytes) | set(alias)) / batch)
 
+    if named is not None:
+        parts = [part for _, part in named]
+        last = len(named) - 1
+        units = [unit(name, part, TP_COLLECTIVES if 0 < k < last else 0, layer=0 < k < last)
+                 for k, (name, part) in enumerate(named)]
+        return _ends(units, parts, alias, var_bytes)
     ops, stack = graph.ops, where.stack
     parts = _with_casts(graph, casts, [(0, where.start), *where.bounds,
                                        (where.end, len(ops))])
@@ -187,10 +252,15 @@ def layer_units(graph: Graph, batch: int = 1, model: CostModel | None = None) ->
         units += [unit(name, part, TP_COLLECTIVES, layer=True)
                   for name, part in zip(where.names, parts[1:-1], strict=True)]
     units.append(unit("<suffix>", parts[-1]))
+    return _ends(units, parts, alias, var_bytes)
+
+
+def _ends(units: list[Unit], parts: list[list], alias: dict[int, int],
+          var_bytes: dict[int, int]) -> list[Unit]:
+    """The suffix's weights the prefix reads too (a tied head); the prefix handing the first
+    layer the same activation a layer hands the next."""
     read = lambda part: {alias.get(t.id, t.id) for o in part for t in o.inputs} & var_bytes.keys()
     units[-1] = replace(units[-1], tied_bytes=float(sum(
         var_bytes[i] for i in read(parts[-1]) & read(parts[0]))))
-    # the prefix hands the first layer the same activation a layer hands the next
-    p0 = units[0]
-    units[0] = replace(p0, out_bytes=units[1].out_bytes, tp_collectives=0)
+    units[0] = replace(units[0], out_bytes=units[1].out_bytes, tp_collectives=0)
     return units

@@ -1,0 +1,473 @@
+"""Pipelines over a cluster of several device kinds: stages sized to their devices.
+
+A :class:`~nnscaler_jax.cost.devices.MixedCluster` is groups of devices of one kind each (4
+A100-80G beside 4 V100-32G in one node over PCIe; 8 H100 nodes joined to 8 A100 nodes over
+InfiniBand), its devices numbered group by group. A plan here is a pipeline of stages, each on
+a run of those devices (``first``, ``devices``: tensor parallel ``tp`` x data parallel ``dp``
+inside), the model's units (:func:`~nnscaler_jax.pipeline.units.layer_units`: prefix, each
+layer, suffix) cut into contiguous ranges, one per stage, run 1F1B over ``M`` micro-batches.
+Each stage is priced with its own devices' kind (units priced per kind: :func:`kind_units`),
+held to its own kind's memory, and its transfers to the next stage priced over the link between
+them (inside a group its NVLink, between groups the cluster's ``between``).
+
+Three planners share one evaluator (:func:`price_stages`) and one cost model:
+
+- ``auto``: every arrangement of the groups into stages (per group a stage count and a tensor
+  parallel size, the groups in any order), every micro-batch count, and the boundaries placed
+  by the stage DP (:func:`~nnscaler_jax.pipeline.stage_dp._dp`) with each stage's own kind's
+  prices and budget, each stage recomputing its forward or keeping its activations, whichever
+  is faster and fits (its layers in proportion to its speed where memory allows, more to the
+  larger memory where it does not).
+- ``metis``: the search space of Metis (Um et al., ATC'24): per-stage device type, data x tensor
+  parallel per stage, layers partitioned by balanced compute (each stage's share of the model's
+  compute in proportion to its devices' speed), recompute one setting for all stages; no
+  boundary placed by memory or transfers, no per-stage choice.
+- ``uniform``: heterogeneity-unaware: every device priced as the slowest kind with the smallest
+  memory (:meth:`~nnscaler_jax.cost.devices.MixedCluster.slowest`), equal stages searched by
+  the homogeneous stage DP (:func:`~nnscaler_jax.pipeline.stage_dp.search_stages`), then
+  priced on the devices its stages land on (a stage whose devices span kinds runs at the
+  slower's pace).
+
+>>> import models
+>>> from nnscaler_jax.capture.trace import trace
+>>> from nnscaler_jax.cost.devices import cluster_preset
+>>> spec = models.get("gpt", "tiny", n_layers=6)
+>>> cluster = cluster_preset("a100-80g-4x+v100-32g-4x")
+>>> units = kind_units(trace(spec.module, *spec.make_args()), cluster, batch=2)
+>>> plan = plan_hetero(units, cluster, global_batch=16)
+>>> sum(s.slot.devices for s in plan.stages), plan.fits
+(8, True)
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from nnscaler_jax.cost.devices import MixedCluster, memory_reserve
+from nnscaler_jax.cost.model import CostModel
+from nnscaler_jax.errors import NoFitError, PlanError
+from nnscaler_jax.ir.graph import Graph
+from nnscaler_jax.mesh.topology import LinkCost, all_reduce_time
+from nnscaler_jax.pipeline.stage_dp import _dp, _prices, search_stages
+from nnscaler_jax.pipeline.units import Unit, layer_units
+
+__all__ = ["PLANNERS", "HeteroPlan", "HeteroStage", "Slot", "kind_units", "plan_hetero",
+           "price_stages"]
+
+PLANNERS = ("auto", "metis", "uniform")
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """A stage's devices: ``devices`` of them from ``first`` (the cluster's numbering), tensor
+    parallel ``tp`` x data parallel ``devices / tp``."""
+
+    first: int
+    devices: int
+    tp: int
+
+    @property
+    def dp(self) -> int:
+        return self.devices // self.tp
+
+
+@dataclass(frozen=True, slots=True)
+class HeteroStage:
+    """One priced stage.
+
+    Attributes:
+        slot: its devices. groups: the cluster's groups they belong to (one, but for a
+            heterogeneity-unaware plan's stage spanning kinds). kind: the device it is priced
+            as (the slowest of its groups').
+        units / names: its units ``[a, b)`` and the first and last unit's names.
+        recompute: it keeps only its input per micro-batch in flight and its backward
+            recomputes its forward a unit (block) at a time; else it keeps every activation.
+        time_s: forward + backward seconds per micro-batch (its tensor parallel all-reduces
+            and its send to the next stage included). sync_s: its data-parallel gradient
+            all-reduce, once a step.
+        memory_bytes / budget_bytes: per device: parameters, gradients, optimizer state and
+            the activations 1F1B keeps in flight; its kind's budget.
+        policy / plan: after :func:`realize`, the in-stage policy and its plan of the
+            stage's ops on its tensor-parallel devices (None: priced by the units).
+    """
+
+    slot: Slot
+    groups: tuple[int, ...]
+    kind: str
+    units: tuple[int, int]
+    names: tuple[str, str]
+    recompute: bool
+    time_s: float
+    sync_s: float
+    memory_bytes: float
+    budget_bytes: float
+    policy: str = ""
+    plan: Any = None
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_bytes <= self.budget_bytes
+
+
+@dataclass(frozen=True)
+class HeteroPlan:
+    """A planner's pipeline on a mixed cluster, priced by :func:`price_stages`: step seconds
+    ``sum t_s + (M - 1) max t_s + max sync_s`` (1F1B)."""
+
+    planner: str
+    cluster: str
+    stages: tuple[HeteroStage, ...]
+    microbatches: int
+    microbatch_size: int
+    step_time_s: float
+    search_s: float = 0.0
+
+    @property
+    def fits(self) -> bool:
+        return all(s.fits for s in self.stages)
+
+    @property
+    def memory_bytes_per_device(self) -> float:
+        return max(s.memory_bytes for s in self.stages)
+
+    def to_json(self) -> dict:
+        return {"planner": self.planner, "cluster": self.cluster, "fits": self.fits,
+                "step_time_s": self.step_time_s, "microbatches": self.microbatches,
+                "microbatch_size": self.microbatch_size, "search_s": self.search_s,
+                "memory_bytes_per_device": self.memory_bytes_per_device,
+                "stages": [{"kind": s.kind, "groups": list(s.groups),
+                            "devices": [s.slot.first, s.slot.first + s.slot.devices - 1],
+                            "tp": s.slot.tp, "dp": s.slot.dp, "units": list(s.units),
+                            "layers": list(s.names), "recompute": s.recompute,
+                            "time_s": s.time_s, "sync_s": s.sync_s,
+                            "memory_bytes": s.memory_bytes, "budget_bytes": s.budget_bytes}
+                           for s in self.stages]}
+
+    def __str__(self) -> str:
+        g = 2**30
+        lines = [(f"{self.planner} on {self.cluster}: {len(self.stages)} stages, "
+                  f"{self.microbatches} micro-batches of {self.microbatch_size}, step "
+                  f"{self.step_time_s:.3f} s{'' if self.fits else ' (over memory)'}")]
+        for k, s in enumerate(self.stages):
+            lines.append(
+                f"  stage {k}: {s.kind} x {s.slot.devices} (devices {s.slot.first}.."
+                f"{s.slot.first + s.slot.devices - 1}, tp {s.slot.tp} x dp {s.slot.dp}), "
+                f"units {s.units[0]}..{s.units[1] - 1} ({s.names[0]} .. {s.names[1]}), "
+                f"{'recompute' if s.recompute else 'keep activations'}, "
+                f"{s.time_s * 1e3:.1f} ms/micro-batch, {s.memory_bytes / g:.1f} of "
+                f"{s.budget_bytes / g:.1f} GiB")
+        return "\n".join(lines)
+
+
+def kind_units(graph: Graph, cluster: MixedCluster, batch: int) -> list[list[Unit]]:
+    """Per group of ``cluster``, ``graph``'s units (traced at ``batch``; a unit per repeated
+    block: :func:`~nnscaler_jax.pipeline.units.unit_parts`) priced on its kind."""
+    priced: dict[str, list[Unit]] = {}
+    out = []
+    for g in cluster.groups:
+        if g.device.name not in priced:
+            priced[g.device.name] = layer_units(
+                graph, batch=batch, model=CostModel.for_axes({"x": 1}, device=g.device),
+                blocks=True)
+        out.append(priced[g.device.name])
+    return out
+
+
+def _budgets(cluster: MixedCluster, budget: float | None) -> list[float]:
+    """Per group: ``budget`` (the user's, for every device), else its device's memory less the
+    reserve (:func:`~nnscaler_jax.cost.devices.memory_reserve`)."""
+    return [float(budget) if budget is not None else
+            float(g.device.memory_bytes - memory_reserve(g.device.memory_bytes))
+            for g in cluster.groups]
+
+
+def _groups(cluster: MixedCluster, slot: Slot) -> tuple[int, ...]:
+    return tuple(sorted({cluster.group_of(d) for d in range(slot.first,
+                                                              slot.first + slot.devices)}))
+
+
+def _link(cluster: MixedCluster, a: int, b: int) -> LinkCost:
+    """The link between devices ``a`` and ``b``: one group's node (NVLink), across its nodes,
+    or between groups."""
+    ga, gb = cluster.group_of(a), cluster.group_of(b)
+    if ga != gb:
+        return cluster.between
+    start = sum(g.count for g in cluster.groups[:ga])
+    nodes = cluster.groups[ga].nodes
+    same = (a - start) // nodes.devices_per_node == (b - start) // nodes.devices_per_node
+    return nodes.intra if same else nodes.inter
+
+
+def _slot_prices(units_by_group: Sequence[list[Unit]], cluster: MixedCluster, slot: Slot,
+                 nxt: Slot | None, mb: int, optimizer_bytes: float) -> tuple[int, list]:
+    """The slowest of the slot's groups and its prices ``[kept, recomputed]`` at micro-batch
+    ``mb`` (each device's share ``mb / dp``), sending to ``nxt`` over their link."""
+    groups = _groups(cluster, slot)
+    slow = min(groups, key=lambda k: cluster.groups[k].device.flops
+               * cluster.groups[k].device.efficiency)
+    last = slot.first + slot.devices - 1
+    send = _link(cluster, last, nxt.first) if nxt is not None else cluster.between
+    tp = _slowest(cluster, [(d, d + i) for d in range(slot.first, last + 1, slot.tp)
+                            for i in range(slot.tp)])  # (tensor-parallel runs: the minor axis)
+    return slow, [_prices(units_by_group[slow], slot.tp, mb // slot.dp, optimizer_bytes, tp,
+                          send, recompute) for recompute in (False, "layer")]
+
+
+def _slowest(cluster: MixedCluster, pairs: Sequence[tuple[int, int]]) -> LinkCost:
+    """The slowest link between the device pairs (a collective over them runs at its pace)."""
+    return max((_link(cluster, a, b) for a, b in pairs), key=lambda ln: ln.beta_s_per_byte)
+
+
+def price_stages(planner: str, units_by_group: Sequence[list[Unit]], cluster: MixedCluster,
+                 slots: Sequence[Slot], bounds: Sequence[tuple[int, int]],
+                 recompute: Sequence[bool | None], microbatches: int, microbatch_size: int, *,
+                 budget: float | None = None, optimizer_bytes: float = 3.0) -> HeteroPlan:
+    """Price ``slots`` running units ``bounds`` 1F1B: each stage on its slowest kind's units,
+    its kind's budget; ``recompute[k]`` None: the faster of keeping and recomputing that fits
+    (keeping where neither does)."""
+    S, M = len(slots), microbatches
+    budgets = _budgets(cluster, budget)
+    stages = []
+    for k, (slot, (a, b)) in enumerate(zip(slots, bounds, strict=True)):
+        nxt = slots[k + 1] if k + 1 < S else None
+        slow, alts = _slot_prices(units_by_group, cluster, slot, nxt, microbatch_size,
+                                  optimizer_bytes)
+        groups = _groups(cluster, slot)
+        cap = min(budgets[g] for g in groups)
+        priced = [(float(pr.time[a, b]), float(pr.state[a, b] + min(S - k, M) * pr.act[a, b]
+                                               + pr.work[a, b]), r, pr)
+                  for r, pr in zip((False, True), alts, strict=True)
+                  if recompute[k] is None or recompute[k] == r]
+        fitting = [p for p in priced if p[1] <= cap]
+        t, mem, r, pr = min(fitting or priced, key=lambda p: (p[0], p[1]))
+        sync_link = _slowest(cluster, [(slot.first, d) for d in range(slot.first,
+                                                                      slot.first + slot.devices)])
+        sync = all_reduce_time(sync_link, slot.dp, float(pr.grad[a, b])) if slot.dp > 1 else 0.0
+        names = (units_by_group[slow][a].name, units_by_group[slow][b - 1].name)
+        stages.append(HeteroStage(slot, groups, cluster.groups[slow].device.name, (a, b), names,
+                                  r, t, sync, mem, cap))
+    times = [s.time_s for s in stages]
+    step = sum(times) + (M - 1) * max(times) + max(s.sync_s for s in stages)
+    return HeteroPlan(planner, cluster.name, tuple(stages), M, microbatch_size, step)
+
+
+def _powers(limit: int, of: int) -> list[int]:
+    """Powers of two up to ``limit`` dividing ``of``."""
+    return [t for t in (1, 2, 4, 8, 16) if t <= limit and of % t == 0]
+
+
+def _arrangements(cluster: MixedCluster, n_units: int) -> list[list[Slot]]:
+    """Every way to run each group as stages of one tensor parallel size (stage count dividing
+    its devices, tensor parallel inside a node), the groups in any order, at most one unit a
+    stage."""
+    starts = [sum(g.count for g in cluster.groups[:k]) for k in range(len(cluster.groups))]
+    per_group = []
+    for k, g in enumerate(cluster.groups):
+        opts = []
+        for S in (s for s in range(1, g.count + 1) if g.count % s == 0):
+            d = g.count // S
+            for tp in _powers(min(d, g.nodes.devices_per_node), d):
+                opts.append([Slot(starts[k] + i * d, d, tp) for i in range(S)])
+        per_group.append(opts)
+    out = []
+    for order in itertools.permutations(range(len(cluster.groups))):
+        for pick in itertools.product(*(per_group[k] for k in order)):
+            slots = [s for stages in pick for s in stages]
+            if len(slots) <= n_units:
+                out.append(slots)
+    return out
+
+
+def _microbatches(global_batch: int, slots: Sequence[Slot]) -> list[tuple[int, int]]:
+    """``(M, size)``: micro-batch counts (powers of two, or the whole batch one sample each)
+    whose size every stage's data parallel degree divides."""
+    lcm = math.lcm(*(s.dp for s in slots))
+    return [(M, global_batch // M) for M in range(1, global_batch + 1)
+            if global_batch % M == 0 and (M & (M - 1) == 0 or M == global_batch)
+            and (global_batch // M) % lcm == 0]
+
+
+def _search(units_by_group, cluster, global_batch, budget, optimizer_bytes, levels: int
+            ) -> HeteroPlan | None:
+    """``auto``: arrangements x micro-batches x boundaries by the stage DP (slowest-stage
+    bounds enumerated as :func:`~nnscaler_jax.pipeline.stage_dp.search_stages` does)."""
+    n = len(units_by_group[0])
+    budgets = _budgets(cluster, budget)
+    best: HeteroPlan | None = None
+    for slots in _arrangements(cluster, n):
+        S = len(slots)
+        caps = [min(budgets[g] for g in _groups(cluster, s)) for s in slots]
+        for M, mb in _microbatches(global_batch, slots):
+            alts = [_slot_prices(units_by_group, cluster, s, slots[k + 1] if k + 1 < S
+                                 else None, mb, optimizer_bytes)[1]
+                    for k, s in enumerate(slots)]
+            finite = np.concatenate([pr.time[np.isfinite(pr.time)] for a in alts for pr in a])
+            lo = max(min(float(pr.time[i, i + 1]) for a in alts for pr in a)
+                     for i in range(n))
+            tries = np.unique(np.quantile(finite[finite >= lo], np.linspace(0, 1, levels)))
+            for t_max in tries:
+                if best is not None and (M - 1) * t_max >= best.step_time_s:
+                    break
+                r = _dp(alts, caps, float(t_max), lambda k, S=S, M=M: min(S - k, M))
+                if r is None:
+                    continue
+                plan = price_stages("auto", units_by_group, cluster, slots, r[1], [None] * S,
+                                    M, mb, budget=budget, optimizer_bytes=optimizer_bytes)
+                if plan.fits and (best is None or plan.step_time_s < best.step_time_s):
+                    best = plan
+    return best
+
+
+def _balanced(units_by_group, cluster: MixedCluster, slots: Sequence[Slot]
+              ) -> tuple[tuple[int, int], ...] | None:
+    """Metis's layer partition: contiguous units, each stage's share of the model's compute in
+    proportion to its devices' speed (devices x the kind's peak x efficiency); None when a
+    stage would get no unit."""
+    speed = [s.devices * min(cluster.groups[g].device.flops * cluster.groups[g].device.efficiency
+                             for g in _groups(cluster, s)) for s in slots]
+    cost = np.cumsum([0.0] + [u.time_s for u in units_by_group[0]])
+    n, total = len(cost) - 1, cost[-1]
+    cuts, share = [0], 0.0
+    for w in speed[:-1]:
+        share += w / sum(speed)
+        cuts.append(int(np.argmin(np.abs(cost - share * total))))
+    cuts.append(n)
+    bounds = tuple(itertools.pairwise(cuts))
+    return bounds if all(b > a for a, b in bounds) else None
+
+
+def _metis(units_by_group, cluster, global_batch, budget, optimizer_bytes) -> HeteroPlan | None:
+    best: HeteroPlan | None = None
+    for slots in _arrangements(cluster, len(units_by_group[0])):
+        bounds = _balanced(units_by_group, cluster, slots)
+        if bounds is None:
+            continue
+        for M, mb in _microbatches(global_batch, slots):
+            for r in (False, True):
+                plan = price_stages("metis", units_by_group, cluster, slots, bounds,
+                                    [r] * len(slots), M, mb, budget=budget,
+                                    optimizer_bytes=optimizer_bytes)
+                if plan.fits and (best is None or plan.step_time_s < best.step_time_s):
+                    best = plan
+    return best
+
+
+def _uniform(units_by_group, cluster, global_batch, budget, optimizer_bytes) -> HeteroPlan | None:
+    slow = cluster.slowest()
+    ref = min(range(len(cluster.groups)), key=lambda k: cluster.groups[k].device.flops
+              * cluster.groups[k].device.efficiency)
+    cap = min(_budgets(cluster, budget))
+    best = None
+    for r in (False, True):
+        try:
+            c = search_stages(units_by_group[ref], cluster.devices, global_batch, cap,
+                              max_tp=slow.devices_per_node, optimizer_bytes=optimizer_bytes,
+                              intra=slow.intra, inter=slow.inter, recompute=r and "layer")
+        except PlanError:
+            continue
+        d = c.tp * c.dp
+        slots = [Slot(s * d, d, c.tp) for s in range(c.stages)]
+        plan = price_stages("uniform", units_by_group, cluster, slots, c.bounds,
+                            [r] * c.stages, c.microbatches, c.microbatch_size * c.dp,
+                            budget=budget, optimizer_bytes=optimizer_bytes)
+        if best is None or (plan.fits, -plan.step_time_s) > (best.fits, -best.step_time_s):
+            best = plan
+    return best
+
+
+def plan_hetero(units_by_group: Sequence[list[Unit]], cluster: MixedCluster, global_batch: int,
+                *, planner: str = "auto", budget: float | None = None,
+                optimizer_bytes: float = 3.0, t_max_levels: int = 48) -> HeteroPlan:
+    """The ``planner``'s pipeline (:data:`PLANNERS`) of the units on ``cluster``.
+
+    Args:
+        units_by_group: :func:`kind_units`. global_batch: samples per step.
+        budget: bytes per device for every kind (None: each kind's memory less the reserve).
+        optimizer_bytes: gradient + optimizer state per parameter byte (Adam, fp32: 3).
+
+    Raises:
+        PlanError: an unknown planner, or nothing the planner tries fits.
+    """
+    if planner not in PLANNERS:
+        raise PlanError(f"unknown planner {planner!r} for a cluster of several kinds "
+                        f"({cluster.name}); choose from {', '.join(PLANNERS)}")
+    t0 = time.perf_counter()
+    args = (units_by_group, cluster, global_batch, budget, optimizer_bytes)
+    plan = (_search(*args, t_max_levels) if planner == "auto" else
+            _metis(*args) if planner == "metis" else _uniform(*args))
+    if plan is None or not plan.fits:
+        caps = ", ".join(f"{g.name} {b / 2**30:.1f} GiB"
+                         for g, b in zip(cluster.groups, _budgets(cluster, budget), strict=True))
+        raise NoFitError(f"{planner} on {cluster.name}: no pipeline of the model's "
+                        f"{len(units_by_group[0])} units fits the devices' budgets ({caps}) at "
+                        f"global batch {global_batch}. Fix: a smaller batch, more devices, or "
+                        "a larger budget (--budget)")
+    return HeteroPlan(plan.planner, plan.cluster, plan.stages, plan.microbatches,
+                      plan.microbatch_size, plan.step_time_s, time.perf_counter() - t0)
+
+
+def stage_policy(planner: str, recompute: bool) -> str:
+    """The in-stage policy a planner's stages run: ours the search (``auto``: layouts,
+    recompute and co-sharding chosen under the stage's budget), the baselines Megatron's tensor
+    parallelism (``megatron``; with every layer recomputed, ``megatron-lm``)."""
+    return "auto" if planner == "auto" else "megatron-lm" if recompute else "megatron"
+
+
+def realize(plan: HeteroPlan, graph: Graph, units_by_group: Sequence[list[Unit]],
+            cluster: MixedCluster, *, budget: float | None = None,
+            optimizer_bytes: float = 3.0) -> HeteroPlan:
+    """``plan`` with each stage's ops (:func:`~nnscaler_jax.pipeline.units.unit_ops`) planned
+    on its tensor-parallel devices by its planner's in-stage policy (:func:`stage_policy`),
+    priced by the cost model of its devices' kind (its links; one data-parallel replica's
+    micro-batch: ``M x dp`` micro-batches of the traced batch), under its budget less the
+    stage inputs 1F1B keeps for its other micro-batches in flight: each stage's time and memory
+    are its plan's (its send to the next stage and its gradient all-reduce as priced before).
+    A stage whose search finds nothing within its budget keeps its smallest estimate (the
+    plan does not fit).
+
+    Raises:
+        PlanError: no repeated blocks (:func:`~nnscaler_jax.pipeline.units.unit_parts`).
+    """
+    from nnscaler_jax.constraints import Constraints
+    from nnscaler_jax.mesh.topology import MeshSpec
+    from nnscaler_jax.pipeline.in_stage import part_graph
+    from nnscaler_jax.pipeline.units import unit_parts
+    from nnscaler_jax.search.entry import plan_spmd
+
+    parts = [ops for _, ops in unit_parts(graph, blocks=True)]
+    S, M, mb = len(plan.stages), plan.microbatches, plan.microbatch_size
+    out = []
+    for k, st in enumerate(plan.stages):
+        (a, b), slot = st.units, st.slot
+        nxt = plan.stages[k + 1].slot if k + 1 < S else None
+        slow, alts = _slot_prices(units_by_group, cluster, slot, nxt, mb, optimizer_bytes)
+        units, local = units_by_group[slow], mb // slot.dp
+        send = _link(cluster, slot.first + slot.devices - 1, nxt.first) if nxt else None
+        p2p = 2 * (send.alpha_s + units[b - 1].out_bytes * local * send.beta_s_per_byte) \
+            if send is not None else 0.0
+        kept = (min(S - k, M) - 1) * float(alts[1].act[a, b])  # (the other inputs in flight)
+        tp_link = _slowest(cluster, [(d, d + i) for d in range(slot.first, slot.first
+                                                                 + slot.devices, slot.tp)
+                                     for i in range(slot.tp)])
+        cm = CostModel(MeshSpec(("model",), (slot.tp,), (tp_link,)),
+                       device=cluster.groups[slow].device, microbatches=M * slot.dp)
+        policy = stage_policy(plan.planner, st.recompute)
+        g = part_graph(graph, {op.id for part in parts[a:b] for op in part})
+        try:
+            sp = plan_spmd(g, {"model": slot.tp}, policy=policy, cost_model=cm,
+                           constraints=Constraints(max_memory_per_device=(
+                               st.budget_bytes - kept) if policy == "auto" else None)).plan
+            t, mem = sp.cost.step_time_s / (M * slot.dp) + p2p, sp.cost.memory_bytes_per_device
+        except NoFitError as e:
+            sp, t, mem = None, st.time_s, float(e.smallest_bytes or math.inf)
+        out.append(replace(st, time_s=t, memory_bytes=mem + kept, policy=policy, plan=sp))
+    times = [s.time_s for s in out]
+    step = sum(times) + (M - 1) * max(times) + max(s.sync_s for s in out)
+    return replace(plan, stages=tuple(out), step_time_s=step)

@@ -1,0 +1,157 @@
+"""Clusters of several device kinds: presets, and pipelines whose stages are sized to their
+devices (ours), against a Metis-style and a heterogeneity-unaware planner."""
+
+import itertools
+
+import pytest
+
+import models
+from nnscaler_jax.capture.trace import capture_spec
+from nnscaler_jax.cost.devices import (
+    A100_80G,
+    IB_HDR,
+    PCIE_GEN3,
+    PCIE_GEN4,
+    V100_32G,
+    MixedCluster,
+    cluster_preset,
+    memory_reserve,
+    mixed_cluster,
+)
+from nnscaler_jax.errors import NoFitError, PlanError
+from nnscaler_jax.pipeline.hetero import Slot, kind_units, plan_hetero, price_stages, realize
+from nnscaler_jax.pipeline.units import layer_units, unit_parts
+
+MIXED = "a100-80g-4x+v100-32g-4x"
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    """GPT tiny with 8 layers in float16 (weights cast on entry), batch 8."""
+    spec = models.get("gpt", "tiny", n_layers=8, batch_size=8, abstract=True)
+    return capture_spec(spec, precision="float16", loss=True).graph
+
+
+def test_mixed_cluster_presets_name_their_groups_and_links():
+    c = cluster_preset(MIXED)
+    assert isinstance(c, MixedCluster) and c.devices == 8
+    assert [(g.device, g.count) for g in c.groups] == [(A100_80G, 4), (V100_32G, 4)]
+    assert c.between == PCIE_GEN3  # one node, a V100 host: PCIe 3.0 between the islands
+    assert [c.group_of(d) for d in range(8)] == [0] * 4 + [1] * 4
+    assert cluster_preset("h100-80g-4x+a100-80g-4x").between == PCIE_GEN4
+    assert cluster_preset("h100-80g-8x+a100-80g-8x").between == IB_HDR  # nodes: the slower IB
+    slow = c.slowest()
+    assert slow.device.flops == V100_32G.flops and slow.device.memory_bytes == 32 * 2**30
+    assert cluster_preset("h200-8x").name == "h200-8x"  # one kind: the preset, unchanged
+    for bad, what in (("a100-80g-4x+tpu-4x", "not <device>-<n>x"),
+                      ("a100-80g-4x+", "not <device>-<n>x"),
+                      ("a100-80g-0x+v100-32g-4x", "not <device>-<n>x")):
+        with pytest.raises(PlanError, match=what):
+            cluster_preset(bad)
+    with pytest.raises(PlanError, match="one group"):
+        mixed_cluster("a100-80g-4x")
+    with pytest.raises(PlanError, match="device 8 is not in cluster"):
+        c.group_of(8)
+
+
+def test_block_units_of_a_layer_stack_are_its_layer_units(gpt):
+    assert layer_units(gpt, batch=8, blocks=True) == layer_units(gpt, batch=8)
+    names = [n for n, _ in unit_parts(gpt, blocks=True)]
+    assert names == ["<prefix>", *(f"h_{i}" for i in range(8)), "<suffix>"]
+
+
+def test_block_units_cut_models_without_one_stack():
+    """T5 has no top-level layer stack (encoder/block_i, decoder/block_i): its units are its
+    blocks, in program order, every op in one unit."""
+    graph = capture_spec(models.get("t5", "tiny"), loss=True).graph
+    with pytest.raises(PlanError, match="no stack of repeated layers"):
+        layer_units(graph, batch=2)
+    parts = unit_parts(graph, blocks=True)
+    names = [n for n, _ in parts]
+    assert names[0] == "<prefix>" and names[-1] == "<suffix>"
+    blocks = names[1:-1]
+    assert blocks[0].startswith("encoder/block_") and blocks[-1].startswith("decoder/block_")
+    ids = [op.id for _, ops in parts for op in ops]
+    assert sorted(ids) == sorted(op.id for op in graph.ops)  # each op once
+    units = layer_units(graph, batch=2, blocks=True)
+    assert [u.name for u in units] == names and all(u.time_s > 0 for u in units[1:-1])
+
+
+def test_stages_are_sized_to_their_devices(gpt):
+    cluster = cluster_preset(MIXED)
+    units = kind_units(gpt, cluster, batch=8)
+    a100, v100 = units
+    assert a100[1].time_s < v100[1].time_s  # priced per kind
+    plans = {p: plan_hetero(units, cluster, 8, planner=p) for p in ("auto", "metis", "uniform")}
+    for p, plan in plans.items():
+        assert plan.fits and sum(s.slot.devices for s in plan.stages) == 8, p
+        cuts = [s.units for s in plan.stages]  # contiguous, every unit once
+        assert cuts[0][0] == 0 and cuts[-1][1] == 10 and all(
+            x[1] == y[0] for x, y in itertools.pairwise(cuts))
+        for s in plan.stages:
+            kinds = {cluster.groups[g].device.name for g in s.groups}
+            assert s.kind in kinds and s.memory_bytes <= s.budget_bytes
+    ours = plans["auto"]
+    assert all(len(s.groups) == 1 for s in ours.stages)  # a stage on devices of one kind
+    layers = {}
+    for s in ours.stages:
+        layers[s.kind] = layers.get(s.kind, 0) + s.units[1] - s.units[0]
+    assert layers["A100-80G"] > layers["V100-32G"]  # more layers on the faster devices
+    assert ours.step_time_s <= plans["metis"].step_time_s * (1 + 1e-9)
+    assert ours.step_time_s < plans["uniform"].step_time_s
+    # the unaware plan's even split, priced on the devices it lands on, waits on the V100s
+    even = plans["uniform"]
+    assert max(even.stages, key=lambda s: s.time_s).kind == "V100-32G"
+
+
+def test_each_kind_is_held_to_its_own_memory(gpt):
+    """Under a budget half the unbounded plan's peak the stages move their boundaries and
+    recompute where they must (ours: each stage its own choice), fitting every device, no
+    slower than the Metis-style plan (one recompute setting, a partition by compute alone);
+    a budget nothing fits is a NoFitError naming each kind's budget."""
+    cluster = cluster_preset(MIXED)
+    units = kind_units(gpt, cluster, batch=8)
+    free = plan_hetero(units, cluster, 8)
+    tight = max(s.memory_bytes for s in free.stages) * 0.5
+    ours = plan_hetero(units, cluster, 8, budget=tight)
+    metis = plan_hetero(units, cluster, 8, planner="metis", budget=tight)
+    assert ours.fits and all(s.memory_bytes <= tight == s.budget_bytes for s in ours.stages)
+    assert [s.units for s in ours.stages] != [s.units for s in free.stages]
+    assert any(s.recompute for s in ours.stages)
+    assert free.step_time_s <= ours.step_time_s <= metis.step_time_s * (1 + 1e-9)
+    with pytest.raises(NoFitError, match=r"a100-80g-4x 0\.0 GiB, v100-32g-4x 0\.0 GiB"):
+        plan_hetero(units, cluster, 8, budget=1e3)
+
+
+def test_price_stages_prices_each_stage_on_its_kind(gpt):
+    cluster = cluster_preset(MIXED)
+    units = kind_units(gpt, cluster, batch=8)
+    slots = [Slot(0, 4, 4), Slot(4, 4, 4)]
+    one = price_stages("x", units, cluster, slots, [(0, 5), (5, 10)], [False, False], 4, 2)
+    swapped = price_stages("x", units, cluster, [Slot(4, 4, 4), Slot(0, 4, 4)],
+                           [(0, 5), (5, 10)], [False, False], 4, 2)
+    assert [s.kind for s in one.stages] == ["A100-80G", "V100-32G"]
+    assert [s.kind for s in swapped.stages] == ["V100-32G", "A100-80G"]
+    # the same layers run slower on the V100s
+    assert one.stages[0].time_s < swapped.stages[0].time_s
+    assert one.stages[0].budget_bytes == A100_80G.memory_bytes - memory_reserve(
+        A100_80G.memory_bytes)
+    with pytest.raises(PlanError, match="unknown planner"):
+        plan_hetero(units, cluster, 8, planner="alpa")
+
+
+def test_realize_plans_each_stage_for_its_kind(gpt):
+    cluster = cluster_preset(MIXED)
+    units = kind_units(gpt, cluster, batch=8)
+    for planner, policy in (("auto", "auto"), ("metis", None)):
+        plan = plan_hetero(units, cluster, 8, planner=planner)
+        real = realize(plan, gpt, units, cluster)
+        assert [s.units for s in real.stages] == [s.units for s in plan.stages]
+        for s in real.stages:
+            assert s.plan is not None and s.policy in ((policy,) if policy else
+                                                       ("megatron", "megatron-lm"))
+            assert dict(s.plan.mesh) == {"model": s.slot.tp}
+        times = [s.time_s for s in real.stages]
+        assert real.step_time_s == pytest.approx(
+            sum(times) + (real.microbatches - 1) * max(times)
+            + max(s.sync_s for s in real.stages))
