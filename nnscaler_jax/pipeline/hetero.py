@@ -14,10 +14,10 @@ Three planners share one evaluator (:func:`price_stages`) and one cost model:
 
 - ``auto``: every arrangement of the groups into stages (per group a stage count and a tensor
   parallel size, the groups in any order), every micro-batch count, and the boundaries placed
-  by the stage DP (:func:`~nnscaler_jax.pipeline.stage_dp._dp`) with each stage's own kind's
-  prices and budget, each stage recomputing its forward or keeping its activations, whichever
-  is faster and fits (its layers in proportion to its speed where memory allows, more to the
-  larger memory where it does not).
+  by the stage DP (:func:`~nnscaler_jax.pipeline.stage_dp.place_stages`) with each stage's
+  own kind's prices and budget, each stage recomputing its forward (a block at a time) or
+  keeping its activations, whichever is faster and fits (its layers in proportion to its speed
+  where memory allows, more to the larger memory where it does not).
 - ``metis``: the search space of Metis (Um et al., ATC'24): per-stage device type, data x tensor
   parallel per stage, layers partitioned by balanced compute (each stage's share of the model's
   compute in proportion to its devices' speed), recompute one setting for all stages; no
@@ -55,7 +55,7 @@ from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.errors import NoFitError, PlanError
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.mesh.topology import LinkCost, all_reduce_time
-from nnscaler_jax.pipeline.stage_dp import _dp, _prices, search_stages
+from nnscaler_jax.pipeline.stage_dp import place_stages, search_stages, stage_prices
 from nnscaler_jax.pipeline.units import Unit, layer_units
 
 __all__ = ["PLANNERS", "HeteroPlan", "HeteroStage", "Slot", "kind_units", "plan_hetero",
@@ -216,8 +216,8 @@ def _slot_prices(units_by_group: Sequence[list[Unit]], cluster: MixedCluster, sl
     send = _link(cluster, last, nxt.first) if nxt is not None else cluster.between
     tp = _slowest(cluster, [(d, d + i) for d in range(slot.first, last + 1, slot.tp)
                             for i in range(slot.tp)])  # (tensor-parallel runs: the minor axis)
-    return slow, [_prices(units_by_group[slow], slot.tp, mb // slot.dp, optimizer_bytes, tp,
-                          send, recompute) for recompute in (False, "layer")]
+    return slow, [stage_prices(units_by_group[slow], slot.tp, mb // slot.dp, optimizer_bytes,
+                               tp, send, recompute) for recompute in (False, "layer")]
 
 
 def _slowest(cluster: MixedCluster, pairs: Sequence[tuple[int, int]]) -> LinkCost:
@@ -315,7 +315,7 @@ def _search(units_by_group, cluster, global_batch, budget, optimizer_bytes, leve
             for t_max in tries:
                 if best is not None and (M - 1) * t_max >= best.step_time_s:
                     break
-                r = _dp(alts, caps, float(t_max), lambda k, S=S, M=M: min(S - k, M))
+                r = place_stages(alts, caps, float(t_max), lambda k, S=S, M=M: min(S - k, M))
                 if r is None:
                     continue
                 plan = price_stages("auto", units_by_group, cluster, slots, r[1], [None] * S,

@@ -32,7 +32,8 @@ from nnscaler_jax.mesh.axes import model_axes, stage_axis
 from nnscaler_jax.mesh.topology import LinkCost, all_reduce_time
 from nnscaler_jax.pipeline.units import Unit
 
-__all__ = ["StageChoice", "evaluate", "search_stages", "stage_meshes"]
+__all__ = ["StageChoice", "StagePrices", "evaluate", "place_stages", "search_stages",
+           "stage_meshes", "stage_prices"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +71,10 @@ class StageChoice:
 
 
 @dataclass(frozen=True)
-class _Prices:
+class StagePrices:
+    """Every contiguous stage of units ``[i, j)`` priced at once (:func:`stage_prices`),
+    per device: ``[n + 1, n + 1]`` arrays, ``inf`` where ``j <= i``."""
+
     time: np.ndarray     # [n+1, n+1] stage time of units [i, j) per micro-batch
     act: np.ndarray      # bytes per device kept per in-flight micro-batch of units [i, j)
     work: np.ndarray     # bytes of one micro-batch's backward working set
@@ -78,8 +82,8 @@ class _Prices:
     grad: np.ndarray     # gradient bytes per device (for the dp all-reduce)
 
 
-def _prices(units: list[Unit], tp: int, mb: int, optimizer_bytes: float, intra: LinkCost,
-            inter: LinkCost, recompute: bool | str = True) -> _Prices:
+def stage_prices(units: list[Unit], tp: int, mb: int, optimizer_bytes: float, intra: LinkCost,
+            inter: LinkCost, recompute: bool | str = True) -> StagePrices:
     """Every stage ``[i, j)``'s prices. ``recompute``: True, the stage keeps its input per
     micro-batch in flight and its backward recomputes its whole forward (holding all of its
     activations at once); ``'layer'``: the same, its backward recomputing one unit at a time
@@ -118,11 +122,11 @@ def _prices(units: list[Unit], tp: int, mb: int, optimizer_bytes: float, intra: 
         act, work = full, np.where(valid, 0.0, big)
     state = np.where(valid, (p[j] - p[i]) * (1 + optimizer_bytes), big)
     grad = np.where(valid, p[j] - p[i], big)
-    return _Prices(time, act, work, state, grad)
+    return StagePrices(time, act, work, state, grad)
 
 
-def _dp(prices: Sequence[Sequence[_Prices]], budgets: Sequence[float], t_max: float,
-        inflight) -> tuple | None:
+def place_stages(prices: Sequence[Sequence[StagePrices]], budgets: Sequence[float],
+                 t_max: float, inflight) -> tuple | None:
     """Min sum of stage times with every stage <= t_max and within memory; boundaries.
 
     ``prices[k]``: stage ``k``'s priced alternatives (e.g. with and without recompute; a
@@ -159,7 +163,7 @@ def evaluate(units: list[Unit], bounds, tp: int, dp: int, microbatches: int,
              recompute: bool | str = True) -> StageChoice:
     """Price a given stage split (e.g. a hand-written Megatron plan) with the search's model."""
     S = len(bounds)
-    pr = _prices(units, tp, microbatch_size, optimizer_bytes, intra, inter, recompute)
+    pr = stage_prices(units, tp, microbatch_size, optimizer_bytes, intra, inter, recompute)
     times = tuple(float(pr.time[a, b]) for a, b in bounds)
     fl = (lambda k: S - k) if schedule == "1f1b" else (lambda k: microbatches)
     mem = tuple(float(pr.state[a, b] + min(fl(k), microbatches) * pr.act[a, b] + pr.work[a, b])
@@ -188,7 +192,7 @@ def search_stages(units: list[Unit], devices: int, global_batch: int, memory_per
             quantised).
         recompute: stages keep only their inputs per in-flight micro-batch and recompute the
             forward in the backward (what :mod:`nnscaler_jax.pipeline.stacked` runs;
-            ``'layer'``: a unit at a time, :func:`_prices`); otherwise all activations of every
+            ``'layer'``: a unit at a time, :func:`stage_prices`); otherwise all activations of every
             in-flight micro-batch are kept.
 
     Raises:
@@ -206,7 +210,7 @@ def search_stages(units: list[Unit], devices: int, global_batch: int, memory_per
             for M in [m for m in range(S, per_replica + 1) if per_replica % m == 0
                       and (m & (m - 1) == 0 or m == per_replica)]:
                 mb = per_replica // M
-                pr = _prices(units, tp, mb, optimizer_bytes, intra, inter, recompute)
+                pr = stage_prices(units, tp, mb, optimizer_bytes, intra, inter, recompute)
                 finite = pr.time[np.isfinite(pr.time)]
                 lo = float(np.max([pr.time[i, i + 1] for i in range(n)]))
                 # quantiles of all stage times + the times of near-balanced stages
@@ -220,7 +224,7 @@ def search_stages(units: list[Unit], devices: int, global_batch: int, memory_per
                 for t_max in levels:
                     if best is not None and (M - 1) * t_max >= best.step_time_s:
                         break
-                    r = _dp([[pr]] * S, [memory_per_device] * S, t_max,
+                    r = place_stages([[pr]] * S, [memory_per_device] * S, t_max,
                             lambda k, S=S, M=M: min(S - k, M))
                     if r is None:
                         continue
