@@ -79,16 +79,16 @@ def _stages(entry: dict) -> str:
 
 def markdown(rows: list[dict]) -> str:
     lines = ["# Heterogeneous clusters: ours vs Metis-style vs heterogeneity-unaware", "",
-             "Written by `scripts/bench_hetero.py` (predicted by our cost model; no GPU). "
-             f"float16 compute, float32 master weights + Adam, global batch {BATCH}, 1F1B. "
-             "`auto`: ours (stage DP over the groups' arrangements with per-kind prices, "
-             "memory and links, a per-stage recompute choice; each stage planned by our "
-             "search for its kind). `metis`: Metis's space (per-stage device type, DP x TP "
-             "per stage, layers by balanced compute, one recompute setting; Megatron inside "
-             "the stages). `uniform`: every device priced as the slowest kind, equal stages, "
-             "priced where its stages land. Speed-up: the baseline's step over ours.", "",
-             "| model | cluster | planner | fits | step ms | speed-up | stages (kind x "
-             "devices, layers, in-stage policy, memory / budget) |",
+             ("Written by `scripts/bench_hetero.py` (predicted by our cost model; no GPU). "
+              f"float16 compute, float32 master weights + Adam, global batch {BATCH}, 1F1B. "
+              "`auto`: ours (stage DP over the groups' arrangements with per-kind prices, "
+              "memory and links, a per-stage recompute choice; each stage planned by our "
+              "search for its kind). `metis`: Metis's space (per-stage device type, DP x TP "
+              "per stage, layers by balanced compute, one recompute setting; Megatron inside "
+              "the stages). `uniform`: every device priced as the slowest kind, equal stages, "
+              "priced where its stages land. Speed-up: the baseline's step over ours."), "",
+             ("| model | cluster | planner | fits | step ms | speed-up | stages (kind x "
+              "devices, layers, in-stage policy, memory / budget) |"),
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         ours = r["planners"]["auto"].get("step_time_s")

@@ -339,6 +339,15 @@ class MixedCluster:
         raise PlanError(f"device {device} is not in cluster {self.name} "
                         f"({self.devices} devices)")
 
+    def kinds(self) -> list[str]:
+        """Each device's kind (its preset's name), in the cluster's numbering: the labels of
+        devices that do not say their kind themselves (virtual CPU devices in tests).
+
+        >>> cluster_preset("a100-80g-2x+v100-32g-2x").kinds()
+        ['A100-80G', 'A100-80G', 'V100-32G', 'V100-32G']
+        """
+        return [g.device.name for g in self.groups for _ in range(g.count)]
+
     def slowest(self) -> ClusterSpec:
         """The one-kind cluster a heterogeneity-unaware planner sees: every device priced as the
         slowest kind's (its 16-bit peak) with the smallest memory, linked by the slower of its

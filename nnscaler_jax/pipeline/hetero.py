@@ -137,6 +137,53 @@ class HeteroPlan:
     def memory_bytes_per_device(self) -> float:
         return max(s.memory_bytes for s in self.stages)
 
+    def mesh(self, devices: Sequence[Any]) -> Any:
+        """The plan's stages as a ``(stage, data, model)`` mesh over ``devices`` numbered as
+        the cluster's (``devices[i]``: the cluster's device ``i``, e.g. ``jax.devices()`` labelled
+        by :meth:`~nnscaler_jax.cost.devices.MixedCluster.kinds`): stage ``k`` on its slot's
+        devices, data-parallel major, tensor-parallel minor (axes of size 1 left out).
+
+        Raises:
+            PlanError: stages of different shapes (one mesh axis cannot hold them: plan with
+                ``runnable=True``), or too few devices.
+        """
+        import jax
+        import numpy as np
+
+        shapes = {(s.slot.dp, s.slot.tp) for s in self.stages}
+        if len(shapes) != 1:
+            raise PlanError(f"{self.planner} on {self.cluster}: stages of shapes "
+                            f"{sorted(shapes)} (data x tensor parallel) do not make one mesh "
+                            "with a stage axis; plan with plan_hetero(..., runnable=True)")
+        if len(devices) < max(s.slot.first + s.slot.devices for s in self.stages):
+            raise PlanError(f"{self.planner} on {self.cluster}: {len(devices)} devices, the "
+                            f"plan places stages on {sum(s.slot.devices for s in self.stages)}")
+        ((dp, tp),) = shapes
+        grid = np.asarray([[devices[s.slot.first + i * tp + j] for i in range(dp)
+                            for j in range(tp)] for s in self.stages], dtype=object)
+        names = ("stage",) + (("data",) if dp > 1 else ()) + (("model",) if tp > 1 else ())
+        return jax.sharding.Mesh(grid.reshape((len(self.stages),)
+                                              + tuple(k for k in (dp, tp) if k > 1)), names)
+
+    def constraints(self, graph: Graph) -> Any:
+        """What ``auto_parallel`` runs this plan with on :meth:`mesh`: 1F1B over its
+        micro-batches, its stages cut where its units start (``pipeline_pivots``: the blocks'
+        module paths), tensor-parallel stages one program each. (The runtime plans each stage
+        again with its planner's policy; :func:`realize` priced them so.)"""
+        from nnscaler_jax.constraints import Constraints
+        from nnscaler_jax.pipeline.units import unit_parts
+
+        parts = unit_parts(graph, blocks=True)
+        pivots = []
+        for st in self.stages[1:]:
+            name, ops = parts[st.units[0]]
+            pivots.append(name if not name.startswith("<") else
+                          next(o.module_path for o in ops if o.module_path).split("/")[0])
+        tp = self.stages[0].slot.tp > 1
+        return Constraints(pipeline_stages=len(self.stages), schedule="1f1b",
+                           microbatches=self.microbatches, pipeline_pivots=tuple(pivots),
+                           **({"pipeline_executor": "per-stage"} if tp else {}))
+
     def to_json(self) -> dict:
         return {"planner": self.planner, "cluster": self.cluster, "fits": self.fits,
                 "step_time_s": self.step_time_s, "microbatches": self.microbatches,
@@ -263,10 +310,12 @@ def _powers(limit: int, of: int) -> list[int]:
     return [t for t in (1, 2, 4, 8, 16) if t <= limit and of % t == 0]
 
 
-def _arrangements(cluster: MixedCluster, n_units: int) -> list[list[Slot]]:
+def _arrangements(cluster: MixedCluster, n_units: int, equal: bool = False
+                  ) -> list[list[Slot]]:
     """Every way to run each group as stages of one tensor parallel size (stage count dividing
     its devices, tensor parallel inside a node), the groups in any order, at most one unit a
-    stage."""
+    stage; ``equal``: only those whose stages all have the same devices and tensor parallel
+    size (what one mesh with a stage axis runs: :meth:`HeteroPlan.mesh`)."""
     starts = [sum(g.count for g in cluster.groups[:k]) for k in range(len(cluster.groups))]
     per_group = []
     for k, g in enumerate(cluster.groups):
@@ -280,7 +329,8 @@ def _arrangements(cluster: MixedCluster, n_units: int) -> list[list[Slot]]:
     for order in itertools.permutations(range(len(cluster.groups))):
         for pick in itertools.product(*(per_group[k] for k in order)):
             slots = [s for stages in pick for s in stages]
-            if len(slots) <= n_units:
+            same = len({(s.devices, s.tp) for s in slots}) == 1
+            if len(slots) <= n_units and (same or not equal):
                 out.append(slots)
     return out
 
@@ -294,14 +344,14 @@ def _microbatches(global_batch: int, slots: Sequence[Slot]) -> list[tuple[int, i
             and (global_batch // M) % lcm == 0]
 
 
-def _search(units_by_group, cluster, global_batch, budget, optimizer_bytes, levels: int
-            ) -> HeteroPlan | None:
+def _search(units_by_group, cluster, global_batch, budget, optimizer_bytes, equal: bool,
+            levels: int) -> HeteroPlan | None:
     """``auto``: arrangements x micro-batches x boundaries by the stage DP (slowest-stage
     bounds enumerated as :func:`~nnscaler_jax.pipeline.stage_dp.search_stages` does)."""
     n = len(units_by_group[0])
     budgets = _budgets(cluster, budget)
     best: HeteroPlan | None = None
-    for slots in _arrangements(cluster, n):
+    for slots in _arrangements(cluster, n, equal):
         S = len(slots)
         caps = [min(budgets[g] for g in _groups(cluster, s)) for s in slots]
         for M, mb in _microbatches(global_batch, slots):
@@ -343,9 +393,10 @@ def _balanced(units_by_group, cluster: MixedCluster, slots: Sequence[Slot]
     return bounds if all(b > a for a, b in bounds) else None
 
 
-def _metis(units_by_group, cluster, global_batch, budget, optimizer_bytes) -> HeteroPlan | None:
+def _metis(units_by_group, cluster, global_batch, budget, optimizer_bytes, equal: bool
+           ) -> HeteroPlan | None:
     best: HeteroPlan | None = None
-    for slots in _arrangements(cluster, len(units_by_group[0])):
+    for slots in _arrangements(cluster, len(units_by_group[0]), equal):
         bounds = _balanced(units_by_group, cluster, slots)
         if bounds is None:
             continue
@@ -359,7 +410,8 @@ def _metis(units_by_group, cluster, global_batch, budget, optimizer_bytes) -> He
     return best
 
 
-def _uniform(units_by_group, cluster, global_batch, budget, optimizer_bytes) -> HeteroPlan | None:
+def _uniform(units_by_group, cluster, global_batch, budget, optimizer_bytes, _equal: bool
+             ) -> HeteroPlan | None:
     slow = cluster.slowest()
     ref = min(range(len(cluster.groups)), key=lambda k: cluster.groups[k].device.flops
               * cluster.groups[k].device.efficiency)
@@ -384,13 +436,17 @@ def _uniform(units_by_group, cluster, global_batch, budget, optimizer_bytes) -> 
 
 def plan_hetero(units_by_group: Sequence[list[Unit]], cluster: MixedCluster, global_batch: int,
                 *, planner: str = "auto", budget: float | None = None,
-                optimizer_bytes: float = 3.0, t_max_levels: int = 48) -> HeteroPlan:
+                optimizer_bytes: float = 3.0, t_max_levels: int = 48,
+                runnable: bool = False) -> HeteroPlan:
     """The ``planner``'s pipeline (:data:`PLANNERS`) of the units on ``cluster``.
 
     Args:
         units_by_group: :func:`kind_units`. global_batch: samples per step.
         budget: bytes per device for every kind (None: each kind's memory less the reserve).
         optimizer_bytes: gradient + optimizer state per parameter byte (Adam, fp32: 3).
+        runnable: only stages of one shape (devices, tensor parallel size), which the
+            pipeline runtime runs over one mesh (:meth:`HeteroPlan.mesh`,
+            :meth:`HeteroPlan.constraints`); the uniform planner's always are.
 
     Raises:
         PlanError: an unknown planner, or nothing the planner tries fits.
@@ -399,7 +455,7 @@ def plan_hetero(units_by_group: Sequence[list[Unit]], cluster: MixedCluster, glo
         raise PlanError(f"unknown planner {planner!r} for a cluster of several kinds "
                         f"({cluster.name}); choose from {', '.join(PLANNERS)}")
     t0 = time.perf_counter()
-    args = (units_by_group, cluster, global_batch, budget, optimizer_bytes)
+    args = (units_by_group, cluster, global_batch, budget, optimizer_bytes, runnable)
     plan = (_search(*args, t_max_levels) if planner == "auto" else
             _metis(*args) if planner == "metis" else _uniform(*args))
     if plan is None or not plan.fits:

@@ -155,3 +155,55 @@ def test_realize_plans_each_stage_for_its_kind(gpt):
         assert real.step_time_s == pytest.approx(
             sum(times) + (real.microbatches - 1) * max(times)
             + max(s.sync_s for s in real.stages))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt", "swin"])
+def test_a_plan_for_labelled_devices_trains_like_one_device(name):
+    """Ours planned for 4 devices labelled A100-80G and 4 labelled V100-32G (the 8 virtual CPU
+    devices, :meth:`MixedCluster.kinds`), priced for float16 training as such a cluster would
+    run, stages of one shape (``runnable``): its mesh puts each stage on devices of its kind,
+    its stages are unequal, and 3 SGD steps through ``pm.train_step`` (run here in float32)
+    equal one device's."""
+    import jax
+    import numpy as np
+    import optax
+    from one_device import updated
+
+    from nnscaler_jax import auto_parallel
+
+    kw = {"n_layers": 8, "d_model": 256, "n_heads": 4, "seq_len": 64, "n_positions": 64} \
+        if name == "gpt" else {}
+    spec = models.get(name, "tiny", batch_size=16, **kw)
+    graph = capture_spec(spec, precision="float16", loss=True).graph
+    cluster = cluster_preset(MIXED)
+    plan = plan_hetero(kind_units(graph, cluster, 16), cluster, 16, runnable=True)
+    if len(jax.devices()) < cluster.devices:
+        pytest.skip("needs 8 devices")
+    mesh = plan.mesh(jax.devices())
+    labels = dict(zip(jax.devices(), cluster.kinds(), strict=False))
+    for k, st in enumerate(plan.stages):
+        assert {labels[d] for d in np.asarray(mesh.devices)[k].flat} == {st.kind}
+    sizes = [st.units[1] - st.units[0] for st in plan.stages]
+    assert len(set(sizes)) > 1, sizes  # stages sized to their devices, not even
+    params = spec.init(jax.random.PRNGKey(0))["params"]
+    args = spec.make_args()
+    cons = plan.constraints(graph)
+    pm = auto_parallel(mesh, cons)(spec.module)
+    opt = optax.sgd(0.1)
+    step = pm.train_step(spec.loss_fn, opt)
+    state = step.init({"params": params}, *args)
+    # the runtime cuts where the plan's stages start, and runs its micro-batches
+    assert dict(pm.plan.pipeline.stage_of) == {p: k + 1 for k, p in
+                                               enumerate(cons.pipeline_pivots)}
+    assert pm.plan.pipeline.microbatches == plan.microbatches
+    full = jax.jit(jax.value_and_grad(
+        lambda p: spec.loss_fn(spec.module.apply({"params": p}, *args), *args)))
+    ref = params
+    for _ in range(3):
+        state, metrics = step(state, *args)
+        loss, grads = full(ref)
+        np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-4)
+        ref = updated(opt, ref, grads)
+    for x, y in zip(jax.tree.leaves(step.params(state)), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
