@@ -28,34 +28,47 @@ from nnscaler_jax.capture.trace import capture_spec
 from nnscaler_jax.cli.common import model_spec, spec_mutable
 from nnscaler_jax.cost.devices import cluster_preset
 from nnscaler_jax.errors import PlanError
-from nnscaler_jax.pipeline.hetero import PLANNERS, kind_units, plan_hetero, realize
+from nnscaler_jax.pipeline.hetero import PLANNERS, kind_units, plan_realized
+from nnscaler_jax.train.xla_gpu import check_mixed_stages
 
 MODELS = "gpt:gpt3-2.6b,gpt:gpt3-6.7b,swin:swin-nnscaler-8gpu,t5:t5-nnscaler-8gpu"
 CLUSTERS = "a100-80g-4x+v100-32g-4x,h100-80g-4x+a100-80g-4x"
 BATCH = 16
 
 
-def case(name: str, preset: str, cluster_name: str) -> dict:
+def case(name: str, preset: str, cluster_name: str, xla: bool) -> dict:
     cluster = cluster_preset(cluster_name)
-    spec = model_spec(name, preset, "float16", batch_size=BATCH)
+    traced: dict[int, object] = {}
+
+    def graph_at(rows: int):  # the model traced at ``rows`` (a stage's micro-batch rows)
+        if rows not in traced:
+            spec = model_spec(name, preset, "float16", batch_size=rows)
+            traced[rows] = capture_spec(spec, mutable=spec_mutable(spec), precision="float16",
+                                        loss=True).graph
+        return traced[rows]
+
     t0 = time.perf_counter()
-    graph = capture_spec(spec, mutable=spec_mutable(spec), precision="float16",
-                         loss=True).graph
+    graph = graph_at(BATCH)
     units = kind_units(graph, cluster, BATCH)
     row = {"model": name, "preset": preset, "cluster": cluster_name, "global_batch": BATCH,
            "units": len(units[0]), "capture_s": time.perf_counter() - t0, "planners": {}}
     for planner in PLANNERS:
         t0 = time.perf_counter()
         try:
-            plan = realize(plan_hetero(units, cluster, BATCH, planner=planner), graph, units,
-                           cluster)
+            plan = plan_realized(units, cluster, BATCH, graph_at, planner=planner)
             entry = plan.to_json()
+            if xla:  # each stage compiled by XLA:GPU for its own kind
+                try:
+                    entry["xla"] = check_mixed_stages(plan, graph_at)
+                except PlanError as e:
+                    entry["xla"] = {"error": str(e).splitlines()[0]}
             for st, js in zip(plan.stages, entry["stages"], strict=True):
                 js["policy"] = st.policy
                 js["recompute_groups"] = list(st.plan.recompute) if st.plan else []
                 js["cosharded"] = len(st.plan.coshard) if st.plan else 0
         except PlanError as e:
-            entry = {"fits": False, "error": str(e).splitlines()[0]}
+            entry = {"fits": False, "error": str(e).splitlines()[0],
+                     "smallest_bytes": getattr(e, "smallest_bytes", None)}
         entry["plan_s"] = time.perf_counter() - t0
         row["planners"][planner] = entry
         print(f"{name} {preset} {cluster_name} {planner}: "
@@ -74,19 +87,33 @@ def _stages(entry: dict) -> str:
         f"{', recompute ' + str(len(st['recompute_groups'])) if st['recompute_groups'] else ''}"
         f"{', co-shard ' + str(st['cosharded']) if st['cosharded'] else ''}"
         f", {st['memory_bytes'] / 2**30:.1f} / {st['budget_bytes'] / 2**30:.1f} GiB"
-        for st in entry["stages"])
+        f"{_xla(entry, k)}" for k, st in enumerate(entry["stages"]))
+
+
+def _xla(entry: dict, k: int) -> str:
+    x = entry.get("xla")
+    if not x or "error" in x:
+        return f" (XLA:GPU: {x['error'][:50]})" if x else ""
+    st = x["stages"][k]
+    return f" (XLA:GPU {st['peak_bytes'] / 2**30:.1f}{'' if st['fits'] else ', over'})"
 
 
 def markdown(rows: list[dict]) -> str:
     lines = ["# Heterogeneous clusters: ours vs Metis-style vs heterogeneity-unaware", "",
              ("Written by `scripts/bench_hetero.py` (predicted by our cost model; no GPU). "
               f"float16 compute, float32 master weights + Adam, global batch {BATCH}, 1F1B. "
+              "Every stage keeps its input per micro-batch in flight and recomputes its "
+              "forward in the backward, as the pipeline runtime runs it. "
               "`auto`: ours (stage DP over the groups' arrangements with per-kind prices, "
-              "memory and links, a per-stage recompute choice; each stage planned by our "
-              "search for its kind). `metis`: Metis's space (per-stage device type, DP x TP "
-              "per stage, layers by balanced compute, one recompute setting; Megatron inside "
-              "the stages). `uniform`: every device priced as the slowest kind, equal stages, "
-              "priced where its stages land. Speed-up: the baseline's step over ours."), "",
+              "memory and links; each stage planned by our search for its kind). `metis`: "
+              "Metis's space (per-stage device type, DP x TP per stage, layers by balanced "
+              "compute; Megatron inside the stages). `uniform`: every device priced as the "
+              "slowest kind, equal stages, priced where its stages land (Megatron inside). "
+              "Speed-up: the baseline's step over ours. Per stage: memory estimate / its "
+              "kind's budget, and (XLA:GPU n) the stage compiled for its own kind on "
+              "compile-only devices (one micro-batch's backward with its forward recomputed, "
+              "plus the gradient accumulator, Adam's moments and the inputs in flight; "
+              "`check_mixed_stages`)."), "",
              ("| model | cluster | planner | fits | step ms | speed-up | stages (kind x "
               "devices, layers, in-stage policy, memory / budget) |"),
              "|---|---|---|---|---|---|---|"]
@@ -107,8 +134,9 @@ def main() -> None:
     ap.add_argument("--models", default=MODELS)
     ap.add_argument("--clusters", default=CLUSTERS)
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_hetero"))
+    ap.add_argument("--no-xla", action="store_true", help="skip the XLA:GPU per-stage check")
     args = ap.parse_args()
-    rows = [case(*m.split(":"), c) for m in args.models.split(",")
+    rows = [case(*m.split(":"), c, not args.no_xla) for m in args.models.split(",")
             for c in args.clusters.split(",")]
     pathlib.Path(args.out + ".json").write_text(json.dumps(rows, indent=1))
     pathlib.Path(args.out + ".md").write_text(markdown(rows))

@@ -455,7 +455,8 @@ def _mixed_entry(plan: Any, error: Exception | None = None) -> dict[str, Any]:
         from nnscaler_jax.errors import NoFitError
 
         return {"fits": False if isinstance(error, NoFitError) else None,
-                "step_time_s": None, "memory_bytes_per_device": None, "comm_bytes": None,
+                "step_time_s": None, "comm_bytes": None,
+                "memory_bytes_per_device": getattr(error, "smallest_bytes", None),
                 "search_s": 0.0, "features": None,
                 "error": cli_terms(str(error).splitlines()[0])}
     body = plan.to_json()
@@ -473,12 +474,36 @@ def _mixed_entry(plan: Any, error: Exception | None = None) -> dict[str, Any]:
             "microbatch_size": plan.microbatch_size}
 
 
+def _mixed_xla(plan: Any, graph_at: Any) -> dict[str, Any]:
+    """``--xla`` on a mixed cluster: each stage compiled by XLA:GPU for its own kind
+    (:func:`~nnscaler_jax.train.xla_gpu.check_mixed_stages`); ``{"error"}`` where it cannot."""
+    from nnscaler_jax.errors import PlanError
+    from nnscaler_jax.train.xla_gpu import check_mixed_stages
+
+    try:
+        return check_mixed_stages(plan, graph_at)
+    except PlanError as e:
+        return {"error": cli_terms(str(e).splitlines()[0])}
+
+
+def _xla_text(r: dict[str, Any]) -> str:
+    """``XLA:GPU 32.4 / 67.1 | 9.7 / 28.8 GiB`` (each stage's peak of its kind's budget)."""
+    x = r.get("xla")
+    if not x:
+        return ""
+    if "error" in x:
+        return f"XLA:GPU: {x['error'][:60]}"
+    g = 2**30
+    return "XLA:GPU " + " | ".join(f"{st['peak_bytes'] / g:.1f} / {st['budget_bytes'] / g:.1f}"
+                                   for st in x["stages"]) + " GiB"
+
+
 def _stages_text(r: dict[str, Any]) -> str:
     """``A100-80G x4 tp4: <prefix>..h_22 | V100-32G x4 tp4: h_23..<suffix>``."""
     return " | ".join(f"{st['kind']} x{st['devices'][1] - st['devices'][0] + 1} tp{st['tp']}"
                       f"{' dp' + str(st['dp']) if st['dp'] > 1 else ''}: "
                       f"{st['layers'][0]}..{st['layers'][1]}"
-                      f"{' (recompute)' if st['recompute_groups'] or st['recompute'] else ''}"
+                      f"{' (recompute)' if st['recompute_groups'] else ''}"
                       for st in r.get("stages") or [])
 
 
@@ -486,11 +511,12 @@ def compare_mixed(args: argparse.Namespace, spec: Any, mesh: Any, cluster: Any,
                   planners: list[str], precision: str | None) -> int:
     """``compare --cluster a100-80g-4x+v100-32g-4x``: pipelines over groups of several device
     kinds (:mod:`~nnscaler_jax.pipeline.hetero`), by ours (``auto``), the Metis-style planner
-    (``metis``) and the heterogeneity-unaware one (``uniform``); each stage's in-stage plan
-    made and priced for its own kind (:func:`~nnscaler_jax.pipeline.hetero.realize`)."""
+    (``metis``) and the heterogeneity-unaware one (``uniform``): each planner's first choice
+    whose stages, planned and priced for their own kinds, fit
+    (:func:`~nnscaler_jax.pipeline.hetero.plan_realized`)."""
     from nnscaler_jax.errors import PlanError
     from nnscaler_jax.mesh.axes import mesh_axes
-    from nnscaler_jax.pipeline.hetero import PLANNERS, kind_units, plan_hetero, realize
+    from nnscaler_jax.pipeline.hetero import PLANNERS, kind_units, plan_realized
 
     wrong = [p for p in planners if p not in PLANNERS]
     if wrong:
@@ -500,14 +526,22 @@ def compare_mixed(args: argparse.Namespace, spec: Any, mesh: Any, cluster: Any,
     if devices != cluster.devices:
         raise UsageError(f"--mesh {args.mesh} has {devices} devices, --cluster {cluster.name} "
                          f"{cluster.devices}: give --mesh {cluster.devices}")
-    if getattr(args, "xla", False) or getattr(args, "pipelines", False) \
-            or getattr(args, "plan", None):
-        raise UsageError("--xla, --pipelines and --plan plan one-kind clusters; a cluster of "
+    if getattr(args, "pipelines", False) or getattr(args, "plan", None):
+        raise UsageError("--pipelines and --plan plan one-kind clusters; a cluster of "
                          "several kinds is planned as pipelines by its own planners")
     budget = parse_budget(args.budget) if args.budget is not None else None
     graph = capture_model(spec, mutable=spec_mutable(spec), precision=precision,
                           loss=True).graph
     batch = next(t.shape[0] for t in graph.inputs if t.role.name == "INPUT" and t.shape)
+    traced = {batch: graph}
+
+    def graph_at(rows: int) -> Any:  # (the model at a stage's rows per micro-batch)
+        if rows not in traced:
+            at = model_spec(args.model, args.preset, precision, batch_size=rows)
+            traced[rows] = capture_model(at, mutable=spec_mutable(at), precision=precision,
+                                         loss=True).graph
+        return traced[rows]
+
     try:
         units = kind_units(graph, cluster, batch)
     except PlanError as e:
@@ -516,9 +550,11 @@ def compare_mixed(args: argparse.Namespace, spec: Any, mesh: Any, cluster: Any,
     for name in planners:
         t0 = time.perf_counter()
         try:
-            plan = realize(plan_hetero(units, cluster, batch, planner=name, budget=budget),
-                           graph, units, cluster, budget=budget)
+            plan = plan_realized(units, cluster, batch, graph_at, planner=name,
+                                 budget=budget)
             results[name] = dict(_mixed_entry(plan), search_s=time.perf_counter() - t0)
+            if getattr(args, "xla", False):
+                results[name]["xla"] = _mixed_xla(plan, graph_at)
         except PlanError as e:
             results[name] = dict(_mixed_entry(None, e), search_s=time.perf_counter() - t0)
     budgets = {g.name: (budget if budget is not None else
@@ -535,12 +571,15 @@ def compare_mixed(args: argparse.Namespace, spec: Any, mesh: Any, cluster: Any,
                  "-" if r["step_time_s"] is None else f"{r['step_time_s'] * 1e3:.1f}",
                  "-" if r["memory_bytes_per_device"] is None
                  else fmt_bytes(r["memory_bytes_per_device"]),
-                 _stages_text(r) or r.get("error", "")[:80]] for n, r in results.items()]
+                 _stages_text(r) or r.get("error", "")[:80], _xla_text(r)]
+                for n, r in results.items()]
         text = (f"{args.model} [{args.preset}] on {cluster.name} ({cluster.devices} devices), "
                 f"global batch {batch}, 1F1B; budgets "
                 + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in budgets.items())
                 + (f"; compute precision {precision}" if precision else "") + "\n"
                 + table(["planner", "fits", "plan s", "step ms", "memory/device",
-                         "stages (kind x devices, tp x dp: layers)"], rows))
+                         "stages (kind x devices, tp x dp: layers)",
+                         "XLA:GPU peak / budget per stage"][:6 + any(r[6] for r in rows)],
+                        [r[:6 + any(r[6] for r in rows)] for r in rows]))
     emit(args, text, obj)
     return 0

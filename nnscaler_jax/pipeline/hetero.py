@@ -4,29 +4,31 @@ A :class:`~nnscaler_jax.cost.devices.MixedCluster` is groups of devices of one k
 A100-80G beside 4 V100-32G in one node over PCIe; 8 H100 nodes joined to 8 A100 nodes over
 InfiniBand), its devices numbered group by group. A plan here is a pipeline of stages, each on
 a run of those devices (``first``, ``devices``: tensor parallel ``tp`` x data parallel ``dp``
-inside), the model's units (:func:`~nnscaler_jax.pipeline.units.layer_units`: prefix, each
-layer, suffix) cut into contiguous ranges, one per stage, run 1F1B over ``M`` micro-batches.
-Each stage is priced with its own devices' kind (units priced per kind: :func:`kind_units`),
-held to its own kind's memory, and its transfers to the next stage priced over the link between
-them (inside a group its NVLink, between groups the cluster's ``between``).
+inside), the model's units (one per repeated block, with a prefix and a suffix:
+:func:`~nnscaler_jax.pipeline.units.unit_parts`) cut into contiguous ranges, one per stage, run
+1F1B over ``M`` micro-batches as the pipeline runtime runs a stage (its input kept per
+micro-batch in flight, its forward recomputed in the backward). Each stage is priced with its
+own devices' kind (units priced per kind: :func:`kind_units`), held to its own kind's memory,
+and its transfers to the next stage priced over the link between them (inside a group its
+NVLink, between groups the cluster's ``between``).
 
 Three planners share one evaluator (:func:`price_stages`) and one cost model:
 
-- ``auto``: every arrangement of the groups into stages (per group a stage count and a tensor
-  parallel size, the groups in any order), every micro-batch count, and the boundaries placed
-  by the stage DP (:func:`~nnscaler_jax.pipeline.stage_dp.place_stages`) with each stage's
-  own kind's prices and budget, each stage recomputing its forward (a block at a time) or
-  keeping its activations, whichever is faster and fits (its layers in proportion to its speed
-  where memory allows, more to the larger memory where it does not).
+- ``auto`` (ours): every arrangement of the groups into stages (per group a stage count and a
+  tensor parallel size, the groups in any order), every micro-batch count, and the boundaries
+  placed by the stage DP (:func:`~nnscaler_jax.pipeline.stage_dp.place_stages`) with each
+  stage's own kind's prices and budget (its layers in proportion to its speed where memory
+  allows, more to the larger memory where it does not); then (:func:`realize`) each stage's
+  ops planned for its kind by our search (layouts, recompute, co-sharding under its budget).
 - ``metis``: the search space of Metis (Um et al., ATC'24): per-stage device type, data x tensor
   parallel per stage, layers partitioned by balanced compute (each stage's share of the model's
-  compute in proportion to its devices' speed), recompute one setting for all stages; no
-  boundary placed by memory or transfers, no per-stage choice.
+  compute in proportion to its devices' speed); no boundary placed by memory or transfers, no
+  op-level decision (Megatron's tensor parallelism inside the stages).
 - ``uniform``: heterogeneity-unaware: every device priced as the slowest kind with the smallest
   memory (:meth:`~nnscaler_jax.cost.devices.MixedCluster.slowest`), equal stages searched by
   the homogeneous stage DP (:func:`~nnscaler_jax.pipeline.stage_dp.search_stages`), then
   priced on the devices its stages land on (a stage whose devices span kinds runs at the
-  slower's pace).
+  slower's pace); Megatron inside the stages.
 
 >>> import models
 >>> from nnscaler_jax.capture.trace import trace
@@ -44,7 +46,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -55,11 +57,16 @@ from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.errors import NoFitError, PlanError
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.mesh.topology import LinkCost, all_reduce_time
-from nnscaler_jax.pipeline.stage_dp import place_stages, search_stages, stage_prices
+from nnscaler_jax.pipeline.stage_dp import (
+    StagePrices,
+    place_stages,
+    rank_stages,
+    stage_prices,
+)
 from nnscaler_jax.pipeline.units import Unit, layer_units
 
-__all__ = ["PLANNERS", "HeteroPlan", "HeteroStage", "Slot", "kind_units", "plan_hetero",
-           "price_stages"]
+__all__ = ["PLANNERS", "HeteroPlan", "HeteroStage", "Slot", "candidates", "kind_units",
+           "plan_hetero", "plan_realized", "price_stages", "realize", "stage_policy"]
 
 PLANNERS = ("auto", "metis", "uniform")
 
@@ -87,8 +94,6 @@ class HeteroStage:
             heterogeneity-unaware plan's stage spanning kinds). kind: the device it is priced
             as (the slowest of its groups').
         units / names: its units ``[a, b)`` and the first and last unit's names.
-        recompute: it keeps only its input per micro-batch in flight and its backward
-            recomputes its forward a unit (block) at a time; else it keeps every activation.
         time_s: forward + backward seconds per micro-batch (its tensor parallel all-reduces
             and its send to the next stage included). sync_s: its data-parallel gradient
             all-reduce, once a step.
@@ -103,7 +108,6 @@ class HeteroStage:
     kind: str
     units: tuple[int, int]
     names: tuple[str, str]
-    recompute: bool
     time_s: float
     sync_s: float
     memory_bytes: float
@@ -192,7 +196,7 @@ class HeteroPlan:
                 "stages": [{"kind": s.kind, "groups": list(s.groups),
                             "devices": [s.slot.first, s.slot.first + s.slot.devices - 1],
                             "tp": s.slot.tp, "dp": s.slot.dp, "units": list(s.units),
-                            "layers": list(s.names), "recompute": s.recompute,
+                            "layers": list(s.names),
                             "time_s": s.time_s, "sync_s": s.sync_s,
                             "memory_bytes": s.memory_bytes, "budget_bytes": s.budget_bytes}
                            for s in self.stages]}
@@ -207,7 +211,6 @@ class HeteroPlan:
                 f"  stage {k}: {s.kind} x {s.slot.devices} (devices {s.slot.first}.."
                 f"{s.slot.first + s.slot.devices - 1}, tp {s.slot.tp} x dp {s.slot.dp}), "
                 f"units {s.units[0]}..{s.units[1] - 1} ({s.names[0]} .. {s.names[1]}), "
-                f"{'recompute' if s.recompute else 'keep activations'}, "
                 f"{s.time_s * 1e3:.1f} ms/micro-batch, {s.memory_bytes / g:.1f} of "
                 f"{s.budget_bytes / g:.1f} GiB")
         return "\n".join(lines)
@@ -253,9 +256,13 @@ def _link(cluster: MixedCluster, a: int, b: int) -> LinkCost:
 
 
 def _slot_prices(units_by_group: Sequence[list[Unit]], cluster: MixedCluster, slot: Slot,
-                 nxt: Slot | None, mb: int, optimizer_bytes: float) -> tuple[int, list]:
-    """The slowest of the slot's groups and its prices ``[kept, recomputed]`` at micro-batch
-    ``mb`` (each device's share ``mb / dp``), sending to ``nxt`` over their link."""
+                 nxt: Slot | None, mb: int, optimizer_bytes: float
+                 ) -> tuple[int, StagePrices]:
+    """The slowest of the slot's groups and its prices at micro-batch ``mb`` (each device's
+    share ``mb / dp``), sending to ``nxt`` over their link: as the pipeline runtime runs a
+    stage, keeping its input per micro-batch in flight and recomputing its forward in the
+    backward (:func:`realize` and :func:`~nnscaler_jax.train.xla_gpu.check_mixed_stages`
+    plan and compile it so)."""
     groups = _groups(cluster, slot)
     slow = min(groups, key=lambda k: cluster.groups[k].device.flops
                * cluster.groups[k].device.efficiency)
@@ -263,8 +270,8 @@ def _slot_prices(units_by_group: Sequence[list[Unit]], cluster: MixedCluster, sl
     send = _link(cluster, last, nxt.first) if nxt is not None else cluster.between
     tp = _slowest(cluster, [(d, d + i) for d in range(slot.first, last + 1, slot.tp)
                             for i in range(slot.tp)])  # (tensor-parallel runs: the minor axis)
-    return slow, [stage_prices(units_by_group[slow], slot.tp, mb // slot.dp, optimizer_bytes,
-                               tp, send, recompute) for recompute in (False, "layer")]
+    return slow, stage_prices(units_by_group[slow], slot.tp, mb // slot.dp, optimizer_bytes,
+                              tp, send, True)
 
 
 def _slowest(cluster: MixedCluster, pairs: Sequence[tuple[int, int]]) -> LinkCost:
@@ -274,32 +281,27 @@ def _slowest(cluster: MixedCluster, pairs: Sequence[tuple[int, int]]) -> LinkCos
 
 def price_stages(planner: str, units_by_group: Sequence[list[Unit]], cluster: MixedCluster,
                  slots: Sequence[Slot], bounds: Sequence[tuple[int, int]],
-                 recompute: Sequence[bool | None], microbatches: int, microbatch_size: int, *,
+                 microbatches: int, microbatch_size: int, *,
                  budget: float | None = None, optimizer_bytes: float = 3.0) -> HeteroPlan:
-    """Price ``slots`` running units ``bounds`` 1F1B: each stage on its slowest kind's units,
-    its kind's budget; ``recompute[k]`` None: the faster of keeping and recomputing that fits
-    (keeping where neither does)."""
+    """Price ``slots`` running units ``bounds`` 1F1B: each stage on its slowest kind's units
+    (:func:`_slot_prices`), held to its kind's budget."""
     S, M = len(slots), microbatches
     budgets = _budgets(cluster, budget)
     stages = []
     for k, (slot, (a, b)) in enumerate(zip(slots, bounds, strict=True)):
         nxt = slots[k + 1] if k + 1 < S else None
-        slow, alts = _slot_prices(units_by_group, cluster, slot, nxt, microbatch_size,
-                                  optimizer_bytes)
+        slow, pr = _slot_prices(units_by_group, cluster, slot, nxt, microbatch_size,
+                                optimizer_bytes)
         groups = _groups(cluster, slot)
         cap = min(budgets[g] for g in groups)
-        priced = [(float(pr.time[a, b]), float(pr.state[a, b] + min(S - k, M) * pr.act[a, b]
-                                               + pr.work[a, b]), r, pr)
-                  for r, pr in zip((False, True), alts, strict=True)
-                  if recompute[k] is None or recompute[k] == r]
-        fitting = [p for p in priced if p[1] <= cap]
-        t, mem, r, pr = min(fitting or priced, key=lambda p: (p[0], p[1]))
+        t = float(pr.time[a, b])
+        mem = float(pr.state[a, b] + min(S - k, M) * pr.act[a, b] + pr.work[a, b])
         sync_link = _slowest(cluster, [(slot.first, d) for d in range(slot.first,
                                                                       slot.first + slot.devices)])
         sync = all_reduce_time(sync_link, slot.dp, float(pr.grad[a, b])) if slot.dp > 1 else 0.0
         names = (units_by_group[slow][a].name, units_by_group[slow][b - 1].name)
         stages.append(HeteroStage(slot, groups, cluster.groups[slow].device.name, (a, b), names,
-                                  r, t, sync, mem, cap))
+                                  t, sync, mem, cap))
     times = [s.time_s for s in stages]
     step = sum(times) + (M - 1) * max(times) + max(s.sync_s for s in stages)
     return HeteroPlan(planner, cluster.name, tuple(stages), M, microbatch_size, step)
@@ -345,34 +347,38 @@ def _microbatches(global_batch: int, slots: Sequence[Slot]) -> list[tuple[int, i
 
 
 def _search(units_by_group, cluster, global_batch, budget, optimizer_bytes, equal: bool,
-            levels: int) -> HeteroPlan | None:
+            levels: int) -> list[HeteroPlan]:
     """``auto``: arrangements x micro-batches x boundaries by the stage DP (slowest-stage
-    bounds enumerated as :func:`~nnscaler_jax.pipeline.stage_dp.search_stages` does)."""
+    bounds enumerated as :func:`~nnscaler_jax.pipeline.stage_dp.search_stages` does): the
+    best boundaries found for each (arrangement, micro-batches) that fits."""
     n = len(units_by_group[0])
     budgets = _budgets(cluster, budget)
-    best: HeteroPlan | None = None
+    found: dict[tuple, HeteroPlan] = {}
+    best = math.inf
     for slots in _arrangements(cluster, n, equal):
         S = len(slots)
         caps = [min(budgets[g] for g in _groups(cluster, s)) for s in slots]
         for M, mb in _microbatches(global_batch, slots):
-            alts = [_slot_prices(units_by_group, cluster, s, slots[k + 1] if k + 1 < S
-                                 else None, mb, optimizer_bytes)[1]
-                    for k, s in enumerate(slots)]
-            finite = np.concatenate([pr.time[np.isfinite(pr.time)] for a in alts for pr in a])
-            lo = max(min(float(pr.time[i, i + 1]) for a in alts for pr in a)
-                     for i in range(n))
+            prices = [_slot_prices(units_by_group, cluster, s, slots[k + 1] if k + 1 < S
+                                   else None, mb, optimizer_bytes)[1]
+                      for k, s in enumerate(slots)]
+            finite = np.concatenate([pr.time[np.isfinite(pr.time)] for pr in prices])
+            lo = max(min(float(pr.time[i, i + 1]) for pr in prices) for i in range(n))
             tries = np.unique(np.quantile(finite[finite >= lo], np.linspace(0, 1, levels)))
             for t_max in tries:
-                if best is not None and (M - 1) * t_max >= best.step_time_s:
+                if (M - 1) * t_max >= best:
                     break
-                r = place_stages(alts, caps, float(t_max), lambda k, S=S, M=M: min(S - k, M))
+                r = place_stages(prices, caps, float(t_max), lambda k, S=S, M=M: min(S - k, M))
                 if r is None:
                     continue
-                plan = price_stages("auto", units_by_group, cluster, slots, r[1], [None] * S,
-                                    M, mb, budget=budget, optimizer_bytes=optimizer_bytes)
-                if plan.fits and (best is None or plan.step_time_s < best.step_time_s):
-                    best = plan
-    return best
+                plan = price_stages("auto", units_by_group, cluster, slots, r[1], M, mb,
+                                    budget=budget, optimizer_bytes=optimizer_bytes)
+                key = (tuple(slots), M)
+                if plan.fits and (key not in found
+                                  or plan.step_time_s < found[key].step_time_s):
+                    found[key] = plan
+                    best = min(best, plan.step_time_s)
+    return sorted(found.values(), key=lambda p: p.step_time_s)
 
 
 def _balanced(units_by_group, cluster: MixedCluster, slots: Sequence[Slot]
@@ -394,51 +400,75 @@ def _balanced(units_by_group, cluster: MixedCluster, slots: Sequence[Slot]
 
 
 def _metis(units_by_group, cluster, global_batch, budget, optimizer_bytes, equal: bool
-           ) -> HeteroPlan | None:
-    best: HeteroPlan | None = None
+           ) -> list[HeteroPlan]:
+    out = []
     for slots in _arrangements(cluster, len(units_by_group[0]), equal):
         bounds = _balanced(units_by_group, cluster, slots)
         if bounds is None:
             continue
         for M, mb in _microbatches(global_batch, slots):
-            for r in (False, True):
-                plan = price_stages("metis", units_by_group, cluster, slots, bounds,
-                                    [r] * len(slots), M, mb, budget=budget,
-                                    optimizer_bytes=optimizer_bytes)
-                if plan.fits and (best is None or plan.step_time_s < best.step_time_s):
-                    best = plan
-    return best
+            plan = price_stages("metis", units_by_group, cluster, slots, bounds, M, mb,
+                                budget=budget, optimizer_bytes=optimizer_bytes)
+            if plan.fits:
+                out.append(plan)
+    return sorted(out, key=lambda p: p.step_time_s)
 
 
 def _uniform(units_by_group, cluster, global_batch, budget, optimizer_bytes, _equal: bool
-             ) -> HeteroPlan | None:
+             ) -> list[HeteroPlan]:
+    """The homogeneous stage search's choices on the slowest kind, in its own order (it
+    sees no other kind), each priced where its stages land."""
     slow = cluster.slowest()
     ref = min(range(len(cluster.groups)), key=lambda k: cluster.groups[k].device.flops
               * cluster.groups[k].device.efficiency)
-    cap = min(_budgets(cluster, budget))
-    best = None
-    for r in (False, True):
-        try:
-            c = search_stages(units_by_group[ref], cluster.devices, global_batch, cap,
-                              max_tp=slow.devices_per_node, optimizer_bytes=optimizer_bytes,
-                              intra=slow.intra, inter=slow.inter, recompute=r and "layer")
-        except PlanError:
-            continue
-        d = c.tp * c.dp
-        slots = [Slot(s * d, d, c.tp) for s in range(c.stages)]
-        plan = price_stages("uniform", units_by_group, cluster, slots, c.bounds,
-                            [r] * c.stages, c.microbatches, c.microbatch_size * c.dp,
-                            budget=budget, optimizer_bytes=optimizer_bytes)
-        if best is None or (plan.fits, -plan.step_time_s) > (best.fits, -best.step_time_s):
-            best = plan
-    return best
+    try:
+        ranked = rank_stages(units_by_group[ref], cluster.devices, global_batch,
+                             min(_budgets(cluster, budget)), max_tp=slow.devices_per_node,
+                             optimizer_bytes=optimizer_bytes, intra=slow.intra,
+                             inter=slow.inter, recompute=True)
+    except PlanError:
+        return []
+    return [price_stages("uniform", units_by_group, cluster,
+                         [Slot(s * c.tp * c.dp, c.tp * c.dp, c.tp) for s in range(c.stages)],
+                         c.bounds, c.microbatches, c.microbatch_size * c.dp, budget=budget,
+                         optimizer_bytes=optimizer_bytes) for c in ranked]
+
+
+def candidates(units_by_group: Sequence[list[Unit]], cluster: MixedCluster,
+               global_batch: int, *, planner: str = "auto", budget: float | None = None,
+               optimizer_bytes: float = 3.0, t_max_levels: int = 48,
+               runnable: bool = False) -> list[HeteroPlan]:
+    """The ``planner``'s pipelines (:data:`PLANNERS`) that fit as it prices them, in its order
+    of preference (ours and Metis's: fastest first; the unaware one: by its own model of the
+    slowest kind); :func:`plan_hetero` has the arguments.
+
+    Raises:
+        PlanError: an unknown planner.
+    """
+    if planner not in PLANNERS:
+        raise PlanError(f"unknown planner {planner!r} for a cluster of several kinds "
+                        f"({cluster.name}); choose from {', '.join(PLANNERS)}")
+    args = (units_by_group, cluster, global_batch, budget, optimizer_bytes, runnable)
+    return (_search(*args, t_max_levels) if planner == "auto" else
+            _metis(*args) if planner == "metis" else _uniform(*args))
+
+
+def _no_fit(planner: str, cluster: MixedCluster, units: int, global_batch: int,
+            budget: float | None, smallest: float | None = None) -> NoFitError:
+    caps = ", ".join(f"{g.name} {b / 2**30:.1f} GiB"
+                     for g, b in zip(cluster.groups, _budgets(cluster, budget), strict=True))
+    return NoFitError(f"{planner} on {cluster.name}: no pipeline of the model's {units} units "
+                      f"fits the devices' budgets ({caps}) at global batch {global_batch}. "
+                      "Fix: a smaller batch, more devices, or a larger budget (--budget)",
+                      smallest_bytes=smallest)
 
 
 def plan_hetero(units_by_group: Sequence[list[Unit]], cluster: MixedCluster, global_batch: int,
                 *, planner: str = "auto", budget: float | None = None,
                 optimizer_bytes: float = 3.0, t_max_levels: int = 48,
                 runnable: bool = False) -> HeteroPlan:
-    """The ``planner``'s pipeline (:data:`PLANNERS`) of the units on ``cluster``.
+    """The ``planner``'s pipeline (:data:`PLANNERS`) of the units on ``cluster``: its first
+    choice (:func:`candidates`).
 
     Args:
         units_by_group: :func:`kind_units`. global_batch: samples per step.
@@ -449,44 +479,62 @@ def plan_hetero(units_by_group: Sequence[list[Unit]], cluster: MixedCluster, glo
             :meth:`HeteroPlan.constraints`); the uniform planner's always are.
 
     Raises:
-        PlanError: an unknown planner, or nothing the planner tries fits.
+        PlanError: an unknown planner. NoFitError: nothing the planner tries fits.
     """
-    if planner not in PLANNERS:
-        raise PlanError(f"unknown planner {planner!r} for a cluster of several kinds "
-                        f"({cluster.name}); choose from {', '.join(PLANNERS)}")
     t0 = time.perf_counter()
-    args = (units_by_group, cluster, global_batch, budget, optimizer_bytes, runnable)
-    plan = (_search(*args, t_max_levels) if planner == "auto" else
-            _metis(*args) if planner == "metis" else _uniform(*args))
-    if plan is None or not plan.fits:
-        caps = ", ".join(f"{g.name} {b / 2**30:.1f} GiB"
-                         for g, b in zip(cluster.groups, _budgets(cluster, budget), strict=True))
-        raise NoFitError(f"{planner} on {cluster.name}: no pipeline of the model's "
-                        f"{len(units_by_group[0])} units fits the devices' budgets ({caps}) at "
-                        f"global batch {global_batch}. Fix: a smaller batch, more devices, or "
-                        "a larger budget (--budget)")
-    return HeteroPlan(plan.planner, plan.cluster, plan.stages, plan.microbatches,
-                      plan.microbatch_size, plan.step_time_s, time.perf_counter() - t0)
+    found = candidates(units_by_group, cluster, global_batch, planner=planner, budget=budget,
+                       optimizer_bytes=optimizer_bytes, t_max_levels=t_max_levels,
+                       runnable=runnable)
+    if not found:
+        raise _no_fit(planner, cluster, len(units_by_group[0]), global_batch, budget)
+    return replace(found[0], search_s=time.perf_counter() - t0)
 
 
-def stage_policy(planner: str, recompute: bool) -> str:
+def plan_realized(units_by_group: Sequence[list[Unit]], cluster: MixedCluster,
+                  global_batch: int, graph_at: Callable[[int], Graph], *,
+                  planner: str = "auto", budget: float | None = None, tries: int = 8,
+                  **kw: Any) -> HeteroPlan:
+    """The planner's first choice whose stages, planned for their kinds (:func:`realize`),
+    fit: its :func:`candidates` realized in its order, at most ``tries`` of them (``kw``:
+    :func:`plan_hetero`'s other arguments).
+
+    Raises:
+        NoFitError: none of them fits realized (the smallest realized peak in it).
+    """
+    t0 = time.perf_counter()
+    found = candidates(units_by_group, cluster, global_batch, planner=planner, budget=budget,
+                       **kw)
+    smallest = None
+    for plan in found[:tries]:
+        real = realize(plan, graph_at, units_by_group, cluster, budget=budget,
+                       optimizer_bytes=kw.get("optimizer_bytes", 3.0))
+        if real.fits:
+            return replace(real, search_s=time.perf_counter() - t0)
+        peak = real.memory_bytes_per_device
+        smallest = peak if smallest is None else min(smallest, peak)
+    raise _no_fit(planner, cluster, len(units_by_group[0]), global_batch, budget, smallest)
+
+
+def stage_policy(planner: str) -> str:
     """The in-stage policy a planner's stages run: ours the search (``auto``: layouts,
     recompute and co-sharding chosen under the stage's budget), the baselines Megatron's tensor
-    parallelism (``megatron``; with every layer recomputed, ``megatron-lm``)."""
-    return "auto" if planner == "auto" else "megatron-lm" if recompute else "megatron"
+    parallelism (``megatron``)."""
+    return "auto" if planner == "auto" else "megatron"
 
 
-def realize(plan: HeteroPlan, graph: Graph, units_by_group: Sequence[list[Unit]],
-            cluster: MixedCluster, *, budget: float | None = None,
-            optimizer_bytes: float = 3.0) -> HeteroPlan:
-    """``plan`` with each stage's ops (:func:`~nnscaler_jax.pipeline.units.unit_ops`) planned
-    on its tensor-parallel devices by its planner's in-stage policy (:func:`stage_policy`),
-    priced by the cost model of its devices' kind (its links; one data-parallel replica's
-    micro-batch: ``M x dp`` micro-batches of the traced batch), under its budget less the
-    stage inputs 1F1B keeps for its other micro-batches in flight: each stage's time and memory
-    are its plan's (its send to the next stage and its gradient all-reduce as priced before).
-    A stage whose search finds nothing within its budget keeps its smallest estimate (the
-    plan does not fit).
+def realize(plan: HeteroPlan, graph_at: Callable[[int], Graph],
+            units_by_group: Sequence[list[Unit]], cluster: MixedCluster, *,
+            budget: float | None = None, optimizer_bytes: float = 3.0) -> HeteroPlan:
+    """``plan`` with each stage's ops planned on its tensor-parallel devices by its planner's
+    in-stage policy (:func:`stage_policy`), as the runtime plans a stage: one micro-batch of
+    one data-parallel replica (the stage's ops, :func:`~nnscaler_jax.pipeline.units.
+    unit_parts`, of ``graph_at(rows)``: the model traced at ``microbatch_size / dp`` rows),
+    priced by the cost model of its devices' kind (its links; gradients held, accumulated
+    over the micro-batches), under its budget less the stage inputs 1F1B keeps for its other
+    micro-batches in flight. Each stage's time and memory become its plan's (with its forward
+    again in the backward, priced as a third of its compute, its send to the next stage; its
+    gradient all-reduce as priced before). A stage whose search finds nothing within its
+    budget keeps its smallest estimate (the plan does not fit).
 
     Raises:
         PlanError: no repeated blocks (:func:`~nnscaler_jax.pipeline.units.unit_parts`).
@@ -497,30 +545,36 @@ def realize(plan: HeteroPlan, graph: Graph, units_by_group: Sequence[list[Unit]]
     from nnscaler_jax.pipeline.units import unit_parts
     from nnscaler_jax.search.entry import plan_spmd
 
-    parts = [ops for _, ops in unit_parts(graph, blocks=True)]
     S, M, mb = len(plan.stages), plan.microbatches, plan.microbatch_size
+    traced: dict[int, tuple[Graph, list]] = {}
     out = []
     for k, st in enumerate(plan.stages):
         (a, b), slot = st.units, st.slot
         nxt = plan.stages[k + 1].slot if k + 1 < S else None
-        slow, alts = _slot_prices(units_by_group, cluster, slot, nxt, mb, optimizer_bytes)
-        units, local = units_by_group[slow], mb // slot.dp
+        slow, pr = _slot_prices(units_by_group, cluster, slot, nxt, mb, optimizer_bytes)
+        units, rows = units_by_group[slow], mb // slot.dp
+        if rows not in traced:
+            g = graph_at(rows)
+            traced[rows] = (g, [ops for _, ops in unit_parts(g, blocks=True)])
+        graph, parts = traced[rows]
         send = _link(cluster, slot.first + slot.devices - 1, nxt.first) if nxt else None
-        p2p = 2 * (send.alpha_s + units[b - 1].out_bytes * local * send.beta_s_per_byte) \
+        p2p = 2 * (send.alpha_s + units[b - 1].out_bytes * rows * send.beta_s_per_byte) \
             if send is not None else 0.0
-        kept = (min(S - k, M) - 1) * float(alts[1].act[a, b])  # (the other inputs in flight)
+        kept = (min(S - k, M) - 1) * float(pr.act[a, b])  # (the other inputs in flight)
         tp_link = _slowest(cluster, [(d, d + i) for d in range(slot.first, slot.first
                                                                  + slot.devices, slot.tp)
                                      for i in range(slot.tp)])
         cm = CostModel(MeshSpec(("model",), (slot.tp,), (tp_link,)),
-                       device=cluster.groups[slow].device, microbatches=M * slot.dp)
-        policy = stage_policy(plan.planner, st.recompute)
+                       device=cluster.groups[slow].device, grads_held=M > 1)
+        policy = stage_policy(plan.planner)
         g = part_graph(graph, {op.id for part in parts[a:b] for op in part})
         try:
             sp = plan_spmd(g, {"model": slot.tp}, policy=policy, cost_model=cm,
                            constraints=Constraints(max_memory_per_device=(
                                st.budget_bytes - kept) if policy == "auto" else None)).plan
-            t, mem = sp.cost.step_time_s / (M * slot.dp) + p2p, sp.cost.memory_bytes_per_device
+            # (+ its forward again in the backward: a third of its compute)
+            t = sp.cost.step_time_s + sp.cost.compute_time_s / 3 + p2p
+            mem = sp.cost.memory_bytes_per_device
         except NoFitError as e:
             sp, t, mem = None, st.time_s, float(e.smallest_bytes or math.inf)
         out.append(replace(st, time_s=t, memory_bytes=mem + kept, policy=policy, plan=sp))

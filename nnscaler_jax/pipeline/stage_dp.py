@@ -32,8 +32,8 @@ from nnscaler_jax.mesh.axes import model_axes, stage_axis
 from nnscaler_jax.mesh.topology import LinkCost, all_reduce_time
 from nnscaler_jax.pipeline.units import Unit
 
-__all__ = ["StageChoice", "StagePrices", "evaluate", "place_stages", "search_stages",
-           "stage_meshes", "stage_prices"]
+__all__ = ["StageChoice", "StagePrices", "evaluate", "place_stages", "rank_stages",
+           "search_stages", "stage_meshes", "stage_prices"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,13 +82,11 @@ class StagePrices:
     grad: np.ndarray     # gradient bytes per device (for the dp all-reduce)
 
 
-def stage_prices(units: list[Unit], tp: int, mb: int, optimizer_bytes: float, intra: LinkCost,
-            inter: LinkCost, recompute: bool | str = True) -> StagePrices:
-    """Every stage ``[i, j)``'s prices. ``recompute``: True, the stage keeps its input per
+def stage_prices(units: list[Unit], tp: int, mb: int, optimizer_bytes: float,
+                 intra: LinkCost, inter: LinkCost, recompute: bool = True) -> StagePrices:
+    """Every stage ``[i, j)``'s prices. ``recompute``: the stage keeps its input per
     micro-batch in flight and its backward recomputes its whole forward (holding all of its
-    activations at once); ``'layer'``: the same, its backward recomputing one unit at a time
-    (holding every unit's input and the largest unit's activations); False: it keeps every
-    activation of every micro-batch in flight."""
+    activations at once); else it keeps every activation of every micro-batch in flight."""
     n = len(units)
 
     def cum(xs):
@@ -108,15 +106,7 @@ def stage_prices(units: list[Unit], tp: int, mb: int, optimizer_bytes: float, in
     time = np.where(valid, t[j] - t[i] + tpc[j] - tpc[i] + p2p, big)
     full = np.where(valid, a[j] - a[i], big)
     inp = np.concatenate([[units[0].out_bytes * mb / tp], out[1:-1] / tp, [0.0]])
-    if recompute == "layer":  # the units' inputs, and one unit's activations, live in B
-        ins = cum([u.out_bytes * mb / tp for u in units])  # (each unit's, the next's input)
-        largest = np.zeros((n + 1, n + 1))
-        for a in range(n):
-            largest[a, a + 1:] = np.maximum.accumulate([u.act_bytes * mb / tp
-                                                        for u in units[a:]])
-        act, work = np.where(valid, inp[i], big), np.where(valid, ins[j] - ins[i] + largest,
-                                                           big)
-    elif recompute:   # keep only the stage input per micro-batch; one stage forward live in B
+    if recompute:   # keep only the stage input per micro-batch; one stage forward live in B
         act, work = np.where(valid, inp[i], big), full
     else:
         act, work = full, np.where(valid, 0.0, big)
@@ -125,24 +115,21 @@ def stage_prices(units: list[Unit], tp: int, mb: int, optimizer_bytes: float, in
     return StagePrices(time, act, work, state, grad)
 
 
-def place_stages(prices: Sequence[Sequence[StagePrices]], budgets: Sequence[float],
-                 t_max: float, inflight) -> tuple | None:
+def place_stages(prices: Sequence[StagePrices], budgets: Sequence[float], t_max: float,
+                 inflight) -> tuple | None:
     """Min sum of stage times with every stage <= t_max and within memory; boundaries.
 
-    ``prices[k]``: stage ``k``'s priced alternatives (e.g. with and without recompute; a
-    stage takes the fastest that fits), ``budgets[k]`` its devices' bytes: stages may differ
-    (devices of several kinds, :mod:`~nnscaler_jax.pipeline.hetero`)."""
+    ``prices[k]`` / ``budgets[k]``: stage ``k``'s prices and its devices' bytes: stages may
+    differ (devices of several kinds, :mod:`~nnscaler_jax.pipeline.hetero`)."""
     S = len(prices)
-    n = prices[0][0].time.shape[0] - 1
+    n = prices[0].time.shape[0] - 1
     f = np.full(n + 1, np.inf)
     f[0] = 0.0
     back = []
     for k in range(S):
-        c = np.full((n + 1, n + 1), np.inf)
-        for pr in prices[k]:
-            mem = pr.state + inflight(k) * pr.act + pr.work
-            c = np.minimum(c, np.where((pr.time <= t_max) & (mem <= budgets[k]), pr.time,
-                                       np.inf))
+        pr = prices[k]
+        mem = pr.state + inflight(k) * pr.act + pr.work
+        c = np.where((pr.time <= t_max) & (mem <= budgets[k]), pr.time, np.inf)
         tot = f[:, None] + c
         arg = np.argmin(tot, axis=0)
         f = tot[arg, np.arange(n + 1)]
@@ -160,7 +147,7 @@ def place_stages(prices: Sequence[Sequence[StagePrices]], budgets: Sequence[floa
 def evaluate(units: list[Unit], bounds, tp: int, dp: int, microbatches: int,
              microbatch_size: int, *, optimizer_bytes: float = 3.0, schedule: str = "1f1b",
              intra: LinkCost = NVLINK_H100, inter: LinkCost = IB_NDR,
-             recompute: bool | str = True) -> StageChoice:
+             recompute: bool = True) -> StageChoice:
     """Price a given stage split (e.g. a hand-written Megatron plan) with the search's model."""
     S = len(bounds)
     pr = stage_prices(units, tp, microbatch_size, optimizer_bytes, intra, inter, recompute)
@@ -179,7 +166,7 @@ def evaluate(units: list[Unit], bounds, tp: int, dp: int, microbatches: int,
 def search_stages(units: list[Unit], devices: int, global_batch: int, memory_per_device: float,
                   *, max_tp: int = 8, optimizer_bytes: float = 3.0, t_max_levels: int = 48,
                   intra: LinkCost = NVLINK_H100, inter: LinkCost = IB_NDR,
-                  recompute: bool | str = True) -> StageChoice:
+                  recompute: bool = True) -> StageChoice:
     """The best (stages, tp, dp, micro-batches, boundaries) under the memory budget.
 
     Args:
@@ -191,15 +178,31 @@ def search_stages(units: list[Unit], devices: int, global_batch: int, memory_per
         t_max_levels: slowest-stage bounds tried per configuration (Alpa's enumeration,
             quantised).
         recompute: stages keep only their inputs per in-flight micro-batch and recompute the
-            forward in the backward (what :mod:`nnscaler_jax.pipeline.stacked` runs;
-            ``'layer'``: a unit at a time, :func:`stage_prices`); otherwise all activations of every
-            in-flight micro-batch are kept.
+            forward in the backward (what :mod:`nnscaler_jax.pipeline.stacked` runs); otherwise
+            all activations of every in-flight micro-batch are kept.
+
+    Raises:
+        PlanError: no configuration fits the budget (says the smallest memory found).
+    """
+    return rank_stages(units, devices, global_batch, memory_per_device, max_tp=max_tp,
+                       optimizer_bytes=optimizer_bytes, t_max_levels=t_max_levels,
+                       intra=intra, inter=inter, recompute=recompute)[0]
+
+
+def rank_stages(units: list[Unit], devices: int, global_batch: int, memory_per_device: float,
+                *, max_tp: int = 8, optimizer_bytes: float = 3.0, t_max_levels: int = 48,
+                intra: LinkCost = NVLINK_H100, inter: LinkCost = IB_NDR,
+                recompute: bool = True) -> list[StageChoice]:
+    """:func:`search_stages`'s configurations, each (stages, tp, micro-batches) by the best
+    boundaries it found, fastest first (a configuration the bound on the slowest stage rules
+    out before any fit is left out): the next choices where the first turns out not to run.
 
     Raises:
         PlanError: no configuration fits the budget (says the smallest memory found).
     """
     n = len(units)
-    best: StageChoice | None = None
+    found: dict[tuple[int, int, int], StageChoice] = {}
+    best = math.inf
     smallest = math.inf
     for S in [s for s in range(1, min(devices, n) + 1) if devices % s == 0]:
         for tp in [t for t in (1, 2, 4, 8, 16) if t <= max_tp and (devices // S) % t == 0]:
@@ -222,22 +225,24 @@ def search_stages(units: list[Unit], devices: int, global_batch: int, memory_per
                     np.asarray(near)[np.asarray(near) >= lo]]))
                 smallest = min(smallest, float(pr.state[0, n] / S + pr.work[0, n] / S))
                 for t_max in levels:
-                    if best is not None and (M - 1) * t_max >= best.step_time_s:
+                    if (M - 1) * t_max >= best:
                         break
-                    r = place_stages([[pr]] * S, [memory_per_device] * S, t_max,
-                            lambda k, S=S, M=M: min(S - k, M))
+                    r = place_stages([pr] * S, [memory_per_device] * S, t_max,
+                                     lambda k, S=S, M=M: min(S - k, M))
                     if r is None:
                         continue
                     plan = evaluate(units, r[1], tp, dp, M, mb, optimizer_bytes=optimizer_bytes,
                                     intra=intra, inter=inter, recompute=recompute)
-                    if best is None or plan.step_time_s < best.step_time_s:
-                        best = plan
-    if best is None:
+                    key = (S, tp, M)
+                    if key not in found or plan.step_time_s < found[key].step_time_s:
+                        found[key] = plan
+                        best = min(best, plan.step_time_s)
+    if not found:
         raise PlanError(f"stage search: no (stages, tp, micro-batches) fits "
                         f"{memory_per_device / 2**30:.1f} GiB per device on {devices} devices; "
                         f"the smallest estimate is ~{smallest / 2**30:.1f} GiB. Use more devices, "
                         "a smaller global batch, or more memory")
-    return best
+    return sorted(found.values(), key=lambda c: c.step_time_s)
 
 
 def stage_meshes(axes: dict[str, int]) -> list[dict[str, int]]:

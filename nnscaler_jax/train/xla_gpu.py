@@ -32,7 +32,8 @@ from typing import Any
 from nnscaler_jax.cost.devices import default_budget_of
 from nnscaler_jax.lower.hlo import hlo_collectives, hlo_traffic, xla_stderr
 
-__all__ = ["XlaCheck", "check_compiled", "check_stages", "check_step", "collective_totals"]
+__all__ = ["XlaCheck", "check_compiled", "check_mixed_stages", "check_stages", "check_step",
+           "collective_totals"]
 
 # the suite's XLA:CPU remat flag (mesh/cpu.py) has no meaning on GPU, where it breaks the
 # compile ("Unsupported instruction opcode: opt-barrier"): every GPU compile runs all passes
@@ -261,3 +262,115 @@ def check_stages(step: Any, variables: Any, batch: Sequence[Any], *,
             "involuntary_remat": sum(c.involuntary_remat for c in flat),
             "device": flat[0].device, "device_memory_bytes": flat[0].device_memory_bytes,
             "compile_s": time.perf_counter() - t0}
+
+
+def check_mixed_stages(plan: Any, graph_at: Any) -> dict[str, Any]:
+    """Compile each stage of a pipeline over several device kinds
+    (:func:`~nnscaler_jax.pipeline.hetero.realize`'s plan: every stage has its in-stage plan)
+    for its own GPU kind, on compile-only devices of that kind (``tp`` of them: one
+    data-parallel replica; meshes of several kinds in one process), and judge each stage
+    against its kind's budget.
+
+    Per stage the program is one micro-batch's backward of the stage's ops (its part of
+    ``graph_at(rows)``, the model traced at the stage's rows per micro-batch
+    ``microbatch_size / dp``, the stage's plan renumbered onto it), its forward recomputed from
+    its input as the pipeline runtime runs it; its XLA peak (arguments + outputs +
+    temporaries - aliases: the weights as stored, the stage input and the output cotangent,
+    the gradients) plus what lives beside it in a step: the gradient accumulator and Adam's two
+    moments (the stage's weights as stored, float32) and the inputs of the other micro-batches
+    1F1B keeps in flight. Returns ``{"stages": [{"kind", "device" (the ``device_kind`` it
+    compiled for), "xla_bytes", "state_bytes", "inflight_bytes", "peak_bytes",
+    "budget_bytes", "estimate_bytes" (the plan's), "fits", "xla_remat", "involuntary_remat",
+    "compile_s"}], "fits"}``.
+
+    Raises:
+        PlanError: a stage without its in-stage plan (not realized), or whose plan does not
+            match the traced stage's ops.
+    """
+    import jax
+    import numpy as np
+
+    from nnscaler_jax.cost.devices import compile_only_mesh, device_preset
+    from nnscaler_jax.errors import PlanError
+    from nnscaler_jax.ir.graph import Role
+    from nnscaler_jax.lower.replay import Lowering
+    from nnscaler_jax.pipeline.in_stage import part_graph
+    from nnscaler_jax.pipeline.units import unit_parts
+    from nnscaler_jax.plan.reuse import renumbered
+
+    S, M = len(plan.stages), plan.microbatches
+    out = []
+    for k, st in enumerate(plan.stages):
+        if st.plan is None:
+            raise PlanError(f"stage {k} of the {plan.planner} plan has no in-stage plan: "
+                            "realize(plan, ...) it first")
+        rows = plan.microbatch_size // st.slot.dp
+        graph = graph_at(rows)
+        parts = unit_parts(graph, blocks=True)
+        part = part_graph(graph, {op.id for _, ops in parts[slice(*st.units)] for op in ops})
+        sp = renumbered(st.plan, part)
+        if sp is None:
+            raise PlanError(f"stage {k}: its plan does not match the model traced at {rows} "
+                            "rows (another model or batch layout?)")
+        mesh = compile_only_mesh(device_preset(st.kind.split(" ")[0]), (st.slot.tp,),
+                                 ("model",))
+        low = Lowering(part, sp, mesh)
+        shard = low.input_shardings()
+        diff = [t.role is not Role.RNG and np.issubdtype(np.dtype(t.dtype), np.floating)
+                for t in part.inputs]
+        avals = [jax.ShapeDtypeStruct(t.shape, np.dtype(t.dtype), sharding=s)
+                 for t, s in zip(part.inputs, shard, strict=True)]
+        out.append(_mixed_stage(k, S, M, st, low, part, avals, diff, mesh))
+    return {"stages": out, "fits": all(s["fits"] for s in out)}
+
+
+def _mixed_stage(k, S, M, st, low, part, avals, diff, mesh) -> dict[str, Any]:
+    """One stage of :func:`check_mixed_stages`: its forward + backward compiled and judged."""
+    import jax
+
+    from nnscaler_jax.ir.graph import Role
+
+    inputs = [a for a, d in zip(avals, diff, strict=True) if d]
+    fixed = [a for a, d in zip(avals, diff, strict=True) if not d]
+
+    def run(xs, ys):
+        return low(*_merge(xs, ys, diff))
+
+    body = jax.checkpoint(run)  # (the forward again from the stage input, in the backward)
+    outs = jax.eval_shape(run, inputs, fixed)
+    cts = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs]
+
+    def fwd_bwd(xs, ys, cts):
+        _, vjp = jax.vjp(lambda a: body(a, ys), xs)
+        return vjp([c.astype(o.dtype) for c, o in zip(cts, outs, strict=True)])[0]
+
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh), xla_stderr() as log:
+        compiled = jax.jit(fwd_bwd).lower(inputs, fixed, cts).compile(GPU_COMPILER_OPTIONS)
+    check = check_compiled(compiled, log[0], mesh, time.perf_counter() - t0)
+    weights = sum(_stored_bytes(a) for a, t in zip(avals, part.inputs, strict=True)
+                  if t.role is Role.VARIABLE)
+    stage_in = sum(_stored_bytes(a) for a, t in zip(avals, part.inputs, strict=True)
+                   if t.role is not Role.VARIABLE)  # (what the stage keeps to recompute)
+    state = 3 * weights  # gradient accumulator + two moments, float32 as the weights
+    inflight = (min(S - k, M) - 1) * stage_in
+    peak = check.peak_bytes + state + inflight
+    return {"kind": st.kind, "device": check.device, "xla_bytes": check.peak_bytes,
+            "state_bytes": state,
+            "inflight_bytes": inflight, "peak_bytes": peak, "budget_bytes": st.budget_bytes,
+            "estimate_bytes": st.memory_bytes, "fits": peak <= st.budget_bytes,
+            "xla_remat": check.xla_remat, "involuntary_remat": check.involuntary_remat,
+            "compile_s": check.compile_s}
+
+
+def _merge(xs, ys, diff):
+    it, jt = iter(xs), iter(ys)
+    return [next(it) if d else next(jt) for d in diff]
+
+
+def _stored_bytes(aval: Any) -> int:
+    """Bytes one device stores of ``aval`` (its sharding's shard)."""
+    import numpy as np
+
+    shape = aval.sharding.shard_shape(aval.shape) if aval.sharding is not None else aval.shape
+    return int(np.prod(shape)) * np.dtype(aval.dtype).itemsize
