@@ -3,7 +3,8 @@ profiling; :class:`CostModel` prices ops, relayouts and whole plans.
 
 Public (docs/api.md, ``__all__``): :class:`CostModel`, the device and cluster presets
 (:data:`DEVICES`, :data:`CLUSTERS`, :func:`device_preset`, :func:`cluster_preset`,
-:func:`local_cpu`, :class:`DeviceSpec`, :class:`ClusterSpec`, :class:`LinkCost`,
+:func:`local_cpu`, :class:`DeviceSpec`, :class:`ClusterSpec`, :class:`MixedCluster` (several
+device kinds), :class:`LinkCost`,
 :class:`MeshSpec`), the default memory budget (:func:`default_budget`,
 :func:`default_budget_of`, :class:`DefaultBudget`, :data:`DEFAULT_RESERVE_FRACTION`),
 :func:`compile_only_mesh` (a preset's GPUs for XLA:GPU without a GPU) and profiles
@@ -21,6 +22,7 @@ from nnscaler_jax.cost.devices import DEVICES as DEVICES
 from nnscaler_jax.cost.devices import ClusterSpec as ClusterSpec
 from nnscaler_jax.cost.devices import DefaultBudget as DefaultBudget
 from nnscaler_jax.cost.devices import DeviceSpec as DeviceSpec
+from nnscaler_jax.cost.devices import MixedCluster as MixedCluster
 from nnscaler_jax.cost.devices import cluster_preset as cluster_preset
 from nnscaler_jax.cost.devices import compile_only_mesh as compile_only_mesh
 from nnscaler_jax.cost.devices import default_budget as default_budget
@@ -43,6 +45,7 @@ from nnscaler_jax.mesh.topology import wire_bytes as wire_bytes
 
 __all__ = [
     "CLUSTERS", "DEFAULT_RESERVE_FRACTION", "DEVICES", "ClusterSpec", "CostModel", "DefaultBudget",
-    "DeviceSpec", "LinkCost", "MeshSpec", "ProfileDB", "cluster_preset", "compile_only_mesh",
+    "DeviceSpec", "LinkCost", "MeshSpec", "MixedCluster", "ProfileDB", "cluster_preset",
+    "compile_only_mesh",
     "default_budget", "default_budget_of", "device_preset", "local_cpu", "profile_ops",
 ]

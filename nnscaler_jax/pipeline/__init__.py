@@ -15,6 +15,8 @@ Modules (no import cycles among them; see docs/design.md for the layers):
   sample; :mod:`~nnscaler_jax.pipeline.stage_dp`: the stage DP over unit boundaries;
   :mod:`~nnscaler_jax.pipeline.pricing`: what the runtime executes, priced (schedule x
   micro-batches).
+- :mod:`~nnscaler_jax.pipeline.hetero`: pipelines over a cluster of several device kinds,
+  stages sized to their devices (ours, Metis-style and heterogeneity-unaware planners).
 - :mod:`~nnscaler_jax.pipeline.clustering` and :mod:`~nnscaler_jax.pipeline.inter_op`: Alpa's
   layer clustering and inter-operator pass (stage profiles by the intra-op ILP).
 - :mod:`~nnscaler_jax.pipeline.configure`: pipeline settings chosen and priced onto a
@@ -34,13 +36,19 @@ one with ``op_order``), the built-ins :func:`gpipe`, :func:`one_f_one_b`,
 :func:`interlaced`, :func:`nf1b`, :func:`zb_h1` (zero bubble: split backwards) and
 :func:`build` (one by name), :func:`format_schedule`,
 :func:`plot_gantt`; :func:`microbatch_rngs` (the keys a micro-batch gets) and
-:func:`reference_loss` (nf1b's recycling on one device). Everything else here is internal.
+:func:`reference_loss` (nf1b's recycling on one device); clusters of several device kinds --
+:func:`kind_units`, :func:`plan_hetero`, :func:`plan_realized` and the :class:`HeteroPlan` they
+return. Everything else here is internal.
 
 Hardware defaults (H100 nodes, NVLink 4 / InfiniBand NDR) come from
 :mod:`nnscaler_jax.cost.devices`, the one hardware table.
 """
 
 from nnscaler_jax.capture.module_call import microbatch_rngs as microbatch_rngs
+from nnscaler_jax.pipeline.hetero import HeteroPlan as HeteroPlan
+from nnscaler_jax.pipeline.hetero import kind_units as kind_units
+from nnscaler_jax.pipeline.hetero import plan_hetero as plan_hetero
+from nnscaler_jax.pipeline.hetero import plan_realized as plan_realized
 from nnscaler_jax.pipeline.order import ScheduleDraft as ScheduleDraft
 from nnscaler_jax.pipeline.recycle import reference_loss as reference_loss
 from nnscaler_jax.pipeline.schedule import build as build
@@ -55,6 +63,7 @@ from nnscaler_jax.pipeline.schedule import plot_gantt as plot_gantt
 from nnscaler_jax.pipeline.schedule import zb_h1 as zb_h1
 from nnscaler_jax.pipeline.steps import Schedule as Schedule
 
-__all__ = ["Schedule", "ScheduleDraft", "build", "eager_one_f_one_b", "format_schedule", "gpipe",
-           "interlaced", "interleaved", "microbatch_rngs", "nf1b", "one_f_one_b", "plot_gantt",
-           "reference_loss", "zb_h1"]
+__all__ = ["HeteroPlan", "Schedule", "ScheduleDraft", "build", "eager_one_f_one_b",
+           "format_schedule", "gpipe", "interlaced", "interleaved", "kind_units",
+           "microbatch_rngs", "nf1b", "one_f_one_b", "plan_hetero", "plan_realized",
+           "plot_gantt", "reference_loss", "zb_h1"]
