@@ -230,9 +230,11 @@ def kind_units(graph: Graph, cluster: MixedCluster, batch: int) -> list[list[Uni
     return out
 
 
-def _budgets(cluster: MixedCluster, budget: float | None) -> list[float]:
-    """Per group: ``budget`` (the user's, for every device), else its device's memory less the
-    reserve (:func:`~nnscaler_jax.cost.devices.memory_reserve`)."""
+def _budgets(cluster: MixedCluster, budget: float | Sequence[float] | None) -> list[float]:
+    """Per group: ``budget`` (the user's, for every device; or one per group), else its
+    device's memory less the reserve (:func:`~nnscaler_jax.cost.devices.memory_reserve`)."""
+    if isinstance(budget, Sequence):
+        return [float(b) for b in budget]
     return [float(budget) if budget is not None else
             float(g.device.memory_bytes - memory_reserve(g.device.memory_bytes))
             for g in cluster.groups]
@@ -496,22 +498,26 @@ def plan_realized(units_by_group: Sequence[list[Unit]], cluster: MixedCluster,
                   **kw: Any) -> HeteroPlan:
     """The planner's first choice whose stages, planned for their kinds (:func:`realize`),
     fit: its :func:`candidates` realized in its order, at most ``tries`` of them (``kw``:
-    :func:`plan_hetero`'s other arguments).
+    :func:`plan_hetero`'s other arguments). Ours (``auto``), when none fits, looks again at
+    stages that fit only 2 or 4 times the budgets as the units price them (Megatron's splits,
+    nothing co-sharded): its in-stage search may fit them, co-sharding and recomputing.
 
     Raises:
         NoFitError: none of them fits realized (the smallest realized peak in it).
     """
     t0 = time.perf_counter()
-    found = candidates(units_by_group, cluster, global_batch, planner=planner, budget=budget,
-                       **kw)
     smallest = None
-    for plan in found[:tries]:
-        real = realize(plan, graph_at, units_by_group, cluster, budget=budget,
-                       optimizer_bytes=kw.get("optimizer_bytes", 3.0))
-        if real.fits:
-            return replace(real, search_s=time.perf_counter() - t0)
-        peak = real.memory_bytes_per_device
-        smallest = peak if smallest is None else min(smallest, peak)
+    caps = _budgets(cluster, budget)
+    for relax in (1, 2, 4) if planner == "auto" else (1,):
+        found = candidates(units_by_group, cluster, global_batch, planner=planner,
+                           budget=[c * relax for c in caps], **kw)
+        for plan in found[:tries]:
+            real = realize(plan, graph_at, units_by_group, cluster, budget=budget,
+                           optimizer_bytes=kw.get("optimizer_bytes", 3.0))
+            if real.fits:
+                return replace(real, search_s=time.perf_counter() - t0)
+            peak = real.memory_bytes_per_device
+            smallest = peak if smallest is None else min(smallest, peak)
     raise _no_fit(planner, cluster, len(units_by_group[0]), global_batch, budget, smallest)
 
 
@@ -546,6 +552,7 @@ def realize(plan: HeteroPlan, graph_at: Callable[[int], Graph],
     from nnscaler_jax.search.entry import plan_spmd
 
     S, M, mb = len(plan.stages), plan.microbatches, plan.microbatch_size
+    caps = _budgets(cluster, budget)
     traced: dict[int, tuple[Graph, list]] = {}
     out = []
     for k, st in enumerate(plan.stages):
@@ -568,16 +575,18 @@ def realize(plan: HeteroPlan, graph_at: Callable[[int], Graph],
                        device=cluster.groups[slow].device, grads_held=M > 1)
         policy = stage_policy(plan.planner)
         g = part_graph(graph, {op.id for part in parts[a:b] for op in part})
+        cap = min(caps[i] for i in st.groups)
         try:
             sp = plan_spmd(g, {"model": slot.tp}, policy=policy, cost_model=cm,
                            constraints=Constraints(max_memory_per_device=(
-                               st.budget_bytes - kept) if policy == "auto" else None)).plan
+                               cap - kept) if policy == "auto" else None)).plan
             # (+ its forward again in the backward: a third of its compute)
             t = sp.cost.step_time_s + sp.cost.compute_time_s / 3 + p2p
             mem = sp.cost.memory_bytes_per_device
         except NoFitError as e:
             sp, t, mem = None, st.time_s, float(e.smallest_bytes or math.inf)
-        out.append(replace(st, time_s=t, memory_bytes=mem + kept, policy=policy, plan=sp))
+        out.append(replace(st, time_s=t, memory_bytes=mem + kept, budget_bytes=cap,
+                           policy=policy, plan=sp))
     times = [s.time_s for s in out]
     step = sum(times) + (M - 1) * max(times) + max(s.sync_s for s in out)
     return replace(plan, stages=tuple(out), step_time_s=step)
