@@ -148,8 +148,8 @@ class HeteroPlan:
         devices, data-parallel major, tensor-parallel minor (axes of size 1 left out).
 
         Raises:
-            PlanError: stages of different shapes (one mesh axis cannot hold them: plan with
-                ``runnable=True``), or too few devices.
+            PlanError: stages of different shapes (one mesh axis cannot hold them: a plan of
+                ``runnable=False``), or too few devices.
         """
         import jax
         import numpy as np
@@ -158,7 +158,7 @@ class HeteroPlan:
         if len(shapes) != 1:
             raise PlanError(f"{self.planner} on {self.cluster}: stages of shapes "
                             f"{sorted(shapes)} (data x tensor parallel) do not make one mesh "
-                            "with a stage axis; plan with plan_hetero(..., runnable=True)")
+                            "with a stage axis; plan without runnable=False")
         if len(devices) < max(s.slot.first + s.slot.devices for s in self.stages):
             raise PlanError(f"{self.planner} on {self.cluster}: {len(devices)} devices, the "
                             f"plan places stages on {sum(s.slot.devices for s in self.stages)}")
@@ -439,7 +439,7 @@ def _uniform(units_by_group, cluster, global_batch, budget, optimizer_bytes, _eq
 def candidates(units_by_group: Sequence[list[Unit]], cluster: MixedCluster,
                global_batch: int, *, planner: str = "auto", budget: float | None = None,
                optimizer_bytes: float = 3.0, t_max_levels: int = 48,
-               runnable: bool = False) -> list[HeteroPlan]:
+               runnable: bool = True) -> list[HeteroPlan]:
     """The ``planner``'s pipelines (:data:`PLANNERS`) that fit as it prices them, in its order
     of preference (ours and Metis's: fastest first; the unaware one: by its own model of the
     slowest kind); :func:`plan_hetero` has the arguments.
@@ -468,7 +468,7 @@ def _no_fit(planner: str, cluster: MixedCluster, units: int, global_batch: int,
 def plan_hetero(units_by_group: Sequence[list[Unit]], cluster: MixedCluster, global_batch: int,
                 *, planner: str = "auto", budget: float | None = None,
                 optimizer_bytes: float = 3.0, t_max_levels: int = 48,
-                runnable: bool = False) -> HeteroPlan:
+                runnable: bool = True) -> HeteroPlan:
     """The ``planner``'s pipeline (:data:`PLANNERS`) of the units on ``cluster``: its first
     choice (:func:`candidates`).
 
@@ -478,7 +478,8 @@ def plan_hetero(units_by_group: Sequence[list[Unit]], cluster: MixedCluster, glo
         optimizer_bytes: gradient + optimizer state per parameter byte (Adam, fp32: 3).
         runnable: only stages of one shape (devices, tensor parallel size), which the
             pipeline runtime runs over one mesh (:meth:`HeteroPlan.mesh`,
-            :meth:`HeteroPlan.constraints`); the uniform planner's always are.
+            :meth:`HeteroPlan.constraints`; the uniform planner's always are); False also
+            weighs stages of different shapes, which no runtime here runs yet.
 
     Raises:
         PlanError: an unknown planner. NoFitError: nothing the planner tries fits.

@@ -123,6 +123,14 @@ def test_each_kind_is_held_to_its_own_memory(gpt):
     assert free.step_time_s <= ours.step_time_s
     metis = plan_hetero(units, cluster, 8, planner="metis", budget=tight)
     assert ours.step_time_s <= metis.step_time_s * (1 + 1e-9)
+    # stages of one shape unless asked: others (a V100 x4 stage beside A100 x2 ones) weigh
+    # in with runnable=False, and one mesh cannot hold them
+    assert len({(s.slot.devices, s.slot.tp) for s in ours.stages}) == 1
+    free_shapes = plan_hetero(units, cluster, 8, budget=tight, runnable=False)
+    assert free_shapes.step_time_s <= ours.step_time_s
+    assert len({(s.slot.devices, s.slot.tp) for s in free_shapes.stages}) > 1
+    with pytest.raises(PlanError, match="do not make one mesh"):
+        free_shapes.mesh(list(range(8)))
     with pytest.raises(NoFitError, match=r"a100-80g-4x 0\.0 GiB, v100-32g-4x 0\.0 GiB"):
         plan_hetero(units, cluster, 8, budget=1e3)
 
@@ -180,7 +188,7 @@ def test_a_plan_for_labelled_devices_trains_like_one_device(name):
     spec = models.get(name, "tiny", batch_size=16, **kw)
     graph = capture_spec(spec, precision="float16", loss=True).graph
     cluster = cluster_preset(MIXED)
-    plan = plan_hetero(kind_units(graph, cluster, 16), cluster, 16, runnable=True)
+    plan = plan_hetero(kind_units(graph, cluster, 16), cluster, 16)
     if len(jax.devices()) < cluster.devices:
         pytest.skip("needs 8 devices")
     mesh = plan.mesh(jax.devices())
