@@ -172,8 +172,9 @@ class HeteroPlan:
     def constraints(self, graph: Graph) -> Any:
         """What ``auto_parallel`` runs this plan with on :meth:`mesh`: 1F1B over its
         micro-batches, its stages cut where its units start (``pipeline_pivots``: the blocks'
-        module paths), tensor-parallel stages one program each. (The runtime plans each stage
-        again with its planner's policy; :func:`realize` priced them so.)"""
+        module paths), one program per stage (the host-dispatched executor, each stage's
+        program on its own devices: the base for stages of different kinds). (The runtime
+        plans each stage again with its planner's policy; :func:`realize` priced them so.)"""
         from nnscaler_jax.constraints import Constraints
         from nnscaler_jax.pipeline.units import unit_parts
 
@@ -183,10 +184,9 @@ class HeteroPlan:
             name, ops = parts[st.units[0]]
             pivots.append(name if not name.startswith("<") else
                           next(o.module_path for o in ops if o.module_path).split("/")[0])
-        tp = self.stages[0].slot.tp > 1
         return Constraints(pipeline_stages=len(self.stages), schedule="1f1b",
                            microbatches=self.microbatches, pipeline_pivots=tuple(pivots),
-                           **({"pipeline_executor": "per-stage"} if tp else {}))
+                           pipeline_executor="per-stage")
 
     def to_json(self) -> dict:
         return {"planner": self.planner, "cluster": self.cluster, "fits": self.fits,

@@ -208,6 +208,7 @@ def test_a_plan_for_labelled_devices_trains_like_one_device(name):
     assert dict(pm.plan.pipeline.stage_of) == {p: k + 1 for k, p in
                                                enumerate(cons.pipeline_pivots)}
     assert pm.plan.pipeline.microbatches == plan.microbatches
+    assert type(step.program).__name__ == "MpmdProgram"  # one program per stage
     full = jax.jit(jax.value_and_grad(
         lambda p: spec.loss_fn(spec.module.apply({"params": p}, *args), *args)))
     ref = params
