@@ -24,8 +24,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import jax
+
 from nnscaler_jax.capture.trace import capture_spec
 from nnscaler_jax.cli.common import model_spec, spec_mutable
+from nnscaler_jax.cli.compare import mixed_entry
 from nnscaler_jax.cost.devices import cluster_preset
 from nnscaler_jax.errors import PlanError
 from nnscaler_jax.pipeline.hetero import PLANNERS, kind_units, plan_realized
@@ -56,16 +59,12 @@ def case(name: str, preset: str, cluster_name: str, xla: bool) -> dict:
         t0 = time.perf_counter()
         try:
             plan = plan_realized(units, cluster, BATCH, graph_at, planner=planner)
-            entry = plan.to_json()
+            entry = mixed_entry(plan)  # (compare --json's entry)
             if xla:  # each stage compiled by XLA:GPU for its own kind
                 try:
                     entry["xla"] = check_mixed_stages(plan, graph_at)
-                except PlanError as e:
+                except (PlanError, jax.errors.JaxRuntimeError) as e:
                     entry["xla"] = {"error": str(e).splitlines()[0]}
-            for st, js in zip(plan.stages, entry["stages"], strict=True):
-                js["policy"] = st.policy
-                js["recompute_groups"] = list(st.plan.recompute) if st.plan else []
-                js["cosharded"] = len(st.plan.coshard) if st.plan else 0
         except PlanError as e:
             entry = {"fits": False, "error": str(e).splitlines()[0],
                      "smallest_bytes": getattr(e, "smallest_bytes", None)}
@@ -85,7 +84,7 @@ def _stages(entry: dict) -> str:
         f"{' dp' + str(st['dp']) if st['dp'] > 1 else ''}: {st['layers'][0]} .. "
         f"{st['layers'][1]}, {st['policy']}"
         f"{', recompute ' + str(len(st['recompute_groups'])) if st['recompute_groups'] else ''}"
-        f"{', co-shard ' + str(st['cosharded']) if st['cosharded'] else ''}"
+        f"{', co-shard ' + str(len(st['cosharded'])) if st['cosharded'] else ''}"
         f", {st['memory_bytes'] / 2**30:.1f} / {st['budget_bytes'] / 2**30:.1f} GiB"
         f"{_xla(entry, k)}" for k, st in enumerate(entry["stages"]))
 

@@ -57,8 +57,8 @@ from nnscaler_jax.cost.devices import memory_reserve
 from nnscaler_jax.mesh.axes import mesh_axes, stage_axis
 from nnscaler_jax.plan.view import fused_attention_rows
 
-__all__ = ["cluster_arg", "cmd_compare", "compare_mesh", "compare_mixed", "one_planner",
-           "plan_features",
+__all__ = ["cluster_arg", "cmd_compare", "compare_mesh", "compare_mixed", "mixed_entry",
+           "one_planner", "plan_features",
            "smallest_estimate"]
 
 
@@ -447,7 +447,7 @@ def _compiled_figures(spec: Any, mesh: Any, plan: Any) -> dict[str, Any]:
         return {"compiled_error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
 
 
-def _mixed_entry(plan: Any, error: Exception | None = None) -> dict[str, Any]:
+def mixed_entry(plan: Any, error: Exception | None = None) -> dict[str, Any]:
     """A mixed-cluster planner's JSON entry: the flat entries' keys, ``stages`` (per stage its
     kind, devices, tp x dp, units and layers, in-stage policy, recompute groups and co-sharded
     ops of its plan, time and memory against its kind's budget) and ``microbatches``."""
@@ -477,12 +477,14 @@ def _mixed_entry(plan: Any, error: Exception | None = None) -> dict[str, Any]:
 def _mixed_xla(plan: Any, graph_at: Any) -> dict[str, Any]:
     """``--xla`` on a mixed cluster: each stage compiled by XLA:GPU for its own kind
     (:func:`~nnscaler_jax.train.xla_gpu.check_mixed_stages`); ``{"error"}`` where it cannot."""
+    import jax
+
     from nnscaler_jax.errors import PlanError
     from nnscaler_jax.train.xla_gpu import check_mixed_stages
 
     try:
         return check_mixed_stages(plan, graph_at)
-    except PlanError as e:
+    except (PlanError, jax.errors.JaxRuntimeError) as e:  # (a stage XLA:GPU cannot compile)
         return {"error": cli_terms(str(e).splitlines()[0])}
 
 
@@ -532,7 +534,9 @@ def compare_mixed(args: argparse.Namespace, spec: Any, mesh: Any, cluster: Any,
     budget = parse_budget(args.budget) if args.budget is not None else None
     graph = capture_model(spec, mutable=spec_mutable(spec), precision=precision,
                           loss=True).graph
-    batch = next(t.shape[0] for t in graph.inputs if t.role.name == "INPUT" and t.shape)
+    batch = next((t.shape[0] for t in graph.inputs if t.role.name == "INPUT" and t.shape), None)
+    if batch is None:
+        raise UsageError(f"--model {args.model}: no batched input to pipeline over micro-batches")
     traced = {batch: graph}
 
     def graph_at(rows: int) -> Any:  # (the model at a stage's rows per micro-batch)
@@ -552,11 +556,11 @@ def compare_mixed(args: argparse.Namespace, spec: Any, mesh: Any, cluster: Any,
         try:
             plan = plan_realized(units, cluster, batch, graph_at, planner=name,
                                  budget=budget)
-            results[name] = dict(_mixed_entry(plan), search_s=time.perf_counter() - t0)
+            results[name] = dict(mixed_entry(plan), search_s=time.perf_counter() - t0)
             if getattr(args, "xla", False):
                 results[name]["xla"] = _mixed_xla(plan, graph_at)
         except PlanError as e:
-            results[name] = dict(_mixed_entry(None, e), search_s=time.perf_counter() - t0)
+            results[name] = dict(mixed_entry(None, e), search_s=time.perf_counter() - t0)
     budgets = {g.name: (budget if budget is not None else
                         g.device.memory_bytes - memory_reserve(g.device.memory_bytes))
                for g in cluster.groups}

@@ -372,7 +372,8 @@ def mixed_cluster(name: str) -> MixedCluster:
     each group is its own nodes, linked over InfiniBand (the slowest group's ports).
 
     Raises:
-        PlanError: a group that is not ``<device preset>-<n>x``, or a single group.
+        PlanError: a group that is not ``<device preset>-<n>x``, a kind in two groups, more
+            than 4096 devices in a group, or a single group.
     """
     parts = [p.strip().lower() for p in name.split("+")]
     groups = []
@@ -383,6 +384,11 @@ def mixed_cluster(name: str) -> MixedCluster:
             raise PlanError(f"cluster {name!r}: group {p!r} is not <device>-<n>x with a GPU "
                             f"preset ({', '.join(d for d in DEVICES if d != 'cpu')}), e.g. "
                             "a100-80g-4x+v100-32g-4x")
+        if int(m.group(2)) > 4096 or any(g.device is device for g in groups):
+            raise PlanError(f"cluster {name!r}: group {p!r} "
+                            + ("repeats a kind: give each kind one group, its devices "
+                               "counted together" if int(m.group(2)) <= 4096 else
+                               "has more than 4096 devices"))
         nodes = next(c for c in CLUSTERS.values() if c.device is device)
         groups.append(DeviceGroup(nodes, int(m.group(2))))
     if len(groups) < 2:

@@ -159,9 +159,10 @@ class HeteroPlan:
             raise PlanError(f"{self.planner} on {self.cluster}: stages of shapes "
                             f"{sorted(shapes)} (data x tensor parallel) do not make one mesh "
                             "with a stage axis; plan without runnable=False")
-        if len(devices) < max(s.slot.first + s.slot.devices for s in self.stages):
+        need = max(s.slot.first + s.slot.devices for s in self.stages)
+        if len(devices) < need:
             raise PlanError(f"{self.planner} on {self.cluster}: {len(devices)} devices, the "
-                            f"plan places stages on {sum(s.slot.devices for s in self.stages)}")
+                            f"plan places stages on devices 0..{need - 1}")
         ((dp, tp),) = shapes
         grid = np.asarray([[devices[s.slot.first + i * tp + j] for i in range(dp)
                             for j in range(tp)] for s in self.stages], dtype=object)
@@ -176,14 +177,28 @@ class HeteroPlan:
         program on its own devices: the base for stages of different kinds). (The runtime
         plans each stage again with its planner's policy; :func:`realize` priced them so.)"""
         from nnscaler_jax.constraints import Constraints
+        from nnscaler_jax.ir.layers import variable_casts
+        from nnscaler_jax.pipeline.cut import first_positions
         from nnscaler_jax.pipeline.units import unit_parts
 
         parts = unit_parts(graph, blocks=True)
+        casts = variable_casts(graph)  # (the runtime makes a weight's cast where it is read)
+        paths = ["" if op.id in casts else op.module_path for op in graph.ops]
+        first, at = first_positions(paths), {op.id: i for i, op in enumerate(graph.ops)}
         pivots = []
         for st in self.stages[1:]:
             name, ops = parts[st.units[0]]
-            pivots.append(name if not name.startswith("<") else
-                          next(o.module_path for o in ops if o.module_path).split("/")[0])
+            start = min(at[o.id] for o in ops if o.id not in casts)
+            steps = paths[start].split("/") if paths[start] else []
+            # the outermost module starting where the stage does (T5's suffix: its
+            # decoder/final_layer_norm, not the decoder)
+            pivot = next((q for q in ("/".join(steps[:k]) for k in range(1, len(steps) + 1))
+                          if first[q] == start), None)
+            if pivot is None:
+                raise PlanError(f"{self.planner} on {self.cluster}: stage {len(pivots) + 1} "
+                                f"starts at unit {name!r}, whose first op belongs to no module "
+                                "that starts there; the runtime cuts only at module starts")
+            pivots.append(pivot)
         return Constraints(pipeline_stages=len(self.stages), schedule="1f1b",
                            microbatches=self.microbatches, pipeline_pivots=tuple(pivots),
                            pipeline_executor="per-stage")
@@ -234,6 +249,9 @@ def _budgets(cluster: MixedCluster, budget: float | Sequence[float] | None) -> l
     """Per group: ``budget`` (the user's, for every device; or one per group), else its
     device's memory less the reserve (:func:`~nnscaler_jax.cost.devices.memory_reserve`)."""
     if isinstance(budget, Sequence):
+        if len(budget) != len(cluster.groups):
+            raise PlanError(f"{len(budget)} budgets for the {len(cluster.groups)} groups of "
+                            f"{cluster.name}: give one per group, or one for every device")
         return [float(b) for b in budget]
     return [float(budget) if budget is not None else
             float(g.device.memory_bytes - memory_reserve(g.device.memory_bytes))
@@ -257,6 +275,38 @@ def _link(cluster: MixedCluster, a: int, b: int) -> LinkCost:
     return nodes.intra if same else nodes.inter
 
 
+def _speed(cluster: MixedCluster, group: int) -> float:
+    """A group's device's 16-bit matmul FLOP/s as reached (peak x efficiency)."""
+    d = cluster.groups[group].device
+    return d.flops * d.efficiency
+
+
+def _tp_link(cluster: MixedCluster, slot: Slot) -> LinkCost:
+    """The link the slot's tensor-parallel collectives run at: the slowest within a run of
+    ``tp`` consecutive devices (the minor mesh axis)."""
+    return _slowest(cluster, [(d, d + i) for d in range(slot.first, slot.first + slot.devices,
+                                                        slot.tp) for i in range(slot.tp)])
+
+
+def _step(stages: Sequence[HeteroStage], microbatches: int) -> float:
+    """1F1B: ``sum t_s + (M - 1) max t_s`` and the slowest gradient all-reduce."""
+    times = [s.time_s for s in stages]
+    return sum(times) + (microbatches - 1) * max(times) + max(s.sync_s for s in stages)
+
+
+def _rows(slot: Slot, microbatch_size: int) -> int:
+    """Each data-parallel replica's rows of a micro-batch.
+
+    Raises:
+        PlanError: ``dp`` does not divide the micro-batch.
+    """
+    if microbatch_size % slot.dp or microbatch_size < slot.dp:
+        raise PlanError(f"a stage on devices {slot.first}..{slot.first + slot.devices - 1} "
+                        f"runs {slot.dp}-way data parallel, which does not divide a micro-batch "
+                        f"of {microbatch_size}: choose micro-batches of a multiple of {slot.dp}")
+    return microbatch_size // slot.dp
+
+
 def _slot_prices(units_by_group: Sequence[list[Unit]], cluster: MixedCluster, slot: Slot,
                  nxt: Slot | None, mb: int, optimizer_bytes: float
                  ) -> tuple[int, StagePrices]:
@@ -266,14 +316,11 @@ def _slot_prices(units_by_group: Sequence[list[Unit]], cluster: MixedCluster, sl
     backward (:func:`realize` and :func:`~nnscaler_jax.train.xla_gpu.check_mixed_stages`
     plan and compile it so)."""
     groups = _groups(cluster, slot)
-    slow = min(groups, key=lambda k: cluster.groups[k].device.flops
-               * cluster.groups[k].device.efficiency)
+    slow = min(groups, key=lambda k: _speed(cluster, k))
     last = slot.first + slot.devices - 1
     send = _link(cluster, last, nxt.first) if nxt is not None else cluster.between
-    tp = _slowest(cluster, [(d, d + i) for d in range(slot.first, last + 1, slot.tp)
-                            for i in range(slot.tp)])  # (tensor-parallel runs: the minor axis)
-    return slow, stage_prices(units_by_group[slow], slot.tp, mb // slot.dp, optimizer_bytes,
-                              tp, send, True)
+    return slow, stage_prices(units_by_group[slow], slot.tp, _rows(slot, mb), optimizer_bytes,
+                              _tp_link(cluster, slot), send, True)
 
 
 def _slowest(cluster: MixedCluster, pairs: Sequence[tuple[int, int]]) -> LinkCost:
@@ -304,9 +351,8 @@ def price_stages(planner: str, units_by_group: Sequence[list[Unit]], cluster: Mi
         names = (units_by_group[slow][a].name, units_by_group[slow][b - 1].name)
         stages.append(HeteroStage(slot, groups, cluster.groups[slow].device.name, (a, b), names,
                                   t, sync, mem, cap))
-    times = [s.time_s for s in stages]
-    step = sum(times) + (M - 1) * max(times) + max(s.sync_s for s in stages)
-    return HeteroPlan(planner, cluster.name, tuple(stages), M, microbatch_size, step)
+    return HeteroPlan(planner, cluster.name, tuple(stages), M, microbatch_size,
+                      _step(stages, M))
 
 
 def _powers(limit: int, of: int) -> list[int]:
@@ -317,8 +363,8 @@ def _powers(limit: int, of: int) -> list[int]:
 def _arrangements(cluster: MixedCluster, n_units: int, equal: bool = False
                   ) -> list[list[Slot]]:
     """Every way to run each group as stages of one tensor parallel size (stage count dividing
-    its devices, tensor parallel inside a node), the groups in any order, at most one unit a
-    stage; ``equal``: only those whose stages all have the same devices and tensor parallel
+    its devices, tensor parallel inside a node), the groups in any order, at least one unit
+    a stage; ``equal``: only those whose stages all have the same devices and tensor parallel
     size (what one mesh with a stage axis runs: :meth:`HeteroPlan.mesh`)."""
     starts = [sum(g.count for g in cluster.groups[:k]) for k in range(len(cluster.groups))]
     per_group = []
@@ -388,8 +434,7 @@ def _balanced(units_by_group, cluster: MixedCluster, slots: Sequence[Slot]
     """Metis's layer partition: contiguous units, each stage's share of the model's compute in
     proportion to its devices' speed (devices x the kind's peak x efficiency); None when a
     stage would get no unit."""
-    speed = [s.devices * min(cluster.groups[g].device.flops * cluster.groups[g].device.efficiency
-                             for g in _groups(cluster, s)) for s in slots]
+    speed = [s.devices * min(_speed(cluster, g) for g in _groups(cluster, s)) for s in slots]
     cost = np.cumsum([0.0] + [u.time_s for u in units_by_group[0]])
     n, total = len(cost) - 1, cost[-1]
     cuts, share = [0], 0.0
@@ -421,8 +466,7 @@ def _uniform(units_by_group, cluster, global_batch, budget, optimizer_bytes, _eq
     """The homogeneous stage search's choices on the slowest kind, in its own order (it
     sees no other kind), each priced where its stages land."""
     slow = cluster.slowest()
-    ref = min(range(len(cluster.groups)), key=lambda k: cluster.groups[k].device.flops
-              * cluster.groups[k].device.efficiency)
+    ref = min(range(len(cluster.groups)), key=lambda k: _speed(cluster, k))
     try:
         ranked = rank_stages(units_by_group[ref], cluster.devices, global_batch,
                              min(_budgets(cluster, budget)), max_tp=slow.devices_per_node,
@@ -430,10 +474,11 @@ def _uniform(units_by_group, cluster, global_batch, budget, optimizer_bytes, _eq
                              inter=slow.inter, recompute=True)
     except PlanError:
         return []
-    return [price_stages("uniform", units_by_group, cluster,
-                         [Slot(s * c.tp * c.dp, c.tp * c.dp, c.tp) for s in range(c.stages)],
-                         c.bounds, c.microbatches, c.microbatch_size * c.dp, budget=budget,
-                         optimizer_bytes=optimizer_bytes) for c in ranked]
+    priced = [price_stages("uniform", units_by_group, cluster,
+                           [Slot(s * c.tp * c.dp, c.tp * c.dp, c.tp) for s in range(c.stages)],
+                           c.bounds, c.microbatches, c.microbatch_size * c.dp, budget=budget,
+                           optimizer_bytes=optimizer_bytes) for c in ranked]
+    return [p for p in priced if p.fits]
 
 
 def candidates(units_by_group: Sequence[list[Unit]], cluster: MixedCluster,
@@ -509,10 +554,17 @@ def plan_realized(units_by_group: Sequence[list[Unit]], cluster: MixedCluster,
     t0 = time.perf_counter()
     smallest = None
     caps = _budgets(cluster, budget)
+    seen: set[tuple] = set()
     for relax in (1, 2, 4) if planner == "auto" else (1,):
         found = candidates(units_by_group, cluster, global_batch, planner=planner,
                            budget=[c * relax for c in caps], **kw)
-        for plan in found[:tries]:
+        fresh = []
+        for p in found:  # (those realized under a tighter relaxation are not again)
+            key = (tuple((s.slot, s.units) for s in p.stages), p.microbatches)
+            if key not in seen:
+                seen.add(key)
+                fresh.append(p)
+        for plan in fresh[:tries]:
             real = realize(plan, graph_at, units_by_group, cluster, budget=budget,
                            optimizer_bytes=kw.get("optimizer_bytes", 3.0))
             if real.fits:
@@ -560,7 +612,7 @@ def realize(plan: HeteroPlan, graph_at: Callable[[int], Graph],
         (a, b), slot = st.units, st.slot
         nxt = plan.stages[k + 1].slot if k + 1 < S else None
         slow, pr = _slot_prices(units_by_group, cluster, slot, nxt, mb, optimizer_bytes)
-        units, rows = units_by_group[slow], mb // slot.dp
+        units, rows = units_by_group[slow], _rows(slot, mb)
         if rows not in traced:
             g = graph_at(rows)
             traced[rows] = (g, [ops for _, ops in unit_parts(g, blocks=True)])
@@ -569,10 +621,7 @@ def realize(plan: HeteroPlan, graph_at: Callable[[int], Graph],
         p2p = 2 * (send.alpha_s + units[b - 1].out_bytes * rows * send.beta_s_per_byte) \
             if send is not None else 0.0
         kept = (min(S - k, M) - 1) * float(pr.act[a, b])  # (the other inputs in flight)
-        tp_link = _slowest(cluster, [(d, d + i) for d in range(slot.first, slot.first
-                                                                 + slot.devices, slot.tp)
-                                     for i in range(slot.tp)])
-        cm = CostModel(MeshSpec(("model",), (slot.tp,), (tp_link,)),
+        cm = CostModel(MeshSpec(("model",), (slot.tp,), (_tp_link(cluster, slot),)),
                        device=cluster.groups[slow].device, grads_held=M > 1)
         policy = stage_policy(plan.planner)
         g = part_graph(graph, {op.id for part in parts[a:b] for op in part})
@@ -588,6 +637,4 @@ def realize(plan: HeteroPlan, graph_at: Callable[[int], Graph],
             sp, t, mem = None, st.time_s, float(e.smallest_bytes or math.inf)
         out.append(replace(st, time_s=t, memory_bytes=mem + kept, budget_bytes=cap,
                            policy=policy, plan=sp))
-    times = [s.time_s for s in out]
-    step = sum(times) + (M - 1) * max(times) + max(s.sync_s for s in out)
-    return replace(plan, stages=tuple(out), step_time_s=step)
+    return replace(plan, stages=tuple(out), step_time_s=_step(out, M))

@@ -276,9 +276,9 @@ def check_mixed_stages(plan: Any, graph_at: Any) -> dict[str, Any]:
     ``microbatch_size / dp``, the stage's plan renumbered onto it), its forward recomputed from
     its input as the pipeline runtime runs it; its XLA peak (arguments + outputs +
     temporaries - aliases: the weights as stored, the stage input and the output cotangent,
-    the gradients) plus what lives beside it in a step: the gradient accumulator and Adam's two
-    moments (the stage's weights as stored, float32) and the inputs of the other micro-batches
-    1F1B keeps in flight. Returns ``{"stages": [{"kind", "device" (the ``device_kind`` it
+    the gradients) plus what lives beside it in a step: Adam's two moments and, over several
+    micro-batches, the gradient accumulator (each the stage's weights as stored, float32) and
+    the inputs of the other micro-batches 1F1B keeps in flight. Returns ``{"stages": [{"kind", "device" (the ``device_kind`` it
     compiled for), "xla_bytes", "state_bytes", "inflight_bytes", "peak_bytes",
     "budget_bytes", "estimate_bytes" (the plan's), "fits", "xla_remat", "involuntary_remat",
     "compile_s"}], "fits"}``.
@@ -316,8 +316,9 @@ def check_mixed_stages(plan: Any, graph_at: Any) -> dict[str, Any]:
                                  ("model",))
         low = Lowering(part, sp, mesh)
         shard = low.input_shardings()
-        diff = [t.role is not Role.RNG and np.issubdtype(np.dtype(t.dtype), np.floating)
-                for t in part.inputs]
+        # differentiated: the weights and the earlier stages' activations (not the batch)
+        diff = [t.role not in (Role.RNG, Role.INPUT)
+                and np.issubdtype(np.dtype(t.dtype), np.floating) for t in part.inputs]
         avals = [jax.ShapeDtypeStruct(t.shape, np.dtype(t.dtype), sharding=s)
                  for t, s in zip(part.inputs, shard, strict=True)]
         out.append(_mixed_stage(k, S, M, st, low, part, avals, diff, mesh))
@@ -352,7 +353,9 @@ def _mixed_stage(k, S, M, st, low, part, avals, diff, mesh) -> dict[str, Any]:
                   if t.role is Role.VARIABLE)
     stage_in = sum(_stored_bytes(a) for a, t in zip(avals, part.inputs, strict=True)
                    if t.role is not Role.VARIABLE)  # (what the stage keeps to recompute)
-    state = 3 * weights  # gradient accumulator + two moments, float32 as the weights
+    # Adam's two moments, and the gradient accumulator over several micro-batches (the
+    # program's arguments hold the weights, its outputs one micro-batch's gradients)
+    state = (2 + (M > 1)) * weights
     inflight = (min(S - k, M) - 1) * stage_in
     peak = check.peak_bytes + state + inflight
     return {"kind": st.kind, "device": check.device, "xla_bytes": check.peak_bytes,

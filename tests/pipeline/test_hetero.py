@@ -248,3 +248,27 @@ def test_each_stage_compiles_for_its_own_kind(gpt):
     assert a100["inflight_bytes"] > 0 == v100["inflight_bytes"]  # 1F1B: stage 0 keeps 1 more
     with pytest.raises(PlanError, match="realize"):
         check_mixed_stages(plan, gpt_at)
+
+
+def test_constraints_cut_where_the_plan_cuts_a_model_without_one_stack():
+    """T5: a stage starting at a block is cut at that block, one starting at the suffix at the
+    suffix's first module (decoder/final_layer_norm, not the whole decoder), each stage on
+    its own program; a micro-batch its data parallelism does not divide is refused."""
+    graph = capture_spec(models.get("t5", "tiny", batch_size=8), loss=True).graph
+    cluster = cluster_preset(MIXED)
+    units = kind_units(graph, cluster, 8)
+    names = [u.name for u in units[0]]
+    mid, suffix = names.index("encoder/block_1"), len(names) - 1
+    plan = price_stages("auto", units, cluster, [Slot(0, 2, 1), Slot(2, 2, 1), Slot(4, 2, 1),
+                                                 Slot(6, 2, 1)],
+                        [(0, mid), (mid, mid + 2), (mid + 2, suffix), (suffix, suffix + 1)],
+                        4, 2)
+    cons = plan.constraints(graph)
+    assert cons.pipeline_pivots == ("encoder/block_1", names[mid + 2],
+                                    "decoder/final_layer_norm")
+    assert cons.pipeline_executor == "per-stage" and cons.microbatches == 4
+    with pytest.raises(PlanError, match="does not divide a micro-batch of 3"):
+        price_stages("auto", units, cluster, [Slot(0, 4, 2), Slot(4, 4, 2)],
+                     [(0, mid), (mid, suffix + 1)], 2, 3)
+    with pytest.raises(PlanError, match="repeats a kind"):
+        mixed_cluster("a100-80g-4x+a100-80g-4x")
