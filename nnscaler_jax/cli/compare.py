@@ -476,7 +476,8 @@ def mixed_entry(plan: Any, error: Exception | None = None) -> dict[str, Any]:
 
 def _mixed_xla(plan: Any, graph_at: Any) -> dict[str, Any]:
     """``--xla`` on a mixed cluster: each stage compiled by XLA:GPU for its own kind
-    (:func:`~nnscaler_jax.train.xla_gpu.check_mixed_stages`); ``{"error"}`` where it cannot."""
+    (:func:`~nnscaler_jax.train.xla_gpu.check_mixed_stages`), the judge of each planner's
+    choices; ``{"error", "fits": False}`` where it cannot."""
     import jax
 
     from nnscaler_jax.errors import PlanError
@@ -485,7 +486,7 @@ def _mixed_xla(plan: Any, graph_at: Any) -> dict[str, Any]:
     try:
         return check_mixed_stages(plan, graph_at)
     except (PlanError, jax.errors.JaxRuntimeError) as e:  # (a stage XLA:GPU cannot compile)
-        return {"error": cli_terms(str(e).splitlines()[0])}
+        return {"error": cli_terms(str(e).splitlines()[0]), "fits": False}
 
 
 def _xla_text(r: dict[str, Any]) -> str:
@@ -554,11 +555,13 @@ def compare_mixed(args: argparse.Namespace, spec: Any, mesh: Any, cluster: Any,
     for name in planners:
         t0 = time.perf_counter()
         try:
+            judge = (lambda p: _mixed_xla(p, graph_at)) if getattr(args, "xla", False) \
+                else None  # (XLA:GPU judges each plan: one over a stage's budget is not one)
             plan = plan_realized(units, cluster, batch, graph_at, planner=name,
-                                 budget=budget)
+                                 budget=budget, judge=judge)
             results[name] = dict(mixed_entry(plan), search_s=time.perf_counter() - t0)
-            if getattr(args, "xla", False):
-                results[name]["xla"] = _mixed_xla(plan, graph_at)
+            if plan.xla is not None:
+                results[name]["xla"] = plan.xla
         except PlanError as e:
             results[name] = dict(mixed_entry(None, e), search_s=time.perf_counter() - t0)
     budgets = {g.name: (budget if budget is not None else

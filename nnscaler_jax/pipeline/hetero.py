@@ -47,7 +47,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -132,6 +132,7 @@ class HeteroPlan:
     microbatch_size: int
     step_time_s: float
     search_s: float = 0.0
+    xla: dict | None = field(default=None, compare=False)
 
     @property
     def fits(self) -> bool:
@@ -541,12 +542,15 @@ def plan_hetero(units_by_group: Sequence[list[Unit]], cluster: MixedCluster, glo
 def plan_realized(units_by_group: Sequence[list[Unit]], cluster: MixedCluster,
                   global_batch: int, graph_at: Callable[[int], Graph], *,
                   planner: str = "auto", budget: float | None = None, tries: int = 8,
-                  **kw: Any) -> HeteroPlan:
+                  judge: Callable[[HeteroPlan], dict] | None = None, **kw: Any
+                  ) -> HeteroPlan:
     """The planner's first choice whose stages, planned for their kinds (:func:`realize`),
     fit: its :func:`candidates` realized in its order, at most ``tries`` of them (``kw``:
     :func:`plan_hetero`'s other arguments). Ours (``auto``), when none fits, looks again at
     stages that fit only 2 or 4 times the budgets as the units price them (Megatron's splits,
     nothing co-sharded): its in-stage search may fit them, co-sharding and recomputing.
+    ``judge`` (e.g. ``lambda p: check_mixed_stages(p, graph_at)``, XLA's GPU compiler): a plan
+    fits only where its answer's ``"fits"`` is true too, which the plan keeps as ``xla``.
 
     Raises:
         NoFitError: none of them fits realized (the smallest realized peak in it).
@@ -567,9 +571,11 @@ def plan_realized(units_by_group: Sequence[list[Unit]], cluster: MixedCluster,
         for plan in fresh[:tries]:
             real = realize(plan, graph_at, units_by_group, cluster, budget=budget,
                            optimizer_bytes=kw.get("optimizer_bytes", 3.0))
-            if real.fits:
-                return replace(real, search_s=time.perf_counter() - t0)
-            peak = real.memory_bytes_per_device
+            verdict = judge(real) if judge is not None and real.fits else None
+            if real.fits and (verdict is None or verdict.get("fits")):
+                return replace(real, search_s=time.perf_counter() - t0, xla=verdict)
+            peak = real.memory_bytes_per_device if verdict is None else max(
+                (st.get("peak_bytes", 0) for st in verdict.get("stages", ())), default=0)
             smallest = peak if smallest is None else min(smallest, peak)
     raise _no_fit(planner, cluster, len(units_by_group[0]), global_batch, budget, smallest)
 

@@ -272,3 +272,27 @@ def test_constraints_cut_where_the_plan_cuts_a_model_without_one_stack():
                      [(0, mid), (mid, suffix + 1)], 2, 3)
     with pytest.raises(PlanError, match="repeats a kind"):
         mixed_cluster("a100-80g-4x+a100-80g-4x")
+
+
+def test_a_judge_turns_down_a_plan_and_the_planner_takes_its_next(gpt):
+    """``plan_realized(judge=...)`` (XLA:GPU in ``compare --xla``): a plan the judge finds over
+    budget is not one; the planner takes its next choice, and keeps the judge's answer."""
+    from nnscaler_jax.pipeline import plan_realized
+
+    cluster = cluster_preset(MIXED)
+    units = kind_units(gpt, cluster, batch=8)
+    seen = []
+
+    def judge(plan):
+        seen.append(plan)
+        return {"fits": len(seen) > 1, "stages": [{"peak_bytes": 1}]}
+
+    plan = plan_realized(units, cluster, 8, gpt_at, judge=judge)
+    assert len(seen) == 2 and plan.xla == {"fits": True, "stages": [{"peak_bytes": 1}]}
+    key = lambda p: ([(s.slot, s.units) for s in p.stages], p.microbatches)
+    assert key(plan) == key(seen[1]) != key(seen[0])
+    assert plan_realized(units, cluster, 8, gpt_at).xla is None  # (no judge)
+    with pytest.raises(NoFitError) as e:
+        plan_realized(units, cluster, 8, gpt_at, planner="metis", tries=2,
+                      judge=lambda p: {"fits": False, "stages": [{"peak_bytes": 123}]})
+    assert e.value.smallest_bytes == 123
