@@ -53,7 +53,6 @@ from nnscaler_jax.cli.common import (
     table,
 )
 from nnscaler_jax.cli.xla import check_cluster, xla_entry, xla_text
-from nnscaler_jax.cost.devices import memory_reserve
 from nnscaler_jax.mesh.axes import mesh_axes, stage_axis
 from nnscaler_jax.plan.view import fused_attention_rows
 
@@ -564,9 +563,7 @@ def compare_mixed(args: argparse.Namespace, spec: Any, mesh: Any, cluster: Any,
                 results[name]["xla"] = plan.xla
         except PlanError as e:
             results[name] = dict(mixed_entry(None, e), search_s=time.perf_counter() - t0)
-    budgets = {g.name: (budget if budget is not None else
-                        g.device.memory_bytes - memory_reserve(g.device.memory_bytes))
-               for g in cluster.groups}
+    budgets = {g.name: b for g, b in zip(cluster.groups, cluster.budgets(budget), strict=True)}
     obj = {"ok": True, "model": args.model, "preset": args.preset, "mesh": args.mesh,
            "cluster": cluster.name, "budget_bytes": budgets,
            "budget": "--budget" if budget is not None else

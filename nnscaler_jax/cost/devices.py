@@ -339,6 +339,13 @@ class MixedCluster:
         raise PlanError(f"device {device} is not in cluster {self.name} "
                         f"({self.devices} devices)")
 
+    def budgets(self, budget: float | None = None) -> list[float]:
+        """Each group's memory budget per device: ``budget`` (the user's, for every device),
+        else its device's memory less the reserve (:func:`memory_reserve`)."""
+        return [float(budget) if budget is not None else
+                float(g.device.memory_bytes - memory_reserve(g.device.memory_bytes))
+                for g in self.groups]
+
     def kinds(self) -> list[str]:
         """Each device's kind (its preset's name), in the cluster's numbering: the labels of
         devices that do not say their kind themselves (virtual CPU devices in tests).

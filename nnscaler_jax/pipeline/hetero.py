@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from nnscaler_jax.cost.devices import MixedCluster, memory_reserve
+from nnscaler_jax.cost.devices import MixedCluster
 from nnscaler_jax.cost.model import CostModel
 from nnscaler_jax.errors import NoFitError, PlanError
 from nnscaler_jax.ir.graph import Graph
@@ -254,9 +254,7 @@ def _budgets(cluster: MixedCluster, budget: float | Sequence[float] | None) -> l
             raise PlanError(f"{len(budget)} budgets for the {len(cluster.groups)} groups of "
                             f"{cluster.name}: give one per group, or one for every device")
         return [float(b) for b in budget]
-    return [float(budget) if budget is not None else
-            float(g.device.memory_bytes - memory_reserve(g.device.memory_bytes))
-            for g in cluster.groups]
+    return cluster.budgets(budget)
 
 
 def _groups(cluster: MixedCluster, slot: Slot) -> tuple[int, ...]:
