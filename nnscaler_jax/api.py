@@ -47,6 +47,7 @@ from nnscaler_jax.mesh.axes import mesh_axes
 from nnscaler_jax.plan.plan import Plan
 from nnscaler_jax.plan.reuse import saved_plan
 from nnscaler_jax.planner import make_plan
+from nnscaler_jax.train.grouped_step import GroupStep
 from nnscaler_jax.train.pipelined_step import PipelineStep
 from nnscaler_jax.train.step import SpmdStep
 
@@ -295,6 +296,11 @@ class AutoParallel:
         return AutoParallel(self.module, self.mesh, self.constraints, self.policy, plan,
                             self.verify)
 
+    def on_mesh(self, mesh: Any, constraints: Constraints | None) -> AutoParallel:
+        """The same module and policy wrapped for ``mesh`` under ``constraints`` (a group of
+        devices' own program: :class:`~nnscaler_jax.train.grouped_step.GroupStep`)."""
+        return AutoParallel(self.module, mesh, constraints, self.policy, None, self.verify)
+
     def variable_shardings(self, variables: Any, *args: Any, rngs: Any = None,
                            mutable: Any = False, **kwargs: Any) -> Any:
         """Where the plan of ``apply(variables, *args, **kwargs)`` stores each variable: a tree
@@ -336,6 +342,8 @@ class AutoParallel:
         """
         if self.pipelined:
             return PipelineStep(self, loss_fn, optimizer, return_grads=return_grads, **options)
+        if self.constraints is not None and self.constraints.batch_shares is not None:
+            return GroupStep(self, loss_fn, optimizer, return_grads=return_grads, **options)
         return SpmdStep(self, loss_fn, optimizer, return_grads=return_grads, **options)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -406,6 +414,10 @@ class NnxAutoParallel(ModuleAttributes, nnx.Module):
         if self._core.pipelined:
             return PipelineStep(self._core, loss_fn, optimizer, return_grads=return_grads,
                                 **options)
+        if self._core.constraints is not None and self._core.constraints.batch_shares:
+            raise PlanError("train_step: Constraints(batch_shares=...) (a program per group of "
+                            "devices) trains linen modules; wrap the nnx module's linen "
+                            "equivalent, or drop the shares (even data parallelism)")
         return SpmdStep(self, loss_fn, optimizer, return_grads=return_grads, **options)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

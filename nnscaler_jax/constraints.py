@@ -13,7 +13,7 @@ from nnscaler_jax.capture.precision import precision_name
 from nnscaler_jax.errors import ConstraintError
 from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.ir.remat import selective
-from nnscaler_jax.mesh.axes import stage_axis
+from nnscaler_jax.mesh.axes import data_axes, stage_axis
 
 __all__ = ["Constraints", "Rule", "parse_bytes"]
 
@@ -129,6 +129,19 @@ def _is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def _shares(value: object) -> tuple[int, ...] | None:
+    """``batch_shares``: None, or a tuple of two or more positive ints."""
+    if value is None:
+        return None
+    if isinstance(value, str) or not _iterable(value) or len(tuple(value)) < 2 or not all(
+            _is_int(v) and v > 0 for v in value):  # type: ignore[union-attr]
+        raise ConstraintError(
+            f"Constraints(batch_shares={value!r}): give each data-parallel group's rows of a "
+            "step's batch, one positive int per index of the mesh's first data axis (two or "
+            "more), e.g. batch_shares=(10, 6) on jax.make_mesh((2, 4), ('data', 'model'))")
+    return tuple(int(v) for v in value)  # type: ignore[union-attr]
+
+
 def _logical_rules(value: object) -> tuple[tuple[str, str | None], ...]:
     """``logical_rules`` as a tuple of ``(logical name, mesh axis or None)`` pairs."""
     bad = ConstraintError(
@@ -192,6 +205,15 @@ class Constraints:
     table). None (the default): the planner prices both and keeps the faster (ties: after
     the step). The plan records it (``plan.pipeline.overlap``).
 
+    ``batch_shares``: uneven data parallelism over groups of devices of different speed (a
+    cluster of several GPU kinds): the mesh's first data axis indexes the groups, group ``i``
+    takes ``batch_shares[i]`` consecutive rows of each step's batch (they sum to it) and runs
+    the whole model on them as its own program on its devices (the other mesh axes: the
+    policy's plan of its rows), and the groups' gradients are averaged weighted by their rows
+    before every group applies the same update (``pm.train_step``:
+    :class:`~nnscaler_jax.train.grouped_step.GroupStep`). None (the default): even shares,
+    one program.
+
     >>> Constraints(precision="bf16").precision
     'bfloat16'
     """
@@ -208,6 +230,7 @@ class Constraints:
     attention: Literal["fused", "ring", "zigzag"] | None = None
     pipeline_executor: Literal["in-graph", "per-stage"] | None = None
     pipeline_overlap: bool | None = None
+    batch_shares: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.rules, Rule | str) or not _iterable(self.rules):
@@ -256,6 +279,12 @@ class Constraints:
                 "Constraints(pipeline_overlap=True, pipeline_executor='per-stage'): the "
                 "per-stage runtime sends each result as its block ends; overlap is the "
                 "in-graph runtime's. Drop one of them")
+        object.__setattr__(self, "batch_shares", _shares(self.batch_shares))
+        if self.batch_shares is not None and self.pipeline_stages not in (None, 1):
+            raise ConstraintError(
+                f"Constraints(batch_shares={self.batch_shares}, pipeline_stages="
+                f"{self.pipeline_stages!r}): uneven batch shares run whole-model groups side "
+                "by side; pipeline stages are the other answer. Drop one of them")
         if self.max_memory_per_device is not None:
             object.__setattr__(self, "max_memory_per_device",
                                parse_bytes(self.max_memory_per_device))
@@ -271,6 +300,7 @@ class Constraints:
         be staged is the pipeline's business (:mod:`nnscaler_jax.pipeline.configure`).
         """
         self._check_pipeline(mesh_axes)
+        self.share_axis(mesh_axes)
         _check_pivots(self.pipeline_pivots, graph)
         for r in self.rules:
             if r.replicate and (r.dims or r.axes):
@@ -324,6 +354,25 @@ class Constraints:
                        for r in self.rules if r.recompute in (True, "selective"))
         forbidden = tuple(r.module or "*" for r in self.rules if r.recompute is False)
         return forced, forbidden
+
+    def share_axis(self, mesh_axes: dict[str, int]) -> str | None:
+        """The mesh axis whose indices take :attr:`batch_shares` (its first data axis, of
+        their count), None without shares.
+
+        Raises:
+            ConstraintError: no data axis, or one of another size.
+        """
+        if self.batch_shares is None:
+            return None
+        axes = data_axes(mesh_axes)
+        n = len(self.batch_shares)
+        if not axes or mesh_axes[axes[0]] != n:
+            raise ConstraintError(
+                f"Constraints(batch_shares={self.batch_shares}) gives {n} groups' rows; they "
+                f"are the indices of the mesh's first data axis, and the mesh has {mesh_axes}. "
+                f"Build the mesh with a first data axis of size {n}, e.g. "
+                f"jax.make_mesh(({n}, 4), ('data', 'model'))")
+        return axes[0]
 
     def _check_pipeline(self, mesh_axes: dict[str, int]) -> None:
         stages, axis = self.pipeline_stages, stage_axis(mesh_axes)

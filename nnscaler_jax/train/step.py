@@ -437,10 +437,15 @@ class SpmdStep(TrainStep):
         self._set_up(variables, batch, rng, abstract=True)
         return self._abstract
 
-    def _batch_abstract(self, batch: Sequence[Any]) -> tuple:
-        """The batch as ``ShapeDtypeStruct`` values laid out as the plan of the module and its
-        loss reads them (an array the plan does not read: split like the first one's leading
-        dim)."""
+    @property
+    def state_shardings(self) -> dict:
+        """Where :meth:`init` lays out the state: a dict like it of ``NamedSharding``."""
+        self._check()
+        return self._shardings["state"]
+
+    def batch_shardings(self, batch: Sequence[Any]) -> tuple[NamedSharding, ...]:
+        """Where the plan of the module and its loss reads each batch array (an array the plan
+        does not read: split like the first one's leading dim), after :meth:`init`."""
         got = list(self.model.core.argument_shardings())
         lead = None
         if got and got[0] is not None and got[0].spec:
@@ -450,10 +455,13 @@ class SpmdStep(TrainStep):
             s = got[i] if i < len(got) else None
             if s is None:
                 s = P(*([lead] if np.ndim(x) and lead is not None else []))
-            spec = getattr(s, "spec", s)
-            out.append(jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x),
-                                            sharding=NamedSharding(self.mesh, spec)))
+            out.append(NamedSharding(self.mesh, getattr(s, "spec", s)))
         return tuple(out)
+
+    def _batch_abstract(self, batch: Sequence[Any]) -> tuple:
+        """The batch as ``ShapeDtypeStruct`` values laid out as :meth:`batch_shardings`."""
+        return tuple(jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=s)
+                     for x, s in zip(batch, self.batch_shardings(batch), strict=True))
 
     # ---- the step ------------------------------------------------------------------------------
 
@@ -482,13 +490,19 @@ class SpmdStep(TrainStep):
         (grads, colls, loss), _ = lax.scan(body, (zeros, colls, jnp.float32(0)), jnp.arange(m))
         return loss / m, jax.tree.map(lambda g: g / m, grads), colls
 
-    def _step(self, state: dict, batch: tuple) -> tuple[dict, dict]:
-        state = dict(state)
-        key = None
-        if "rng" in state:
-            state["rng"], key = jax.random.split(state["rng"])
+    def local(self, state: dict, batch: tuple, key: Any) -> tuple[Any, Any, Any]:
+        """The step's gradients, without the update: ``(mean loss, gradients, collections)``,
+        the gradients laid out as the step keeps them (float16: still loss-scaled) and the
+        micro-batches' rng streams drawn from ``key`` (None: none). Traceable; what
+        :class:`~nnscaler_jax.train.grouped_step.GroupStep` runs on each group before
+        weighing their gradients together."""
         loss, grads, colls = self._grads(state, batch, key)
-        grads = jax.tree.map(place_as, grads, self._shardings["grads"])
+        return loss, jax.tree.map(place_as, grads, self._shardings["grads"]), colls
+
+    def apply_grads(self, state: dict, loss: Any, grads: Any, colls: Any
+                    ) -> tuple[dict, dict]:
+        """The update of :meth:`local`'s results: ``(new state, metrics)``. Traceable."""
+        state = dict(state)
         metrics = {"loss": loss}
         if "loss_scale" in state:
             grads = LossScaling.unscale(grads, state)
@@ -502,6 +516,13 @@ class SpmdStep(TrainStep):
         if self.return_grads:
             metrics["grads"] = grads
         return state, metrics
+
+    def _step(self, state: dict, batch: tuple) -> tuple[dict, dict]:
+        state = dict(state)
+        key = None
+        if "rng" in state:
+            state["rng"], key = jax.random.split(state["rng"])
+        return self.apply_grads(state, *self.local(state, batch, key))
 
     # ---- use -----------------------------------------------------------------------------------
 
