@@ -5,9 +5,11 @@ Per model and mixed cluster, the three planners of :mod:`nnscaler_jax.pipeline.h
 (``auto``: ours; ``metis``; ``uniform``), each stage's in-stage plan made and priced for its own
 kind (``realize``). Models at nnScaler's 8-GPU sizes (GPT-3 2.6B / 6.7B: Alpa's benchmark
 configs; Swin and T5: ``*-nnscaler-8gpu``), float16 (float32 master weights and Adam),
-global batch 16. Writes ``results/bench_hetero.json`` and ``.md``.
+global batch 16 (``model:preset@batch``: another; GPT-3 350M and 1.3B at 64, where ours
+picks data-parallel groups on uneven shares over pipelines). Writes
+``results/bench_hetero.json`` and ``.md``.
 
-    JAX_PLATFORMS=cpu python scripts/bench_hetero.py [--models gpt:gpt3-6.7b,...]
+    JAX_PLATFORMS=cpu python scripts/bench_hetero.py [--models gpt:gpt3-6.7b,gpt:gpt3-1.3b@64]
         [--clusters a100-80g-4x+v100-32g-4x,...]
 """
 
@@ -34,7 +36,8 @@ from nnscaler_jax.errors import PlanError
 from nnscaler_jax.pipeline.hetero import PLANNERS, kind_units, plan_realized
 from nnscaler_jax.train.xla_gpu import check_mixed_stages
 
-MODELS = "gpt:gpt3-2.6b,gpt:gpt3-6.7b,swin:swin-nnscaler-8gpu,t5:t5-nnscaler-8gpu"
+MODELS = ("gpt:gpt3-350m@64,gpt:gpt3-1.3b@64,gpt:gpt3-2.6b,gpt:gpt3-6.7b,"
+          "swin:swin-nnscaler-8gpu,t5:t5-nnscaler-8gpu")
 CLUSTERS = "a100-80g-4x+v100-32g-4x,h100-80g-4x+a100-80g-4x"
 BATCH = 16
 
@@ -49,6 +52,8 @@ def judge(plan, graph_at) -> dict:
 
 
 def case(name: str, preset: str, cluster_name: str, xla: bool) -> dict:
+    preset, _, at = preset.partition("@")
+    batch = int(at) if at else BATCH
     cluster = cluster_preset(cluster_name)
     traced: dict[int, object] = {}
 
@@ -60,14 +65,14 @@ def case(name: str, preset: str, cluster_name: str, xla: bool) -> dict:
         return traced[rows]
 
     t0 = time.perf_counter()
-    graph = graph_at(BATCH)
-    units = kind_units(graph, cluster, BATCH)
-    row = {"model": name, "preset": preset, "cluster": cluster_name, "global_batch": BATCH,
+    graph = graph_at(batch)
+    units = kind_units(graph, cluster, batch)
+    row = {"model": name, "preset": preset, "cluster": cluster_name, "global_batch": batch,
            "units": len(units[0]), "capture_s": time.perf_counter() - t0, "planners": {}}
     for planner in PLANNERS:
         t0 = time.perf_counter()
         try:
-            plan = plan_realized(units, cluster, BATCH, graph_at, planner=planner,
+            plan = plan_realized(units, cluster, batch, graph_at, planner=planner,
                                  judge=(lambda p: judge(p, graph_at)) if xla else None)
             entry = mixed_entry(plan)  # (compare --json's entry)
             if plan.xla is not None:
@@ -86,10 +91,12 @@ def case(name: str, preset: str, cluster_name: str, xla: bool) -> dict:
 def _stages(entry: dict) -> str:
     if "stages" not in entry:
         return entry.get("error", "")[:90]
+    shares = entry.get("shares")
     return "<br>".join(
         f"{st['kind']} x{st['devices'][1] - st['devices'][0] + 1} tp{st['tp']}"
-        f"{' dp' + str(st['dp']) if st['dp'] > 1 else ''}: {st['layers'][0]} .. "
-        f"{st['layers'][1]}, {st['policy']}"
+        f"{' dp' + str(st['dp']) if st['dp'] > 1 else ''}: "
+        + (f"{shares[k]} rows (all layers)" if shares else
+           f"{st['layers'][0]} .. {st['layers'][1]}") + f", {st['policy']}"
         f"{', recompute ' + str(len(st['recompute_groups'])) if st['recompute_groups'] else ''}"
         f"{', co-shard ' + str(len(st['cosharded'])) if st['cosharded'] else ''}"
         f", {st['memory_bytes'] / 2**30:.1f} / {st['budget_bytes'] / 2**30:.1f} GiB"
@@ -107,11 +114,14 @@ def _xla(entry: dict, k: int) -> str:
 def markdown(rows: list[dict]) -> str:
     lines = ["# Heterogeneous clusters: ours vs Metis-style vs heterogeneity-unaware", "",
              ("Written by `scripts/bench_hetero.py` (predicted by our cost model; no GPU). "
-              f"float16 compute, float32 master weights + Adam, global batch {BATCH}, 1F1B. "
+              "float16 compute, float32 master weights + Adam, global batch as the row says "
+              f"(default {BATCH}), pipelines run 1F1B. "
               "Every stage keeps its input per micro-batch in flight and recomputes its "
               "forward in the backward, as the pipeline runtime runs it. "
               "`auto`: ours (stage DP over the groups' arrangements with per-kind prices, "
-              "memory and links; each stage planned by our search for its kind). `metis`: "
+              "memory and links; each stage planned by our search for its kind; or the "
+              "groups side by side, data parallel on uneven batch shares, `rows` per group, "
+              "where that is faster). `metis`: "
               "Metis's space (per-stage device type, DP x TP per stage, layers by balanced "
               "compute; Megatron inside the stages). `uniform`: every device priced as the "
               "slowest kind, equal stages, priced where its stages land (Megatron inside). "
@@ -121,15 +131,16 @@ def markdown(rows: list[dict]) -> str:
               "plus the gradient accumulator, Adam's moments and the inputs in flight; "
               "`check_mixed_stages`): the judge of every planner's choices, a plan over a "
               "stage's budget by XLA's count is not one (the planner takes its next)."), "",
-             ("| model | cluster | planner | fits | step ms | speed-up | stages (kind x "
-              "devices, layers, in-stage policy, memory / budget) |"),
-             "|---|---|---|---|---|---|---|"]
+             ("| model | batch | cluster | planner | fits | step ms | speed-up | stages (kind "
+              "x devices, layers or rows, in-stage policy, memory / budget) |"),
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ours = r["planners"]["auto"].get("step_time_s")
         for name, e in r["planners"].items():
             step = e.get("step_time_s")
             ratio = f"{step / ours:.2f}x" if step and ours and name != "auto" else ""
-            lines.append(f"| {r['model']} {r['preset']} | {r['cluster']} | {name} | "
+            lines.append(f"| {r['model']} {r['preset']} | {r['global_batch']} | "
+                         f"{r['cluster']} | {name} | "
                          f"{'yes' if e['fits'] else 'NO'} | "
                          f"{'-' if step is None else f'{step * 1e3:.1f}'} | {ratio} | "
                          f"{_stages(e)} |")

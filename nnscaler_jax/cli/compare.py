@@ -466,11 +466,11 @@ def mixed_entry(plan: Any, error: Exception | None = None) -> dict[str, Any]:
     features = {"recompute": sorted({g for js in body["stages"] for g in js["recompute_groups"]}),
                 "cosharded": [c for js in body["stages"] for c in js["cosharded"]],
                 "microbatches": plan.microbatches, "stages": len(plan.stages),
-                "schedule": "1f1b"}
+                "schedule": "groups" if plan.grouped else "1f1b"}
     return {"fits": plan.fits, "step_time_s": plan.step_time_s,
             "memory_bytes_per_device": plan.memory_bytes_per_device, "comm_bytes": None,
             "search_s": plan.search_s, "features": features, "stages": body["stages"],
-            "microbatch_size": plan.microbatch_size}
+            "microbatch_size": plan.microbatch_size, "shares": body["shares"]}
 
 
 def _mixed_xla(plan: Any, graph_at: Any) -> dict[str, Any]:
@@ -501,12 +501,15 @@ def _xla_text(r: dict[str, Any]) -> str:
 
 
 def _stages_text(r: dict[str, Any]) -> str:
-    """``A100-80G x4 tp4: <prefix>..h_22 | V100-32G x4 tp4: h_23..<suffix>``."""
+    """``A100-80G x4 tp4: <prefix>..h_22 | V100-32G x4 tp4: h_23..<suffix>``; groups side by
+    side (``shares``): ``A100-80G x4 tp4: 46 rows | V100-32G x4 tp4: 18 rows``."""
+    shares = r.get("shares")
     return " | ".join(f"{st['kind']} x{st['devices'][1] - st['devices'][0] + 1} tp{st['tp']}"
                       f"{' dp' + str(st['dp']) if st['dp'] > 1 else ''}: "
-                      f"{st['layers'][0]}..{st['layers'][1]}"
-                      f"{' (recompute)' if st['recompute_groups'] else ''}"
-                      for st in r.get("stages") or [])
+                      + (f"{shares[k]} rows" if shares else
+                         f"{st['layers'][0]}..{st['layers'][1]}")
+                      + f"{' (recompute)' if st['recompute_groups'] else ''}"
+                      for k, st in enumerate(r.get("stages") or []))
 
 
 def compare_mixed(args: argparse.Namespace, spec: Any, mesh: Any, cluster: Any,
@@ -578,7 +581,8 @@ def compare_mixed(args: argparse.Namespace, spec: Any, mesh: Any, cluster: Any,
                  _stages_text(r) or r.get("error", "")[:80], _xla_text(r)]
                 for n, r in results.items()]
         text = (f"{args.model} [{args.preset}] on {cluster.name} ({cluster.devices} devices), "
-                f"global batch {batch}, 1F1B; budgets "
+                f"global batch {batch}, pipelines 1F1B (or rows: data-parallel groups on uneven "
+                "shares); budgets "
                 + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in budgets.items())
                 + (f"; compute precision {precision}" if precision else "") + "\n"
                 + table(["planner", "fits", "plan s", "step ms", "memory/device",

@@ -123,7 +123,8 @@ class HeteroStage:
 @dataclass(frozen=True)
 class HeteroPlan:
     """A planner's pipeline on a mixed cluster, priced by :func:`price_stages`: step seconds
-    ``sum t_s + (M - 1) max t_s + max sync_s`` (1F1B)."""
+    ``sum t_s + (M - 1) max t_s + max sync_s`` (1F1B); or (``shares``) its groups side by side,
+    each on its own rows, priced by :func:`price_groups`: ``M max t_s + max sync_s``."""
 
     planner: str
     cluster: str
@@ -133,6 +134,19 @@ class HeteroPlan:
     step_time_s: float
     search_s: float = 0.0
     xla: dict | None = field(default=None, compare=False)
+    shares: tuple[int, ...] | None = None
+
+    @property
+    def grouped(self) -> bool:
+        """Data parallelism across the groups (:func:`price_groups`): each "stage" is a group
+        running the whole model on its ``shares`` rows a step."""
+        return self.shares is not None
+
+    def rows(self, k: int) -> int:
+        """Stage ``k``'s rows per micro-batch on one of its data-parallel replicas."""
+        st = self.stages[k]
+        total = self.shares[k] // self.microbatches if self.shares else self.microbatch_size
+        return total // st.slot.dp
 
     @property
     def fits(self) -> bool:
@@ -167,13 +181,16 @@ class HeteroPlan:
         ((dp, tp),) = shapes
         grid = np.asarray([[devices[s.slot.first + i * tp + j] for i in range(dp)
                             for j in range(tp)] for s in self.stages], dtype=object)
-        names = ("stage",) + (("data",) if dp > 1 else ()) + (("model",) if tp > 1 else ())
+        # (grouped: the groups are the first data axis, Constraints.batch_shares' axis)
+        names = (("data",) + (("replica",) if dp > 1 else ()) if self.grouped else
+                 ("stage",) + (("data",) if dp > 1 else ())) + (("model",) if tp > 1 else ())
         return jax.sharding.Mesh(grid.reshape((len(self.stages),)
                                               + tuple(k for k in (dp, tp) if k > 1)), names)
 
     def constraints(self, graph: Graph) -> Any:
-        """What ``auto_parallel`` runs this plan with on :meth:`mesh`: 1F1B over its
-        micro-batches, its stages cut where its units start (``pipeline_pivots``: the blocks'
+        """What ``auto_parallel`` runs this plan with on :meth:`mesh`. Grouped: its batch
+        shares (:class:`~nnscaler_jax.train.grouped_step.GroupStep`) and micro-batches.
+        Else 1F1B over its micro-batches, its stages cut where its units start (``pipeline_pivots``: the blocks'
         module paths), one program per stage (the host-dispatched executor, each stage's
         program on its own devices: the base for stages of different kinds). (The runtime
         plans each stage again with its planner's policy; :func:`realize` priced them so.)"""
@@ -182,6 +199,9 @@ class HeteroPlan:
         from nnscaler_jax.pipeline.cut import first_positions
         from nnscaler_jax.pipeline.units import unit_parts
 
+        if self.grouped:
+            return Constraints(batch_shares=self.shares, microbatches=self.microbatches
+                               if self.microbatches > 1 else None)
         parts = unit_parts(graph, blocks=True)
         casts = variable_casts(graph)  # (the runtime makes a weight's cast where it is read)
         paths = ["" if op.id in casts else op.module_path for op in graph.ops]
@@ -208,6 +228,7 @@ class HeteroPlan:
         return {"planner": self.planner, "cluster": self.cluster, "fits": self.fits,
                 "step_time_s": self.step_time_s, "microbatches": self.microbatches,
                 "microbatch_size": self.microbatch_size, "search_s": self.search_s,
+                "shares": list(self.shares) if self.shares else None,
                 "memory_bytes_per_device": self.memory_bytes_per_device,
                 "stages": [{"kind": s.kind, "groups": list(s.groups),
                             "devices": [s.slot.first, s.slot.first + s.slot.devices - 1],
@@ -219,12 +240,15 @@ class HeteroPlan:
 
     def __str__(self) -> str:
         g = 2**30
-        lines = [(f"{self.planner} on {self.cluster}: {len(self.stages)} stages, "
+        what = (f"{len(self.stages)} data-parallel groups, rows {'/'.join(map(str, self.shares))}"
+                if self.grouped else f"{len(self.stages)} stages")
+        lines = [(f"{self.planner} on {self.cluster}: {what}, "
                   f"{self.microbatches} micro-batches of {self.microbatch_size}, step "
                   f"{self.step_time_s:.3f} s{'' if self.fits else ' (over memory)'}")]
         for k, s in enumerate(self.stages):
             lines.append(
-                f"  stage {k}: {s.kind} x {s.slot.devices} (devices {s.slot.first}.."
+                f"  {'group' if self.grouped else 'stage'} {k}: {s.kind} x {s.slot.devices} "
+                f"(devices {s.slot.first}.."
                 f"{s.slot.first + s.slot.devices - 1}, tp {s.slot.tp} x dp {s.slot.dp}), "
                 f"units {s.units[0]}..{s.units[1] - 1} ({s.names[0]} .. {s.names[1]}), "
                 f"{s.time_s * 1e3:.1f} ms/micro-batch, {s.memory_bytes / g:.1f} of "
@@ -287,10 +311,13 @@ def _tp_link(cluster: MixedCluster, slot: Slot) -> LinkCost:
                                                         slot.tp) for i in range(slot.tp)])
 
 
-def _step(stages: Sequence[HeteroStage], microbatches: int) -> float:
-    """1F1B: ``sum t_s + (M - 1) max t_s`` and the slowest gradient all-reduce."""
+def _step(stages: Sequence[HeteroStage], microbatches: int, grouped: bool = False) -> float:
+    """1F1B: ``sum t_s + (M - 1) max t_s`` and the slowest gradient all-reduce; ``grouped``
+    (side by side): ``M max t_s`` and it."""
     times = [s.time_s for s in stages]
-    return sum(times) + (microbatches - 1) * max(times) + max(s.sync_s for s in stages)
+    run = microbatches * max(times) if grouped else \
+        sum(times) + (microbatches - 1) * max(times)
+    return run + max(s.sync_s for s in stages)
 
 
 def _rows(slot: Slot, microbatch_size: int) -> int:
@@ -352,6 +379,80 @@ def price_stages(planner: str, units_by_group: Sequence[list[Unit]], cluster: Mi
                                   t, sync, mem, cap))
     return HeteroPlan(planner, cluster.name, tuple(stages), M, microbatch_size,
                       _step(stages, M))
+
+
+def price_groups(planner: str, units_by_group: Sequence[list[Unit]], cluster: MixedCluster,
+                 slots: Sequence[Slot], shares: Sequence[int], microbatches: int, *,
+                 recompute: bool = False, budget: float | None = None,
+                 optimizer_bytes: float = 3.0) -> HeteroPlan:
+    """Data parallelism across the groups with uneven batch shares (as
+    :class:`~nnscaler_jax.train.grouped_step.GroupStep` runs it): slot ``k`` (one group's
+    devices) runs every unit on ``shares[k]`` rows a step, ``microbatches`` after another,
+    priced on its kind (``recompute``: each micro-batch's forward again in its backward),
+    holding the whole model's state; its gradients all-reduced inside it, then each group's
+    sent to every other over the cluster's ``between`` link.
+
+    Raises:
+        PlanError: a share that its micro-batches x data-parallel replicas do not divide.
+    """
+    M, n, G = microbatches, len(units_by_group[0]), len(slots)
+    budgets = _budgets(cluster, budget)
+    between = cluster.between
+    stages = []
+    for slot, r in zip(slots, shares, strict=True):
+        g = cluster.group_of(slot.first)
+        if r % M:
+            raise PlanError(f"{M} micro-batches do not divide group {g}'s {r} rows")
+        pr = stage_prices(units_by_group[g], slot.tp, _rows(slot, r // M), optimizer_bytes,
+                          _tp_link(cluster, slot), between, recompute)
+        grad = float(pr.grad[0, n])
+        inner = all_reduce_time(_slowest(cluster, [(slot.first, d) for d in range(
+            slot.first, slot.first + slot.devices)]), slot.dp, grad) if slot.dp > 1 else 0.0
+        cross = (G - 1) * (between.alpha_s + grad * between.beta_s_per_byte)
+        units = units_by_group[g]
+        stages.append(HeteroStage(slot, (g,), cluster.groups[g].device.name, (0, n),
+                                  (units[0].name, units[-1].name), float(pr.time[0, n]),
+                                  inner + cross,
+                                  float(pr.state[0, n] + pr.act[0, n] + pr.work[0, n]),
+                                  budgets[g]))
+    return HeteroPlan(planner, cluster.name, tuple(stages), M, sum(shares) // M,
+                      _step(stages, M, grouped=True), shares=tuple(int(r) for r in shares))
+
+
+def _compositions(total: int, steps: Sequence[int]) -> list[tuple[int, ...]]:
+    """Every ``(r_0, ..)`` summing to ``total``, ``r_k`` a positive multiple of ``steps[k]``."""
+    if len(steps) == 1:
+        return [(total,)] if total >= steps[0] and total % steps[0] == 0 else []
+    return [(r,) + rest for r in range(steps[0], total, steps[0])
+            for rest in _compositions(total - r, steps[1:])]
+
+
+def _grouped(units_by_group, cluster, global_batch, budget, optimizer_bytes, equal: bool
+             ) -> list[HeteroPlan]:
+    """Ours, besides pipelines: the groups side by side (:func:`price_groups`), each with one
+    tensor parallel size (inside a node), every split of the batch into shares, micro-batch
+    count and recompute choice; the fastest that fits for each (tensor parallel sizes,
+    micro-batches). ``equal``: groups of one shape (what one mesh runs)."""
+    starts = [sum(g.count for g in cluster.groups[:k]) for k in range(len(cluster.groups))]
+    opts = [[Slot(starts[k], g.count, tp) for tp in
+             _powers(min(g.count, g.nodes.devices_per_node), g.count)]
+            for k, g in enumerate(cluster.groups)]
+    out = []
+    for slots in itertools.product(*opts):
+        if equal and len({(s.devices, s.tp) for s in slots}) != 1:
+            continue
+        for M in _powers(global_batch, global_batch):
+            best = None
+            for shares in _compositions(global_batch, [M * s.dp for s in slots]):
+                for rc in (False, True):
+                    plan = price_groups("auto", units_by_group, cluster, slots, shares, M,
+                                        recompute=rc, budget=budget,
+                                        optimizer_bytes=optimizer_bytes)
+                    if plan.fits and (best is None or plan.step_time_s < best.step_time_s):
+                        best = plan
+            if best is not None:
+                out.append(best)
+    return out
 
 
 def _powers(limit: int, of: int) -> list[int]:
@@ -495,8 +596,10 @@ def candidates(units_by_group: Sequence[list[Unit]], cluster: MixedCluster,
         raise PlanError(f"unknown planner {planner!r} for a cluster of several kinds "
                         f"({cluster.name}); choose from {', '.join(PLANNERS)}")
     args = (units_by_group, cluster, global_batch, budget, optimizer_bytes, runnable)
-    return (_search(*args, t_max_levels) if planner == "auto" else
-            _metis(*args) if planner == "metis" else _uniform(*args))
+    if planner == "auto":  # (pipelines, and the groups side by side on uneven shares)
+        return sorted(_search(*args, t_max_levels) + _grouped(*args),
+                      key=lambda p: p.step_time_s)
+    return _metis(*args) if planner == "metis" else _uniform(*args)
 
 
 def _no_fit(planner: str, cluster: MixedCluster, units: int, global_batch: int,
@@ -562,7 +665,7 @@ def plan_realized(units_by_group: Sequence[list[Unit]], cluster: MixedCluster,
                            budget=[c * relax for c in caps], **kw)
         fresh = []
         for p in found:  # (those realized under a tighter relaxation are not again)
-            key = (tuple((s.slot, s.units) for s in p.stages), p.microbatches)
+            key = (tuple((s.slot, s.units) for s in p.stages), p.microbatches, p.shares)
             if key not in seen:
                 seen.add(key)
                 fresh.append(p)
@@ -614,9 +717,10 @@ def realize(plan: HeteroPlan, graph_at: Callable[[int], Graph],
     out = []
     for k, st in enumerate(plan.stages):
         (a, b), slot = st.units, st.slot
-        nxt = plan.stages[k + 1].slot if k + 1 < S else None
-        slow, pr = _slot_prices(units_by_group, cluster, slot, nxt, mb, optimizer_bytes)
-        units, rows = units_by_group[slow], _rows(slot, mb)
+        nxt = plan.stages[k + 1].slot if k + 1 < S and not plan.grouped else None
+        slow, pr = (cluster.group_of(slot.first), None) if plan.grouped else \
+            _slot_prices(units_by_group, cluster, slot, nxt, mb, optimizer_bytes)
+        units, rows = units_by_group[slow], plan.rows(k)
         if rows not in traced:
             g = graph_at(rows)
             traced[rows] = (g, [ops for _, ops in unit_parts(g, blocks=True)])
@@ -624,7 +728,8 @@ def realize(plan: HeteroPlan, graph_at: Callable[[int], Graph],
         send = _link(cluster, slot.first + slot.devices - 1, nxt.first) if nxt else None
         p2p = 2 * (send.alpha_s + units[b - 1].out_bytes * rows * send.beta_s_per_byte) \
             if send is not None else 0.0
-        kept = (min(S - k, M) - 1) * float(pr.act[a, b])  # (the other inputs in flight)
+        # (the other inputs in flight; a group runs its micro-batches one after another)
+        kept = 0.0 if pr is None else (min(S - k, M) - 1) * float(pr.act[a, b])
         cm = CostModel(MeshSpec(("model",), (slot.tp,), (_tp_link(cluster, slot),)),
                        device=cluster.groups[slow].device, grads_held=M > 1)
         policy = stage_policy(plan.planner)
@@ -634,11 +739,13 @@ def realize(plan: HeteroPlan, graph_at: Callable[[int], Graph],
             sp = plan_spmd(g, {"model": slot.tp}, policy=policy, cost_model=cm,
                            constraints=Constraints(max_memory_per_device=(
                                cap - kept) if policy == "auto" else None)).plan
-            # (+ its forward again in the backward: a third of its compute)
-            t = sp.cost.step_time_s + sp.cost.compute_time_s / 3 + p2p
+            # (+ its forward again in the backward, a third of its compute, where the
+            # pipeline runtime recomputes it; a group runs its plan as it is)
+            t = sp.cost.step_time_s + (0.0 if plan.grouped else sp.cost.compute_time_s / 3) \
+                + p2p
             mem = sp.cost.memory_bytes_per_device
         except NoFitError as e:
             sp, t, mem = None, st.time_s, float(e.smallest_bytes or math.inf)
         out.append(replace(st, time_s=t, memory_bytes=mem + kept, budget_bytes=cap,
                            policy=policy, plan=sp))
-    return replace(plan, stages=tuple(out), step_time_s=_step(out, M))
+    return replace(plan, stages=tuple(out), step_time_s=_step(out, M, plan.grouped))

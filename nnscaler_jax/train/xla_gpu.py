@@ -274,7 +274,8 @@ def check_mixed_stages(plan: Any, graph_at: Any) -> dict[str, Any]:
     Per stage the program is one micro-batch's backward of the stage's ops (its part of
     ``graph_at(rows)``, the model traced at the stage's rows per micro-batch
     ``microbatch_size / dp``, the stage's plan renumbered onto it), its forward recomputed from
-    its input as the pipeline runtime runs it; its XLA peak (arguments + outputs +
+    its input as the pipeline runtime runs it (a group of a grouped plan, data parallel across
+    the kinds: the whole model on its rows per micro-batch, as its plan runs it); its XLA peak (arguments + outputs +
     temporaries - aliases: the weights as stored, the stage input and the output cotangent,
     the gradients) plus what lives beside it in a step: Adam's two moments and, over several
     micro-batches, the gradient accumulator (each the stage's weights as stored, float32) and
@@ -304,7 +305,7 @@ def check_mixed_stages(plan: Any, graph_at: Any) -> dict[str, Any]:
         if st.plan is None:
             raise PlanError(f"stage {k} of the {plan.planner} plan has no in-stage plan: "
                             "realize(plan, ...) it first")
-        rows = plan.microbatch_size // st.slot.dp
+        rows = plan.rows(k)
         graph = graph_at(rows)
         parts = unit_parts(graph, blocks=True)
         part = part_graph(graph, {op.id for _, ops in parts[slice(*st.units)] for op in ops})
@@ -321,12 +322,16 @@ def check_mixed_stages(plan: Any, graph_at: Any) -> dict[str, Any]:
                 and np.issubdtype(np.dtype(t.dtype), np.floating) for t in part.inputs]
         avals = [jax.ShapeDtypeStruct(t.shape, np.dtype(t.dtype), sharding=s)
                  for t, s in zip(part.inputs, shard, strict=True)]
-        out.append(_mixed_stage(k, S, M, st, low, part, avals, diff, mesh))
+        out.append(_mixed_stage(k, S, M, st, low, part, avals, diff, mesh,
+                                grouped=plan.grouped))
     return {"stages": out, "fits": all(s["fits"] for s in out)}
 
 
-def _mixed_stage(k, S, M, st, low, part, avals, diff, mesh) -> dict[str, Any]:
-    """One stage of :func:`check_mixed_stages`: its forward + backward compiled and judged."""
+def _mixed_stage(k, S, M, st, low, part, avals, diff, mesh, grouped: bool = False
+                 ) -> dict[str, Any]:
+    """One stage of :func:`check_mixed_stages`: its forward + backward compiled and judged
+    (``grouped``: a group of data parallelism across kinds, running its plan as it is, one
+    micro-batch at a time)."""
     import jax
 
     from nnscaler_jax.ir.graph import Role
@@ -337,7 +342,8 @@ def _mixed_stage(k, S, M, st, low, part, avals, diff, mesh) -> dict[str, Any]:
     def run(xs, ys):
         return low(*_merge(xs, ys, diff))
 
-    body = jax.checkpoint(run)  # (the forward again from the stage input, in the backward)
+    # (the forward again from the stage input, in the backward)
+    body = run if grouped else jax.checkpoint(run)
     outs = jax.eval_shape(run, inputs, fixed)
     cts = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs]
 
@@ -356,7 +362,7 @@ def _mixed_stage(k, S, M, st, low, part, avals, diff, mesh) -> dict[str, Any]:
     # Adam's two moments, and the gradient accumulator over several micro-batches (the
     # program's arguments hold the weights, its outputs one micro-batch's gradients)
     state = (2 + (M > 1)) * weights
-    inflight = (min(S - k, M) - 1) * stage_in
+    inflight = 0 if grouped else (min(S - k, M) - 1) * stage_in
     peak = check.peak_bytes + state + inflight
     return {"kind": st.kind, "device": check.device, "xla_bytes": check.peak_bytes,
             "state_bytes": state,

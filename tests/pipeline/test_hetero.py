@@ -19,7 +19,15 @@ from nnscaler_jax.cost.devices import (
     mixed_cluster,
 )
 from nnscaler_jax.errors import NoFitError, PlanError
-from nnscaler_jax.pipeline.hetero import Slot, kind_units, plan_hetero, price_stages, realize
+from nnscaler_jax.pipeline.hetero import (
+    Slot,
+    candidates,
+    kind_units,
+    plan_hetero,
+    price_groups,
+    price_stages,
+    realize,
+)
 from nnscaler_jax.pipeline.units import layer_units, unit_parts
 
 MIXED = "a100-80g-4x+v100-32g-4x"
@@ -296,3 +304,101 @@ def test_a_judge_turns_down_a_plan_and_the_planner_takes_its_next(gpt):
         plan_realized(units, cluster, 8, gpt_at, planner="metis", tries=2,
                       judge=lambda p: {"fits": False, "stages": [{"peak_bytes": 123}]})
     assert e.value.smallest_bytes == 123
+
+
+def test_groups_side_by_side_take_rows_in_proportion_to_their_speed():
+    """GPT-3 350M, global batch 64, on 4 A100s + 4 V100s: ours runs the two groups side by
+    side (each the whole model, tensor parallel inside) on uneven shares, faster than its best
+    pipeline there: the A100s take more rows (about their speed's share), each group within
+    its own memory, the step the slower group's rows plus the gradients' exchange over PCIe;
+    even shares or a pipeline are slower."""
+    spec = models.get("gpt", "gpt3-350m", batch_size=64, abstract=True)
+    graph = capture_spec(spec, precision="float16", loss=True).graph
+    cluster = cluster_preset(MIXED)
+    units = kind_units(graph, cluster, 64)
+    plan = plan_hetero(units, cluster, 64)
+    assert plan.grouped and sum(plan.shares) == 64 and plan.fits
+    a100, v100 = plan.stages
+    assert (a100.kind, v100.kind) == ("A100-80G", "V100-32G")
+    assert a100.units == v100.units == (0, len(units[0]))
+    speed = A100_80G.flops * A100_80G.efficiency / (V100_32G.flops * V100_32G.efficiency)
+    assert 1.5 < plan.shares[0] / plan.shares[1] < 1.2 * speed, (plan.shares, speed)
+    M = plan.microbatches
+    assert plan.step_time_s == pytest.approx(M * max(a100.time_s, v100.time_s)
+                                             + max(a100.sync_s, v100.sync_s))
+    assert v100.memory_bytes <= v100.budget_bytes < a100.memory_bytes  # (each its own memory)
+    even = price_groups("auto", units, cluster, [s.slot for s in plan.stages], (32, 32), M)
+    assert even.step_time_s > 1.05 * plan.step_time_s
+    pipes = [p for p in candidates(units, cluster, 64) if not p.grouped]
+    assert pipes and pipes[0].step_time_s > plan.step_time_s
+    cons = plan.constraints(graph)
+    assert cons.batch_shares == plan.shares and cons.pipeline_stages is None
+    with pytest.raises(PlanError, match="do not divide group 0's 45 rows"):
+        price_groups("auto", units, cluster, [Slot(0, 4, 4), Slot(4, 4, 4)], (45, 19), 2)
+
+
+@pytest.mark.slow
+def test_a_grouped_plan_for_labelled_devices_trains_like_one_device():
+    """Ours' best plan of groups side by side for GPT tiny on the labelled CPU cluster,
+    realized for the kinds: its mesh puts each group on devices of its kind (the first data
+    axis), its constraints the shares, and 3 SGD steps through ``pm.train_step`` (one program
+    per group, their gradients weighted by rows) equal one device's."""
+    import jax
+    import numpy as np
+    import optax
+    from one_device import assert_same_params, updated
+
+    from nnscaler_jax import auto_parallel
+
+    spec = models.get("gpt", "tiny", batch_size=16)
+    graph = capture_spec(spec, precision="float16", loss=True).graph
+    cluster = cluster_preset(MIXED)
+    units = kind_units(graph, cluster, 16)
+    plan = next(p for p in candidates(units, cluster, 16) if p.grouped)
+    assert plan.shares[0] != plan.shares[1]
+    real = realize(plan, lambda rows: capture_spec(models.get("gpt", "tiny", batch_size=rows),
+                                                   precision="float16", loss=True).graph,
+                   units, cluster)
+    assert real.grouped and all(s.plan is not None for s in real.stages)
+    mesh = real.mesh(jax.devices())
+    assert mesh.axis_names[0] == "data" and mesh.devices.shape[0] == 2
+    labels = dict(zip(jax.devices(), cluster.kinds(), strict=False))
+    for k, st in enumerate(real.stages):
+        assert {labels[d] for d in np.asarray(mesh.devices)[k].flat} == {st.kind}
+    params = spec.init(jax.random.PRNGKey(0))["params"]
+    args = spec.make_args()
+    pm = auto_parallel(mesh, real.constraints(graph))(spec.module)
+    opt = optax.sgd(0.1)
+    step = pm.train_step(spec.loss_fn, opt)
+    state = step.init({"params": params}, *args)
+    assert type(step).__name__ == "GroupStep" and step.shares == real.shares
+    full = jax.jit(jax.value_and_grad(
+        lambda p: spec.loss_fn(spec.module.apply({"params": p}, *args), *args)))
+    ref = params
+    for _ in range(3):
+        state, metrics = step(state, *args)
+        loss, grads = full(ref)
+        np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-5)
+        ref = updated(opt, ref, grads)
+    assert_same_params(step.params(state), ref, rtol=1e-4, atol=1e-6)
+
+
+def test_each_group_compiles_for_its_own_kind(gpt):
+    """Groups side by side, realized: XLA's GPU compiler builds each group's whole model on
+    its rows (no forward recomputed, nothing in flight) for its own kind."""
+    from nnscaler_jax.mesh.gpu import xla_gpu_missing
+    from nnscaler_jax.train.xla_gpu import check_mixed_stages
+
+    if xla_gpu_missing() is not None:
+        pytest.skip(xla_gpu_missing())
+    cluster = cluster_preset(MIXED)
+    units = kind_units(gpt, cluster, batch=8)
+    plan = price_groups("auto", units, cluster, [Slot(0, 4, 4), Slot(4, 4, 4)], (6, 2), 1)
+    assert [plan.rows(k) for k in range(2)] == [6, 2]
+    real = realize(plan, gpt_at, units, cluster)
+    got = check_mixed_stages(real, gpt_at)
+    a100, v100 = got["stages"]
+    assert "A100" in a100["device"] and "V100" in v100["device"]
+    for st in (a100, v100):
+        assert st["inflight_bytes"] == 0 and st["peak_bytes"] == st["xla_bytes"] + st[
+            "state_bytes"] and st["fits"] and not st["xla_remat"]
