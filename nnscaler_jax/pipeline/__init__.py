@@ -37,8 +37,8 @@ one with ``op_order``), the built-ins :func:`gpipe`, :func:`one_f_one_b`,
 :func:`build` (one by name), :func:`format_schedule`,
 :func:`plot_gantt`; :func:`microbatch_rngs` (the keys a micro-batch gets) and
 :func:`reference_loss` (nf1b's recycling on one device); clusters of several device kinds --
-:func:`kind_units`, :func:`plan_hetero`, :func:`plan_realized` and the :class:`HeteroPlan` they
-return. Everything else here is internal.
+:func:`kind_units`, :func:`plan_hetero`, :func:`plan_realized`, :func:`price_groups` (the
+groups side by side on uneven batch shares) and the :class:`HeteroPlan` they return. Everything else here is internal.
 
 Hardware defaults (H100 nodes, NVLink 4 / InfiniBand NDR) come from
 :mod:`nnscaler_jax.cost.devices`, the one hardware table.
@@ -49,6 +49,7 @@ from nnscaler_jax.pipeline.hetero import HeteroPlan as HeteroPlan
 from nnscaler_jax.pipeline.hetero import kind_units as kind_units
 from nnscaler_jax.pipeline.hetero import plan_hetero as plan_hetero
 from nnscaler_jax.pipeline.hetero import plan_realized as plan_realized
+from nnscaler_jax.pipeline.hetero import price_groups as price_groups
 from nnscaler_jax.pipeline.order import ScheduleDraft as ScheduleDraft
 from nnscaler_jax.pipeline.recycle import reference_loss as reference_loss
 from nnscaler_jax.pipeline.schedule import build as build
@@ -66,4 +67,4 @@ from nnscaler_jax.pipeline.steps import Schedule as Schedule
 __all__ = ["HeteroPlan", "Schedule", "ScheduleDraft", "build", "eager_one_f_one_b",
            "format_schedule", "gpipe", "interlaced", "interleaved", "kind_units",
            "microbatch_rngs", "nf1b", "one_f_one_b", "plan_hetero", "plan_realized",
-           "plot_gantt", "reference_loss", "zb_h1"]
+           "plot_gantt", "price_groups", "reference_loss", "zb_h1"]
