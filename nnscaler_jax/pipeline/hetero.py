@@ -63,7 +63,7 @@ from nnscaler_jax.pipeline.stage_dp import (
     rank_stages,
     stage_prices,
 )
-from nnscaler_jax.pipeline.units import Unit, layer_units
+from nnscaler_jax.pipeline.units import Unit, layer_units, sent_bytes, unit_parts
 
 __all__ = ["PLANNERS", "HeteroPlan", "HeteroStage", "Slot", "candidates", "kind_units",
            "plan_hetero", "plan_realized", "price_stages", "realize", "stage_policy"]
@@ -197,7 +197,6 @@ class HeteroPlan:
         from nnscaler_jax.constraints import Constraints
         from nnscaler_jax.ir.layers import variable_casts
         from nnscaler_jax.pipeline.cut import first_positions
-        from nnscaler_jax.pipeline.units import unit_parts
 
         if self.grouped:
             return Constraints(batch_shares=self.shares, microbatches=self.microbatches
@@ -258,14 +257,20 @@ class HeteroPlan:
 
 def kind_units(graph: Graph, cluster: MixedCluster, batch: int) -> list[list[Unit]]:
     """Per group of ``cluster``, ``graph``'s units (traced at ``batch``; a unit per repeated
-    block: :func:`~nnscaler_jax.pipeline.units.unit_parts`) priced on its kind."""
+    block: :func:`~nnscaler_jax.pipeline.units.unit_parts`) priced on its kind, each sending
+    on what a stage ending there sends (:func:`~nnscaler_jax.pipeline.units.sent_bytes` per
+    sample: a T5 decoder block the encoder output and position bias too, not only its own
+    output; a value without a batch dim counted per sample too)."""
+    sent = sent_bytes(graph, [ops for _, ops in unit_parts(graph, blocks=True)])
     priced: dict[str, list[Unit]] = {}
     out = []
     for g in cluster.groups:
         if g.device.name not in priced:
-            priced[g.device.name] = layer_units(
-                graph, batch=batch, model=CostModel.for_axes({"x": 1}, device=g.device),
-                blocks=True)
+            units = layer_units(graph, batch=batch, blocks=True,
+                                model=CostModel.for_axes({"x": 1}, device=g.device))
+            priced[g.device.name] = [replace(u, out_bytes=b / batch) if k < len(units) - 1
+                                     else u for k, (u, b) in enumerate(zip(units, sent,
+                                                                          strict=True))]
         out.append(priced[g.device.name])
     return out
 
@@ -708,7 +713,6 @@ def realize(plan: HeteroPlan, graph_at: Callable[[int], Graph],
     from nnscaler_jax.constraints import Constraints
     from nnscaler_jax.mesh.topology import MeshSpec
     from nnscaler_jax.pipeline.in_stage import part_graph
-    from nnscaler_jax.pipeline.units import unit_parts
     from nnscaler_jax.search.entry import plan_spmd
 
     S, M, mb = len(plan.stages), plan.microbatches, plan.microbatch_size

@@ -30,7 +30,7 @@ from nnscaler_jax.ir.graph import Graph
 from nnscaler_jax.ir.layers import block_paths, graph_layers, variable_casts
 
 __all__ = ["TP_COLLECTIVES", "Unit", "kept_for_weights", "largest_output", "layer_units",
-           "unit_parts"]
+           "sent_bytes", "unit_parts"]
 
 TP_COLLECTIVES = 4
 """All-reduces of a layer's output per forward + backward under Megatron tensor parallelism."""
@@ -137,6 +137,30 @@ def _with_casts(graph: Graph, casts: dict[int, int], ranges: list[tuple[int, int
         part = [o for o in graph.ops[a:b] if o.id not in casts]
         read = {t.id for o in part for t in o.inputs}
         out.append([moved.pop(i) for i in list(moved) if i in read] + part)
+    return out
+
+
+def sent_bytes(graph: Graph, parts: list[list]) -> list[float]:
+    """Per unit ``k`` of ``parts`` (:func:`unit_parts`' ops, in order), the bytes of the values
+    units ``0..k`` make that a unit after ``k`` reads: what a stage ending at unit ``k`` sends
+    on (the cut program's boundary values), each value once. Beside the last unit's output:
+    what later units read from further back (T5's encoder output and position bias, which
+    every decoder block reads). Not the graph's inputs (every stage reads the batch), nor a
+    weight's cast (made where it is read)."""
+    casts = variable_casts(graph)
+    made: dict[int, int] = {}
+    for k, ops in enumerate(parts):
+        made.update((t.id, k) for o in ops if o.id not in casts for t in o.outputs)
+    size: dict[int, float] = {}
+    last: dict[int, int] = {}
+    for k, ops in enumerate(parts):
+        for t in (t for o in ops for t in o.inputs if made.get(t.id, k) < k):
+            last[t.id] = max(last.get(t.id, k), k)
+            size[t.id] = float(math.prod(t.shape) * itemsize(t))
+    out = [0.0] * len(parts)
+    for i, end in last.items():
+        for k in range(made[i], end):
+            out[k] += size[i]
     return out
 
 

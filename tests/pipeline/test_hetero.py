@@ -89,6 +89,30 @@ def test_block_units_cut_models_without_one_stack():
     assert [u.name for u in units] == names and all(u.time_s > 0 for u in units[1:-1])
 
 
+def test_a_stage_sends_what_later_units_read():
+    """A stage ending inside T5's decoder sends the next one the encoder output and position
+    bias too, not only its last op's output (the cut program's boundary values); a stack of
+    layers (GPT) sends only its residual stream."""
+    from nnscaler_jax.pipeline.units import sent_bytes
+
+    cluster = cluster_preset(MIXED)
+    for name in ("gpt", "t5"):
+        graph = capture_spec(models.get(name, "tiny", batch_size=8), loss=True).graph
+        parts = unit_parts(graph, blocks=True)
+        own = layer_units(graph, batch=8, blocks=True)
+        sent = kind_units(graph, cluster, 8)[1]
+        assert [u.out_bytes for u in sent[:-1]] == [b / 8 for b in
+                                                    sent_bytes(graph, [p for _, p in parts])[:-1]]
+        grew = [u.name for u, o in zip(sent, own, strict=True) if u.out_bytes > o.out_bytes]
+        if name == "gpt":
+            assert [u.out_bytes for u in sent[1:-1]] == [u.out_bytes for u in own[1:-1]]
+        else:  # (the encoder's last block's own last op: a 128-byte norm output)
+            assert {"encoder/block_1", "decoder/block_0"} <= set(grew), grew
+            dec0 = [u.name for u in sent].index("decoder/block_0")
+            # (its own output and the encoder's hidden states, as large as a block's output)
+            assert sent[dec0].out_bytes >= own[dec0].out_bytes + own[1].out_bytes
+
+
 def test_stages_are_sized_to_their_devices(gpt):
     cluster = cluster_preset(MIXED)
     units = kind_units(gpt, cluster, batch=8)
