@@ -14,6 +14,7 @@ from one_device import assert_same_params, updated
 import models
 from nnscaler_jax import Constraints, PlanError, auto_parallel
 from nnscaler_jax.errors import ConstraintError
+from nnscaler_jax.train import Checkpointer
 
 pytestmark = pytest.mark.slow
 
@@ -76,10 +77,11 @@ def ce(logits, x, labels):
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
-def test_dropout_keys_fold_in_the_group_and_a_checkpoint_resumes(mesh):
+def test_dropout_keys_fold_in_the_group_and_a_checkpoint_resumes(mesh, tmp_path):
     """Each step's key split from the state's, group ``g``'s keys folded with ``g`` (then per
     micro-batch as the SPMD step draws them): the plain loop with those keys gives the same
-    losses and parameters; a checkpoint restored into a new step continues alike."""
+    losses and parameters; an orbax checkpoint of ``checkpoint_state`` restored into a new
+    step continues alike, and restores under an SPMD step (even data parallelism) too."""
     module = DropNet()
     x = jax.random.normal(jax.random.key(1), (12, 8))
     labels = jax.random.randint(jax.random.key(2), (12,), 0, 4)
@@ -95,12 +97,13 @@ def test_dropout_keys_fold_in_the_group_and_a_checkpoint_resumes(mesh):
         return out
 
     grad = jax.jit(jax.value_and_grad(loss))
-    p, r, ref = variables["params"], rng, []
+    p, r, ref, history = variables["params"], rng, [], []
     for _ in range(4):
         r, key = jax.random.split(r)
         lv, g = grad(p, key)
         p = updated(opt, p, g)
         ref.append(float(lv))
+        history.append(p)
     pm = auto_parallel(mesh, Constraints(batch_shares=shares))(module)
     step = pm.train_step(ce, opt, inputs=1)
     state = step.init(variables, x, labels, rng=rng)
@@ -108,10 +111,14 @@ def test_dropout_keys_fold_in_the_group_and_a_checkpoint_resumes(mesh):
     for _ in range(2):
         state, metrics = step(state, x, labels)
         losses.append(float(metrics["loss"]))
-    saved = step.checkpoint_state(state)  # (the old state is not stepped again)
+    directory = tmp_path / "ckpt"
+    with Checkpointer(directory) as ckpt:
+        ckpt.save(2, step.checkpoint_state(state))
     again = auto_parallel(mesh, Constraints(batch_shares=shares))(module).train_step(
         ce, opt, inputs=1)
-    again.init(variables, x, labels, rng=rng)
+    fresh = again.init(variables, x, labels, rng=rng)
+    with Checkpointer(directory) as ckpt:
+        saved, info = ckpt.restore(target=again.checkpoint_state(fresh))
     state = again.restore_state(saved)
     for _ in range(2):
         state, metrics = again(state, x, labels)
@@ -119,6 +126,14 @@ def test_dropout_keys_fold_in_the_group_and_a_checkpoint_resumes(mesh):
     np.testing.assert_allclose(losses, ref, rtol=1e-5)
     assert_same_params(again.params(state), p, rtol=1e-4, atol=1e-6)
     assert len(set(ref)) == 4  # the model trains and the keys change
+    # the checkpoint is the SPMD step's: it restores under even data parallelism too
+    even = auto_parallel(mesh)(module).train_step(ce, opt, inputs=1)
+    fresh = even.init(variables, x, labels, rng=rng)
+    with Checkpointer(directory) as ckpt:
+        saved, info = ckpt.restore(target=even.checkpoint_state(fresh))
+    assert info.step == 2
+    restored = even.restore_state(saved)
+    assert_same_params(even.params(restored), history[1], rtol=1e-4, atol=1e-6)
 
 
 def test_batch_shares_say_what_is_wrong(gpt, mesh):
