@@ -205,6 +205,13 @@ class Constraints:
     table). None (the default): the planner prices both and keeps the faster (ties: after
     the step). The plan records it (``plan.pipeline.overlap``).
 
+    ``stage_plans``: per pipeline stage, the in-stage plan its runtime runs (a
+    :class:`~nnscaler_jax.plan.plan.Plan` of the stage's ops on its tensor-parallel axes, e.g.
+    planned for the stage's own device kind: :meth:`~nnscaler_jax.pipeline.hetero.HeteroPlan.
+    constraints` sets them), matched to the traced stage by its ops and variables (one that
+    does not match is planned again, with a warning). Empty (the default): the planner's and
+    the runtime's own. The plan records them (``plan.pipeline.stage_plans``).
+
     ``batch_shares``: uneven data parallelism over groups of devices of different speed (a
     cluster of several GPU kinds): the mesh's first data axis indexes the groups, group ``i``
     takes ``batch_shares[i]`` consecutive rows of each step's batch (they sum to it) and runs
@@ -231,6 +238,7 @@ class Constraints:
     pipeline_executor: Literal["in-graph", "per-stage"] | None = None
     pipeline_overlap: bool | None = None
     batch_shares: tuple[int, ...] | None = None
+    stage_plans: tuple[Any, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.rules, Rule | str) or not _iterable(self.rules):
@@ -280,6 +288,7 @@ class Constraints:
                 "per-stage runtime sends each result as its block ends; overlap is the "
                 "in-graph runtime's. Drop one of them")
         object.__setattr__(self, "batch_shares", _shares(self.batch_shares))
+        self._check_stage_plans()
         if self.batch_shares is not None and self.pipeline_stages not in (None, 1):
             raise ConstraintError(
                 f"Constraints(batch_shares={self.batch_shares}, pipeline_stages="
@@ -354,6 +363,24 @@ class Constraints:
                        for r in self.rules if r.recompute in (True, "selective"))
         forbidden = tuple(r.module or "*" for r in self.rules if r.recompute is False)
         return forced, forbidden
+
+    def _check_stage_plans(self) -> None:
+        from nnscaler_jax.plan.plan import Plan
+
+        plans = self.stage_plans
+        if isinstance(plans, Plan) or not _iterable(plans) or not all(
+                isinstance(p, Plan) for p in plans):
+            raise ConstraintError(
+                f"Constraints(stage_plans={plans!r}): give one Plan per pipeline stage (each "
+                "stage's in-stage plan of its ops on its tensor-parallel axes, e.g. "
+                "HeteroPlan.constraints(graph)'s), or () for the runtime to plan them")
+        object.__setattr__(self, "stage_plans", tuple(plans))
+        stages = self.pipeline_stages
+        if self.stage_plans and (not _is_int(stages) or len(self.stage_plans) != stages):
+            raise ConstraintError(
+                f"Constraints(stage_plans=<{len(self.stage_plans)} plans>, pipeline_stages="
+                f"{stages!r}): one plan per stage of a fixed stage count; give "
+                f"pipeline_stages={len(self.stage_plans)}")
 
     def share_axis(self, mesh_axes: dict[str, int]) -> str | None:
         """The mesh axis whose indices take :attr:`batch_shares` (its first data axis, of

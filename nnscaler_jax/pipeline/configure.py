@@ -75,7 +75,8 @@ def configure_pipeline(plan: Plan, graph: Graph, constraints: Constraints,
                                 paired=bool(steps) and constraints.schedule.paired,
                                 recompute=choice.recompute,
                                 layer_rules=cut.layer_rules if cut else (),
-                                executor=choice.executor, stage_plans=choice.stage_plans,
+                                executor=choice.executor,
+                                stage_plans=constraints.stage_plans or choice.stage_plans,
                                 overlap=choice.overlap)
     return replace(plan, pipeline=settings, cost=_cost(choice))
 

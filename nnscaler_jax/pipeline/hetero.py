@@ -188,19 +188,24 @@ class HeteroPlan:
                                               + tuple(k for k in (dp, tp) if k > 1)), names)
 
     def constraints(self, graph: Graph) -> Any:
-        """What ``auto_parallel`` runs this plan with on :meth:`mesh`. Grouped: its batch
+        """What ``auto_parallel`` runs this plan with on :meth:`mesh`, at the precision
+        ``graph`` was captured at (what the plan was priced for). Grouped: its batch
         shares (:class:`~nnscaler_jax.train.grouped_step.GroupStep`) and micro-batches.
         Else 1F1B over its micro-batches, its stages cut where its units start (``pipeline_pivots``: the blocks'
         module paths), one program per stage (the host-dispatched executor, each stage's
-        program on its own devices: the base for stages of different kinds). (The runtime
-        plans each stage again with its planner's policy; :func:`realize` priced them so.)"""
+        program on its own devices: the base for stages of different kinds), and after
+        :func:`realize` each stage's plan for its kind (``stage_plans``: the runtime runs
+        them; unrealized, it plans each stage itself with the wrapper's policy)."""
+        from nnscaler_jax.capture.precision import UNKNOWN, graph_precision
         from nnscaler_jax.constraints import Constraints
         from nnscaler_jax.ir.layers import variable_casts
         from nnscaler_jax.pipeline.cut import first_positions
 
+        precision = graph_precision(graph)
+        precision = None if precision == UNKNOWN else precision
         if self.grouped:
             return Constraints(batch_shares=self.shares, microbatches=self.microbatches
-                               if self.microbatches > 1 else None)
+                               if self.microbatches > 1 else None, precision=precision)
         parts = unit_parts(graph, blocks=True)
         casts = variable_casts(graph)  # (the runtime makes a weight's cast where it is read)
         paths = ["" if op.id in casts else op.module_path for op in graph.ops]
@@ -219,9 +224,11 @@ class HeteroPlan:
                                 f"starts at unit {name!r}, whose first op belongs to no module "
                                 "that starts there; the runtime cuts only at module starts")
             pivots.append(pivot)
+        plans = tuple(s.plan for s in self.stages)
         return Constraints(pipeline_stages=len(self.stages), schedule="1f1b",
                            microbatches=self.microbatches, pipeline_pivots=tuple(pivots),
-                           pipeline_executor="per-stage")
+                           pipeline_executor="per-stage", precision=precision,
+                           stage_plans=plans if all(p is not None for p in plans) else ())
 
     def to_json(self) -> dict:
         return {"planner": self.planner, "cluster": self.cluster, "fits": self.fits,

@@ -198,16 +198,28 @@ def test_realize_plans_each_stage_for_its_kind(gpt):
         assert real.step_time_s == pytest.approx(
             sum(times) + (real.microbatches - 1) * max(times)
             + max(s.sync_s for s in real.stages))
+        # what the runtime runs: these plans, at the precision they were priced for
+        cons = real.constraints(gpt)
+        assert cons.stage_plans == tuple(s.plan for s in real.stages)
+        assert cons.precision == "float16" and plan.constraints(gpt).stage_plans == ()
+    from nnscaler_jax import Constraints
+
+    with pytest.raises(PlanError, match="one Plan per pipeline stage"):
+        Constraints(pipeline_stages=2, stage_plans=(1, 2))
+    with pytest.raises(PlanError, match="give pipeline_stages=2"):
+        Constraints(pipeline_stages=3, stage_plans=cons.stage_plans)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt", "swin"])
 def test_a_plan_for_labelled_devices_trains_like_one_device(name):
     """Ours planned for 4 devices labelled A100-80G and 4 labelled V100-32G (the 8 virtual CPU
-    devices, :meth:`MixedCluster.kinds`), priced for float16 training as such a cluster would
-    run, stages of one shape (``runnable``): its mesh puts each stage on devices of its kind,
-    its stages are unequal, and 3 SGD steps through ``pm.train_step`` (run here in float32)
-    equal one device's."""
+    devices, :meth:`MixedCluster.kinds`), stages of one shape (``runnable``), each stage
+    planned for its kind (``realize``): its mesh puts each stage on devices of its kind, its
+    stages are unequal, the runtime runs the stages' plans (``Constraints.stage_plans``, not
+    plans of its own), and 3 SGD steps through ``pm.train_step`` equal one device's."""
+    import warnings
+
     import jax
     import numpy as np
     import optax
@@ -218,9 +230,11 @@ def test_a_plan_for_labelled_devices_trains_like_one_device(name):
     kw = {"n_layers": 8, "d_model": 256, "n_heads": 4, "seq_len": 64, "n_positions": 64} \
         if name == "gpt" else {}
     spec = models.get(name, "tiny", batch_size=16, **kw)
-    graph = capture_spec(spec, precision="float16", loss=True).graph
+    graph = capture_spec(spec, loss=True).graph
     cluster = cluster_preset(MIXED)
-    plan = plan_hetero(kind_units(graph, cluster, 16), cluster, 16)
+    units = kind_units(graph, cluster, 16)
+    plan = realize(plan_hetero(units, cluster, 16), lambda rows: capture_spec(
+        models.get(name, "tiny", batch_size=rows, **kw), loss=True).graph, units, cluster)
     if len(jax.devices()) < cluster.devices:
         pytest.skip("needs 8 devices")
     mesh = plan.mesh(jax.devices())
@@ -235,7 +249,11 @@ def test_a_plan_for_labelled_devices_trains_like_one_device(name):
     pm = auto_parallel(mesh, cons)(spec.module)
     opt = optax.sgd(0.1)
     step = pm.train_step(spec.loss_fn, opt)
-    state = step.init({"params": params}, *args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (a stage plan that does not match would warn)
+        state = step.init({"params": params}, *args)
+    assert len(cons.stage_plans) == len(plan.stages)
+    assert [p.cost for p in step.stage_plans] == [s.plan.cost for s in plan.stages]
     # the runtime cuts where the plan's stages start, and runs its micro-batches
     assert dict(pm.plan.pipeline.stage_of) == {p: k + 1 for k, p in
                                                enumerate(cons.pipeline_pivots)}
@@ -375,14 +393,13 @@ def test_a_grouped_plan_for_labelled_devices_trains_like_one_device():
     from nnscaler_jax import auto_parallel
 
     spec = models.get("gpt", "tiny", batch_size=16)
-    graph = capture_spec(spec, precision="float16", loss=True).graph
+    graph = capture_spec(spec, loss=True).graph
     cluster = cluster_preset(MIXED)
     units = kind_units(graph, cluster, 16)
     plan = next(p for p in candidates(units, cluster, 16) if p.grouped)
     assert plan.shares[0] != plan.shares[1]
     real = realize(plan, lambda rows: capture_spec(models.get("gpt", "tiny", batch_size=rows),
-                                                   precision="float16", loss=True).graph,
-                   units, cluster)
+                                                   loss=True).graph, units, cluster)
     assert real.grouped and all(s.plan is not None for s in real.stages)
     mesh = real.mesh(jax.devices())
     assert mesh.axis_names[0] == "data" and mesh.devices.shape[0] == 2
