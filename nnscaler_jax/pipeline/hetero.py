@@ -30,6 +30,12 @@ Three planners share one evaluator (:func:`price_stages`) and one cost model:
   priced on the devices its stages land on (a stage whose devices span kinds runs at the
   slower's pace); Megatron inside the stages.
 
+Ours also weighs no pipeline: the groups side by side (:func:`price_groups`), each the whole
+model on its own share of the batch (in proportion to its speed where memory allows), their
+gradients exchanged over the link between them once a step (Poplar's and FlashFlex's data
+parallelism across kinds); such a plan has ``shares`` and runs as
+``Constraints(batch_shares=...)`` (:class:`~nnscaler_jax.train.grouped_step.GroupStep`).
+
 >>> import models
 >>> from nnscaler_jax.capture.trace import trace
 >>> from nnscaler_jax.cost.devices import cluster_preset
@@ -66,7 +72,8 @@ from nnscaler_jax.pipeline.stage_dp import (
 from nnscaler_jax.pipeline.units import Unit, layer_units, sent_bytes, unit_parts
 
 __all__ = ["PLANNERS", "HeteroPlan", "HeteroStage", "Slot", "candidates", "kind_units",
-           "plan_hetero", "plan_realized", "price_stages", "realize", "stage_policy"]
+           "plan_hetero", "plan_realized", "price_groups", "price_stages", "realize",
+           "stage_policy"]
 
 PLANNERS = ("auto", "metis", "uniform")
 
@@ -191,9 +198,10 @@ class HeteroPlan:
         """What ``auto_parallel`` runs this plan with on :meth:`mesh`, at the precision
         ``graph`` was captured at (what the plan was priced for). Grouped: its batch
         shares (:class:`~nnscaler_jax.train.grouped_step.GroupStep`) and micro-batches.
-        Else 1F1B over its micro-batches, its stages cut where its units start (``pipeline_pivots``: the blocks'
-        module paths), one program per stage (the host-dispatched executor, each stage's
-        program on its own devices: the base for stages of different kinds), and after
+        Else 1F1B over its micro-batches, its stages cut where its units start
+        (``pipeline_pivots``: the blocks' module paths), one program per stage (the
+        host-dispatched executor, each stage's program on its own devices: the base for
+        stages of different kinds), and after
         :func:`realize` each stage's plan for its kind (``stage_plans``: the runtime runs
         them; unrealized, it plans each stage itself with the wrapper's policy)."""
         from nnscaler_jax.capture.precision import UNKNOWN, graph_precision
