@@ -8,7 +8,8 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 from one_device import assert_same_params, updated
 
 import models
@@ -40,7 +41,10 @@ def test_uneven_shares_train_like_one_device(gpt, shape, names, types, micro):
     opt = optax.sgd(0.1, momentum=0.9)  # (Adam would blow up the float noise of the key
     # bias's gradient, 0 in exact arithmetic: softmax does not see it)
     step = pm.train_step(spec.loss_fn, opt)
-    state = step.init({"params": params}, *args)
+    # (on the Explicit mesh, the batch as a user lays it out: split over the data axis)
+    batch = args if types is AxisType.Auto else tuple(
+        jax.device_put(x, NamedSharding(mesh, P("data"))) for x in args)
+    state = step.init({"params": params}, *batch)
     assert type(step).__name__ == "GroupStep"
     for g, (st, m) in enumerate(zip(step.steps, step.meshes, strict=True)):
         assert set(m.devices.flat) == set(np.take(mesh.devices, g, axis=0).flat)
@@ -49,7 +53,7 @@ def test_uneven_shares_train_like_one_device(gpt, shape, names, types, micro):
         lambda p: spec.loss_fn(spec.module.apply({"params": p}, *args), *args)))
     ref, o = params, opt.init(params)
     for _ in range(3):
-        state, metrics = step(state, *args)
+        state, metrics = step(state, *batch)
         loss, grads = full(ref)
         np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-5)
         ref, o = updated(opt, ref, grads, o)
