@@ -381,6 +381,12 @@ class NnxAutoParallel(ModuleAttributes, nnx.Module):
         return NnxAutoParallel(self.module, core.mesh, core.constraints, core.policy, plan,
                                core.verify)
 
+    def on_mesh(self, mesh: Any, constraints: Constraints | None) -> NnxAutoParallel:
+        """A wrapper of the same module object for ``mesh`` under ``constraints`` (a group of
+        devices' own program: :class:`~nnscaler_jax.train.grouped_step.GroupStep`)."""
+        core = self._core
+        return NnxAutoParallel(self.module, mesh, constraints, core.policy, None, core.verify)
+
     def lay_out(self, *args: Any, **kwargs: Any) -> Plan:
         """Plan the call ``self(*args, **kwargs)`` (args may be abstract) and lay the module's
         state out as that plan stores it, without running it."""
@@ -415,9 +421,8 @@ class NnxAutoParallel(ModuleAttributes, nnx.Module):
             return PipelineStep(self._core, loss_fn, optimizer, return_grads=return_grads,
                                 **options)
         if self._core.constraints is not None and self._core.constraints.batch_shares:
-            raise PlanError("train_step: Constraints(batch_shares=...) (a program per group of "
-                            "devices) trains linen modules; wrap the nnx module's linen "
-                            "equivalent, or drop the shares (even data parallelism)")
+            return GroupStep(self, loss_fn, optimizer, core=self._core,
+                             return_grads=return_grads, **options)
         return SpmdStep(self, loss_fn, optimizer, return_grads=return_grads, **options)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

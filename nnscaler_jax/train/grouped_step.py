@@ -23,9 +23,10 @@ splits the batch evenly. Here the mesh's first data axis indexes the groups
   (:meth:`~nnscaler_jax.train.step.SpmdStep.apply_grads`).
 
 Dispatch is asynchronous: the groups' programs run side by side, the slower group's on fewer
-rows. Dropout keys: one key a step, folded with the group's index. Not run (a
-:class:`PlanError`): mutable collections (each group's batch statistics would differ), saved
-plans (a plan is one program), nnx modules.
+rows. Dropout keys: one key a step, folded with the group's index (``init(..., rng=key)``;
+an nnx module without one draws from its own streams, alike in every group). Not run (a
+:class:`PlanError`): mutable state a step updates from its rows (linen collections, nnx
+``BatchStat``: each group's statistics would differ), saved plans (a plan is one program).
 
 >>> # mesh = jax.make_mesh((2, 4), ("data", "model"))   # row 0: the A100s, row 1: the V100s
 >>> # pm = auto_parallel(mesh, Constraints(batch_shares=(10, 6)))(model)
@@ -63,6 +64,15 @@ def group_meshes(mesh: Mesh, axis: str) -> list[Mesh]:
                  axis_types=mesh.axis_types) for i in range(mesh.devices.shape[k])]
 
 
+def _statistics(collections: Any) -> list:
+    """The module's mutable state a step updates from its rows (linen collections, nnx
+    variables other than its rng streams' keys and counts)."""
+    from flax import nnx
+
+    leaves = jax.tree.leaves(collections, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return [x for x in leaves if not isinstance(x, nnx.RngState)]
+
+
 def _rows(x: Any) -> int | None:
     return int(np.shape(x)[0]) if np.ndim(x) else None
 
@@ -81,18 +91,19 @@ class GroupStep(TrainStep):
             groups. meshes: their sub-meshes.
     """
 
-    def __init__(self, pm: Any, loss_fn: Callable, optimizer: Any, *,
+    def __init__(self, pm: Any, loss_fn: Callable, optimizer: Any, *, core: Any = None,
                  return_grads: bool = False, growth_interval: int | None = None,
                  **options: Any):
         super().__init__(pm, loss_fn, optimizer, return_grads=return_grads,
                          growth_interval=growth_interval, **options)
-        cons = pm.constraints
-        if pm.fixed_plan is not None:
+        core = pm if core is None else core  # (an nnx wrapper's settings: its core's)
+        cons = core.constraints
+        if core.fixed_plan is not None:
             raise PlanError("train_step: Constraints(batch_shares=...) plans each group for its "
                             "own rows; a saved plan is one program. Drop plan=, or the shares")
-        self.axis = cons.share_axis(mesh_axes(pm.mesh))
+        self.axis = cons.share_axis(mesh_axes(core.mesh))
         self.shares = cons.batch_shares
-        self.meshes = group_meshes(pm.mesh, self.axis)
+        self.meshes = group_meshes(core.mesh, self.axis)
         inner = dataclasses.replace(cons, batch_shares=None)
         self.steps = [SpmdStep(pm.on_mesh(m, inner), loss_fn, optimizer,
                                return_grads=return_grads, growth_interval=growth_interval,
@@ -129,10 +140,11 @@ class GroupStep(TrainStep):
         groups = []
         for g, st in enumerate(self.steps):
             state = dict(st.init(variables, *self._part(g, batch), rng=rng))
-            if jax.tree.leaves(state["collections"]):
+            if _statistics(state["collections"]):
                 raise PlanError(
                     "train_step: Constraints(batch_shares=...) runs each group on its own "
-                    "rows, so mutable collections (BatchNorm's batch_stats) would differ "
+                    "rows, so the statistics a step updates from them (linen's mutable "
+                    "collections, BatchNorm's batch_stats; nnx BatchStat) would differ "
                     "between groups. Use even data parallelism (no batch_shares), or a "
                     "model without them")
             self._keyed = state.pop("rng", None)
