@@ -375,6 +375,11 @@ def test_groups_side_by_side_take_rows_in_proportion_to_their_speed():
     assert pipes and pipes[0].step_time_s > plan.step_time_s
     cons = plan.constraints(graph)
     assert cons.batch_shares == plan.shares and cons.pipeline_stages is None
+    assert cons.precision == "float16"  # (what it was priced for)
+    from nnscaler_jax.cli.compare import mixed_entry
+
+    entry = mixed_entry(plan)  # (compare --json's, bench_hetero's)
+    assert entry["shares"] == list(plan.shares) and entry["features"]["schedule"] == "groups"
     with pytest.raises(PlanError, match="do not divide group 0's 45 rows"):
         price_groups("auto", units, cluster, [Slot(0, 4, 4), Slot(4, 4, 4)], (45, 19), 2)
 
