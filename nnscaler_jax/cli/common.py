@@ -328,6 +328,8 @@ def settings_spec(args: argparse.Namespace, precision: str | None) -> Any:
     """The zoo model of ``--model`` / ``--preset`` at ``--batch-size`` (where given) and
     ``precision``."""
     batch = getattr(args, "batch_size", None)
+    if batch is not None and batch < 1:
+        raise UsageError(f"--batch-size {batch} must be at least 1")
     return model_spec(args.model, args.preset, precision,
                       **({} if batch is None else {"batch_size": batch}))
 

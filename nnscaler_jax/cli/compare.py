@@ -49,6 +49,7 @@ from nnscaler_jax.cli.common import (
     parse_budget,
     parse_mesh,
     policy_names,
+    settings_spec,
     spec_mutable,
     table,
 )
@@ -352,7 +353,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     import jax
 
     precision = _precision(args)
-    spec = model_spec(args.model, args.preset, precision)
+    spec = settings_spec(args, precision)
     mesh = compare_mesh(args)
     planners = [p.strip() for p in args.planners.split(",") if p.strip()]
     if not planners:
@@ -586,7 +587,7 @@ def compare_mixed(args: argparse.Namespace, spec: Any, mesh: Any, cluster: Any,
                 + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in budgets.items())
                 + (f"; compute precision {precision}" if precision else "") + "\n"
                 + table(["planner", "fits", "plan s", "step ms", "memory/device",
-                         "stages (kind x devices, tp x dp: layers)",
+                         "stages (kind x devices, tp x dp: layers or rows)",
                          "XLA:GPU peak / budget per stage"][:6 + any(r[6] for r in rows)],
                         [r[:6 + any(r[6] for r in rows)] for r in rows]))
     emit(args, text, obj)

@@ -49,6 +49,28 @@ def test_gpt3_6_7b_on_four_a100s_and_four_v100s(capsys):
     assert code == 0 and "A100-80G x4" in out and "V100-32G x4" in out and "h_" in out
 
 
+def test_a_larger_batch_runs_the_groups_side_by_side(capsys):
+    """GPT-3 1.3B at ``--batch-size 64``: ours runs the A100s and the V100s side by side on
+    uneven shares (the A100s more rows), faster than both baselines' pipelines; the table
+    says each group's rows. A batch below 1 is a usage error."""
+    argv = ["--model", "gpt", "--preset", "gpt3-1.3b", "--mesh", "8", "--cluster", MIXED,
+            "--precision", "float16", "--batch-size", "64"]
+    code, out, _ = _run(capsys, *argv, "--planners", "auto,metis", "--json")
+    assert code == 0
+    res = json.loads(out.strip().splitlines()[-1])
+    ours, metis = res["planners"]["auto"], res["planners"]["metis"]
+    assert res["global_batch"] == 64 and ours["fits"]
+    a100, v100 = ours["shares"]
+    assert a100 + v100 == 64 and a100 > 2 * v100
+    assert [st["kind"] for st in ours["stages"]] == ["A100-80G", "V100-32G"]
+    assert ours["features"]["schedule"] == "groups" and metis["shares"] is None
+    assert metis["step_time_s"] > ours["step_time_s"]
+    code, out, _ = _run(capsys, *argv, "--planners", "auto")
+    assert code == 0 and f"{a100} rows" in out and f"{v100} rows" in out
+    code, _, err = _run(capsys, *argv[:-1], "0", "--planners", "auto")
+    assert code == 2 and "--batch-size 0 must be at least 1" in err
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--planners", "auto,megatron"], "planners auto, metis, uniform (not megatron)"),
     (["--mesh", "2x2"], "has 4 devices, --cluster a100-80g-4x+v100-32g-4x 8"),
