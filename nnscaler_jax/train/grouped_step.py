@@ -133,9 +133,9 @@ class GroupStep(TrainStep):
         """Plan each group for its rows (under its devices' budget) and lay out its state.
 
         Raises:
-            PlanError: a batch whose rows are not the shares' sum; a module with mutable
-                collections; whatever a group's plan raises (naming its budget).
-        """
+            PlanError: a batch whose rows are not the shares' sum; a module whose steps
+                update statistics from their rows (batch_stats, nnx BatchStat); whatever a
+                group's plan raises (naming its budget)."""
         self._check_batch(batch)
         groups = []
         for g, st in enumerate(self.steps):
