@@ -514,6 +514,63 @@ def _microbatches(global_batch: int, slots: Sequence[Slot]) -> list[tuple[int, i
             and (global_batch // M) % lcm == 0]
 
 
+def _prices(units_by_group, cluster: MixedCluster, slots: Sequence[Slot], mb: int,
+            optimizer_bytes: float) -> list[StagePrices]:
+    """Each slot's stage prices at micro-batch ``mb``, sending to the next slot."""
+    return [_slot_prices(units_by_group, cluster, s, slots[k + 1] if k + 1 < len(slots)
+                         else None, mb, optimizer_bytes)[1] for k, s in enumerate(slots)]
+
+
+def _placements(prices: Sequence[StagePrices], caps: Sequence[float], M: int, levels: int,
+                stop: Callable[[float], bool] = lambda t: False):
+    """The stage DP's boundaries for each slowest-stage bound it tries (quantiles of the
+    stages' times, as :func:`~nnscaler_jax.pipeline.stage_dp.search_stages` enumerates them,
+    smallest first; ``stop(t_max)``: no further), 1F1B keeping ``min(S - k, M)`` inputs on
+    stage ``k``."""
+    S, n = len(prices), prices[0].time.shape[0] - 1
+    finite = np.concatenate([pr.time[np.isfinite(pr.time)] for pr in prices])
+    lo = max(min(float(pr.time[i, i + 1]) for pr in prices) for i in range(n))
+    for t_max in np.unique(np.quantile(finite[finite >= lo], np.linspace(0, 1, levels))):
+        if stop(float(t_max)):
+            return
+        r = place_stages(prices, caps, float(t_max), lambda k: min(S - k, M))
+        if r is not None:
+            yield r[1]
+
+
+def rebalance(real: HeteroPlan, plan: HeteroPlan, units_by_group: Sequence[list[Unit]],
+              cluster: MixedCluster, *, budget: float | Sequence[float] | None = None,
+              optimizer_bytes: float = 3.0, t_max_levels: int = 48) -> HeteroPlan | None:
+    """Ours' boundaries placed again where the stages' own plans (``real``, :func:`realize`'s
+    of ``plan``) run faster or slower than the units priced them: the stage DP on ``plan``'s
+    arrangement and micro-batches, each stage's unit times scaled by its realized / priced
+    time, held to ``budget`` (:func:`price_stages`'). Returns the boundaries fastest so
+    scaled, priced by the units as :func:`candidates` prices (to :func:`realize`), or None
+    where they are ``plan``'s own (or ``plan`` is not ours, or runs groups side by side)."""
+    if plan.grouped or plan.planner != "auto":
+        return None
+    slots = [st.slot for st in plan.stages]
+    M, mb = plan.microbatches, plan.microbatch_size
+    scale = [r.time_s / p.time_s if p.time_s > 0 else 1.0
+             for r, p in zip(real.stages, plan.stages, strict=True)]
+    prices = [replace(pr, time=pr.time * q) for pr, q in
+              zip(_prices(units_by_group, cluster, slots, mb, optimizer_bytes), scale,
+                  strict=True)]
+    budgets = _budgets(cluster, budget)
+    caps = [min(budgets[g] for g in st.groups) for st in plan.stages]
+    best, chosen = math.inf, None
+    for bounds in _placements(prices, caps, M, t_max_levels):
+        cand = price_stages("auto", units_by_group, cluster, slots, bounds, M, mb,
+                            budget=budget, optimizer_bytes=optimizer_bytes)
+        scaled = _step([replace(st, time_s=st.time_s * q)
+                        for st, q in zip(cand.stages, scale, strict=True)], M)
+        if cand.fits and scaled < best:
+            best, chosen = scaled, cand
+    if chosen is None or [st.units for st in chosen.stages] == [st.units for st in plan.stages]:
+        return None
+    return chosen
+
+
 def _search(units_by_group, cluster, global_batch, budget, optimizer_bytes, equal: bool,
             levels: int) -> list[HeteroPlan]:
     """``auto``: arrangements x micro-batches x boundaries by the stage DP (slowest-stage
@@ -524,22 +581,13 @@ def _search(units_by_group, cluster, global_batch, budget, optimizer_bytes, equa
     found: dict[tuple, HeteroPlan] = {}
     best = math.inf
     for slots in _arrangements(cluster, n, equal):
-        S = len(slots)
         caps = [min(budgets[g] for g in _groups(cluster, s)) for s in slots]
         for M, mb in _microbatches(global_batch, slots):
-            prices = [_slot_prices(units_by_group, cluster, s, slots[k + 1] if k + 1 < S
-                                   else None, mb, optimizer_bytes)[1]
-                      for k, s in enumerate(slots)]
-            finite = np.concatenate([pr.time[np.isfinite(pr.time)] for pr in prices])
-            lo = max(min(float(pr.time[i, i + 1]) for pr in prices) for i in range(n))
-            tries = np.unique(np.quantile(finite[finite >= lo], np.linspace(0, 1, levels)))
-            for t_max in tries:
-                if (M - 1) * t_max >= best:
-                    break
-                r = place_stages(prices, caps, float(t_max), lambda k, S=S, M=M: min(S - k, M))
-                if r is None:
-                    continue
-                plan = price_stages("auto", units_by_group, cluster, slots, r[1], M, mb,
+            prices = _prices(units_by_group, cluster, slots, mb, optimizer_bytes)
+            # (the best so far as the placements go on: read when each is tried)
+            for bounds in _placements(prices, caps, M, levels,
+                                      stop=lambda t, M=M: (M - 1) * t >= best):  # noqa: B023
+                plan = price_stages("auto", units_by_group, cluster, slots, bounds, M, mb,
                                     budget=budget, optimizer_bytes=optimizer_bytes)
                 key = (tuple(slots), M)
                 if plan.fits and (key not in found
@@ -669,7 +717,9 @@ def plan_realized(units_by_group: Sequence[list[Unit]], cluster: MixedCluster,
     fit: its :func:`candidates` realized in its order, at most ``tries`` of them (``kw``:
     :func:`plan_hetero`'s other arguments). Ours (``auto``), when none fits, looks again at
     stages that fit only 2 or 4 times the budgets as the units price them (Megatron's splits,
-    nothing co-sharded): its in-stage search may fit them, co-sharding and recomputing.
+    nothing co-sharded): its in-stage search may fit them, co-sharding and recomputing. Ours
+    then moves its boundaries once by what the stages' plans found (:func:`rebalance`) and
+    keeps the moved pipeline where it fits, realized, and is faster.
     ``judge`` (e.g. ``lambda p: check_mixed_stages(p, graph_at)``, XLA's GPU compiler): a plan
     fits only where its answer's ``"fits"`` is true too, which the plan keeps as ``xla``.
 
@@ -680,6 +730,14 @@ def plan_realized(units_by_group: Sequence[list[Unit]], cluster: MixedCluster,
     smallest = None
     caps = _budgets(cluster, budget)
     seen: set[tuple] = set()
+    opt = kw.get("optimizer_bytes", 3.0)
+
+    def realized(plan: HeteroPlan) -> tuple[HeteroPlan, dict | None, bool]:
+        real = realize(plan, graph_at, units_by_group, cluster, budget=budget,
+                       optimizer_bytes=opt)
+        verdict = judge(real) if judge is not None and real.fits else None
+        return real, verdict, real.fits and (verdict is None or bool(verdict.get("fits")))
+
     for relax in (1, 2, 4) if planner == "auto" else (1,):
         found = candidates(units_by_group, cluster, global_batch, planner=planner,
                            budget=[c * relax for c in caps], **kw)
@@ -690,10 +748,14 @@ def plan_realized(units_by_group: Sequence[list[Unit]], cluster: MixedCluster,
                 seen.add(key)
                 fresh.append(p)
         for plan in fresh[:tries]:
-            real = realize(plan, graph_at, units_by_group, cluster, budget=budget,
-                           optimizer_bytes=kw.get("optimizer_bytes", 3.0))
-            verdict = judge(real) if judge is not None and real.fits else None
-            if real.fits and (verdict is None or verdict.get("fits")):
+            real, verdict, ok = realized(plan)
+            if ok:
+                moved = rebalance(real, plan, units_by_group, cluster,
+                                  budget=[c * relax for c in caps], optimizer_bytes=opt)
+                if moved is not None:
+                    again, said, fine = realized(moved)
+                    if fine and again.step_time_s < real.step_time_s:
+                        real, verdict = again, said
                 return replace(real, search_s=time.perf_counter() - t0, xla=verdict)
             peak = real.memory_bytes_per_device if verdict is None else max(
                 (st.get("peak_bytes", 0) for st in verdict.get("stages", ())), default=0)

@@ -2,6 +2,7 @@
 devices (ours), against a Metis-style and a heterogeneity-unaware planner."""
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -269,6 +270,27 @@ def test_a_plan_for_labelled_devices_trains_like_one_device(name):
         ref = updated(opt, ref, grads)
     for x, y in zip(jax.tree.leaves(step.params(state)), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
+
+
+def test_boundaries_move_by_what_the_stages_plans_found(gpt):
+    """A stage whose plan for its kind runs 3x slower than its units priced it hands units to
+    the others (the stage DP again on the same arrangement, each stage's unit times scaled by
+    realized / priced); boundaries that would not move give None, as do baselines' plans."""
+    from nnscaler_jax.pipeline.hetero import rebalance
+
+    cluster = cluster_preset(MIXED)
+    units = kind_units(gpt, cluster, batch=8)
+    plan = price_stages("auto", units, cluster, [Slot(0, 4, 4), Slot(4, 4, 4)],
+                        [(0, 5), (5, 10)], 4, 2)
+    slow = replace(plan, stages=(replace(plan.stages[0], time_s=3 * plan.stages[0].time_s),
+                                 plan.stages[1]))
+    moved = rebalance(slow, plan, units, cluster)
+    assert moved is not None and moved.planner == "auto"
+    assert [s.slot for s in moved.stages] == [s.slot for s in plan.stages]
+    assert moved.stages[0].units[1] < 5 and moved.microbatches == plan.microbatches
+    best = next(c for c in candidates(units, cluster, 8) if not c.grouped)
+    assert rebalance(best, best, units, cluster) is None  # (realized as priced: no move)
+    assert rebalance(slow, replace(plan, planner="metis"), units, cluster) is None
 
 
 def test_each_stage_compiles_for_its_own_kind(gpt):
