@@ -21,7 +21,10 @@ DESIGN = ROOT / "docs" / "design.md"
 MAX_MODULE_LINES, MAX_FUNCTION_LINES = 800, 80
 
 # Size-limit exceptions: "nnscaler_jax/x.py" or "nnscaler_jax/x.py::Class.func" -> reason.
-EXCEPTIONS: dict[str, str] = {}
+EXCEPTIONS: dict[str, str] = {
+    "nnscaler_jax/pipeline/hetero.py": "one concept, plans over a cluster of several device "
+    "kinds: its three planners share one data model, one pricing and one realization",
+}
 
 # Module prefix -> layer rank (docs/design.md's table; the root package and `__main__` on top).
 LAYERS = {

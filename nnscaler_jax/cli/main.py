@@ -132,9 +132,8 @@ def _parser() -> argparse.ArgumentParser:
                         "(params and inputs cast on entry; float32 master weights and optimizer "
                         "state); default: the model's own dtypes")
     add_attention_flag(c)
-    c.add_argument("--batch-size", type=int,
-                   help="global batch size (default: the preset's); on a cluster of several "
-                        "kinds the batch the groups share or the pipeline's micro-batches split")
+    c.add_argument("--batch-size", type=int, help="global batch size (default: the preset's; "
+                   "on a mixed --cluster what groups share or micro-batches split)")
     c.add_argument("--pipelines", action="store_true",
                    help="let the searches (auto, alpa) also use the mesh's devices as pipeline "
                         "stages x data x model (the stage DP picks schedule, micro-batches and "
