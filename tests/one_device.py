@@ -83,3 +83,21 @@ def assert_trains_like_one_device(step, spec, variables, args, opt, steps: int,
         state, _ = step(state, *args)
     params = one_device_params(spec, variables, args, opt, steps)
     assert_same_params(step.params(state), params, rtol, atol)
+
+
+def assert_steps_like_one_device(step, state, spec, params, args, opt, steps: int = 3, *,
+                                 batch=None, loss_rtol: float = 1e-5, rtol: float = 1e-4,
+                                 atol: float = 1e-6):
+    """``steps`` calls of a train step from ``state`` (on ``batch``, default ``args``) report
+    the plain loop's loss each step (``jax.grad`` of ``spec.loss_fn`` on one device, ``opt``
+    from ``params``) and leave its parameters; returns ``(state, the loop's params)``."""
+    full = jax.jit(jax.value_and_grad(
+        lambda p: spec.loss_fn(spec.module.apply({"params": p}, *args), *args)))
+    ref, opt_state = params, opt.init(params)
+    for _ in range(steps):
+        state, metrics = step(state, *(args if batch is None else batch))
+        loss, grads = full(ref)
+        np.testing.assert_allclose(metrics["loss"], loss, rtol=loss_rtol)
+        ref, opt_state = updated(opt, ref, grads, opt_state)
+    assert_same_params(step.params(state), ref, rtol, atol)
+    return state, ref

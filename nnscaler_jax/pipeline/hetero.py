@@ -312,10 +312,33 @@ def _link(cluster: MixedCluster, a: int, b: int) -> LinkCost:
     ga, gb = cluster.group_of(a), cluster.group_of(b)
     if ga != gb:
         return cluster.between
-    start = sum(g.count for g in cluster.groups[:ga])
+    start = _start(cluster, ga)
     nodes = cluster.groups[ga].nodes
     same = (a - start) // nodes.devices_per_node == (b - start) // nodes.devices_per_node
     return nodes.intra if same else nodes.inter
+
+
+def _start(cluster: MixedCluster, group: int) -> int:
+    """The cluster's number of the group's first device."""
+    return sum(g.count for g in cluster.groups[:group])
+
+
+def _group_slots(cluster: MixedCluster, group: int, stages: int) -> list[list[Slot]]:
+    """Per tensor parallel size (a power of two inside a node), the group's devices as
+    ``stages`` equal slots."""
+    g, first = cluster.groups[group], _start(cluster, group)
+    d = g.count // stages
+    return [[Slot(first + i * d, d, tp) for i in range(stages)]
+            for tp in _powers(min(d, g.nodes.devices_per_node), d)]
+
+
+def _sync(cluster: MixedCluster, slot: Slot, grad_bytes: float) -> float:
+    """The slot's data-parallel gradient all-reduce, at its slowest link's pace."""
+    if slot.dp == 1:
+        return 0.0
+    link = _slowest(cluster, [(slot.first, d) for d in range(slot.first,
+                                                            slot.first + slot.devices)])
+    return all_reduce_time(link, slot.dp, grad_bytes)
 
 
 def _speed(cluster: MixedCluster, group: int) -> float:
@@ -391,9 +414,7 @@ def price_stages(planner: str, units_by_group: Sequence[list[Unit]], cluster: Mi
         cap = min(budgets[g] for g in groups)
         t = float(pr.time[a, b])
         mem = float(pr.state[a, b] + min(S - k, M) * pr.act[a, b] + pr.work[a, b])
-        sync_link = _slowest(cluster, [(slot.first, d) for d in range(slot.first,
-                                                                      slot.first + slot.devices)])
-        sync = all_reduce_time(sync_link, slot.dp, float(pr.grad[a, b])) if slot.dp > 1 else 0.0
+        sync = _sync(cluster, slot, float(pr.grad[a, b]))
         names = (units_by_group[slow][a].name, units_by_group[slow][b - 1].name)
         stages.append(HeteroStage(slot, groups, cluster.groups[slow].device.name, (a, b), names,
                                   t, sync, mem, cap))
@@ -426,8 +447,7 @@ def price_groups(planner: str, units_by_group: Sequence[list[Unit]], cluster: Mi
         pr = stage_prices(units_by_group[g], slot.tp, _rows(slot, r // M), optimizer_bytes,
                           _tp_link(cluster, slot), between, recompute)
         grad = float(pr.grad[0, n])
-        inner = all_reduce_time(_slowest(cluster, [(slot.first, d) for d in range(
-            slot.first, slot.first + slot.devices)]), slot.dp, grad) if slot.dp > 1 else 0.0
+        inner = _sync(cluster, slot, grad)
         cross = (G - 1) * (between.alpha_s + grad * between.beta_s_per_byte)
         units = units_by_group[g]
         stages.append(HeteroStage(slot, (g,), cluster.groups[g].device.name, (0, n),
@@ -453,10 +473,8 @@ def _grouped(units_by_group, cluster, global_batch, budget, optimizer_bytes, equ
     tensor parallel size (inside a node), every split of the batch into shares, micro-batch
     count and recompute choice; the fastest that fits for each (tensor parallel sizes,
     micro-batches). ``equal``: groups of one shape (what one mesh runs)."""
-    starts = [sum(g.count for g in cluster.groups[:k]) for k in range(len(cluster.groups))]
-    opts = [[Slot(starts[k], g.count, tp) for tp in
-             _powers(min(g.count, g.nodes.devices_per_node), g.count)]
-            for k, g in enumerate(cluster.groups)]
+    opts = [[slots[0] for slots in _group_slots(cluster, k, 1)]
+            for k in range(len(cluster.groups))]
     out = []
     for slots in itertools.product(*opts):
         if equal and len({(s.devices, s.tp) for s in slots}) != 1:
@@ -486,15 +504,9 @@ def _arrangements(cluster: MixedCluster, n_units: int, equal: bool = False
     its devices, tensor parallel inside a node), the groups in any order, at least one unit
     a stage; ``equal``: only those whose stages all have the same devices and tensor parallel
     size (what one mesh with a stage axis runs: :meth:`HeteroPlan.mesh`)."""
-    starts = [sum(g.count for g in cluster.groups[:k]) for k in range(len(cluster.groups))]
-    per_group = []
-    for k, g in enumerate(cluster.groups):
-        opts = []
-        for S in (s for s in range(1, g.count + 1) if g.count % s == 0):
-            d = g.count // S
-            for tp in _powers(min(d, g.nodes.devices_per_node), d):
-                opts.append([Slot(starts[k] + i * d, d, tp) for i in range(S)])
-        per_group.append(opts)
+    per_group = [[slots for S in range(1, g.count + 1) if g.count % S == 0
+                  for slots in _group_slots(cluster, k, S)]
+                 for k, g in enumerate(cluster.groups)]
     out = []
     for order in itertools.permutations(range(len(cluster.groups))):
         for pick in itertools.product(*(per_group[k] for k in order)):

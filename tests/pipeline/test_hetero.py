@@ -224,7 +224,7 @@ def test_a_plan_for_labelled_devices_trains_like_one_device(name):
     import jax
     import numpy as np
     import optax
-    from one_device import updated
+    from one_device import assert_steps_like_one_device
 
     from nnscaler_jax import auto_parallel
 
@@ -260,16 +260,7 @@ def test_a_plan_for_labelled_devices_trains_like_one_device(name):
                                                enumerate(cons.pipeline_pivots)}
     assert pm.plan.pipeline.microbatches == plan.microbatches
     assert type(step.program).__name__ == "MpmdProgram"  # one program per stage
-    full = jax.jit(jax.value_and_grad(
-        lambda p: spec.loss_fn(spec.module.apply({"params": p}, *args), *args)))
-    ref = params
-    for _ in range(3):
-        state, metrics = step(state, *args)
-        loss, grads = full(ref)
-        np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-4)
-        ref = updated(opt, ref, grads)
-    for x, y in zip(jax.tree.leaves(step.params(state)), jax.tree.leaves(ref), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
+    assert_steps_like_one_device(step, state, spec, params, args, opt, loss_rtol=1e-4)
 
 
 def test_boundaries_move_by_what_the_stages_plans_found(gpt):
@@ -415,7 +406,7 @@ def test_a_grouped_plan_for_labelled_devices_trains_like_one_device():
     import jax
     import numpy as np
     import optax
-    from one_device import assert_same_params, updated
+    from one_device import assert_steps_like_one_device
 
     from nnscaler_jax import auto_parallel
 
@@ -440,15 +431,7 @@ def test_a_grouped_plan_for_labelled_devices_trains_like_one_device():
     step = pm.train_step(spec.loss_fn, opt)
     state = step.init({"params": params}, *args)
     assert type(step).__name__ == "GroupStep" and step.shares == real.shares
-    full = jax.jit(jax.value_and_grad(
-        lambda p: spec.loss_fn(spec.module.apply({"params": p}, *args), *args)))
-    ref = params
-    for _ in range(3):
-        state, metrics = step(state, *args)
-        loss, grads = full(ref)
-        np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-5)
-        ref = updated(opt, ref, grads)
-    assert_same_params(step.params(state), ref, rtol=1e-4, atol=1e-6)
+    assert_steps_like_one_device(step, state, spec, params, args, opt)
 
 
 def test_each_group_compiles_for_its_own_kind(gpt):

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from one_device import assert_same_params, updated
+from one_device import assert_same_params, assert_steps_like_one_device, updated
 
 import models
 from nnscaler_jax import Constraints, PlanError, auto_parallel
@@ -49,15 +49,8 @@ def test_uneven_shares_train_like_one_device(gpt, shape, names, types, micro):
     for g, (st, m) in enumerate(zip(step.steps, step.meshes, strict=True)):
         assert set(m.devices.flat) == set(np.take(mesh.devices, g, axis=0).flat)
         assert dict(st.plan.mesh)["data"] == 1 and st.microbatches == (micro or 1)
-    full = jax.jit(jax.value_and_grad(
-        lambda p: spec.loss_fn(spec.module.apply({"params": p}, *args), *args)))
-    ref, o = params, opt.init(params)
-    for _ in range(3):
-        state, metrics = step(state, *batch)
-        loss, grads = full(ref)
-        np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-5)
-        ref, o = updated(opt, ref, grads, o)
-    assert_same_params(step.params(state), ref, rtol=1e-4, atol=1e-6)
+    state, ref = assert_steps_like_one_device(step, state, spec, params, args, opt,
+                                              batch=batch)
     for x, y in zip(jax.tree.leaves(step.params(state)),
                     jax.tree.leaves(step.steps[1].params(state["groups"][1])), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # one update, alike
@@ -65,7 +58,8 @@ def test_uneven_shares_train_like_one_device(gpt, shape, names, types, micro):
     np.testing.assert_allclose(pm.apply({"params": ref}, *args),
                                spec.module.apply({"params": ref}, *args), rtol=1e-5, atol=1e-5)
     loss, grads = step.loss_and_grads({"params": ref}, *args)
-    want_loss, want = full(ref)
+    want_loss, want = jax.jit(jax.value_and_grad(
+        lambda p: spec.loss_fn(spec.module.apply({"params": p}, *args), *args)))(ref)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     assert_same_params(grads, want, rtol=1e-4, atol=1e-6)
 
